@@ -1,0 +1,35 @@
+# Two entry points: `make demo` runs the main demo end to end, `make test` runs every check.
+# Both create (or reuse) .venv and install what they need, torch pinned by requirements/ci.txt.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint docs bench clean
+
+$(STAMP): pyproject.toml requirements/ci.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -r requirements/ci.txt
+	$(PY) -m pip install --quiet -c requirements/ci.txt -e ".[test,docs,bench]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) demo/run.py
+
+lint: $(STAMP)
+	$(PY) -m ruff check danling tests demo benchmarks
+	$(PY) -m ruff format --check danling tests demo benchmarks
+
+docs: $(STAMP)
+	$(PY) -m mkdocs build --strict --site-dir site
+
+test: lint docs
+	$(PY) -m pytest -q -n 2 --dist loadfile; rc=$$?; if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 1; fi; exit $$rc
+
+bench: $(STAMP)
+	$(PY) -m pip install --quiet -c requirements/ci.txt -e ".[bench]"
+	for f in benchmarks/bench_*.py; do $(PY) $$f || exit 1; done
+
+clean:
+	rm -rf site build *.egg-info

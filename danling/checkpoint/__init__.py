@@ -1,0 +1,3 @@
+"""danling.checkpoint."""
+
+__all__: list[str] = []

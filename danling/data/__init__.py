@@ -1,0 +1,3 @@
+"""danling.data."""
+
+__all__: list[str] = []

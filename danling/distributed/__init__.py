@@ -1,0 +1,3 @@
+"""danling.distributed."""
+
+__all__: list[str] = []

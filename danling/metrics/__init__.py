@@ -1,0 +1,3 @@
+"""danling.metrics."""
+
+__all__: list[str] = []

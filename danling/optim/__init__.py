@@ -1,0 +1,3 @@
+"""danling.optim."""
+
+__all__: list[str] = []

@@ -1,0 +1,3 @@
+"""danling.runners."""
+
+__all__: list[str] = []

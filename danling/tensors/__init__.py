@@ -1,0 +1,3 @@
+"""danling.tensors."""
+
+__all__: list[str] = []

@@ -1,0 +1,3 @@
+"""danling.utils."""
+
+__all__: list[str] = []
