@@ -1,0 +1,246 @@
+import json
+import os
+import pickle
+import stat
+from collections import OrderedDict
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from danling.utils import RoundDict, is_json_serializable, load, load_pandas, save
+from danling.utils import io as dio
+
+OBJECT = {"name": "run", "lr": 0.001, "layers": [64, 32], "nested": {"flag": True, "none": None}}
+
+
+@pytest.mark.parametrize("ext", ["json", "yaml", "yml", "pt", "pth", "bin", "pkl", "pickle"])
+def test_round_trip_plain_objects(tmp_path, ext):
+    path = tmp_path / f"obj.{ext}"
+    assert save(OBJECT, path) == path
+    assert load(path) == OBJECT
+    assert load(str(path)) == OBJECT
+
+
+def test_extension_is_case_insensitive(tmp_path):
+    path = save(OBJECT, str(tmp_path / "OBJ.JSON"))
+    assert load(path) == OBJECT
+
+
+def test_torch_round_trip_with_tensors(tmp_path):
+    state = {"weight": torch.randn(3, 2), "step": 7, "rng": torch.get_rng_state()}
+    loaded = load(save(state, tmp_path / "state.pt"))
+    assert loaded["step"] == 7
+    assert torch.equal(loaded["weight"], state["weight"])
+    assert torch.equal(loaded["rng"], state["rng"])
+
+
+class Custom:
+    def __init__(self, value):
+        self.value = value
+
+
+def test_torch_load_is_weights_only_by_default(tmp_path):
+    path = save({"custom": Custom(3)}, tmp_path / "custom.pt")
+    with pytest.raises(pickle.UnpicklingError):
+        load(path)
+    assert load(path, weights_only=False)["custom"].value == 3
+
+
+def test_torch_load_forwards_map_location(tmp_path):
+    path = save(torch.ones(2), tmp_path / "t.pt")
+    assert load(path, map_location="cpu").device == torch.device("cpu")
+
+
+def test_pickle_preserves_arbitrary_objects(tmp_path):
+    assert load(save(Custom([1, 2]), tmp_path / "c.pkl")).value == [1, 2]
+
+
+def test_json_and_yaml_convert_tensors_numpy_and_subclasses(tmp_path):
+    obj = RoundDict(acc=torch.tensor(0.5), per_class=np.array([1, 2]), best=np.float64(0.25))
+    obj["ordered"] = OrderedDict(a=(1, 2))
+    expected = {"acc": 0.5, "per_class": [1, 2], "best": 0.25, "ordered": {"a": [1, 2]}}
+    assert load(save(obj, tmp_path / "r.json")) == expected
+    assert load(save(obj, tmp_path / "r.yaml")) == expected
+    # YAML stays plain: no python-specific tags that SafeLoader would reject.
+    assert "!!python" not in (tmp_path / "r.yaml").read_text()
+
+
+def test_json_respects_user_options(tmp_path):
+    path = save({"b": 1, "a": 2}, tmp_path / "o.json", indent=None, sort_keys=True)
+    assert (tmp_path / "o.json").read_text() == '{"a": 2, "b": 1}'
+    assert load(path) == {"a": 2, "b": 1}
+
+
+def test_yaml_load_is_safe(tmp_path):
+    path = tmp_path / "evil.yaml"
+    path.write_text("!!python/object/apply:os.system ['echo hacked']\n")
+    with pytest.raises(yaml.constructor.ConstructorError):
+        load(path)
+
+
+def test_numpy_formats(tmp_path):
+    array = np.arange(6, dtype=np.float32).reshape(2, 3)
+    np.testing.assert_array_equal(load(save(array, tmp_path / "a.npy")), array)
+    named = load(save({"x": array, "y": np.ones(2)}, tmp_path / "named.npz"))
+    assert set(named) == {"x", "y"}
+    np.testing.assert_array_equal(named["x"], array)
+    positional = load(save([array, array * 2], tmp_path / "pos.npz", compressed=True))
+    np.testing.assert_array_equal(positional["arr_1"], array * 2)
+    single = load(save(array, tmp_path / "single.npz"))
+    np.testing.assert_array_equal(single["arr_0"], array)
+
+
+def test_text(tmp_path):
+    assert load(save("héllo\nworld", tmp_path / "a.txt")) == "héllo\nworld"
+    assert load(save(["a", 1], tmp_path / "lines.txt")) == "a\n1\n"
+    with pytest.raises(TypeError, match=r"\.txt.*dict"):
+        save({"a": 1}, tmp_path / "bad.txt")
+    assert not (tmp_path / "bad.txt").exists()
+
+
+@pytest.mark.parametrize("ext", ["csv", "tsv", "parquet", "feather"])
+def test_tables(tmp_path, ext):
+    frame = pd.DataFrame({"a": [1, 2, 3], "b": ["x", "y", "z"], "c": [0.5, 1.5, 2.5]})
+    path = save(frame, tmp_path / f"table.{ext}")
+    pd.testing.assert_frame_equal(load(path), frame)
+    pd.testing.assert_frame_equal(load_pandas(path), frame)
+
+
+def test_tables_accept_dicts_series_and_reject_others(tmp_path):
+    pd.testing.assert_frame_equal(load(save({"a": [1, 2]}, tmp_path / "d.csv")), pd.DataFrame({"a": [1, 2]}))
+    series = pd.Series([1, 2], name="s")
+    pd.testing.assert_frame_equal(load(save(series, tmp_path / "s.csv")), series.to_frame())
+    with pytest.raises(TypeError, match=r"cannot save a int as a \.csv table"):
+        save(3, tmp_path / "bad.csv")
+    assert not (tmp_path / "bad.csv").exists()
+    with open(tmp_path / "tab.tsv", "w") as handle:
+        handle.write("a\tb\n1\t2\n")
+    assert load(tmp_path / "tab.tsv").to_dict("list") == {"a": [1], "b": [2]}
+
+
+def test_load_pandas_rejects_non_table_extensions(tmp_path):
+    path = save(OBJECT, tmp_path / "o.json")
+    with pytest.raises(ValueError, match=r"supported extensions are \.csv, \.tsv, \.parquet, \.feather$"):
+        load_pandas(path)
+    with pytest.raises(FileNotFoundError, match="missing.csv"):
+        load_pandas(tmp_path / "missing.csv")
+
+
+def test_unknown_extension_lists_supported(tmp_path):
+    for call in (lambda: load(tmp_path / "x.h5"), lambda: save(1, tmp_path / "x.h5")):
+        with pytest.raises(ValueError) as info:
+            call()
+        message = str(info.value)
+        assert "'.h5'" in message
+        for ext in (".json", ".yaml", ".pt", ".pkl", ".npy", ".npz", ".txt", ".csv", ".parquet"):
+            assert ext in message
+    with pytest.raises(ValueError, match=r"extension '\(none\)'"):
+        load(tmp_path / "noext")
+    assert not (tmp_path / "x.h5").exists()
+
+
+def test_missing_file_names_path(tmp_path):
+    path = tmp_path / "missing.json"
+    with pytest.raises(FileNotFoundError, match="missing.json"):
+        load(path)
+
+
+@pytest.mark.parametrize("bad", [None, 3, ["a.json"]])
+def test_bad_path_type(bad):
+    with pytest.raises(TypeError, match="expects a path"):
+        load(bad)
+    with pytest.raises(TypeError, match="expects a path"):
+        save({}, bad)
+
+
+def test_save_creates_parent_directories(tmp_path):
+    path = tmp_path / "a" / "b" / "c.json"
+    save([1], path)
+    assert load(path) == [1]
+
+
+def test_save_failure_keeps_previous_file_and_leaves_no_temp(tmp_path):
+    path = tmp_path / "result.json"
+    save({"good": 1}, path)
+    with pytest.raises(TypeError):
+        save({"bad": object()}, path)
+    assert load(path) == {"good": 1}
+    assert os.listdir(tmp_path) == ["result.json"]
+
+
+def test_save_interrupted_mid_write_keeps_previous_file(tmp_path, monkeypatch):
+    path = tmp_path / "state.pt"
+    save({"version": 1}, path)
+
+    def crash(obj, handle, *args, **kwargs):
+        handle.write(b"partial bytes")
+        raise KeyboardInterrupt
+
+    fmt = dio.FORMATS["pt"]
+    monkeypatch.setitem(dio.FORMATS, "pt", dio.FileFormat(fmt.extensions, fmt.load, crash))
+    with pytest.raises(KeyboardInterrupt):
+        save({"version": 2}, path)
+    monkeypatch.undo()
+    assert load(path) == {"version": 1}
+    assert os.listdir(tmp_path) == ["state.pt"]
+
+
+def test_save_fsyncs_before_replace(tmp_path, monkeypatch):
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+    monkeypatch.setattr(os, "fsync", lambda fd: (events.append("fsync"), real_fsync(fd))[1])
+    monkeypatch.setattr(os, "replace", lambda a, b: (events.append("replace"), real_replace(a, b))[1])
+    save({"a": 1}, tmp_path / "a.json")
+    assert events[:2] == ["fsync", "replace"]
+
+
+def test_save_uses_umask_permissions(tmp_path):
+    path = save("x", tmp_path / "p.txt")
+    umask = os.umask(0)
+    os.umask(umask)
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o666 & ~umask
+
+
+def test_registry_is_extensible(tmp_path, monkeypatch):
+    upper = dio.FileFormat(
+        ("up",),
+        lambda path: Path(path).read_text().lower(),
+        lambda obj, handle: handle.write(obj.upper().encode()),
+    )
+    monkeypatch.setitem(dio.FORMATS, "up", upper)
+    path = save("shout", tmp_path / "x.up")
+    assert (tmp_path / "x.up").read_text() == "SHOUT"
+    assert load(path) == "shout"
+
+
+def test_is_json_serializable():
+    assert is_json_serializable(OBJECT)
+    assert is_json_serializable(float("nan"))  # json writes NaN by default
+    assert not is_json_serializable(torch.ones(1))
+    assert not is_json_serializable({1, 2})
+    assert not is_json_serializable({("tuple", "key"): 1})
+    loop = []
+    loop.append(loop)
+    assert not is_json_serializable(loop)
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(),
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(), children, max_size=4),
+    max_leaves=10,
+)
+
+
+@settings(max_examples=40, deadline=None)
+@given(json_values)
+def test_json_and_yaml_round_trip_property(tmp_path_factory, value):
+    directory = tmp_path_factory.mktemp("prop")
+    assert is_json_serializable(value)
+    assert load(save(value, directory / "v.json")) == json.loads(json.dumps(value))
+    assert load(save(value, directory / "v.yaml")) == value
