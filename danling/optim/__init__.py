@@ -12,7 +12,6 @@ from .builders import OPTIMIZERS, SCHEDULERS, build_optimizer, build_scheduler, 
 from .lr_scheduler import LR_METHODS, LRScheduler
 from .param_groups import build_param_groups
 from .phases import PHASE_CURVES, Phase, PhaseScheduler
-from .registry import Registry
 
 __all__ = [
     "LR_METHODS",
@@ -22,7 +21,6 @@ __all__ = [
     "LRScheduler",
     "Phase",
     "PhaseScheduler",
-    "Registry",
     "build_optimizer",
     "build_param_groups",
     "build_scheduler",

@@ -13,10 +13,10 @@ from torch import nn
 from torch.optim import Optimizer, swa_utils
 from torch.optim import lr_scheduler as torch_schedulers
 
+from ..utils.registry import Registry, normalize
 from .lr_scheduler import LR_METHODS, LRScheduler
 from .param_groups import build_param_groups
 from .phases import PhaseScheduler
-from .registry import Registry, normalize
 
 __all__ = ["OPTIMIZERS", "SCHEDULERS", "build_optimizer", "build_scheduler", "is_metric_scheduler"]
 

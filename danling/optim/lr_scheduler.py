@@ -10,7 +10,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import _LRScheduler
 
-from .registry import Registry, check_arguments
+from ..utils.registry import Registry, check_arguments
 
 __all__ = ["LR_METHODS", "LRScheduler"]
 

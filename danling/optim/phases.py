@@ -11,8 +11,8 @@ from typing import Any
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler as TorchLRScheduler
 
+from ..utils.registry import Registry
 from .lr_scheduler import apply_last_lr, check_learning_rates
-from .registry import Registry
 
 __all__ = ["PHASE_CURVES", "Phase", "PhaseScheduler"]
 

@@ -18,6 +18,7 @@ from .descriptors import ensure_dir
 from .device import to_device
 from .imports import optional_import
 from .io import is_json_serializable, load, load_pandas, save
+from .registry import Registry
 from .rounding import RoundDict
 
 __all__ = [
@@ -31,6 +32,7 @@ __all__ = [
     "load_pandas",
     "method_cache",
     "optional_import",
+    "Registry",
     "save",
     "to_device",
 ]

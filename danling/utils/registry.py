@@ -1,4 +1,4 @@
-"""A small name -> callable registry used for optimizers, schedulers and schedule curves."""
+"""A small name -> callable registry: optimizers, schedulers, schedule curves, metric factories."""
 
 from __future__ import annotations
 
