@@ -89,11 +89,18 @@ def _load_yaml(path: str, *args: Any, **kwargs: Any) -> Any:
         return yaml.load(handle, *args, Loader=kwargs.pop("Loader", yaml.SafeLoader), **kwargs)
 
 
+_YAML_UNSAFE_BREAKS = ("\x85", "\u2028", "\u2029")
+
+
 def _save_yaml(obj: Any, handle: IO[bytes], *args: Any, **kwargs: Any) -> None:
     kwargs.setdefault("Dumper", _YamlDumper)
     kwargs.setdefault("sort_keys", False)
     kwargs.setdefault("allow_unicode", True)
-    handle.write(yaml.dump(obj, None, *args, **kwargs).encode("utf-8"))
+    text = yaml.dump(obj, None, *args, **kwargs)
+    if kwargs["allow_unicode"] and any(char in text for char in _YAML_UNSAFE_BREAKS):
+        # PyYAML writes these line breaks raw under allow_unicode and reads them back as spaces.
+        text = yaml.dump(obj, None, *args, **{**kwargs, "allow_unicode": False})
+    handle.write(text.encode("utf-8"))
 
 
 # torch / pickle / NumPy -----------------------------------------------------------------------

@@ -26,7 +26,7 @@ class Registry:
         kind: What the registry holds, used in error messages (e.g. `"optimizer"`).
 
     Examples:
-        >>> from danling.optim import Registry
+        >>> from danling.utils import Registry
         >>> ACTIVATIONS = Registry("activation")
         >>> @ACTIVATIONS.register
         ... def relu(x):

@@ -6,12 +6,12 @@ import pytest
 import torch
 from torch import nn
 
+from danling import Registry
 from danling.optim import (
     LR_METHODS,
     OPTIMIZERS,
     SCHEDULERS,
     LRScheduler,
-    Registry,
     build_optimizer,
     build_scheduler,
     is_metric_scheduler,

@@ -244,3 +244,9 @@ def test_json_and_yaml_round_trip_property(tmp_path_factory, value):
     assert is_json_serializable(value)
     assert load(save(value, directory / "v.json")) == json.loads(json.dumps(value))
     assert load(save(value, directory / "v.yaml")) == value
+
+
+@pytest.mark.parametrize("text", ["\x85", "a\u2028b", "\u2029", "línea"])
+def test_yaml_keeps_unicode_line_breaks(tmp_path, text):
+    # PyYAML writes NEL / LS / PS raw when allow_unicode is on and reads them back as spaces.
+    assert load(save({text: text}, tmp_path / "v.yaml")) == {text: text}
