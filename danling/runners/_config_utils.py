@@ -1,0 +1,322 @@
+"""Private helpers of `danling.runners.config`: value checks, config identity, files and CLI typing."""
+
+import ast
+import math
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from fnmatch import fnmatchcase
+from types import UnionType
+from typing import Any, Union, get_args, get_origin
+
+from chanfig import Config, NestedDict
+from chanfig.utils import get_cached_annotations, parse_bool
+
+_NoneType = type(None)
+
+
+# ---------------------------------------------------------------------------------------------
+# validation
+
+# minimum of each integer key; None is accepted unless the key is in _REQUIRED
+_INT_RULES = {
+    "seed": 0,
+    "steps": 0,
+    "epochs": 0,
+    "accum_steps": 1,
+    "log_interval": 1,
+    "checkpoint.interval": 1,
+    "checkpoint.keep_latest_k": 0,
+    "gc.interval": 1,
+    "profiling.wait": 0,
+    "profiling.warmup": 0,
+    "profiling.active": 1,
+    "profiling.repeat": 0,
+    "parallel.pipeline_microbatch_size": 1,
+    "parallel.pipeline_n_microbatches": 1,
+    "comm.init_timeout_seconds": 1,
+    "comm.train_timeout_seconds": 1,
+    "ft.process_group_timeout_ms": 1,
+    "ft.replica_id": 0,
+    "ft.group_size": 1,
+    "ft.min_replica_size": 1,
+}
+_REQUIRED = frozenset({"accum_steps"})
+_LOADER_INT_RULES = {"batch_size": 1, "num_workers": 0, "prefetch_factor": 1, "snapshot_every_n_steps": 1}
+_POSITIVE_NUMBERS = ("max_grad_norm", "max_grad_value", "heartbeat.interval_seconds", "checkpoint.wait_timeout")
+_NON_NEGATIVE_NUMBERS = ("patience",)
+_DTYPES = ("fp32", "float32", "fp16", "float16", "half", "bf16", "bfloat16", "fp64", "float64", "double")
+_CHOICES: dict[str, tuple] = {
+    "scheduler.interval": ("step", "epoch", "validation"),
+    "checkpoint.backend": ("auto", "file", "dcp", "deepspeed"),
+    "checkpoint.async_mode": ("disabled", "async", "async_with_pinned_mem"),
+    "checkpoint.async_process_group_backend": ("gloo", "nccl"),
+    "checkpoint.export_dtype": _DTYPES,
+    "ft.process_group": ("gloo", "nccl"),
+    "gc.generation": (0, 1, 2),
+}
+_EXCLUDE_ALIASES = {"data_loader": "dataloaders", "dataloader": "dataloaders", "lr_scheduler": "scheduler"}
+
+
+def peek(mapping: Any, dotted: str) -> Any:
+    """Value at a dotted path, or None when absent; never creates keys through default factories."""
+    node = mapping
+    for part in dotted.split("."):
+        if not isinstance(node, Mapping) or part not in node:
+            return None
+        node = node[part]
+    return node
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)
+
+
+def _is_str_list(value: Any) -> bool:
+    return isinstance(value, (list, tuple)) and all(isinstance(item, str) for item in value)
+
+
+def _check_int(key: str, value: Any, minimum: int, optional: bool) -> None:
+    if value is None and optional:
+        return
+    if not _is_int(value) or value < minimum:
+        suffix = " or None" if optional else ""
+        raise ValueError(f"config.{key} must be an integer >= {minimum}{suffix}, got {value!r}")
+
+
+def check_values(config: Mapping) -> None:
+    """Range, choice and shape checks of the known keys; raises `ValueError` on the first failure."""
+    for key, minimum in _INT_RULES.items():
+        _check_int(key, peek(config, key), minimum, key not in _REQUIRED)
+    loader = peek(config, "dataloader")
+    sections = [("dataloader", loader)] if isinstance(loader, Mapping) else []
+    if isinstance(loader, Mapping):
+        sections += [(f"dataloader.{k}", v) for k, v in loader.items() if isinstance(v, Mapping)]
+    for prefix, section in sections:
+        for key, minimum in _LOADER_INT_RULES.items():
+            _check_int(f"{prefix}.{key}", section.get(key), minimum, True)
+    for key in _POSITIVE_NUMBERS + _NON_NEGATIVE_NUMBERS:
+        value = peek(config, key)
+        strict = key in _POSITIVE_NUMBERS
+        if value is not None and (not _is_number(value) or value < 0 or (strict and value == 0)):
+            bound = "> 0" if strict else ">= 0"
+            raise ValueError(f"config.{key} must be a number {bound} or None, got {value!r}")
+    for key, choices in _CHOICES.items():
+        value = peek(config, key)
+        if value is not None and value not in choices:
+            raise ValueError(
+                f"config.{key}={value!r} is not supported; expected None or one of: {', '.join(map(str, choices))}"
+            )
+    for key in ("lineage", "experiment"):
+        value = peek(config, key)
+        if value is not None and (
+            not isinstance(value, str) or not value.strip() or os.path.isabs(value) or ".." in value.split("/")
+        ):
+            raise ValueError(f"config.{key} must be a non-empty relative name without '..', got {value!r}")
+    exclude = peek(config, "checkpoint.exclude_from_loading")
+    if exclude is not None and not isinstance(exclude, str) and not _is_str_list(exclude):
+        raise ValueError(
+            f"config.checkpoint.exclude_from_loading must be a key, a list of keys or None, got {exclude!r}"
+        )
+    _check_axes(peek(config, "parallel.axes"))
+
+
+def _check_axes(axes: Any) -> None:
+    if not isinstance(axes, Mapping):
+        return
+    for name, degree in axes.items():
+        if not _is_int(degree) or (degree < 1 and degree != -1):
+            raise ValueError(
+                f"config.parallel.axes.{name} must be an integer >= 1, or -1 to fill from WORLD_SIZE, got {degree!r}"
+            )
+    auto = [name for name, degree in axes.items() if degree == -1]
+    if len(auto) > 1:
+        raise ValueError(f"at most one config.parallel.axes entry may be -1, got -1 for: {', '.join(auto)}")
+
+
+def check_annotations(config: Config) -> None:
+    """chanfig's annotation check on every section (raises `TypeError`)."""
+    NestedDict.validate(config)
+
+
+def normalize_exclude(value: Any) -> Any:
+    """`checkpoint.exclude_from_loading` as a list, with `dataloader`/`lr_scheduler` spellings canonicalised."""
+    if value is None:
+        return []
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, (list, tuple)):
+        return value
+    result = []
+    for item in value:
+        if isinstance(item, str):
+            head, dot, tail = item.partition(".")
+            item = _EXCLUDE_ALIASES.get(head, head) + dot + tail
+        result.append(item)
+    return result
+
+
+# ---------------------------------------------------------------------------------------------
+# identity
+
+
+def semantic(obj: Any, path: tuple[str, ...], ignores: tuple[tuple[str, ...], ...]) -> Any:
+    """Copy of `obj` without ignored keys, None values and empty mappings (keys stringified)."""
+    if isinstance(obj, Mapping):
+        result = {}
+        for key, value in obj.items():
+            key_path = (*path, str(key))
+            if any(_matches(key_path, pattern) for pattern in ignores):
+                continue
+            value = semantic(value, key_path, ignores)
+            if value is None or (isinstance(value, dict) and not value):
+                continue
+            result[str(key)] = value
+        return result
+    if isinstance(obj, (list, tuple)):
+        return [semantic(item, path, ()) for item in obj]
+    if isinstance(obj, (set, frozenset)):
+        return sorted((semantic(item, path, ()) for item in obj), key=repr)
+    return obj
+
+
+def _matches(key_path: tuple[str, ...], pattern: tuple[str, ...]) -> bool:
+    """Whether `key_path` lies at or below `pattern` (`*` matches one level)."""
+    if len(key_path) < len(pattern):
+        return False
+    return all(fnmatchcase(part, glob) for part, glob in zip(key_path, pattern))
+
+
+# ---------------------------------------------------------------------------------------------
+# files and command line
+
+
+def read_config_file(path: str | bytes | os.PathLike) -> Mapping:
+    """Load a YAML/JSON/TOML config file as a mapping, with errors that name the file."""
+    name = os.fsdecode(path)
+    full = os.path.expanduser(name)
+    if not os.path.isfile(full):
+        raise FileNotFoundError(f"config file {name!r} does not exist")
+    suffix = os.path.splitext(full)[1].lower()
+    if suffix not in (".yaml", ".yml", ".json", ".toml"):
+        raise ValueError(f"config file {name!r} must end in .yaml, .yml, .json or .toml, got {suffix or 'no suffix'!r}")
+    try:
+        data = NestedDict.load(full)
+    except Exception as exc:  # parser errors carry the line/column; keep them and name the file
+        raise ValueError(f"cannot read config file {name!r}: {exc}") from exc
+    if data is None:
+        return {}
+    if not isinstance(data, Mapping):
+        raise ValueError(f"config file {name!r} must hold a mapping at the top level, got {type(data).__name__}")
+    return data
+
+
+def split_file_options(args: list[str], option: str) -> tuple[list[str], list[str]]:
+    """Remove `--<option> PATH` / `--<option>=PATH` from `args`; return the rest and the paths."""
+    flag = "--" + option
+    rest: list[str] = []
+    files: list[str] = []
+    index = 0
+    while index < len(args):
+        token = args[index]
+        if token == "--":
+            rest.extend(args[index:])
+            break
+        if token == flag:
+            if index + 1 >= len(args) or args[index + 1].startswith("--"):
+                raise ValueError(f"{flag} needs a file path")
+            files.append(args[index + 1])
+            index += 2
+            continue
+        if token.startswith(flag + "="):
+            files.append(token[len(flag) + 1 :])
+        else:
+            rest.append(token)
+        index += 1
+    return rest, files
+
+
+class _Nullable:
+    """argparse type that maps `none`/`null` to None and delegates everything else."""
+
+    def __init__(self, convert: Any) -> None:
+        self.convert = convert
+        self.__name__ = getattr(convert, "__name__", "value")
+
+    def __call__(self, token: str) -> Any:
+        return None if token.strip().lower() in ("none", "null") else self.convert(token)
+
+
+def _literal(token: str) -> Any:
+    try:
+        return ast.literal_eval(token)
+    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+        return token
+
+
+def _union_members(annotation: Any) -> tuple:
+    if get_origin(annotation) in (Union, UnionType):
+        return get_args(annotation)
+    return (annotation,)
+
+
+def _argument_kwargs(annotation: Any) -> dict[str, Any] | None:
+    members = _union_members(annotation)
+    nullable = _NoneType in members
+    members = tuple(member for member in members if member is not _NoneType)
+    for member in members:
+        if (get_origin(member) or member) in (list, tuple, set):
+            item = (get_args(member) or (None,))[0]
+            item_type = parse_bool if item is bool else item if item in (int, float, str) else _literal
+            return {"nargs": "+", "type": item_type}
+    if len(members) != 1:
+        return None
+    member = members[0]
+    if member is bool:
+        return {"type": _Nullable(parse_bool) if nullable else parse_bool}
+    if member in (int, float, str):
+        return {"type": _Nullable(member) if nullable else member}
+    if (get_origin(member) or member) is dict:
+        return {"type": _literal}
+    return None
+
+
+def _annotated_keys(node: Mapping, prefix: str = "") -> Iterable[tuple[str, Any]]:
+    for key, annotation in get_cached_annotations(node).items():
+        value = dict.get(node, key) if isinstance(node, dict) else None
+        if isinstance(value, Mapping):
+            yield from _annotated_keys(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}", annotation
+
+
+def register_typed_arguments(parser: Any, config: Mapping, args: Sequence[str]) -> list[str]:
+    """Declare typed options for annotated keys at every depth (chanfig types top-level keys only).
+
+    Returns the per-split dataloader keys found in `args` (`dataloader.<split>.<key>`).
+    """
+
+    def add(key: str, annotation: Any) -> None:
+        kwargs = _argument_kwargs(annotation)
+        if kwargs is not None and f"--{key}" not in parser:
+            parser.add_argument(f"--{key}", dest=key, **kwargs)
+
+    for key, annotation in _annotated_keys(config):
+        add(key, annotation)
+    loader = peek(config, "dataloader")
+    if not isinstance(loader, Config):
+        return []
+    loader_annotations = get_cached_annotations(loader)
+    split_keys = []
+    for token in args:
+        if not token.startswith("--"):
+            continue
+        parts = token[2:].split("=", 1)[0].replace("-", "_").split(".")
+        is_split_key = len(parts) == 3 and parts[0] == "dataloader" and parts[1] not in loader_annotations
+        if is_split_key and parts[2] in loader_annotations:
+            split_keys.append(".".join(parts))
+            add(split_keys[-1], loader_annotations[parts[2]])
+    return split_keys

@@ -1,0 +1,569 @@
+"""Runner configuration: a typed, parseable `chanfig.Config` with every runner key.
+
+`RunnerConfig` composes one small section class per
+component (checkpointing, data loading, tracking, parallelism, ...). Each section declares its
+keys as annotated class attributes, so values coming from YAML files or the command line are
+converted to the declared type and checked. `RunnerConfig.validate` adds the cross-field checks
+(valid stack, budgets, precision, ...) and raises `ValueError` with the offending value.
+"""
+
+import hashlib
+import json
+import os
+import re
+import sys
+import warnings
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from chanfig import Config, ConfigParser
+from chanfig.utils import get_cached_annotations
+from typing_extensions import Self
+
+from ._config_utils import (
+    check_annotations,
+    check_values,
+    normalize_exclude,
+    peek,
+    read_config_file,
+    register_typed_arguments,
+    semantic,
+    split_file_options,
+)
+
+# Section classes are importable from this module but kept out of the package namespace.
+__all__ = ["RunnerConfig"]
+
+# dataloader keys that change throughput, not results; left out of config_id
+_LOADER_RUNTIME_KEYS = ("num_workers", "persistent_workers", "prefetch_factor", "pin_memory", "snapshot_every_n_steps")
+
+
+class _TypedConfig(Config):
+    """Config whose subclasses inherit their parents' annotations.
+
+    chanfig converts and checks values against the annotations of the instance's own class
+    only; merging the inherited ones here keeps `epochs: int | None` honoured in user subclasses.
+    """
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        merged: dict[str, Any] = {}
+        for klass in reversed(cls.__mro__[1:]):
+            if issubclass(klass, _TypedConfig):
+                merged.update(get_cached_annotations(klass))
+        merged.update(cls.__dict__.get("__annotations__", {}))
+        cls.__annotations__ = merged
+
+
+class OptimConfig(_TypedConfig):
+    """Optimizer section (`optim.*`); an optimizer is configured once `optim.type` is set.
+
+    Attributes:
+        param_groups: Optional regex-selected parameter groups (`pattern` plus group options).
+    """
+
+    param_groups: list[dict] | None = None
+
+
+class SchedulerConfig(_TypedConfig):
+    """Learning-rate scheduler section (`scheduler.*`); a scheduler is configured once `type` is set.
+
+    Attributes:
+        interval: `"step"`, `"epoch"` or `"validation"`; None picks by scheduler kind.
+        monitor: Dotted metric path for metric-driven schedulers (e.g. `"val.loss"`).
+    """
+
+    interval: str | None = None
+    monitor: str | None = None
+
+
+class CheckpointConfig(_TypedConfig):
+    """Checkpoint section (`checkpoint.*`). Keys and defaults follow the reference table."""
+
+    dir_name: str = "checkpoints"
+    backend: str = "auto"
+    interval: int | None = None
+    keep_latest_k: int = 0
+    load_only: bool = False
+    async_enabled: bool = True
+    async_mode: str | None = None
+    dedicated_async_process_group: bool = True
+    async_process_group_backend: str = "gloo"
+    wait_timeout: float | None = 600.0
+    enable_ft_dataloader_checkpoints: bool = False
+    ft_replica_id: str | None = None
+    ft_dataloader_checkpoint_prefix: str = "ft-replica"
+    exclude_from_loading: list[str] | str | None = []
+    last_save_model_only: bool = False
+    export_dtype: str | None = None
+
+
+class DataloaderConfig(_TypedConfig):
+    """Dataloader defaults (`dataloader.*`); a mapping under a split name overrides them for that split.
+
+    `dataloader.train.shuffle=False` changes only the `train` loader. Use
+    `kwargs` to get the merged arguments.
+    """
+
+    batch_size: int | None = None
+    shuffle: bool | None = None
+    drop_last: bool | None = None
+    num_workers: int = 0
+    persistent_workers: bool = False
+    prefetch_factor: int | None = None
+    pin_memory: bool = False
+    in_order: bool = True
+    snapshot_every_n_steps: int | None = 1
+
+    def kwargs(self, split: str, *, train: bool) -> dict[str, Any]:
+        """Dataloader keyword arguments for one split: defaults, then the split's overrides.
+
+        Unset `shuffle`/`drop_last` follow `train`; keys left as None are dropped so the
+        dataloader's own defaults apply.
+
+        Examples:
+            >>> loader = RunnerConfig(**{"dataloader.batch_size": 8, "dataloader.val.batch_size": 32}).dataloader
+            >>> loader.kwargs("train", train=True)["batch_size"], loader.kwargs("train", train=True)["shuffle"]
+            (8, True)
+            >>> loader.kwargs("val", train=False)["batch_size"], loader.kwargs("val", train=False)["drop_last"]
+            (32, False)
+        """
+        merged = {key: value for key, value in self.items() if not isinstance(value, Mapping)}
+        override = dict.get(self, split)
+        if isinstance(override, Mapping):
+            merged.update(override)
+        for key in ("shuffle", "drop_last"):
+            if merged.get(key) is None:
+                merged[key] = train
+        return {key: value for key, value in merged.items() if value is not None}
+
+
+class WandbConfig(_TypedConfig):
+    """Weights & Biases section (`wandb.*`); unset names fall back to lineage/experiment/run id."""
+
+    enabled: bool = False
+    project: str | None = None
+    entity: str | None = None
+    group: str | None = None
+    name: str | None = None
+    job_type: str | None = None
+    tags: list[str] | str | None = None
+    dir: str | None = None
+    mode: str | None = None
+
+
+class FaultToleranceConfig(_TypedConfig):
+    """TorchFT section (`ft.*`)."""
+
+    enabled: bool = False
+    process_group: str = "gloo"
+    process_group_timeout_ms: int = 10000
+    replica_id: int = 0
+    group_size: int = 1
+    min_replica_size: int = 1
+
+
+class ParallelAxesConfig(_TypedConfig):
+    """Parallel degrees (`parallel.axes.*`); one axis may be -1 to absorb the rest of the world size."""
+
+    replicate: int = 1
+    shard: int = 1
+    context: int = 1
+    pipeline: int = 1
+    tensor: int = 1
+    expert: int = 1
+    expert_tensor: int = 1
+
+
+class ParallelConfig(_TypedConfig):
+    """Parallel layout and pipeline schedule (`parallel.*`)."""
+
+    axes: ParallelAxesConfig = ParallelAxesConfig()
+    pipeline_schedule: str = "1F1B"
+    pipeline_microbatch_size: int = 1
+    pipeline_n_microbatches: int | None = None
+    module_fqns_per_model_part: list[list[str]] | None = None
+
+
+class FsdpConfig(_TypedConfig):
+    """FSDP2 section (`fsdp.*`)."""
+
+    enabled: bool = False
+    reshard_after_forward: bool | int | None = None
+    mp_policy: bool | int | None = None
+    offload_policy: bool | int | None = None
+
+
+class CompileConfig(_TypedConfig):
+    """`torch.compile` section (`compile.*`); None leaves torch's own default in place."""
+
+    enable: bool = False
+    backend: str | None = None
+    fullgraph: bool = False
+    dynamic: bool | None = None
+    mode: str | None = None
+    options: dict | None = None
+    optimize_ddp: str | None = None
+    precompile_artifact_dir: str | None = None
+    memory_policy: str | None = None
+
+
+class CommConfig(_TypedConfig):
+    """Process-group timeouts (`comm.*`), in seconds."""
+
+    init_timeout_seconds: int | None = None
+    train_timeout_seconds: int | None = None
+
+
+class GcConfig(_TypedConfig):
+    """Runner-paced garbage collection (`gc.*`); disabled while `interval` is None."""
+
+    interval: int | None = None
+    generation: int = 1
+    disable_automatic: bool = True
+
+
+class ProfilingConfig(_TypedConfig):
+    """Bounded `torch.profiler` tracing (`profiling.*`); `trace_dir` is relative to the run directory."""
+
+    enabled: bool = False
+    wait: int = 1
+    warmup: int = 1
+    active: int = 3
+    repeat: int | None = None
+    record_shapes: bool = False
+    profile_memory: bool = False
+    with_stack: bool = False
+    with_flops: bool = False
+    trace_dir: str = "profiles"
+
+
+class HeartbeatConfig(_TypedConfig):
+    """Per-rank heartbeat files (`heartbeat.*`) under `<run dir>/<dir_name>`."""
+
+    enabled: bool = False
+    interval_seconds: float = 60.0
+    dir_name: str = "heartbeats"
+
+
+class RunnerConfig(_TypedConfig):
+    r"""Every setting of a runner, as a nested, attribute-access `chanfig.Config`.
+
+    Keys are annotated class attributes, so subclasses add typed keys the same way and values
+    from files or the command line are converted to the annotated type. Sub-sections
+    (`checkpoint`, `dataloader`, `wandb`, ...) are typed too; any other attribute path is
+    created on first assignment (`config.network.type = "resnet50"`).
+
+    Lifecycle: construct (defaults, then keyword overrides) → `parse`
+    (`--config FILE`, then dotted CLI overrides) → `boot()` runs every `post()` hook, normalises
+    aliases and calls `validate`. After `boot()`
+    reading a missing key raises `AttributeError`; use `config.get("key")` for optional keys.
+
+    Class attributes (not config keys):
+        STACKS: Accepted values of `stack`; extend them with `register_stack`.
+        PRECISIONS: Accepted `precision` spellings, mapped to `"fp32"`, `"fp16"` or `"bf16"`.
+        CONFIG_ID_IGNORES: Dotted key patterns (`*` matches one level) left out of `config_id`.
+
+    Attributes:
+        stack: Runner stack picked by `Runner`: `"auto"`, `"ddp"`/`"torch"`, `"graph"`, `"deepspeed"`/`"ds"`
+            or `"parallel"`.
+        seed: Base random seed; None lets the runner draw one.
+        deterministic: Request deterministic kernels (slower, reproducible).
+        steps: Global optimizer-step budget (step mode).
+        epochs: Epoch budget (epoch mode; takes precedence over `steps`).
+        accum_steps: Micro-batches accumulated per optimizer step (>= 1).
+        precision: Autocast precision (`"fp32"`, `"fp16"`, `"bf16"` or an alias); None disables autocast.
+        max_grad_norm: Clip gradients to this total norm; None disables.
+        max_grad_value: Clip each gradient element to this magnitude; None disables.
+        skip_nonfinite_grad: Skip the optimizer update when a gradient is NaN/inf.
+        patience: Epochs without improvement before early stopping; None never stops early.
+        train_splits: Dataset splits to train on; None infers them.
+        evaluate_splits: Dataset splits to evaluate; None infers them.
+        score_split: Split whose metric selects the best checkpoint; None infers it.
+        score_name: Metric name used for model selection.
+        workspace_root: Directory holding every lineage.
+        lineage: Top-level namespace of the run directory (`"lin"` when None).
+        experiment: Experiment namespace, the prefix of the run directory name (`"exp"` when None).
+        resume: Full-state checkpoint to resume from.
+        auto_resume: Resume from the run's latest checkpoint when one exists.
+        pretrained: Model-only checkpoint to initialise from.
+        log: Write a log file in the run directory (main process only).
+        log_interval: Steps between progress logs; None lets the runner choose.
+        tensorboard: Write TensorBoard scalars.
+
+    Examples:
+        >>> config = RunnerConfig()
+        >>> config.stack, config.accum_steps, config.checkpoint.dir_name, config.parallel.axes.shard
+        ('auto', 1, 'checkpoints', 1)
+        >>> config.optim.lr = 1e-3
+        >>> config["optim"]["lr"]
+        0.001
+        >>> class MyConfig(RunnerConfig):
+        ...     epochs: int = 10
+        ...     learning_rate: float = 0.001
+        >>> config = MyConfig().parse(["--epochs", "20", "--optim.lr", "0.01", "--precision", "bfloat16"])
+        >>> config.epochs, config.optim.lr, config.precision
+        (20, 0.01, 'bf16')
+        >>> RunnerConfig(accum_steps=0)
+        Traceback (most recent call last):
+        ValueError: config.accum_steps must be an integer >= 1, got 0
+    """
+
+    STACKS = ("auto", "ddp", "torch", "graph", "deepspeed", "ds", "parallel")
+    PRECISIONS = {
+        "fp32": "fp32",
+        "float32": "fp32",
+        "fp16": "fp16",
+        "float16": "fp16",
+        "half": "fp16",
+        "bf16": "bf16",
+        "bfloat16": "bf16",
+    }
+    CONFIG_ID_IGNORES = (
+        "config",
+        "workspace_root",
+        "lineage",
+        "experiment",
+        "resume",
+        "auto_resume",
+        "log",
+        "log_interval",
+        "tensorboard",
+        "wandb",
+        "checkpoint",
+        "heartbeat",
+        "profiling",
+        "gc",
+        "comm",
+        "ft",
+        "compile",
+        *(f"dataloader.{split}{key}" for split in ("", "*.") for key in _LOADER_RUNTIME_KEYS),
+    )
+
+    stack: str = "auto"
+    seed: int | None = None
+    deterministic: bool = False
+    steps: int | None = None
+    epochs: int | None = None
+    accum_steps: int = 1
+    precision: str | None = None
+    max_grad_norm: float | None = None
+    max_grad_value: float | None = None
+    skip_nonfinite_grad: bool = False
+    patience: int | float | None = None
+    train_splits: list[str] | None = None
+    evaluate_splits: list[str] | None = None
+    score_split: str | None = None
+    score_name: str = "loss"
+    workspace_root: str = "experiments"
+    lineage: str | None = "lin"
+    experiment: str | None = "exp"
+    resume: str | None = None
+    auto_resume: bool = False
+    pretrained: str | None = None
+    log: bool = True
+    log_interval: int | None = None
+    tensorboard: bool = False
+    optim: OptimConfig = OptimConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    dataloader: DataloaderConfig = DataloaderConfig()
+    wandb: WandbConfig = WandbConfig()
+    ft: FaultToleranceConfig = FaultToleranceConfig()
+    parallel: ParallelConfig = ParallelConfig()
+    fsdp: FsdpConfig = FsdpConfig()
+    compile: CompileConfig = CompileConfig()
+    comm: CommConfig = CommConfig()
+    gc: GcConfig = GcConfig()
+    profiling: ProfilingConfig = ProfilingConfig()
+    heartbeat: HeartbeatConfig = HeartbeatConfig()
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__()
+        if len(args) == 1 and isinstance(args[0], (str, bytes, os.PathLike)):
+            args = (read_config_file(args[0]),)
+        if args or kwargs:
+            self.merge(*args, **kwargs)
+
+    @classmethod
+    def from_dict(cls, obj: Mapping | Sequence) -> Any:
+        """Build a config from a mapping: class defaults first, then the mapping's values.
+
+        chanfig's generic version turns every nested mapping into an instance of `cls`, which
+        would nest whole runner configs inside sections; this keeps sections typed instead.
+        """
+        if isinstance(obj, Mapping):
+            config = cls()
+            config.merge(obj)
+            return config
+        return super().from_dict(obj)
+
+    @classmethod
+    def register_stack(cls, name: str) -> str:
+        """Accept `name` as a value of `stack` for this class and its subclasses; returns the stored spelling.
+
+        Examples:
+            >>> class MyConfig(RunnerConfig):
+            ...     pass
+            >>> MyConfig.register_stack("Custom")
+            'custom'
+            >>> "custom" in MyConfig.STACKS, "custom" in RunnerConfig.STACKS
+            (True, False)
+        """
+        if not isinstance(name, str) or not name.strip():
+            raise ValueError(f"stack name must be a non-empty string, got {name!r}")
+        name = name.strip().lower()
+        if name not in cls.STACKS:
+            cls.STACKS = (*cls.STACKS, name)
+        return name
+
+    def parse(
+        self,
+        args: Iterable[str] | None = None,
+        default_config: str | None = "config",
+        no_default_config_action: str = "ignore",
+        boot: bool = True,
+        strict: bool = False,
+    ) -> Self:
+        """Apply `--config FILE` (YAML, JSON or TOML) and then dotted command-line overrides.
+
+        Precedence, lowest first: class defaults and values set in `__init__`, each config file in
+        the order given, then the remaining `--key value` arguments. Unset keys can be given as
+        `none`/`null`; list-typed keys take several values (`--train_splits train extra`).
+
+        Args:
+            args: Arguments to parse; defaults to `sys.argv[1:]`.
+            default_config: Name of the option carrying config files (`--config`); None disables files.
+            no_default_config_action: What to do when no file is given: `"ignore"`, `"warn"` or `"raise"`.
+            boot: Run `boot()` (post hooks, normalisation, validation) afterwards.
+            strict: Reject arguments that are not existing keys.
+
+        Returns:
+            This config.
+
+        Raises:
+            FileNotFoundError: A config file does not exist.
+            ValueError: A config file has an unsupported suffix or content, or validation fails.
+        """
+        if no_default_config_action not in ("ignore", "warn", "raise"):
+            raise ValueError(
+                f"no_default_config_action must be 'ignore', 'warn' or 'raise', got {no_default_config_action!r}"
+            )
+        args = list(sys.argv[1:] if args is None else args)
+        files: list[str] = []
+        if default_config is not None:
+            args, files = split_file_options(args, default_config)
+            if not files and no_default_config_action != "ignore":
+                message = f"no --{default_config} file was given on the command line"
+                if no_default_config_action == "raise":
+                    raise ValueError(message)
+                warnings.warn(message, RuntimeWarning, stacklevel=2)
+        for path in files:
+            self.merge(read_config_file(path))
+        if self.getattr("parser", None) is None:
+            self.setattr("parser", ConfigParser())
+        split_keys = register_typed_arguments(self.getattr("parser"), self, args)
+        with warnings.catch_warnings():
+            # per-split dataloader overrides are legitimate; chanfig would flag them as typos
+            for key in split_keys:
+                warnings.filterwarnings("ignore", message=re.escape(f"Unrecognized argument '--{key}'"))
+            super().parse(args, default_config=None, boot=boot, strict=strict)
+        # the parser holds argparse state; dropping it keeps the config light and picklable
+        self.popattr("parser", None)
+        return self
+
+    def post(self) -> None:
+        """Hook for derived values, run by `boot()` after parsing; calling `super().post()` is optional.
+
+        The base implementation canonicalises spellings (stack case, precision aliases,
+        `checkpoint.exclude_from_loading` aliases, string `wandb.tags`); `boot()` repeats it
+        and validates afterwards, so overrides may skip it.
+        """
+        self._normalize()
+
+    def boot(self) -> Self:
+        """Run `post()` hooks bottom-up, resolve `${...}` references, normalise and validate."""
+        super().boot()
+        self._normalize()
+        self.validate()
+        return self
+
+    def validate(self, training: bool = False) -> None:
+        """Check every known key and raise on the first problem.
+
+        Runs automatically on construction and at the end of `boot()`; runners call it with
+        `training=True` before training, which additionally requires `epochs` or `steps`.
+
+        Args:
+            training: Also require a training budget.
+
+        Raises:
+            ValueError: A known key holds an unacceptable value (the message names key, value and
+                what is accepted).
+            TypeError: A value does not match its annotation.
+
+        Examples:
+            >>> RunnerConfig(stack="jax")
+            Traceback (most recent call last):
+            ValueError: config.stack='jax' is not a known stack; expected one of: auto, ddp, torch, ...
+            >>> RunnerConfig(epochs=-1)
+            Traceback (most recent call last):
+            ValueError: config.epochs must be an integer >= 0 or None, got -1
+            >>> RunnerConfig().validate(training=True)
+            Traceback (most recent call last):
+            ValueError: training needs a budget: set config.epochs or config.steps (both are None)
+        """
+        stack = peek(self, "stack")
+        if not isinstance(stack, str) or stack.strip().lower() not in self.STACKS:
+            raise ValueError(f"config.stack={stack!r} is not a known stack; expected one of: {', '.join(self.STACKS)}")
+        precision = peek(self, "precision")
+        if precision is not None and (not isinstance(precision, str) or precision.lower() not in self.PRECISIONS):
+            raise ValueError(
+                f"config.precision={precision!r} is not supported; expected None or one of: "
+                f"{', '.join(self.PRECISIONS)}"
+            )
+        check_values(self)
+        if training and peek(self, "epochs") is None and peek(self, "steps") is None:
+            raise ValueError("training needs a budget: set config.epochs or config.steps (both are None)")
+        check_annotations(self)
+
+    def _normalize(self) -> None:
+        stack = peek(self, "stack")
+        if isinstance(stack, str) and stack != stack.strip().lower():
+            self.stack = stack.strip().lower()
+        precision = peek(self, "precision")
+        if isinstance(precision, str) and self.PRECISIONS.get(precision.lower(), precision) != precision:
+            self.precision = self.PRECISIONS[precision.lower()]
+        checkpoint = peek(self, "checkpoint")
+        if isinstance(checkpoint, Mapping) and "exclude_from_loading" in checkpoint:
+            exclude = normalize_exclude(checkpoint["exclude_from_loading"])
+            if exclude != checkpoint["exclude_from_loading"]:
+                checkpoint["exclude_from_loading"] = exclude
+        wandb = peek(self, "wandb")
+        if isinstance(wandb, Mapping) and isinstance(wandb.get("tags"), str):
+            wandb["tags"] = [wandb["tags"]]
+
+    def semantic_dict(self) -> dict[str, Any]:
+        """The part of the config that defines the experiment, as plain nested dicts.
+
+        Keys matching `CONFIG_ID_IGNORES` (paths, logging, checkpoint cadence, infrastructure),
+        None values and empty sections are left out, so adding a new optional key or touching an
+        unset section does not change it.
+        """
+        ignores = tuple(tuple(pattern.split(".")) for pattern in self.CONFIG_ID_IGNORES)
+        return semantic(self.dict(), (), ignores)
+
+    @property
+    def config_id(self) -> str:
+        """Stable 12-hex-digit hash of `semantic_dict`.
+
+        Examples:
+            >>> a = RunnerConfig(epochs=3, workspace_root="/tmp/a", experiment="x")
+            >>> b = RunnerConfig(epochs=3, workspace_root="/tmp/b", experiment="y")
+            >>> a.config_id == b.config_id, a.config_id == RunnerConfig(epochs=4).config_id
+            (True, False)
+            >>> len(a.config_id)
+            12
+        """
+        payload = json.dumps(self.semantic_dict(), sort_keys=True, separators=(",", ":"), default=str)
+        return hashlib.sha256(payload.encode("utf-8")).hexdigest()[:12]

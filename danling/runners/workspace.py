@@ -1,0 +1,483 @@
+"""Run identity, run directory, metadata, logging and print routing for one runner process.
+
+Layout: `<workspace_root>/<lineage>[-<code_id>]/<experiment>-<id>/`, holding `metadata.json`,
+`config.yaml`, `run.log`, the checkpoint directory and whatever trackers write. Only the main
+process (rank 0) creates directories or files, and only when they are first needed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import platform
+import subprocess
+import sys
+from collections.abc import Mapping
+from datetime import datetime, timezone
+from functools import cached_property
+from importlib import metadata as importlib_metadata
+from pathlib import Path
+from typing import Any
+
+__all__ = ["RunnerWorkspace"]
+
+LOGGER_NAME = "danling"
+LOG_FORMAT = "%(asctime)s | %(levelname)-7s | rank %(rank)s | %(name)s | %(message)s"
+LOG_DATE_FORMAT = "%Y-%m-%d %H:%M:%S"
+
+_UNSET = object()
+_pristine_level: int | None = None  # level of the "danling" logger before any workspace touched it
+
+
+def _get(config: Any, dotted: str, default: Any = None) -> Any:
+    node = config
+    for part in dotted.split("."):
+        if not isinstance(node, Mapping) or part not in node:
+            return default
+        node = node[part]
+    return default if node is None else node
+
+
+# ------------------------------------------------------------------------------------------ git
+
+
+def _git(cwd: str, *args: str) -> str | None:
+    """Output of `git <args>` in `cwd`, or None when git is missing, fails or is not a repository."""
+    env = {**os.environ, "GIT_OPTIONAL_LOCKS": "0", "LC_ALL": "C"}
+    try:
+        result = subprocess.run(
+            ["git", *args],
+            cwd=cwd,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=False,
+        )
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return None
+    output = result.stdout.strip()
+    return output if result.returncode == 0 and output else None
+
+
+def _code_dirs(path: str | os.PathLike | None) -> list[str]:
+    if path is not None:
+        return [os.fspath(path)]
+    dirs = []
+    script = getattr(sys.modules.get("__main__"), "__file__", None)
+    if script:
+        dirs.append(os.path.dirname(os.path.abspath(script)))
+    dirs.append(os.getcwd())
+    return [d for d in dict.fromkeys(dirs) if os.path.isdir(d)]
+
+
+def git_short_hash(path: str | os.PathLike | None = None) -> str | None:
+    """`git rev-parse --short HEAD` of `path`, else of the running script's directory, else of the cwd.
+
+    Returns None when git is not installed, the directory is not in a repository or the
+    repository has no commit yet; it never raises.
+    """
+    for directory in _code_dirs(path):
+        short = _git(directory, "rev-parse", "--short", "HEAD")
+        if short is not None:
+            return short
+    return None
+
+
+def git_info(path: str | os.PathLike | None = None) -> dict[str, Any] | None:
+    """Commit, short hash, branch, dirty flag and root of the repository holding the code, or None.
+
+    `dirty` ignores untracked files. Like `git_short_hash`
+    it never raises.
+    """
+    for directory in _code_dirs(path):
+        commit = _git(directory, "rev-parse", "HEAD")
+        if commit is None:
+            continue
+        status = _git(directory, "status", "--porcelain", "--untracked-files=no")
+        return {
+            "commit": commit,
+            "short": _git(directory, "rev-parse", "--short", "HEAD"),
+            "branch": _git(directory, "rev-parse", "--abbrev-ref", "HEAD"),
+            "dirty": status is not None,
+            "root": _git(directory, "rev-parse", "--show-toplevel"),
+        }
+    return None
+
+
+# -------------------------------------------------------------------------------------- logging
+
+
+class _RankFilter(logging.Filter):
+    def __init__(self, rank: int) -> None:
+        super().__init__()
+        self.rank = rank
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not hasattr(record, "rank"):
+            record.rank = self.rank
+        return True
+
+
+class _StderrHandler(logging.StreamHandler):
+    """Console handler that looks `sys.stderr` up on every record, so swapped streams are followed."""
+
+    @property  # type: ignore[override]
+    def stream(self) -> Any:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: Any) -> None:
+        pass
+
+
+class _LazyFileHandler(logging.FileHandler):
+    """File handler that creates its directory and opens the file only when the first record arrives."""
+
+    def __init__(self, filename: str | os.PathLike) -> None:
+        super().__init__(filename, encoding="utf-8", delay=True)
+
+    def _open(self) -> Any:
+        os.makedirs(os.path.dirname(self.baseFilename), exist_ok=True)
+        return super()._open()
+
+
+def _root_logs_to_console() -> bool:
+    consoles = (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__)
+    return any(
+        isinstance(handler, logging.StreamHandler)
+        and not isinstance(handler, logging.FileHandler)
+        and handler.stream in consoles
+        for handler in logging.getLogger().handlers
+    )
+
+
+# ------------------------------------------------------------------------------------ workspace
+
+
+class RunnerWorkspace:
+    """Where a run lives and how it reports: identity, directories, metadata, logs and stdout.
+
+    Identity is fixed when the workspace is created: `config_id` is computed from the config at
+    that moment (later edits, such as a seed drawn by the runner, do not move the run directory)
+    and `code_id` is read from git once.
+
+    Args:
+        config: A `RunnerConfig` or a mapping of its keys.
+        rank: Global rank of this process; only rank 0 writes files or logs to the console.
+        world_size: Number of processes in the job.
+        start_time: When the run started (defaults to now, UTC).
+        code_dir: Directory whose git checkout identifies the code (defaults to the script's
+            directory, then the working directory).
+
+    Examples:
+        >>> import tempfile
+        >>> from danling.runners.config import RunnerConfig
+        >>> root = tempfile.mkdtemp()
+        >>> workspace = RunnerWorkspace(RunnerConfig(workspace_root=root, experiment="demo"), code_dir=root)
+        >>> workspace.code_id is None, workspace.path.exists()
+        (True, False)
+        >>> workspace.dir.relative_to(root).as_posix() == f"lin/demo-{workspace.id}"
+        True
+        >>> workspace.write_metadata().name
+        'metadata.json'
+        >>> workspace.close()
+    """
+
+    def __init__(
+        self,
+        config: Any,
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        start_time: datetime | None = None,
+        code_dir: str | os.PathLike | None = None,
+    ) -> None:
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
+            raise ValueError(f"rank must be an integer in [0, {world_size}), got {rank!r}")
+        self.config = config
+        self.rank = rank
+        self.world_size = world_size
+        self.start_time = start_time or datetime.now(timezone.utc)
+        self._code_dir = code_dir
+        self._config_id = _config_id(config)
+        self._token = object()  # marks the log handlers this workspace installed
+        self._handlers: list[logging.Handler] = []
+        self._stdout: Any = None
+        self._devnull: Any = None
+        self._metadata_written = False
+
+    # -------------------------------------------------------------------------------- identity
+    @property
+    def is_main_process(self) -> bool:
+        """Whether this process is rank 0, the only one that writes files."""
+        return self.rank == 0
+
+    @property
+    def root(self) -> Path:
+        """`config.workspace_root` (user home expanded)."""
+        return Path(os.path.expanduser(os.fspath(_get(self.config, "workspace_root", "experiments"))))
+
+    @property
+    def lineage(self) -> str:
+        """`config.lineage`, `"lin"` when unset."""
+        return str(_get(self.config, "lineage", "lin"))
+
+    @property
+    def experiment(self) -> str:
+        """`config.experiment`, `"exp"` when unset."""
+        return str(_get(self.config, "experiment", "exp"))
+
+    @cached_property
+    def code_id(self) -> str | None:
+        """Short git hash of the code's checkout, or None outside a repository or without git."""
+        return git_short_hash(self._code_dir)
+
+    @property
+    def config_id(self) -> str:
+        """Hash of the semantic config, taken when the workspace was created."""
+        return self._config_id
+
+    @cached_property
+    def id(self) -> str:
+        """Run id: 12 hex digits derived from `config_id` and `code_id`; equal on every rank."""
+        return hashlib.sha256(f"{self.config_id}:{self.code_id or ''}".encode()).hexdigest()[:12]
+
+    # ----------------------------------------------------------------------------------- paths
+    @property
+    def path(self) -> Path:
+        """The run directory's path, without creating it."""
+        lineage = f"{self.lineage}-{self.code_id}" if self.code_id else self.lineage
+        return self.root / lineage / f"{self.experiment}-{self.id}"
+
+    @property
+    def dir(self) -> Path:
+        """The run directory; the main process creates it on first access."""
+        path = self.path
+        if self.is_main_process:
+            path.mkdir(parents=True, exist_ok=True)
+        return path
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        """`<run dir>/<checkpoint.dir_name>` (not created here)."""
+        return self.path / str(_get(self.config, "checkpoint.dir_name", "checkpoints"))
+
+    @property
+    def heartbeat_dir(self) -> Path:
+        """`<run dir>/<heartbeat.dir_name>` (not created here)."""
+        return self.path / str(_get(self.config, "heartbeat.dir_name", "heartbeats"))
+
+    @property
+    def log_file(self) -> Path:
+        """`run.log` on the main process; `rank<N>.log` (warnings and errors only) elsewhere."""
+        return self.path / ("run.log" if self.is_main_process else f"rank{self.rank}.log")
+
+    @property
+    def metadata_file(self) -> Path:
+        """`<run dir>/metadata.json`."""
+        return self.path / "metadata.json"
+
+    def resolve(self, path: str | os.PathLike) -> Path:
+        """`path` itself when absolute, otherwise relative to the run directory (not created)."""
+        path = Path(os.path.expanduser(os.fspath(path)))
+        return path if path.is_absolute() else self.path / path
+
+    # -------------------------------------------------------------------------------- metadata
+    def metadata(self) -> dict[str, Any]:
+        """What `write_metadata` records: identity, config, versions, git state and start time."""
+        return {
+            "id": self.id,
+            "config_id": self.config_id,
+            "code_id": self.code_id,
+            "lineage": self.lineage,
+            "experiment": self.experiment,
+            "dir": os.fspath(self.path),
+            "start_time": self.start_time.isoformat(),
+            "world_size": self.world_size,
+            "argv": list(sys.argv),
+            "cwd": os.getcwd(),
+            "hostname": platform.node(),
+            "versions": _versions(),
+            "git": git_info(self._code_dir),
+            "config": _plain(self.config),
+        }
+
+    def write_metadata(self, extra: Mapping[str, Any] | None = None) -> Path:
+        """Write `metadata.json` and `config.yaml` into the run directory, once per run.
+
+        Only the main process writes. Existing files (a resumed run) are kept as they are, so
+        the recorded start time and config are those of the first launch. Each file is written
+        to a temporary name, flushed to disk and renamed into place.
+
+        Args:
+            extra: Additional top-level entries (for example the runner class and timestamp).
+
+        Returns:
+            Path of `metadata.json`.
+        """
+        path = self.metadata_file
+        if not self.is_main_process or self._metadata_written:
+            return path
+        self.dir  # noqa: B018 - creates the run directory
+        if not path.exists():
+            payload = self.metadata()
+            payload.update(extra or {})
+            _atomic_write(path, json.dumps(payload, indent=2, default=str) + "\n")
+        config_file = path.with_name("config.yaml")
+        if not config_file.exists():
+            _atomic_write(config_file, _config_yaml(self.config))
+        self._metadata_written = True
+        return path
+
+    # --------------------------------------------------------------------------------- logging
+    def setup_logging(self, level: int = logging.INFO) -> logging.Logger:
+        """Attach this run's handlers to the `"danling"` logger and return it.
+
+        Main process: console (stderr) at `level`, unless the root logger already prints to the
+        console, and `run.log` at `level` when `config.log` is true. Other ranks: no console;
+        warnings and errors go to `rank<N>.log`, which is only created if one is emitted.
+        Handlers installed by another workspace in this process are removed first, so creating
+        several runners never duplicates lines. Calling it again is a no-op.
+
+        Examples:
+            >>> import tempfile
+            >>> from danling.runners.config import RunnerConfig
+            >>> workspace = RunnerWorkspace(RunnerConfig(workspace_root=tempfile.mkdtemp()))
+            >>> logger = workspace.setup_logging()
+            >>> logger.name, len(workspace.setup_logging().handlers) == len(logger.handlers)
+            ('danling', True)
+            >>> workspace.close()
+        """
+        global _pristine_level
+        logger = logging.getLogger(LOGGER_NAME)
+        if self._handlers:
+            return logger
+        owned = [h for h in logger.handlers if getattr(h, "danling_owner", None) is not None]
+        if not owned:
+            _pristine_level = logger.level
+        for handler in owned:
+            logger.removeHandler(handler)
+            handler.close()
+        formatter = logging.Formatter(LOG_FORMAT, datefmt=LOG_DATE_FORMAT)
+        handlers: list[tuple[logging.Handler, int]] = []
+        if self.is_main_process:
+            if not _root_logs_to_console():
+                handlers.append((_StderrHandler(), level))
+            if _get(self.config, "log", True):
+                handlers.append((_LazyFileHandler(self.log_file), level))
+        else:
+            handlers.append((_LazyFileHandler(self.log_file), max(level, logging.WARNING)))
+        for handler, handler_level in handlers:
+            handler.setLevel(handler_level)
+            handler.setFormatter(formatter)
+            handler.addFilter(_RankFilter(self.rank))
+            handler.danling_owner = self._token  # type: ignore[attr-defined]
+            logger.addHandler(handler)
+            self._handlers.append(handler)
+        if logger.level == logging.NOTSET or logger.level > level:
+            logger.setLevel(level)
+        return logger
+
+    # ---------------------------------------------------------------------------- print routing
+    def route_print(self) -> None:
+        """Silence `print` on non-main ranks by pointing `sys.stdout` at the null device.
+
+        `builtins.print` is left untouched; `print(..., file=sys.stderr)` still shows. No-op on
+        the main process and when already routed.
+        """
+        if self.is_main_process or self._devnull is not None:
+            return
+        self._stdout = sys.stdout
+        self._devnull = open(os.devnull, "w", encoding="utf-8")  # noqa: SIM115 - closed in restore_print
+        sys.stdout = self._devnull
+
+    def restore_print(self) -> None:
+        """Undo `route_print`. If something else replaced `sys.stdout` since, it is left in place."""
+        if self._devnull is None:
+            return
+        if sys.stdout is self._devnull:
+            sys.stdout = self._stdout
+            self._devnull.close()
+        self._devnull = None
+        self._stdout = None
+
+    def close(self) -> None:
+        """Restore stdout and detach and close the log handlers this workspace added; idempotent."""
+        self.restore_print()
+        logger = logging.getLogger(LOGGER_NAME)
+        for handler in self._handlers:
+            logger.removeHandler(handler)
+            handler.close()
+        if self._handlers and not any(getattr(h, "danling_owner", None) for h in logger.handlers):
+            logger.setLevel(_pristine_level if _pristine_level is not None else logging.NOTSET)
+        self._handlers = []
+
+    def __enter__(self) -> RunnerWorkspace:
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(path={os.fspath(self.path)!r}, rank={self.rank}, world_size={self.world_size})"
+
+
+# ------------------------------------------------------------------------------------- helpers
+
+
+def _config_id(config: Any) -> str:
+    config_id = getattr(config, "config_id", _UNSET)
+    if isinstance(config_id, str):
+        return config_id
+    if not isinstance(config, Mapping):
+        raise TypeError(f"config must be a RunnerConfig or a mapping, got {type(config).__name__}")
+    from .config import RunnerConfig
+
+    return RunnerConfig(config).config_id
+
+
+def _plain(config: Any) -> Any:
+    """JSON-friendly copy of a config (chanfig configs export themselves with `dict()`)."""
+    to_dict = getattr(config, "dict", None)
+    return to_dict() if callable(to_dict) else dict(config)
+
+
+def _config_yaml(config: Any) -> str:
+    yamls = getattr(config, "yamls", None)
+    if callable(yamls):
+        return yamls()
+    import yaml
+
+    return yaml.safe_dump(json.loads(json.dumps(_plain(config), default=str)), sort_keys=False)
+
+
+def _versions() -> dict[str, str | None]:
+    versions: dict[str, str | None] = {"python": platform.python_version(), "platform": platform.platform()}
+    for package in ("danling", "torch", "numpy", "chanfig"):
+        try:
+            versions[package] = importlib_metadata.version(package)
+        except importlib_metadata.PackageNotFoundError:
+            versions[package] = None
+    torch = sys.modules.get("torch")
+    versions["cuda"] = getattr(getattr(torch, "version", None), "cuda", None)
+    return versions
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    """Write `text` to a temporary sibling, fsync it, then rename it over `path`."""
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(temporary, "w", encoding="utf-8") as file:
+            file.write(text)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temporary, path)
+    finally:
+        if temporary.exists():
+            temporary.unlink()
