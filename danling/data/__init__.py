@@ -1,3 +1,30 @@
-"""danling.data."""
+"""Data loading for the runners: resumable dataloaders, the default batch contract, device moves.
 
-__all__: list[str] = []
+- [`build_dataloader`][danling.data.build_dataloader] turns a dataset and a ``dataloader`` config
+  section into a torchdata ``StatefulDataLoader`` with a
+  [`ResumableSampler`][danling.data.ResumableSampler], so a checkpointed loader continues mid-epoch.
+- [`batch_fingerprint`][danling.data.batch_fingerprint] /
+  [`check_batch_fingerprint`][danling.data.check_batch_fingerprint] verify on resume that the
+  rebuilt loader continues the saved data stream.
+- [`split_batch`][danling.data.split_batch] is the ``(input, target)`` contract of the default
+  runner steps (moving a batch to a device is [`danling.utils.to_device`][danling.utils.to_device]).
+"""
+
+from .batch import split_batch
+from .fingerprint import DataResumeError, batch_fingerprint, check_batch_fingerprint, indices_fingerprint
+from .loader import LOADER_OPTIONS, build_dataloader, resolve_loader_options, set_epoch
+from .sampler import ResumableSampler, derive_seed
+
+__all__ = [
+    "LOADER_OPTIONS",
+    "DataResumeError",
+    "ResumableSampler",
+    "batch_fingerprint",
+    "build_dataloader",
+    "check_batch_fingerprint",
+    "derive_seed",
+    "indices_fingerprint",
+    "resolve_loader_options",
+    "set_epoch",
+    "split_batch",
+]

@@ -1,3 +1,36 @@
-"""danling.distributed."""
+"""Process groups and collectives for data-parallel runs, safe to call in a single process.
 
-__all__: list[str] = []
+Rank queries fall back to torchrun's environment variables and then to a single process; the
+collectives become local no-ops when no multi-rank group is active, so code written for
+``torchrun --nproc_per_node N`` runs unchanged in a plain ``python`` process.
+"""
+
+from .collectives import all_reduce_any, all_reduce_gradients, all_reduce_mean, broadcast_object
+from .ddp import unwrap_model, wrap_ddp
+from .process_group import (
+    barrier,
+    default_backend,
+    get_local_rank,
+    get_rank,
+    get_world_size,
+    init_process_group_from_env,
+    is_distributed,
+    is_main_process,
+)
+
+__all__ = [
+    "all_reduce_any",
+    "all_reduce_gradients",
+    "all_reduce_mean",
+    "barrier",
+    "broadcast_object",
+    "default_backend",
+    "get_local_rank",
+    "get_rank",
+    "get_world_size",
+    "init_process_group_from_env",
+    "is_distributed",
+    "is_main_process",
+    "unwrap_model",
+    "wrap_ddp",
+]

@@ -1,0 +1,183 @@
+"""Build a resumable torchdata `StatefulDataLoader` from a `dataloader` config section."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch.utils.data import IterableDataset
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from .sampler import ResumableSampler
+
+__all__ = ["LOADER_OPTIONS", "build_dataloader", "resolve_loader_options", "set_epoch"]
+
+# Keys a `dataloader` config section may hold (besides per-split sub-sections).
+LOADER_OPTIONS = frozenset(
+    {
+        "batch_size",
+        "shuffle",
+        "drop_last",
+        "num_workers",
+        "persistent_workers",
+        "prefetch_factor",
+        "pin_memory",
+        "pin_memory_device",
+        "in_order",
+        "snapshot_every_n_steps",
+        "timeout",
+        "multiprocessing_context",
+    }
+)
+
+
+def resolve_loader_options(config: Mapping[str, Any] | None, split: str, *, is_train: bool) -> dict[str, Any]:
+    """Merge a ``dataloader`` config section into the keyword arguments for one split.
+
+    Plain keys of `config` apply to every split. A key whose value is a mapping is a per-split
+    section; only the one named `split` is used, and its keys win over the plain ones. Keys set to
+    ``None`` count as unset. ``shuffle`` and ``drop_last`` default to `is_train`.
+
+    Args:
+        config: The ``dataloader`` section of a runner config (or ``None``).
+        split: The split being built, e.g. ``"train"``.
+        is_train: Whether the split is used for training.
+
+    Returns:
+        Keyword arguments ready for `StatefulDataLoader` (without sampler, generator and collate).
+
+    Raises:
+        ValueError: a key is not a DataLoader option; the message lists the accepted ones.
+
+    Examples:
+        >>> config = {"batch_size": 32, "num_workers": 0, "val": {"batch_size": 128}, "train": {"shuffle": None}}
+        >>> resolve_loader_options(config, "train", is_train=True)
+        {'batch_size': 32, 'num_workers': 0, 'shuffle': True, 'drop_last': True}
+        >>> resolve_loader_options(config, "val", is_train=False)
+        {'batch_size': 128, 'num_workers': 0, 'shuffle': False, 'drop_last': False}
+    """
+    options = _merged_options(config, split)
+    options.setdefault("shuffle", is_train)
+    options.setdefault("drop_last", is_train)
+    return options
+
+
+def build_dataloader(
+    dataset: Any,
+    *,
+    split: str,
+    config: Mapping[str, Any] | None = None,
+    distributed: bool = False,
+    rank: int = 0,
+    world_size: int = 1,
+    seed: int = 0,
+    is_train: bool | None = None,
+    collate_fn: Callable | None = None,
+    worker_init_fn: Callable | None = None,
+) -> StatefulDataLoader:
+    """Wrap one dataset split in a resumable `StatefulDataLoader`.
+
+    Map-style datasets get a [`ResumableSampler`][danling.data.ResumableSampler]: shuffled by
+    ``(seed, epoch)`` when ``shuffle`` is on, sharded over ``world_size`` ranks when `distributed`,
+    and checkpointed together with the loader so a restored loader continues mid-epoch. The loader
+    also gets its own ``torch.Generator`` so that building and iterating it never consumes the global
+    torch RNG (which would shift every later random draw of a resumed run).
+
+    Iterable datasets are passed through without a sampler; they must shard themselves under
+    data parallelism and cannot be shuffled by the loader.
+
+    Args:
+        dataset: The dataset of the split.
+        split: Split name; selects the per-split section of `config`.
+        config: The ``dataloader`` config section (see
+            [`resolve_loader_options`][danling.data.resolve_loader_options]).
+        distributed: Shard the data over ``world_size`` ranks.
+        rank: This process's data-parallel rank (only used when `distributed`).
+        world_size: Number of data-parallel ranks (only used when `distributed`).
+        seed: Base seed of the shuffle order; must be identical on every rank.
+        is_train: Whether this is a training split; defaults to ``split == "train"``. It decides
+            the default of ``shuffle`` and ``drop_last``.
+        collate_fn: Optional batch collation function.
+        worker_init_fn: Optional function run in each worker process.
+
+    Returns:
+        The configured `StatefulDataLoader`.
+
+    Raises:
+        ValueError: an unknown option, an invalid rank/world size, or ``shuffle=True`` for an
+            iterable dataset.
+
+    Examples:
+        >>> loader = build_dataloader(list(range(10)), split="train", config={"batch_size": 4})
+        >>> [len(batch) for batch in loader]  # shuffled, incomplete last batch dropped
+        [4, 4]
+        >>> loader = build_dataloader(list(range(10)), split="val", config={"batch_size": 4})
+        >>> [batch.tolist() for batch in loader]
+        [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    """
+    if is_train is None:
+        is_train = split == "train"
+    options = resolve_loader_options(config, split, is_train=is_train)
+    if distributed and (world_size < 1 or not 0 <= rank < world_size):
+        raise ValueError(f"invalid data-parallel placement rank={rank}, world_size={world_size}")
+    if not distributed:
+        rank, world_size = 0, 1
+    shuffle = options.pop("shuffle")
+    generator = torch.Generator()
+    generator.manual_seed(seed)
+    sampler = None
+    if isinstance(dataset, IterableDataset):
+        if _merged_options(config, split).get("shuffle"):
+            raise ValueError(f"split {split!r}: shuffle=True is not possible for an iterable dataset")
+    else:
+        sampler = ResumableSampler(
+            dataset,
+            num_replicas=world_size,
+            rank=rank,
+            shuffle=bool(shuffle),
+            seed=seed,
+            drop_last=bool(options["drop_last"]),
+            generator=generator,
+        )
+    return StatefulDataLoader(
+        dataset,
+        sampler=sampler,
+        generator=generator,
+        collate_fn=collate_fn,
+        worker_init_fn=worker_init_fn,
+        **options,
+    )
+
+
+def _merged_options(config: Mapping[str, Any] | None, split: str) -> dict[str, Any]:
+    """The options explicitly set (not ``None``) for `split`, the split section winning."""
+    config = config or {}
+    options = {k: v for k, v in config.items() if not isinstance(v, Mapping)}
+    override = config.get(split)
+    if isinstance(override, Mapping):
+        options.update(override)
+    unknown = sorted(set(options) - LOADER_OPTIONS)
+    if unknown:
+        raise ValueError(
+            f"unknown dataloader option(s) {unknown} for split {split!r}; accepted: {sorted(LOADER_OPTIONS)}"
+        )
+    return {k: v for k, v in options.items() if v is not None}
+
+
+def set_epoch(loader: Any, epoch: int) -> None:
+    """Tell a loader's sampler which epoch starts, if the sampler cares (e.g. ``DistributedSampler``).
+
+    Works for a `StatefulDataLoader`, a plain ``DataLoader`` or a bare sampler; does nothing for
+    loaders whose sampler has no ``set_epoch``.
+
+    Examples:
+        >>> loader = build_dataloader(list(range(4)), split="train", config={"batch_size": 2})
+        >>> set_epoch(loader, 3); loader.sampler.epoch
+        3
+    """
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    for obj in (loader, getattr(loader, "sampler", None), getattr(batch_sampler, "sampler", None)):
+        if hasattr(obj, "set_epoch"):
+            obj.set_epoch(epoch)
+            return

@@ -1,0 +1,94 @@
+"""Collectives that degrade to local no-ops when no multi-rank process group is active."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from .process_group import is_distributed
+
+__all__ = ["all_reduce_any", "all_reduce_gradients", "all_reduce_mean", "broadcast_object"]
+
+
+def _on_backend_device(tensor: torch.Tensor) -> torch.Tensor:
+    """NCCL only reduces CUDA tensors (GPU-only branch); other backends take the tensor as is."""
+    if dist.get_backend() == "nccl" and not tensor.is_cuda:
+        return tensor.cuda()
+    return tensor
+
+
+def all_reduce_mean(tensor: torch.Tensor, group: Any = None) -> torch.Tensor:
+    """Return the mean of `tensor` over all ranks (the input is not modified).
+
+    Integer and boolean inputs are averaged as floats. Without an active multi-rank group the
+    result is a copy of the (float) input.
+
+    Examples:
+        >>> all_reduce_mean(torch.tensor([1, 2]))
+        tensor([1., 2.])
+    """
+    out = tensor.detach().clone() if tensor.is_floating_point() else tensor.detach().float()
+    if is_distributed():
+        reduced = _on_backend_device(out)
+        dist.all_reduce(reduced, op=dist.ReduceOp.SUM, group=group)
+        reduced /= dist.get_world_size(group)
+        out = reduced.to(tensor.device)
+    return out
+
+
+def all_reduce_any(flag: torch.Tensor, group: Any = None) -> torch.Tensor:
+    """Return a boolean tensor that is true on every rank where `flag` is true on at least one rank.
+
+    Use it so that all ranks take the same branch (e.g. skipping an update with non-finite gradients).
+
+    Examples:
+        >>> all_reduce_any(torch.tensor(False)), all_reduce_any(torch.tensor([True, False]))
+        (tensor(False), tensor([ True, False]))
+    """
+    out = flag.detach().to(torch.int32)
+    if is_distributed():
+        reduced = _on_backend_device(out)
+        dist.all_reduce(reduced, op=dist.ReduceOp.MAX, group=group)
+        out = reduced.to(flag.device)
+    return out.bool()
+
+
+def broadcast_object(obj: Any, src: int = 0, group: Any = None) -> Any:
+    """Return rank `src`'s `obj` on every rank (any picklable object); the identity in one process.
+
+    Examples:
+        >>> broadcast_object({"run": "a"})
+        {'run': 'a'}
+    """
+    if not is_distributed():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src, group=group)
+    return box[0]
+
+
+def all_reduce_gradients(parameters: Iterable[torch.nn.Parameter], group: Any = None) -> None:
+    """Average the ``.grad`` of `parameters` over all ranks in place, one flat buffer per dtype and device.
+
+    DistributedDataParallel does this during backward; call it yourself for gradients that were
+    accumulated without synchronisation (e.g. a partial accumulation window whose micro-steps all
+    ran under ``no_sync``). Parameters without a gradient must be the same on every rank.
+    """
+    if not is_distributed():
+        return
+    buckets: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = defaultdict(list)
+    for p in parameters:
+        if p.grad is not None:
+            buckets[(p.grad.dtype, p.grad.device)].append(p.grad)
+    world_size = dist.get_world_size(group)
+    for grads in buckets.values():
+        flat = _flatten_dense_tensors(grads)
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+        flat /= world_size
+        for grad, synced in zip(grads, _unflatten_dense_tensors(flat, grads)):
+            grad.copy_(synced)

@@ -1,0 +1,153 @@
+"""Process-group lifecycle and rank queries that also work in a plain single-process run."""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "barrier",
+    "default_backend",
+    "get_local_rank",
+    "get_rank",
+    "get_world_size",
+    "init_process_group_from_env",
+    "is_distributed",
+    "is_main_process",
+]
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={value!r} is not an integer") from None
+
+
+def is_distributed() -> bool:
+    """Whether a default process group with more than one rank is active.
+
+    Examples:
+        >>> is_distributed()
+        False
+    """
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def get_rank() -> int:
+    """Global rank: from the process group when one is active, else ``$RANK``, else 0.
+
+    Examples:
+        >>> get_rank()
+        0
+    """
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return _env_int("RANK", 0)
+
+
+def get_world_size() -> int:
+    """Number of processes: from the process group when one is active, else ``$WORLD_SIZE``, else 1.
+
+    Examples:
+        >>> get_world_size()
+        1
+    """
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return _env_int("WORLD_SIZE", 1)
+
+
+def get_local_rank() -> int:
+    """Rank within this node, from ``$LOCAL_RANK`` (set by torchrun), else 0.
+
+    Examples:
+        >>> get_local_rank()
+        0
+    """
+    return _env_int("LOCAL_RANK", 0)
+
+
+def is_main_process() -> bool:
+    """Whether this is global rank 0 (always true in a single-process run).
+
+    Examples:
+        >>> is_main_process()
+        True
+    """
+    return get_rank() == 0
+
+
+def barrier() -> None:
+    """Wait for every rank; does nothing unless a multi-rank process group is active."""
+    if is_distributed():
+        dist.barrier()
+
+
+def default_backend() -> str:
+    """``"nccl"`` when CUDA is usable, else ``"gloo"``."""
+    return "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
+
+
+def init_process_group_from_env(
+    backend: str | None = None,
+    *,
+    init_method: str = "env://",
+    timeout: float | None = None,
+    allow_existing: bool = False,
+) -> bool:
+    """Start the default process group from torchrun's environment variables.
+
+    Reads ``WORLD_SIZE``, ``RANK`` and ``LOCAL_RANK`` (and, for the default ``env://``
+    rendezvous, ``MASTER_ADDR``/``MASTER_PORT``). A run with ``WORLD_SIZE`` unset or 1 is left
+    single-process. On CUDA machines the current device is set to ``LOCAL_RANK`` before the group
+    starts (GPU-only branch).
+
+    Args:
+        backend: Communication backend; ``None`` picks ``"nccl"`` on CUDA and ``"gloo"`` otherwise.
+        init_method: Rendezvous URL, e.g. ``"env://"`` or ``"file:///tmp/store"``.
+        timeout: Optional collective timeout in seconds.
+        allow_existing: Accept a default group that is already running (e.g. started by a test
+            launcher) instead of raising, provided its world size matches ``WORLD_SIZE``.
+
+    Returns:
+        ``True`` when this call started the group (so the caller owns it and should destroy it),
+        ``False`` when nothing was started.
+
+    Raises:
+        RuntimeError: a default group is already running and `allow_existing` is false, or its
+            world size disagrees with ``WORLD_SIZE``.
+        ValueError: a non-positive `timeout`, or ``RANK`` missing or out of range.
+
+    Examples:
+        >>> init_process_group_from_env()  # WORLD_SIZE unset: single process, nothing to start
+        False
+    """
+    if timeout is not None and timeout <= 0:
+        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    world_size = _env_int("WORLD_SIZE", 1)
+    if world_size <= 1:
+        return False
+    if dist.is_initialized():
+        if not allow_existing:
+            raise RuntimeError("the default process group is already initialised; the caller owns its lifecycle")
+        if dist.get_world_size() != world_size:
+            raise RuntimeError(
+                f"the running process group has {dist.get_world_size()} ranks but WORLD_SIZE={world_size}"
+            )
+        return False
+    rank = _env_int("RANK", -1)
+    if not 0 <= rank < world_size:
+        raise ValueError(f"RANK must be set to a value in [0, {world_size}) when WORLD_SIZE={world_size}; got {rank}")
+    backend = backend or default_backend()
+    if backend == "nccl" and torch.cuda.is_available():  # GPU-only: bind this process to its device
+        torch.cuda.set_device(get_local_rank())
+    kwargs = {} if timeout is None else {"timeout": timedelta(seconds=timeout)}
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size, **kwargs)
+    return True
