@@ -1,0 +1,487 @@
+"""Backend-neutral checkpoint manager: layout, aliases, retention, cadence and async writes.
+
+Every backend shares one on-disk layout under `directory`:
+
+```text
+<directory>/
+  epoch-000003/            one directory per checkpoint
+    state.pt               payload file(s), written by the backend
+    manifest.json          size + SHA-256 of each payload file
+  latest.pointer           alias -> checkpoint name (a one-line text file)
+  best.pointer
+```
+
+A save first fills `.tmp-<name>-<uuid>/`, fsyncs it, renames it into place, then rewrites the
+alias pointers, and only then prunes old history. Backends implement the private payload hooks
+(`_write_payload`, `_read_payload`, `_read_file`) and, when several ranks write, the `_temp_dir`,
+`_gather_records` and `_barrier` seams; everything else lives here, so a distributed backend only
+changes where bytes come from and which ranks take part.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import uuid
+from collections.abc import Mapping, MutableMapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeoutError
+from pathlib import Path
+from typing import Any, ClassVar
+
+from .layout import (
+    NAME_PATTERN,
+    POINTER_SUFFIX,
+    check_name,
+    follow_pointer,
+    in_flight,
+    publish,
+    recover_directory,
+    write_pointer,
+)
+from .manifest import (
+    MANIFEST_NAME,
+    CheckpointError,
+    CheckpointNotFoundError,
+    file_record,
+    fsync_dir,
+    read_manifest,
+    verify_directory,
+    write_manifest,
+)
+from .payload import drop_key, normalize_excludes, snapshot_state
+
+__all__ = ["CheckpointManager"]
+
+
+def _check_count(value: Any, label: str, minimum: int) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < minimum):
+        kind = "a positive" if minimum else "a non-negative"
+        raise ValueError(f"{label} must be {kind} integer or None, got {value!r}")
+
+
+class CheckpointManager:
+    r"""Save, find, verify and load checkpoints under one directory.
+
+    This base class owns the policy shared by all backends; subclasses supply the payload I/O
+    (see [`FileCheckpointManager`][danling.checkpoint.FileCheckpointManager]).
+
+    Args:
+        directory: Where checkpoints, manifests and alias pointers live.
+        interval: Save cadence used by [`should_save`][danling.checkpoint.CheckpointManager.should_save]
+            (epochs or steps, whichever the caller counts). `None` saves at every index.
+        keep_latest_k: How many history checkpoints to keep. `None` or `0` keeps all of them.
+            Checkpoints that an alias points to are never pruned.
+        async_save: Write on a background thread. The state is copied to CPU first, so the
+            caller may keep mutating its tensors as soon as `save` returns.
+        load_only: Never write; `save` becomes a no-op while loading keeps working.
+        exclude_from_loading: Top-level or dotted keys removed from loaded payloads
+            (`"optimizer"`, `"model.head"`, ...). `dataloader`, `data_loader` and `lr_scheduler`
+            are read as `dataloaders` and `scheduler`.
+        is_main_process: Whether this process writes (non-collective backends write on the main
+            process only).
+        timeout: Default seconds `close` waits for an in-flight async save; `None` waits forever.
+        logger: Where to report saves, pruning and verification fallbacks.
+    """
+
+    backend: ClassVar[str] = "base"
+    is_collective: ClassVar[bool] = False
+    history_pattern: ClassVar[re.Pattern] = re.compile(r"^(epoch|step|iter)-\d+$")
+
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        *,
+        interval: int | None = None,
+        keep_latest_k: int | None = None,
+        async_save: bool = False,
+        load_only: bool = False,
+        exclude_from_loading: Sequence[str] | str | None = (),
+        is_main_process: bool = True,
+        timeout: float | None = 600.0,
+        logger: logging.Logger | None = None,
+    ) -> None:
+        _check_count(interval, "interval", 1)
+        _check_count(keep_latest_k, "keep_latest_k", 0)
+        if timeout is not None and (not isinstance(timeout, (int, float)) or timeout < 0):
+            raise ValueError(f"timeout must be a non-negative number of seconds or None, got {timeout!r}")
+        self.directory = Path(directory)
+        self.interval = interval
+        self.keep_latest_k = keep_latest_k
+        self.async_save = bool(async_save)
+        self.load_only = bool(load_only)
+        self.exclude_from_loading = normalize_excludes(exclude_from_loading)
+        self.is_main_process = bool(is_main_process)
+        self.timeout = timeout
+        self.logger = logger or logging.getLogger("danling.checkpoint")
+        self._executor: ThreadPoolExecutor | None = None
+        self._pending: Future | None = None
+        self._pending_path: Path | None = None
+        if self._writes and self.directory.is_dir():
+            self._recover()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({str(self.directory)!r}, backend={self.backend!r})"
+
+    @property
+    def _writes(self) -> bool:
+        return not self.load_only and (self.is_main_process or self.is_collective)
+
+    # cadence ---------------------------------------------------------------------------------
+
+    def should_save(self, index: int, *, last: bool = False, force: bool = False) -> bool:
+        """Whether a save is due after `index` completed epochs or steps.
+
+        `force` and `last` always save (unless the manager is load-only); otherwise a save is
+        due when `index` is a positive multiple of `interval`.
+
+        Examples:
+            >>> manager = CheckpointManager("ckpt", interval=2)
+            >>> [manager.should_save(i) for i in range(5)]
+            [False, False, True, False, True]
+            >>> manager.should_save(3, last=True)
+            True
+        """
+        if self.load_only:
+            return False
+        if force or last:
+            return True
+        return index > 0 and index % (self.interval or 1) == 0
+
+    # saving ----------------------------------------------------------------------------------
+
+    def save(
+        self,
+        state: Mapping[str, Any],
+        name: str,
+        *,
+        aliases: Sequence[str] = ("latest",),
+        history: bool | None = None,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> Path | None:
+        """Write `state` as checkpoint `name` and point each alias at it.
+
+        Args:
+            state: The payload mapping (config, runner state, model, optimizer, ...).
+            name: Checkpoint directory name, e.g. `"epoch-000003"`. Saving an existing name
+                replaces it atomically.
+            aliases: Pointer names to update once the checkpoint is durable.
+            history: Whether retention may prune this checkpoint later. By default names like
+                `epoch-N`, `step-N` and `iter-N` count as history and others (`"seed"`) do not.
+            metadata: JSON-serializable facts stored in the manifest (epoch, step, ...).
+
+        Returns:
+            The checkpoint directory (for async saves, where it will appear), or `None` when
+            this process does not write (load-only manager or non-main process).
+        """
+        if not isinstance(state, Mapping):
+            raise TypeError(f"checkpoint state must be a mapping, got {type(state).__name__}")
+        check_name(name, "checkpoint name")
+        aliases = (aliases,) if isinstance(aliases, str) else tuple(aliases)
+        for alias in aliases:
+            check_name(alias, "checkpoint alias")
+        if history is None:
+            history = bool(self.history_pattern.match(name))
+        metadata = dict(metadata or {})
+        try:
+            json.dumps(metadata)
+        except (TypeError, ValueError) as err:
+            raise TypeError(f"checkpoint metadata must be JSON-serializable, got {metadata!r}: {err}") from err
+        if not self._writes:
+            return None
+        self.wait()
+        target = self.directory / name
+        if not self.async_save:
+            return self._persist(state, name, aliases, history, metadata)
+        snapshot = self._snapshot(state)
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="danling-checkpoint")
+        self._pending = self._executor.submit(self._persist, snapshot, name, aliases, history, metadata)
+        self._pending_path = target
+        return target
+
+    def maybe_wait_for_staging(self) -> None:
+        """Block until the last async save no longer reads caller memory (staging is synchronous here)."""
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait for the in-flight async save; re-raise its error. Returns `False` on timeout."""
+        pending = self._pending
+        if pending is None:
+            return True
+        try:
+            pending.result(timeout=timeout)
+        except FutureTimeoutError:
+            return False
+        except BaseException as err:
+            if hasattr(err, "add_note"):
+                err.add_note(f"raised by the asynchronous save of checkpoint {self._pending_path}")
+            raise
+        finally:
+            if pending.done():
+                self._pending = None
+        return True
+
+    def close(self, timeout: float | None = None) -> bool:
+        """Drain pending async writes (up to `timeout`, default `self.timeout`) and release the worker.
+
+        Returns `True` when nothing is left in flight. A save that is still running after the
+        timeout keeps going in the background; the previous checkpoint stays valid either way.
+        """
+        timeout = self.timeout if timeout is None else timeout
+        drained = True
+        try:
+            drained = self.wait(timeout)
+        finally:
+            if not drained:
+                self.logger.warning(
+                    "checkpoint %s is still being written after %ss; leaving it to finish in the background",
+                    self._pending_path,
+                    timeout,
+                )
+            if self._executor is not None:
+                self._executor.shutdown(wait=False)
+                self._executor = None
+        return drained
+
+    def _persist(
+        self, state: Mapping[str, Any], name: str, aliases: tuple[str, ...], history: bool, metadata: dict
+    ) -> Path:
+        """Write, publish, re-point aliases, then prune: in that order, so a crash loses nothing old.
+
+        Every participating rank writes its files into the shared temporary directory; only the
+        main process hashes the rest, publishes and prunes. Collective backends override the
+        `_temp_dir`, `_gather_records` and `_barrier` seams, not this method.
+        """
+        tmp = self._temp_dir(name)
+        final = self.directory / name
+        with in_flight(tmp):
+            return self._persist_into(tmp, final, state, aliases, history, metadata)
+
+    def _persist_into(
+        self, tmp: Path, final: Path, state: Mapping[str, Any], aliases: tuple[str, ...], history: bool, metadata: dict
+    ) -> Path:
+        name = final.name
+        try:
+            tmp.mkdir(parents=True, exist_ok=True)
+            records = self._gather_records(dict(self._write_payload(state, tmp)))
+            self._barrier()
+            if self.is_main_process:
+                for path in sorted(tmp.rglob("*")):
+                    key = path.relative_to(tmp).as_posix()
+                    if path.is_file() and key not in records:
+                        records[key] = file_record(path, fsync=True)
+                write_manifest(tmp, name=name, backend=self.backend, files=records, history=history, metadata=metadata)
+                fsync_dir(tmp)
+                self._publish(tmp, name)
+        except BaseException:
+            if self.is_main_process:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        if self.is_main_process:
+            for alias in aliases:
+                write_pointer(self.directory, alias, name)
+            size = sum(record["size"] for record in records.values())
+            self.logger.info("saved checkpoint %s (%d bytes; aliases: %s)", final, size, ", ".join(aliases) or "none")
+            self._prune()
+        self._barrier()
+        return final
+
+    def _temp_dir(self, name: str) -> Path:
+        """Private directory the payload is written into before publication (ranks must agree on it)."""
+        return self.directory / f".tmp-{name}-{uuid.uuid4().hex}"
+
+    def _gather_records(self, records: dict[str, Any]) -> dict[str, Any]:
+        """Merge the manifest records written by every rank (single-writer backends: unchanged)."""
+        return records
+
+    def _barrier(self) -> None:
+        """Synchronise participating ranks (single-writer backends: nothing to do)."""
+
+    def _publish(self, tmp: Path, name: str) -> Path:
+        return publish(tmp, self.directory / name)
+
+    def _prune(self) -> None:
+        if not self.keep_latest_k:
+            return
+        protected = set(self.aliases(wait=False).values())
+        history = [path for path, manifest in self._scan() if manifest.get("history")]
+        for path in history[self.keep_latest_k :]:
+            if path in protected:
+                continue
+            trash = self.directory / f".trash-{path.name}-{uuid.uuid4().hex}"
+            os.rename(path, trash)
+            shutil.rmtree(trash, ignore_errors=True)
+            self.logger.info("pruned checkpoint %s (keep_latest_k=%d)", path, self.keep_latest_k)
+
+    def _recover(self) -> None:
+        """Undo what a killed writer left behind: partial temp dirs, half-finished replacements."""
+        recover_directory(self.directory, self.logger)
+
+    def _snapshot(self, state: Mapping[str, Any]) -> Any:
+        """Copy `state` for a background writer (a DCP backend would stage into pinned memory here)."""
+        return snapshot_state(state)
+
+    # backend hooks ---------------------------------------------------------------------------
+
+    def _write_payload(self, state: Mapping[str, Any], directory: Path) -> Mapping[str, Mapping[str, Any]]:
+        """Write the payload files of `state` into the empty `directory` and fsync them.
+
+        Return manifest records (`size`, `sha256`) for files hashed while writing; any file left
+        out is hashed and fsynced afterwards by the base class.
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not implement checkpoint writing")
+
+    def _read_payload(self, directory: Path, manifest: Mapping[str, Any], map_location: Any) -> dict[str, Any]:
+        """Load the payload of a verified checkpoint directory."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement checkpoint reading")
+
+    def _read_file(self, path: Path, map_location: Any) -> dict[str, Any]:
+        """Load a single payload file (a file inside a checkpoint, or a plain external file)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot read single checkpoint files")
+
+    # finding and loading ---------------------------------------------------------------------
+
+    def resolve(self, checkpoint: str | os.PathLike) -> Path:
+        """Turn an alias, checkpoint name, pointer file or path into an existing path.
+
+        Bare names are looked up as aliases first, then as checkpoint names under `directory`,
+        then relative to the working directory.
+        """
+        if not isinstance(checkpoint, (str, os.PathLike)):
+            raise TypeError(f"checkpoint must be an alias, name or path, got {type(checkpoint).__name__}")
+        text = os.fspath(checkpoint)
+        if isinstance(checkpoint, str) and NAME_PATTERN.match(text) and not text.endswith(POINTER_SUFFIX):
+            pointer = self.directory / f"{text}{POINTER_SUFFIX}"
+            if pointer.is_file():
+                return self._follow(pointer)
+            if (self.directory / text).exists():
+                return self.directory / text
+        path = Path(text)
+        if path.is_file() and path.name.endswith(POINTER_SUFFIX):
+            return self._follow(path)
+        if path.exists():
+            return path
+        known = sorted(self.aliases(wait=False)) + [p.name for p, _ in self._scan()]
+        raise CheckpointNotFoundError(
+            f"no checkpoint, alias or path matches {text!r} (directory {self.directory}; known: {known or 'none'})"
+        )
+
+    def _follow(self, pointer: Path) -> Path:
+        return follow_pointer(pointer)
+
+    def verify(self, checkpoint: str | os.PathLike) -> dict[str, Any]:
+        """Check a checkpoint against its manifest; return the manifest or raise `CheckpointError`."""
+        path = self.resolve(checkpoint)
+        if path.is_dir():
+            return verify_directory(path)
+        if (path.parent / MANIFEST_NAME).is_file():
+            return verify_directory(path.parent, [path.name])
+        raise CheckpointError(f"{path} is not part of a checkpoint with a {MANIFEST_NAME}; nothing to verify")
+
+    def load(self, checkpoint: str | os.PathLike, *, map_location: Any = "cpu") -> dict[str, Any]:
+        """Verify and load a checkpoint, then drop the `exclude_from_loading` keys.
+
+        Args:
+            checkpoint: Alias (`"latest"`, `"best"`, ...), checkpoint name, checkpoint
+                directory, pointer file, or payload file. A plain file with no manifest beside
+                it (for example weights saved by `torch.save`) is loaded unverified.
+            map_location: Forwarded to `torch.load`.
+
+        Raises:
+            CheckpointError: The checkpoint is torn, corrupt or unreadable (the message names the file).
+            CheckpointNotFoundError: Nothing matches `checkpoint`.
+        """
+        self.wait()
+        path = self.resolve(checkpoint)
+        if path.is_dir():
+            manifest = verify_directory(path)
+            if manifest.get("backend", self.backend) != self.backend:
+                raise CheckpointError(
+                    f"checkpoint {path} was written by the {manifest['backend']!r} backend; "
+                    f"{type(self).__name__} reads {self.backend!r} checkpoints"
+                )
+            payload = self._read_payload(path, manifest, map_location)
+        else:
+            if (path.parent / MANIFEST_NAME).is_file():
+                verify_directory(path.parent, [path.name])
+            else:
+                self.logger.debug("loading %s without verification: no %s beside it", path, MANIFEST_NAME)
+            payload = self._read_file(path, map_location)
+        if not isinstance(payload, MutableMapping):
+            raise CheckpointError(f"checkpoint {path} holds a {type(payload).__name__}, expected a mapping")
+        for key in self.exclude_from_loading:
+            drop_key(payload, key)
+        return payload
+
+    def latest_valid(self) -> Path | None:
+        """Return the newest checkpoint that passes verification, logging every one it skips.
+
+        The `latest` alias is tried first, then all checkpoints from newest to oldest.
+        """
+        self.wait()
+        latest = self.latest
+        candidates = ([latest] if latest else []) + [path for path, _ in self._scan() if path != latest]
+        rejected = 0
+        for path in candidates:
+            try:
+                verify_directory(path)
+            except CheckpointError as err:
+                rejected += 1
+                self.logger.warning("skipping checkpoint %s: %s", path, err)
+                continue
+            if rejected:
+                self.logger.warning("falling back to checkpoint %s, the newest one that verifies", path)
+            return path
+        return None
+
+    def checkpoints(self) -> list[Path]:
+        """Checkpoint directories under `directory`, newest first."""
+        return [path for path, _ in self._scan()]
+
+    def _scan(self) -> list[tuple[Path, dict[str, Any]]]:
+        """List checkpoint directories (newest first) with their manifests (empty when unreadable)."""
+        if not self.directory.is_dir():
+            return []
+        found = []
+        for entry in self.directory.iterdir():
+            if entry.name.startswith(".") or not entry.is_dir():
+                continue
+            try:
+                manifest = read_manifest(entry)
+            except CheckpointError:
+                manifest = {"history": bool(self.history_pattern.match(entry.name))}
+            created = manifest.get("created_ns", entry.stat().st_mtime_ns)
+            found.append((created, entry.name, entry, manifest))
+        found.sort(key=lambda item: (item[0], item[1]), reverse=True)
+        return [(entry, manifest) for _, _, entry, manifest in found]
+
+    def aliases(self, *, wait: bool = True) -> dict[str, Path]:
+        """Map each alias to the checkpoint it points at (aliases whose target is gone are skipped)."""
+        if wait:
+            self.wait()
+        if not self.directory.is_dir():
+            return {}
+        result = {}
+        for pointer in sorted(self.directory.glob(f"*{POINTER_SUFFIX}")):
+            try:
+                result[pointer.name[: -len(POINTER_SUFFIX)]] = self._follow(pointer)
+            except (CheckpointError, OSError):
+                continue
+        return result
+
+    def alias(self, name: str) -> Path | None:
+        """The checkpoint directory alias `name` points at, or `None`."""
+        return self.aliases().get(name)
+
+    @property
+    def latest(self) -> Path | None:
+        """The checkpoint the `latest` alias points at, or `None`."""
+        return self.alias("latest")
+
+    @property
+    def best(self) -> Path | None:
+        """The checkpoint the `best` alias points at, or `None`."""
+        return self.alias("best")

@@ -1,0 +1,132 @@
+"""Directory layout shared by the checkpoint backends: names, pointers, publication, recovery.
+
+Hidden entries in a checkpoint directory are transient: `.tmp-<name>-<hex>/` (a payload being
+written), `.old-<name>-<hex>/` (a checkpoint being replaced), `.trash-<name>-<hex>/` (one being
+pruned) and `.<alias>.pointer.tmp-<hex>` (a pointer being rewritten). A process that dies leaves
+them behind; [`recover_directory`][danling.checkpoint.layout.recover_directory] cleans them up
+and puts back a checkpoint whose replacement was interrupted.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+import threading
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from .manifest import CheckpointNotFoundError, atomic_write_text, fsync_dir
+
+__all__ = [
+    "POINTER_SUFFIX",
+    "check_name",
+    "in_flight",
+    "publish",
+    "write_pointer",
+    "follow_pointer",
+    "recover_directory",
+]
+
+POINTER_SUFFIX = ".pointer"
+NAME_PATTERN = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.+=-]{0,199}$")
+# Hidden entries that a manager in this process is still writing or swapping; recovery by
+# another manager on the same directory must not mistake them for a dead writer's leftovers.
+_IN_FLIGHT: set[Path] = set()
+_IN_FLIGHT_LOCK = threading.Lock()
+
+
+def check_name(value: Any, kind: str = "checkpoint name") -> str:
+    """Return `value` if it is usable as a checkpoint or alias name, else raise `ValueError`.
+
+    Examples:
+        >>> check_name("epoch-000003")
+        'epoch-000003'
+        >>> check_name("../x")
+        Traceback (most recent call last):
+        ValueError: checkpoint name '../x' is not valid: ...
+    """
+    if not isinstance(value, str) or not NAME_PATTERN.match(value) or value.endswith(POINTER_SUFFIX):
+        raise ValueError(
+            f"{kind} {value!r} is not valid: use up to 200 letters, digits, '_', '.', '+', '=' or '-', "
+            f"not starting with '.' or '-' and not ending with {POINTER_SUFFIX!r}"
+        )
+    return value
+
+
+@contextmanager
+def in_flight(path: Path) -> Iterator[Path]:
+    """Mark a hidden entry as in use by this process for the duration of the block."""
+    key = path.absolute()
+    with _IN_FLIGHT_LOCK:
+        _IN_FLIGHT.add(key)
+    try:
+        yield path
+    finally:
+        with _IN_FLIGHT_LOCK:
+            _IN_FLIGHT.discard(key)
+
+
+def _is_in_flight(path: Path) -> bool:
+    with _IN_FLIGHT_LOCK:
+        return path.absolute() in _IN_FLIGHT
+
+
+def publish(tmp: Path, final: Path) -> Path:
+    """Rename the finished directory `tmp` to `final`, replacing an existing checkpoint safely.
+
+    An existing `final` is first moved aside to `.old-<name>-<hex>`; if the process dies between
+    the two renames, recovery moves it back, so the name never ends up pointing at nothing.
+    """
+    directory = final.parent
+    if final.exists():
+        with in_flight(directory / f".old-{final.name}-{uuid.uuid4().hex}") as old:
+            os.rename(final, old)
+            os.rename(tmp, final)
+            fsync_dir(directory)
+            shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(tmp, final)
+        fsync_dir(directory)
+    return final
+
+
+def write_pointer(directory: Path, alias: str, target: str) -> Path:
+    """Atomically point `alias` at checkpoint `target` (a one-line `<alias>.pointer` file)."""
+    pointer = directory / f"{alias}{POINTER_SUFFIX}"
+    with in_flight(directory / f".{pointer.name}.tmp-{uuid.uuid4().hex}") as tmp:
+        atomic_write_text(pointer, target + "\n", tmp=tmp)
+    return pointer
+
+
+def follow_pointer(pointer: Path) -> Path:
+    """The checkpoint a pointer file names; `CheckpointNotFoundError` when it names nothing."""
+    target = pointer.read_text(encoding="utf-8").strip()
+    path = pointer.parent / target
+    if not target or not NAME_PATTERN.match(target) or not path.exists():
+        raise CheckpointNotFoundError(f"alias file {pointer} points to {target!r}, which does not exist")
+    return path
+
+
+def recover_directory(directory: Path, logger: logging.Logger) -> None:
+    """Remove what killed writers left in `directory` and restore interrupted replacements."""
+    for entry in sorted(directory.iterdir()):
+        if not entry.name.startswith(".") or _is_in_flight(entry):
+            continue
+        if entry.is_file() and f"{POINTER_SUFFIX}.tmp-" in entry.name:
+            entry.unlink(missing_ok=True)
+            continue
+        kind, _, rest = entry.name.partition("-")
+        if not entry.is_dir() or kind not in (".tmp", ".old", ".trash"):
+            continue
+        original = directory / rest.rsplit("-", 1)[0]
+        if kind == ".old" and not original.exists():
+            os.rename(entry, original)
+            logger.warning("restored checkpoint %s from an interrupted replacement", original)
+        else:
+            shutil.rmtree(entry, ignore_errors=True)
+            logger.info("removed leftover %s from an interrupted checkpoint write", entry)

@@ -1,0 +1,210 @@
+"""Experiment trackers: every result the runner writes also goes to TensorBoard and/or W&B.
+
+Trackers receive nested result mappings (`{"train": {"loss": tensor(0.3)}, "val": {...}}`) and a
+step. [`flatten_result`][danling.runners.trackers.flatten_result] turns them into
+`{"train/loss": 0.3, ...}`; [`Trackers`][danling.runners.trackers.Trackers] fans one call out to
+all configured backends. TensorBoard and W&B are imported only when their tracker is built.
+"""
+
+from __future__ import annotations
+
+import numbers
+import os
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
+
+from danling.utils import optional_import
+
+__all__ = ["Tracker", "TensorBoardTracker", "WandbTracker", "Trackers", "flatten_result"]
+
+
+def _scalar(value: Any) -> float | None:
+    if isinstance(value, bool):
+        return float(value)
+    if isinstance(value, numbers.Real):
+        return float(value)
+    # torch tensors expose numel(); NumPy arrays and scalars expose an integer size
+    count = value.numel() if callable(getattr(value, "numel", None)) else getattr(value, "size", None)
+    if callable(getattr(value, "item", None)) and count == 1:
+        item = value.item()
+        return float(item) if isinstance(item, numbers.Real) else None
+    return None
+
+
+def flatten_result(result: Mapping[str, Any], sep: str = "/") -> dict[str, float]:
+    """Flatten a nested result mapping into `{"a/b": float}` for scalar loggers.
+
+    Python numbers, NumPy scalars and one-element tensors become floats (this reads tensors
+    back to the host, so call it where results are written, not per step). Anything else
+    (strings, `None`, multi-element arrays) is left out.
+
+    Examples:
+        >>> import torch
+        >>> flatten_result({"train": {"loss": torch.tensor(0.5), "acc": 1}, "epoch": 3, "note": "x"})
+        {'train/loss': 0.5, 'train/acc': 1.0, 'epoch': 3.0}
+        >>> flatten_result({"val": {"f1": 0.25}}, sep=".")
+        {'val.f1': 0.25}
+    """
+    if not isinstance(result, Mapping):
+        raise TypeError(f"flatten_result() expects a mapping of results, got {type(result).__name__}")
+    flat: dict[str, float] = {}
+
+    def visit(node: Mapping, prefix: str) -> None:
+        for key, value in node.items():
+            name = f"{prefix}{sep}{key}" if prefix else str(key)
+            if isinstance(value, Mapping):
+                visit(value, name)
+                continue
+            number = _scalar(value)
+            if number is not None:
+                flat[name] = number
+
+    visit(result, "")
+    return flat
+
+
+class Tracker:
+    """A destination for results. The base class accepts everything and does nothing.
+
+    Subclasses implement `log` (called once per written result, with the global step) and
+    `close` (flush and release files or network handles).
+    """
+
+    def log(self, result: Mapping[str, Any], step: int) -> None:
+        """Record `result` at `step`."""
+
+    def close(self) -> None:
+        """Flush and release resources."""
+
+    def __enter__(self) -> Tracker:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+class TensorBoardTracker(Tracker):
+    """Write each flattened result as TensorBoard scalars in `log_dir`.
+
+    Requires the `tensorboard` extra. Events are flushed after every `log`, so a crash loses at
+    most the result being written.
+    """
+
+    def __init__(self, log_dir: str | os.PathLike, **kwargs: Any) -> None:
+        module = optional_import("torch.utils.tensorboard", "tensorboard")
+        self.log_dir = os.fspath(log_dir)
+        self.writer = module.SummaryWriter(log_dir=self.log_dir, **kwargs)
+
+    def log(self, result: Mapping[str, Any], step: int) -> None:
+        for tag, value in flatten_result(result).items():
+            self.writer.add_scalar(tag, value, global_step=step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class WandbTracker(Tracker):
+    """Send each flattened result to a Weights & Biases run.
+
+    Requires the `wandb` extra. Arguments map onto `wandb.init`; `mode="offline"` records
+    locally without network access (`wandb sync` uploads later). W&B drops values logged at a
+    step lower than one it has already seen, so log with a non-decreasing step.
+
+    Args:
+        project: W&B project.
+        name: Display name of the run.
+        dir: Directory for W&B's local files.
+        mode: `"online"`, `"offline"` or `"disabled"`; `None` lets W&B decide (e.g. from `WANDB_MODE`).
+        config: Hyper-parameters recorded with the run.
+        **kwargs: Passed to `wandb.init` (entity, group, job_type, tags, ...).
+    """
+
+    def __init__(
+        self,
+        project: str | None = None,
+        name: str | None = None,
+        dir: str | os.PathLike | None = None,  # same name as the wandb.init argument
+        mode: str | None = None,
+        config: Mapping[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        wandb = optional_import("wandb", "wandb")
+        if dir is not None:
+            os.makedirs(dir, exist_ok=True)
+        options = {"project": project, "name": name, "dir": None if dir is None else os.fspath(dir), "mode": mode}
+        options = {key: value for key, value in options.items() if value is not None}
+        if config is not None:
+            options["config"] = dict(config)
+        self._wandb = wandb
+        self.run = wandb.init(**options, **kwargs)
+
+    def log(self, result: Mapping[str, Any], step: int) -> None:
+        flat = flatten_result(result)
+        if flat:
+            self.run.log(flat, step=step)
+
+    def close(self) -> None:
+        """Finish the run and, when no other W&B run is active, shut down W&B's background service.
+
+        `run.finish()` can return before the service has written the last records to the local
+        run file; shutting the service down (`wandb.teardown`) waits for that, so the run
+        directory is complete when `close` returns. The service restarts on the next `wandb.init`.
+        """
+        self.run.finish()
+        if self._wandb.run is None:
+            self._wandb.teardown()
+
+
+class Trackers(Tracker):
+    """Fan one `log` / `close` call out to several trackers.
+
+    Examples:
+        >>> class Recorder(Tracker):
+        ...     def __init__(self):
+        ...         self.seen = []
+        ...     def log(self, result, step):
+        ...         self.seen.append((step, result))
+        >>> recorder = Recorder()
+        >>> trackers = Trackers([recorder, Tracker()])
+        >>> trackers.log({"val": {"acc": 0.5}}, step=10)
+        >>> recorder.seen
+        [(10, {'val/acc': 0.5})]
+        >>> len(trackers), bool(Trackers())
+        (2, False)
+    """
+
+    def __init__(self, trackers: Iterable[Tracker] = ()) -> None:
+        self.trackers: list[Tracker] = []
+        for tracker in trackers:
+            self.append(tracker)
+
+    def append(self, tracker: Tracker) -> None:
+        """Add a tracker to the fan-out."""
+        if not isinstance(tracker, Tracker):
+            raise TypeError(f"Trackers accepts Tracker instances, got {type(tracker).__name__}: {tracker!r}")
+        self.trackers.append(tracker)
+
+    def log(self, result: Mapping[str, Any], step: int) -> None:
+        if not self.trackers:
+            return
+        flat = flatten_result(result)
+        for tracker in self.trackers:
+            tracker.log(flat, step)
+
+    def close(self) -> None:
+        """Close every tracker, even if one of them fails; the first error is re-raised."""
+        error: BaseException | None = None
+        for tracker in self.trackers:
+            try:
+                tracker.close()
+            except Exception as err:  # keep closing the others before reporting
+                error = error or err
+        if error is not None:
+            raise error
+
+    def __len__(self) -> int:
+        return len(self.trackers)
+
+    def __iter__(self) -> Iterator[Tracker]:
+        return iter(self.trackers)
