@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, TypeVar
 
 __all__ = ["Registry"]
@@ -105,12 +105,20 @@ class Registry:
     def build(self, *args: Any, type: str | None = None, **kwargs: Any) -> Any:
         """Call the entry named `type` with the remaining arguments.
 
+        A configuration mapping may stand in for the keywords: when `type` is not given and the
+        last positional argument is a mapping with a `"type"` key, its items become the keywords
+        (explicit keywords win), so `registry.build(params, config.optim)` works.
+
         Arguments are checked against the entry's signature first, so a misspelt option fails with a
         message naming the entry and the arguments it accepts instead of a bare `TypeError`.
 
         Raises:
             ValueError: If `type` is missing or unknown, or the arguments do not fit the entry.
         """
+        if type is None and args and isinstance(args[-1], Mapping) and "type" in args[-1]:
+            *rest, config = args
+            args, kwargs = tuple(rest), {**config, **kwargs}
+            type = kwargs.pop("type")
         if type is None:
             raise ValueError(f"building a {self.kind} needs type=<name>; registered: {', '.join(self.names())}")
         entry = self.get(type)

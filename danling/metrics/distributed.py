@@ -1,0 +1,147 @@
+"""Collectives used when metric values are read in a multi-process run.
+
+Nothing here runs on the update path: meters and containers only call these helpers when a
+synchronised value (`bat`, `avg`) is requested, so every rank must read those values together,
+just as every rank must enter any other collective.
+
+- [`sum_across_ranks`][danling.metrics.distributed.sum_across_ranks]: element-wise sum of a
+  tensor of the same shape on every rank.
+- [`gather_across_ranks`][danling.metrics.distributed.gather_across_ranks]: concatenation of
+  shards whose first dimension differs between ranks (a rank may even have nothing), done by
+  padding every shard to the longest one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+__all__ = [
+    "collective_device",
+    "gather_across_ranks",
+    "gather_shapes",
+    "get_world_size",
+    "is_distributed",
+    "sum_across_ranks",
+]
+
+# Tensors travel in a dtype every backend supports; they are cast back after the collective.
+_WIRE_DTYPES: tuple[torch.dtype, ...] = (
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+)
+_MAX_NDIM = 8
+
+
+def is_distributed() -> bool:
+    """Whether a default process group with more than one rank is active."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def get_world_size() -> int:
+    """Number of ranks in the default process group (1 without one)."""
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def collective_device(preferred: torch.device | str | None = None) -> torch.device:
+    """Device on which tensors must live to take part in a collective of the default group.
+
+    NCCL needs the current CUDA device; a pure Gloo group works on CPU tensors; groups that
+    mix backends per device follow the data (`preferred`), falling back to CPU.
+    """
+    backend = str(dist.get_backend())
+    if backend == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    if backend == "gloo" or preferred is None:
+        return torch.device("cpu")
+    return torch.device(preferred)
+
+
+def sum_across_ranks(tensor: Tensor, device: torch.device | str | None = None) -> Tensor:
+    """Return the element-wise sum of `tensor` over all ranks, on `tensor`'s device.
+
+    Every rank must pass a tensor of the same shape and dtype.
+    """
+    if not is_distributed():
+        return tensor
+    wire = tensor.to(collective_device(device or tensor.device), copy=True)
+    dist.all_reduce(wire)
+    return wire.to(tensor.device)
+
+
+def gather_shapes(shapes: Sequence[torch.Size | None], device: torch.device | str | None = None) -> list[list]:
+    """Exchange a list of shapes (or `None` for "nothing here") with every rank.
+
+    Returns:
+        One list per rank, each holding that rank's shapes (`torch.Size` or `None`).
+    """
+    rows = []
+    for shape in shapes:
+        if shape is not None and len(shape) > _MAX_NDIM:
+            raise ValueError(f"cannot synchronise tensors with more than {_MAX_NDIM} dimensions, got shape {shape}")
+        dims = list(shape) if shape is not None else []
+        rows.append([int(shape is not None), len(dims), *dims, *([0] * (_MAX_NDIM - len(dims)))])
+    local = torch.tensor(rows, dtype=torch.int64, device=collective_device(device)).reshape(len(rows), -1)
+    gathered = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, local)
+    result = []
+    for rank_rows in gathered:
+        result.append([torch.Size(row[2 : 2 + row[1]]) if row[0] else None for row in rank_rows.tolist()])
+    return result
+
+
+def gather_across_ranks(tensor: Tensor | None, device: torch.device | str | None = None) -> Tensor | None:
+    """Concatenate along dim 0 the shards that all ranks hold, in rank order.
+
+    Shards may differ in length (uneven or variable-length data) and a rank may pass `None`
+    when it has seen nothing; the other dimensions and the dtype must agree. Without a process
+    group the tensor is returned unchanged.
+
+    Returns:
+        The concatenation on the local shard's device (CPU when the local shard is `None`),
+        or `None` if no rank had data.
+
+    Raises:
+        ValueError: If ranks disagree on the trailing shape or the dtype.
+    """
+    if not is_distributed():
+        return tensor
+    local_device = tensor.device if tensor is not None else torch.device("cpu")
+    wire_device = collective_device(device or local_device)
+    code = _WIRE_DTYPES.index(tensor.dtype) if tensor is not None else -1
+    shape = None if tensor is None else torch.Size([*tensor.shape, code])  # dtype rides along as a fake dim
+    if tensor is not None and tensor.ndim == 0:
+        raise ValueError("gather_across_ranks needs tensors with a first dimension, got a 0-d tensor")
+    per_rank = [shapes[0] for shapes in gather_shapes([shape], wire_device)]
+    present = [(rank, s) for rank, s in enumerate(per_rank) if s is not None]
+    if not present:
+        return None
+    trailing = {(tuple(s[1:-1]), s[-1]) for _, s in present}
+    if len(trailing) > 1:
+        described = ", ".join(f"rank {r}: shape {tuple(s[:-1])} dtype {_WIRE_DTYPES[s[-1]]}" for r, s in present)
+        raise ValueError(f"cannot gather shards whose trailing shape or dtype differ across ranks ({described})")
+    ((trailing_shape, code),) = trailing
+    dtype = _WIRE_DTYPES[code]
+    wire_dtype = {torch.bool: torch.uint8, torch.float16: torch.float32, torch.bfloat16: torch.float32}.get(
+        dtype, dtype
+    )
+    lengths = [s[0] if s is not None else 0 for s in per_rank]
+    max_len = max(lengths)
+    buffer = torch.zeros((max_len, *trailing_shape), dtype=wire_dtype, device=wire_device)
+    if tensor is not None and tensor.shape[0]:
+        buffer[: tensor.shape[0]] = tensor.to(device=wire_device, dtype=wire_dtype)
+    gathered = [torch.empty_like(buffer) for _ in lengths]
+    dist.all_gather(gathered, buffer)
+    out = torch.cat([shard[:length] for shard, length in zip(gathered, lengths)])
+    return out.to(device=local_device, dtype=dtype)

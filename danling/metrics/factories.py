@@ -1,0 +1,274 @@
+"""Ready-made metric containers per task, and a registry so configurations can name them.
+
+Each factory returns a [`GlobalMetrics`][danling.metrics.GlobalMetrics] (exact, the default)
+or, with `mode="stream"`, a [`StreamMetrics`][danling.metrics.StreamMetrics] (constant memory,
+per-batch values averaged). `metrics=` picks names from the task's catalogue:
+
+| task | default names | other names |
+| --- | --- | --- |
+| binary, multiclass, multilabel | acc, f1, mcc, auroc, auprc | balanced_acc, precision, recall, confmat |
+| regression | pearson, spearman, r2, mse, rmse, mae | |
+
+The streaming defaults leave out the rank-based metrics (auroc, auprc, spearman), whose
+per-batch averages can differ a lot from the dataset value (and are `nan` on batches with a
+single class); ask for them explicitly if you want them. `confmat` is only available in
+global mode. Classification factories ignore targets equal to `-100` by default, the
+convention of `torch.nn.CrossEntropyLoss`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from functools import partial
+from typing import Any
+
+import torch
+
+from ..utils.registry import Registry
+from .functional import binary as _binary
+from .functional import multiclass as _multiclass
+from .functional import multilabel as _multilabel
+from .functional import regression as _regression
+from .global_metrics import GlobalMetrics
+from .metric_meter import Preprocess
+from .preprocess import base_preprocess
+from .state import MetricFunc, MetricState, MetricTask
+from .stream_metrics import StreamMetrics
+
+__all__ = [
+    "METRICS",
+    "binary_metrics",
+    "metric_funcs",
+    "multiclass_metrics",
+    "multilabel_metrics",
+    "regression_metrics",
+]
+
+CLASSIFICATION_GLOBAL = ("acc", "f1", "mcc", "auroc", "auprc")
+CLASSIFICATION_STREAM = ("acc", "f1", "mcc")
+REGRESSION_GLOBAL = ("pearson", "spearman", "r2", "mse", "rmse", "mae")
+REGRESSION_STREAM = ("pearson", "r2", "mse", "rmse", "mae")
+GLOBAL_ONLY = ("confmat",)
+
+# name -> (artifact, function of (state, average)); average is ignored where it does not apply.
+Entry = tuple[str, Callable[[MetricState, Any], Any]]
+
+
+def _curve_metric(module: Any, which: str) -> Callable[[MetricState, Any], Any]:
+    def compute(state: MetricState, average: Any) -> Any:
+        return getattr(module, f"{which}_from_curves")(state.curves(micro=average == "micro"), average)
+
+    return compute
+
+
+def _binary_curve_metric(which: str) -> Callable[[MetricState, Any], Any]:
+    function = _multiclass.columns_auroc if which == "auroc" else _multiclass.columns_auprc
+    return lambda state, average: function(state.curves())[0]
+
+
+def _classification(module: Any, averaged: bool) -> dict[str, Entry]:
+    def confusion(name: str, takes_average: bool) -> Entry:
+        function = getattr(module, f"{name}_from_confusion")
+        if takes_average:
+            return "confusion", lambda state, average: function(state.confusion, average)
+        return "confusion", lambda state, average: function(state.confusion)
+
+    catalog = {
+        "acc": confusion("accuracy", False),
+        "balanced_acc": confusion("balanced_accuracy", False),
+        "precision": confusion("precision", averaged),
+        "recall": confusion("recall", averaged),
+        "f1": confusion("f1", averaged),
+        "mcc": confusion("mcc", False),
+        "confmat": ("confusion", lambda state, average: state.confusion.matrix),
+    }
+    if averaged:
+        catalog["auroc"] = ("data", _curve_metric(module, "auroc"))
+        catalog["auprc"] = ("data", _curve_metric(module, "auprc"))
+    else:
+        catalog["auroc"] = ("data", _binary_curve_metric("auroc"))
+        catalog["auprc"] = ("data", _binary_curve_metric("auprc"))
+    return catalog
+
+
+def _regression_catalog() -> dict[str, Entry]:
+    def moments(name: str) -> Entry:
+        function = getattr(_regression, f"{name}_from_moments")
+        return "moments", lambda state, average: function(state.moments, average)
+
+    catalog = {name: moments(name) for name in ("pearson", "mse", "rmse", "mae")}
+    catalog["r2"] = moments("r2")
+    catalog["spearman"] = (
+        "data",
+        lambda state, average: _regression.spearman_from_data(*state.data, state.task.ignore_index, average),
+    )
+    return catalog
+
+
+CATALOGS: dict[str, dict[str, Entry]] = {
+    "binary": _classification(_binary, averaged=False),
+    "multiclass": _classification(_multiclass, averaged=True),
+    "multilabel": _classification(_multilabel, averaged=True),
+    "regression": _regression_catalog(),
+}
+
+
+def metric_funcs(task: MetricTask, names: Sequence[str], average: str | None = "macro") -> dict[str, MetricFunc]:
+    """Build the named [`MetricFunc`][danling.metrics.MetricFunc]s of `task`'s catalogue.
+
+    `average` applies to the metrics that average over classes, labels or outputs
+    (precision, recall, f1, auroc, auprc, and all regression metrics).
+
+    Raises:
+        ValueError: For names outside the catalogue, listing the valid ones.
+    """
+    catalog = CATALOGS[task.kind]
+    unknown = [name for name in names if name not in catalog]
+    if unknown:
+        raise ValueError(f"unknown {task.kind} metrics {unknown}; available: {', '.join(catalog)}")
+    funcs = {}
+    for name in names:
+        requires, compute = catalog[name]
+        funcs[name] = MetricFunc(name, partial(_call, compute, average), task, requires)
+    return funcs
+
+
+def _call(compute: Callable[[MetricState, Any], Any], average: Any, state: MetricState) -> Any:
+    return compute(state, average)
+
+
+def _container(
+    task: MetricTask,
+    metrics: Sequence[str] | None,
+    mode: str,
+    average: str | None,
+    preprocess: Preprocess | None,
+    device: torch.device | str | None,
+    defaults: tuple[tuple[str, ...], tuple[str, ...]],
+) -> GlobalMetrics | StreamMetrics:
+    if mode not in ("global", "stream"):
+        raise ValueError(f"mode must be 'global' (exact) or 'stream' (per-batch averages), got {mode!r}")
+    names = tuple(metrics) if metrics is not None else defaults[mode == "stream"]
+    if mode == "stream" and any(name in GLOBAL_ONLY for name in names):
+        raise ValueError(f"{', '.join(GLOBAL_ONLY)} cannot be averaged over batches; use mode='global'")
+    funcs = metric_funcs(task, names, average)
+    if mode == "stream":
+        return StreamMetrics(preprocess=preprocess, device=device, **funcs)
+    return GlobalMetrics(preprocess=preprocess, device=device, **funcs)
+
+
+def binary_metrics(
+    metrics: Sequence[str] | None = None,
+    *,
+    mode: str = "global",
+    threshold: float = 0.5,
+    ignore_index: int | None = -100,
+    preprocess: Preprocess | None = base_preprocess,
+    device: torch.device | str | None = None,
+) -> GlobalMetrics | StreamMetrics:
+    """Metrics for binary classification (one score per sample).
+
+    Examples:
+        >>> metrics = binary_metrics()
+        >>> metrics
+        GlobalMetrics(acc, f1, mcc, auroc, auprc)
+        >>> metrics.update([0.9, 0.2, 0.7, 0.4], [1, 0, 0, -100])
+        >>> round(metrics.avg["acc"], 4), metrics.avg["auroc"]
+        (0.6667, 1.0)
+        >>> binary_metrics(["acc", "precision"], mode="stream")
+        StreamMetrics(acc=MetricMeter(acc), precision=MetricMeter(precision))
+    """
+    task = MetricTask("binary", threshold=threshold, ignore_index=ignore_index)
+    defaults = (CLASSIFICATION_GLOBAL, CLASSIFICATION_STREAM)
+    return _container(task, metrics, mode, None, preprocess, device, defaults)
+
+
+def multiclass_metrics(
+    num_classes: int,
+    metrics: Sequence[str] | None = None,
+    *,
+    mode: str = "global",
+    average: str | None = "macro",
+    ignore_index: int | None = -100,
+    preprocess: Preprocess | None = base_preprocess,
+    device: torch.device | str | None = None,
+) -> GlobalMetrics | StreamMetrics:
+    """Metrics for single-label classification into `num_classes` classes.
+
+    `acc` is always the plain fraction of correct predictions; `average` applies to
+    precision, recall, f1, auroc and auprc.
+
+    Examples:
+        >>> import torch
+        >>> metrics = multiclass_metrics(num_classes=3)
+        >>> metrics.update(torch.tensor([[2.0, 0.1, 0.3], [0.1, 1.5, 0.2], [1.2, 0.2, 0.1]]), torch.tensor([0, 1, 2]))
+        >>> metrics.update(torch.tensor([[0.1, 0.2, 3.0], [0.2, 1.0, 0.9]]), torch.tensor([2, 1]))
+        >>> result = metrics.compute()
+        >>> round(result["acc"], 4), round(result["f1"], 4), round(result["auroc"], 4)
+        (0.8, 0.7778, 0.9444)
+    """
+    task = MetricTask("multiclass", num_classes=num_classes, ignore_index=ignore_index)
+    defaults = (CLASSIFICATION_GLOBAL, CLASSIFICATION_STREAM)
+    return _container(task, metrics, mode, average, preprocess, device, defaults)
+
+
+def multilabel_metrics(
+    num_labels: int,
+    metrics: Sequence[str] | None = None,
+    *,
+    mode: str = "global",
+    threshold: float = 0.5,
+    average: str | None = "macro",
+    ignore_index: int | None = -100,
+    preprocess: Preprocess | None = base_preprocess,
+    device: torch.device | str | None = None,
+) -> GlobalMetrics | StreamMetrics:
+    """Metrics for `num_labels` independent binary labels per sample.
+
+    `acc` and `mcc` pool all label decisions; `average` applies to precision, recall, f1,
+    auroc and auprc.
+
+    Examples:
+        >>> metrics = multilabel_metrics(num_labels=2, metrics=["acc", "f1"])
+        >>> metrics.update([[0.9, 0.2], [0.8, 0.6], [0.1, 0.7], [0.3, 0.4]], [[1, 0], [0, 1], [0, 1], [1, 0]])
+        >>> metrics.avg.dict()
+        {'acc': 0.75, 'f1': 0.75}
+    """
+    task = MetricTask("multilabel", num_labels=num_labels, threshold=threshold, ignore_index=ignore_index)
+    defaults = (CLASSIFICATION_GLOBAL, CLASSIFICATION_STREAM)
+    return _container(task, metrics, mode, average, preprocess, device, defaults)
+
+
+def regression_metrics(
+    num_outputs: int = 1,
+    metrics: Sequence[str] | None = None,
+    *,
+    mode: str = "global",
+    average: str | None = "macro",
+    ignore_index: float | None = None,
+    preprocess: Preprocess | None = base_preprocess,
+    device: torch.device | str | None = None,
+) -> GlobalMetrics | StreamMetrics:
+    """Metrics for regression with `num_outputs` outputs per sample.
+
+    Only `spearman` needs the stored predictions; the others are computed from running
+    moments, so `regression_metrics(metrics=["r2", "rmse"])` uses constant memory even in
+    global mode.
+
+    Examples:
+        >>> metrics = regression_metrics(metrics=["r2", "mse", "spearman"])
+        >>> metrics.update([2.5, 0.0], [3.0, -0.5])
+        >>> metrics.update([2.0, 8.0], [2.0, 7.0])
+        >>> {name: round(value, 4) for name, value in metrics.avg.items()}
+        {'r2': 0.9486, 'mse': 0.375, 'spearman': 1.0}
+    """
+    task = MetricTask("regression", num_outputs=num_outputs, ignore_index=ignore_index)
+    return _container(task, metrics, mode, average, preprocess, device, (REGRESSION_GLOBAL, REGRESSION_STREAM))
+
+
+METRICS = Registry("metric factory")
+"""Factories by task name, for configurations: `METRICS.build(type="multiclass", num_classes=10)`."""
+METRICS.register(binary_metrics, "binary")
+METRICS.register(multiclass_metrics, "multiclass")
+METRICS.register(multilabel_metrics, "multilabel")
+METRICS.register(regression_metrics, "regression")

@@ -1,0 +1,294 @@
+"""Metric functions of `(input, target)` for binary, multiclass, multilabel and regression tasks.
+
+The task-specific functions (`binary_auroc`, `multiclass_f1_score`, `mse`, ...) live in one
+module per task. The generic names below (`accuracy`, `auroc`, ...) pick the task for you:
+
+- `task=` wins when given (`"binary"`, `"multiclass"` or `"multilabel"`);
+- otherwise `num_classes` means multiclass and `num_labels` multilabel;
+- otherwise scores with one more dimension than the target (class scores) mean multiclass,
+  and anything else is binary.
+
+`average` applies to multiclass and multilabel metrics; leaving it unset uses the task
+module's default (documented there). All functions accept tensors, nested sequences, NumPy
+arrays and `NestedTensor`s, never synchronise with the device, and return `nan` where a value
+is undefined (for example on empty input).
+
+Examples:
+    >>> import torch
+    >>> accuracy(torch.tensor([0.1, 0.8, 0.6, 0.2]), torch.tensor([0, 1, 0, 0]))
+    tensor(0.7500, dtype=torch.float64)
+    >>> f1_score([[0.7, 0.2, 0.1], [0.1, 0.2, 0.7], [0.2, 0.6, 0.2]], [0, 2, 2])
+    tensor(0.5556, dtype=torch.float64)
+    >>> auroc([[0.9, 0.1], [0.2, 0.6]], [[1, 0], [0, 1]], task="multilabel")
+    tensor(1., dtype=torch.float64)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from torch import Tensor
+
+from ..preprocess import base_preprocess
+from . import binary as _binary
+from . import multiclass as _multiclass
+from . import multilabel as _multilabel
+from .binary import (
+    binary_accuracy,
+    binary_auprc,
+    binary_auroc,
+    binary_balanced_accuracy,
+    binary_confusion_matrix,
+    binary_f1_score,
+    binary_mcc,
+    binary_precision,
+    binary_recall,
+)
+from .multiclass import (
+    multiclass_accuracy,
+    multiclass_auprc,
+    multiclass_auroc,
+    multiclass_balanced_accuracy,
+    multiclass_confusion_matrix,
+    multiclass_f1_score,
+    multiclass_mcc,
+    multiclass_precision,
+    multiclass_recall,
+)
+from .multilabel import (
+    multilabel_accuracy,
+    multilabel_auprc,
+    multilabel_auroc,
+    multilabel_balanced_accuracy,
+    multilabel_confusion_matrix,
+    multilabel_f1_score,
+    multilabel_mcc,
+    multilabel_precision,
+    multilabel_recall,
+)
+from .regression import mae, mse, pearson, r2_score, rmse, spearman
+
+__all__ = [
+    "accuracy",
+    "auprc",
+    "auroc",
+    "balanced_accuracy",
+    "binary_accuracy",
+    "binary_auprc",
+    "binary_auroc",
+    "binary_balanced_accuracy",
+    "binary_confusion_matrix",
+    "binary_f1_score",
+    "binary_mcc",
+    "binary_precision",
+    "binary_recall",
+    "confusion_matrix",
+    "f1_score",
+    "mae",
+    "mcc",
+    "mse",
+    "multiclass_accuracy",
+    "multiclass_auprc",
+    "multiclass_auroc",
+    "multiclass_balanced_accuracy",
+    "multiclass_confusion_matrix",
+    "multiclass_f1_score",
+    "multiclass_mcc",
+    "multiclass_precision",
+    "multiclass_recall",
+    "multilabel_accuracy",
+    "multilabel_auprc",
+    "multilabel_auroc",
+    "multilabel_balanced_accuracy",
+    "multilabel_confusion_matrix",
+    "multilabel_f1_score",
+    "multilabel_mcc",
+    "multilabel_precision",
+    "multilabel_recall",
+    "pearson",
+    "precision",
+    "r2_score",
+    "recall",
+    "rmse",
+    "spearman",
+]
+
+TASKS = ("binary", "multiclass", "multilabel")
+
+
+def infer_task(
+    input: Any, target: Any, task: str | None = None, num_classes: int | None = None, num_labels: int | None = None
+) -> str:
+    """Name the classification task that `input`/`target` describe (see the module docs)."""
+    if task is not None:
+        if task not in TASKS:
+            raise ValueError(f"task must be one of {', '.join(TASKS)}, got {task!r}")
+        return task
+    if num_classes is not None:
+        return "multiclass"
+    if num_labels is not None:
+        return "multilabel"
+    input, target = base_preprocess(input, target)
+    if input.ndim == target.ndim + 1 and input.shape[-1] > 1:
+        return "multiclass"
+    return "binary"
+
+
+def _dispatch(name: str, input: Any, target: Any, options: dict[str, Any]) -> Tensor:
+    task = infer_task(input, target, options.pop("task"), options["num_classes"], options["num_labels"])
+    module = {"binary": _binary, "multiclass": _multiclass, "multilabel": _multilabel}[task]
+    function: Callable[..., Tensor] = getattr(module, f"{task}_{name}")
+    num_classes, num_labels = options.pop("num_classes"), options.pop("num_labels")
+    average = options.pop("average", "default")
+    if task == "multiclass":
+        options.pop("threshold", None)
+        options["num_classes"] = num_classes
+    elif task == "multilabel":
+        options["num_labels"] = num_labels
+    if task != "binary" and average != "default":
+        options["average"] = average
+    return function(input, target, **options)
+
+
+def accuracy(
+    input: Any,
+    target: Any,
+    *,
+    task: str | None = None,
+    num_classes: int | None = None,
+    num_labels: int | None = None,
+    threshold: float = 0.5,
+    average: str | None = "default",
+    ignore_index: int | None = None,
+) -> Tensor:
+    """Accuracy of the inferred task (see `binary_accuracy`, `multiclass_accuracy`, `multilabel_accuracy`)."""
+    return _dispatch("accuracy", input, target, dict(locals_without(locals())))
+
+
+def balanced_accuracy(
+    input: Any,
+    target: Any,
+    *,
+    task: str | None = None,
+    num_classes: int | None = None,
+    num_labels: int | None = None,
+    threshold: float = 0.5,
+    average: str | None = "default",
+    ignore_index: int | None = None,
+) -> Tensor:
+    """Balanced accuracy of the inferred task."""
+    options = locals_without(locals())
+    if infer_task(input, target, task, num_classes, num_labels) == "multiclass":
+        options.pop("average")  # multiclass balanced accuracy has a single definition
+    return _dispatch("balanced_accuracy", input, target, options)
+
+
+def precision(
+    input: Any,
+    target: Any,
+    *,
+    task: str | None = None,
+    num_classes: int | None = None,
+    num_labels: int | None = None,
+    threshold: float = 0.5,
+    average: str | None = "default",
+    ignore_index: int | None = None,
+) -> Tensor:
+    """Precision of the inferred task."""
+    return _dispatch("precision", input, target, locals_without(locals()))
+
+
+def recall(
+    input: Any,
+    target: Any,
+    *,
+    task: str | None = None,
+    num_classes: int | None = None,
+    num_labels: int | None = None,
+    threshold: float = 0.5,
+    average: str | None = "default",
+    ignore_index: int | None = None,
+) -> Tensor:
+    """Recall of the inferred task."""
+    return _dispatch("recall", input, target, locals_without(locals()))
+
+
+def f1_score(
+    input: Any,
+    target: Any,
+    *,
+    task: str | None = None,
+    num_classes: int | None = None,
+    num_labels: int | None = None,
+    threshold: float = 0.5,
+    average: str | None = "default",
+    ignore_index: int | None = None,
+) -> Tensor:
+    """F1 score of the inferred task."""
+    return _dispatch("f1_score", input, target, locals_without(locals()))
+
+
+def mcc(
+    input: Any,
+    target: Any,
+    *,
+    task: str | None = None,
+    num_classes: int | None = None,
+    num_labels: int | None = None,
+    threshold: float = 0.5,
+    average: str | None = "default",
+    ignore_index: int | None = None,
+) -> Tensor:
+    """Matthews correlation coefficient of the inferred task."""
+    options = locals_without(locals())
+    if infer_task(input, target, task, num_classes, num_labels) == "multiclass":
+        options.pop("average")
+    return _dispatch("mcc", input, target, options)
+
+
+def auroc(
+    input: Any,
+    target: Any,
+    *,
+    task: str | None = None,
+    num_classes: int | None = None,
+    num_labels: int | None = None,
+    average: str | None = "default",
+    ignore_index: int | None = None,
+) -> Tensor:
+    """Area under the ROC curve of the inferred task."""
+    return _dispatch("auroc", input, target, locals_without(locals()))
+
+
+def auprc(
+    input: Any,
+    target: Any,
+    *,
+    task: str | None = None,
+    num_classes: int | None = None,
+    num_labels: int | None = None,
+    average: str | None = "default",
+    ignore_index: int | None = None,
+) -> Tensor:
+    """Average precision (area under the precision-recall curve) of the inferred task."""
+    return _dispatch("auprc", input, target, locals_without(locals()))
+
+
+def confusion_matrix(
+    input: Any,
+    target: Any,
+    *,
+    task: str | None = None,
+    num_classes: int | None = None,
+    num_labels: int | None = None,
+    threshold: float = 0.5,
+    ignore_index: int | None = None,
+) -> Tensor:
+    """Confusion counts of the inferred task: `(2, 2)`, `(C, C)` or `(L, 2, 2)`."""
+    return _dispatch("confusion_matrix", input, target, locals_without(locals()))
+
+
+def locals_without(namespace: dict[str, Any]) -> dict[str, Any]:
+    """Keyword options of a dispatcher: its locals minus the data arguments."""
+    return {key: value for key, value in namespace.items() if key not in ("input", "target")}

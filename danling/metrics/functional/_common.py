@@ -1,0 +1,298 @@
+"""Task-independent building blocks shared by the functional metrics and the metric containers.
+
+Everything here is synchronisation-free: counts are built with fixed-size bincounts, curves
+and ranks are computed for all columns at once without boolean indexing, and undefined results
+(no samples, a class without positives, ...) come out as `nan` rather than raising.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import cached_property
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "AVERAGES",
+    "Confusion",
+    "ConfusionStats",
+    "Curves",
+    "average_ranks",
+    "bincount",
+    "check_average",
+    "confusion_from_labels",
+    "curves_from_scores",
+    "guard",
+    "label_masks",
+    "reduce_average",
+    "result_dtype",
+    "zero_nan",
+]
+
+AVERAGES = ("micro", "macro", "weighted", None)
+# Devices where torch.bincount is both fast and free of synchronisation (it reads the maximum).
+HOST_BINCOUNT_DEVICES = ("cpu",)
+
+
+class ConfusionStats(NamedTuple):
+    """Float per-class counts of confusion counts `(..., C, C)`, and where results are defined."""
+
+    tp: Tensor
+    predicted: Tensor
+    support: Tensor
+    total: Tensor
+    ok: Tensor  # something was counted and no invalid target was seen
+
+
+class Confusion:
+    """Confusion counts with rows for targets and columns for predictions.
+
+    `matrix` is `(C, C)` (binary: `C = 2`) or `(L, 2, 2)` for multilabel tasks. `invalid`
+    counts targets that were neither ignored nor a valid class; metrics computed from counts
+    with `invalid > 0` are `nan`, which flags bad labels without a host synchronisation.
+    Derived statistics are computed once and shared by every metric that reads them.
+    """
+
+    def __init__(self, matrix: Tensor, invalid: Tensor) -> None:
+        self.matrix = matrix
+        self.invalid = invalid
+
+    def __add__(self, other: Confusion) -> Confusion:
+        return Confusion(self.matrix + other.matrix, self.invalid + other.invalid)
+
+    def __repr__(self) -> str:
+        return f"Confusion(matrix={self.matrix}, invalid={self.invalid})"
+
+    @cached_property
+    def stats(self) -> ConfusionStats:
+        matrix = self.matrix.to(result_dtype(self.matrix.device))
+        tp = matrix.diagonal(dim1=-2, dim2=-1)
+        support = matrix.sum(-1)
+        total = support.sum(-1)
+        ok = (total > 0) & (self.invalid == 0)
+        return ConfusionStats(tp, matrix.sum(-2), support, total, ok)
+
+    @cached_property
+    def precision(self) -> Tensor:
+        """Per-class precision (0 for classes never predicted)."""
+        return zero_nan(self.stats.tp / self.stats.predicted)
+
+    @cached_property
+    def recall(self) -> Tensor:
+        """Per-class recall (0 for classes absent from the target)."""
+        return zero_nan(self.stats.tp / self.stats.support)
+
+    @cached_property
+    def f1(self) -> Tensor:
+        """Per-class F1 score, `2 tp / (predicted + support)`."""
+        return zero_nan(2 * self.stats.tp / (self.stats.predicted + self.stats.support))
+
+    @cached_property
+    def active(self) -> Tensor:
+        """Classes that occur in the target or the predictions."""
+        return (self.stats.predicted + self.stats.support) > 0
+
+    def class_scores(self, name: str) -> Tensor:
+        """Per-class `"precision"`, `"recall"` or `"f1"`."""
+        return getattr(self, name)
+
+    @cached_property
+    def pooled(self) -> Confusion:
+        """Counts of all groups (multilabel labels) added together."""
+        return Confusion(self.matrix.sum(0), self.invalid)
+
+
+class Curves(NamedTuple):
+    """Per-threshold counts of columns of scores sorted in decreasing order.
+
+    Each run of tied scores is one threshold ("group"). All count tensors are `(K, N)` int64
+    with groups in decreasing score order along dim 1, padded with zero-count groups:
+    `positives` / `negatives` count the samples of each group, `tps` / `fps` are their running
+    sums. `invalid` counts targets that were neither ignored nor 0/1, per column.
+    """
+
+    positives: Tensor
+    negatives: Tensor
+    tps: Tensor
+    fps: Tensor
+    invalid: Tensor
+
+
+def result_dtype(device: torch.device) -> torch.dtype:
+    """Floating dtype of metric results: float64, except on MPS which lacks it."""
+    return torch.float32 if device.type == "mps" else torch.float64
+
+
+def check_average(average: str | None, allowed: tuple = AVERAGES) -> str | None:
+    """Validate an `average` argument; `"none"` is accepted as an alias of `None`."""
+    if average == "none":
+        average = None
+    if average not in allowed:
+        choices = ", ".join(repr(a) for a in allowed)
+        raise ValueError(f"average must be one of {choices}, got {average!r}")
+    return average
+
+
+def bincount(index: Tensor, length: int) -> Tensor:
+    """Count occurrences of each value of `index` (all in `[0, length)`) without a host sync."""
+    index = index.reshape(-1)
+    if index.device.type in HOST_BINCOUNT_DEVICES:
+        return torch.bincount(index, minlength=length)
+    # CUDA's bincount reads the maximum on the host; a scatter into a fixed-size buffer does not.
+    return torch.zeros(length, dtype=torch.long, device=index.device).scatter_add_(0, index, torch.ones_like(index))
+
+
+def confusion_from_labels(
+    pred: Tensor, target: Tensor, num_classes: int, ignore_index: int | None, groups: int = 1
+) -> Confusion:
+    """Confusion counts of predicted and target labels in `[0, num_classes)`.
+
+    With `groups > 1`, `pred` and `target` are `(N, groups)` and one `(C, C)` matrix is built
+    per column (multilabel: `C = 2`). Targets equal to `ignore_index` are skipped; other
+    out-of-range targets are counted in `invalid`.
+    """
+    c2 = num_classes * num_classes
+    index = target * num_classes + pred
+    if groups > 1:
+        index = index + torch.arange(groups, device=index.device) * c2
+    inside = (target >= 0) & (target < num_classes)
+    index = torch.where(inside, index, groups * c2 + 1)
+    if ignore_index is not None:
+        index = torch.where(target == ignore_index, groups * c2, index)
+    counts = bincount(index, groups * c2 + 2)
+    matrix = counts[: groups * c2].view(groups, num_classes, num_classes)
+    return Confusion(matrix if groups > 1 else matrix[0], counts[groups * c2 + 1])
+
+
+def zero_nan(value: Tensor) -> Tensor:
+    """Replace the `nan` of `0 / 0` by 0 (scikit-learn's zero_division=0), keeping infinities."""
+    return torch.nan_to_num(value, nan=0.0, posinf=math.inf, neginf=-math.inf)
+
+
+def guard(value: Tensor, ok: Tensor) -> Tensor:
+    """`value` where `ok`, `nan` elsewhere (nothing counted, or invalid targets seen)."""
+    return torch.where(ok, value, math.nan)
+
+
+def reduce_average(values: Tensor, average: str | None, *, active: Tensor, weights: Tensor) -> Tensor:
+    """Average per-class values: `macro` over `active` classes, `weighted` by `weights`, `None` keeps all."""
+    if average is None:
+        return values
+    if average == "macro":
+        active = active.to(values.dtype)
+        return (values * active).nansum(-1) / active.sum(-1)
+    if average == "weighted":  # classes whose value is undefined carry no weight
+        weights = weights.to(values.dtype) * active.to(values.dtype)
+        return (values * weights).nansum(-1) / weights.sum(-1)
+    raise ValueError(f"reduce_average handles 'macro', 'weighted' and None, got {average!r}")
+
+
+def cm_accuracy(confusion: Confusion) -> Tensor:
+    """Fraction of correct predictions."""
+    tp, _, _, total, ok = confusion.stats
+    return guard(tp.sum(-1) / total, ok)
+
+
+def cm_balanced_accuracy(confusion: Confusion) -> Tensor:
+    """Mean recall over the classes that occur in the target."""
+    recall, support = confusion.recall, confusion.stats.support
+    present = (support > 0).to(recall.dtype)
+    return guard((recall * present).sum(-1) / present.sum(-1), confusion.stats.ok)
+
+
+def cm_mcc(confusion: Confusion) -> Tensor:
+    """Matthews correlation coefficient (0 when all targets or all predictions are one class)."""
+    tp, predicted, support, total, ok = confusion.stats
+    cov_tp = tp.sum(-1) * total - (support * predicted).sum(-1)
+    cov_pp = total * total - (predicted * predicted).sum(-1)
+    cov_tt = total * total - (support * support).sum(-1)
+    # A zero denominator comes with a zero covariance: 0 / 0 becomes 0, as in scikit-learn.
+    return guard(zero_nan(cov_tp / (cov_tt * cov_pp).sqrt()), ok)
+
+
+def label_masks(target: Tensor, ignore_index: int | None) -> tuple[Tensor, Tensor, Tensor]:
+    """Positive and negative masks of 0/1 targets, and the count of invalid targets per column."""
+    positive, negative = target == 1, target == 0
+    invalid = ~(positive | negative)
+    if ignore_index is not None:
+        invalid = invalid & (target != ignore_index)
+    return positive, negative, invalid.sum(0)
+
+
+def curves_from_scores(scores: Tensor, positive: Tensor, negative: Tensor, invalid: Tensor) -> Curves:
+    """Build `Curves` for `(N, K)` scores.
+
+    `positive` / `negative` mark the samples counted as each class per column; samples in
+    neither (ignored ones) still take part in the sort but move no count, which equals dropping
+    them without a data-dependent shape.
+    """
+    sorted_scores, order = scores.T.sort(dim=1, descending=True)
+    k, n = sorted_scores.shape
+    starts = torch.ones((k, n), dtype=torch.bool, device=scores.device)
+    starts[:, 1:] = sorted_scores[:, 1:] != sorted_scores[:, :-1]
+    group = starts.cumsum(1) - 1
+    del sorted_scores, starts
+    counts = []
+    for mask in (positive, negative):
+        per_group = torch.zeros((k, n), dtype=torch.long, device=scores.device)
+        counts.append(per_group.scatter_add_(1, group, mask.T.gather(1, order).long()))
+    positives, negatives = counts
+    return Curves(positives, negatives, positives.cumsum(1), negatives.cumsum(1), invalid.expand(k))
+
+
+def auroc_from_curves(curves: Curves) -> Tensor:
+    """Area under the ROC curve per column (`nan` without both classes or with invalid targets).
+
+    Each negative scores one for every positive ranked above it and one half for every tied
+    positive; the sum is exact in integers.
+    """
+    positives, negatives, tps, fps, invalid = curves
+    dtype = result_dtype(tps.device)
+    if tps.shape[1] == 0:
+        return torch.full((tps.shape[0],), math.nan, dtype=dtype, device=tps.device)
+    twice_area = (negatives * (2 * tps - positives)).sum(1)
+    value = twice_area.to(dtype) / (2 * tps[:, -1] * fps[:, -1]).to(dtype)
+    return torch.where(invalid == 0, value, math.nan)
+
+
+def auprc_from_curves(curves: Curves) -> Tensor:
+    """Average precision per column (`nan` without positives or with invalid targets)."""
+    positives, _, tps, fps, invalid = curves
+    dtype = result_dtype(tps.device)
+    if tps.shape[1] == 0:
+        return torch.full((tps.shape[0],), math.nan, dtype=dtype, device=tps.device)
+    precision = zero_nan(tps.to(dtype) / (tps + fps).to(dtype))
+    value = (positives * precision).sum(1) / tps[:, -1].to(dtype)
+    return torch.where(invalid == 0, value, math.nan)
+
+
+def average_ranks(values: Tensor) -> Tensor:
+    """Ranks (1-based, ties share their mean rank) of each column of `(N, D)` values."""
+    n, d = values.shape
+    columns = values.T
+    sorted_values, order = columns.sort(dim=1)
+    position = torch.arange(n, device=values.device).expand(d, n)
+    starts = torch.ones_like(sorted_values, dtype=torch.bool)
+    starts[:, 1:] = sorted_values[:, 1:] != sorted_values[:, :-1]
+    ends = torch.ones_like(starts)
+    ends[:, :-1] = starts[:, 1:]
+    first = torch.where(starts, position, 0).cummax(dim=1).values
+    last = torch.where(ends, position, n).flip(1).cummin(dim=1).values.flip(1)
+    dtype = result_dtype(values.device)
+    ranks = torch.empty((d, n), dtype=dtype, device=values.device)
+    ranks.scatter_(1, order, (first + last).to(dtype) / 2 + 1)
+    return ranks.T
+
+
+def pearson_columns(x: Tensor, y: Tensor) -> Tensor:
+    """Pearson correlation of matching columns of `(N, D)` tensors (`nan` for constant columns)."""
+    dtype = result_dtype(x.device)
+    x, y = x.to(dtype), y.to(dtype)
+    dx, dy = x - x.mean(0), y - y.mean(0)
+    value = (dx * dy).sum(0) / ((dx * dx).sum(0) * (dy * dy).sum(0)).sqrt()
+    if x.shape[0] == 0:
+        return value
+    constant = (x.amax(0) == x.amin(0)) | (y.amax(0) == y.amin(0))
+    return torch.where(constant, math.nan, value)

@@ -1,0 +1,253 @@
+"""Multiclass (single-label) classification metrics.
+
+`input` holds class scores `(N, C)`: probabilities or logits (values outside `[0, 1]` trigger a
+softmax), or predicted labels of the target's shape when `num_classes` is given. `target`
+holds class indices `(N,)`. See
+[`preprocess_multiclass`][danling.metrics.preprocess.preprocess_multiclass] for the other
+accepted layouts. `num_classes` defaults to the size of the class dimension.
+
+Defaults for `average`:
+
+- `accuracy`: `"micro"` (the plain fraction of correct predictions);
+- `precision`, `recall`, `f1_score`, `auroc`, `auprc`: `"macro"`.
+
+`"macro"` averages over the classes that occur in the target or the predictions (for
+`auroc`/`auprc`: the classes for which the value is defined), `"weighted"` weights classes by
+their support, `"micro"` pools all decisions, `None` returns one value per class. Results are
+float64 tensors; undefined results are `nan`.
+
+Examples:
+    >>> import torch
+    >>> input = torch.tensor([[2.0, 0.1, 0.3], [0.1, 1.5, 0.2], [1.2, 0.2, 0.1], [0.1, 0.2, 3.0], [0.2, 1.0, 0.9]])
+    >>> target = torch.tensor([0, 1, 2, 2, 1])
+    >>> multiclass_accuracy(input, target)
+    tensor(0.8000, dtype=torch.float64)
+    >>> multiclass_recall(input, target, average=None)
+    tensor([1.0000, 1.0000, 0.5000], dtype=torch.float64)
+    >>> multiclass_auroc(input, target)
+    tensor(0.9444, dtype=torch.float64)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..preprocess import preprocess_multiclass, probabilities
+from ._common import (
+    Confusion,
+    Curves,
+    check_average,
+    cm_accuracy,
+    cm_balanced_accuracy,
+    cm_mcc,
+    confusion_from_labels,
+    curves_from_scores,
+    guard,
+    reduce_average,
+)
+from ._common import auprc_from_curves as columns_auprc
+from ._common import auroc_from_curves as columns_auroc
+
+__all__ = [
+    "multiclass_accuracy",
+    "multiclass_auprc",
+    "multiclass_auroc",
+    "multiclass_balanced_accuracy",
+    "multiclass_confusion",
+    "multiclass_confusion_matrix",
+    "multiclass_curves",
+    "multiclass_f1_score",
+    "multiclass_mcc",
+    "multiclass_precision",
+    "multiclass_recall",
+]
+
+
+def multiclass_confusion(scores: Tensor, target: Tensor, ignore_index: int | None = None) -> Confusion:
+    """`(C, C)` confusion counts of preprocessed `(N, C)` scores and `(N,)` targets."""
+    return confusion_from_labels(scores.argmax(-1), target, scores.shape[-1], ignore_index)
+
+
+def multiclass_curves(
+    scores: Tensor, target: Tensor, ignore_index: int | None = None, *, micro: bool = False
+) -> Curves:
+    """One-vs-rest threshold curves, one column per class (a single pooled column if `micro`).
+
+    Logits are turned into softmax probabilities first: one-vs-rest rankings depend on it.
+    """
+    num_classes = scores.shape[-1]
+    scores = probabilities(scores, softmax=True)
+    counted = (target >= 0) & (target < num_classes)
+    invalid = ~counted
+    if ignore_index is not None:
+        invalid = invalid & (target != ignore_index)
+    one_hot = target.unsqueeze(-1) == torch.arange(num_classes, device=target.device)
+    positive = one_hot & counted.unsqueeze(-1)
+    negative = ~one_hot & counted.unsqueeze(-1)
+    if micro:
+        scores, positive, negative = scores.reshape(-1, 1), positive.reshape(-1, 1), negative.reshape(-1, 1)
+    return curves_from_scores(scores, positive, negative, invalid.sum())
+
+
+def accuracy_from_confusion(confusion: Confusion, average: str | None = "micro") -> Tensor:
+    average = check_average(average)
+    if average in ("micro", "weighted"):  # support-weighted recall is the plain accuracy
+        return cm_accuracy(confusion)
+    return recall_from_confusion(confusion, average)
+
+
+def balanced_accuracy_from_confusion(confusion: Confusion) -> Tensor:
+    return cm_balanced_accuracy(confusion)
+
+
+def mcc_from_confusion(confusion: Confusion) -> Tensor:
+    return cm_mcc(confusion)
+
+
+def precision_from_confusion(confusion: Confusion, average: str | None = "macro") -> Tensor:
+    return _class_score(confusion, average, "precision")
+
+
+def recall_from_confusion(confusion: Confusion, average: str | None = "macro") -> Tensor:
+    return _class_score(confusion, average, "recall")
+
+
+def f1_from_confusion(confusion: Confusion, average: str | None = "macro") -> Tensor:
+    return _class_score(confusion, average, "f1")
+
+
+def _class_score(confusion: Confusion, average: str | None, which: str) -> Tensor:
+    average = check_average(average)
+    if average == "micro":  # one label per sample: pooled precision = recall = F1 = accuracy
+        return cm_accuracy(confusion)
+    scores = confusion.class_scores(which)
+    value = reduce_average(scores, average, active=confusion.active, weights=confusion.stats.support)
+    return guard(value, confusion.stats.ok)
+
+
+def auroc_from_curves(curves: Curves, average: str | None = "macro") -> Tensor:
+    """Average the per-column AUROC of one-vs-rest curves (pooled curves for `"micro"`)."""
+    return curve_average(curves, average, columns_auroc)
+
+
+def auprc_from_curves(curves: Curves, average: str | None = "macro") -> Tensor:
+    """Average the per-column average precision of one-vs-rest curves (pooled for `"micro"`)."""
+    return curve_average(curves, average, columns_auprc)
+
+
+def curve_average(curves: Curves, average: str | None, per_column: Callable[[Curves], Tensor]) -> Tensor:
+    """Reduce per-column curve metrics; `curves` must be the pooled ones when `average == "micro"`."""
+    average = check_average(average)
+    values = per_column(curves)
+    if average == "micro":
+        return values[0]
+    if average is None:
+        return values
+    support = curves.tps[:, -1] if curves.tps.shape[1] else torch.zeros_like(values)
+    return reduce_average(values, average, active=~values.isnan(), weights=support)
+
+
+def _confusion(input: Any, target: Any, num_classes: int | None, ignore_index: int | None) -> Confusion:
+    scores, target = preprocess_multiclass(input, target, num_classes)
+    return multiclass_confusion(scores, target, ignore_index)
+
+
+def multiclass_accuracy(
+    input: Any,
+    target: Any,
+    num_classes: int | None = None,
+    *,
+    average: str | None = "micro",
+    ignore_index: int | None = None,
+) -> Tensor:
+    """Fraction of correct top-1 predictions; `"macro"` gives the mean per-class recall."""
+    return accuracy_from_confusion(_confusion(input, target, num_classes, ignore_index), average)
+
+
+def multiclass_balanced_accuracy(
+    input: Any, target: Any, num_classes: int | None = None, *, ignore_index: int | None = None
+) -> Tensor:
+    """Mean recall over the classes present in the target."""
+    return balanced_accuracy_from_confusion(_confusion(input, target, num_classes, ignore_index))
+
+
+def multiclass_precision(
+    input: Any,
+    target: Any,
+    num_classes: int | None = None,
+    *,
+    average: str | None = "macro",
+    ignore_index: int | None = None,
+) -> Tensor:
+    """Share of predictions of each class that are correct, averaged as `average` says."""
+    return precision_from_confusion(_confusion(input, target, num_classes, ignore_index), average)
+
+
+def multiclass_recall(
+    input: Any,
+    target: Any,
+    num_classes: int | None = None,
+    *,
+    average: str | None = "macro",
+    ignore_index: int | None = None,
+) -> Tensor:
+    """Share of samples of each class predicted as that class, averaged as `average` says."""
+    return recall_from_confusion(_confusion(input, target, num_classes, ignore_index), average)
+
+
+def multiclass_f1_score(
+    input: Any,
+    target: Any,
+    num_classes: int | None = None,
+    *,
+    average: str | None = "macro",
+    ignore_index: int | None = None,
+) -> Tensor:
+    """Per-class harmonic mean of precision and recall, averaged as `average` says."""
+    return f1_from_confusion(_confusion(input, target, num_classes, ignore_index), average)
+
+
+def multiclass_mcc(
+    input: Any, target: Any, num_classes: int | None = None, *, ignore_index: int | None = None
+) -> Tensor:
+    """Multiclass Matthews correlation coefficient (Gorodkin's R_K statistic)."""
+    return mcc_from_confusion(_confusion(input, target, num_classes, ignore_index))
+
+
+def multiclass_confusion_matrix(
+    input: Any, target: Any, num_classes: int | None = None, *, ignore_index: int | None = None
+) -> Tensor:
+    """`(C, C)` int64 counts, rows indexed by target and columns by prediction."""
+    return _confusion(input, target, num_classes, ignore_index).matrix
+
+
+def multiclass_auroc(
+    input: Any,
+    target: Any,
+    num_classes: int | None = None,
+    *,
+    average: str | None = "macro",
+    ignore_index: int | None = None,
+) -> Tensor:
+    """One-vs-rest area under the ROC curve; classes without positives or negatives are `nan`."""
+    average = check_average(average)
+    scores, target = preprocess_multiclass(input, target, num_classes)
+    return auroc_from_curves(multiclass_curves(scores, target, ignore_index, micro=average == "micro"), average)
+
+
+def multiclass_auprc(
+    input: Any,
+    target: Any,
+    num_classes: int | None = None,
+    *,
+    average: str | None = "macro",
+    ignore_index: int | None = None,
+) -> Tensor:
+    """One-vs-rest average precision; classes without positives are `nan`."""
+    average = check_average(average)
+    scores, target = preprocess_multiclass(input, target, num_classes)
+    return auprc_from_curves(multiclass_curves(scores, target, ignore_index, micro=average == "micro"), average)

@@ -1,0 +1,296 @@
+"""[`GlobalMetrics`][danling.metrics.GlobalMetrics]: exact dataset-level metrics.
+
+Each task keeps only the artifacts its metrics need: confusion counts (a fixed-size tensor
+updated with a bincount), regression moments (merged per batch), or the predictions and
+targets themselves (appended to a list, concatenated when read). Updates stay on the device
+of the inputs and never synchronise with it; reading gathers and reduces across ranks.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from danling.utils import RoundDict
+
+from .distributed import gather_across_ranks, is_distributed, sum_across_ranks
+from .functional._common import Confusion
+from .functional.regression import merge_moments
+from .meter import format_number
+from .metric_meter import Preprocess, batch_size, metric_name
+from .preprocess import base_preprocess
+from .state import MetricFunc, MetricState, MetricTask
+
+__all__ = ["GlobalMetrics"]
+
+KINDS = ("val", "bat", "avg")
+
+
+class _TaskStore:
+    """Accumulated artifacts of one task (or raw data for plain metric functions: `task=None`)."""
+
+    def __init__(self, task: MetricTask | None, needs: Iterable[str]) -> None:
+        self.task = task
+        self.needs = frozenset(needs)
+        self.reset()
+
+    def reset(self) -> None:
+        self.confusion: Confusion | None = None
+        self.moments: Tensor | None = None
+        self.inputs: list[Tensor] = []
+        self.targets: list[Tensor] = []
+        self.last: tuple[Tensor, Tensor] | None = None
+
+    def update(self, input: Tensor, target: Tensor) -> None:
+        if self.task is not None:
+            input, target = self.task.format(input, target)
+            if "confusion" in self.needs:
+                confusion = self.task.confusion(input, target)
+                self.confusion = confusion if self.confusion is None else self.confusion + confusion
+            if "moments" in self.needs:
+                moments = self.task.moments(input, target)
+                self.moments = moments if self.moments is None else merge_moments(self.moments, moments)
+        if "data" in self.needs:
+            self.inputs.append(input)
+            self.targets.append(target)
+        self.last = (input, target)
+
+    def local_data(self) -> tuple[Tensor, Tensor] | None:
+        """All local data, concatenated once and kept concatenated."""
+        if not self.inputs:
+            return None
+        if len(self.inputs) > 1:
+            self.inputs, self.targets = [torch.cat(self.inputs)], [torch.cat(self.targets)]
+        return self.inputs[0], self.targets[0]
+
+    def state(self, kind: str, device: Any) -> MetricState | tuple[Tensor, Tensor] | None:
+        """The state metrics read for `kind`: the latest batch (`val`, `bat`) or all data (`avg`)."""
+        if kind == "avg":
+            data = self.local_data() if "data" in self.needs else None
+            artifacts = {}
+            if "confusion" in self.needs:
+                artifacts["confusion"] = self._synced_confusion(device)
+            if "moments" in self.needs:
+                artifacts["moments"] = self._synced_moments(device)
+        else:
+            data, artifacts = self.last, {}
+        if kind != "val" and (kind == "bat" or "data" in self.needs):
+            data = _gather_pair(data, device)
+        if self.task is None:
+            return data
+        if data is None:
+            data = self.task.format(*_empty_pair(self.task, device))
+        return MetricState(self.task, *data, **artifacts)
+
+    def _synced_confusion(self, device: Any) -> Confusion:
+        confusion = self.confusion
+        if confusion is None:
+            confusion = self.task.empty_confusion(self.last[0].device if self.last else device)
+        if not is_distributed():
+            return confusion
+        flat = torch.cat([confusion.matrix.reshape(-1), confusion.invalid.reshape(1)])
+        flat = sum_across_ranks(flat, device)
+        return Confusion(flat[:-1].view_as(confusion.matrix), flat[-1])
+
+    def _synced_moments(self, device: Any) -> Tensor:
+        moments = self.moments if self.moments is not None else self.task.empty_moments(device)
+        if not is_distributed():
+            return moments
+        gathered = gather_across_ranks(moments.unsqueeze(0), device)
+        merged = gathered[0]
+        for other in gathered[1:]:
+            merged = merge_moments(merged, other)
+        return merged.to(moments.device)
+
+
+class GlobalMetrics:
+    r"""Exact metrics over everything passed to `update`, across all ranks.
+
+    Metrics are [`MetricFunc`][danling.metrics.MetricFunc]s (their task says what to store;
+    metrics of one task share the stored artifacts and each artifact is built once per read)
+    or plain functions of `(input, target)` (which get all predictions and targets,
+    concatenated). Build ready-made sets with
+    [`multiclass_metrics`][danling.metrics.multiclass_metrics] and friends.
+
+    `val` holds the metrics of the latest local batch, `bat` those of the latest batch of all
+    ranks together, and `avg` those of all data of all ranks; `compute()` is `avg`. Reading
+    `bat` or `avg` in a multi-process run is a collective: every rank must read. Shards may
+    differ in size between ranks, and a rank may have no data at all.
+
+    Args:
+        *metrics: Metric functions, named after their `__name__` (or `MetricFunc.name`).
+        preprocess: Preprocessing applied to every batch first (`None` to skip).
+        device: If given, inputs are moved there before being stored; also used for collectives.
+        **named_metrics: Metric functions under explicit names.
+
+    Examples:
+        >>> import torch
+        >>> from danling.metrics import binary_metrics
+        >>> metrics = binary_metrics()
+        >>> metrics.update([0.2, 0.8, 0.6, 0.3], [0, 1, 0, 1])
+        >>> metrics.update([0.9, 0.1], [1, 0])
+        >>> metrics.val["acc"], metrics.avg["acc"]
+        (1.0, 0.6666...)
+        >>> round(metrics.avg["auroc"], 4)
+        0.8889
+        >>> f"{metrics:.2f}"
+        'acc: 1.00 (0.67)\tf1: 1.00 (0.67)\tmcc: 1.00 (0.33)\tauroc: 1.00 (0.89)\tauprc: 1.00 (0.92)'
+
+        Plain functions receive all predictions and targets at once:
+
+        >>> from danling.metrics.functional import binary_auroc
+        >>> metrics = GlobalMetrics(auroc=binary_auroc)
+        >>> metrics.update(torch.tensor([0.2, 0.8]), torch.tensor([0, 1]))
+        >>> metrics.update(torch.tensor([0.7, 0.1]), torch.tensor([0, 1]))
+        >>> metrics.compute()["auroc"]
+        0.5
+    """
+
+    def __init__(
+        self,
+        *metrics: Callable | MetricFunc,
+        preprocess: Preprocess | None = base_preprocess,
+        device: torch.device | str | None = None,
+        **named_metrics: Callable | MetricFunc,
+    ) -> None:
+        self.metrics: dict[str, Callable] = {metric_name(m): m for m in metrics}
+        self.metrics.update(named_metrics)
+        self.preprocess = preprocess
+        self.device = device
+        needs: dict[MetricTask | None, set[str]] = {}
+        for name, metric in self.metrics.items():
+            if not callable(metric):
+                raise TypeError(f"metric {name!r} must be callable, got {type(metric).__name__}")
+            task = metric.task if isinstance(metric, MetricFunc) else None
+            needs.setdefault(task, set()).update(metric.requires if isinstance(metric, MetricFunc) else {"data"})
+            if task is not None and task.size is None:
+                raise ValueError(
+                    f"metric {name!r}: GlobalMetrics needs the size of a {task.kind} task (num_classes, num_labels or "
+                    "num_outputs) so that ranks without data can take part in synchronisation"
+                )
+        self._stores = {task: _TaskStore(task, need) for task, need in needs.items()}
+        self._cache: dict[str, tuple[RoundDict, int]] = {}
+        self.reset()
+
+    def reset(self) -> GlobalMetrics:
+        """Drop all stored data; returns the container."""
+        for store in self._stores.values():
+            store.reset()
+        self._cache.clear()
+        self._count = 0
+        self._last_count = 0
+        return self
+
+    def update(self, input: Any, target: Any, *, n: int | None = None) -> None:
+        """Store what the metrics need from one batch (no host synchronisation).
+
+        Args:
+            input: Predictions: a tensor, `NestedTensor` or nested sequence.
+            target: Ground truth of the same kinds.
+            n: Samples in the batch (used to weight tasks in `MultiTaskMetrics`); defaults to
+                the length of the preprocessed target.
+
+        Raises:
+            ValueError: If the batch does not fit a metric's task (shapes, dtypes, class count).
+        """
+        if self.preprocess is not None:
+            input, target = self.preprocess(input, target)
+        if self.device is not None:
+            input, target = input.to(self.device), target.to(self.device)
+        for store in self._stores.values():
+            store.update(input, target)
+        self._last_count = batch_size(target) if n is None else n
+        self._count += self._last_count
+        self._cache.clear()
+
+    def value(self) -> RoundDict:
+        """Metrics of the latest batch on this rank."""
+        return self.read("val")[0]
+
+    def batch(self) -> RoundDict:
+        """Metrics of the latest batch of every rank together."""
+        return self.read("bat")[0]
+
+    def average(self) -> RoundDict:
+        """Metrics of all data of all ranks."""
+        return self.read("avg")[0]
+
+    compute = average
+
+    @property
+    def val(self) -> RoundDict:
+        return self.value()
+
+    @property
+    def bat(self) -> RoundDict:
+        return self.batch()
+
+    @property
+    def avg(self) -> RoundDict:
+        return self.average()
+
+    @property
+    def count(self) -> int:
+        """Samples seen on this rank since the last reset."""
+        return self._count
+
+    def read(self, kind: str) -> tuple[RoundDict, dict[str, int]]:
+        """Metric values of kind `"val"`, `"bat"` or `"avg"`, with the sample count behind them."""
+        if kind not in KINDS:
+            raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {kind!r}")
+        # Synchronised results are never cached: ranks whose caches disagreed would deadlock.
+        cacheable = kind == "val" or not is_distributed()
+        if cacheable and kind in self._cache:
+            return self._cache[kind][0], dict.fromkeys(self.metrics, self._cache[kind][1])
+        states = {task: store.state(kind, self.device) for task, store in self._stores.items()}
+        values = RoundDict({name: _evaluate(metric, states) for name, metric in self.metrics.items()})
+        count = self._last_count if kind != "avg" else self._count
+        if kind != "val" and is_distributed():
+            count = int(sum_across_ranks(torch.tensor([count], dtype=torch.long), self.device).item())
+        if cacheable:
+            self._cache[kind] = (values, count)
+        return values, dict.fromkeys(self.metrics, count)
+
+    def __format__(self, format_spec: str) -> str:
+        bat, avg = self.bat, self.avg
+        return "\t".join(
+            f"{name}: {format_number(bat[name], format_spec)} ({format_number(avg[name], format_spec)})"
+            for name in self.metrics
+        )
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({', '.join(self.metrics)})"
+
+
+def _evaluate(metric: Callable, states: Mapping[MetricTask | None, Any]) -> Any:
+    if isinstance(metric, MetricFunc):
+        value = metric(states[metric.task])
+    else:
+        data = states[None]
+        value = math.nan if data is None else metric(*data)
+    if isinstance(value, Tensor) and value.ndim == 0:
+        return value.item()
+    return value
+
+
+def _gather_pair(data: tuple[Tensor, Tensor] | None, device: Any) -> tuple[Tensor, Tensor] | None:
+    if not is_distributed():
+        return data
+    input = gather_across_ranks(None if data is None else data[0], device)
+    target = gather_across_ranks(None if data is None else data[1], device)
+    return None if input is None else (input, target)
+
+
+def _empty_pair(task: MetricTask, device: Any) -> tuple[Tensor, Tensor]:
+    size = task.size
+    if task.kind == "binary":
+        return torch.empty(0, device=device), torch.empty(0, dtype=torch.long, device=device)
+    if task.kind == "multiclass":
+        return torch.empty((0, size), device=device), torch.empty(0, dtype=torch.long, device=device)
+    if task.kind == "multilabel":
+        return torch.empty((0, size), device=device), torch.empty((0, size), dtype=torch.long, device=device)
+    return torch.empty((0, size), device=device), torch.empty((0, size), device=device)

@@ -1,0 +1,441 @@
+"""Running averages: [`AverageMeter`][danling.metrics.AverageMeter] and a named collection of them.
+
+Updates never leave the device: tensor values are accumulated as tensors and only turned into
+Python numbers when read. Reading `bat` or `avg` in a multi-process run is a collective (one
+shape exchange and one all-reduce for the whole collection), so all ranks must read together.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from danling.utils import RoundDict
+
+from .distributed import collective_device, gather_shapes, is_distributed, sum_across_ranks
+
+try:  # Python 3.11+
+    from typing import Self
+except ImportError:  # pragma: no cover - Python 3.10
+    from typing_extensions import Self
+
+__all__ = ["AverageMeter", "AverageMeters", "MetersBase"]
+
+Number = int | float
+
+
+@dataclass
+class SyncedValues:
+    """Values of one meter after a read: the current step and the running average, with weights."""
+
+    bat: Any
+    bat_count: Number
+    avg: Any
+    count: Number
+
+
+class AverageMeter:
+    r"""Keep the latest value, the weighted sum, the count and the running average of a quantity.
+
+    Python numbers stay Python numbers. Tensors stay on their device while updating (no host
+    synchronisation); reading turns a 0-d result into a `float` and returns tensors with
+    dimensions as tensors, so every update of one meter must use the same shape.
+
+    Attributes:
+        val: Latest value on this rank.
+        bat: Latest value combined over all ranks (weighted by each rank's `n`); equals `val`
+            without a process group.
+        avg: Weighted average of everything added so far, over all ranks.
+        sum: Weighted sum of the values added on this rank.
+        count: Total weight added on this rank.
+        device: Device used for collectives; detected when a synchronisation happens if `None`.
+
+    Args:
+        device: Optional device for distributed reductions.
+
+    Examples:
+        >>> meter = AverageMeter()
+        >>> meter.update(0.7)
+        >>> meter.val
+        0.7
+        >>> meter.bat  # Same as val in non-distributed mode
+        0.7
+        >>> meter.avg
+        0.7
+        >>> meter.update(0.9)
+        >>> meter.val
+        0.9
+        >>> meter.avg
+        0.8
+        >>> meter.sum
+        1.6
+        >>> meter.count
+        2
+        >>> # Weighted update
+        >>> meter.update(value=0.5, n=3)
+        >>> meter.avg
+        0.62
+        >>> meter.reset()
+        AverageMeter(val=nan, avg=nan)
+
+        Tensor values keep their shape:
+
+        >>> import torch
+        >>> meter.update(torch.tensor([1.0, 2.0]), n=2)
+        >>> meter.update(torch.tensor([4.0, 8.0]))
+        >>> meter.avg
+        tensor([2., 4.])
+        >>> f"{meter:.1f}"
+        '[4.0, 8.0] ([2.0, 4.0])'
+
+    See Also:
+        [`MetricMeter`][danling.metrics.MetricMeter]: applies a metric function to each batch.
+    """
+
+    device: torch.device | str | None = None
+
+    def __init__(self, *, device: torch.device | str | None = None) -> None:
+        self.reset(device=device)
+
+    def reset(self, *, device: torch.device | str | None = None) -> Self:
+        """Forget every value; optionally change the device used for collectives.
+
+        Returns:
+            The meter itself, so `meter.reset()` can be chained or displayed.
+        """
+        if device is not None:
+            self.device = device
+        self._val: Number | Tensor = math.nan
+        self._n: Number = 0
+        self._sum: Number | Tensor = 0.0
+        self._count: Number = 0
+        self._updated = False
+        return self
+
+    def update(self, value: float | int | Tensor, n: int = 1) -> None:
+        """Add `value` with weight `n`.
+
+        Args:
+            value: A number or a tensor (detached; accumulated on its own device).
+            n: Weight of the value, typically the number of samples it summarises.
+
+        Raises:
+            TypeError: If `value` is not a number or tensor, or `n` is not a number.
+            ValueError: If `n` is negative or a tensor's shape differs from earlier updates.
+        """
+        if isinstance(n, bool) or not isinstance(n, (int, float)):
+            raise TypeError(f"n must be a non-negative number, got {n!r}")
+        if n < 0:
+            raise ValueError(f"n must be a non-negative number, got {n!r}")
+        if isinstance(value, Tensor):
+            value = value.detach() if value.requires_grad else value
+            if isinstance(self._sum, Tensor) and self._sum.ndim and self._sum.shape != value.shape:
+                raise ValueError(
+                    f"AverageMeter got a value of shape {tuple(value.shape)}, but earlier values had shape "
+                    f"{tuple(self._sum.shape)}; reset the meter to change shapes"
+                )
+            if isinstance(self._sum, Tensor):  # one fused op; float64 accumulation by type promotion
+                self._sum = torch.add(self._sum, value, alpha=n)
+            else:
+                self._sum = self._sum + value.to(_accumulation_dtype(value)) * n
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            self._sum = self._sum + value * n
+        else:
+            raise TypeError(f"AverageMeter values must be numbers or tensors, got {type(value).__name__}")
+        self._val, self._n = value, n
+        self._count += n
+        self._updated = True
+
+    @property
+    def val(self) -> Any:
+        return _to_python(self._val)
+
+    @property
+    def bat(self) -> Any:
+        if not is_distributed():
+            return self.val
+        return self.sync().bat
+
+    @property
+    def avg(self) -> Any:
+        if not is_distributed():
+            return self._local_avg()
+        return self.sync().avg
+
+    @property
+    def sum(self) -> Any:
+        return _to_python(self._sum)
+
+    @property
+    def count(self) -> Number:
+        return self._count
+
+    def sync(self) -> SyncedValues:
+        """Current-step and running values combined over all ranks (a collective when distributed)."""
+        return sync_meters([self])[0]
+
+    def _local_avg(self) -> Any:
+        if not self._count:
+            return math.nan
+        return _to_python(_restore_dtype(self._sum / self._count, self._val))
+
+    def __format__(self, format_spec: str) -> str:
+        synced = self.sync()
+        return f"{format_number(synced.bat, format_spec)} ({format_number(synced.avg, format_spec)})"
+
+    def __repr__(self) -> str:
+        # Local values only: a repr must never block on a collective.
+        return f"{type(self).__name__}(val={self.val}, avg={self._local_avg()})"
+
+
+class MetersBase:
+    """Named collection of meters with dictionary and attribute access.
+
+    `val`, `sum` and `count` are local; `bat` and `avg` are synchronised for all meters at
+    once when read in a multi-process run.
+    """
+
+    def __init__(self, *, device: torch.device | str | None = None) -> None:
+        object.__setattr__(self, "_meters", {})
+        object.__setattr__(self, "device", device)
+
+    def __getitem__(self, name: str) -> AverageMeter:
+        return self._meters[name]
+
+    def __setitem__(self, name: str, meter: AverageMeter) -> None:
+        if not isinstance(meter, AverageMeter):
+            raise TypeError(f"{type(self).__name__} holds AverageMeter instances, got {type(meter).__name__}")
+        self._meters[name] = meter
+
+    def __delitem__(self, name: str) -> None:
+        del self._meters[name]
+
+    def __getattr__(self, name: str) -> AverageMeter:
+        meters = self.__dict__.get("_meters", {})
+        if name in meters:
+            return meters[name]
+        raise AttributeError(f"{type(self).__name__} has no attribute or meter {name!r}")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if isinstance(value, AverageMeter):
+            self[name] = value
+        else:
+            object.__setattr__(self, name, value)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._meters
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._meters)
+
+    def __len__(self) -> int:
+        return len(self._meters)
+
+    def keys(self):
+        return self._meters.keys()
+
+    def values(self):
+        return self._meters.values()
+
+    def items(self):
+        return self._meters.items()
+
+    def reset(self) -> Self:
+        """Reset every meter; returns the collection."""
+        for meter in self._meters.values():
+            meter.reset()
+        return self
+
+    @property
+    def val(self) -> RoundDict:
+        return RoundDict({name: meter.val for name, meter in self._meters.items()})
+
+    @property
+    def bat(self) -> RoundDict:
+        return self.read("bat")[0]
+
+    @property
+    def avg(self) -> RoundDict:
+        return self.read("avg")[0]
+
+    @property
+    def sum(self) -> RoundDict:
+        return RoundDict({name: meter.sum for name, meter in self._meters.items()})
+
+    @property
+    def count(self) -> RoundDict:
+        return RoundDict({name: meter.count for name, meter in self._meters.items()})
+
+    def read(self, kind: str) -> tuple[RoundDict, dict[str, Number]]:
+        """Values of kind `"val"`, `"bat"` or `"avg"` with the weight behind each of them."""
+        if kind == "val":
+            return self.val, {name: meter._n for name, meter in self._meters.items()}
+        if kind not in ("bat", "avg"):
+            raise ValueError(f"kind must be 'val', 'bat' or 'avg', got {kind!r}")
+        synced = sync_meters(list(self._meters.values()), self.device, names=list(self._meters))
+        values = RoundDict({name: getattr(s, kind) for name, s in zip(self._meters, synced)})
+        counts = {name: s.bat_count if kind == "bat" else s.count for name, s in zip(self._meters, synced)}
+        return values, counts
+
+    def __format__(self, format_spec: str) -> str:
+        synced = sync_meters(list(self._meters.values()), self.device, names=list(self._meters))
+        return "\t".join(
+            f"{name}: {format_number(s.bat, format_spec)} ({format_number(s.avg, format_spec)})"
+            for name, s in zip(self._meters, synced)
+        )
+
+    def __repr__(self) -> str:
+        inner = ", ".join(f"{name}={meter!r}" for name, meter in self._meters.items())
+        return f"{type(self).__name__}({inner})"
+
+
+class AverageMeters(MetersBase):
+    r"""Several [`AverageMeter`][danling.metrics.AverageMeter]s addressed by name.
+
+    Meters are created on first update, so a training loop can simply report whatever it
+    measures.
+
+    Examples:
+        >>> meters = AverageMeters()
+        >>> meters.update({"loss": 0.6, "auroc": 0.7, "r2": 0.8})
+        >>> f"{meters:.4f}"
+        'loss: 0.6000 (0.6000)\tauroc: 0.7000 (0.7000)\tr2: 0.8000 (0.8000)'
+        >>> meters['loss'].update(value=0.9, n=1)
+        >>> f"{meters:.4f}"
+        'loss: 0.9000 (0.7500)\tauroc: 0.7000 (0.7000)\tr2: 0.8000 (0.8000)'
+        >>> meters.sum.dict()
+        {'loss': 1.5, 'auroc': 0.7, 'r2': 0.8}
+        >>> meters.count.dict()
+        {'loss': 2, 'auroc': 1, 'r2': 1}
+        >>> meters.reset()
+        AverageMeters(...)
+        >>> f"{meters:.4f}"
+        'loss: nan (nan)\tauroc: nan (nan)\tr2: nan (nan)'
+
+    See Also:
+        [`StreamMetrics`][danling.metrics.StreamMetrics]: the same for metric functions of
+        `(input, target)`.
+    """
+
+    def update(self, *args: Mapping[str, int | float | Tensor], **values: int | float | Tensor) -> None:
+        """Add one value to each named meter, creating meters that do not exist yet.
+
+        Args:
+            *args: Mappings from meter names to values.
+            **values: Values given as keyword arguments.
+        """
+        for mapping in args:
+            if not isinstance(mapping, Mapping):
+                raise TypeError(f"positional arguments to update() must be mappings, got {type(mapping).__name__}")
+            values = {**mapping, **values}
+        for name, value in values.items():
+            if name not in self._meters:
+                self._meters[name] = AverageMeter(device=self.device)
+            self._meters[name].update(value)
+
+
+def sync_meters(
+    meters: Sequence[AverageMeter],
+    device: torch.device | str | None = None,
+    *,
+    names: Sequence[str] | None = None,
+) -> list[SyncedValues]:
+    """Combine the current-step and running values of several meters over all ranks.
+
+    One shape exchange and one all-reduce serve all meters. A rank that never updated a meter
+    contributes nothing to it, so uneven data is fine.
+    """
+    if not is_distributed():
+        return [SyncedValues(m.val, m._n, m._local_avg(), m._count) for m in meters]
+    if not meters:
+        return []
+    device = device or next((m.device for m in meters if m.device is not None), None)
+    if device is None:
+        device = next((m._val.device for m in meters if isinstance(m._val, Tensor)), None)
+    local_shapes = [_shape(m._val) if m._updated else None for m in meters]
+    per_rank = gather_shapes(local_shapes, device)
+    shapes = []
+    names = names if names is not None else [str(i) for i in range(len(meters))]
+    for index, meter_name in enumerate(names):
+        seen = {s for rank_shapes in per_rank if (s := rank_shapes[index]) is not None}
+        if len(seen) > 1:
+            raise ValueError(f"meter {meter_name!r} has different shapes across ranks: {sorted(map(tuple, seen))}")
+        shapes.append(seen.pop() if seen else torch.Size())
+    pieces = []
+    for meter, shape in zip(meters, shapes):
+        numel = shape.numel()
+        if meter._updated:
+            weighted_val = _flat64(meter._val, numel) * meter._n
+            pieces += [weighted_val, _flat64(meter._n, 1), _flat64(meter._sum, numel), _flat64(meter._count, 1)]
+        else:
+            pieces.append(torch.zeros(2 * numel + 2, dtype=torch.float64))
+    wire = collective_device(device)
+    total = sum_across_ranks(torch.cat([p.to(wire) for p in pieces]), wire).cpu()
+    results, offset = [], 0
+    for meter, shape in zip(meters, shapes):
+        numel = shape.numel()
+        vn, n, s, c = torch.split(total[offset : offset + 2 * numel + 2], [numel, 1, numel, 1])
+        offset += 2 * numel + 2
+        n_total, c_total = _as_number(n.item()), _as_number(c.item())
+        bat = _shape_like(vn / n if n_total else vn * math.nan, shape, meter)
+        avg = _shape_like(s / c if c_total else s * math.nan, shape, meter)
+        results.append(SyncedValues(bat, n_total, avg, c_total))
+    return results
+
+
+def format_number(value: Any, format_spec: str) -> str:
+    """Format a number, or a tensor/list element by element, with `format_spec`."""
+    if isinstance(value, Tensor):
+        value = value.tolist()
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(format_number(item, format_spec) for item in value) + "]"
+    if isinstance(value, Mapping):
+        return "{" + ", ".join(f"{k}: {format_number(v, format_spec)}" for k, v in value.items()) + "}"
+    return format(value, format_spec)
+
+
+def _accumulation_dtype(value: Tensor) -> torch.dtype:
+    # float64 keeps long runs of float32 updates exact enough; MPS has no float64.
+    return torch.float32 if value.device.type == "mps" else torch.float64
+
+
+def _restore_dtype(value: Any, like: Any) -> Any:
+    if isinstance(value, Tensor) and isinstance(like, Tensor) and like.is_floating_point():
+        return value.to(like.dtype)
+    if isinstance(value, Tensor) and value.dtype == torch.float64 and value.ndim:
+        return value.to(torch.get_default_dtype())
+    return value
+
+
+def _to_python(value: Any) -> Any:
+    """0-d tensors become Python numbers when read; tensors with dimensions stay tensors."""
+    if isinstance(value, Tensor) and value.ndim == 0:
+        return value.item()
+    return value
+
+
+def _shape(value: Any) -> torch.Size:
+    return value.shape if isinstance(value, Tensor) else torch.Size()
+
+
+def _flat64(value: Any, numel: int) -> Tensor:
+    if isinstance(value, Tensor):
+        flat = value.detach().to(torch.float64).reshape(-1)
+        return flat.expand(numel) if flat.numel() == 1 else flat
+    return torch.full((numel,), float(value), dtype=torch.float64)
+
+
+def _shape_like(flat: Tensor, shape: torch.Size, meter: AverageMeter) -> Any:
+    if not shape:
+        return flat.item()
+    device = meter._val.device if isinstance(meter._val, Tensor) else torch.device("cpu")
+    return _restore_dtype(flat.reshape(shape), meter._val).to(device)
+
+
+def _as_number(value: float) -> Number:
+    return int(value) if float(value).is_integer() else value

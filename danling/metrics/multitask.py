@@ -1,0 +1,221 @@
+"""[`MultiTaskMetrics`][danling.metrics.MultiTaskMetrics]: one metric container per task or dataset."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from danling.utils import RoundDict
+
+from .global_metrics import GlobalMetrics
+from .meter import MetersBase
+
+try:  # Python 3.11+
+    from typing import Self
+except ImportError:  # pragma: no cover - Python 3.10
+    from typing_extensions import Self
+
+__all__ = ["MultiTaskBase", "MultiTaskMetrics"]
+
+AGGREGATES = ("macro", "micro", "weighted", None)
+AGGREGATE_KEY = "aggregate"
+Container = MetersBase | GlobalMetrics
+
+
+class MultiTaskBase:
+    """Named task containers with attribute and item access, in insertion order.
+
+    A container is a [`StreamMetrics`][danling.metrics.StreamMetrics],
+    [`AverageMeters`][danling.metrics.AverageMeters] or
+    [`GlobalMetrics`][danling.metrics.GlobalMetrics]; assigning one as an attribute adds a task.
+    """
+
+    def __init__(self, **tasks: Container) -> None:
+        object.__setattr__(self, "_tasks", {})
+        for name, container in tasks.items():
+            self[name] = container
+
+    def __setitem__(self, name: str, container: Container) -> None:
+        if not isinstance(container, (MetersBase, GlobalMetrics)):
+            raise TypeError(
+                f"task {name!r} must be a StreamMetrics, AverageMeters or GlobalMetrics, got {type(container).__name__}"
+            )
+        if name == AGGREGATE_KEY:
+            raise ValueError(f"{AGGREGATE_KEY!r} is reserved for the aggregate across tasks")
+        self._tasks[name] = container
+
+    def __getitem__(self, name: str) -> Container:
+        return self._tasks[name]
+
+    def __delitem__(self, name: str) -> None:
+        del self._tasks[name]
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if isinstance(value, (MetersBase, GlobalMetrics)):
+            self[name] = value
+        else:
+            object.__setattr__(self, name, value)
+
+    def __getattr__(self, name: str) -> Container:
+        tasks = self.__dict__.get("_tasks", {})
+        if name in tasks:
+            return tasks[name]
+        raise AttributeError(f"{type(self).__name__} has no attribute or task {name!r}")
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._tasks
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._tasks)
+
+    def __len__(self) -> int:
+        return len(self._tasks)
+
+    def keys(self):
+        return self._tasks.keys()
+
+    def items(self):
+        return self._tasks.items()
+
+    def reset(self) -> Self:
+        """Reset every task container; returns the collection."""
+        for container in self._tasks.values():
+            container.reset()
+        return self
+
+    def __repr__(self) -> str:
+        inner = ", ".join(f"{name}={container!r}" for name, container in self._tasks.items())
+        return f"{type(self).__name__}({inner})"
+
+
+class MultiTaskMetrics(MultiTaskBase):
+    r"""Metrics of several tasks (or datasets) updated together, with an optional aggregate.
+
+    `val`, `bat` and `avg` map each task name to its container's values; with `aggregate`
+    set they also hold an `"aggregate"` entry that combines every metric name found in the
+    tasks: `"macro"` gives each task the same weight, `"micro"` weights tasks by their sample
+    counts, `"weighted"` by `aggregate_weights`. The text format lists one task per line and
+    leaves the aggregate out.
+
+    Args:
+        aggregate: How to combine tasks, or `None` for no aggregate.
+        aggregate_weights: Weight of each task for `aggregate="weighted"`.
+        **tasks: Task containers by name (more can be assigned as attributes later).
+
+    Examples:
+        >>> from danling.metrics import StreamMetrics
+        >>> from danling.metrics.functional import accuracy
+        >>> metrics = MultiTaskMetrics(aggregate="macro")
+        >>> metrics.dataset1 = StreamMetrics(acc=accuracy)
+        >>> metrics.dataset2 = StreamMetrics(acc=accuracy)
+        >>> metrics.update({
+        ...     "dataset1": {"input": [0.2, 0.4, 0.6, 0.7], "target": [0, 1, 0, 1]},
+        ...     "dataset2": ([0.1, 0.4, 0.6, 0.8], [1, 0, 0, 0]),
+        ... })
+        >>> f"{metrics:.4f}"
+        'dataset1: acc: 0.5000 (0.5000)\ndataset2: acc: 0.2500 (0.2500)'
+        >>> metrics.update({
+        ...     "dataset1": ([0.1, 0.4, 0.6, 0.8], [0, 0, 1, 0]),
+        ...     "dataset2": {"input": [0.2, 0.3, 0.6, 0.7], "target": [0, 0, 0, 1]},
+        ... })
+        >>> round(metrics.avg["aggregate"]["acc"], 4)
+        0.5625
+        >>> metrics.update(dict(loss=""))
+        Traceback (most recent call last):
+        ValueError: Task loss not found in ...
+
+    See Also:
+        [`GlobalMetrics`][danling.metrics.GlobalMetrics] and
+        [`StreamMetrics`][danling.metrics.StreamMetrics]: the per-task containers.
+    """
+
+    def __init__(
+        self,
+        *,
+        aggregate: str | None = None,
+        aggregate_weights: Mapping[str, float] | None = None,
+        **tasks: Container,
+    ) -> None:
+        if aggregate not in AGGREGATES:
+            raise ValueError(f"aggregate must be one of {', '.join(map(repr, AGGREGATES))}, got {aggregate!r}")
+        if aggregate == "weighted" and not aggregate_weights:
+            raise ValueError('aggregate="weighted" needs aggregate_weights, a mapping from task names to weights')
+        super().__init__(**tasks)
+        object.__setattr__(self, "aggregate", aggregate)
+        object.__setattr__(self, "aggregate_weights", dict(aggregate_weights or {}))
+
+    def update(self, values: Mapping[str, Mapping[str, Any] | Sequence]) -> None:
+        """Update several task containers at once.
+
+        Args:
+            values: Task name to payload. A mapping payload is passed as keyword arguments to
+                the container's `update`, a sequence payload as positional arguments.
+
+        Raises:
+            ValueError: If a task name is unknown (nothing is updated then).
+        """
+        for name in values:
+            if name not in self._tasks:
+                raise ValueError(f"Task {name} not found in {self!r}; known tasks: {', '.join(self._tasks)}")
+        for name, payload in values.items():
+            if isinstance(payload, Mapping):
+                self._tasks[name].update(**payload)
+            elif isinstance(payload, Sequence) and not isinstance(payload, str):
+                self._tasks[name].update(*payload)
+            else:
+                raise TypeError(f"payload of task {name} must be a mapping or a sequence, got {type(payload).__name__}")
+
+    @property
+    def val(self) -> RoundDict:
+        return self.read("val")
+
+    @property
+    def bat(self) -> RoundDict:
+        return self.read("bat")
+
+    @property
+    def avg(self) -> RoundDict:
+        return self.read("avg")
+
+    def read(self, kind: str) -> RoundDict:
+        """Values of kind `"val"`, `"bat"` or `"avg"` for every task, plus the aggregate."""
+        results, counts = {}, {}
+        for name, container in self._tasks.items():
+            results[name], counts[name] = container.read(kind)
+        output = RoundDict({name: values for name, values in results.items()})
+        if self.aggregate is not None and results:
+            output[AGGREGATE_KEY] = RoundDict(self._aggregate(results, counts))
+        return output
+
+    def _aggregate(self, results: Mapping[str, Mapping], counts: Mapping[str, Mapping]) -> dict[str, Any]:
+        combined: dict[str, Any] = {}
+        names = list(dict.fromkeys(key for values in results.values() for key in values))
+        for key in names:
+            entries = [(task, values[key]) for task, values in results.items() if key in values]
+            if self.aggregate == "macro":
+                weights = [1.0] * len(entries)
+            elif self.aggregate == "micro":
+                weights = [float(counts[task][key]) for task, _ in entries]
+            else:
+                missing = [task for task, _ in entries if task not in self.aggregate_weights]
+                if missing:
+                    raise ValueError(f"aggregate_weights has no weight for tasks {missing}")
+                weights = [float(self.aggregate_weights[task]) for task, _ in entries]
+            combined[key] = _weighted_mean([value for _, value in entries], weights)
+        return combined
+
+    def __format__(self, format_spec: str) -> str:
+        return "\n".join(f"{name}: {format(container, format_spec)}" for name, container in self._tasks.items())
+
+
+def _weighted_mean(values: list[Any], weights: list[float]) -> Any:
+    total = sum(weights)
+    if total == 0:
+        return float("nan")
+    if any(isinstance(v, Tensor) for v in values):
+        stacked = torch.stack([torch.as_tensor(v, dtype=torch.float64) for v in values])
+        return (stacked * torch.tensor(weights, dtype=torch.float64).view(-1, *[1] * (stacked.ndim - 1))).sum(0) / total
+    return sum(v * w for v, w in zip(values, weights)) / total

@@ -1,0 +1,247 @@
+"""Task descriptions, shared metric artifacts and artifact-based metric functions.
+
+A [`MetricTask`][danling.metrics.MetricTask] says how to read `(input, target)`. A
+[`MetricState`][danling.metrics.MetricState] holds the data of one batch (or of a whole
+dataset) for a task and builds each shared artifact — confusion counts, threshold curves,
+regression moments — at most once, whatever number of metrics read it. A
+[`MetricFunc`][danling.metrics.MetricFunc] is a named metric computed from a state; it names
+the artifacts it needs so that [`GlobalMetrics`][danling.metrics.GlobalMetrics] can store
+only those.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .functional._common import Confusion, Curves
+from .functional.binary import binary_confusion, binary_curves
+from .functional.multiclass import multiclass_confusion, multiclass_curves
+from .functional.multilabel import multilabel_confusion, multilabel_curves
+from .functional.regression import empty_moments, regression_moments
+from .preprocess import preprocess_binary, preprocess_multiclass, preprocess_multilabel, preprocess_regression
+
+__all__ = ["ARTIFACTS", "MetricFunc", "MetricState", "MetricTask"]
+
+TASK_KINDS = ("binary", "multiclass", "multilabel", "regression")
+# "data" means the predictions and targets themselves; the others are built from them.
+ARTIFACTS = ("confusion", "moments", "data")
+
+
+@dataclass(frozen=True)
+class MetricTask:
+    """How to read predictions and targets for one kind of task.
+
+    Args:
+        kind: `"binary"`, `"multiclass"`, `"multilabel"` or `"regression"`.
+        num_classes: Classes of a multiclass task.
+        num_labels: Labels of a multilabel task.
+        num_outputs: Outputs of a regression task.
+        threshold: Probability above which a binary or multilabel prediction is positive.
+        ignore_index: Target value to leave out.
+
+    Examples:
+        >>> task = MetricTask("multiclass", num_classes=3, ignore_index=-100)
+        >>> input, target = task.format([[0.2, 0.5, 0.3]], [1])
+        >>> input.shape, target.tolist()
+        (torch.Size([1, 3]), [1])
+        >>> MetricTask("multiclass", num_labels=3)
+        Traceback (most recent call last):
+        ValueError: num_labels applies to multilabel tasks, not multiclass
+    """
+
+    kind: str
+    num_classes: int | None = None
+    num_labels: int | None = None
+    num_outputs: int | None = None
+    threshold: float = 0.5
+    ignore_index: int | float | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in TASK_KINDS:
+            raise ValueError(f"kind must be one of {', '.join(TASK_KINDS)}, got {self.kind!r}")
+        for field, kind in (("num_classes", "multiclass"), ("num_labels", "multilabel"), ("num_outputs", "regression")):
+            value = getattr(self, field)
+            if value is None:
+                continue
+            if kind != self.kind:
+                raise ValueError(f"{field} applies to {kind} tasks, not {self.kind}")
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{field} must be a positive integer, got {value!r}")
+        if not 0 <= self.threshold <= 1:
+            raise ValueError(f"threshold must lie in [0, 1], got {self.threshold!r}")
+
+    @property
+    def size(self) -> int | None:
+        """Classes, labels or outputs, whichever the task has (`None` if not given)."""
+        return {"binary": 2, "multiclass": self.num_classes, "multilabel": self.num_labels}.get(
+            self.kind, self.num_outputs
+        )
+
+    def format(self, input: Any, target: Any) -> tuple[Tensor, Tensor]:
+        """Validate and normalise one batch (see [`danling.metrics.preprocess`][danling.metrics.preprocess])."""
+        if self.kind == "binary":
+            return preprocess_binary(input, target)
+        if self.kind == "multiclass":
+            return preprocess_multiclass(input, target, self.num_classes)
+        if self.kind == "multilabel":
+            return preprocess_multilabel(input, target, self.num_labels)
+        return preprocess_regression(input, target, self.num_outputs)
+
+    def confusion(self, input: Tensor, target: Tensor) -> Confusion:
+        """Confusion counts of formatted data."""
+        if self.kind == "binary":
+            return binary_confusion(input, target, self.threshold, self.ignore_index)
+        if self.kind == "multiclass":
+            return multiclass_confusion(input, target, self.ignore_index)
+        if self.kind == "multilabel":
+            return multilabel_confusion(input, target, self.threshold, self.ignore_index)
+        raise ValueError("regression tasks have no confusion counts")
+
+    def empty_confusion(self, device: torch.device | str | None = None) -> Confusion:
+        """Confusion counts of no data (what a rank without samples contributes)."""
+        size = self.size
+        if size is None:
+            raise ValueError(f"{self.kind} tasks need their size (num_classes / num_labels) to build empty counts")
+        shape = (size, 2, 2) if self.kind == "multilabel" else (size, size)
+        zero = torch.zeros((), dtype=torch.long, device=device)
+        return Confusion(torch.zeros(shape, dtype=torch.long, device=device), zero)
+
+    def moments(self, input: Tensor, target: Tensor) -> Tensor:
+        """Regression moments of formatted data."""
+        if self.kind != "regression":
+            raise ValueError(f"{self.kind} tasks have no regression moments")
+        return regression_moments(input, target, self.ignore_index)
+
+    def empty_moments(self, device: torch.device | str | None = None) -> Tensor:
+        """Regression moments of no data."""
+        if self.num_outputs is None:
+            raise ValueError("regression tasks need num_outputs to build empty moments")
+        return empty_moments(self.num_outputs, device)
+
+    def curves(self, input: Tensor, target: Tensor, micro: bool = False) -> Curves:
+        """Threshold curves of formatted data (one column per class or label, or pooled)."""
+        if self.kind == "binary":
+            return binary_curves(input, target, self.ignore_index)
+        if self.kind == "multiclass":
+            return multiclass_curves(input, target, self.ignore_index, micro=micro)
+        if self.kind == "multilabel":
+            return multilabel_curves(input, target, self.ignore_index, micro=micro)
+        raise ValueError("regression tasks have no threshold curves")
+
+
+class MetricState:
+    """Data of a batch or a dataset for one task, with artifacts built once and cached.
+
+    Pass formatted `input`/`target` (see [`MetricTask.format`][danling.metrics.MetricTask.format])
+    and/or artifacts that were accumulated elsewhere (`confusion`, `moments`). Artifacts that
+    were not given are derived from the data on first use.
+
+    Examples:
+        >>> state = MetricState.from_batch(MetricTask("binary"), [0.9, 0.2, 0.7], [1, 0, 0])
+        >>> state.confusion.matrix
+        tensor([[1, 1],
+                [0, 1]])
+        >>> state.confusion is state.confusion  # built once
+        True
+    """
+
+    def __init__(
+        self,
+        task: MetricTask,
+        input: Tensor | None = None,
+        target: Tensor | None = None,
+        *,
+        confusion: Confusion | None = None,
+        moments: Tensor | None = None,
+    ) -> None:
+        self.task = task
+        self.input = input
+        self.target = target
+        self._cache: dict[Any, Any] = {}
+        if confusion is not None:
+            self._cache["confusion"] = confusion
+        if moments is not None:
+            self._cache["moments"] = moments
+
+    @classmethod
+    def from_batch(cls, task: MetricTask, input: Any, target: Any) -> MetricState:
+        """Format raw `input`/`target` for `task` and wrap them in a state."""
+        return cls(task, *task.format(input, target))
+
+    def cached(self, key: Any, compute: Callable[[], Any]) -> Any:
+        """Return the artifact stored under `key`, computing it with `compute()` the first time."""
+        if key not in self._cache:
+            self._cache[key] = compute()
+        return self._cache[key]
+
+    @property
+    def data(self) -> tuple[Tensor, Tensor]:
+        """The formatted `(input, target)` pair."""
+        if self.input is None or self.target is None:
+            raise ValueError("this metric needs the predictions and targets, but the state only holds summaries")
+        return self.input, self.target
+
+    @property
+    def confusion(self) -> Confusion:
+        return self.cached("confusion", lambda: self.task.confusion(*self.data))
+
+    @property
+    def moments(self) -> Tensor:
+        return self.cached("moments", lambda: self.task.moments(*self.data))
+
+    def curves(self, micro: bool = False) -> Curves:
+        """Threshold curves (per class/label, or pooled with `micro=True`)."""
+        return self.cached(("curves", micro), lambda: self.task.curves(*self.data, micro=micro))
+
+
+class MetricFunc:
+    """A named metric computed from a [`MetricState`][danling.metrics.MetricState].
+
+    Calling it with a state evaluates it; calling it with `(input, target)` builds a state
+    for that batch first, so a `MetricFunc` also works as a plain metric function.
+
+    Args:
+        name: Name under which containers report the value.
+        fn: Function of a state returning the metric.
+        task: The task the state is built for.
+        requires: Artifacts `fn` reads: any of `"confusion"`, `"moments"`, `"data"`.
+
+    Examples:
+        >>> from danling.metrics.functional.binary import accuracy_from_confusion
+        >>> acc = MetricFunc("acc", lambda s: accuracy_from_confusion(s.confusion), MetricTask("binary"), "confusion")
+        >>> acc([0.9, 0.2, 0.7], [1, 0, 0])
+        tensor(0.6667, dtype=torch.float64)
+    """
+
+    def __init__(
+        self,
+        name: str,
+        fn: Callable[[MetricState], Tensor],
+        task: MetricTask,
+        requires: str | Iterable[str] = "data",
+    ) -> None:
+        requires = (requires,) if isinstance(requires, str) else tuple(requires)
+        unknown = [r for r in requires if r not in ARTIFACTS]
+        if unknown:
+            raise ValueError(f"unknown artifacts {unknown}; choose from {', '.join(ARTIFACTS)}")
+        self.name = self.__name__ = name
+        self.fn = fn
+        self.task = task
+        self.requires = frozenset(requires)
+
+    def __call__(self, state_or_input: MetricState | Any, target: Any = None) -> Tensor:
+        if isinstance(state_or_input, MetricState):
+            if target is not None:
+                raise TypeError(f"{self.name}: pass either a MetricState or (input, target), not both")
+            return self.fn(state_or_input)
+        if target is None:
+            raise TypeError(f"{self.name}() missing the target argument")
+        return self.fn(MetricState.from_batch(self.task, state_or_input, target))
+
+    def __repr__(self) -> str:
+        return f"MetricFunc({self.name}, task={self.task.kind})"

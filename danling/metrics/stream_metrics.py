@@ -1,0 +1,97 @@
+"""[`StreamMetrics`][danling.metrics.StreamMetrics]: several per-batch metrics behind one `update`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .meter import AverageMeter, AverageMeters
+from .metric_meter import MetricMeter, Preprocess, batch_size, metric_name
+from .preprocess import base_preprocess
+from .state import MetricFunc, MetricState, MetricTask
+
+__all__ = ["StreamMetrics"]
+
+
+class StreamMetrics(AverageMeters):
+    r"""A named set of [`MetricMeter`][danling.metrics.MetricMeter]s fed by one `update` call.
+
+    The shared `preprocess` runs once per batch; then every meter evaluates its metric on the
+    result. Metrics given as [`MetricFunc`][danling.metrics.MetricFunc]s of the same task share
+    one [`MetricState`][danling.metrics.MetricState] per batch, so, for example, accuracy, F1
+    and MCC read a single confusion matrix. Values are averaged over batches weighted by batch
+    size (exact for sample means such as accuracy or MSE, approximate for AUROC, F1 or
+    correlations; use [`GlobalMetrics`][danling.metrics.GlobalMetrics] for exact values).
+
+    Attributes:
+        preprocess: Shared preprocessing of `(input, target)`.
+        val: Latest local value of every meter.
+        bat: Latest value of every meter, combined over ranks.
+        avg: Running average of every meter, over ranks.
+        sum: Local running sums.
+        count: Local sample counts.
+
+    Args:
+        *args: Metric functions, named after their `__name__` (or `MetricFunc.name`).
+        preprocess: Preprocessing applied to every batch before the metrics.
+        device: Device used for collectives.
+        **meters: Named metric functions or `MetricMeter`s.
+
+    Examples:
+        >>> import torch
+        >>> from danling.metrics.functional import accuracy
+        >>> meters = StreamMetrics(acc=accuracy)
+        >>> meters.update([0.1, 0.8, 0.6, 0.2], [0, 1, 0, 0])
+        >>> round(meters.val["acc"], 4)
+        0.75
+        >>> round(meters.avg["acc"], 4)
+        0.75
+        >>> meters["acc"].update(torch.tensor([0.2, 0.8]), torch.tensor([0, 1]))
+        >>> meters.count["acc"]
+        6
+        >>> meters.update(dict(loss=""))
+        Traceback (most recent call last):
+        TypeError: ...update() missing 1 required positional argument: 'target'
+
+    See Also:
+        [`AverageMeters`][danling.metrics.AverageMeters]: named meters of values you compute.
+    """
+
+    def __init__(
+        self,
+        *args: Callable | MetricFunc,
+        preprocess: Preprocess | None = base_preprocess,
+        device: torch.device | str | None = None,
+        **meters: Callable | MetricFunc | MetricMeter,
+    ) -> None:
+        super().__init__(device=device)
+        self.preprocess = preprocess
+        for metric in args:
+            self[metric_name(metric)] = metric
+        for name, metric in meters.items():
+            self[name] = metric
+
+    def __setitem__(self, name: str, meter: Callable | MetricFunc | AverageMeter) -> None:
+        if not isinstance(meter, AverageMeter):
+            meter = MetricMeter(meter, self.preprocess, device=self.device)
+        super().__setitem__(name, meter)
+
+    def update(self, input: Any, target: Any, *, n: int | None = None) -> None:  # type: ignore[override]
+        """Evaluate every metric on one batch.
+
+        Args:
+            input: Predictions: a tensor, `NestedTensor` or nested sequence.
+            target: Ground truth of the same kinds.
+            n: Samples in the batch; defaults to the length of the (preprocessed) target.
+        """
+        if self.preprocess is not None:
+            input, target = self.preprocess(input, target)
+        n = batch_size(target) if n is None else n
+        states: dict[MetricTask, MetricState] = {}
+        for meter in self._meters.values():
+            if isinstance(meter, MetricMeter):
+                meter.update_preprocessed(input, target, n=n, states=states)
+            else:
+                raise TypeError(f"StreamMetrics can only update MetricMeters, found {type(meter).__name__}")
