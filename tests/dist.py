@@ -9,6 +9,7 @@ Whatever each rank returns is sent back, so tests compare results across ranks i
 from __future__ import annotations
 
 import os
+import pickle
 import queue as queue_module
 import tempfile
 import time
@@ -27,7 +28,9 @@ def _entry(rank: int, world_size: int, store_path: str, fn: Callable, args: tupl
     store = dist.FileStore(store_path, world_size)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
     try:
-        queue.put((rank, True, fn(rank, world_size, *args)))
+        # Pickle by value here: torch's queue would otherwise share tensors through handles that
+        # die with this process, and the parent reads after the worker has exited.
+        queue.put((rank, True, pickle.dumps(fn(rank, world_size, *args))))
     except BaseException:  # report every failure to the parent, including assertion errors
         queue.put((rank, False, traceback.format_exc()))
     finally:
@@ -63,7 +66,7 @@ def run_distributed(fn: Callable, *args: Any, world_size: int = 2, timeout: floa
                     continue
                 if not ok:
                     raise AssertionError(f"rank {rank} failed:\n{value}")
-                results[rank] = value
+                results[rank] = pickle.loads(value)
         finally:
             # On failure the surviving ranks may wait forever in a collective: kill them now.
             grace = max(1.0, deadline - time.monotonic()) if len(results) == world_size else 0.0

@@ -25,3 +25,13 @@ def test_launcher_reports_worker_failure():
 
     with pytest.raises(AssertionError, match="boom on rank 1"):
         run_distributed(_fail, timeout=60)
+
+
+def _tensor_result(rank: int, world_size: int) -> torch.Tensor:
+    # Large enough that torch's queue would have shared it through shared memory.
+    return torch.full((1024, 1024), float(rank))
+
+
+def test_launcher_returns_tensors_after_workers_exit():
+    results = run_distributed(_tensor_result)
+    assert [r[0, 0].item() for r in results] == [0.0, 1.0]
