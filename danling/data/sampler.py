@@ -93,7 +93,10 @@ class ResumableSampler(DistributedSampler):
         for position in range(start, len(indices)):
             self.yielded = position + 1
             yield indices[position]
+        # The pass is over: a state saved from now on must describe the start of the next one,
+        # not "epoch + 1 with this pass's count already handed out" (which skipped indices).
         self.epoch += 1
+        self.yielded = 0
 
     def state_dict(self) -> dict[str, int]:
         """Return the epoch and the number of indices handed out in the current pass."""

@@ -226,3 +226,15 @@ def test_accepts_the_runner_config_section():
     config = RunnerConfig(**{"dataloader.batch_size": 4, "dataloader.val.batch_size": 8}).dataloader
     assert [len(b) for b in _batches(build_dataloader(Indices(10), split="train", config=config))] == [4, 4]
     assert [len(b) for b in _batches(build_dataloader(Indices(10), split="val", config=config))] == [8, 2]
+
+
+def test_state_saved_after_a_short_final_batch_resumes_the_next_epoch():
+    # Regression (found by hypothesis): with a shard shorter than the batch, the sampler finishes
+    # its pass before the batch is yielded; the saved state must point at the next epoch's start.
+    sampler = ResumableSampler(range(3), num_replicas=3, rank=0, shuffle=True, seed=0)
+    first = list(sampler)
+    assert sampler.state_dict() == {"epoch": 1, "yielded": 0}
+    restored = ResumableSampler(range(3), num_replicas=3, rank=0, shuffle=True, seed=0)
+    restored.load_state_dict(sampler.state_dict())
+    sampler_next = list(sampler)
+    assert list(restored) == sampler_next and len(first) == 1
