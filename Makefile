@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint docs bench clean
+.PHONY: demo test lint docs bench clean base-install
 
 $(STAMP): pyproject.toml requirements/ci.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -24,7 +24,17 @@ lint: $(STAMP)
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir site
 
-test: lint docs
+# A second environment with only the core dependencies proves `import danling` needs no extra.
+BASE_VENV ?= .venv-base
+base-install: $(STAMP)
+	test -x $(BASE_VENV)/bin/python || $(PYTHON) -m venv $(BASE_VENV)
+	$(BASE_VENV)/bin/python -m pip install --quiet -r requirements/ci.txt
+	$(BASE_VENV)/bin/python -m pip install --quiet -c requirements/ci.txt .
+	cd /tmp && $(CURDIR)/$(BASE_VENV)/bin/python -c "import sys, danling; \
+	bad = [m for m in ('tensorboard', 'wandb', 'deepspeed', 'pandas') if m in sys.modules]; \
+	assert not bad, bad; print('base install imports danling', danling.__version__, 'without extras')"
+
+test: lint docs base-install
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist loadfile; rc=$$?; if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 1; fi; exit $$rc
 
 bench: $(STAMP)
