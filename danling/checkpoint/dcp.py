@@ -138,7 +138,8 @@ class TorchDistributedCheckpointManager(CheckpointManager):
     `save` is collective: every rank of the process group must call it with the same name and
     aliases, in the same order. Entries that differ between ranks (the runner's RNG snapshot in
     ``state``, ``dataloaders`` positions) are listed in `rank_local_keys`; each rank stores its own
-    copy under ``<key>.rank<r>`` and gets its own copy back from `load`. Everything else is
+    copy under ``<key>.rank<r>`` and gets its own copy back from `load` (the runner's ``loop`` entry,
+    which carries each rank's next-batch fingerprints, is rank-local too). Everything else is
     assumed identical (or DCP-sharded) across ranks.
 
     Mapping keys must be strings, because DCP stores them as strings; a state with other keys is
@@ -182,7 +183,7 @@ class TorchDistributedCheckpointManager(CheckpointManager):
         process_group: Any = None,
         dedicated_async_process_group: bool = True,
         async_process_group_backend: str = "gloo",
-        rank_local_keys: Sequence[str] = ("state", "dataloaders", "rng"),
+        rank_local_keys: Sequence[str] = ("state", "dataloaders", "rng", "loop"),
         **kwargs: Any,
     ) -> None:
         self.distributed = dist.is_available() and dist.is_initialized()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -75,6 +76,7 @@ def build_dataloader(
     is_train: bool | None = None,
     collate_fn: Callable | None = None,
     worker_init_fn: Callable | None = None,
+    sampler: Any = None,
 ) -> StatefulDataLoader:
     """Wrap one dataset split in a resumable `StatefulDataLoader`.
 
@@ -100,6 +102,9 @@ def build_dataloader(
             the default of ``shuffle`` and ``drop_last``.
         collate_fn: Optional batch collation function.
         worker_init_fn: Optional function run in each worker process.
+        sampler: An index sampler to use instead of the default `ResumableSampler` (map-style
+            datasets only). A ``generator`` attribute on it, when set, becomes the loader's
+            generator too, so the sampler can reseed the worker seeds it draws.
 
     Returns:
         The configured `StatefulDataLoader`.
@@ -124,13 +129,16 @@ def build_dataloader(
     if not distributed:
         rank, world_size = 0, 1
     shuffle = options.pop("shuffle")
-    generator = torch.Generator()
-    generator.manual_seed(seed)
-    sampler = None
+    generator = getattr(sampler, "generator", None)
+    if generator is None:
+        generator = torch.Generator()
+        generator.manual_seed(seed)
     if isinstance(dataset, IterableDataset):
         if _merged_options(config, split).get("shuffle"):
             raise ValueError(f"split {split!r}: shuffle=True is not possible for an iterable dataset")
-    else:
+        if sampler is not None:
+            raise ValueError(f"split {split!r}: an iterable dataset cannot take a sampler, got {sampler!r}")
+    elif sampler is None:
         sampler = ResumableSampler(
             dataset,
             num_replicas=world_size,
@@ -140,14 +148,17 @@ def build_dataloader(
             drop_last=bool(options["drop_last"]),
             generator=generator,
         )
-    return StatefulDataLoader(
-        dataset,
-        sampler=sampler,
-        generator=generator,
-        collate_fn=collate_fn,
-        worker_init_fn=worker_init_fn,
-        **options,
-    )
+    with warnings.catch_warnings():
+        # torchdata calls a deprecated torch hook on every construction; the warning is not actionable.
+        warnings.filterwarnings("ignore", message="'set_vital' is deprecated", category=UserWarning)
+        return StatefulDataLoader(
+            dataset,
+            sampler=sampler,
+            generator=generator,
+            collate_fn=collate_fn,
+            worker_init_fn=worker_init_fn,
+            **options,
+        )
 
 
 def _merged_options(config: Mapping[str, Any] | None, split: str) -> dict[str, Any]:

@@ -44,8 +44,10 @@ _REQUIRED = frozenset({"accum_steps"})
 _LOADER_INT_RULES = {"batch_size": 1, "num_workers": 0, "prefetch_factor": 1, "snapshot_every_n_steps": 1}
 _POSITIVE_NUMBERS = ("max_grad_norm", "max_grad_value", "heartbeat.interval_seconds", "checkpoint.wait_timeout")
 _NON_NEGATIVE_NUMBERS = ("patience",)
+_UNIT_INTERVAL = ("ema.decay",)
 _DTYPES = ("fp32", "float32", "fp16", "float16", "half", "bf16", "bfloat16", "fp64", "float64", "double")
 _CHOICES: dict[str, tuple] = {
+    "score_mode": ("min", "max"),
     "scheduler.interval": ("step", "epoch", "validation"),
     "checkpoint.backend": ("auto", "file", "dcp", "deepspeed"),
     "checkpoint.async_mode": ("disabled", "async", "async_with_pinned_mem"),
@@ -104,6 +106,10 @@ def check_values(config: Mapping) -> None:
         if value is not None and (not _is_number(value) or value < 0 or (strict and value == 0)):
             bound = "> 0" if strict else ">= 0"
             raise ValueError(f"config.{key} must be a number {bound} or None, got {value!r}")
+    for key in _UNIT_INTERVAL:
+        value = peek(config, key)
+        if value is not None and (not _is_number(value) or not 0 <= value <= 1):
+            raise ValueError(f"config.{key} must be a number in [0, 1], got {value!r}")
     for key, choices in _CHOICES.items():
         value = peek(config, key)
         if value is not None and value not in choices:

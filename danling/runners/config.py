@@ -238,6 +238,21 @@ class ProfilingConfig(_TypedConfig):
     trace_dir: str = "profiles"
 
 
+class EmaConfig(_TypedConfig):
+    """Exponential moving average of the model weights (`ema.*`).
+
+    When `enabled`, the torch runner keeps an averaged copy of the model, updates it after every
+    applied optimizer step and evaluates and infers with it.
+
+    Attributes:
+        enabled: Keep an EMA copy of the model.
+        decay: Weight of the running average, in `[0, 1]`.
+    """
+
+    enabled: bool = False
+    decay: float = 0.999
+
+
 class HeartbeatConfig(_TypedConfig):
     """Per-rank heartbeat files (`heartbeat.*`) under `<run dir>/<dir_name>`."""
 
@@ -281,6 +296,8 @@ class RunnerConfig(_TypedConfig):
         evaluate_splits: Dataset splits to evaluate; None infers them.
         score_split: Split whose metric selects the best checkpoint; None infers it.
         score_name: Metric name used for model selection.
+        score_mode: `"min"` or `"max"`: whether a lower or a higher score is better; None infers
+            it from `score_name` (losses and errors are minimised).
         workspace_root: Directory holding every lineage.
         lineage: Top-level namespace of the run directory (`"lin"` when None).
         experiment: Experiment namespace, the prefix of the run directory name (`"exp"` when None).
@@ -355,6 +372,7 @@ class RunnerConfig(_TypedConfig):
     evaluate_splits: list[str] | None = None
     score_split: str | None = None
     score_name: str = "loss"
+    score_mode: str | None = None
     workspace_root: str = "experiments"
     lineage: str | None = "lin"
     experiment: str | None = "exp"
@@ -377,6 +395,7 @@ class RunnerConfig(_TypedConfig):
     gc: GcConfig = GcConfig()
     profiling: ProfilingConfig = ProfilingConfig()
     heartbeat: HeartbeatConfig = HeartbeatConfig()
+    ema: EmaConfig = EmaConfig()
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__()

@@ -1,0 +1,486 @@
+"""`BaseRunner`: the backend-free runner core.
+
+The class owns the construction lifecycle, process facts (rank, world size), seeding and the
+services every backend shares (workspace, logging, trackers, checkpoint manager, supervisor).
+Loops live in [`loops`][danling.runners.loops], budgets and split selection in
+[`progress`][danling.runners.progress], result bookkeeping in [`results`][danling.runners.results]
+and the checkpoint API in [`checkpointing`][danling.runners.checkpointing]; `BaseRunner` mixes
+them together.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import time
+from collections.abc import Mapping
+from contextlib import suppress
+from typing import Any
+
+import numpy as np
+from chanfig import FlatDict
+
+from danling.checkpoint import CheckpointManager, FileCheckpointManager
+from danling.metrics import AverageMeters
+from danling.utils import RoundDict
+from danling.utils.io import save as save_file
+
+from .checkpointing import CheckpointMixin
+from .config import RunnerConfig
+from .loops import LoopMixin
+from .progress import ProgressMixin
+from .results import ResultsMixin
+from .state import RunnerElasticState, RunnerRNGState, RunnerState, RunnerTrainState
+from .supervisor import RunnerSupervisor
+from .trackers import TensorBoardTracker, Trackers, WandbTracker
+from .workspace import RunnerWorkspace
+
+__all__ = ["BaseRunner", "MetaRunner"]
+
+_FALLBACK_LOGGER = "danling.runners"
+
+
+class MetaRunner(type):
+    """Metaclass that finishes construction with `__post_init__`.
+
+    `Runner(config)` runs `__new__`, the whole `__init__` chain (the user's subclass included),
+    and only then `__post_init__`, so `__post_init__` sees every attribute the subclass set.
+    If construction fails part-way, the runner's process-wide side effects (signal handlers,
+    stdout routing, open files) are undone before the error propagates.
+    """
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        instance = cls.__new__(cls, *args, **kwargs)
+        if not isinstance(instance, cls):  # a dispatching __new__ returned a finished runner
+            return instance
+        try:
+            instance.__init__(*args, **kwargs)
+            if not instance.__dict__.get("_post_initialized", False):
+                instance._post_initialized = True
+                instance.__post_init__()
+        except BaseException:
+            with suppress(Exception):
+                instance.close(timeout=0)
+            raise
+        return instance
+
+
+class BaseRunner(CheckpointMixin, ResultsMixin, LoopMixin, ProgressMixin, metaclass=MetaRunner):
+    """Backend-free runner: lifecycle, bookkeeping, checkpoint API and loop skeletons.
+
+    Construction runs in this order (concrete runners customise it through the hooks, never by
+    overriding `__init__` internals):
+
+    1. The config is normalised to a [`RunnerConfig`][danling.runners.config.RunnerConfig] and
+       validated, and a fresh [`RunnerState`][danling.runners.state.RunnerState] is created.
+    2. The workspace, the `datasets`/`dataloaders`/`results` containers, the default
+       [`FileCheckpointManager`][danling.checkpoint.FileCheckpointManager] and the
+       [`RunnerSupervisor`][danling.runners.supervisor.RunnerSupervisor] are bound.
+    3. Early hooks: `init_distributed`, `init_checkpoint_manager`, `init_fault_tolerance`,
+       `init_garbage_collection`.
+    4. `set_seed`, then `set_deterministic` when `config.deterministic` is set.
+    5. `init_logging`, `init_tensorboard` / `init_wandb` (when enabled), stdout routing for
+       non-main ranks, `init_signal_handlers`, `init_heartbeat`.
+    6. The subclass `__init__` finishes (it typically binds `model`, `datasets`, ...).
+    7. [`MetaRunner`][danling.runners.base_runner.MetaRunner] calls `__post_init__`, which
+       restores a checkpoint if the config asks for one and records the run's metadata.
+
+    Attributes:
+        config: The run's configuration.
+        state: Checkpointable counters and RNG snapshots (`train_state`, `elastic_state`,
+            `rng_state` are shortcuts into it).
+        datasets: Datasets keyed by split name.
+        dataloaders: Iterables of batches keyed by split name; the loops read these.
+        results: One row per round (epoch index or global step) mapping split to metrics.
+        meters: [`AverageMeters`][danling.metrics.AverageMeters] of the step losses of the split being run.
+        checkpoint_manager: Where checkpoints are written and read.
+        workspace: Run directory, logging and metadata.
+        supervisor: Signal handling, heartbeat and GC pacing.
+        trackers: TensorBoard / W&B fan-out (empty when neither is enabled).
+        ft: Fault-tolerance runtime handle (`None` unless a backend provides one).
+        timestamp: Wall-clock start of the run, `YYYYmmdd-HHMMSS`.
+
+    Examples:
+        >>> import tempfile
+        >>> class CountingRunner(BaseRunner):
+        ...     def __init__(self, config):
+        ...         super().__init__(config)
+        ...         self.dataloaders["train"] = [1.0, 2.0, 3.0]
+        ...     def train_step(self, data):
+        ...         self.step()
+        ...         return data, data
+        >>> config = {"epochs": 2, "workspace_root": tempfile.mkdtemp(), "log": False}
+        >>> with CountingRunner(config) as runner:
+        ...     results = runner.train()
+        >>> runner.train_state.global_step, runner.results[1]["train"]["loss"]
+        (6, 2.0)
+    """
+
+    # Components a backend or the user binds; `None` means "not used by this runner".
+    model: Any = None
+    ema: Any = None
+    criterion: Any = None
+    optimizer: Any = None
+    scheduler: Any = None
+    metrics: Any = None
+
+    def __init__(self, config: RunnerConfig | Mapping[str, Any]) -> None:
+        self.config = self._normalize_config(config)
+        self.state = RunnerState(config=self.config)
+        self.timestamp = time.strftime("%Y%m%d-%H%M%S")
+        self._closed = False
+        self._bind_components()
+        self.init_distributed()
+        self.init_checkpoint_manager()
+        self.init_fault_tolerance()
+        self.init_garbage_collection()
+        self.set_seed()
+        if self.config.get("deterministic"):
+            self.set_deterministic()
+        self.init_logging()
+        if self.config.get("tensorboard"):
+            self.init_tensorboard()
+        if self.config.get("wandb.enabled"):
+            self.init_wandb()
+        self.workspace.route_print()
+        self.init_signal_handlers()
+        self.init_heartbeat()
+
+    def __post_init__(self) -> None:
+        """Finish construction once the subclass `__init__` has returned.
+
+        Restores from `config.resume` / `config.auto_resume` / `config.pretrained` (see
+        [`auto_restore`][danling.runners.checkpointing.CheckpointMixin.auto_restore]) unless the
+        concrete runner did so already, then writes the run metadata on the main process.
+        Concrete runners build their model, optimizer and dataloaders first and then call
+        `super().__post_init__()`.
+        """
+        if not self.__dict__.get("_restored", False):
+            self.auto_restore()
+        if self.is_main_process:
+            self.workspace.write_metadata({"runner": type(self).__name__, "timestamp": self.timestamp})
+
+    @staticmethod
+    def _normalize_config(config: RunnerConfig | Mapping[str, Any]) -> RunnerConfig:
+        if isinstance(config, RunnerConfig):
+            config.validate()  # a config the caller built: booting it again would rerun its post() hooks
+            return config
+        if isinstance(config, Mapping):
+            return RunnerConfig(**config).boot()
+        raise TypeError(f"config must be a RunnerConfig or a mapping, got {type(config).__name__}: {config!r}")
+
+    def _bind_components(self) -> None:
+        """Step 2 of construction: workspace, containers, checkpoint manager, supervisor."""
+        self.workspace = RunnerWorkspace(self.config, rank=self.rank, world_size=self.world_size)
+        self.logger = logging.getLogger(_FALLBACK_LOGGER)
+        # Subclasses may fill these before calling super().__init__; keep what they set.
+        if "datasets" not in self.__dict__:
+            self.datasets = FlatDict()
+        if "dataloaders" not in self.__dict__:
+            self.dataloaders = FlatDict()
+        self.results = RoundDict()
+        self.meters = AverageMeters()
+        self.trackers = Trackers()
+        self.ft = None
+        self.checkpoint_manager = self._build_file_checkpoint_manager()
+        self.supervisor = self._build_supervisor(gc_interval=None)  # GC pacing: init_garbage_collection
+
+    def _build_supervisor(self, *, gc_interval: int | None) -> RunnerSupervisor:
+        gc_config = self.config.gc
+        return RunnerSupervisor(
+            heartbeat_interval=self.config.heartbeat.interval_seconds,
+            rank=self.rank,
+            gc_interval=gc_interval,
+            gc_generation=gc_config.generation,
+            gc_disable_automatic=gc_config.disable_automatic,
+            logger=self.logger,
+        )
+
+    def _build_file_checkpoint_manager(self) -> FileCheckpointManager:
+        return FileCheckpointManager(self.workspace.checkpoint_dir, **self._checkpoint_options())
+
+    def _checkpoint_options(self) -> dict[str, Any]:
+        """Keyword arguments every checkpoint manager takes, read from `config.checkpoint`."""
+        checkpoint = self.config.checkpoint
+        return {
+            "interval": self.checkpoint_interval,
+            "keep_latest_k": checkpoint.keep_latest_k or None,
+            # An explicit async_mode wins; unset, it follows async_enabled.
+            "async_save": checkpoint.async_enabled
+            if checkpoint.async_mode is None
+            else checkpoint.async_mode != "disabled",
+            "load_only": checkpoint.load_only,
+            "exclude_from_loading": checkpoint.exclude_from_loading,
+            "is_main_process": self.is_main_process,
+            "timeout": checkpoint.wait_timeout,
+            "logger": logging.getLogger("danling.checkpoint"),
+        }
+
+    # ------------------------------------------------------------------ process facts
+    @property
+    def world_size(self) -> int:
+        """Number of processes, from `WORLD_SIZE` (1 when unset)."""
+        return int(os.environ.get("WORLD_SIZE", 1))
+
+    @property
+    def rank(self) -> int:
+        """Global rank, from `RANK` (0 when unset)."""
+        return int(os.environ.get("RANK", 0))
+
+    @property
+    def local_rank(self) -> int:
+        """Rank on this node, from `LOCAL_RANK` (0 when unset)."""
+        return int(os.environ.get("LOCAL_RANK", 0))
+
+    @property
+    def distributed(self) -> bool:
+        """Whether more than one process takes part."""
+        return self.world_size > 1
+
+    @property
+    def is_main_process(self) -> bool:
+        """Whether this is global rank 0 (the process that writes files and logs)."""
+        return self.rank == 0
+
+    @property
+    def is_local_main_process(self) -> bool:
+        """Whether this is rank 0 on its node."""
+        return self.local_rank == 0
+
+    @property
+    def code_id(self) -> str | None:
+        """Short git hash of the code being run, or `None` outside a git checkout."""
+        return self.workspace.code_id
+
+    @property
+    def config_id(self) -> str:
+        """Stable hash of the semantic part of the config."""
+        return self.workspace.config_id
+
+    @property
+    def id(self) -> str:
+        """Stable run id derived from `config_id` and `code_id`."""
+        return self.workspace.id
+
+    @property
+    def dir(self) -> str:
+        """The run directory (created on first access on the main process)."""
+        return os.fspath(self.workspace.dir)
+
+    @property
+    def train_state(self) -> RunnerTrainState:
+        """Progress counters: `epoch`, `global_step`, `micro_step`."""
+        return self.state.train
+
+    @property
+    def elastic_state(self) -> RunnerElasticState:
+        """Restart bookkeeping for elastic launches."""
+        return self.state.elastic
+
+    @property
+    def rng_state(self) -> RunnerRNGState:
+        """Snapshots of the Python/NumPy/Torch random generators."""
+        return self.state.rng
+
+    # ------------------------------------------------------------------ early hooks
+    def init_distributed(self) -> None:
+        """Set up the process group.
+
+        Called once during construction, before the checkpoint manager hook; the runner has its
+        config, workspace and default checkpoint manager but no model yet. The default does
+        nothing (a single process needs no group); backends initialise `torch.distributed` here.
+        """
+
+    def init_checkpoint_manager(self) -> None:
+        """Swap in the checkpoint backend this runner needs.
+
+        Called once during construction after `init_distributed`. The default keeps the
+        `FileCheckpointManager` bound in step 2; backends call
+        [`set_checkpoint_manager`][danling.runners.base_runner.BaseRunner.set_checkpoint_manager] to replace it.
+        """
+
+    def set_checkpoint_manager(self, manager: CheckpointManager) -> None:
+        """Bind `manager`, closing the previous one without waiting."""
+        if not isinstance(manager, CheckpointManager):
+            raise TypeError(f"expected a CheckpointManager, got {type(manager).__name__}: {manager!r}")
+        previous = self.__dict__.get("checkpoint_manager")
+        self.checkpoint_manager = manager
+        if previous is not None and previous is not manager:
+            previous.close(timeout=0)
+
+    def init_fault_tolerance(self) -> None:
+        """Bind a fault-tolerance runtime to `self.ft`.
+
+        The base runner has no fault-tolerance backend, so enabling `ft.enabled` here is an error;
+        backends that support TorchFT override this hook.
+        """
+        if self.config.get("ft.enabled"):
+            raise ValueError(
+                f"ft.enabled=True but {type(self).__name__} has no fault-tolerance backend; "
+                "use a runner stack that supports TorchFT or set ft.enabled=False"
+            )
+
+    def init_garbage_collection(self) -> None:
+        """Pace Python's garbage collector by global steps when `gc.interval` is set.
+
+        The loops call `supervisor.gc_step(global_step)` after every optimizer step; with
+        `gc.disable_automatic` the automatic collector stays off until `close`.
+        """
+        interval = self.config.gc.interval
+        if interval is not None:
+            # The supervisor applies pacing (and switches automatic GC off) when it is built.
+            self.supervisor = self._build_supervisor(gc_interval=interval)
+
+    def init_heartbeat(self) -> None:
+        """Point the supervisor at `<run dir>/<heartbeat.dir_name>` when `heartbeat.enabled`.
+
+        Each rank then writes `heartbeat-rank{rank}.json` at most every `heartbeat.interval_seconds`.
+        """
+        heartbeat = self.config.heartbeat
+        if heartbeat.enabled:
+            self.supervisor.heartbeat_dir = self.workspace.heartbeat_dir
+            self.supervisor.heartbeat_interval = heartbeat.interval_seconds
+            self.supervisor.beat(self.train_state.global_step, self.train_state.epoch, "init", force=True)
+
+    def init_signal_handlers(self) -> None:
+        """Turn SIGTERM/SIGINT into a graceful stop request.
+
+        The loops poll the request after every step, then save a `shutdown` checkpoint, close the
+        runner and exit with 128 + the signal number. Handlers are restored by `close`.
+        """
+        self.supervisor.install_signal_handlers()
+
+    def prepare_for_shutdown_checkpoint(self) -> None:
+        """Bring the state to a consistent point before the shutdown checkpoint is written.
+
+        The default applies a pending partial accumulation window, so the checkpoint never holds
+        gradients that were computed but not applied.
+        """
+        self._flush_pending_optimizer_step()
+
+    # ------------------------------------------------------------------ logging and trackers
+    def init_logging(self) -> None:
+        """Attach the run's logger: console on the main process, plus `run.log` when `config.log` is set."""
+        self.logger = self.workspace.setup_logging()
+        self.supervisor.logger = self.logger
+        self.checkpoint_manager.logger = self.logger
+
+    def init_tensorboard(self, *args: Any, **kwargs: Any) -> None:
+        """Send every written result to TensorBoard under `<run dir>/tensorboard` (main process only)."""
+        if self.is_main_process:
+            log_dir = kwargs.pop("log_dir", os.path.join(self.dir, "tensorboard"))
+            self.trackers.append(TensorBoardTracker(log_dir, *args, **kwargs))
+
+    def init_wandb(self, *args: Any, **kwargs: Any) -> None:
+        """Send every written result to a W&B run (main process only).
+
+        Project, group and name default to the lineage, experiment and run id; `wandb.*` config
+        keys and keyword arguments override them.
+        """
+        if not self.is_main_process:
+            return
+        wandb = self.config.wandb
+        options = {
+            "project": wandb.project or self.workspace.lineage,
+            "name": wandb.name or self.id,
+            "dir": wandb.dir or self.dir,
+            "mode": wandb.mode,
+            "config": self.config.dict(),
+            "entity": wandb.entity,
+            "group": wandb.group or self.workspace.experiment,
+            "job_type": wandb.job_type,
+            "tags": [wandb.tags] if isinstance(wandb.tags, str) else wandb.tags,
+        }
+        options = {key: value for key, value in options.items() if value is not None}
+        options.update(kwargs)
+        self.trackers.append(WandbTracker(*args, **options))
+
+    # ------------------------------------------------------------------ randomness
+    def set_seed(self, seed: int | None = None, bias: int | bool | None = None) -> int:
+        """Seed Python's and NumPy's generators and snapshot the RNG state.
+
+        Args:
+            seed: Base seed; defaults to `config.seed`. When that is unset too, a random seed is
+                drawn and stored in the config; resuming a checkpoint then adopts the seed the
+                checkpointed run used.
+            bias: Offset added to the seed so processes draw different augmentations. `None` or
+                `True` use `self.rank`; `False` adds nothing; an int is added as is.
+
+        Returns:
+            The seed this process actually used.
+        """
+        if seed is None:
+            seed = self.config.get("seed")
+        if seed is None:
+            seed = random.SystemRandom().randrange(2**31)
+            self.config.seed = seed
+            self._seed_was_drawn = True  # a resumed checkpoint's seed replaces it (see load_state_dict)
+        if bias is None or bias is True:
+            bias = self.rank
+        elif bias is False:
+            bias = 0
+        seed = int(seed) + int(bias)
+        random.seed(seed)
+        np.random.seed(seed % 2**32)
+        self.rng_state.capture()
+        return seed
+
+    def set_deterministic(self) -> None:
+        """Make backend kernels deterministic.
+
+        Python and NumPy are deterministic once seeded, so the base runner has nothing to switch;
+        backends override this to configure their libraries (cuDNN, deterministic algorithms).
+        """
+
+    # ------------------------------------------------------------------ misc
+    def unwrap(self, model: Any) -> Any:
+        """Return the plain model inside any backend wrapper; the base runner adds no wrapper."""
+        return model
+
+    def save(self, obj: Any, file: str | os.PathLike, main_process_only: bool = True, *args: Any, **kwargs: Any) -> Any:
+        """Write `obj` with [`danling.utils.save`][danling.utils.save], on the main process only by default."""
+        if main_process_only and not self.is_main_process:
+            return file
+        return save_file(obj, file, *args, **kwargs)
+
+    def close(self, timeout: float | None = None) -> bool:
+        """Release everything the runner holds; safe to call more than once.
+
+        Waits for pending checkpoint writes (up to `timeout`, default `checkpoint.wait_timeout`),
+        closes trackers, restores signal handlers, automatic GC and stdout, and closes the log
+        files.
+
+        Returns:
+            `True` when no checkpoint write was left in flight.
+        """
+        if self.__dict__.get("_closed", True):
+            return True
+        self._closed = True
+        drained = True
+        manager = self.__dict__.get("checkpoint_manager")
+        try:
+            if manager is not None:
+                drained = manager.close(timeout)
+        finally:
+            for name in ("trackers", "supervisor"):
+                component = self.__dict__.get(name)
+                if component is not None:
+                    with suppress(Exception):
+                        component.close()
+            workspace = self.__dict__.get("workspace")
+            if workspace is not None:
+                workspace.restore_print()
+                workspace.close()
+        return drained
+
+    def __enter__(self) -> BaseRunner:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        workspace = self.__dict__.get("workspace")
+        where = os.fspath(workspace.path) if workspace is not None else None
+        return f"{type(self).__name__}(stack={self.config.get('stack')!r}, dir={where!r})"

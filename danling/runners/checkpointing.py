@@ -1,0 +1,375 @@
+"""The runner's checkpoint API, delegating storage to `self.checkpoint_manager`.
+
+[`CheckpointMixin`][danling.runners.checkpointing.CheckpointMixin] builds and restores the
+backend-neutral payload (config, runner state, RNG snapshots, dataloader progress, result rows),
+decides checkpoint names and aliases, and implements the resume policy
+(`resume` > `auto_resume` > `pretrained`). Backends extend `state_dict` with their components
+(model, optimizer, ...) and inherit the rest.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from danling.checkpoint import read_checkpoint as read_checkpoint_source
+from danling.checkpoint.layout import POINTER_SUFFIX, follow_pointer
+from danling.utils import RoundDict
+
+from .config import RunnerConfig
+
+if TYPE_CHECKING:
+    from .base_runner import BaseRunner
+
+__all__ = ["CheckpointMixin"]
+
+CheckpointSource = Mapping[str, Any] | bytes | str | os.PathLike
+# Components whose state a full checkpoint must carry when the runner has them bound.
+_REQUIRED_COMPONENTS = ("model", "optimizer", "scheduler")
+_DCP_METADATA = ".metadata"
+
+
+def _is_path(checkpoint: Any) -> bool:
+    return isinstance(checkpoint, (str, os.PathLike))
+
+
+def _dcp_directory(path: Path) -> Path | None:
+    """The DCP checkpoint directory `path` is, points to (alias pointer) or lies in; `None` for other layouts."""
+    if path.is_file() and path.name.endswith(POINTER_SUFFIX):
+        path = follow_pointer(path)
+    directory = path if path.is_dir() else path.parent
+    return directory if (directory / _DCP_METADATA).is_file() else None
+
+
+class CheckpointMixin:
+    """Checkpoint payloads, saving with aliases, and the restore paths; mixed into `BaseRunner`."""
+
+    config: RunnerConfig
+
+    # ------------------------------------------------------------------ payload
+    def state_dict(self, cls: type = dict) -> Mapping:
+        """Return the backend-neutral checkpoint payload.
+
+        Keys: `runner` (the config as a plain mapping, used to refuse resuming a different
+        experiment), `state` (counters and RNG snapshots), `dataloaders` (progress of every
+        dataloader that has a `state_dict`) and `results` (all result rows, so best-score
+        tracking and early stop continue after a resume). The current RNG state is captured
+        first. Backends call `super().state_dict(cls)` and add their components; do not mutate
+        model or optimizer state here.
+
+        Args:
+            cls: Mapping type used for the payload and its nested sections.
+        """
+        self.rng_state.capture()
+        loaders = cls()
+        for split, loader in self.dataloaders.items():
+            if callable(getattr(loader, "state_dict", None)):
+                loaders[split] = loader.state_dict()
+        return cls(
+            runner=self.config.dict(),
+            state=self.state.state_dict(),
+            dataloaders=loaders,
+            results=self.results.dict(),
+        )
+
+    def load_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        """Restore the runner state, RNG state and result rows from a payload.
+
+        Model, optimizer, scheduler and dataloader state are not touched here; `load_checkpoint`
+        restores those through the component loaders.
+
+        Raises:
+            ValueError: The checkpoint's config differs from the current one in a key that
+                changes the experiment (any key `RunnerConfig.config_id` covers).
+        """
+        if not isinstance(checkpoint, Mapping):
+            raise TypeError(f"load_state_dict() expects a mapping, got {type(checkpoint).__name__}")
+        saved = checkpoint.get("runner")
+        if saved is not None:
+            self._check_config_matches(saved)
+        state = checkpoint.get("state")
+        if state is not None:
+            self.state.load_state_dict(state)
+            self.rng_state.restore()
+        results = checkpoint.get("results")
+        if results is not None:
+            self.results = RoundDict({int(index): RoundDict(row) for index, row in results.items()})
+
+    def _check_config_matches(self, saved: Mapping[str, Any]) -> None:
+        if self.__dict__.pop("_seed_was_drawn", False) and saved.get("seed") is not None:
+            # Neither run chose a seed: continue with the one the checkpointed run drew.
+            self.config.seed = saved["seed"]
+        saved_config = RunnerConfig(**saved)
+        if saved_config.config_id == self.config.config_id:
+            return
+        before, after = _flatten(saved_config.semantic_dict()), _flatten(self.config.semantic_dict())
+        changed = sorted(
+            key for key in before.keys() | after.keys() if before.get(key, _MISSING) != after.get(key, _MISSING)
+        )
+        raise ValueError(
+            "the checkpoint was written by a run with a different config "
+            f"(config_id {saved_config.config_id} vs {self.config.config_id}); keys that differ: {changed}. "
+            "Resume with the original config, or use load_pretrained() to start a new run from its weights."
+        )
+
+    # ------------------------------------------------------------------ saving
+    def save_checkpoint(
+        self,
+        name: str = "latest",
+        epochs: int | None = None,
+        save_best: bool = True,
+        last_step: bool = False,
+        force: bool = False,
+    ) -> Path | None:
+        """Save a checkpoint through `self.checkpoint_manager` when the cadence says so.
+
+        The checkpoint directory is named `epoch-<epochs>` when `epochs` is given (epoch loops pass
+        the index of the epoch just finished) and `step-<global_step>` otherwise. The `name` alias
+        and `latest` are pointed at it, plus `best` when `save_best` is set and the newest result
+        row is the best one. Call it on every rank: collective backends need all of them, and the
+        file backend writes on the main process only.
+
+        Args:
+            name: Alias to publish (`"latest"`, `"shutdown"`, any valid name).
+            epochs: Index of the finished epoch, for naming and cadence.
+            save_best: Also publish `best` when the newest row is the best.
+            last_step: This is the run's final save; always written.
+            force: Write regardless of the cadence.
+
+        Returns:
+            The checkpoint directory, or `None` when nothing was written by this process.
+        """
+        state = self.train_state
+        if epochs is not None:
+            index, checkpoint_name = epochs + 1, f"epoch-{epochs:06d}"
+        else:
+            index = state.global_step if self.is_step_mode else state.epoch
+            checkpoint_name = f"step-{state.global_step:06d}"
+        if not self.checkpoint_manager.should_save(index, last=last_step, force=force):
+            return None
+        aliases = [name, "latest"]
+        if save_best and self.results and self.is_best:
+            aliases.append("best")
+        metadata = {"epoch": state.epoch, "global_step": state.global_step, "run_id": self.id}
+        payload = self._checkpoint_payload(last_step=last_step)
+        return self.checkpoint_manager.save(
+            payload, checkpoint_name, aliases=tuple(dict.fromkeys(aliases)), metadata=metadata
+        )
+
+    def save_seed_checkpoint(self, name: str = "seed") -> Path | None:
+        """Save the initial state as checkpoint `name` (alias `name`, never pruned).
+
+        Meant to be called before training advances, so runs with different parallel layouts can
+        start from identical weights (`resume`/`pretrained` pointing at it). It uses the final-save
+        payload, so a backend's model-only export setting applies.
+        """
+        metadata = {"epoch": self.train_state.epoch, "global_step": self.train_state.global_step, "run_id": self.id}
+        payload = self._checkpoint_payload(last_step=True)
+        return self.checkpoint_manager.save(payload, name, aliases=(name,), history=False, metadata=metadata)
+
+    def _checkpoint_payload(self, *, last_step: bool) -> Mapping[str, Any]:
+        """Payload for one save; backends return a model-only payload for final exports."""
+        return self.state_dict()
+
+    # ------------------------------------------------------------------ loading
+    def read_checkpoint(self, checkpoint: CheckpointSource, *args: Any, **kwargs: Any) -> Mapping[str, Any]:
+        """Turn a checkpoint source into a payload mapping.
+
+        Mappings are returned as they are, bytes are unpickled, and strings or paths go through
+        `self.checkpoint_manager.load`, so aliases (`"latest"`, `"best"`), checkpoint names,
+        directories and files all work and are verified against their manifest. `map_location`
+        is honoured; other arguments are accepted for backend overrides.
+        """
+        map_location = kwargs.get("map_location", "cpu")
+        if isinstance(checkpoint, Mapping):
+            return checkpoint
+        if _is_path(checkpoint):
+            return self.checkpoint_manager.load(checkpoint, map_location=map_location)
+        return read_checkpoint_source(checkpoint, map_location=map_location)
+
+    def load_checkpoint(self, checkpoint: CheckpointSource, *args: Any, **kwargs: Any) -> None:
+        """Restore a full checkpoint: runner state, RNG, results, model/EMA, optimizer, scheduler, dataloaders.
+
+        Args:
+            checkpoint: Payload mapping, bytes, alias, or path.
+            *args: Forwarded to `load_model` (e.g. `strict`).
+            **kwargs: `map_location` is used for reading; the rest goes to `load_model`.
+
+        Raises:
+            ValueError: The runner has a model/optimizer/scheduler bound but the checkpoint has no
+                state for it (and the key is not in `checkpoint.exclude_from_loading`), or the
+                checkpoint's config differs semantically.
+        """
+        map_location = kwargs.pop("map_location", "cpu")
+        payload = self.read_checkpoint(checkpoint, map_location=map_location)
+        excluded = self._excluded_components()
+        for key in _REQUIRED_COMPONENTS:
+            if getattr(self, key, None) is not None and payload.get(key) is None and key not in excluded:
+                raise ValueError(
+                    f"checkpoint {_describe(checkpoint)} has no {key!r} state but the runner has a {key} bound; "
+                    f"add {key!r} to checkpoint.exclude_from_loading to keep the current one"
+                )
+        self.load_state_dict(payload)
+        if payload.get("model") is not None and "model" not in excluded:
+            self.load_model(payload["model"], *args, **kwargs)
+        loaders = {
+            "ema": self.load_ema,
+            "optimizer": self.load_optimizer,
+            "scheduler": self.load_scheduler,
+            "dataloaders": self.load_dataloaders,
+        }
+        for key, load in loaders.items():
+            if key not in excluded:
+                load(payload.get(key))
+        if _is_path(checkpoint):
+            self.config.resume = os.fspath(checkpoint)
+        self.logger.info(
+            "restored checkpoint %s at epoch %d, global step %d",
+            _describe(checkpoint),
+            self.train_state.epoch,
+            self.train_state.global_step,
+        )
+
+    def _excluded_components(self) -> set[str]:
+        # Dotted entries ("model.head") only trim part of a component, which is still loaded.
+        return {key for key in self.checkpoint_manager.exclude_from_loading if "." not in key}
+
+    def load_model(self, state_dict: Mapping[str, Any], *args: Any, **kwargs: Any) -> None:
+        """Load weights into `self.model` (through `unwrap`)."""
+        if self.model is None:
+            raise ValueError("cannot load model weights: self.model is not set")
+        self.unwrap(self.model).load_state_dict(state_dict, *args, **kwargs)
+
+    def load_ema(self, state_dict: Mapping[str, Any] | None, *args: Any, **kwargs: Any) -> None:
+        """Load EMA weights when both the state and `self.ema` exist."""
+        if state_dict is not None and self.ema is not None:
+            self.unwrap(self.ema).load_state_dict(state_dict, *args, **kwargs)
+
+    def load_optimizer(self, state_dict: Mapping[str, Any] | None, *args: Any, **kwargs: Any) -> None:
+        """Load optimizer state when both the state and `self.optimizer` exist."""
+        if state_dict is not None and self.optimizer is not None:
+            self.optimizer.load_state_dict(state_dict, *args, **kwargs)
+
+    def load_scheduler(self, state_dict: Mapping[str, Any] | None, *args: Any, **kwargs: Any) -> None:
+        """Load scheduler state when both the state and `self.scheduler` exist."""
+        if state_dict is not None and self.scheduler is not None:
+            self.scheduler.load_state_dict(state_dict, *args, **kwargs)
+
+    def load_dataloaders(self, state_dict: Mapping[str, Any] | None) -> None:
+        """Restore the progress of each dataloader that has saved state and a `load_state_dict`."""
+        for split, state in (state_dict or {}).items():
+            loader = self.dataloaders.get(split)
+            if loader is not None and callable(getattr(loader, "load_state_dict", None)):
+                loader.load_state_dict(state)
+
+    def load_pretrained(self, checkpoint: CheckpointSource, *args: Any, **kwargs: Any) -> None:
+        """Load model weights only, preferring the EMA weights when the checkpoint has them.
+
+        Optimizer, scheduler, counters and dataloaders stay as they are: use this to fine-tune
+        from another run, and `load_checkpoint` to resume one.
+
+        Raises:
+            ValueError: `self.model` is not set, or the checkpoint has no `ema`, `model` or
+                `model_parts` state.
+        """
+        if self.model is None:
+            raise ValueError("load_pretrained() needs self.model to be set first")
+        payload = self.read_checkpoint(checkpoint, map_location=kwargs.pop("map_location", "cpu"))
+        key = next((key for key in ("ema", "model", "model_parts") if payload.get(key) is not None), None)
+        if key is None:
+            raise ValueError(
+                f"checkpoint {_describe(checkpoint)} has no 'ema', 'model' or 'model_parts' state; "
+                f"keys: {sorted(payload)}"
+            )
+        self.load_model(payload[key], *args, **kwargs)
+        if _is_path(checkpoint):
+            self.config.pretrained = os.fspath(checkpoint)
+        self.logger.info("loaded %s weights from %s", key, _describe(checkpoint))
+
+    def auto_restore(self) -> None:
+        """Restore what the config asks for: `resume`, else `auto_resume`, else `pretrained`.
+
+        With `auto_resume`, the newest checkpoint in this run's checkpoint directory that passes
+        verification is loaded; when that is not the one `latest` points to, the fallback is
+        logged as a warning. Without any checkpoint the run starts fresh.
+        """
+        self._restored = True
+        config = self.config
+        if config.get("resume"):
+            self.load_checkpoint(config.resume)
+        elif config.get("auto_resume"):
+            manager = self.checkpoint_manager
+            path = manager.latest_valid()
+            if path is None:
+                self.logger.info("auto_resume: no checkpoint in %s, starting from scratch", manager.directory)
+                return
+            latest = manager.latest
+            if latest is not None and latest != path:
+                self.logger.warning("auto_resume: latest checkpoint %s is not usable; resuming from %s", latest, path)
+            self.load_checkpoint(path)
+        elif config.get("pretrained"):
+            self.load_pretrained(config.pretrained)
+
+    # ------------------------------------------------------------------ constructors
+    @classmethod
+    def _read_source(cls, checkpoint: CheckpointSource, map_location: Any = "cpu") -> Mapping[str, Any]:
+        """Payload of a checkpoint read without a runner instance: file-backend or DCP layout."""
+        if _is_path(checkpoint) and _dcp_directory(Path(os.fspath(checkpoint))) is not None:
+            from danling.checkpoint.dcp import read_dcp_checkpoint
+
+            return read_dcp_checkpoint(checkpoint, map_location=map_location)
+        return read_checkpoint_source(checkpoint, map_location=map_location)
+
+    @classmethod
+    def read_config(cls, checkpoint: CheckpointSource, *args: Any, **kwargs: Any) -> RunnerConfig:
+        """Return the `RunnerConfig` stored in a checkpoint (mapping, bytes, or file-backend path)."""
+        payload = cls._read_source(checkpoint, map_location=kwargs.get("map_location", "cpu"))
+        saved = payload.get("runner")
+        if not isinstance(saved, Mapping):
+            raise ValueError(f"checkpoint {_describe(checkpoint)} has no runner config; keys: {sorted(payload)}")
+        return RunnerConfig(**saved)
+
+    @classmethod
+    def from_checkpoint(cls, checkpoint: CheckpointSource, *args: Any, **kwargs: Any) -> BaseRunner:
+        """Build a runner from the config stored in `checkpoint`, then restore its full state.
+
+        `*args` and `**kwargs` are forwarded to `load_checkpoint`.
+        """
+        payload = cls._read_source(checkpoint, map_location=kwargs.get("map_location", "cpu"))
+        config = cls.read_config(payload)
+        config.resume, config.auto_resume, config.pretrained = None, False, None
+        runner = cls(config)
+        runner.load_checkpoint(payload, *args, **kwargs)
+        if _is_path(checkpoint):
+            runner.config.resume = os.fspath(checkpoint)
+        return runner
+
+    @classmethod
+    def from_pretrained(
+        cls, config: RunnerConfig | Mapping[str, Any], checkpoint: CheckpointSource, *args: Any, **kwargs: Any
+    ) -> BaseRunner:
+        """Build a runner from `config` and load only model weights from `checkpoint`."""
+        runner = cls(config)
+        runner.load_pretrained(checkpoint, *args, **kwargs)
+        return runner
+
+
+_MISSING = object()
+
+
+def _flatten(mapping: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat = {}
+    for key, value in mapping.items():
+        if isinstance(value, Mapping):
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def _describe(checkpoint: Any) -> str:
+    if _is_path(checkpoint):
+        return repr(os.fspath(checkpoint))
+    return f"<{type(checkpoint).__name__}>"

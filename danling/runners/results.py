@@ -1,0 +1,273 @@
+"""Result rows, best-score bookkeeping and result files for runners.
+
+A runner keeps one row per round in [`results`][danling.runners.base_runner.BaseRunner]: the row index is the
+epoch index in epoch mode and the global step in step mode, and each row maps a split name to
+that split's metrics (``{"train": {"loss": 0.31}, "val": {"loss": 0.35, "acc": 0.91}}``).
+
+[`ResultsMixin`][danling.runners.results.ResultsMixin] derives everything else from those rows:
+the split and metric used for model selection, the best row, early stopping, and the three JSON
+files a run directory carries (`results.json`, `latest.json`, `best.json`).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from chanfig import FlatDict
+
+from danling.utils import RoundDict
+from danling.utils.io import save
+
+if TYPE_CHECKING:
+    from .config import RunnerConfig
+
+__all__ = ["ResultsMixin", "format_result"]
+
+# Score names matching this pattern are minimised; everything else is maximised.
+_LOWER_IS_BETTER = re.compile(r"loss|err|mse|mae|rmse|perplexity|ppl|nll|wer|cer|distance", re.IGNORECASE)
+_PREFERRED_SCORE_SPLITS = ("val", "validate", "validation")
+
+
+def format_result(result: Mapping[str, Any], format_spec: str = ".4f") -> str:
+    """Render a result row as text, one line per split.
+
+    Nested mappings (a split's metrics) are rendered on one line as ``split: name: value ...``;
+    scalar entries are collected on their own line.
+
+    Examples:
+        >>> print(format_result({"train": {"loss": 0.123456}, "val": {"loss": 0.2, "acc": 0.9}}))
+        train: loss: 0.1235
+        val: loss: 0.2000	acc: 0.9000
+        >>> format_result({"loss": 1.0, "acc": 0.5}, ".2f")
+        'loss: 1.00\\tacc: 0.50'
+    """
+    lines, scalars = [], RoundDict()
+    for key, value in result.items():
+        if isinstance(value, Mapping):
+            lines.append(f"{key}: {format(RoundDict(value), format_spec)}")
+        else:
+            dict.__setitem__(scalars, key, value)
+    if scalars:
+        lines.insert(0, format(scalars, format_spec))
+    return "\n".join(lines)
+
+
+class ResultsMixin:
+    """Result rows, model selection and result files; mixed into `BaseRunner`.
+
+    Expects the host class to provide `config`, `results`, `train_state`, `workspace`,
+    `trackers`, `logger`, `is_main_process`, `is_step_mode` and `evaluate_splits`.
+    """
+
+    config: RunnerConfig
+    results: RoundDict
+
+    # ------------------------------------------------------------------ selection
+    @property
+    def score_split(self) -> str | None:
+        """Split whose metric picks the best row.
+
+        `config.score_split` when set; otherwise chosen once from the latest row (`val`, then
+        `validate`/`validation`, then the first evaluation split, then the first split) and kept
+        until that split stops appearing in new rows.
+        """
+        configured = self.config.get("score_split")
+        if configured:
+            return configured
+        latest = self._latest_row()
+        if latest is None:
+            return None
+        cached = self.__dict__.get("_score_split")
+        if cached is not None and cached in latest:
+            return cached
+        splits = [key for key, value in latest.items() if isinstance(value, Mapping)]
+        candidates = [s for s in _PREFERRED_SCORE_SPLITS if s in splits]
+        candidates += [s for s in self.evaluate_splits if s in splits] + splits
+        self.__dict__["_score_split"] = candidates[0] if candidates else None
+        return self.__dict__["_score_split"]
+
+    @property
+    def score_name(self) -> str:
+        """Metric name used for model selection (`config.score_name`, default `"loss"`)."""
+        return self.config.get("score_name") or "loss"
+
+    @property
+    def lower_is_better(self) -> bool:
+        """Whether a smaller score is better.
+
+        `config.score_mode` (`"min"` or `"max"`) decides when set; otherwise names that look like
+        losses or errors (`loss`, `err`, `mse`, `perplexity`, ...) are minimised.
+        """
+        mode = self.config.get("score_mode")
+        if mode is not None:
+            if mode not in ("min", "max"):
+                raise ValueError(f"score_mode must be 'min' or 'max', got {mode!r}")
+            return mode == "min"
+        return bool(_LOWER_IS_BETTER.search(self.score_name))
+
+    @property
+    def scores(self) -> FlatDict | None:
+        """Mapping of row index to score, for rows that carry `score_split`/`score_name`.
+
+        `None` when no score split can be resolved.
+        """
+        split = self.score_split
+        if split is None:
+            return None
+        scores = FlatDict()
+        for index, row in self.results.items():
+            metrics = row.get(split)
+            value = metrics.get(self.score_name) if isinstance(metrics, Mapping) else None
+            if value is not None:
+                scores[index] = float(value)
+        return scores
+
+    @property
+    def best_index(self) -> int:
+        """Index of the best row (the earliest one on ties); 0 when nothing is scored yet."""
+        scores = self.scores
+        if not scores:
+            return 0
+        pick = min if self.lower_is_better else max
+        return pick(scores, key=lambda index: _comparable(scores[index], self.lower_is_better))
+
+    @property
+    def latest_result(self) -> RoundDict | None:
+        """Copy of the newest row with its `index` added, or `None` before the first row."""
+        if not self.results:
+            return None
+        index = next(reversed(self.results))
+        row = RoundDict(self.results[index])
+        row["index"] = index
+        return row
+
+    @property
+    def best_result(self) -> RoundDict | None:
+        """Copy of the best row with its `index` added, or `None` when nothing is scored."""
+        scores = self.scores
+        if not scores:
+            return None
+        index = self.best_index
+        row = RoundDict(self.results[index])
+        row["index"] = index
+        return row
+
+    @property
+    def latest_score(self) -> float | None:
+        """Score of the newest row, or `None` when it has no score."""
+        scores = self.scores
+        if not scores or not self.results:
+            return None
+        return scores.get(next(reversed(self.results)))
+
+    @property
+    def best_score(self) -> float | None:
+        """Best score seen so far, or `None` when nothing is scored."""
+        scores = self.scores
+        return scores[self.best_index] if scores else None
+
+    @property
+    def is_best(self) -> bool:
+        """Whether the newest row holds the best score.
+
+        `True` before any row exists, `False` when no score can be read from the newest row (so a
+        run without a usable score never publishes a "best" checkpoint), otherwise whether the
+        newest score equals the best one up to floating-point tolerance.
+        """
+        if not self.results:
+            return True
+        latest, best = self.latest_score, self.best_score
+        if latest is None or best is None:
+            return False
+        if math.isnan(latest):
+            return False
+        return math.isclose(latest, best, rel_tol=1e-9, abs_tol=1e-12)
+
+    @property
+    def patience(self) -> int | float:
+        """Rounds without improvement tolerated before early stop (`config.patience`, default inf)."""
+        patience = self.config.get("patience")
+        if patience is None:
+            return math.inf
+        if isinstance(patience, bool) or not isinstance(patience, (int, float)) or patience < 0:
+            raise ValueError(f"patience must be a non-negative number or None, got {patience!r}")
+        return patience
+
+    def should_stop_early(self) -> bool:
+        """Whether the newest row is more than `patience` rounds after the best one."""
+        if not self.results or math.isinf(self.patience) or not self.scores:
+            return False
+        rounds = list(self.results)
+        return rounds.index(rounds[-1]) - rounds.index(self.best_index) > self.patience
+
+    # ------------------------------------------------------------------ rows and files
+    def append_result(self, result: Mapping[str, Any], index: int | None = None) -> None:
+        """Store `result` as the row at `index`.
+
+        Args:
+            result: Mapping of split name to that split's metrics (other scalars are allowed).
+            index: Row index; defaults to the global step in step mode and the epoch index in
+                epoch mode. Writing an existing index replaces that row.
+        """
+        if index is None:
+            index = self._row_index()
+        if not isinstance(index, int) or isinstance(index, bool):
+            raise ValueError(f"result index must be an int, got {index!r}")
+        self.results[index] = RoundDict(result)
+
+    def save_result(self) -> None:
+        """Write the result files for the newest row and send it to the trackers.
+
+        On the main process writes `results.json` (every row), `latest.json` (newest row with its
+        index) and, when the newest row is the best, `best.json` into the run directory. Every
+        process forwards the row to the trackers (which are no-ops away from the main process).
+        """
+        latest = self.latest_result
+        if latest is None:
+            return
+        index = latest.pop("index")
+        self.trackers.log(latest.dict(), step=index)
+        if not self.is_main_process:
+            return
+        header = {"id": self.workspace.id, "timestamp": self.timestamp}
+        directory = self.workspace.dir
+        save({**header, "results": self.results.dict()}, os.path.join(directory, "results.json"))
+        payload = {**header, "index": index, **latest.dict()}
+        save(payload, os.path.join(directory, "latest.json"))
+        if self.is_best:
+            save(payload, os.path.join(directory, "best.json"))
+
+    def format_result(self, result: Mapping[str, Any], format_spec: str = ".4f") -> str:
+        """Render `result` as text; see [`format_result`][danling.runners.results.format_result]."""
+        return format_result(result, format_spec)
+
+    def format_epoch_result(self, result: Mapping[str, Any], epoch: int | None = None, format_spec: str = ".4f") -> str:
+        """Render a finished epoch's row with an `epoch [i/n]` header."""
+        epoch = self.train_state.epoch if epoch is None else epoch
+        total = "?" if self.epochs is None else self.epochs - 1
+        return f"epoch [{epoch}/{total}]\n{format_result(result, format_spec)}"
+
+    def format_step_result(
+        self, result: Mapping[str, Any], split: str, iteration: int, length: int | None, format_spec: str = ".4f"
+    ) -> str:
+        """Render one step log line: ``split [iteration/length] name: value ...``."""
+        total = "?" if length is None else length
+        return f"{split} [{iteration}/{total}]\t{format(RoundDict(result), format_spec)}"
+
+    def _row_index(self) -> int:
+        """Row index for the current progress: the global step in step mode, else the epoch."""
+        return self.train_state.global_step if self.is_step_mode else self.train_state.epoch
+
+    def _latest_row(self) -> Mapping | None:
+        return self.results[next(reversed(self.results))] if self.results else None
+
+
+def _comparable(score: float, lower_is_better: bool) -> float:
+    """Map NaN to the worst possible value so it never wins the best-score selection."""
+    if math.isnan(score):
+        return math.inf if lower_is_better else -math.inf
+    return score

@@ -1,0 +1,231 @@
+"""Checkpoint payload and restore paths of [`TorchRunner`][danling.runners.TorchRunner].
+
+[`TorchCheckpointMixin`][danling.runners.torch_checkpoint.TorchCheckpointMixin] extends the
+backend-neutral payload of [`CheckpointMixin`][danling.runners.checkpointing.CheckpointMixin] with
+the torch components and everything an exact resume needs:
+
+- `model` / `optimizer`: keyed by parameter name (through
+  [`get_training_state`][danling.checkpoint.dcp.get_training_state]), so the same payload works
+  with the file and the DCP backends and survives a change of wrapping (DDP, `torch.compile`);
+- `ema`, `scheduler`;
+- `loop`: the train split whose pass was under way, the accumulation position, the optimizer
+  container (skipped updates, gradient scaler) and a fingerprint of the next batch each training
+  loader would yield. On restore the fingerprint is recomputed from the rebuilt loader, and a
+  mismatch (other data, batch size, seed or world size) raises
+  [`DataResumeError`][danling.data.DataResumeError] instead of silently training on a different
+  stream.
+
+Checkpoints written by either backend can be read back whatever backend the runner uses now.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from danling.checkpoint import FileCheckpointManager
+from danling.data import ResumableSampler, batch_fingerprint, check_batch_fingerprint
+
+from .checkpointing import CheckpointSource, _dcp_directory, _is_path
+
+__all__ = ["TorchCheckpointMixin"]
+
+_EXPORT_DTYPES = {
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp64": torch.float64,
+    "float64": torch.float64,
+    "double": torch.float64,
+}
+
+
+def _read_dcp(path: Path, map_location: Any, exclude: Any = ()) -> dict[str, Any]:
+    from danling.checkpoint.dcp import TorchDistributedCheckpointManager
+
+    manager = TorchDistributedCheckpointManager(path.parent, load_only=True, exclude_from_loading=exclude)
+    return manager.load(path, map_location=map_location)
+
+
+class TorchCheckpointMixin:
+    """Torch checkpoint payload, exact-resume state and backend-agnostic reading; mixed into `TorchRunner`."""
+
+    _restored_fingerprints: dict[str, Any] | None = None
+
+    # ------------------------------------------------------------------ saving
+    def state_dict(self, cls: type = dict) -> Mapping:
+        """The full checkpoint payload: base runner state plus model, optimizer, EMA, scheduler and loop state.
+
+        Model and optimizer are keyed by parameter name, result-row indices are strings (DCP only
+        stores string keys), and dataloader progress is kept for the training splits only:
+        evaluation always starts a fresh pass. The RNG state is captured first.
+
+        Args:
+            cls: Mapping type used for the payload and its sections.
+        """
+        payload = super().state_dict(cls)
+        payload["results"] = cls((str(index), row) for index, row in payload["results"].items())
+        keep = {*self.train_splits, self._train_cursor}
+        loaders = cls((split, state) for split, state in payload["dataloaders"].items() if split in keep)
+        payload["dataloaders"] = loaders
+        payload.update(self._export_training_state())
+        if self.ema is not None:
+            payload["ema"] = self.unwrap(self.ema).state_dict()
+        if self.scheduler is not None:
+            payload["scheduler"] = self.scheduler.state_dict()
+        container = self.optimizer_container
+        payload["loop"] = cls(
+            split=self._train_cursor,
+            accumulator=self.accumulator.state_dict(),
+            optimizer_container=None if container is None else container.state_dict(),
+            fingerprints=cls((split, self._fingerprint(split, state)) for split, state in loaders.items()),
+        )
+        payload["backend"] = cls(stack="torch", world_size=self.world_size, checkpoint=self.checkpoint_manager.backend)
+        return payload
+
+    def _export_training_state(self) -> dict[str, Any]:
+        from danling.checkpoint.dcp import get_training_state
+
+        optimizer = self.optimizer
+        if optimizer is None or optimizer.state:
+            return get_training_state(self.model, optimizer)
+        # DCP initialises empty optimizer state with a zero-lr step, which would advance Adam's step
+        # counter before training; an optimizer that has not stepped yet is exported as is.
+        state = get_training_state(self.model)
+        names = {id(param): name for name, param in self.unwrap(self.model).named_parameters()}
+        groups = [
+            {
+                **{key: value for key, value in group.items() if key != "params"},
+                "params": [names[id(p)] for p in group["params"]],
+            }
+            for group in optimizer.param_groups
+        ]
+        state["optimizer"] = {"state": {}, "param_groups": groups}
+        return state
+
+    def _fingerprint(self, split: str, state: Mapping[str, Any]) -> str | None:
+        loader = self.dataloaders.get(split)
+        if getattr(loader, "batch_sampler", None) is None and getattr(loader, "sampler", None) is None:
+            return None
+        try:
+            return batch_fingerprint(loader, state)
+        except TypeError:  # a custom sampler that cannot be copied: no resume check for this split
+            return None
+
+    def _checkpoint_payload(self, *, last_step: bool) -> Mapping[str, Any]:
+        """The final save is a model-only export when `checkpoint.last_save_model_only` is set."""
+        checkpoint = self.config.checkpoint
+        if not (last_step and checkpoint.last_save_model_only):
+            return self.state_dict()
+        dtype = _EXPORT_DTYPES.get(checkpoint.export_dtype) if checkpoint.export_dtype else None
+
+        def export(state: Mapping[str, Any]) -> dict[str, Any]:
+            if dtype is None:
+                return dict(state)
+            return {k: v.to(dtype) if torch.is_tensor(v) and v.is_floating_point() else v for k, v in state.items()}
+
+        payload = {"runner": self.config.dict(), "model": export(self.unwrap(self.model).state_dict())}
+        if self.ema is not None:
+            payload["ema"] = export(self.unwrap(self.ema).state_dict())
+        return payload
+
+    # ------------------------------------------------------------------ restoring
+    def load_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        """Restore the runner state (counters, RNG, results) and the loop position of an exact resume.
+
+        Model, optimizer, scheduler and dataloaders are restored by `load_checkpoint`.
+        """
+        super().load_state_dict(checkpoint)
+        loop = checkpoint.get("loop") or {}
+        self._train_cursor = loop.get("split")
+        if loop.get("accumulator"):
+            self.accumulator.load_state_dict(loop["accumulator"])
+        self._pending_micro_steps = 0
+        self._restored_fingerprints = dict(loop.get("fingerprints") or {})
+        self._restored_container_state = loop.get("optimizer_container")
+
+    def load_checkpoint(self, checkpoint: CheckpointSource, *args: Any, **kwargs: Any) -> None:
+        """Restore a full checkpoint, then rebind the optimizer container to the restored optimizer and scheduler.
+
+        Besides the checks of the base runner, the next-batch fingerprint of every training loader
+        is verified before its state is loaded.
+
+        Raises:
+            DataResumeError: a training loader would not continue the data stream of the checkpoint.
+        """
+        self._restored_fingerprints = None
+        try:
+            super().load_checkpoint(checkpoint, *args, **kwargs)
+        finally:
+            container_state = self.__dict__.pop("_restored_container_state", None)
+            self._restored_fingerprints = None
+        self._bind_optimizer_container()
+        if container_state and self.optimizer_container is not None:
+            self.optimizer_container.load_state_dict(container_state)
+
+    def load_model(self, state_dict: Mapping[str, Any], *args: Any, **kwargs: Any) -> None:
+        """Load weights keyed by parameter name into `self.model`, whatever wrapper it has.
+
+        `strict` may be given as the first positional argument or as a keyword (default `True`).
+        """
+        from danling.checkpoint.dcp import set_training_state
+
+        if self.model is None:
+            raise ValueError("cannot load model weights: self.model is not set")
+        strict = kwargs.pop("strict", args[0] if args else True)
+        set_training_state(self.model, None, {"model": state_dict}, strict=strict)
+
+    def load_optimizer(self, state_dict: Mapping[str, Any] | None, *args: Any, **kwargs: Any) -> None:
+        """Load optimizer state keyed by parameter name (or torch's positional layout) into `self.optimizer`."""
+        from danling.checkpoint.dcp import set_training_state
+
+        if state_dict is None or self.optimizer is None:
+            return
+        groups = state_dict.get("param_groups") or []
+        if groups and all(isinstance(param, int) for group in groups for param in group["params"]):
+            self.optimizer.load_state_dict(state_dict)  # written by optimizer.state_dict() itself
+            return
+        set_training_state(self.model, self.optimizer, {"model": {}, "optimizer": state_dict})
+
+    def load_dataloaders(self, state_dict: Mapping[str, Any] | None) -> None:
+        """Restore loader progress after checking each loader against the fingerprint in the checkpoint.
+
+        Raises:
+            DataResumeError: a rebuilt loader would yield a different next batch than the saved one.
+        """
+        fingerprints = self._restored_fingerprints or {}
+        for split, state in (state_dict or {}).items():
+            loader = self.dataloaders.get(split)
+            if loader is None or not callable(getattr(loader, "load_state_dict", None)):
+                self.logger.warning("checkpoint has progress for split %r, which has no resumable loader now", split)
+                continue
+            sampler = getattr(loader, "sampler", None)
+            if isinstance(sampler, ResumableSampler) and self.config.get("seed") is not None:
+                sampler.seed = int(self.config.seed)  # a seed adopted from the checkpoint (see set_seed)
+            check_batch_fingerprint(loader, state, fingerprints.get(split))
+            loader.load_state_dict(state)
+
+    # ------------------------------------------------------------------ reading
+    def read_checkpoint(self, checkpoint: CheckpointSource, *args: Any, **kwargs: Any) -> Mapping[str, Any]:
+        """Payload of a mapping, bytes, alias, file-backend path or DCP directory, whatever the current backend."""
+        map_location = kwargs.get("map_location", "cpu")
+        manager = self.checkpoint_manager
+        if not _is_path(checkpoint):
+            return super().read_checkpoint(checkpoint, *args, **kwargs)
+        path = manager.resolve(checkpoint)
+        is_dcp = _dcp_directory(path) is not None
+        if is_dcp == (manager.backend == "dcp"):
+            return manager.load(checkpoint, map_location=map_location)
+        if is_dcp:
+            return _read_dcp(path, map_location, manager.exclude_from_loading)
+        reader = FileCheckpointManager(
+            path.parent, load_only=True, exclude_from_loading=manager.exclude_from_loading, logger=manager.logger
+        )
+        return reader.load(path, map_location=map_location)

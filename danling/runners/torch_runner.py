@@ -1,0 +1,426 @@
+"""`TorchRunner`: the PyTorch runner (single process or DDP), registered for the stacks `auto`, `torch` and `ddp`.
+
+The class assembles three layers: construction and component building (this module), per-batch
+hooks ([`TorchStepMixin`][danling.runners.torch_steps.TorchStepMixin]) and checkpoint payloads
+([`TorchCheckpointMixin`][danling.runners.torch_checkpoint.TorchCheckpointMixin]) on top of the
+backend-free [`BaseRunner`][danling.runners.base_runner.BaseRunner].
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+from collections.abc import Callable, Iterator, Mapping, Sized
+from functools import cached_property
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import IterableDataset
+
+from danling.data import ResumableSampler, build_dataloader, resolve_loader_options
+from danling.distributed import broadcast_object, init_process_group_from_env, is_distributed, unwrap_model, wrap_ddp
+from danling.optim import build_optimizer, build_scheduler, is_metric_scheduler
+
+from .base_runner import BaseRunner
+from .compiler import Compiler
+from .runner import register_runner
+from .torch_checkpoint import TorchCheckpointMixin
+from .torch_components import EMA, GradientAccumulator, OptimizerContainer, Precision
+from .torch_steps import TorchStepMixin
+
+__all__ = ["TorchRunner"]
+
+
+class TorchRunner(TorchCheckpointMixin, TorchStepMixin, BaseRunner):
+    """PyTorch runner for training, evaluation and inference, in one process or under DDP.
+
+    Subclass it and, in `__init__` after `super().__init__(config)`, bind `self.model` (required),
+    usually `self.criterion`, datasets (`self.datasets.<split>`) or ready dataloaders
+    (`self.dataloaders.<split>`) and optionally `self.metrics` (or separate `self.train_metrics` /
+    `self.evaluate_metrics`). The optimizer and scheduler come from `config.optim` and
+    `config.scheduler` (or `config.sched`) unless you assign them yourself.
+
+    When the subclass `__init__` returns, `__post_init__` runs, in order: `materialize_model`
+    (device, EMA copy when `ema.enabled`, `torch.compile` when `compile.enable`, DDP when more than
+    one process), `build_optimizer`, `build_scheduler`, `build_dataloaders` (resumable torchdata
+    loaders; train splits shuffle and drop the last partial batch by default) and the restore asked
+    for by `resume` / `auto_resume` / `pretrained`.
+
+    The default steps read batches as mappings (`input`, `target`), sequences (items 0 and 1) or a
+    bare input; override `train_step`, `evaluate_step` or `infer_step` for anything else.
+
+    Attributes:
+        model: The model after materialization (moved to `device`, possibly compiled and DDP-wrapped).
+        ema: The [`EMA`][danling.runners.torch_components.EMA] copy (or your own module) used by
+            evaluation and inference when set.
+        criterion: Loss function `criterion(pred, target)` of the default steps.
+        optimizer: The optimizer, built from `config.optim` unless assigned.
+        scheduler: The learning-rate scheduler, built from the scheduler section unless assigned.
+        optimizer_container: The [`OptimizerContainer`][danling.runners.torch_components.OptimizerContainer]
+            that applies each update (clipping, non-finite skip, step-interval scheduler).
+        accumulator: The [`GradientAccumulator`][danling.runners.torch_components.GradientAccumulator]
+            deciding which micro-steps update.
+        precision_policy: The [`Precision`][danling.runners.torch_components.Precision] of `config.precision`.
+        compiler: The [`Compiler`][danling.runners.compiler.Compiler] of the `compile` section.
+        scheduler_interval: When the scheduler steps: `"step"` (each update) or `"epoch"`/`"validation"`.
+        scheduler_monitor: Dotted result path a metric scheduler watches, or `None` for the score metric.
+        collate_fn: Batch collation used by `build_dataloaders` (`None`: torch's default).
+
+    Examples:
+        >>> import tempfile
+        >>> import torch
+        >>> from torch import nn
+        >>> class Regression(TorchRunner):
+        ...     def __init__(self, config):
+        ...         super().__init__(config)
+        ...         self.model = nn.Linear(2, 1)
+        ...         self.criterion = nn.MSELoss()
+        ...         x = torch.randn(32, 2)
+        ...         y = x.sum(dim=1, keepdim=True)
+        ...         self.datasets.train = list(zip(x, y))
+        ...         self.datasets.val = list(zip(x[:8], y[:8]))
+        >>> config = {"epochs": 2, "seed": 1, "optim.type": "sgd", "optim.lr": 0.1, "dataloader.batch_size": 8,
+        ...           "workspace_root": tempfile.mkdtemp(), "log": False, "checkpoint.async_enabled": False}
+        >>> with Regression(config) as runner:
+        ...     results = runner.train()
+        ...     predictions = runner.infer("val")
+        >>> runner.train_state.global_step, sorted(runner.latest_result), len(predictions)
+        (8, ['index', 'train', 'val'], 8)
+    """
+
+    collate_fn: Callable | None = None
+    _owns_process_group: bool = False
+    _deterministic_before: tuple | None = None
+
+    def __init__(self, config: Any) -> None:
+        super().__init__(config)
+        self.accumulator = GradientAccumulator(self.accum_steps)
+
+    def __post_init__(self) -> None:
+        """Materialize the model, build optimizer, scheduler and dataloaders, then restore and record metadata."""
+        self.precision_policy = Precision(self.precision, self.device)
+        self.compiler = Compiler(dict(self.config.compile))
+        self.materialize_model()
+        self.build_optimizer()
+        self.build_scheduler()
+        self._bind_optimizer_container()
+        if self.datasets:
+            self.build_dataloaders()
+        super().__post_init__()
+
+    # ------------------------------------------------------------------ process facts
+    @property
+    def world_size(self) -> int:
+        """Number of processes: the default process group's size when one is running, else `WORLD_SIZE`."""
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_world_size()
+        return super().world_size
+
+    @property
+    def rank(self) -> int:
+        """Global rank: from the default process group when one is running, else `RANK`."""
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank()
+        return super().rank
+
+    @cached_property
+    def device(self) -> torch.device:
+        """Device of this process: `cuda:<local_rank>` when CUDA is available, else CPU (assignable in `__init__`)."""
+        if torch.cuda.is_available():  # GPU-only branch
+            return torch.device("cuda", self.local_rank)
+        return torch.device("cpu")
+
+    @property
+    def checkpoint_backend(self) -> str:
+        """`checkpoint.backend` with `"auto"` resolved: `"dcp"` for distributed runs, `"file"` otherwise."""
+        backend = self.config.checkpoint.backend or "auto"
+        if backend == "auto":
+            return "dcp" if self.distributed else "file"
+        return backend
+
+    # ------------------------------------------------------------------ early hooks
+    def init_distributed(self) -> None:
+        """Start the default process group from `WORLD_SIZE`/`RANK`/`LOCAL_RANK` when there are several processes.
+
+        Called once during construction, before the checkpoint manager is chosen; no model exists yet.
+        A group that is already running (started by a launcher or a test harness) is adopted,
+        provided its size matches `WORLD_SIZE`; a group started here is destroyed by `close`. Rank 0's
+        timestamp is broadcast so every rank names the run alike, and `TORCHELASTIC_RESTART_COUNT`
+        is recorded in `elastic_state`.
+
+        Raises:
+            RuntimeError: a running group's size disagrees with `WORLD_SIZE`.
+        """
+        timeout = self.config.comm.init_timeout_seconds
+        self._owns_process_group = init_process_group_from_env(timeout=timeout, allow_existing=True)
+        if is_distributed():
+            self.timestamp = broadcast_object(self.timestamp)
+        self.elastic_state.restart_count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
+
+    def init_checkpoint_manager(self) -> None:
+        """Bind the DCP checkpoint manager when `checkpoint_backend` is `"dcp"`; keep the file manager otherwise.
+
+        Runs right after `init_distributed`, on every rank (building a DCP manager with a dedicated
+        asynchronous process group is collective).
+
+        Raises:
+            ValueError: `checkpoint.backend` names a backend this runner cannot write.
+        """
+        backend = self.checkpoint_backend
+        if backend == "file":
+            return
+        if backend != "dcp":
+            raise ValueError(
+                f"checkpoint.backend={backend!r} is not supported by TorchRunner; use 'auto', 'file' or 'dcp'"
+            )
+        from danling.checkpoint.dcp import TorchDistributedCheckpointManager
+
+        checkpoint = self.config.checkpoint
+        manager = TorchDistributedCheckpointManager(
+            self.workspace.checkpoint_dir,
+            dedicated_async_process_group=checkpoint.dedicated_async_process_group,
+            async_process_group_backend=checkpoint.async_process_group_backend,
+            **self._checkpoint_options(),
+        )
+        self.set_checkpoint_manager(manager)
+
+    def set_seed(self, seed: int | None = None, bias: int | bool | None = None) -> int:
+        """Seed Python, NumPy and torch (every device).
+
+        Arguments are those of [`BaseRunner.set_seed`][danling.runners.base_runner.BaseRunner.set_seed]. In a
+        distributed run without a configured seed, rank 0 draws one and broadcasts it, so all ranks
+        shuffle the data alike (their own offset `bias` still differs).
+        """
+        if seed is None and self.config.get("seed") is None and is_distributed():
+            self.config.seed = broadcast_object(random.SystemRandom().randrange(2**31))
+            self._seed_was_drawn = True
+        seed = super().set_seed(seed, bias)
+        torch.manual_seed(seed)
+        self.rng_state.capture()
+        return seed
+
+    def set_deterministic(self) -> None:
+        """Request deterministic kernels (`torch.use_deterministic_algorithms`, cuDNN).
+
+        `close` puts the previous settings back, since they are global to the process.
+        """
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        cudnn = torch.backends.cudnn
+        self._deterministic_before = (
+            torch.are_deterministic_algorithms_enabled(),
+            torch.is_deterministic_algorithms_warn_only_enabled(),
+            cudnn.deterministic,
+            cudnn.benchmark,
+        )
+        torch.use_deterministic_algorithms(True)
+        cudnn.deterministic, cudnn.benchmark = True, False
+
+    # ------------------------------------------------------------------ components
+    def materialize_model(self) -> None:
+        """Put `self.model` on `self.device`, create the EMA copy, compile, and wrap in DDP when distributed.
+
+        Called once by `__post_init__`, before the optimizer is built (it must see the final
+        parameters). Overrides must keep the device move and must not wrap an already wrapped model.
+
+        Raises:
+            ValueError: `self.model` is not set.
+            TypeError: `self.model` is not an `nn.Module`.
+        """
+        if self.model is None:
+            raise ValueError(f"{type(self).__name__} needs self.model: assign an nn.Module in __init__")
+        if not isinstance(self.model, nn.Module):
+            raise TypeError(f"self.model must be a torch.nn.Module, got {type(self.model).__name__}")
+        self.model = self.model.to(self.device)
+        self.model = self.compiler.compile(self.model, distributed=self.distributed)
+        trainable = any(param.requires_grad for param in self.model.parameters())
+        if self.distributed and trainable:
+            self.model = wrap_ddp(self.model, self.device)  # also broadcasts rank 0's weights
+        if self.ema is None and self.config.ema.enabled:
+            # Copied after the DDP broadcast, so every rank starts from the same average.
+            self.ema = EMA(self.model, decay=self.config.ema.decay)
+        elif isinstance(self.ema, nn.Module):
+            self.ema = self.ema.to(self.device)
+            if is_distributed():
+                for tensor in self.ema.state_dict().values():
+                    dist.broadcast(tensor, src=0)
+
+    def iter_optimizer_named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """`(name, parameter)` of every trainable parameter, named as in the unwrapped model."""
+        for name, param in self.unwrap(self.model).named_parameters():
+            if param.requires_grad:
+                yield name, param
+
+    def iter_optimizer_parameters(self) -> Iterator[nn.Parameter]:
+        """Every trainable parameter of the model."""
+        for _, param in self.iter_optimizer_named_parameters():
+            yield param
+
+    def build_optimizer(self) -> None:
+        """Build `self.optimizer` from `config.optim` (or `config.optimizer`) unless one is already bound.
+
+        Called by `__post_init__` after `materialize_model`. Nothing is built while the section
+        has no `type`. `optim.param_groups` patterns are searched in the names of
+        `iter_optimizer_named_parameters` (see [`build_optimizer`][danling.optim.build_optimizer]).
+        """
+        if self.optimizer is not None:
+            return
+        section = self._merged_section("optim", "optimizer")
+        if section.get("type"):
+            self.optimizer = build_optimizer(list(self.iter_optimizer_named_parameters()), section)
+
+    def build_scheduler(self) -> None:
+        """Build `self.scheduler` from `config.sched` (or `config.scheduler`) unless one is bound; set its interval.
+
+        Called by `__post_init__` after `build_optimizer`. Schedulers that take a run length get
+        the optimizer-step budget. `interval` defaults to `"step"`, or `"epoch"` for metric
+        schedulers such as `ReduceLROnPlateau`, which step with the value at `monitor`.
+
+        Raises:
+            ValueError: a metric scheduler is configured with `interval="step"`.
+        """
+        section = self._merged_section("sched", "scheduler")
+        if self.scheduler is None and self.optimizer is not None and section.get("type"):
+            self.scheduler = build_scheduler(self.optimizer, section, total_steps=self._total_steps())
+        metric = self.scheduler is not None and is_metric_scheduler(self.scheduler)
+        interval = section.get("interval") or ("epoch" if metric else "step")
+        if metric and interval == "step":
+            raise ValueError(
+                f"{type(self.scheduler).__name__} steps with a monitored metric: set scheduler.interval to 'epoch'"
+            )
+        self.scheduler_interval = interval
+        self.scheduler_monitor = section.get("monitor")
+
+    def _merged_section(self, primary: str, alias: str) -> dict[str, Any]:
+        """Keys set in `config.<alias>` overlaid with those set in `config.<primary>`."""
+        merged: dict[str, Any] = {}
+        for name in (alias, primary):
+            section = self.config.get(name)
+            if isinstance(section, Mapping):
+                plain = section.dict() if callable(getattr(section, "dict", None)) else dict(section)
+                merged.update({key: value for key, value in plain.items() if value is not None})
+        return merged
+
+    def _total_steps(self) -> int | None:
+        """The optimizer-step budget, estimated from the datasets when the loaders are not built yet."""
+        steps = self.steps
+        if steps is not None or self.epochs is None:
+            return steps
+        per_epoch = 0
+        for split in self.train_splits:
+            dataset = self.datasets.get(split)
+            if not isinstance(dataset, Sized) or isinstance(dataset, IterableDataset):
+                return None
+            options = resolve_loader_options(self._loader_config(), split, is_train=True)
+            samples = len(self.build_datasampler(dataset, split=split, shuffle=False))
+            size = options.get("batch_size", 1)
+            batches = samples // size if options["drop_last"] else math.ceil(samples / size)
+            per_epoch += math.ceil(batches / self.accum_steps)
+        return self.epochs * per_epoch or None
+
+    def _bind_optimizer_container(self) -> None:
+        previous = self.optimizer_container
+        if self.optimizer is None:
+            self.optimizer_container = None
+            return
+        self.optimizer_container = OptimizerContainer(
+            self.optimizer,
+            self.scheduler,
+            precision=self.precision_policy,
+            max_grad_norm=self.max_grad_norm,
+            max_grad_value=self.max_grad_value,
+            skip_nonfinite_grad=self.skip_nonfinite_grad,
+            scheduler_interval=self.scheduler_interval,
+        )
+        if previous is not None:
+            self.optimizer_container.skipped_steps = previous.skipped_steps
+
+    # ------------------------------------------------------------------ data
+    def _loader_config(self) -> dict[str, Any]:
+        return self.config.dataloader.dict()
+
+    @property
+    def _data_seed(self) -> int:
+        return int(self.config.get("seed") or 0)
+
+    def build_dataloaders(self) -> None:
+        """Wrap every dataset in `self.datasets` without a dataloader yet in a resumable `StatefulDataLoader`.
+
+        Called by `__post_init__` when datasets are bound. Options come from `config.dataloader`
+        with `config.dataloader.<split>` overrides; train splits shuffle and drop the last partial
+        batch unless configured otherwise. Samplers come from `build_datasampler` and batches are
+        collated with `self.collate_fn`. Loaders already in `self.dataloaders` are left alone.
+        """
+        config = self._loader_config()
+        train_splits = set(self.train_splits)
+        for split, dataset in self.datasets.items():
+            if split in self.dataloaders:
+                continue
+            is_train = split in train_splits
+            sampler = None
+            if not isinstance(dataset, IterableDataset):
+                shuffle = resolve_loader_options(config, split, is_train=is_train)["shuffle"]
+                sampler = self.build_datasampler(dataset, split=split, shuffle=shuffle)
+            self.dataloaders[split] = build_dataloader(
+                dataset,
+                split=split,
+                config=config,
+                distributed=self.distributed,
+                rank=self.rank,
+                world_size=self.world_size,
+                seed=self._data_seed,
+                is_train=is_train,
+                collate_fn=self.collate_fn,
+                sampler=sampler,
+            )
+
+    def build_datasampler(self, dataset: Any, *, split: str, shuffle: bool) -> Any:
+        """The index sampler of one split: a [`ResumableSampler`][danling.data.ResumableSampler].
+
+        It is a `DistributedSampler` sharding over all ranks when distributed, and a local
+        random or sequential sampler otherwise; its order depends only on `(seed, epoch)` and its
+        position is saved with the loader, so a resumed run continues mid-epoch.
+        """
+        is_train = split in self.train_splits
+        options = resolve_loader_options(self._loader_config(), split, is_train=is_train)
+        generator = torch.Generator()
+        generator.manual_seed(self._data_seed)
+        distributed = self.distributed
+        return ResumableSampler(
+            dataset,
+            num_replicas=self.world_size if distributed else 1,
+            rank=self.rank if distributed else 0,
+            shuffle=shuffle,
+            seed=self._data_seed,
+            drop_last=bool(options["drop_last"]),
+            generator=generator,
+        )
+
+    # ------------------------------------------------------------------ misc
+    def unwrap(self, model: Any) -> Any:
+        """The plain module inside DDP / `torch.compile` wrappers (the averaged module for an `EMA`)."""
+        if isinstance(model, EMA):
+            model = model.module
+        return unwrap_model(model) if isinstance(model, nn.Module) else model
+
+    def close(self, timeout: float | None = None) -> bool:
+        """Close the runner (see [`BaseRunner.close`][danling.runners.base_runner.BaseRunner.close]), restore the
+        deterministic-kernel settings and destroy a process group this runner started."""
+        if self.__dict__.get("_closed", True):
+            return True
+        try:
+            return super().close(timeout)
+        finally:
+            before = self._deterministic_before
+            if before is not None:
+                torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+                torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = before[2], before[3]
+                self._deterministic_before = None
+            if self._owns_process_group and dist.is_initialized():
+                dist.destroy_process_group()
+                self._owns_process_group = False
+
+
+register_runner(("auto", "torch", "ddp"), TorchRunner)

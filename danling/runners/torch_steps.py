@@ -1,0 +1,372 @@
+"""Per-batch hooks of [`TorchRunner`][danling.runners.TorchRunner]: default steps, backward, the update.
+
+[`TorchStepMixin`][danling.runners.torch_steps.TorchStepMixin] implements the hooks the loops of
+[`LoopMixin`][danling.runners.loops.LoopMixin] call once per batch: the default batch contract
+(`train_step`, `evaluate_step`, `infer_step`), the precision and DDP contexts, the accumulation
+state machine (`backward`, `step`, `optimizer_step`), metric updates and per-split results,
+scheduler stepping and the collectives used for logging. Nothing here reads a tensor back to the
+host: losses and metrics stay on the device until a log step or the end of a split reads them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from contextlib import AbstractContextManager, contextmanager
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from danling.data import split_batch
+from danling.distributed import all_reduce_any, all_reduce_gradients, all_reduce_mean, is_distributed
+from danling.optim import is_metric_scheduler
+from danling.utils import RoundDict, to_device
+
+from .loops import RunnerMode
+from .torch_components import EMA
+
+__all__ = ["TorchStepMixin"]
+
+_STOP_POLL_EVERY = 8  # batches between the cross-rank agreements on a stop request while training
+_PREFERRED_MONITOR_SPLITS = ("val", "validate", "validation")
+
+
+class TorchStepMixin:
+    """Batch-level hooks of the torch runner; mixed into `TorchRunner` ahead of `BaseRunner`."""
+
+    train_metrics: Any = None
+    evaluate_metrics: Any = None
+    optimizer_container: Any = None
+    scheduler_interval: str = "step"
+    scheduler_monitor: str | None = None
+    _grad_multiplier: float | None = None
+    _active_metrics: Any = None
+    _stop_polls: int = 0
+    _train_timeout_applied: bool = False
+
+    # ------------------------------------------------------------------ mode and contexts
+    @property
+    def mode(self) -> RunnerMode:
+        """Current [`RunnerMode`][danling.runners.loops.RunnerMode]; setting it switches `model` between
+        `train()` and `eval()` (the EMA copy always stays in evaluation mode)."""
+        return self._mode
+
+    @mode.setter
+    def mode(self, mode: RunnerMode | str) -> None:
+        self._mode = RunnerMode(mode)
+        if isinstance(self.model, nn.Module):
+            self.model.train(self._mode is RunnerMode.train)
+        if isinstance(self.ema, nn.Module):
+            self.ema.eval()
+
+    def to_device(self, data: Any) -> Any:
+        """Move one batch (any nesting of tensors) to `self.device`."""
+        device = self.device
+        return to_device(data, device, non_blocking=device.type == "cuda")
+
+    def forward_context(self) -> AbstractContextManager:
+        """Autocast context of the configured precision, entered around every forward pass."""
+        return self.precision_policy.autocast()
+
+    @contextmanager
+    def train_context(self) -> Iterator[None]:
+        """Context for one training forward pass: autocast plus DDP `no_sync` inside an accumulation window.
+
+        DDP decides during the forward pass whether the following backward all-reduces, so only the
+        forward needs to run inside; `backward` may be called after the block.
+        """
+        with self.accumulator.no_sync(self.model), self.forward_context():
+            yield
+
+    def inference_context(self) -> AbstractContextManager:
+        """`torch.inference_mode()`: evaluation and inference steps build no autograd graph."""
+        return torch.inference_mode()
+
+    # ------------------------------------------------------------------ step hooks
+    def train_step(self, data: Any) -> tuple[Any, torch.Tensor | None]:
+        """Forward, loss, metrics, backward and accumulation for one training micro-batch.
+
+        Called once per batch by the training loops with `self.mode == "train"`. The batch is moved
+        to `self.device` and split by [`split_batch`][danling.data.split_batch] (`input`/`target` of a
+        mapping, items 0/1 of a sequence, otherwise input only). The forward pass and the loss run
+        in `train_context()`; the training metrics are updated; then `backward(loss)` and `step()`.
+        Override it when batches or losses look different, keeping the `backward` and `step` calls;
+        do not zero gradients, step the optimizer or touch the counters here.
+
+        Returns:
+            The model output and the detached loss.
+
+        Raises:
+            ValueError: `self.model` or `self.criterion` is not set, or the criterion returned None.
+        """
+        if self.model is None:
+            raise ValueError("train_step() needs self.model; set it in __init__")
+        data = self.to_device(data)
+        input, target = split_batch(data)
+        with self.train_context():
+            pred = self.model(input)
+            loss = self._criterion_loss(pred, target, required=True)
+        self._update_metrics(pred, target)
+        self.backward(loss)
+        self.step()
+        return pred, loss.detach()
+
+    def evaluate_step(self, data: Any) -> tuple[Any, torch.Tensor | None]:
+        """Forward (through the EMA copy when there is one), optional loss and metrics for one batch.
+
+        Called by the evaluation loops inside `inference_context()`. The loss is computed only when
+        `self.criterion` is set and the batch has a target. Never call `backward`/`step` or change
+        counters here.
+
+        Raises:
+            ValueError: neither `self.ema` nor `self.model` is set.
+        """
+        model = self._inference_model()
+        data = self.to_device(data)
+        input, target = split_batch(data)
+        with self.forward_context():
+            pred = model(input)
+            loss = None if target is None else self._criterion_loss(pred, target, required=False)
+        self._update_metrics(pred, target)
+        return pred, None if loss is None else loss.detach()
+
+    def infer_step(self, data: Any) -> list[Any]:
+        """Predictions for one batch as a Python list (one number per example by default).
+
+        The input is taken as in `evaluate_step` (the target, if any, is ignored), run through the
+        EMA copy or the model under `forward_context()`, and converted with
+        `pred.squeeze(-1).cpu().tolist()`. Override it for outputs that are not one number per
+        example; return a list, never a tensor, and leave metrics alone.
+
+        Raises:
+            ValueError: neither `self.ema` nor `self.model` is set.
+        """
+        model = self._inference_model()
+        input, _ = split_batch(data)
+        input = self.to_device(input)
+        with self.forward_context():
+            pred = model(input)
+        values = pred.detach().squeeze(-1).cpu().tolist()
+        return values if isinstance(values, list) else [values]
+
+    def _inference_model(self) -> Any:
+        model = self.ema if self.ema is not None else self.model
+        if model is None:
+            raise ValueError(f"{type(self).__name__} needs self.model (or self.ema) to evaluate or infer")
+        return model
+
+    def _criterion_loss(self, pred: Any, target: Any, *, required: bool) -> torch.Tensor | None:
+        if self.criterion is None:
+            if required:
+                raise ValueError("the default train_step needs self.criterion; set it or override train_step")
+            return None
+        loss = self.criterion(pred, target)
+        if loss is None and required:
+            raise ValueError(f"criterion {self.criterion!r} returned None; train_step needs a loss tensor")
+        return loss
+
+    # ------------------------------------------------------------------ accumulation and update
+    def backward(self, loss: torch.Tensor) -> None:
+        """Back-propagate one micro-step loss.
+
+        The loss is divided by the size of its accumulation window (a shorter final window of a
+        pass divides by its own size) and multiplied by the fp16 gradient scale when one is in use.
+        Do not step the optimizer or change counters here.
+        """
+        loss = self.accumulator.normalize(loss)
+        self.precision_policy.scale(loss).backward()
+
+    def step(self) -> None:
+        """Count one micro-step and apply the update when it closes its accumulation window.
+
+        Call exactly once per micro-batch, after `backward`; never together with `optimizer_step`.
+        """
+        self.train_state.micro_step += 1
+        if self.accumulator.advance():
+            self._pending_micro_steps = 0
+            self.optimizer_step()
+        else:
+            self._pending_micro_steps += 1
+
+    def optimizer_step(self) -> bool:
+        """Apply one update from the accumulated gradients; return whether it was applied.
+
+        Waits until a pending asynchronous checkpoint no longer reads the parameters, then lets the
+        [`OptimizerContainer`][danling.runners.torch_components.OptimizerContainer] unscale, skip
+        non-finite gradients (all ranks agree), clip, step optimizer and step-interval scheduler and
+        zero the gradients. An applied update increments `train_state.global_step` and refreshes
+        the EMA copy; a skipped one changes neither.
+
+        Raises:
+            RuntimeError: no optimizer is bound (set `config.optim.type` or `self.optimizer`).
+        """
+        container = self._optimizer_container()
+        self.checkpoint_manager.maybe_wait_for_staging()
+        multiplier, self._grad_multiplier = self._grad_multiplier, None
+        applied = container.step(multiplier)
+        if applied:
+            self.train_state.global_step += 1
+            if isinstance(self.ema, EMA):
+                self.ema.update(self.model)
+            if not self._train_timeout_applied:
+                self._apply_train_timeout()
+        return applied
+
+    def _flush_pending_optimizer_step(self) -> bool:
+        """Apply an open accumulation window (a pass of unknown length ended, or a shutdown).
+
+        Its micro-steps ran without gradient synchronisation, so gradients are averaged over ranks
+        here and rescaled from the window's nominal size to the micro-steps actually taken.
+        """
+        pending = self._pending_micro_steps
+        if not pending:
+            return False
+        self._pending_micro_steps = 0
+        window = self.accumulator.window_size
+        self.accumulator.finish()
+        container = self._optimizer_container()
+        if is_distributed():
+            all_reduce_gradients(container.parameters())
+        self._grad_multiplier = window / pending
+        return self.optimizer_step()
+
+    def _optimizer_container(self) -> Any:
+        container = self.optimizer_container
+        if container is None or container.optimizer is not self.optimizer or container.scheduler is not self.scheduler:
+            self._bind_optimizer_container()
+            container = self.optimizer_container
+        if container is None:
+            raise RuntimeError(
+                f"{type(self).__name__} has no optimizer to step: set config.optim.type or assign self.optimizer"
+            )
+        return container
+
+    def _apply_train_timeout(self) -> None:
+        """Switch the default group to `comm.train_timeout_seconds` once the first update went through."""
+        self._train_timeout_applied = True
+        seconds = self.config.comm.train_timeout_seconds
+        set_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
+        if seconds and is_distributed() and set_timeout is not None:
+            set_timeout(timedelta(seconds=seconds), None)
+
+    # ------------------------------------------------------------------ metrics and results
+    def _metrics_for(self, mode: RunnerMode) -> Any:
+        if mode is RunnerMode.train:
+            return self.train_metrics if self.train_metrics is not None else self.metrics
+        if mode is RunnerMode.evaluate:
+            return self.evaluate_metrics if self.evaluate_metrics is not None else self.metrics
+        return None
+
+    def _update_metrics(self, pred: Any, target: Any) -> None:
+        metrics = self._metrics_for(self.mode)
+        if metrics is not None and target is not None:
+            metrics.update(pred.detach() if isinstance(pred, torch.Tensor) else pred, target)
+
+    def _start_split(self, split: str, mode: RunnerMode, length: int | None) -> None:
+        """Reset the split's metrics and, for training, open the accumulation pass."""
+        metrics = self._metrics_for(mode)
+        self._active_metrics = metrics
+        if metrics is not None:
+            metrics.reset()
+        if mode is RunnerMode.train:
+            self.accumulator.start(length)
+
+    def collect_result(self, split: str) -> RoundDict:
+        """The split's averaged loss plus the values of its metrics, reduced over all ranks.
+
+        Reading the meters and metrics synchronises ranks, so every rank calls this together (the
+        loops do, at the end of each split).
+        """
+        result = RoundDict(self.meters.avg)
+        metrics = self._active_metrics
+        if metrics is not None:
+            values = metrics.avg
+            result.update(values.dict() if callable(getattr(values, "dict", None)) else dict(values))
+        return result
+
+    # ------------------------------------------------------------------ schedulers
+    def advance_schedulers(self, result: Mapping[str, Any]) -> None:
+        """Step an epoch-interval scheduler once per epoch; metric schedulers get the monitored value."""
+        scheduler = self.scheduler
+        if scheduler is None or self.scheduler_interval == "step":
+            return
+        if is_metric_scheduler(scheduler):
+            scheduler.step(self._monitor_value(result))
+        else:
+            scheduler.step()
+
+    def _monitor_value(self, result: Mapping[str, Any]) -> float:
+        """The value a metric scheduler watches: `scheduler.monitor` (dotted), else the score metric."""
+        monitor = self.scheduler_monitor
+        if monitor:
+            node: Any = result
+            for part in monitor.split("."):
+                if not isinstance(node, Mapping) or part not in node:
+                    raise ValueError(f"scheduler.monitor={monitor!r} is not in the epoch result {_keys(result)}")
+                node = node[part]
+            return float(node)
+        name = self.score_name
+        splits = [key for key, value in result.items() if isinstance(value, Mapping) and name in value]
+        configured = self.config.get("score_split")
+        preferred = [configured] if configured else [*_PREFERRED_MONITOR_SPLITS, *self.evaluate_splits]
+        for split in [*preferred, *splits]:
+            if split in splits:
+                return float(result[split][name])
+        if name in result:
+            return float(result[name])
+        raise ValueError(
+            f"cannot find {name!r} for the metric scheduler in the epoch result {_keys(result)}; set scheduler.monitor"
+        )
+
+    # ------------------------------------------------------------------ collectives
+    def all_reduce(self, tensor: torch.Tensor, *, op: Any = dist.ReduceOp.SUM) -> torch.Tensor:
+        """`tensor` reduced with `op` over all ranks (a copy; the input itself when there is one rank)."""
+        if not is_distributed():
+            return tensor
+        out = tensor.detach().clone()
+        dist.all_reduce(out, op=op)
+        return out
+
+    def reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Mean of `tensor` over all ranks."""
+        return all_reduce_mean(tensor)
+
+    def reduce_loss_for_logging(self, loss: torch.Tensor | None, loss_n: int | None) -> torch.Tensor | None:
+        """Detached loss averaged over ranks, weighted by each rank's `loss_n` samples when given."""
+        if loss is None:
+            return None
+        loss = loss.detach()
+        if not is_distributed():
+            return loss
+        if loss_n is None:
+            return all_reduce_mean(loss)
+        weighted = self.all_reduce(loss.float() * loss_n)
+        total = self.all_reduce(torch.tensor(float(loss_n), device=loss.device))
+        return weighted / total
+
+    def _stop_requested(self) -> bool:
+        """A stop request, agreed across ranks while training so that all of them stop at the same batch.
+
+        The agreement is a collective, made every few batches to keep the hot path free of host
+        synchronisations; outside training (evaluation or inference possibly run on one rank
+        only) the local flag is used.
+        """
+        local = self.supervisor.stop_requested
+        if not (self._training and is_distributed()):
+            return local
+        self._stop_polls += 1
+        if self._stop_polls % _STOP_POLL_EVERY:
+            return False
+        return bool(all_reduce_any(torch.tensor(local)))
+
+
+def _keys(result: Mapping[str, Any]) -> list[str]:
+    keys = []
+    for key, value in result.items():
+        if isinstance(value, Mapping):
+            keys.extend(f"{key}.{sub}" for sub in value)
+        else:
+            keys.append(key)
+    return keys

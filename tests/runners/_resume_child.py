@@ -1,0 +1,125 @@
+"""Child process of the exact-resume tests (one per rank).
+
+After importing everything once, it forks one real subprocess per scenario (so the slow imports are
+paid once) and runs them concurrently:
+
+- `clean`: uninterrupted training in epoch mode, then in step mode;
+- `kill-epoch` / `kill-step`: the same run with `auto_resume`, SIGKILLed right after the optimizer
+  update that reaches the requested global step (the epoch one optionally saves an extra checkpoint
+  first);
+
+then, once both were killed, `resume` restarts them with `auto_resume` and trains to the end.
+Each run writes its final weights to `<root>/{clean,killed}/<mode>/final-rank<r>.pt`, and the exit
+status of every scenario is written to `<root>/status-rank<r>.json`. For two processes the parent
+sets `RANK`/`WORLD_SIZE`; every scenario rendezvouses through its own file store under `<root>`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint.state_dict  # imported once, before forking
+
+from tests.runners._torch_toy import TinyRunner, model_state, tiny_config
+
+
+def _train(root: str, mode: str, world_size: int, kill_at: int, save_at: int) -> None:
+    class Child(TinyRunner):
+        n_train = 20 * world_size  # 5 batches of 4 per rank and pass
+
+        def optimizer_step(self) -> bool:
+            applied = super().optimizer_step()
+            if applied and self.train_state.global_step == save_at:
+                self.save_checkpoint(force=True)
+            if applied and self.train_state.global_step == kill_at:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return applied
+
+    budget = {"epochs": 3} if mode == "epoch" else {"epochs": None, "steps": 10, "checkpoint.interval": 4}
+    config = tiny_config(
+        os.path.join(root, mode),
+        accum_steps=2,  # windows of 2, 2 and 1 micro-batches per pass
+        deterministic=True,
+        auto_resume=True,
+        **budget,
+        **{"ema.enabled": True, "ema.decay": 0.9, "scheduler.type": "cosine", "scheduler.warmup_steps": 2},
+    )
+    with Child(config) as runner:
+        start = runner.train_state.global_step
+        runner.train()
+        final = {
+            "start": start,
+            "global_step": runner.train_state.global_step,
+            "model": model_state(runner),
+            "ema": {k: v.clone() for k, v in runner.ema.module.state_dict().items()},
+        }
+        os.makedirs(os.path.join(root, mode), exist_ok=True)
+        torch.save(final, os.path.join(root, mode, f"final-rank{runner.rank}.pt"))
+
+
+def _fork(root: str, directory: str, tag: str, modes: list[str], *, kill_at: int = 0, save_at: int = 0) -> int:
+    """Run one scenario in a forked subprocess (logs and rendezvous named by `tag`); return its pid."""
+    pid = os.fork()
+    if pid:
+        return pid
+    code = 1
+    try:
+        rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+        log = os.open(f"{root}/{tag}-rank{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        if world_size > 1:
+            store = f"file://{root}/store-{tag}"
+            dist.init_process_group("gloo", init_method=store, rank=rank, world_size=world_size)
+        for mode in modes:
+            _train(os.path.join(root, directory), mode, world_size, kill_at, save_at)
+        if world_size > 1:
+            dist.destroy_process_group()
+        code = 0
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def _status(pid: int) -> str:
+    _, status = os.waitpid(pid, 0)
+    if os.WIFSIGNALED(status):
+        return signal.Signals(os.WTERMSIG(status)).name
+    return f"exit {os.WEXITSTATUS(status)}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--root", required=True)
+    parser.add_argument("--epoch-kill-at", type=int, required=True)
+    parser.add_argument("--epoch-save-at", type=int, default=0)
+    parser.add_argument("--step-kill-at", type=int, required=True)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    os.makedirs(args.root, exist_ok=True)
+    pids = {
+        "clean": _fork(args.root, "clean", "clean", ["epoch", "step"]),
+        "kill-epoch": _fork(
+            args.root, "killed", "kill-epoch", ["epoch"], kill_at=args.epoch_kill_at, save_at=args.epoch_save_at
+        ),
+        "kill-step": _fork(args.root, "killed", "kill-step", ["step"], kill_at=args.step_kill_at),
+    }
+    status = {name: _status(pid) for name, pid in pids.items()}
+    status["resume"] = _status(_fork(args.root, "killed", "resume", ["epoch", "step"]))
+    rank = int(os.environ.get("RANK", 0))
+    with open(os.path.join(args.root, f"status-rank{rank}.json"), "w") as file:
+        json.dump(status, file)
+
+
+if __name__ == "__main__":
+    main()
