@@ -1,0 +1,368 @@
+"""What the `TorchRunner` costs over a hand-written PyTorch loop doing the same work.
+
+Three measurements, each run in this process with the candidates alternating (median of
+``--repeats`` runs, see `common.alternate`), on one thread (`torch.set_num_threads(1)`):
+
+1. Training wall time: the same model, data, AdamW optimizer, cross-entropy loss and an
+   accuracy metric, for a few epochs of train + validation passes. Two models: a small MLP at
+   batch 32, where per-step bookkeeping matters most, and a wide MLP at batch 128 where the
+   matrix multiplications dominate. ``runner`` builds its own (resumable) dataloaders;
+   ``runner, torch loaders`` is given the plain `torch.utils.data.DataLoader`s the hand-written
+   loop uses, which separates loop overhead from the dataloader choice. With ``--ablate`` two
+   more variants switch off the per-epoch result files and replace danling's metric container
+   by the loop's plain running count, to show what each service costs.
+2. Time to first step: constructing everything (model, optimizer, loaders; for the runner also
+   the workspace, logging and metadata) plus one optimizer step.
+3. Checkpoint throughput (MB of model + optimizer state per second) of the runner's file and
+   DCP backends against `torch.save` / `torch.load` and `dcp.save` / `dcp.load` of the same
+   state, synchronous writes.
+
+Usage: ``python benchmarks/bench_runner.py [--repeats 7] [--ablate] [--only training] [--quick]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shutil
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import alternate, table
+
+import danling as dl
+
+# name -> (features, hidden, classes, batch size, train samples, val samples, epochs per timed run)
+WORKLOADS = {
+    "small MLP, batch 32": (64, 128, 10, 32, 4096, 1024, 3),
+    "wide MLP, batch 128": (512, 1024, 10, 128, 12288, 512, 1),
+}
+TRAINING = ("small MLP, batch 32", "wide MLP, batch 128")
+# A bigger model for checkpoint I/O: about 21 MB of weights plus twice that of AdamW moments.
+WORKLOADS["checkpoint"] = (512, 2048, 10, 128, 256, 128, 1)
+
+
+def make_model(features: int, hidden: int, classes: int) -> nn.Module:
+    return nn.Sequential(
+        nn.Linear(features, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, classes)
+    )
+
+
+def make_splits(features: int, classes: int, n_train: int, n_val: int) -> dict[str, TensorDataset]:
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(features, classes, generator=generator)
+    splits = {}
+    for name, n in (("train", n_train), ("val", n_val)):
+        x = torch.randn(n, features, generator=generator)
+        splits[name] = TensorDataset(x, (x @ weight).argmax(-1))
+    return splits
+
+
+def torch_loaders(splits: dict[str, TensorDataset], batch_size: int) -> dict[str, DataLoader]:
+    return {
+        "train": DataLoader(splits["train"], batch_size=batch_size, shuffle=True, drop_last=True),
+        "val": DataLoader(splits["val"], batch_size=batch_size),
+    }
+
+
+# --------------------------------------------------------------------------- hand-written loop
+def handwritten_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, loaders: dict[str, DataLoader]) -> dict:
+    """One train pass and one validation pass, tracking mean loss and accuracy without per-step syncs."""
+    criterion = nn.CrossEntropyLoss()
+    row = {}
+    for split in ("train", "val"):
+        training = split == "train"
+        model.train(training)
+        loss_sum, correct, seen, batches = torch.zeros(()), torch.zeros((), dtype=torch.long), 0, 0
+        with torch.inference_mode(not training):
+            for x, y in loaders[split]:
+                logits = model(x)
+                loss = criterion(logits, y)
+                if training:
+                    loss.backward()
+                    optimizer.step()
+                    optimizer.zero_grad()
+                loss_sum += loss.detach()
+                correct += (logits.argmax(-1) == y).sum()
+                seen += len(y)
+                batches += 1
+        row[split] = {"loss": loss_sum.item() / batches, "acc": correct.item() / seen}
+    return row
+
+
+# --------------------------------------------------------------------------- runner
+class BenchRunner(dl.TorchRunner):
+    """The same training problem through the runner; `config.bench` names the workload."""
+
+    def __init__(self, config: dl.RunnerConfig) -> None:
+        super().__init__(config)
+        features, hidden, classes, batch_size, n_train, n_val, _ = WORKLOADS[config.bench.workload]
+        splits = make_splits(features, classes, n_train, n_val)
+        self.datasets.train, self.datasets.val = splits["train"], splits["val"]
+        if config.bench.torch_loaders:
+            self.dataloaders.update(torch_loaders(splits, batch_size))
+        self.model = make_model(features, hidden, classes)
+        self.criterion = nn.CrossEntropyLoss()
+        self.metrics = dl.multiclass_metrics(num_classes=classes, metrics=["acc"])
+
+
+def runner_config(root: str, workload: str, *, torch_loaders: bool = False, **overrides: Any) -> dl.RunnerConfig:
+    batch_size, epochs = WORKLOADS[workload][3], WORKLOADS[workload][6]
+    config = dl.RunnerConfig(
+        workspace_root=root,
+        epochs=epochs,
+        seed=0,
+        log=False,
+        log_interval=10**9,  # one step log per pass (the last batch), like the hand-written loop's one read
+        score_name="acc",
+        **{"optim.type": "adamw", "optim.lr": 1e-3, "dataloader.batch_size": batch_size},
+        **{"checkpoint.load_only": True},  # the loop comparison excludes checkpoint I/O (timed in part 3)
+    )
+    config.bench.workload, config.bench.torch_loaders = workload, torch_loaders
+    config.merge(overrides)
+    return config
+
+
+def quiet(runner: dl.TorchRunner) -> dl.TorchRunner:
+    runner.logger.setLevel(logging.WARNING)
+    return runner
+
+
+# --------------------------------------------------------------------------- 1. loop overhead
+class PlainAccuracy:
+    """The hand-written loop's accuracy (a running count on the device) behind the metrics interface."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.correct, self.seen = torch.zeros((), dtype=torch.long), 0
+
+    def update(self, pred: torch.Tensor, target: torch.Tensor) -> None:
+        self.correct += (pred.argmax(-1) == target).sum()
+        self.seen += len(target)
+
+    @property
+    def avg(self) -> dict[str, float]:
+        return {"acc": self.correct.item() / max(self.seen, 1)}
+
+
+def training_candidates(root: str, workload: str, ablate: bool) -> tuple[dict[str, Callable[[], object]], list]:
+    """The hand-written loop and the runner variants for one workload (plus the runners to close)."""
+    features, hidden, classes, batch_size, n_train, n_val, epochs = WORKLOADS[workload]
+    torch.manual_seed(0)
+    model = make_model(features, hidden, classes)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    loaders = torch_loaders(make_splits(features, classes, n_train, n_val), batch_size)
+    variants = {"runner": {}, "runner, torch loaders": {"torch_loaders": True}}
+    if ablate:  # switch off one runner service at a time to see what each costs
+        variants["runner, torch loaders, no result files"] = {"torch_loaders": True, "files": False}
+        variants["runner, torch loaders, no result files, plain accuracy"] = {
+            "torch_loaders": True,
+            "files": False,
+            "plain": True,
+        }
+    candidates: dict[str, Callable[[], object]] = {
+        "hand-written loop": lambda: [handwritten_epoch(model, optimizer, loaders) for _ in range(epochs)]
+    }
+    runners = []
+    for name, options in variants.items():
+        runner = quiet(BenchRunner(runner_config(root, workload, torch_loaders=options.get("torch_loaders", False))))
+        if not options.get("files", True):
+            runner.save_result = lambda r=runner: r.trackers.log({}, step=0)
+        if options.get("plain"):
+            runner.metrics = PlainAccuracy()
+        runners.append(runner)
+        candidates[name] = lambda r=runner: run_epochs(r)
+    return candidates, runners
+
+
+def run_epochs(runner: dl.TorchRunner) -> None:
+    runner.train_state.epoch = 0  # re-run the same epoch budget; the model keeps training
+    runner.train()
+
+
+def bench_training(root: str, repeats: int, ablate: bool = False) -> list[str]:
+    out = []
+    for workload in TRAINING:
+        _, _, _, batch_size, n_train, n_val, epochs = WORKLOADS[workload]
+        candidates, runners = training_candidates(root, workload, ablate)
+        medians = alternate(candidates, repeats=repeats)
+        for runner in runners:
+            runner.close()
+        steps = epochs * (n_train // batch_size)
+        batches = f"{n_train // batch_size} train + {-(-n_val // batch_size)} val batches"
+        title = f"Training, {workload}: {epochs} epoch(s) of {batches}"
+        extra = {name: (value - medians["hand-written loop"]) / steps * 1e6 for name, value in medians.items()}
+        extra.pop("hand-written loop")
+        summary = "; ".join(f"{name} {value:+.0f} us" for name, value in extra.items())
+        out.append(table(title, medians, "hand-written loop") + f"\n\nextra time per train step: {summary}")
+    return out
+
+
+# --------------------------------------------------------------------------- 2. time to first step
+def bench_first_step(root: str, repeats: int) -> list[str]:
+    workload = "small MLP, batch 32"
+    features, hidden, classes, batch_size, n_train, n_val, _ = WORKLOADS[workload]
+    splits = make_splits(features, classes, n_train, n_val)
+
+    def handwritten() -> None:
+        model = make_model(features, hidden, classes)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        loader = torch_loaders(splits, batch_size)["train"]
+        x, y = next(iter(loader))
+        nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    def construct() -> dl.TorchRunner:
+        return quiet(BenchRunner(runner_config(root, workload, steps=1, epochs=None, evaluate_splits=["train"])))
+
+    def runner_built() -> None:
+        construct().close()
+
+    def runner_first_step() -> None:
+        runner = construct()
+        runner.train_steps(["train"], [])
+        runner.close()
+
+    candidates = {
+        "hand-written: build + 1 step": handwritten,
+        "runner: construct": runner_built,
+        "runner: construct + train_steps(steps=1)": runner_first_step,
+    }
+    return [
+        table("Time to first step (small MLP)", alternate(candidates, repeats=repeats), "hand-written: build + 1 step")
+    ]
+
+
+# --------------------------------------------------------------------------- 3. checkpoint throughput
+def state_bytes(state: Any) -> int:
+    if isinstance(state, torch.Tensor):
+        return state.numel() * state.element_size()
+    if isinstance(state, dict):
+        return sum(state_bytes(value) for value in state.values())
+    if isinstance(state, (list, tuple)):
+        return sum(state_bytes(value) for value in state)
+    return 0
+
+
+def fsync_file(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def raw_file_ops(model: nn.Module, optimizer: torch.optim.Optimizer, directory: Path) -> dict[str, Callable]:
+    """`torch.save` (+ fsync, since the runner's writes are durable) and `torch.load` of model + optimizer."""
+    path = os.fspath(directory / "checkpoint.pt")
+
+    def save() -> None:
+        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, path)
+        fsync_file(path)
+
+    def load() -> None:
+        payload = torch.load(path, weights_only=False)
+        model.load_state_dict(payload["model"])
+        optimizer.load_state_dict(payload["optimizer"])
+
+    return {"torch.save + fsync": save, "torch.load + load_state_dict": load}
+
+
+def raw_dcp_ops(model: nn.Module, optimizer: torch.optim.Optimizer, directory: Path) -> dict[str, Callable]:
+    """`dcp.save` / `dcp.load` of the parameter-name-keyed model + optimizer state, in one process."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    def save() -> None:
+        shutil.rmtree(directory, ignore_errors=True)
+        model_state, optim_state = get_state_dict(model, optimizer)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=directory, no_dist=True)
+
+    def load() -> None:
+        model_state, optim_state = get_state_dict(model, optimizer)
+        state = {"model": model_state, "optimizer": optim_state}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dcp.load(state, checkpoint_id=directory, no_dist=True)
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
+    return {"dcp.save": save, "dcp.load + set_state_dict": load}
+
+
+def bench_checkpoint_backend(root: str, backend: str, repeats: int) -> str:
+    overrides = {
+        "steps": 1,
+        "epochs": None,
+        "checkpoint.backend": backend,
+        "checkpoint.async_enabled": False,
+        "checkpoint.load_only": False,
+    }
+    runner = quiet(BenchRunner(runner_config(os.path.join(root, backend), "checkpoint", **overrides)))
+    runner.train_steps(["train"], [])  # one optimizer step, so AdamW has its moment buffers
+    model, optimizer = runner.unwrap(runner.model), runner.optimizer
+    size = state_bytes(model.state_dict()) + state_bytes(optimizer.state_dict())
+    directory = Path(root) / f"raw-{backend}"
+    directory.mkdir(parents=True, exist_ok=True)
+    raw = (raw_file_ops if backend == "file" else raw_dcp_ops)(model, optimizer, directory)
+    (raw_save, save), (raw_load, load) = raw.items()
+    save()  # the load candidates read what the save candidates wrote
+    medians = alternate({raw_save: save, "runner.save_checkpoint": lambda: runner.save_checkpoint(force=True)}, repeats)
+    medians.update(
+        alternate({raw_load: load, "runner.load_checkpoint": lambda: runner.load_checkpoint("latest")}, repeats)
+    )
+    runner.close()
+    rows = [f"### Checkpoint, {backend} backend: {size / 2**20:.1f} MiB of model + AdamW state, synchronous", ""]
+    rows += ["| operation | median (ms) | MB/s | ratio |", "| --- | ---: | ---: | ---: |"]
+    for base, mine in ((raw_save, "runner.save_checkpoint"), (raw_load, "runner.load_checkpoint")):
+        for name in (base, mine):
+            seconds = medians[name]
+            rows.append(
+                f"| {name} | {seconds * 1e3:.1f} | {size / 1e6 / seconds:.0f} | {seconds / medians[base]:.3f} |"
+            )
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="TorchRunner overhead against a hand-written loop")
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--quick", action="store_true", help="2 repeats, a smoke run of the script")
+    parser.add_argument("--only", choices=("training", "first-step", "checkpoint"), default=None)
+    parser.add_argument("--ablate", action="store_true", help="add runner variants with services switched off")
+    args = parser.parse_args(argv)
+    repeats = 2 if args.quick else args.repeats
+    torch.set_num_threads(1)
+    started = time.perf_counter()
+    root = tempfile.mkdtemp(prefix="bench-runner-")
+    sections = []
+    try:
+        if args.only in (None, "training"):
+            sections += bench_training(root, repeats, args.ablate)
+        if args.only in (None, "first-step"):
+            sections += bench_first_step(root, repeats)
+        if args.only in (None, "checkpoint"):
+            sections += [bench_checkpoint_backend(root, backend, repeats) for backend in ("file", "dcp")]
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    print(f"torch {torch.__version__}, 1 thread, median of {repeats} alternating runs\n")
+    print("\n\n".join(sections))
+    print(f"\n(total {time.perf_counter() - started:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()
