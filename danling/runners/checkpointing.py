@@ -47,6 +47,18 @@ class CheckpointMixin:
     """Checkpoint payloads, saving with aliases, and the restore paths; mixed into `BaseRunner`."""
 
     config: RunnerConfig
+    # (global_step, micro_step) when the newest result row was stored; `best` may only go to a
+    # checkpoint of exactly that state (the row's scores describe no other weights).
+    _scored_progress: tuple[int, int] | None = None
+
+    def append_result(self, result: Mapping[str, Any], index: int | None = None) -> None:
+        """Store a result row (see `ResultsMixin.append_result`) and remember which training state it scored."""
+        super().append_result(result, index)  # type: ignore[misc]
+        self._scored_progress = self._progress_marker()
+
+    def _progress_marker(self) -> tuple[int, int]:
+        state = self.train_state
+        return state.global_step, state.micro_step
 
     # ------------------------------------------------------------------ payload
     def state_dict(self, cls: type = dict) -> Mapping:
@@ -127,9 +139,11 @@ class CheckpointMixin:
 
         The checkpoint directory is named `epoch-<epochs>` when `epochs` is given (epoch loops pass
         the index of the epoch just finished) and `step-<global_step>` otherwise. The `name` alias
-        and `latest` are pointed at it, plus `best` when `save_best` is set and the newest result
-        row is the best one. Call it on every rank: collective backends need all of them, and the
-        file backend writes on the main process only.
+        and `latest` are pointed at it, plus `best` when `save_best` is set, the newest result
+        row is the best one and no training happened since that row was stored (so a mid-epoch
+        save never inherits the score of the weights evaluated before it). Call it on every
+        rank: collective backends need all of them, and the file backend writes on the main
+        process only.
 
         Args:
             name: Alias to publish (`"latest"`, `"shutdown"`, any valid name).
@@ -150,7 +164,7 @@ class CheckpointMixin:
         if not self.checkpoint_manager.should_save(index, last=last_step, force=force):
             return None
         aliases = [name, "latest"]
-        if save_best and self.results and self.is_best:
+        if save_best and self.results and self.is_best and self._scored_progress == self._progress_marker():
             aliases.append("best")
         metadata = {"epoch": state.epoch, "global_step": state.global_step, "run_id": self.id}
         payload = self._checkpoint_payload(last_step=last_step)

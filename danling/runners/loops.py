@@ -47,9 +47,17 @@ class LoopMixin:
     _pending_micro_steps: int = 0  # micro-steps in the current, not yet applied accumulation window
     _loop_depth: int = 0
     _training: bool = False
-    # Train split whose pass is under way (cleared when the pass runs to its end). Backends save it
-    # in checkpoints, so a resumed run continues with that split instead of restarting the round.
+    # The loop cursor; backends save it in checkpoints so a resumed run continues where this one stopped.
+    # Train split whose pass is under way (cleared when the pass runs to its end): a resumed run
+    # continues with that split instead of restarting the round.
     _train_cursor: str | None = None
+    # Whether the training part of the current round is over (the round is evaluating): a resumed
+    # run goes straight on with evaluation instead of training the epoch again.
+    _round_trained: bool = False
+    # Results of the splits finished in the current round, so the resumed round's row is complete.
+    _round_result: RoundDict | None = None
+    # A stop request was seen; the loop exits at the next accumulation-window boundary.
+    _stop_latched: bool = False
 
     # ------------------------------------------------------------------ mode
     @property
@@ -192,9 +200,11 @@ class LoopMixin:
         evaluate_splits = self._resolve_splits(evaluate_splits, self.evaluate_splits, "evaluate")
         with self._loop_scope(training=True):
             for epoch in range(self.train_state.epoch, self.epochs):
-                result = RoundDict()
-                for split in self._splits_from_cursor(train_splits):
-                    result[split] = self.train_epoch(split)
+                result = self._begin_round()
+                if not self._round_trained:
+                    for split in self._splits_from_cursor(train_splits):
+                        result[split] = self.train_epoch(split)
+                    self._round_trained = True
                 for split in evaluate_splits:
                     result[split] = self.evaluate_epoch(split)
                 self.advance_schedulers(result)
@@ -202,6 +212,7 @@ class LoopMixin:
                 self.logger.info(self.format_epoch_result(result, epoch))
                 self.save_result()
                 self.train_state.epoch = epoch + 1
+                self._end_round()
                 stop_early = self.should_stop_early()
                 self.save_checkpoint(epochs=epoch, last_step=stop_early or epoch + 1 == self.epochs)
                 if stop_early:
@@ -231,8 +242,8 @@ class LoopMixin:
             raise ValueError("train_steps() needs config.steps, or config.epochs with sized train dataloaders")
         train_splits = sorted(self._resolve_splits(train_splits, self.train_splits, "train"))
         evaluate_splits = self._resolve_splits(evaluate_splits, self.evaluate_splits, "evaluate")
-        result = RoundDict()
         with self._loop_scope(training=True):
+            result = self._begin_round()
             while self.train_state.global_step < budget:
                 start = self.train_state.global_step
                 for split in self._splits_from_cursor(train_splits):
@@ -253,6 +264,7 @@ class LoopMixin:
             self.append_result(result, index=self.train_state.global_step)
             self.logger.info(self.format_result(result))
             self.save_result()
+            self._end_round()
             self.save_checkpoint(last_step=True)
         return self.results
 
@@ -369,8 +381,12 @@ class LoopMixin:
             self.supervisor.beat(self.train_state.global_step, self.train_state.epoch, split)
             if batches % interval == 0 or batches == length:
                 self._log_step(split, batches, length, training)
-            if self._stop_requested():
-                self._shutdown()
+            if self._stop_latched or self._stop_requested():
+                # Stop only at a window boundary: applying a partial window (or dropping its
+                # gradients) would make the resumed run diverge from an uninterrupted one.
+                self._stop_latched = True
+                if not (training and self._pending_micro_steps):
+                    self._shutdown()
             if budget is not None and self.train_state.global_step >= budget:
                 break
         else:
@@ -378,10 +394,44 @@ class LoopMixin:
                 self._train_cursor = None  # the pass ran to its end
         if training and self._flush_pending_optimizer_step():
             self._after_optimizer_progress(budget)
+        if self._stop_latched:  # the pass ended inside the window the stop was waiting for
+            self._shutdown()
         return self.collect_result(split), batches
 
     def _start_split(self, split: str, mode: RunnerMode, length: int | None) -> None:
         """Called when a pass over `split` begins (after `mode` is set); backends reset per-pass state here."""
+
+    def _begin_round(self) -> RoundDict:
+        """The result of the current round: the restored partial one of a resumed round, else a new one."""
+        if self._round_result is None:
+            self._round_result = RoundDict()
+        return self._round_result
+
+    def _end_round(self) -> None:
+        """The round's row is stored: the next round starts with training and an empty result."""
+        self._round_result = None
+        self._round_trained = False
+
+    def _loop_state(self) -> dict[str, Any]:
+        """Where the loops are inside the current round; backends store it in checkpoints.
+
+        `split` is the train split whose pass is under way, `trained` whether the round's training
+        is over (it was evaluating), and `round` the results of the splits already finished.
+        """
+        round_result = self._round_result
+        return {
+            "split": self._train_cursor,
+            "trained": self._round_trained,
+            "round": None if not round_result else round_result.dict(),
+        }
+
+    def _load_loop_state(self, state: Mapping[str, Any]) -> None:
+        """Restore what `_loop_state` returned."""
+        self._train_cursor = state.get("split")
+        self._round_trained = bool(state.get("trained", False))
+        round_result = state.get("round")
+        self._round_result = RoundDict(round_result) if round_result else None
+        self._pending_micro_steps = 0
 
     def _splits_from_cursor(self, splits: Sequence[str]) -> list[str]:
         """`splits` starting at the one whose pass was interrupted, if any (a resumed mid-round run)."""
@@ -438,7 +488,10 @@ class LoopMixin:
     def _shutdown(self) -> NoReturn:
         """Save a `shutdown` checkpoint (when training), close the runner and exit.
 
-        The exit status is 128 + the signal number, or 0 when the stop was requested in code
+        The training loops call it only at an accumulation-window boundary (a stop request that
+        arrives inside a window lets the window finish first), with the loop cursor describing
+        where the round stood, so a run resumed from the checkpoint ends exactly as an
+        uninterrupted one. The exit status is 128 + the signal number, or 0 when the stop was requested in code
         (`supervisor.request_stop()`) rather than by a signal.
         """
         code = self.supervisor.exit_code

@@ -8,12 +8,15 @@ the torch components and everything an exact resume needs:
   [`get_training_state`][danling.checkpoint.dcp.get_training_state]), so the same payload works
   with the file and the DCP backends and survives a change of wrapping (DDP, `torch.compile`);
 - `ema`, `scheduler`;
-- `loop`: the train split whose pass was under way, the accumulation position, the optimizer
-  container (skipped updates, gradient scaler) and a fingerprint of the next batch each training
-  loader would yield. On restore the fingerprint is recomputed from the rebuilt loader, and a
-  mismatch (other data, batch size, seed or world size) raises
-  [`DataResumeError`][danling.data.DataResumeError] instead of silently training on a different
-  stream.
+- `loop`: the loop cursor (the train split whose pass was under way, whether the round had
+  finished training and was evaluating, the results of the round's finished splits), the
+  accumulation position, the optimizer container (skipped updates, gradient scaler) and a
+  fingerprint of the next batch each training loader would yield. On restore the fingerprint is
+  recomputed from the rebuilt loader, and a mismatch (other data, batch size, seed or world size)
+  raises [`DataResumeError`][danling.data.DataResumeError] instead of silently training on a
+  different stream. So does a mid-pass resume whose loader cannot restore its position (a plain
+  `DataLoader`); a position that can be restored but not fingerprinted (iterable datasets,
+  samplers that cannot be copied) is logged as a warning.
 
 Checkpoints written by either backend can be read back whatever backend the runner uses now.
 """
@@ -27,7 +30,7 @@ from typing import Any
 import torch
 
 from danling.checkpoint import FileCheckpointManager
-from danling.data import ResumableSampler, batch_fingerprint, check_batch_fingerprint
+from danling.data import DataResumeError, ResumableSampler, batch_fingerprint, check_batch_fingerprint
 
 from .checkpointing import CheckpointSource, _dcp_directory, _is_path
 
@@ -82,7 +85,7 @@ class TorchCheckpointMixin:
             payload["scheduler"] = self.scheduler.state_dict()
         container = self.optimizer_container
         payload["loop"] = cls(
-            split=self._train_cursor,
+            **self._loop_state(),
             accumulator=self.accumulator.state_dict(),
             optimizer_container=None if container is None else container.state_dict(),
             fingerprints=cls((split, self._fingerprint(split, state)) for split, state in loaders.items()),
@@ -144,10 +147,9 @@ class TorchCheckpointMixin:
         """
         super().load_state_dict(checkpoint)
         loop = checkpoint.get("loop") or {}
-        self._train_cursor = loop.get("split")
+        self._load_loop_state(loop)
         if loop.get("accumulator"):
             self.accumulator.load_state_dict(loop["accumulator"])
-        self._pending_micro_steps = 0
         self._restored_fingerprints = dict(loop.get("fingerprints") or {})
         self._restored_container_state = loop.get("optimizer_container")
 
@@ -201,7 +203,11 @@ class TorchCheckpointMixin:
             DataResumeError: a rebuilt loader would yield a different next batch than the saved one.
         """
         fingerprints = self._restored_fingerprints or {}
-        for split, state in (state_dict or {}).items():
+        states = dict(state_dict or {})
+        cursor = self._train_cursor
+        if cursor is not None:
+            self._check_resumable(cursor, states)
+        for split, state in states.items():
             loader = self.dataloaders.get(split)
             if loader is None or not callable(getattr(loader, "load_state_dict", None)):
                 self.logger.warning("checkpoint has progress for split %r, which has no resumable loader now", split)
@@ -209,8 +215,36 @@ class TorchCheckpointMixin:
             sampler = getattr(loader, "sampler", None)
             if isinstance(sampler, ResumableSampler) and self.config.get("seed") is not None:
                 sampler.seed = int(self.config.seed)  # a seed adopted from the checkpoint (see set_seed)
-            check_batch_fingerprint(loader, state, fingerprints.get(split))
+            expected = fingerprints.get(split)
+            if split == cursor and expected is None:
+                self.logger.warning(
+                    "resuming split %r mid-pass without verifying the data position: its loader has no "
+                    "fingerprintable index sampler (an iterable dataset, or a sampler that cannot be copied); "
+                    "the loader's own state decides where the pass continues",
+                    split,
+                )
+            check_batch_fingerprint(loader, state, expected)
             loader.load_state_dict(state)
+
+    def _check_resumable(self, split: str, states: Mapping[str, Any]) -> None:
+        """Refuse a mid-pass resume of `split` whose loader would start the pass again (and replay its batches)."""
+        loader = self.dataloaders.get(split)
+        if loader is None or f"dataloaders.{split}" in self.checkpoint_manager.exclude_from_loading:
+            return  # the split is gone (the loops will not continue it) or its position is skipped on purpose
+        restorable = callable(getattr(loader, "load_state_dict", None))
+        if split in states and restorable:
+            return
+        reason = (
+            f"the checkpoint holds no position for it (its loader, a {type(loader).__name__}, had no state_dict)"
+            if split not in states
+            else f"its loader, a {type(loader).__name__}, has no load_state_dict"
+        )
+        raise DataResumeError(
+            f"cannot resume split {split!r} mid-pass: {reason}, so the pass would start over and replay "
+            "the batches already trained on. Let the runner build the loader from self.datasets (or bind a "
+            "torchdata StatefulDataLoader), resume from a checkpoint saved at an epoch boundary, or add "
+            "'dataloaders' to checkpoint.exclude_from_loading to restart the pass deliberately"
+        )
 
     # ------------------------------------------------------------------ reading
     def read_checkpoint(self, checkpoint: CheckpointSource, *args: Any, **kwargs: Any) -> Mapping[str, Any]:

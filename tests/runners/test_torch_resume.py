@@ -4,8 +4,8 @@
 SIGKILL right after an optimizer update, so nothing gets a chance to clean up. With 5 micro-batches
 per rank and pass and `accum_steps=2` (3 updates per pass, the last from a partial window):
 
-- epoch mode, one process: an extra checkpoint at update 4, killed at 5: resumes mid-epoch;
-- epoch mode, 2-process DDP: killed at 5: resumes from the end of the first epoch;
+- epoch mode, one process and 2-process DDP: an extra checkpoint at update 4, killed at 5: resumes
+  mid-epoch (the sharded sampler's position, the accumulation window and the EMA all continue);
 - step mode, both: checkpoints every 4 updates, killed at 7: resumes mid-pass.
 """
 
@@ -70,7 +70,7 @@ def test_exact_resume_after_sigkill_single_process(tmp_path):
 
 @pytest.mark.distributed
 def test_exact_resume_after_sigkill_two_process_ddp(tmp_path):
-    statuses = _run_child(tmp_path, 2, "--epoch-kill-at", "5", "--step-kill-at", "7")
+    statuses = _run_child(tmp_path, 2, "--epoch-save-at", "4", "--epoch-kill-at", "5", "--step-kill-at", "7")
     for status in statuses:
         assert status == {"clean": "exit 0", "kill-epoch": "SIGKILL", "kill-step": "SIGKILL", "resume": "exit 0"}
-    _check(tmp_path, 2, {"epoch": 3, "step": 4})
+    _check(tmp_path, 2, {"epoch": 4, "step": 4})
