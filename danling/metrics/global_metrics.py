@@ -18,7 +18,7 @@ from torch import Tensor
 from danling.utils import RoundDict
 
 from .distributed import gather_across_ranks, is_distributed, sum_across_ranks
-from .functional._common import Confusion
+from .functional._common import Confusion, LabelCounter
 from .functional.regression import merge_moments
 from .meter import format_number
 from .metric_meter import Preprocess, batch_size, metric_name
@@ -39,7 +39,9 @@ class _TaskStore:
         self.reset()
 
     def reset(self) -> None:
-        self.confusion: Confusion | None = None
+        # Confusion counts stay flat and are summed per batch; `confusion` shapes them on read.
+        self.counter: LabelCounter | None = None
+        self.counts: Tensor | None = None
         self.moments: Tensor | None = None
         self.inputs: list[Tensor] = []
         self.targets: list[Tensor] = []
@@ -49,8 +51,10 @@ class _TaskStore:
         if self.task is not None:
             input, target = self.task.format(input, target)
             if "confusion" in self.needs:
-                confusion = self.task.confusion(input, target)
-                self.confusion = confusion if self.confusion is None else self.confusion + confusion
+                self.counter, pred = self.task.confusion_counter(input)
+                if self.counts is None:
+                    self.counts = self.counter.empty(pred.device)
+                self.counter.accumulate(self.counts, pred, target)  # in place; readers get a copy
             if "moments" in self.needs:
                 moments = self.task.moments(input, target)
                 self.moments = moments if self.moments is None else merge_moments(self.moments, moments)
@@ -58,6 +62,11 @@ class _TaskStore:
             self.inputs.append(input)
             self.targets.append(target)
         self.last = (input, target)
+
+    @property
+    def confusion(self) -> Confusion | None:
+        """Local confusion counts of everything seen since the last reset (`None` before any update)."""
+        return None if self.counts is None else self.counter.confusion(self.counts.clone())
 
     def local_data(self) -> tuple[Tensor, Tensor] | None:
         """All local data, concatenated once and kept concatenated."""

@@ -128,19 +128,21 @@ class AverageMeter:
             TypeError: If `value` is not a number or tensor, or `n` is not a number.
             ValueError: If `n` is negative or a tensor's shape differs from earlier updates.
         """
-        if isinstance(n, bool) or not isinstance(n, (int, float)):
+        # The per-step call passes a plain int, which skips the full check.
+        if type(n) is not int and (isinstance(n, bool) or not isinstance(n, (int, float))):
             raise TypeError(f"n must be a non-negative number, got {n!r}")
         if n < 0:
             raise ValueError(f"n must be a non-negative number, got {n!r}")
         if isinstance(value, Tensor):
             value = value.detach() if value.requires_grad else value
-            if isinstance(self._sum, Tensor) and self._sum.ndim and self._sum.shape != value.shape:
-                raise ValueError(
-                    f"AverageMeter got a value of shape {tuple(value.shape)}, but earlier values had shape "
-                    f"{tuple(self._sum.shape)}; reset the meter to change shapes"
-                )
-            if isinstance(self._sum, Tensor):  # one fused op; float64 accumulation by type promotion
-                self._sum = torch.add(self._sum, value, alpha=n)
+            total = self._sum
+            if isinstance(total, Tensor):
+                if total.ndim and total.shape != value.shape:
+                    raise ValueError(
+                        f"AverageMeter got a value of shape {tuple(value.shape)}, but earlier values had shape "
+                        f"{tuple(total.shape)}; reset the meter to change shapes"
+                    )
+                self._sum = torch.add(total, value, alpha=n)  # one fused op; float64 accumulation by promotion
             else:
                 self._sum = self._sum + value.to(_accumulation_dtype(value)) * n
         elif isinstance(value, (int, float)) and not isinstance(value, bool):

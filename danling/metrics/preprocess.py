@@ -106,6 +106,8 @@ def preprocess_multiclass(input: Any, target: Any, num_classes: int | None = Non
         ValueError: On shapes that fit none of these, a class count different from
             `num_classes`, or a floating-point target; the message names the shapes.
     """
+    if _plain_multiclass(input, target, num_classes):
+        return input.detach() if input.requires_grad else input, target
     input, target = base_preprocess(input, target)
     target = _labels(target, "multiclass", allow_float=False)
     if target.ndim == input.ndim > 1 and target.shape[-1] == 1 and input.shape[:-1] == target.shape[:-1]:
@@ -136,6 +138,20 @@ def preprocess_multiclass(input: Any, target: Any, num_classes: int | None = Non
         )
     scores = scores.reshape(-1, scores.shape[-1])
     return _scores(scores, "multiclass"), target.reshape(-1)
+
+
+def _plain_multiclass(input: Any, target: Any, num_classes: int | None) -> bool:
+    """The per-batch common case, already in final form: float `(N, C)` scores and int64 `(N,)` labels."""
+    return (
+        type(input) is Tensor
+        and type(target) is Tensor
+        and input.dtype in _FLOAT_DTYPES
+        and target.dtype is torch.long
+        and input.ndim == 2
+        and target.ndim == 1
+        and input.shape[0] == target.shape[0]
+        and (num_classes is None or input.shape[1] == num_classes)
+    )
 
 
 def preprocess_multilabel(input: Any, target: Any, num_labels: int | None = None) -> tuple[Tensor, Tensor]:
@@ -239,8 +255,11 @@ def _labels(target: Tensor, task: str, *, allow_float: bool = True) -> Tensor:
     return target.long()
 
 
+_FLOAT_DTYPES = (torch.float32, torch.float64)
+
+
 def _float_dtype(tensor: Tensor) -> torch.dtype:
-    if tensor.dtype in (torch.float32, torch.float64):
+    if tensor.dtype in _FLOAT_DTYPES:
         return tensor.dtype
     return torch.float32
 

@@ -18,12 +18,18 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .functional._common import Confusion, Curves
+from .functional._common import Confusion, Curves, LabelCounter, label_counter
 from .functional.binary import binary_confusion, binary_curves
 from .functional.multiclass import multiclass_confusion, multiclass_curves
 from .functional.multilabel import multilabel_confusion, multilabel_curves
 from .functional.regression import empty_moments, regression_moments
-from .preprocess import preprocess_binary, preprocess_multiclass, preprocess_multilabel, preprocess_regression
+from .preprocess import (
+    positive_predictions,
+    preprocess_binary,
+    preprocess_multiclass,
+    preprocess_multilabel,
+    preprocess_regression,
+)
 
 __all__ = ["ARTIFACTS", "MetricFunc", "MetricState", "MetricTask"]
 
@@ -101,6 +107,19 @@ class MetricTask:
         if self.kind == "multilabel":
             return multilabel_confusion(input, target, self.threshold, self.ignore_index)
         raise ValueError("regression tasks have no confusion counts")
+
+    def confusion_counter(self, input: Tensor) -> tuple[LabelCounter, Tensor]:
+        """The label counter of formatted scores and the predicted labels it counts.
+
+        [`GlobalMetrics`][danling.metrics.GlobalMetrics] accumulates `counter.accumulate(counts,
+        pred, target)` batch after batch and builds one `Confusion` with `counter.confusion`.
+        """
+        if self.kind == "multiclass":
+            return label_counter(input.shape[-1], self.ignore_index), input.argmax(-1)
+        if self.kind == "regression":
+            raise ValueError("regression tasks have no confusion counts")
+        groups = max(input.shape[-1], 1) if self.kind == "multilabel" else None
+        return label_counter(2, self.ignore_index, groups), positive_predictions(input, self.threshold).long()
 
     def empty_confusion(self, device: torch.device | str | None = None) -> Confusion:
         """Confusion counts of no data (what a rank without samples contributes)."""

@@ -170,17 +170,24 @@ def normalize_exclude(value: Any) -> Any:
 
 
 def semantic(obj: Any, path: tuple[str, ...], ignores: tuple[tuple[str, ...], ...]) -> Any:
-    """Copy of `obj` without ignored keys, None values and empty mappings (keys stringified)."""
+    """Copy of `obj` without ignored keys, None values and empty mappings (keys stringified).
+
+    A key is left out when its dotted path equals a pattern of `ignores` (`*` matches one level);
+    everything below it goes with it. Each level keeps only the patterns whose leading parts
+    matched the path so far, so a key is compared with a handful of patterns, not all of them.
+    """
     if isinstance(obj, Mapping):
+        depth = len(path)
         result = {}
         for key, value in obj.items():
-            key_path = (*path, str(key))
-            if any(_matches(key_path, pattern) for pattern in ignores):
+            name = str(key)
+            alive = tuple(p for p in ignores if len(p) > depth and _part_matches(name, p[depth]))
+            if any(len(p) == depth + 1 for p in alive):
                 continue
-            value = semantic(value, key_path, ignores)
+            value = semantic(value, (*path, name), alive)
             if value is None or (isinstance(value, dict) and not value):
                 continue
-            result[str(key)] = value
+            result[name] = value
         return result
     if isinstance(obj, (list, tuple)):
         return [semantic(item, path, ()) for item in obj]
@@ -189,11 +196,16 @@ def semantic(obj: Any, path: tuple[str, ...], ignores: tuple[tuple[str, ...], ..
     return obj
 
 
-def _matches(key_path: tuple[str, ...], pattern: tuple[str, ...]) -> bool:
-    """Whether `key_path` lies at or below `pattern` (`*` matches one level)."""
-    if len(key_path) < len(pattern):
-        return False
-    return all(fnmatchcase(part, glob) for part, glob in zip(key_path, pattern))
+def _part_matches(part: str, glob: str) -> bool:
+    """`fnmatchcase` for one path level, with a plain comparison for globs without wildcards."""
+    if glob == "*":
+        return True
+    if not _GLOB_CHARS.intersection(glob):
+        return part == glob
+    return fnmatchcase(part, glob)
+
+
+_GLOB_CHARS = frozenset("*?[")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -115,25 +115,13 @@ class ResultsMixin:
 
         `None` when no score split can be resolved.
         """
-        split = self.score_split
-        if split is None:
-            return None
-        scores = FlatDict()
-        for index, row in self.results.items():
-            metrics = row.get(split)
-            value = metrics.get(self.score_name) if isinstance(metrics, Mapping) else None
-            if value is not None:
-                scores[index] = float(value)
-        return scores
+        scores = self._score_map()
+        return None if scores is None else FlatDict(scores)
 
     @property
     def best_index(self) -> int:
         """Index of the best row (the earliest one on ties); 0 when nothing is scored yet."""
-        scores = self.scores
-        if not scores:
-            return 0
-        pick = min if self.lower_is_better else max
-        return pick(scores, key=lambda index: _comparable(scores[index], self.lower_is_better))
+        return self._best_index(self._score_map())
 
     @property
     def latest_result(self) -> RoundDict | None:
@@ -148,10 +136,10 @@ class ResultsMixin:
     @property
     def best_result(self) -> RoundDict | None:
         """Copy of the best row with its `index` added, or `None` when nothing is scored."""
-        scores = self.scores
+        scores = self._score_map()
         if not scores:
             return None
-        index = self.best_index
+        index = self._best_index(scores)
         row = RoundDict(self.results[index])
         row["index"] = index
         return row
@@ -159,7 +147,7 @@ class ResultsMixin:
     @property
     def latest_score(self) -> float | None:
         """Score of the newest row, or `None` when it has no score."""
-        scores = self.scores
+        scores = self._score_map()
         if not scores or not self.results:
             return None
         return scores.get(next(reversed(self.results)))
@@ -167,8 +155,8 @@ class ResultsMixin:
     @property
     def best_score(self) -> float | None:
         """Best score seen so far, or `None` when nothing is scored."""
-        scores = self.scores
-        return scores[self.best_index] if scores else None
+        scores = self._score_map()
+        return scores[self._best_index(scores)] if scores else None
 
     @property
     def is_best(self) -> bool:
@@ -180,10 +168,11 @@ class ResultsMixin:
         """
         if not self.results:
             return True
-        latest, best = self.latest_score, self.best_score
-        if latest is None or best is None:
+        scores = self._score_map()  # read once: every row is scanned to build it
+        if not scores:
             return False
-        if math.isnan(latest):
+        latest, best = scores.get(next(reversed(self.results))), scores[self._best_index(scores)]
+        if latest is None or math.isnan(latest):
             return False
         return math.isclose(latest, best, rel_tol=1e-9, abs_tol=1e-12)
 
@@ -225,21 +214,26 @@ class ResultsMixin:
         On the main process writes `results.json` (every row), `latest.json` (newest row with its
         index) and, when the newest row is the best, `best.json` into the run directory. Every
         process forwards the row to the trackers (which are no-ops away from the main process).
+
+        The files are replaced atomically but not fsync'ed (`save(..., durable=False)`): a reader
+        never sees a partial file, and the same rows are stored durably in every checkpoint, so an
+        fsync per file and epoch would buy nothing but latency.
         """
         latest = self.latest_result
         if latest is None:
             return
         index = latest.pop("index")
-        self.trackers.log(latest.dict(), step=index)
+        row = latest.dict()
+        self.trackers.log(row, step=index)
         if not self.is_main_process:
             return
         header = {"id": self.workspace.id, "timestamp": self.timestamp}
         directory = self.workspace.dir
-        save({**header, "results": self.results.dict()}, os.path.join(directory, "results.json"))
-        payload = {**header, "index": index, **latest.dict()}
-        save(payload, os.path.join(directory, "latest.json"))
+        save({**header, "results": self.results.dict()}, os.path.join(directory, "results.json"), durable=False)
+        payload = {**header, "index": index, **row}
+        save(payload, os.path.join(directory, "latest.json"), durable=False)
         if self.is_best:
-            save(payload, os.path.join(directory, "best.json"))
+            save(payload, os.path.join(directory, "best.json"), durable=False)
 
     def format_result(self, result: Mapping[str, Any], format_spec: str = ".4f") -> str:
         """Render `result` as text; see [`format_result`][danling.runners.results.format_result]."""
@@ -257,6 +251,26 @@ class ResultsMixin:
         """Render one step log line: ``split [iteration/length] name: value ...``."""
         total = "?" if length is None else length
         return f"{split} [{iteration}/{total}]\t{format(RoundDict(result), format_spec)}"
+
+    def _score_map(self) -> dict[int, float] | None:
+        """Plain `{row index: score}` behind `scores` (`None` when no score split resolves)."""
+        split = self.score_split
+        if split is None:
+            return None
+        name, scores = self.score_name, {}
+        for index, row in self.results.items():
+            metrics = row.get(split)
+            value = metrics.get(name) if isinstance(metrics, Mapping) else None
+            if value is not None:
+                scores[index] = float(value)
+        return scores
+
+    def _best_index(self, scores: Mapping[int, float] | None) -> int:
+        if not scores:
+            return 0
+        lower = self.lower_is_better
+        pick = min if lower else max
+        return pick(scores, key=lambda index: _comparable(scores[index], lower))
 
     def _row_index(self) -> int:
         """Row index for the current progress: the global step in step mode, else the epoch."""

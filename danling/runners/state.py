@@ -68,9 +68,10 @@ class RunnerTrainState(_StatefulBase):
     micro_step: int = 0
 
     def __setattr__(self, name: str, value: Any) -> None:
-        if name in ("epoch", "global_step", "micro_step"):
+        # Plain non-negative ints (every increment of the loop) skip the full validation.
+        if name in ("epoch", "global_step", "micro_step") and not (type(value) is int and value >= 0):
             value = _counter(type(self).__name__, name, value)
-        super().__setattr__(name, value)
+        object.__setattr__(self, name, value)
 
 
 @dataclass

@@ -173,7 +173,7 @@ class GradientAccumulator:
     @property
     def window_size(self) -> int:
         """Number of micro-steps in the window the next micro-step belongs to."""
-        if self.total is None:
+        if self.total is None or self.accum_steps == 1:
             return self.accum_steps
         window_start = self.position - self.position % self.accum_steps
         return max(1, min(self.accum_steps, self.total - window_start))
@@ -181,10 +181,14 @@ class GradientAccumulator:
     @property
     def is_boundary(self) -> bool:
         """Whether the next micro-step closes its window (synchronise gradients, then step)."""
+        if self.accum_steps == 1:
+            return True
         return self.position % self.accum_steps + 1 >= self.window_size
 
     def normalize(self, loss: torch.Tensor) -> torch.Tensor:
         """Divide a micro-step loss by the size of its window."""
+        if self.accum_steps == 1:
+            return loss
         size = self.window_size
         return loss if size == 1 else loss / size
 
@@ -377,7 +381,10 @@ class OptimizerContainer:
                 scaler.update()  # unscale_ recorded the overflow: back off the scale
             self.optimizer.zero_grad(set_to_none=True)
             return False
-        self.last_grad_norm = clip_gradients(self.parameters(), self.max_grad_norm, self.max_grad_value)
+        if self.max_grad_norm is None and self.max_grad_value is None:
+            self.last_grad_norm = None  # clipping off: skip collecting the gradients
+        else:
+            self.last_grad_norm = clip_gradients(self.parameters(), self.max_grad_norm, self.max_grad_value)
         if scaler is not None:
             scaler.step(self.optimizer)
             scaler.update()

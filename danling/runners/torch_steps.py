@@ -11,7 +11,7 @@ host: losses and metrics stay on the device until a log step or the end of a spl
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import timedelta
 from typing import Any
 
@@ -70,15 +70,16 @@ class TorchStepMixin:
         """Autocast context of the configured precision, entered around every forward pass."""
         return self.precision_policy.autocast()
 
-    @contextmanager
-    def train_context(self) -> Iterator[None]:
+    def train_context(self) -> AbstractContextManager:
         """Context for one training forward pass: autocast plus DDP `no_sync` inside an accumulation window.
 
         DDP decides during the forward pass whether the following backward all-reduces, so only the
         forward needs to run inside; `backward` may be called after the block.
         """
-        with self.accumulator.no_sync(self.model), self.forward_context():
-            yield
+        no_sync = self.accumulator.no_sync(self.model)
+        if type(no_sync) is nullcontext:  # not DDP, or the step that closes its window
+            return self.forward_context()
+        return _entered_together(no_sync, self.forward_context())
 
     def inference_context(self) -> AbstractContextManager:
         """`torch.inference_mode()`: evaluation and inference steps build no autograd graph."""
@@ -360,6 +361,12 @@ class TorchStepMixin:
         if self._stop_polls % _STOP_POLL_EVERY:
             return False
         return bool(all_reduce_any(torch.tensor(local)))
+
+
+@contextmanager
+def _entered_together(outer: AbstractContextManager, inner: AbstractContextManager) -> Iterator[None]:
+    with outer, inner:
+        yield
 
 
 def _keys(result: Mapping[str, Any]) -> list[str]:

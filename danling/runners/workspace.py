@@ -74,36 +74,49 @@ def _code_dirs(path: str | os.PathLike | None) -> list[str]:
     return [d for d in dict.fromkeys(dirs) if os.path.isdir(d)]
 
 
+# Short hashes by (directory, git's search path): HEAD is read once per process per directory.
+_SHORT_HASHES: dict[tuple[str, str], str | None] = {}
+
+
 def git_short_hash(path: str | os.PathLike | None = None) -> str | None:
     """`git rev-parse --short HEAD` of `path`, else of the running script's directory, else of the cwd.
 
     Returns None when git is not installed, the directory is not in a repository or the
-    repository has no commit yet; it never raises.
+    repository has no commit yet; it never raises. The answer for a directory is remembered
+    for the rest of the process (a code id names the code a process started with), so only
+    the first runner of a process pays for the `git` subprocess.
     """
     for directory in _code_dirs(path):
-        short = _git(directory, "rev-parse", "--short", "HEAD")
-        if short is not None:
-            return short
+        key = (os.path.realpath(directory), os.environ.get("PATH", ""))
+        if key not in _SHORT_HASHES:
+            _SHORT_HASHES[key] = _git(directory, "rev-parse", "--short", "HEAD")
+        if _SHORT_HASHES[key] is not None:
+            return _SHORT_HASHES[key]
     return None
 
 
 def git_info(path: str | os.PathLike | None = None) -> dict[str, Any] | None:
     """Commit, short hash, branch, dirty flag and root of the repository holding the code, or None.
 
-    `dirty` ignores untracked files. Like `git_short_hash`
+    `dirty` ignores untracked files and is read afresh on every call. Like `git_short_hash`
     it never raises.
     """
     for directory in _code_dirs(path):
-        commit = _git(directory, "rev-parse", "HEAD")
-        if commit is None:
+        head = _git(directory, "rev-parse", "HEAD", "--abbrev-ref", "HEAD", "--show-toplevel")
+        lines = [] if head is None else head.splitlines()
+        if len(lines) != 3:
             continue
+        commit, branch, root = lines
         status = _git(directory, "status", "--porcelain", "--untracked-files=no")
+        short = git_short_hash(directory)
+        if short is None or not commit.startswith(short):  # HEAD moved since the code id was read
+            short = _git(directory, "rev-parse", "--short", "HEAD")
         return {
             "commit": commit,
-            "short": _git(directory, "rev-parse", "--short", "HEAD"),
-            "branch": _git(directory, "rev-parse", "--abbrev-ref", "HEAD"),
+            "short": short,
+            "branch": branch,
             "dirty": status is not None,
-            "root": _git(directory, "rev-parse", "--show-toplevel"),
+            "root": root,
         }
     return None
 

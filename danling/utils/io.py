@@ -306,13 +306,19 @@ def load_pandas(file: PathStr, *args: Any, **kwargs: Any) -> Any:
     return _read_table(path, *args, ext=ext, **kwargs)
 
 
-def save(obj: Any, file: File, *args: Any, **kwargs: Any) -> File:
+def save(obj: Any, file: File, *args: Any, durable: bool = True, **kwargs: Any) -> File:
     """Write `obj` to `file` atomically, choosing the encoder from the extension.
 
     The data first goes to a temporary file in the destination directory, which is flushed and
     fsync'ed before `os.replace` moves it over `file`. A crash or an encoding error therefore
     leaves either the previous file or the new one, never a truncated mix; the temporary file
     is removed when writing fails. Missing parent directories are created.
+
+    With `durable=False` the two fsyncs (file and directory) are skipped: the replacement is
+    still atomic for every reader and survives a crash of the process, but a power failure or
+    kernel crash soon after may lose the new contents (the old file or the new one remains,
+    depending on the filesystem). Use it for files that are rewritten often and can be rebuilt,
+    such as per-epoch result summaries.
 
     JSON is written with `indent=4`, and JSON and YAML convert tensors and NumPy values to lists.
     YAML uses a safe dumper that writes mapping and sequence subclasses (for example chanfig
@@ -325,6 +331,7 @@ def save(obj: Any, file: File, *args: Any, **kwargs: Any) -> File:
         obj: Object to write.
         file: Destination path.
         *args: Forwarded to the backend writer.
+        durable: Flush the file and its directory entry to disk before returning.
         **kwargs: Forwarded to the backend writer.
 
     Returns:
@@ -352,14 +359,16 @@ def save(obj: Any, file: File, *args: Any, **kwargs: Any) -> File:
     try:
         with os.fdopen(descriptor, "wb") as handle:
             fmt.save(obj, handle, *args, **kwargs)
-            handle.flush()
-            os.fsync(handle.fileno())
+            if durable:
+                handle.flush()
+                os.fsync(handle.fileno())
         os.replace(temp, path)
     except BaseException:
         if os.path.exists(temp):
             os.remove(temp)
         raise
-    _fsync_directory(directory)
+    if durable:
+        _fsync_directory(directory)
     return file
 
 

@@ -232,3 +232,19 @@ def test_two_ranks_share_identity_and_only_rank0_writes(tmp_path):
     assert sorted(os.listdir(run_dir)) == ["config.yaml", "metadata.json", "run.log"]
     log = Path(run_dir, "run.log").read_text()
     assert "info from rank 0" in log and "rank 1" not in log
+
+
+def test_short_hash_is_read_once_per_process_and_directory(tmp_path, git_repo, monkeypatch):
+    from danling.runners import workspace as ws
+
+    repo, short = git_repo
+    calls = []
+    real_git = ws._git
+    monkeypatch.setattr(ws, "_git", lambda cwd, *args: (calls.append(args), real_git(cwd, *args))[1])
+    assert git_short_hash(repo) == short
+    assert git_short_hash(repo) == short
+    assert make(tmp_path, code_dir=repo).code_id == short
+    assert calls == [("rev-parse", "--short", "HEAD")]
+    info = git_info(repo)  # the dirty flag is never cached
+    assert info["short"] == short and info["commit"].startswith(short) and info["root"] == os.path.realpath(repo)
+    assert info["branch"] and info["dirty"] is False

@@ -200,6 +200,26 @@ def test_save_fsyncs_before_replace(tmp_path, monkeypatch):
     assert events[:2] == ["fsync", "replace"]
 
 
+def test_save_not_durable_skips_fsync_but_still_replaces_atomically(tmp_path, monkeypatch):
+    path = tmp_path / "latest.json"
+    save({"epoch": 0}, path, durable=False)
+    events = []
+    real_replace = os.replace
+    monkeypatch.setattr(os, "fsync", lambda fd: events.append("fsync"))
+    monkeypatch.setattr(
+        os, "replace", lambda a, b: (events.append(("replace", os.path.basename(a))), real_replace(a, b))[1]
+    )
+    save({"epoch": 1}, path, durable=False)
+    assert [e for e in events if e == "fsync"] == []
+    (replaced,) = [name for kind, name in (e for e in events if e != "fsync")]
+    assert replaced.startswith(".latest.json.") and replaced.endswith(".tmp")  # written beside, then renamed
+    assert load(path) == {"epoch": 1}
+    with pytest.raises(TypeError):
+        save({"bad": object()}, path, durable=False)
+    assert load(path) == {"epoch": 1}
+    assert os.listdir(tmp_path) == ["latest.json"]
+
+
 def test_save_uses_umask_permissions(tmp_path):
     path = save("x", tmp_path / "p.txt")
     umask = os.umask(0)

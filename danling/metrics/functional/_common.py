@@ -8,7 +8,7 @@ and ranks are computed for all columns at once without boolean indexing, and und
 from __future__ import annotations
 
 import math
-from functools import cached_property
+from functools import cached_property, lru_cache
 from typing import NamedTuple
 
 import torch
@@ -19,12 +19,14 @@ __all__ = [
     "Confusion",
     "ConfusionStats",
     "Curves",
+    "LabelCounter",
     "average_ranks",
     "bincount",
     "check_average",
     "confusion_from_labels",
     "curves_from_scores",
     "guard",
+    "label_counter",
     "label_masks",
     "reduce_average",
     "result_dtype",
@@ -144,6 +146,99 @@ def bincount(index: Tensor, length: int) -> Tensor:
     return torch.zeros(length, dtype=torch.long, device=index.device).scatter_add_(0, index, torch.ones_like(index))
 
 
+class LabelCounter:
+    """Confusion counts of integer labels from one `bucketize` and one count per batch.
+
+    A sorted table of boundaries sends each target to a row: one row per class, one for
+    `ignore_index` and catch-all rows for everything else (invalid targets). Counting
+    `row * num_classes + pred` then fills every row at once, so the hot path needs no masks,
+    comparisons or `where`. `count` returns the raw flat counts of one batch, `accumulate`
+    adds a batch to a running table in place, and `confusion` turns counts into a
+    `Confusion`.
+    An `ignore_index` that is itself a class cannot have a row of its own; such counters mask it
+    out with a `where` instead.
+
+    Args:
+        num_classes: Classes of the labels (`C`).
+        ignore_index: Target value to skip, or `None`.
+        groups: `None` for `(N,)` labels; otherwise labels are `(N, groups)` and one `(C, C)`
+            matrix is kept per column (`groups=1` keeps the leading group dimension).
+    """
+
+    def __init__(self, num_classes: int, ignore_index: int | float | None, groups: int | None = None) -> None:
+        self.num_classes = num_classes
+        self.groups = groups
+        if isinstance(ignore_index, float):  # a fractional value never equals an integer target
+            ignore_index = int(ignore_index) if ignore_index.is_integer() else None
+        self.mask_ignored = ignore_index is not None and 0 <= ignore_index < num_classes
+        self.ignore_index = ignore_index
+        extra = () if ignore_index is None or self.mask_ignored else (ignore_index, ignore_index + 1)
+        # bucketize(right=True) sends v to bucket i when points[i - 1] <= v < points[i].
+        self.points = tuple(sorted({*range(num_classes + 1), *extra}))
+        self.first = self.points.index(0) + 1
+        self.ignored_row = self.points.index(ignore_index) + 1 if extra else None
+        self.rows = len(self.points) + 1 + (1 if self.mask_ignored else 0)
+        self.size = (groups or 1) * self.rows * num_classes
+        self._boundaries: dict[tuple[torch.device, torch.dtype], Tensor] = {}
+        self._offsets: dict[torch.device, Tensor] = {}
+        self._ones: dict[tuple[torch.device, int], Tensor] = {}
+
+    def index(self, pred: Tensor, target: Tensor) -> Tensor:
+        """Flat position in the count table of every `(pred, target)` pair (1-D, int64)."""
+        key = (target.device, target.dtype)
+        boundaries = self._boundaries.get(key)
+        if boundaries is None:
+            boundaries = self._boundaries[key] = torch.tensor(self.points, dtype=target.dtype, device=target.device)
+        rows = torch.bucketize(target, boundaries, right=True)
+        if self.mask_ignored:  # the ignored value is a class: send it to the last row
+            rows = torch.where(target == self.ignore_index, self.rows - 1, rows)
+        index = torch.add(pred, rows, alpha=self.num_classes)
+        if self.groups is not None and self.groups > 1:
+            offsets = self._offsets.get(index.device)
+            if offsets is None:
+                step = self.rows * self.num_classes
+                offsets = self._offsets[index.device] = torch.arange(self.groups, device=index.device) * step
+            index = index + offsets
+        return index.reshape(-1) if index.ndim != 1 else index
+
+    def count(self, pred: Tensor, target: Tensor) -> Tensor:
+        """Flat int64 counts of one batch; add the counts of several batches before `confusion`."""
+        return bincount(self.index(pred, target), self.size)
+
+    def accumulate(self, counts: Tensor, pred: Tensor, target: Tensor) -> Tensor:
+        """Add the counts of one batch to `counts` in place (one scatter, no host sync); returns `counts`."""
+        index = self.index(pred, target)
+        key = (index.device, index.shape[0])
+        ones = self._ones.get(key)
+        if ones is None:
+            if len(self._ones) > 16:  # a few batch sizes are typical; do not grow without bound
+                self._ones.clear()
+            ones = self._ones[key] = torch.ones_like(index)
+        return counts.scatter_add_(0, index, ones)
+
+    def empty(self, device: torch.device | str | None = None) -> Tensor:
+        """Zero counts to `accumulate` into."""
+        return torch.zeros(self.size, dtype=torch.long, device=device)
+
+    def confusion(self, counts: Tensor) -> Confusion:
+        """The `Confusion` of flat counts from `count` (or a sum of them)."""
+        c = self.num_classes
+        table = counts.view(self.groups or 1, self.rows, c)
+        matrix = table[:, self.first : self.first + c]
+        skipped = table.sum() - matrix.sum()
+        if self.ignored_row is not None:
+            skipped = skipped - table[:, self.ignored_row].sum()
+        if self.mask_ignored:
+            skipped = skipped - table[:, -1].sum()
+        return Confusion(matrix[0] if self.groups is None else matrix.contiguous(), skipped)
+
+
+@lru_cache(maxsize=256)
+def label_counter(num_classes: int, ignore_index: int | float | None, groups: int | None = None) -> LabelCounter:
+    """A shared `LabelCounter` for these arguments (built once per argument tuple)."""
+    return LabelCounter(num_classes, ignore_index, groups)
+
+
 def confusion_from_labels(
     pred: Tensor, target: Tensor, num_classes: int, ignore_index: int | None, groups: int = 1
 ) -> Confusion:
@@ -153,17 +248,8 @@ def confusion_from_labels(
     per column (multilabel: `C = 2`). Targets equal to `ignore_index` are skipped; other
     out-of-range targets are counted in `invalid`.
     """
-    c2 = num_classes * num_classes
-    index = target * num_classes + pred
-    if groups > 1:
-        index = index + torch.arange(groups, device=index.device) * c2
-    inside = (target >= 0) & (target < num_classes)
-    index = torch.where(inside, index, groups * c2 + 1)
-    if ignore_index is not None:
-        index = torch.where(target == ignore_index, groups * c2, index)
-    counts = bincount(index, groups * c2 + 2)
-    matrix = counts[: groups * c2].view(groups, num_classes, num_classes)
-    return Confusion(matrix if groups > 1 else matrix[0], counts[groups * c2 + 1])
+    counter = label_counter(num_classes, ignore_index, groups if groups > 1 else None)
+    return counter.confusion(counter.count(pred, target))
 
 
 def zero_nan(value: Tensor) -> Tensor:

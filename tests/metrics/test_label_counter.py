@@ -1,0 +1,81 @@
+"""The bucketize-based confusion counts against a direct mask-and-count reference."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from danling.metrics import multiclass_metrics, multilabel_metrics
+from danling.metrics.functional._common import confusion_from_labels, label_counter
+
+
+def reference(pred, target, num_classes, ignore_index, groups=1):
+    """One (C, C) matrix per group and the count of invalid targets, by explicit masks."""
+    pred, target = pred.reshape(-1, groups), target.reshape(-1, groups)
+    matrix = torch.zeros(groups, num_classes, num_classes, dtype=torch.long)
+    invalid = 0
+    for row_p, row_t in zip(pred.tolist(), target.tolist()):
+        for group, (p, t) in enumerate(zip(row_p, row_t)):
+            if ignore_index is not None and t == ignore_index:
+                continue
+            if 0 <= t < num_classes:
+                matrix[group, t, p] += 1
+            else:
+                invalid += 1
+    return (matrix if groups > 1 else matrix[0]), invalid
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    num_classes=st.integers(1, 5),
+    groups=st.integers(1, 3),
+    ignore_index=st.one_of(st.none(), st.integers(-3, 7), st.just(-100), st.just(-100.0), st.just(0.5)),
+    data=st.data(),
+)
+def test_counts_match_the_masked_reference(num_classes, groups, ignore_index, data):
+    n = data.draw(st.integers(0, 12))
+    shape = (n, groups) if groups > 1 else (n,)
+    pred = torch.tensor(data.draw(st.lists(st.integers(0, num_classes - 1), min_size=n * groups, max_size=n * groups)))
+    target = torch.tensor(data.draw(st.lists(st.integers(-120, 9), min_size=n * groups, max_size=n * groups)))
+    pred, target = pred.long().reshape(shape), target.long().reshape(shape)
+    confusion = confusion_from_labels(pred, target, num_classes, ignore_index, groups=groups)
+    matrix, invalid = reference(pred, target, num_classes, ignore_index, groups)
+    assert torch.equal(confusion.matrix, matrix)
+    assert int(confusion.invalid) == invalid
+
+
+def test_counts_of_batches_add_up_to_the_counts_of_all_data():
+    counter = label_counter(3, -100)
+    pred, target = torch.tensor([0, 1, 2, 2, 1]), torch.tensor([0, -100, 2, 7, 1])
+    total = counter.count(pred[:2], target[:2]) + counter.count(pred[2:], target[2:])
+    assert torch.equal(counter.confusion(total).matrix, counter.confusion(counter.count(pred, target)).matrix)
+    assert int(counter.confusion(total).invalid) == 1
+    running = counter.empty()
+    counter.accumulate(running, pred[:2], target[:2])
+    counter.accumulate(running, pred[2:], target[2:])
+    assert torch.equal(running, total)
+
+
+def test_global_metrics_confusion_is_not_changed_by_later_updates():
+    metrics = multiclass_metrics(3, metrics=["acc", "confmat"])
+    metrics.update(torch.eye(3), torch.tensor([0, 1, 2]))
+    first = metrics.avg["confmat"].clone() if isinstance(metrics.avg["confmat"], torch.Tensor) else None
+    (store,) = metrics._stores.values()
+    held = store.confusion
+    metrics.update(torch.eye(3), torch.tensor([1, 1, 1]))
+    assert torch.equal(held.matrix, torch.eye(3, dtype=torch.long))
+    assert metrics.avg["acc"] == 4 / 6
+    if first is not None:
+        assert torch.equal(first, torch.eye(3, dtype=torch.long))
+
+
+def test_invalid_targets_still_make_accuracy_nan_and_ignored_ones_are_skipped():
+    metrics = multiclass_metrics(3, metrics=["acc"])
+    metrics.update(torch.eye(3), torch.tensor([0, 1, -100]))
+    assert metrics.avg["acc"] == 1.0
+    metrics.update(torch.eye(3), torch.tensor([0, 1, 5]))
+    assert metrics.avg["acc"] != metrics.avg["acc"]  # nan
+    labels = multilabel_metrics(2, metrics=["acc"])
+    labels.update(torch.tensor([[0.9, 0.1], [0.2, 0.8]]), torch.tensor([[1, -100], [0, 1]]))
+    assert labels.avg["acc"] == 1.0
