@@ -49,6 +49,7 @@ _DTYPES = ("fp32", "float32", "fp16", "float16", "half", "bf16", "bfloat16", "fp
 _CHOICES: dict[str, tuple] = {
     "score_mode": ("min", "max"),
     "scheduler.interval": ("step", "epoch", "validation"),
+    "sched.interval": ("step", "epoch", "validation"),  # the alias section the runner also reads
     "checkpoint.backend": ("auto", "file", "dcp", "deepspeed"),
     "checkpoint.async_mode": ("disabled", "async", "async_with_pinned_mem"),
     "checkpoint.async_process_group_backend": ("gloo", "nccl"),

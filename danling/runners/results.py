@@ -213,7 +213,8 @@ class ResultsMixin:
 
         On the main process writes `results.json` (every row), `latest.json` (newest row with its
         index) and, when the newest row is the best, `best.json` into the run directory. Every
-        process forwards the row to the trackers (which are no-ops away from the main process).
+        process forwards the row to the trackers (which are no-ops away from the main process), at
+        the global step; in epoch mode the row also carries its `epoch` index.
 
         The files are replaced atomically but not fsync'ed (`save(..., durable=False)`): a reader
         never sees a partial file, and the same rows are stored durably in every checkpoint, so an
@@ -224,7 +225,9 @@ class ResultsMixin:
             return
         index = latest.pop("index")
         row = latest.dict()
-        self.trackers.log(row, step=index)
+        # Trackers share one x-axis, the global step: step logs already use it and W&B drops any
+        # log whose step is lower than one it has seen, which epoch indices always are.
+        self.trackers.log(row if self.is_step_mode else {**row, "epoch": index}, step=self.train_state.global_step)
         if not self.is_main_process:
             return
         header = {"id": self.workspace.id, "timestamp": self.timestamp}

@@ -173,7 +173,8 @@ def test_tensorboard_receives_every_written_result(make_runner):
     runner.close()
     events = EventAccumulator(str(runner.workspace.path / "tensorboard"))
     events.Reload()
-    assert [event.step for event in events.Scalars("val/loss")] == [0, 1, 2]
+    assert [event.step for event in events.Scalars("val/loss")] == [5, 10, 15]
+    assert [event.value for event in events.Scalars("epoch")] == [0, 1, 2]
     assert events.Scalars("val/loss")[-1].value == pytest.approx(runner.results[2]["val"]["loss"])
 
 
@@ -270,9 +271,11 @@ def test_epoch_training_writes_results(make_runner):
     assert latest["index"] == 2 and latest["val"]["loss"] == pytest.approx(results[2]["val"]["loss"])
     best = json.loads((directory / "best.json").read_text())
     assert best["index"] == runner.best_index
-    # every written row reaches the trackers, at its index
+    # every written row reaches the trackers at the global step (one x-axis with the step logs),
+    # carrying its epoch index
     rows = [(step, row) for step, row in tracker.logged if "val/loss" in row]
-    assert [step for step, _ in rows] == [0, 1, 2]
+    assert [step for step, _ in rows] == [5, 10, 15]
+    assert [row["epoch"] for _, row in rows] == [0, 1, 2]
     assert rows[-1][1]["val/loss"] == pytest.approx(results[2]["val"]["loss"])
 
 

@@ -397,3 +397,10 @@ def test_parsed_config_pickles():
     config = RunnerConfig().parse(["--epochs", "2", "--optim.lr", "0.1"])
     restored = pickle.loads(pickle.dumps(config))
     assert restored.dict() == config.dict() and restored.config_id == config.config_id
+
+
+@pytest.mark.parametrize("section", ["scheduler", "sched"])
+def test_scheduler_interval_is_validated_in_both_section_names(section):
+    # Regression: the `sched` alias, which the runner merges into `scheduler`, escaped validation.
+    with pytest.raises(ValueError, match=rf"config\.{section}\.interval='epcoh'"):
+        RunnerConfig(**{f"{section}.interval": "epcoh"}).validate()

@@ -235,11 +235,6 @@ def test_wandb_offline_run_through_the_runner_records_results(tmp_path, monkeypa
     assert history["val/loss"] == {6: pytest.approx(row["val"]["loss"])}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="epoch rows are logged at step=epoch index after step logs at step=global_step; W&B drops "
-    "steps lower than one it has seen, so the rows never reach the run (ResultsMixin.save_result)",
-)
 def test_wandb_offline_run_records_epoch_rows(tmp_path, monkeypatch):
     results, _, history, _ = _wandb_run(tmp_path, monkeypatch, epochs=2)
     assert history["train_step/loss"]  # the step logs arrive
