@@ -206,13 +206,20 @@ class GlobalMetrics:
         Raises:
             ValueError: If the batch does not fit a metric's task (shapes, dtypes, class count).
         """
-        if self.preprocess is not None:
-            input, target = self.preprocess(input, target)
+        preprocess = self.preprocess
+        if preprocess is base_preprocess and type(input) is Tensor and type(target) is Tensor:
+            # What base_preprocess does to plain tensors, without its calls (this runs every batch).
+            input = input.detach() if input.requires_grad else input
+            target = target.detach() if target.requires_grad else target
+        elif preprocess is not None:
+            input, target = preprocess(input, target)
         if self.device is not None:
             input, target = input.to(self.device), target.to(self.device)
         for store in self._stores.values():
             store.update(input, target)
-        self._last_count = batch_size(target) if n is None else n
+        if n is None:  # a plain tensor's length without the general helper's conversions
+            n = (target.shape[0] if target.ndim else 1) if type(target) is Tensor else batch_size(target)
+        self._last_count = n
         self._count += self._last_count
         self._cache.clear()
 

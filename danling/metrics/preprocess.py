@@ -56,6 +56,8 @@ def to_tensor(data: Any, *, name: str = "input") -> Tensor:
     Raises:
         TypeError: If `data` cannot be turned into a numeric tensor.
     """
+    if type(data) is Tensor:  # the per-batch case, ahead of the subclass checks
+        return data.detach() if data.requires_grad else data
     if isinstance(data, NestedTensor):  # before Tensor: a NestedTensor is a Tensor subclass
         data = data.concat
     if isinstance(data, Tensor):

@@ -365,20 +365,24 @@ class LoopMixin:
         if max_batches is not None:
             length = max_batches if length is None else min(length, max_batches)
         interval = self._log_interval_for(length)
-        self._seen_step = self.train_state.global_step
+        state = self.train_state
+        self._seen_step = state.global_step
+        # Looked up once per pass rather than once per batch; none of them is rebound by a step.
+        meters, beat = self.meters, self.supervisor.beat
+        train_step, evaluate_step, inference_context = self.train_step, self.evaluate_step, self.inference_context
         batches = 0
         for data in self._progress_bar(islice(loader, max_batches), split, length):
             if training:
-                _, loss = self.train_step(data)
+                _, loss = train_step(data)
             else:
-                with self.inference_context():
-                    _, loss = self.evaluate_step(data)
+                with inference_context():
+                    _, loss = evaluate_step(data)
             batches += 1
             if loss is not None:
-                self.meters.update(loss=loss)
-            if training:
+                meters.update(loss=loss)
+            if training and state.global_step != self._seen_step:
                 self._after_optimizer_progress(budget)
-            self.supervisor.beat(self.train_state.global_step, self.train_state.epoch, split)
+            beat(state.global_step, state.epoch, split)
             if batches % interval == 0 or batches == length:
                 self._log_step(split, batches, length, training)
             if self._stop_latched or self._stop_requested():

@@ -49,6 +49,10 @@ _PRECISIONS = {
 _DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+# `nullcontext` holds no state and may be entered any number of times: one instance serves every fp32 step.
+_NO_AUTOCAST = contextlib.nullcontext()
+
+
 class Precision:
     """Mixed-precision policy: an autocast context plus, for fp16 on CUDA, a gradient scaler.
 
@@ -94,7 +98,7 @@ class Precision:
     def autocast(self) -> contextlib.AbstractContextManager:
         """Context for forward passes: ``torch.autocast`` for bf16/fp16, a no-op for fp32."""
         if self.dtype is None:
-            return contextlib.nullcontext()
+            return _NO_AUTOCAST
         return torch.autocast(self.device_type, dtype=self.dtype)
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
@@ -203,6 +207,9 @@ class GradientAccumulator:
 
     def advance(self) -> bool:
         """Record one finished micro-step; return whether the optimizer should step now."""
+        if self.accum_steps == 1:  # every micro-step is its own window
+            self.position += 1
+            return True
         boundary = self.is_boundary
         self.position += 1
         self._pending = 0 if boundary else self._pending + 1
@@ -370,7 +377,8 @@ class OptimizerContainer:
             grad_multiplier: Optional factor applied to the (unscaled) gradients first, e.g. the
                 value of [`GradientAccumulator.finish`][danling.runners.torch_components.GradientAccumulator.finish].
         """
-        scaler = self.scaler
+        precision = self.precision
+        scaler = None if precision is None else precision.scaler
         if scaler is not None:
             scaler.unscale_(self.optimizer)
         if grad_multiplier is not None:

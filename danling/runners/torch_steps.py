@@ -44,6 +44,8 @@ class TorchStepMixin:
     _grad_multiplier: float | None = None
     _active_metrics: Any = None
     _stop_polls: int = 0
+    # `is_distributed()` read once when a pass starts (None outside a pass): the stop poll runs every batch.
+    _pass_distributed: bool | None = None
     _train_timeout_applied: bool = False
 
     # ------------------------------------------------------------------ mode and contexts
@@ -76,7 +78,10 @@ class TorchStepMixin:
         DDP decides during the forward pass whether the following backward all-reduces, so only the
         forward needs to run inside; `backward` may be called after the block.
         """
-        no_sync = self.accumulator.no_sync(self.model)
+        accumulator = self.accumulator
+        if accumulator.accum_steps == 1:  # every micro-step closes its window: DDP always synchronises
+            return self.forward_context()
+        no_sync = accumulator.no_sync(self.model)
         if type(no_sync) is nullcontext:  # not DDP, or the step that closes its window
             return self.forward_context()
         return _entered_together(no_sync, self.forward_context())
@@ -176,6 +181,9 @@ class TorchStepMixin:
         pass divides by its own size) and multiplied by the fp16 gradient scale when one is in use.
         Do not step the optimizer or change counters here.
         """
+        if self.accumulator.accum_steps == 1 and self.precision_policy.scaler is None:
+            loss.backward()  # nothing to divide or scale
+            return
         loss = self.accumulator.normalize(loss)
         self.precision_policy.scale(loss).backward()
 
@@ -184,7 +192,9 @@ class TorchStepMixin:
 
         Call exactly once per micro-batch, after `backward`; never together with `optimizer_step`.
         """
-        self.train_state.micro_step += 1
+        state = self.state.train
+        # The counters are validated ints; an increment keeps them so, so it bypasses the check.
+        state.__dict__["micro_step"] = state.micro_step + 1
         if self.accumulator.advance():
             self._pending_micro_steps = 0
             self.optimizer_step()
@@ -208,7 +218,8 @@ class TorchStepMixin:
         multiplier, self._grad_multiplier = self._grad_multiplier, None
         applied = container.step(multiplier)
         if applied:
-            self.train_state.global_step += 1
+            state = self.state.train
+            state.__dict__["global_step"] = state.global_step + 1  # a validated int stays one
             if isinstance(self.ema, EMA):
                 self.ema.update(self.model)
             if not self._train_timeout_applied:
@@ -261,14 +272,17 @@ class TorchStepMixin:
         return None
 
     def _update_metrics(self, pred: Any, target: Any) -> None:
+        if target is None:
+            return
         metrics = self._metrics_for(self.mode)
-        if metrics is not None and target is not None:
+        if metrics is not None:
             metrics.update(pred.detach() if isinstance(pred, torch.Tensor) else pred, target)
 
     def _start_split(self, split: str, mode: RunnerMode, length: int | None) -> None:
         """Reset the split's metrics and, for training, open the accumulation pass."""
         metrics = self._metrics_for(mode)
         self._active_metrics = metrics
+        self._pass_distributed = is_distributed()
         if metrics is not None:
             metrics.reset()
         if mode is RunnerMode.train:
@@ -280,6 +294,7 @@ class TorchStepMixin:
         Reading the meters and metrics synchronises ranks, so every rank calls this together (the
         loops do, at the end of each split).
         """
+        self._pass_distributed = None  # the pass is over
         result = RoundDict(self.meters.avg)
         metrics = self._active_metrics
         if metrics is not None:
@@ -355,7 +370,10 @@ class TorchStepMixin:
         only) the local flag is used.
         """
         local = self.supervisor.stop_requested
-        if not (self._training and is_distributed()):
+        if not self._training:
+            return local
+        distributed = self._pass_distributed
+        if not (is_distributed() if distributed is None else distributed):
             return local
         self._stop_polls += 1
         if self._stop_polls % _STOP_POLL_EVERY:

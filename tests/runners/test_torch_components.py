@@ -143,6 +143,27 @@ def test_accumulator_resumes_mid_pass():
     assert finished.position == 0
 
 
+def test_single_step_windows_still_record_the_position():
+    # accum_steps=1 takes a shortcut in advance(); the position a checkpoint records must not change.
+    accumulator = GradientAccumulator(1)
+    accumulator.start(total=3)
+    assert _plan(accumulator, 2) == [(1, True), (1, True)]
+    assert accumulator.state_dict() == {"accum_steps": 1, "total": 3, "position": 2}
+    assert accumulator.finish() is None
+    restored = GradientAccumulator(1)
+    restored.load_state_dict(accumulator.state_dict())
+    restored.start(total=3)
+    assert _plan(restored, 1) == [(1, True)] and restored.position == 3
+
+
+def test_fp32_context_is_reusable():
+    policy = Precision("fp32")
+    context = policy.autocast()
+    with context, context:  # one shared no-op context serves every step, nested or not
+        assert not torch.is_autocast_enabled("cpu")
+    assert policy.autocast() is context
+
+
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True])
 def test_accumulator_rejects_bad_steps(bad):
     with pytest.raises(ValueError, match="accum_steps must be a positive integer"):
