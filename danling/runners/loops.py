@@ -283,7 +283,7 @@ class LoopMixin:
             for split in splits:
                 result[split] = self.evaluate_epoch(split)
         self.logger.info(self.format_result(result))
-        self.trackers.log(result.dict(), step=self._row_index())
+        self.trackers.log(result.dict(), step=self.train_state.global_step)  # one x-axis for every tracker log
         return result
 
     def evaluate_epoch(self, split: str = "val") -> RoundDict:

@@ -445,3 +445,14 @@ def test_only_the_main_process_writes(tmp_path):
     written = {path.name for path in (tmp_path / "rank0").rglob("*")}
     assert {"results.json", "latest.json", "best.json", "metadata.json", "epoch-000001"} <= written
     assert not (tmp_path / "rank1").exists()
+
+
+def test_standalone_evaluate_logs_at_the_global_step(make_runner):
+    # Every tracker log shares the global-step axis; W&B drops a step lower than one it has seen.
+    runner = make_runner()
+    tracker = ListTracker()
+    runner.trackers.append(tracker)
+    runner.train()
+    runner.evaluate()
+    steps = [step for step, _ in tracker.logged]
+    assert steps == sorted(steps) and steps[-1] == runner.train_state.global_step
