@@ -76,20 +76,6 @@ class ListTracker(Tracker):
         self.logged.append((step, dict(result)))
 
 
-@pytest.fixture
-def make_runner(tmp_path):
-    runners = []
-
-    def make(cls=ToyRunner, **overrides):
-        runner = cls(toy_config(tmp_path, **overrides))
-        runners.append(runner)
-        return runner
-
-    yield make
-    for runner in runners:
-        runner.close()
-
-
 # ---------------------------------------------------------------------------------- lifecycle
 
 

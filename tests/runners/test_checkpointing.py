@@ -13,20 +13,6 @@ from danling.runners import RunnerConfig
 from tests.runners._toy import ToyRunner, toy_config
 
 
-@pytest.fixture
-def make_runner(tmp_path):
-    runners = []
-
-    def make(cls=ToyRunner, **overrides):
-        runner = cls(toy_config(tmp_path, **overrides))
-        runners.append(runner)
-        return runner
-
-    yield make
-    for runner in runners:
-        runner.close()
-
-
 def fingerprint(runner):
     """Everything a resumed run must reproduce."""
     return (
