@@ -20,6 +20,8 @@ from chanfig import Config, ConfigParser
 from chanfig.utils import get_cached_annotations
 from typing_extensions import Self
 
+from danling.data import resolve_loader_options
+
 from ._config_utils import (
     check_annotations,
     check_values,
@@ -128,14 +130,8 @@ class DataloaderConfig(_TypedConfig):
             >>> loader.kwargs("val", train=False)["batch_size"], loader.kwargs("val", train=False)["drop_last"]
             (32, False)
         """
-        merged = {key: value for key, value in self.items() if not isinstance(value, Mapping)}
-        override = dict.get(self, split)
-        if isinstance(override, Mapping):
-            merged.update(override)
-        for key in ("shuffle", "drop_last"):
-            if merged.get(key) is None:
-                merged[key] = train
-        return {key: value for key, value in merged.items() if value is not None}
+        # One merge rule for the config and the loader builder: danling.data owns it.
+        return resolve_loader_options(self, split, is_train=train)
 
 
 class WandbConfig(_TypedConfig):
