@@ -447,8 +447,8 @@ class BaseRunner(CheckpointMixin, ResultsMixin, LoopMixin, ProgressMixin, metacl
     def close(self, timeout: float | None = None) -> bool:
         """Release everything the runner holds; safe to call more than once.
 
-        Waits for pending checkpoint writes (up to `timeout`, default `checkpoint.wait_timeout`),
-        closes trackers, restores signal handlers, automatic GC and stdout, and closes the log
+        Waits for pending checkpoint writes (up to `timeout`, default `checkpoint.wait_timeout`)
+        and result files, closes trackers, restores signal handlers, automatic GC and stdout, and closes the log
         files.
 
         Returns:
@@ -459,20 +459,29 @@ class BaseRunner(CheckpointMixin, ResultsMixin, LoopMixin, ProgressMixin, metacl
         self._closed = True
         drained = True
         manager = self.__dict__.get("checkpoint_manager")
+        writer = self.__dict__.get("_results_writer")
         try:
             if manager is not None:
                 drained = manager.close(timeout)
         finally:
-            for name in ("trackers", "supervisor"):
-                component = self.__dict__.get(name)
-                if component is not None:
-                    with suppress(Exception):
-                        component.close()
-            workspace = self.__dict__.get("workspace")
-            if workspace is not None:
-                workspace.restore_print()
-                workspace.close()
+            try:
+                if writer is not None:
+                    writer.close(timeout)
+            finally:
+                self._release_components()
         return drained
+
+    def _release_components(self) -> None:
+        """Close trackers and supervisor (their errors must not stop the rest) and the workspace."""
+        for name in ("trackers", "supervisor"):
+            component = self.__dict__.get(name)
+            if component is not None:
+                with suppress(Exception):
+                    component.close()
+        workspace = self.__dict__.get("workspace")
+        if workspace is not None:
+            workspace.restore_print()
+            workspace.close()
 
     def __enter__(self) -> BaseRunner:
         return self

@@ -10,6 +10,7 @@ a tensor library: backends plug in through the hooks (`optimizer_step`, `inferen
 
 from __future__ import annotations
 
+import logging
 import sys
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
@@ -209,7 +210,8 @@ class LoopMixin:
                     result[split] = self.evaluate_epoch(split)
                 self.advance_schedulers(result)
                 self.append_result(result, index=epoch)
-                self.logger.info(self.format_epoch_result(result, epoch))
+                if self.logger.isEnabledFor(logging.INFO):  # formatting a row costs more than the check
+                    self.logger.info(self.format_epoch_result(result, epoch))
                 self.save_result()
                 self.train_state.epoch = epoch + 1
                 self._end_round()
@@ -230,7 +232,8 @@ class LoopMixin:
         """Train until `train_state.global_step` reaches `steps`, then evaluate briefly.
 
         Train splits are consumed in sorted order, round after round (`train_state.epoch` counts
-        full rounds); step-cadence checkpoints are saved along the way. At the end one row
+        full rounds, and `advance_schedulers` is called after each with the round's training
+        results); step-cadence checkpoints are saved along the way. At the end one row
         indexed by the global step is stored and written, and a final checkpoint is saved.
 
         Raises:
@@ -252,6 +255,7 @@ class LoopMixin:
                         break
                 else:
                     self.train_state.epoch += 1
+                    self.advance_schedulers(result)  # an epoch-interval scheduler steps once per round
                 if self.train_state.global_step == start:
                     raise RuntimeError(
                         f"a full round over {train_splits} applied no optimizer step: the loaders are empty "
@@ -262,7 +266,8 @@ class LoopMixin:
                 steps = max(budget // 20, 1) if length is None else min(max(budget // 20, 1), length)
                 result[split] = self.evaluate_steps(split, steps)
             self.append_result(result, index=self.train_state.global_step)
-            self.logger.info(self.format_result(result))
+            if self.logger.isEnabledFor(logging.INFO):
+                self.logger.info(self.format_result(result))
             self.save_result()
             self._end_round()
             self.save_checkpoint(last_step=True)
@@ -456,7 +461,8 @@ class LoopMixin:
 
     def _log_step(self, split: str, iteration: int, length: int | None, training: bool) -> None:
         values = self.meters.avg  # the one place step values are read back
-        self.logger.info(self.format_step_result(values, split, iteration, length))
+        if self.logger.isEnabledFor(logging.INFO):
+            self.logger.info(self.format_step_result(values, split, iteration, length))
         if training and values:
             self.trackers.log({f"{split}_step": values.dict()}, step=self.train_state.global_step)
 
@@ -482,6 +488,8 @@ class LoopMixin:
             if depth == 0 and self._stop_requested():
                 self._shutdown()
             yield
+            if depth == 0:
+                self.flush_results()  # a finished loop leaves its result files complete on disk
         finally:
             self._loop_depth = depth
             if depth == 0:

@@ -19,8 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from chanfig import FlatDict
 
-from danling.utils import RoundDict
-from danling.utils.io import save
+from danling.utils import BackgroundWriter, RoundDict
 
 if TYPE_CHECKING:
     from .config import RunnerConfig
@@ -216,27 +215,55 @@ class ResultsMixin:
         process forwards the row to the trackers (which are no-ops away from the main process), at
         the global step; in epoch mode the row also carries its `epoch` index.
 
-        The files are replaced atomically but not fsync'ed (`save(..., durable=False)`): a reader
-        never sees a partial file, and the same rows are stored durably in every checkpoint, so an
-        fsync per file and epoch would buy nothing but latency.
+        The files are written by a helper thread ([`BackgroundWriter`][danling.utils.BackgroundWriter])
+        from a snapshot of the rows, so the loop does not wait for the disk; every loop waits for
+        them before it returns, and so does `close()`. They are replaced atomically but not
+        fsync'ed: a reader never sees a partial file, and the same rows are stored durably in
+        every checkpoint, so an fsync per file and epoch would buy nothing but latency.
         """
-        latest = self.latest_result
-        if latest is None:
+        if not self.results:
             return
-        index = latest.pop("index")
-        row = latest.dict()
+        index = next(reversed(self.results))
+        row = self._plain_row(index)
         # Trackers share one x-axis, the global step: step logs already use it and W&B drops any
         # log whose step is lower than one it has seen, which epoch indices always are.
         self.trackers.log(row if self.is_step_mode else {**row, "epoch": index}, step=self.train_state.global_step)
         if not self.is_main_process:
             return
         header = {"id": self.workspace.id, "timestamp": self.timestamp}
-        directory = self.workspace.dir
-        save({**header, "results": self.results.dict()}, os.path.join(directory, "results.json"), durable=False)
+        directory, writer = self.workspace.dir, self._result_writer()
+        rows = {key: self._plain_row(key) for key in self.results}
+        writer.submit({**header, "results": rows}, os.path.join(directory, "results.json"), durable=False)
         payload = {**header, "index": index, **row}
-        save(payload, os.path.join(directory, "latest.json"), durable=False)
+        writer.submit(payload, os.path.join(directory, "latest.json"), durable=False)
         if self.is_best:
-            save(payload, os.path.join(directory, "best.json"), durable=False)
+            writer.submit(payload, os.path.join(directory, "best.json"), durable=False)
+
+    def flush_results(self, timeout: float | None = None) -> None:
+        """Wait until the result files submitted by `save_result` are written.
+
+        Raises:
+            OSError: Writing a result file failed.
+        """
+        writer = self.__dict__.get("_results_writer")
+        if writer is not None:
+            writer.flush(timeout)
+
+    def _result_writer(self) -> BackgroundWriter:
+        writer = self.__dict__.get("_results_writer")
+        if writer is None:
+            writer = self.__dict__["_results_writer"] = BackgroundWriter("danling-results")
+        return writer
+
+    def _plain_row(self, index: int) -> dict[str, Any]:
+        """Row `index` as plain dicts, converted once per stored row object (rows are never mutated
+        in place by the runner; a replaced row is converted again)."""
+        row = self.results[index]
+        cache = self.__dict__.setdefault("_plain_rows", {})
+        cached = cache.get(index)
+        if cached is None or cached[0] is not row:
+            cached = cache[index] = (row, row.dict() if isinstance(row, FlatDict) else _plain_mapping(row))
+        return cached[1]
 
     def format_result(self, result: Mapping[str, Any], format_spec: str = ".4f") -> str:
         """Render `result` as text; see [`format_result`][danling.runners.results.format_result]."""
@@ -281,6 +308,10 @@ class ResultsMixin:
 
     def _latest_row(self) -> Mapping | None:
         return self.results[next(reversed(self.results))] if self.results else None
+
+
+def _plain_mapping(row: Mapping[str, Any]) -> dict[str, Any]:
+    return {key: _plain_mapping(value) if isinstance(value, Mapping) else value for key, value in row.items()}
 
 
 def _comparable(score: float, lower_is_better: bool) -> float:

@@ -10,6 +10,7 @@
 - [`RoundDict`][danling.utils.RoundDict]: result mapping with rounding and formatting.
 - [`to_device`][danling.utils.to_device]: move nested batches between devices.
 - [`optional_import`][danling.utils.optional_import]: lazy import of optional extras.
+- [`BackgroundWriter`][danling.utils.BackgroundWriter]: `save` on a helper thread for often-rewritten files.
 """
 
 from .contextmanagers import debug
@@ -20,8 +21,10 @@ from .imports import optional_import
 from .io import is_json_serializable, load, load_pandas, save
 from .registry import Registry
 from .rounding import RoundDict
+from .writer import BackgroundWriter
 
 __all__ = [
+    "BackgroundWriter",
     "RoundDict",
     "catch",
     "debug",

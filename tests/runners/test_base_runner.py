@@ -265,6 +265,27 @@ def test_epoch_training_writes_results(make_runner):
     assert rows[-1][1]["val/loss"] == pytest.approx(results[2]["val"]["loss"])
 
 
+def test_result_files_are_complete_when_train_returns_and_rows_are_snapshots(make_runner):
+    # The files are written on a helper thread; train() waits for it before returning.
+    runner = make_runner(epochs=2)
+    runner.train()
+    saved = json.loads((runner.workspace.path / "results.json").read_text())
+    assert list(saved["results"]) == ["0", "1"]
+    # A row replaced after it was written is converted again, not served from a stale snapshot.
+    runner.append_result({"val": {"loss": 123.0}}, index=1)
+    runner.save_result()
+    runner.flush_results()
+    saved = json.loads((runner.workspace.path / "results.json").read_text())
+    assert saved["results"]["1"] == {"val": {"loss": 123.0}}
+
+
+def test_a_failed_result_write_is_not_silent(make_runner):
+    runner = make_runner(epochs=1)
+    (runner.workspace.path / "latest.json").mkdir(parents=True)  # os.replace cannot put a file there
+    with pytest.raises(OSError, match="latest.json"):
+        runner.train()
+
+
 def test_step_logs_follow_log_interval(make_runner, caplog):
     runner = make_runner(epochs=1, log_interval=2)
     tracker = ListTracker()

@@ -1,0 +1,78 @@
+import os
+import threading
+
+import pytest
+
+from danling.utils import BackgroundWriter, load, save
+
+
+def test_newest_submission_of_a_path_is_what_lands(tmp_path):
+    writer = BackgroundWriter()
+    path = tmp_path / "status.json"
+    for step in range(50):
+        writer.submit({"step": step}, path, durable=False)
+    writer.flush()
+    assert load(path) == {"step": 49}
+    assert writer.pending == 0
+    writer.close()
+
+
+def test_several_paths_and_reuse_after_flush(tmp_path):
+    writer = BackgroundWriter()
+    writer.submit([1, 2], tmp_path / "a.json")
+    writer.submit("text", tmp_path / "b.txt")
+    writer.flush()
+    writer.submit([3], tmp_path / "a.json")
+    writer.flush()
+    assert load(tmp_path / "a.json") == [3]
+    assert load(tmp_path / "b.txt") == "text"
+    writer.close()
+
+
+def test_a_failed_write_is_raised_once_and_later_writes_still_go_through(tmp_path):
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("x")
+    writer = BackgroundWriter()
+    writer.submit({"a": 1}, blocker / "inside.json")
+    with pytest.raises(OSError):
+        writer.flush()
+    writer.flush()  # reported once
+    writer.submit({"b": 2}, tmp_path / "ok.json")
+    writer.close()
+    assert load(tmp_path / "ok.json") == {"b": 2}
+
+
+def test_encoding_errors_name_the_path(tmp_path):
+    writer = BackgroundWriter()
+    writer.submit({"value": object()}, tmp_path / "bad.json")
+    with pytest.raises(OSError, match="bad.json"):
+        writer.flush()
+    assert not any(name.endswith(".tmp") for name in os.listdir(tmp_path))  # no half-written leftovers
+    writer.close()
+
+
+def test_unknown_extension_fails_in_the_callers_thread(tmp_path):
+    writer = BackgroundWriter()
+    with pytest.raises(ValueError, match=r"\.weird"):
+        writer.submit({}, tmp_path / "x.weird")
+    assert writer.pending == 0
+
+
+def test_close_stops_the_thread_and_refuses_new_work(tmp_path):
+    writer = BackgroundWriter(name="test-writer")
+    writer.submit(1, tmp_path / "one.json")
+    writer.close()
+    writer.close()
+    assert load(tmp_path / "one.json") == 1
+    assert "test-writer" not in {thread.name for thread in threading.enumerate()}
+    with pytest.raises(RuntimeError, match="closed"):
+        writer.submit(2, tmp_path / "two.json")
+
+
+def test_objects_are_written_by_save(tmp_path):
+    # The writer adds no format of its own: what it writes reads back like a direct save.
+    writer = BackgroundWriter()
+    writer.submit({"x": [1.5]}, tmp_path / "w.yaml")
+    writer.close()
+    save({"x": [1.5]}, tmp_path / "d.yaml")
+    assert (tmp_path / "w.yaml").read_text() == (tmp_path / "d.yaml").read_text()
