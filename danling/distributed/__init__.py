@@ -5,7 +5,7 @@ collectives become local no-ops when no multi-rank group is active, so code writ
 ``torchrun --nproc_per_node N`` runs unchanged in a plain ``python`` process.
 """
 
-from .collectives import all_reduce_any, all_reduce_gradients, all_reduce_mean, broadcast_object
+from .collectives import all_gather_strided, all_reduce_any, all_reduce_gradients, all_reduce_mean, broadcast_object
 from .ddp import unwrap_model, wrap_ddp
 from .process_group import (
     barrier,
@@ -19,6 +19,7 @@ from .process_group import (
 )
 
 __all__ = [
+    "all_gather_strided",
     "all_reduce_any",
     "all_reduce_gradients",
     "all_reduce_mean",

@@ -12,7 +12,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from .process_group import is_distributed
 
-__all__ = ["all_reduce_any", "all_reduce_gradients", "all_reduce_mean", "broadcast_object"]
+__all__ = ["all_gather_strided", "all_reduce_any", "all_reduce_gradients", "all_reduce_mean", "broadcast_object"]
 
 
 def _on_backend_device(tensor: torch.Tensor) -> torch.Tensor:
@@ -70,6 +70,28 @@ def broadcast_object(obj: Any, src: int = 0, group: Any = None) -> Any:
     box = [obj]
     dist.broadcast_object_list(box, src=src, group=group)
     return box[0]
+
+
+def all_gather_strided(items: list[Any], total: int | None = None, group: Any = None) -> list[Any]:
+    """Merge per-rank lists of a strided shard back into one list, on every rank.
+
+    Rank ``r`` of ``W`` is taken to hold positions ``r, r + W, r + 2W, ...`` of the whole, which is
+    how `torch.utils.data.DistributedSampler` shards without shuffling. Positions at or beyond
+    `total` are dropped (the sampler pads the last round with repeated indices so that every rank
+    gets as many). A collective: every rank of `group` must call it. One process returns `items`
+    (cut to `total`).
+
+    Examples:
+        >>> all_gather_strided([0.5, 0.25, 0.125], total=2)
+        [0.5, 0.25]
+    """
+    if not is_distributed():
+        return list(items)[:total]
+    shards: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(shards, list(items), group=group)
+    longest = max(len(shard) for shard in shards)
+    merged = [shard[i] for i in range(longest) for shard in shards if i < len(shard)]
+    return merged[:total]
 
 
 def all_reduce_gradients(parameters: Iterable[torch.nn.Parameter], group: Any = None) -> None:

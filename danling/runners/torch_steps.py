@@ -18,9 +18,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils.data import DistributedSampler
 
 from danling.data import split_batch
-from danling.distributed import all_reduce_any, all_reduce_gradients, all_reduce_mean, is_distributed
+from danling.distributed import (
+    all_gather_strided,
+    all_reduce_any,
+    all_reduce_gradients,
+    all_reduce_mean,
+    is_distributed,
+)
 from danling.optim import is_metric_scheduler
 from danling.utils import RoundDict, to_device
 
@@ -156,6 +163,26 @@ class TorchStepMixin:
             pred = model(input)
         values = pred.detach().squeeze(-1).cpu().tolist()
         return values if isinstance(values, list) else [values]
+
+    def infer(
+        self, split: str = "infer", *, steps: int | None = None, stream: bool | None = None
+    ) -> list[Any] | Iterator[list[Any]]:
+        """Predict on `split` like [`LoopMixin.infer`][danling.runners.loops.LoopMixin.infer]; under DDP a
+        list result covers the whole split, in dataset order, on every rank.
+
+        The split's sampler shards the data over the ranks (rank `r` gets items `r, r + W, ...`
+        when it does not shuffle), so each rank predicts its shard and the lists are then merged
+        back in order and cut to the dataset's length (dropping the sampler's padding). This is
+        a collective: call it on every rank. Streams, and loaders whose sampler shuffles or is not
+        a `DistributedSampler`, return this rank's own predictions.
+        """
+        outputs = super().infer(split, steps=steps, stream=stream)
+        if not isinstance(outputs, list) or not is_distributed():
+            return outputs
+        sampler = getattr(self.dataloaders[split], "sampler", None)
+        if not isinstance(sampler, DistributedSampler) or sampler.shuffle:
+            return outputs
+        return all_gather_strided(outputs, None if sampler.drop_last else len(sampler.dataset))
 
     def _inference_model(self) -> Any:
         model = self.ema if self.ema is not None else self.model

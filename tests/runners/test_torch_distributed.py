@@ -7,7 +7,7 @@ import torch
 
 from danling.metrics import regression_metrics
 from tests.dist import run_distributed
-from tests.runners._torch_toy import TinyRunner, model_state, tiny_config
+from tests.runners._torch_toy import TinyRunner, make_data, model_state, tiny_config
 
 pytestmark = pytest.mark.distributed
 
@@ -80,6 +80,14 @@ def _ddp_scenarios(rank: int, world_size: int, root: str) -> dict:
         out["global_step"] = runner.train_state.global_step
         out["latest"] = runner.latest_result.dict()
         out["evaluate"] = runner.evaluate().dict()
+        # 7 samples over 2 ranks: the sampler pads rank 1's shard with sample 0.
+        runner.datasets["infer"] = make_data(7, seed=2)
+        runner.build_dataloaders()
+        out["infer"] = runner.infer()
+        model = runner.unwrap(runner.model).eval()
+        with torch.no_grad():
+            out["infer_expected"] = model(runner.datasets["infer"].tensors[0]).squeeze(-1).tolist()
+        out["infer_shard"] = list(runner.dataloaders["infer"].sampler)
         out["weights"] = model_state(runner)
         runner.checkpoint_manager.wait()
         latest = runner.checkpoint_manager.latest
@@ -115,6 +123,10 @@ def test_two_ranks_train_in_lockstep_and_match_one_process(tmp_path):
         assert torch.equal(value, second["weights"][key])  # replicas stay identical
     assert first["latest"] == second["latest"] and first["evaluate"] == second["evaluate"]
     assert set(first["latest"]["val"]) == {"loss", "mse"}
+    # infer() gathers every rank's shard back into dataset order, without the sampler's padding.
+    assert first["infer_shard"] == [0, 2, 4, 6] and second["infer_shard"] == [1, 3, 5, 0]
+    for out in ranks:
+        assert out["infer"] == pytest.approx(out["infer_expected"], rel=1e-6)
     # The stop request is agreed every few batches: both ranks stop after the same update and
     # write the shutdown checkpoint together.
     assert first["stop"] == second["stop"] and first["stop"][0] == 0 and first["stop"][2]
