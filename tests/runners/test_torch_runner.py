@@ -220,6 +220,15 @@ def test_schedulers_step_on_their_interval(tmp_path):
         runner.train()
 
 
+def test_epoch_interval_scheduler_steps_once_per_round_in_step_mode(tmp_path):
+    # 20 samples in batches of 4: 5 updates per round; 12 steps finish 2 rounds and stop inside the third.
+    sched = {"sched.type": "steplr", "sched.step_size": 1, "sched.gamma": 0.5, "sched.interval": "epoch"}
+    with TinyRunner(tiny_config(tmp_path, epochs=None, steps=12, **sched)) as runner:
+        runner.train()
+        assert runner.train_state.epoch == 2
+        assert runner.optimizer.param_groups[0]["lr"] == pytest.approx(0.01 * 0.5**2)
+
+
 def test_metrics_reach_the_results(tmp_path):
     class WithMetrics(TinyRunner):
         def __init__(self, config):
