@@ -22,7 +22,7 @@ from .functional._common import Confusion, LabelCounter
 from .functional.regression import merge_moments
 from .meter import format_number
 from .metric_meter import Preprocess, batch_size, metric_name
-from .preprocess import base_preprocess
+from .preprocess import _plain_multiclass, base_preprocess
 from .state import MetricFunc, MetricState, MetricTask
 
 __all__ = ["GlobalMetrics"]
@@ -36,11 +36,19 @@ class _TaskStore:
     def __init__(self, task: MetricTask | None, needs: Iterable[str]) -> None:
         self.task = task
         self.needs = frozenset(needs)
+        # Looked up once here because update() runs every batch.
+        self.wants_confusion = "confusion" in self.needs
+        self.wants_moments = "moments" in self.needs
+        self.wants_data = "data" in self.needs
+        self.num_classes = task.num_classes if task is not None and task.kind == "multiclass" else None
+        # GlobalMetrics requires the task size and format() enforces it on every batch, so one
+        # label counter serves every batch; it is built by the first update.
+        self.counter: LabelCounter | None = None
+        self._empty: dict[Any, tuple[Tensor, Tensor]] = {}
         self.reset()
 
     def reset(self) -> None:
         # Confusion counts stay flat and are summed per batch; `confusion` shapes them on read.
-        self.counter: LabelCounter | None = None
         self.counts: Tensor | None = None
         self.moments: Tensor | None = None
         self.inputs: list[Tensor] = []
@@ -48,17 +56,25 @@ class _TaskStore:
         self.last: tuple[Tensor, Tensor] | None = None
 
     def update(self, input: Tensor, target: Tensor) -> None:
-        if self.task is not None:
-            input, target = self.task.format(input, target)
-            if "confusion" in self.needs:
-                self.counter, pred = self.task.confusion_counter(input)
+        task = self.task
+        if task is not None:
+            if self.num_classes is not None and _plain_multiclass(input, target, self.num_classes):
+                # Already in final form: what format() returns for it, without its call chain.
+                input = input.detach() if input.requires_grad else input
+            else:
+                input, target = task.format(input, target)
+            if self.wants_confusion:
+                counter = self.counter
+                if counter is None:
+                    counter = self.counter = task.label_counter()
+                pred = task.predicted_labels(input)
                 if self.counts is None:
-                    self.counts = self.counter.empty(pred.device)
-                self.counter.accumulate(self.counts, pred, target)  # in place; readers get a copy
-            if "moments" in self.needs:
-                moments = self.task.moments(input, target)
+                    self.counts = counter.empty(pred.device)
+                counter.accumulate(self.counts, pred, target)  # in place; readers get a copy
+            if self.wants_moments:
+                moments = task.moments(input, target)
                 self.moments = moments if self.moments is None else merge_moments(self.moments, moments)
-        if "data" in self.needs:
+        if self.wants_data:
             self.inputs.append(input)
             self.targets.append(target)
         self.last = (input, target)
@@ -66,7 +82,7 @@ class _TaskStore:
     @property
     def confusion(self) -> Confusion | None:
         """Local confusion counts of everything seen since the last reset (`None` before any update)."""
-        return None if self.counts is None else self.counter.confusion(self.counts.clone())
+        return None if self.counts is None else self.counter.confusion(self.counts, copy=True)
 
     def local_data(self) -> tuple[Tensor, Tensor] | None:
         """All local data, concatenated once and kept concatenated."""
@@ -92,7 +108,9 @@ class _TaskStore:
         if self.task is None:
             return data
         if data is None:
-            data = self.task.format(*_empty_pair(self.task, device))
+            data = self._empty.get(device)
+            if data is None:  # kept: zero-size tensors never change
+                data = self._empty[device] = self.task.format(*_empty_pair(self.task, device))
         return MetricState(self.task, *data, **artifacts)
 
     def _synced_confusion(self, device: Any) -> Confusion:
@@ -263,7 +281,7 @@ class GlobalMetrics:
         if cacheable and kind in self._cache:
             return self._cache[kind][0], dict.fromkeys(self.metrics, self._cache[kind][1])
         states = {task: store.state(kind, self.device) for task, store in self._stores.items()}
-        values = RoundDict({name: _evaluate(metric, states) for name, metric in self.metrics.items()})
+        values = RoundDict.from_flat({name: _evaluate(metric, states) for name, metric in self.metrics.items()})
         count = self._last_count if kind != "avg" else self._count
         if kind != "val" and is_distributed():
             count = int(sum_across_ranks(torch.tensor([count], dtype=torch.long), self.device).item())

@@ -134,7 +134,8 @@ class AverageMeter:
         if n < 0:
             raise ValueError(f"n must be a non-negative number, got {n!r}")
         if isinstance(value, Tensor):
-            value = value.detach() if value.requires_grad else value
+            if value.requires_grad:
+                value = value.detach()
             total = self._sum
             if isinstance(total, Tensor):
                 if total.ndim and total.shape != value.shape:
@@ -142,7 +143,8 @@ class AverageMeter:
                         f"AverageMeter got a value of shape {tuple(value.shape)}, but earlier values had shape "
                         f"{tuple(total.shape)}; reset the meter to change shapes"
                     )
-                self._sum = torch.add(total, value, alpha=n)  # one fused op; float64 accumulation by promotion
+                # One op, float64 accumulation by promotion; `alpha` only when needed (it costs per call).
+                self._sum = torch.add(total, value) if n == 1 else torch.add(total, value, alpha=n)
             else:
                 self._sum = self._sum + value.to(_accumulation_dtype(value)) * n
         elif isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -184,7 +186,16 @@ class AverageMeter:
     def _local_avg(self) -> Any:
         if not self._count:
             return math.nan
-        return _to_python(_restore_dtype(self._sum / self._count, self._val))
+        total = self._sum
+        if isinstance(total, Tensor) and not total.ndim and total.dtype == torch.float64:
+            # A 0-d sum is read as a number anyway: the same float64 division on the host costs
+            # one transfer instead of a division, a cast and a transfer.
+            mean = total.item() / self._count
+            like = self._val
+            if isinstance(like, Tensor) and like.is_floating_point() and like.dtype != torch.float64:
+                return torch.tensor(mean, dtype=like.dtype).item()  # the rounding `_restore_dtype` applies
+            return mean
+        return _to_python(_restore_dtype(total / self._count, self._val))
 
     def __format__(self, format_spec: str) -> str:
         synced = self.sync()
@@ -255,7 +266,7 @@ class MetersBase:
 
     @property
     def val(self) -> RoundDict:
-        return RoundDict({name: meter.val for name, meter in self._meters.items()})
+        return RoundDict.from_flat({name: meter.val for name, meter in self._meters.items()})
 
     @property
     def bat(self) -> RoundDict:
@@ -267,11 +278,11 @@ class MetersBase:
 
     @property
     def sum(self) -> RoundDict:
-        return RoundDict({name: meter.sum for name, meter in self._meters.items()})
+        return RoundDict.from_flat({name: meter.sum for name, meter in self._meters.items()})
 
     @property
     def count(self) -> RoundDict:
-        return RoundDict({name: meter.count for name, meter in self._meters.items()})
+        return RoundDict.from_flat({name: meter.count for name, meter in self._meters.items()})
 
     def read(self, kind: str) -> tuple[RoundDict, dict[str, Number]]:
         """Values of kind `"val"`, `"bat"` or `"avg"` with the weight behind each of them."""
@@ -279,8 +290,12 @@ class MetersBase:
             return self.val, {name: meter._n for name, meter in self._meters.items()}
         if kind not in ("bat", "avg"):
             raise ValueError(f"kind must be 'val', 'bat' or 'avg', got {kind!r}")
+        if kind == "avg" and not is_distributed():  # the per-split read: skip reading `bat`, which nobody asked for
+            meters = self._meters
+            values = {name: meter._local_avg() for name, meter in meters.items()}
+            return RoundDict.from_flat(values), {name: meter._count for name, meter in meters.items()}
         synced = sync_meters(list(self._meters.values()), self.device, names=list(self._meters))
-        values = RoundDict({name: getattr(s, kind) for name, s in zip(self._meters, synced)})
+        values = RoundDict.from_flat({name: getattr(s, kind) for name, s in zip(self._meters, synced)})
         counts = {name: s.bat_count if kind == "bat" else s.count for name, s in zip(self._meters, synced)}
         return values, counts
 
@@ -335,10 +350,12 @@ class AverageMeters(MetersBase):
             if not isinstance(mapping, Mapping):
                 raise TypeError(f"positional arguments to update() must be mappings, got {type(mapping).__name__}")
             values = {**mapping, **values}
+        meters = self._meters
         for name, value in values.items():
-            if name not in self._meters:
-                self._meters[name] = AverageMeter(device=self.device)
-            self._meters[name].update(value)
+            meter = meters.get(name)
+            if meter is None:
+                meter = meters[name] = AverageMeter(device=self.device)
+            meter.update(value)
 
 
 def sync_meters(

@@ -119,7 +119,26 @@ class MetricTask:
         if self.kind == "regression":
             raise ValueError("regression tasks have no confusion counts")
         groups = max(input.shape[-1], 1) if self.kind == "multilabel" else None
-        return label_counter(2, self.ignore_index, groups), positive_predictions(input, self.threshold).long()
+        return label_counter(2, self.ignore_index, groups), self.predicted_labels(input)
+
+    def label_counter(self) -> LabelCounter:
+        """The label counter of this task's declared size: what `confusion_counter` returns for
+        every batch that `format` accepts, so a container can look it up once."""
+        if self.kind == "regression":
+            raise ValueError("regression tasks have no confusion counts")
+        if self.size is None:
+            raise ValueError(f"{self.kind} tasks need their size (num_classes / num_labels) for a fixed label counter")
+        if self.kind == "multiclass":
+            return label_counter(self.size, self.ignore_index)
+        return label_counter(2, self.ignore_index, self.num_labels if self.kind == "multilabel" else None)
+
+    def predicted_labels(self, input: Tensor) -> Tensor:
+        """Predicted labels of formatted scores: the top class, or positive (1) / negative (0)."""
+        if self.kind == "multiclass":
+            return input.argmax(-1)
+        if self.kind == "regression":
+            raise ValueError("regression tasks have no predicted labels")
+        return positive_predictions(input, self.threshold).long()
 
     def empty_confusion(self, device: torch.device | str | None = None) -> Confusion:
         """Confusion counts of no data (what a rank without samples contributes)."""

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from chanfig import NestedDict
+from chanfig import FlatDict, NestedDict
 
 try:  # Python 3.11+
     from typing import Self
@@ -57,6 +57,31 @@ class RoundDict(NestedDict):
         >>> RoundDict(count=3, name="run").dict() == round(RoundDict(count=3, name="run"), 1).dict()
         True
     """
+
+    @classmethod
+    def from_flat(cls, values: Mapping[str, Any]) -> RoundDict:
+        """`RoundDict(values)` for the flat results meters and metrics return, built without
+        chanfig's generic constructor (key splitting, mapping conversion, validation), which costs
+        several microseconds per call on paths that run at every log step.
+
+        The shortcut applies to plain string keys without `.` that are not attribute names of the
+        class, holding numbers, tensors or `None`; anything else goes through `RoundDict(values)`.
+
+        Examples:
+            >>> RoundDict.from_flat({"loss": 0.25, "acc": 1}).dict()
+            {'loss': 0.25, 'acc': 1}
+            >>> RoundDict.from_flat({"val.acc": 0.5}).dict()  # nested key: the constructor's path
+            {'val': {'acc': 0.5}}
+        """
+        if cls is not RoundDict or not (
+            _SHORTCUT and values and all(_plain_item(key, value) for key, value in values.items())
+        ):
+            return cls(values)
+        result = RoundDict.__new__(RoundDict)
+        result.__dict__.update(_INSTANCE_ATTRS)
+        for key, value in values.items():
+            FlatDict.set(result, key, value)  # stores the item and its attribute mirror
+        return result
 
     def round(self, ndigits: int | None = None) -> Self:
         """Return a copy with every number rounded to `ndigits` decimal places.
@@ -144,3 +169,28 @@ def _format_value(value: Any, format_spec: str) -> str:
     if isinstance(value, bool) or not isinstance(value, (int, float, np.number)):
         return str(value)
     return format(value, format_spec)
+
+
+_PROBE = RoundDict(_probe=0)
+# Instance attributes chanfig gives a RoundDict built from a flat mapping (minus the mirrored key);
+# all immutable, so every shortcut-built instance can share them.
+_INSTANCE_ATTRS = {key: value for key, value in vars(_PROBE).items() if key != "_probe"}
+# The shortcut skips construction hooks, class-default copying and validation, so it is only
+# taken while those do nothing for RoundDict (no overridden hooks, no annotated fields); a chanfig
+# upgrade that changes this turns it off instead of building different objects.
+_SHORTCUT = (
+    dict(_PROBE) == {"_probe": 0}
+    and RoundDict.__post_init__ is FlatDict.__post_init__
+    and RoundDict.validate in (FlatDict.validate, NestedDict.validate)
+    and not any(vars(klass).get("__annotations__") for klass in RoundDict.__mro__)
+)
+_PLAIN_VALUES = (float, int, bool, type(None))
+
+
+def _plain_item(key: Any, value: Any) -> bool:
+    return (
+        type(key) is str
+        and "." not in key
+        and not hasattr(RoundDict, key)  # method and property names take chanfig's special paths
+        and (type(value) in _PLAIN_VALUES or isinstance(value, torch.Tensor))
+    )

@@ -179,6 +179,11 @@ class LabelCounter:
         self.ignored_row = self.points.index(ignore_index) + 1 if extra else None
         self.rows = len(self.points) + 1 + (1 if self.mask_ignored else 0)
         self.size = (groups or 1) * self.rows * num_classes
+        # Rows of targets that are neither a class nor ignored: their total is the invalid count.
+        skipped = {self.ignored_row, self.rows - 1 if self.mask_ignored else None}
+        valid = range(self.first, self.first + num_classes)
+        self.invalid_rows = tuple(r for r in range(self.rows) if r not in valid and r not in skipped)
+        self._invalid_rows: dict[torch.device, Tensor] = {}
         self._boundaries: dict[tuple[torch.device, torch.dtype], Tensor] = {}
         self._offsets: dict[torch.device, Tensor] = {}
         self._ones: dict[tuple[torch.device, int], Tensor] = {}
@@ -214,23 +219,31 @@ class LabelCounter:
             if len(self._ones) > 16:  # a few batch sizes are typical; do not grow without bound
                 self._ones.clear()
             ones = self._ones[key] = torch.ones_like(index)
+        if counts.is_cpu:  # same sums, less per-call overhead than scatter_add_ on CPU
+            return counts.index_add_(0, index, ones)
         return counts.scatter_add_(0, index, ones)
 
     def empty(self, device: torch.device | str | None = None) -> Tensor:
         """Zero counts to `accumulate` into."""
         return torch.zeros(self.size, dtype=torch.long, device=device)
 
-    def confusion(self, counts: Tensor) -> Confusion:
-        """The `Confusion` of flat counts from `count` (or a sum of them)."""
+    def confusion(self, counts: Tensor, *, copy: bool = False) -> Confusion:
+        """The `Confusion` of flat counts from `count` (or a sum of them).
+
+        The matrix is a view of `counts` unless `copy=True` (for counts that keep being updated).
+        """
         c = self.num_classes
         table = counts.view(self.groups or 1, self.rows, c)
         matrix = table[:, self.first : self.first + c]
-        skipped = table.sum() - matrix.sum()
-        if self.ignored_row is not None:
-            skipped = skipped - table[:, self.ignored_row].sum()
-        if self.mask_ignored:
-            skipped = skipped - table[:, -1].sum()
-        return Confusion(matrix[0] if self.groups is None else matrix.contiguous(), skipped)
+        if copy:
+            matrix = matrix.clone()
+        rows = self._invalid_rows.get(counts.device)
+        if rows is None:
+            rows = self._invalid_rows[counts.device] = torch.tensor(
+                self.invalid_rows, dtype=torch.long, device=counts.device
+            )
+        invalid = table.index_select(1, rows).sum()
+        return Confusion(matrix[0] if self.groups is None else matrix.contiguous(), invalid)
 
 
 @lru_cache(maxsize=256)
