@@ -1,28 +1,33 @@
 """What the `TorchRunner` costs over a hand-written PyTorch loop doing the same work.
 
-Three measurements, each run in this process with the candidates alternating (median of
-``--repeats`` runs, see `common.alternate`), on one thread (`torch.set_num_threads(1)`):
+Three measurements, each run in this process on one thread (`torch.set_num_threads(1)`) pinned
+to one core:
 
 1. Training wall time: the same model, data, AdamW optimizer, cross-entropy loss and an
-   accuracy metric, for a few epochs of train + validation passes. Two models: a small MLP at
-   batch 32, where per-step bookkeeping matters most, and a wide MLP at batch 128 where the
-   matrix multiplications dominate. ``runner`` builds its own (resumable) dataloaders;
-   ``runner, torch loaders`` is given the plain `torch.utils.data.DataLoader`s the hand-written
-   loop uses, which separates loop overhead from the dataloader choice. With ``--ablate`` two
-   more variants switch off the per-epoch result files and replace danling's metric container
-   by the loop's plain running count, to show what each service costs.
+   accuracy metric, one epoch (a train pass and a validation pass) per round. Two models: a
+   small MLP at batch 32, where per-step bookkeeping matters most, and a wide MLP at batch 128
+   where the matrix multiplications dominate. Every round runs each candidate once (order
+   rotated) and divides its time by the hand-written loop's time in that round; the table gives
+   the median and interquartile range of these paired ratios (`common.paired_ratios`). A second,
+   identical hand-written loop is timed as a control: its ratio shows the noise floor.
+   ``runner`` builds its own (resumable) dataloaders; ``runner, torch loaders`` is given the
+   plain `torch.utils.data.DataLoader`s the hand-written loop uses, which separates loop overhead
+   from the dataloader choice. With ``--ablate`` two more variants switch off the per-epoch
+   result files and replace danling's metric container by the loop's plain running count, to
+   show what each service costs.
 2. Time to first step: constructing everything (model, optimizer, loaders; for the runner also
-   the workspace, logging and metadata) plus one optimizer step.
+   the workspace, logging and metadata) plus one optimizer step (median of alternating runs).
 3. Checkpoint throughput (MB of model + optimizer state per second) of the runner's file and
    DCP backends against `torch.save` / `torch.load` and `dcp.save` / `dcp.load` of the same
    state, synchronous writes.
 
-Usage: ``python benchmarks/bench_runner.py [--repeats 7] [--ablate] [--only training] [--quick]``
+Usage: ``python benchmarks/bench_runner.py [--repeats 31] [--ablate] [--only training] [--quick]``
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import shutil
@@ -39,13 +44,13 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import alternate, table
+from common import alternate, paired_ratios, ratio_table, table
 
 import danling as dl
 
 # name -> (features, hidden, classes, batch size, train samples, val samples, epochs per timed run)
 WORKLOADS = {
-    "small MLP, batch 32": (64, 128, 10, 32, 4096, 1024, 3),
+    "small MLP, batch 32": (64, 128, 10, 32, 4096, 1024, 1),
     "wide MLP, batch 128": (512, 1024, 10, 128, 12288, 512, 1),
 }
 TRAINING = ("small MLP, batch 32", "wide MLP, batch 128")
@@ -159,12 +164,15 @@ class PlainAccuracy:
 
 
 def training_candidates(root: str, workload: str, ablate: bool) -> tuple[dict[str, Callable[[], object]], list]:
-    """The hand-written loop and the runner variants for one workload (plus the runners to close)."""
+    """The hand-written loop (twice, as a noise control) and the runner variants for one workload."""
     features, hidden, classes, batch_size, n_train, n_val, epochs = WORKLOADS[workload]
-    torch.manual_seed(0)
-    model = make_model(features, hidden, classes)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    loaders = torch_loaders(make_splits(features, classes, n_train, n_val), batch_size)
+    candidates: dict[str, Callable[[], object]] = {}
+    for name in ("hand-written loop", "hand-written loop, second copy"):
+        torch.manual_seed(0)
+        model = make_model(features, hidden, classes)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        loaders = torch_loaders(make_splits(features, classes, n_train, n_val), batch_size)
+        candidates[name] = lambda m=model, o=optimizer, lo=loaders: [handwritten_epoch(m, o, lo) for _ in range(epochs)]
     variants = {"runner": {}, "runner, torch loaders": {"torch_loaders": True}}
     if ablate:  # switch off one runner service at a time to see what each costs
         variants["runner, torch loaders, no result files"] = {"torch_loaders": True, "files": False}
@@ -173,9 +181,6 @@ def training_candidates(root: str, workload: str, ablate: bool) -> tuple[dict[st
             "files": False,
             "plain": True,
         }
-    candidates: dict[str, Callable[[], object]] = {
-        "hand-written loop": lambda: [handwritten_epoch(model, optimizer, loaders) for _ in range(epochs)]
-    }
     runners = []
     for name, options in variants.items():
         runner = quiet(BenchRunner(runner_config(root, workload, torch_loaders=options.get("torch_loaders", False))))
@@ -198,16 +203,19 @@ def bench_training(root: str, repeats: int, ablate: bool = False) -> list[str]:
     for workload in TRAINING:
         _, _, _, batch_size, n_train, n_val, epochs = WORKLOADS[workload]
         candidates, runners = training_candidates(root, workload, ablate)
-        medians = alternate(candidates, repeats=repeats)
+        # The compute-bound workload takes seconds per round: fewer rounds, still >= 5.
+        rounds = repeats if workload.startswith("small") else max(5, repeats // 4)
+        results = paired_ratios(candidates, "hand-written loop", repeats=rounds)
         for runner in runners:
             runner.close()
         steps = epochs * (n_train // batch_size)
         batches = f"{n_train // batch_size} train + {-(-n_val // batch_size)} val batches"
-        title = f"Training, {workload}: {epochs} epoch(s) of {batches}"
-        extra = {name: (value - medians["hand-written loop"]) / steps * 1e6 for name, value in medians.items()}
-        extra.pop("hand-written loop")
+        title = f"Training, {workload}: {epochs} epoch(s) of {batches}, {rounds} rounds"
+        base = results["hand-written loop"][0]
+        extra = {name: (value[0] - base) / steps * 1e6 for name, value in results.items() if name.startswith("runner")}
         summary = "; ".join(f"{name} {value:+.0f} us" for name, value in extra.items())
-        out.append(table(title, medians, "hand-written loop") + f"\n\nextra time per train step: {summary}")
+        note = f"\n\nextra time per train step (difference of medians): {summary}"
+        out.append(ratio_table(title, results, "hand-written loop") + note)
     return out
 
 
@@ -340,12 +348,15 @@ def bench_checkpoint_backend(root: str, backend: str, repeats: int) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="TorchRunner overhead against a hand-written loop")
-    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--repeats", type=int, default=31, help="rounds (training) or repeats (other parts)")
     parser.add_argument("--quick", action="store_true", help="2 repeats, a smoke run of the script")
     parser.add_argument("--only", choices=("training", "first-step", "checkpoint"), default=None)
     parser.add_argument("--ablate", action="store_true", help="add runner variants with services switched off")
     args = parser.parse_args(argv)
     repeats = 2 if args.quick else args.repeats
+    other = max(2 if args.quick else 5, repeats // 3)  # first step and checkpoints: steadier, costlier
+    with contextlib.suppress(AttributeError, OSError):  # one core for the whole run: migrations add noise
+        os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
     torch.set_num_threads(1)
     started = time.perf_counter()
     root = tempfile.mkdtemp(prefix="bench-runner-")
@@ -354,12 +365,13 @@ def main(argv: list[str] | None = None) -> None:
         if args.only in (None, "training"):
             sections += bench_training(root, repeats, args.ablate)
         if args.only in (None, "first-step"):
-            sections += bench_first_step(root, repeats)
+            sections += bench_first_step(root, other)
         if args.only in (None, "checkpoint"):
-            sections += [bench_checkpoint_backend(root, backend, repeats) for backend in ("file", "dcp")]
+            sections += [bench_checkpoint_backend(root, backend, other) for backend in ("file", "dcp")]
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    print(f"torch {torch.__version__}, 1 thread, median of {repeats} alternating runs\n")
+    print(f"torch {torch.__version__}, 1 thread, pinned to one core; training: median of {repeats} paired rounds, ")
+    print(f"first step and checkpoints: median of {other} alternating runs\n")
     print("\n\n".join(sections))
     print(f"\n(total {time.perf_counter() - started:.0f} s)")
 

@@ -375,7 +375,7 @@ class LoopMixin:
         # Looked up once per pass rather than once per batch; none of them is rebound by a step.
         meters, beat = self.meters, self.supervisor.beat
         train_step, evaluate_step, inference_context = self.train_step, self.evaluate_step, self.inference_context
-        batches = 0
+        batches, loss_meter = 0, None
         for data in self._progress_bar(islice(loader, max_batches), split, length):
             if training:
                 _, loss = train_step(data)
@@ -384,7 +384,11 @@ class LoopMixin:
                     _, loss = evaluate_step(data)
             batches += 1
             if loss is not None:
-                meters.update(loss=loss)
+                if loss_meter is None:
+                    meters.update(loss=loss)
+                    loss_meter = meters["loss"]  # then updated directly: this runs every batch
+                else:
+                    loss_meter.update(loss)
             if training and state.global_step != self._seen_step:
                 self._after_optimizer_progress(budget)
             beat(state.global_step, state.epoch, split)

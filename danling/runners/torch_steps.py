@@ -322,12 +322,11 @@ class TorchStepMixin:
         loops do, at the end of each split).
         """
         self._pass_distributed = None  # the pass is over
-        result = RoundDict(self.meters.avg)
+        result = dict(self.meters.avg)
         metrics = self._active_metrics
         if metrics is not None:
-            values = metrics.avg
-            result.update(values.dict() if callable(getattr(values, "dict", None)) else dict(values))
-        return result
+            result.update(metrics.avg)
+        return RoundDict.from_flat(result)  # flat results skip chanfig's generic constructor
 
     # ------------------------------------------------------------------ schedulers
     def advance_schedulers(self, result: Mapping[str, Any]) -> None:
