@@ -373,7 +373,10 @@ class LoopMixin:
         state = self.train_state
         self._seen_step = state.global_step
         # Looked up once per pass rather than once per batch; none of them is rebound by a step.
-        meters, beat = self.meters, self.supervisor.beat
+        meters, supervisor = self.meters, self.supervisor
+        # Per-batch services that are off by default are skipped outright rather than called per batch.
+        beat = supervisor.beat if supervisor.heartbeat_dir is not None else None
+        track_progress = training and (budget is not None or supervisor.gc_interval is not None)
         train_step, evaluate_step, inference_context = self.train_step, self.evaluate_step, self.inference_context
         batches, loss_meter = 0, None
         for data in self._progress_bar(islice(loader, max_batches), split, length):
@@ -389,9 +392,10 @@ class LoopMixin:
                     loss_meter = meters["loss"]  # then updated directly: this runs every batch
                 else:
                     loss_meter.update(loss)
-            if training and state.global_step != self._seen_step:
+            if track_progress and state.global_step != self._seen_step:
                 self._after_optimizer_progress(budget)
-            beat(state.global_step, state.epoch, split)
+            if beat is not None:
+                beat(state.global_step, state.epoch, split)
             if batches % interval == 0 or batches == length:
                 self._log_step(split, batches, length, training)
             if self._stop_latched or self._stop_requested():
