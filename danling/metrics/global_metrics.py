@@ -1,9 +1,10 @@
 """[`GlobalMetrics`][danling.metrics.GlobalMetrics]: exact dataset-level metrics.
 
-Each task keeps only the artifacts its metrics need: confusion counts (a fixed-size tensor
-updated with a bincount), regression moments (merged per batch), or the predictions and
-targets themselves (appended to a list, concatenated when read). Updates stay on the device
-of the inputs and never synchronise with it; reading gathers and reduces across ranks.
+Each task keeps only the artifacts its metrics need: confusion counts (a fixed-size tensor of
+label counts), regression moments (merged per batch), or the predictions and targets themselves
+(appended to a list, concatenated when read). Confusion counts are not updated batch by batch:
+batches wait in a short queue and are counted together (see `GlobalMetrics`). Updates stay on
+the device of the inputs and never synchronise with it; reading gathers and reduces across ranks.
 """
 
 from __future__ import annotations
@@ -28,10 +29,24 @@ from .state import MetricFunc, MetricState, MetricTask
 __all__ = ["GlobalMetrics"]
 
 KINDS = ("val", "bat", "avg")
+# Bounds of the per-task queue of batches waiting to be counted (see _TaskStore): 64 batches
+# make the cost of one count negligible per batch, and 1 MiB of held tensor storage keeps the
+# extra memory small; a batch that alone reaches it is counted at once and never held.
+PENDING_BATCHES = 64
+PENDING_BYTES = 1 << 20
 
 
 class _TaskStore:
-    """Accumulated artifacts of one task (or raw data for plain metric functions: `task=None`)."""
+    """Accumulated artifacts of one task (or raw data for plain metric functions: `task=None`).
+
+    Confusion counts are integers, so counting many batches at once gives exactly the counts of
+    counting them one by one. `update` therefore only queues what the counting needs (the scores
+    of a multiclass batch, whose row-wise argmax does not depend on the other rows; the predicted
+    labels of a binary or multilabel batch, whose logit/probability decision is per batch) with
+    the targets, and `flush` counts the queue with one concatenation and one scatter. The queue
+    is counted when it holds `PENDING_BATCHES` batches or `PENDING_BYTES` of tensor storage,
+    when the dtype or device of the batches changes, and before anything reads the counts.
+    """
 
     def __init__(self, task: MetricTask | None, needs: Iterable[str]) -> None:
         self.task = task
@@ -42,14 +57,16 @@ class _TaskStore:
         self.wants_data = "data" in self.needs
         self.num_classes = task.num_classes if task is not None and task.kind == "multiclass" else None
         # GlobalMetrics requires the task size and format() enforces it on every batch, so one
-        # label counter serves every batch; it is built by the first update.
-        self.counter: LabelCounter | None = None
+        # label counter serves every batch.
+        self.counter: LabelCounter | None = task.label_counter() if self.wants_confusion else None
         self._empty: dict[Any, tuple[Tensor, Tensor]] = {}
         self.reset()
 
     def reset(self) -> None:
-        # Confusion counts stay flat and are summed per batch; `confusion` shapes them on read.
-        self.counts: Tensor | None = None
+        # Confusion counts stay flat; `confusion` shapes them on read. Queued batches are dropped.
+        self._counts: Tensor | None = None
+        self.pending: list[tuple[Tensor, Tensor]] = []
+        self.pending_bytes = 0
         self.moments: Tensor | None = None
         self.inputs: list[Tensor] = []
         self.targets: list[Tensor] = []
@@ -64,13 +81,7 @@ class _TaskStore:
             else:
                 input, target = task.format(input, target)
             if self.wants_confusion:
-                counter = self.counter
-                if counter is None:
-                    counter = self.counter = task.label_counter()
-                pred = task.predicted_labels(input)
-                if self.counts is None:
-                    self.counts = counter.empty(pred.device)
-                counter.accumulate(self.counts, pred, target)  # in place; readers get a copy
+                self.defer(input if self.num_classes is not None else task.predicted_labels(input), target)
             if self.wants_moments:
                 moments = task.moments(input, target)
                 self.moments = moments if self.moments is None else merge_moments(self.moments, moments)
@@ -79,10 +90,67 @@ class _TaskStore:
             self.targets.append(target)
         self.last = (input, target)
 
+    def defer(self, source: Tensor, target: Tensor) -> None:
+        """Queue a batch for counting: multiclass scores or predicted labels, with the targets."""
+        pending = self.pending
+        device = source.device
+        if pending:
+            first, first_target = pending[0]
+            if source.dtype is not first.dtype or target.dtype is not first_target.dtype or device != first.device:
+                self.flush()
+                pending = self.pending
+        # Storage, not elements: a small view of a large tensor keeps all of it alive.
+        held = source.untyped_storage().nbytes() + target.untyped_storage().nbytes()
+        if (
+            held >= PENDING_BYTES
+            or target.device != device
+            or (not pending and self._counts is not None and self._counts.device != device)
+        ):
+            # Too big to gain from waiting, or a device mix that must fail now, as it always did.
+            self.flush()
+            self._count([(source, target)])
+            return
+        pending.append((source, target))
+        self.pending_bytes += held
+        if len(pending) >= PENDING_BATCHES or self.pending_bytes >= PENDING_BYTES:
+            self.flush()
+
+    def flush(self) -> None:
+        """Count the queued batches into the confusion counts."""
+        pending = self.pending
+        if pending:
+            self.pending, self.pending_bytes = [], 0
+            self._count(pending)
+
+    def _count(self, batches: list[tuple[Tensor, Tensor]]) -> None:
+        # Always under inference mode: the counts are then inference tensors wherever the
+        # updates ran, and every in-place add to them is allowed (reads work on copies).
+        with torch.inference_mode():
+            if len(batches) == 1:
+                ((source, target),) = batches
+            else:
+                source = torch.cat([source for source, _ in batches])
+                target = torch.cat([target for _, target in batches])
+            pred = self.task.predicted_labels(source) if self.num_classes is not None else source
+            if self._counts is None:
+                self._counts = self.counter.empty(pred.device)
+            self.counter.accumulate(self._counts, pred, target)
+
+    @property
+    def counts(self) -> Tensor | None:
+        """Flat confusion counts of everything seen since the last reset (queued batches counted first)."""
+        self.flush()
+        return self._counts
+
+    def __getstate__(self) -> dict[str, Any]:
+        self.flush()  # copies and pickles hold counts, not queued references to the caller's tensors
+        return self.__dict__.copy()
+
     @property
     def confusion(self) -> Confusion | None:
         """Local confusion counts of everything seen since the last reset (`None` before any update)."""
-        return None if self.counts is None else self.counter.confusion(self.counts, copy=True)
+        counts = self.counts
+        return None if counts is None else self.counter.confusion(counts, copy=True)
 
     def local_data(self) -> tuple[Tensor, Tensor] | None:
         """All local data, concatenated once and kept concatenated."""
@@ -147,6 +215,18 @@ class GlobalMetrics:
     ranks together, and `avg` those of all data of all ranks; `compute()` is `avg`. Reading
     `bat` or `avg` in a multi-process run is a collective: every rank must read. Shards may
     differ in size between ranks, and a rank may have no data at all.
+
+    Updates are batched. `update` checks a batch and keeps it (for confusion counts: the scores,
+    or the predicted labels of binary and multilabel tasks, with the targets) but runs no
+    counting then; up to 64 batches, holding at most 1 MiB of tensor storage, are then counted
+    with one concatenation and one scatter. The queue is counted when it is full, when the dtype
+    or device of the batches changes, and before anything reads the counts (`avg`, `compute`,
+    copies and pickles); `reset` drops it. A batch whose tensors alone reach 1 MiB (large
+    vocabularies, dense outputs) is counted at once and never held. Counts are integers, so the
+    results are exactly those of counting each batch on its own. As with metrics that keep the
+    data, the tensors passed to `update` are read later: do not change them in place afterwards.
+    Counting always runs under `torch.inference_mode()`, so updates and reads may happen inside
+    or outside it in any mix. Regression moments and kept data are updated per batch as before.
 
     Args:
         *metrics: Metric functions, named after their `__name__` (or `MetricFunc.name`).
@@ -213,7 +293,7 @@ class GlobalMetrics:
         return self
 
     def update(self, input: Any, target: Any, *, n: int | None = None) -> None:
-        """Store what the metrics need from one batch (no host synchronisation).
+        """Check one batch and keep what the metrics need (no host synchronisation; counted in groups).
 
         Args:
             input: Predictions: a tensor, `NestedTensor` or nested sequence.

@@ -27,6 +27,9 @@ except ImportError:  # pragma: no cover - Python 3.10
 __all__ = ["AverageMeter", "AverageMeters", "MetersBase"]
 
 Number = int | float
+# 0-d tensor updates are summed in groups of this many (see AverageMeter): one stack and one
+# reduction per group instead of an addition per update.
+PENDING_VALUES = 64
 
 
 @dataclass
@@ -45,6 +48,14 @@ class AverageMeter:
     Python numbers stay Python numbers. Tensors stay on their device while updating (no host
     synchronisation); reading turns a 0-d result into a `float` and returns tensors with
     dimensions as tensors, so every update of one meter must use the same shape.
+
+    0-d tensors (a loss per step) are batched: `update` records `val` and the count at once but
+    only keeps the tensor; every 64 updates, and whenever the weight `n`, the dtype or the device
+    changes, the kept values are added to the sum with one `torch.stack` and one float64 (MPS:
+    float32) reduction. Reads include the kept values without adding them, so where the groups
+    are cut depends only on the sequence of updates, not on when or how often values are read.
+    The result differs from adding one value at a time only in the order of float64 roundings.
+    Since a kept tensor is read later, do not change it in place after passing it.
 
     Attributes:
         val: Latest value on this rank.
@@ -112,13 +123,15 @@ class AverageMeter:
             self.device = device
         self._val: Number | Tensor = math.nan
         self._n: Number = 0
-        self._sum: Number | Tensor = 0.0
+        self._total: Number | Tensor = 0.0  # the weighted sum, without the values still pending
+        self._pending: list[Tensor] = []  # 0-d tensor values of weight `_pending_n`, not yet added
+        self._pending_n: Number = 1
         self._count: Number = 0
         self._updated = False
         return self
 
     def update(self, value: float | int | Tensor, n: int = 1) -> None:
-        """Add `value` with weight `n`.
+        """Add `value` with weight `n` (0-d tensors are added in groups: see the class docstring).
 
         Args:
             value: A number or a tensor (detached; accumulated on its own device).
@@ -136,24 +149,65 @@ class AverageMeter:
         if isinstance(value, Tensor):
             if value.requires_grad:
                 value = value.detach()
-            total = self._sum
-            if isinstance(total, Tensor):
-                if total.ndim and total.shape != value.shape:
-                    raise ValueError(
-                        f"AverageMeter got a value of shape {tuple(value.shape)}, but earlier values had shape "
-                        f"{tuple(total.shape)}; reset the meter to change shapes"
-                    )
-                # One op, float64 accumulation by promotion; `alpha` only when needed (it costs per call).
-                self._sum = torch.add(total, value) if n == 1 else torch.add(total, value, alpha=n)
-            else:
-                self._sum = self._sum + value.to(_accumulation_dtype(value)) * n
+            total = self._total
+            if value.ndim or (isinstance(total, Tensor) and total.ndim):
+                self._add_tensor(value, n)
+            else:  # the per-step loss: queue it, no tensor op now
+                pending = self._pending
+                if pending:
+                    first = pending[0]
+                    if n != self._pending_n or value.dtype is not first.dtype or value.device != first.device:
+                        self._commit()
+                if not pending:
+                    self._pending_n = n
+                pending.append(value)
+                if len(pending) >= PENDING_VALUES:
+                    self._commit()
         elif isinstance(value, (int, float)) and not isinstance(value, bool):
-            self._sum = self._sum + value * n
+            self._commit()
+            self._total = self._total + value * n
         else:
             raise TypeError(f"AverageMeter values must be numbers or tensors, got {type(value).__name__}")
         self._val, self._n = value, n
         self._count += n
         self._updated = True
+
+    def _add_tensor(self, value: Tensor, n: Number) -> None:
+        self._commit()
+        total = self._total
+        if isinstance(total, Tensor):
+            if total.ndim and total.shape != value.shape:
+                raise ValueError(
+                    f"AverageMeter got a value of shape {tuple(value.shape)}, but earlier values had shape "
+                    f"{tuple(total.shape)}; reset the meter to change shapes"
+                )
+            # One op, float64 accumulation by promotion; `alpha` only when needed (it costs per call).
+            self._total = torch.add(total, value) if n == 1 else torch.add(total, value, alpha=n)
+        else:
+            self._total = total + value.to(_accumulation_dtype(value)) * n
+
+    def _commit(self) -> None:
+        """Add the pending values to the running sum (every `PENDING_VALUES` updates, and on changes)."""
+        if self._pending:
+            self._total = self._sum
+            self._pending.clear()
+
+    @property
+    def _sum(self) -> Number | Tensor:
+        # The weighted sum of every update. Reading it leaves the pending values pending, so where
+        # the groups are cut depends only on the sequence of updates, never on when values are read.
+        total, pending, n = self._total, self._pending, self._pending_n
+        if not pending:
+            return total
+        values = pending[0] if len(pending) == 1 else torch.stack(pending)
+        dtype = _accumulation_dtype(values)  # float64, as one add per value would accumulate
+        group = values.sum(dtype=dtype) if n == 1 else (values.to(dtype) * n).sum()
+        return torch.add(total, group) if isinstance(total, Tensor) else total + group
+
+    @_sum.setter
+    def _sum(self, total: Number | Tensor) -> None:
+        self._total = total
+        self._pending.clear()
 
     @property
     def val(self) -> Any:
