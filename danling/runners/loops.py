@@ -468,10 +468,15 @@ class LoopMixin:
             self.save_checkpoint()
 
     def _log_step(self, split: str, iteration: int, length: int | None, training: bool) -> None:
+        to_log, to_track = self.logger.isEnabledFor(logging.INFO), training and len(self.trackers) > 0
+        if not (to_log or to_track or self.distributed):
+            # Nobody reads the values: skip the read, which synchronises with the device. Under
+            # several processes the read is a collective every rank joins, whatever it logs.
+            return
         values = self.meters.avg  # the one place step values are read back
-        if self.logger.isEnabledFor(logging.INFO):
+        if to_log:
             self.logger.info(self.format_step_result(values, split, iteration, length))
-        if training and values:
+        if to_track and values:
             self.trackers.log({f"{split}_step": values.dict()}, step=self.train_state.global_step)
 
     def _progress_bar(self, iterable: Iterable, split: str, length: int | None) -> Iterable:
