@@ -6,22 +6,29 @@ to one core:
 1. Training wall time: the same model, data, AdamW optimizer, cross-entropy loss and an
    accuracy metric, one epoch (a train pass and a validation pass) per round. Two models: a
    small MLP at batch 32, where per-step bookkeeping matters most, and a wide MLP at batch 128
-   where the matrix multiplications dominate. Every round runs each candidate once (order
-   rotated) and divides its time by the hand-written loop's time in that round; the table gives
-   the median and interquartile range of these paired ratios (`common.paired_ratios`). A second,
-   identical hand-written loop is timed as a control: its ratio shows the noise floor.
+   where the matrix multiplications dominate. A second, identical hand-written loop is timed as
+   a control: its ratio shows the noise floor. Two ways of interleaving, because the speed of
+   this virtual machine's CPU drifts by tens of percent within seconds:
+   - whole epochs in turn (`common.paired_ratios`): every round runs each candidate for one
+     epoch, order rotated, and divides its time by the hand-written loop's time in that round;
+     the table gives the median and interquartile range of these paired ratios. Each loop runs
+     as it would alone, but the drift between neighbouring epochs still shows.
+   - batches in turn (`common.Lockstep`): each runner variant runs in lockstep with both
+     hand-written loops, one batch each in turn, and the ratio compares their totals. The drift
+     cancels almost entirely, but every batch starts with caches another loop just used, so the
+     cost of the runner's extra code counts fully.
    ``runner`` builds its own (resumable) dataloaders; ``runner, torch loaders`` is given the
-   plain `torch.utils.data.DataLoader`s the hand-written loop uses, which separates loop overhead
-   from the dataloader choice. With ``--ablate`` two more variants switch off the per-epoch
-   result files and replace danling's metric container by the loop's plain running count, to
-   show what each service costs.
+   plain `torch.utils.data.DataLoader`s the hand-written loop uses, which separates loop
+   overhead from the dataloader choice. With ``--ablate`` two more variants switch off the
+   per-epoch result files and replace danling's metric container by the loop's plain running
+   count, to show what each service costs.
 2. Time to first step: constructing everything (model, optimizer, loaders; for the runner also
    the workspace, logging and metadata) plus one optimizer step (median of alternating runs).
 3. Checkpoint throughput (MB of model + optimizer state per second) of the runner's file and
    DCP backends against `torch.save` / `torch.load` and `dcp.save` / `dcp.load` of the same
    state, synchronous writes.
 
-Usage: ``python benchmarks/bench_runner.py [--repeats 31] [--ablate] [--only training] [--quick]``
+Usage: ``python benchmarks/bench_runner.py [--repeats 31] [--ablate] [--method both] [--only training] [--quick]``
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ import contextlib
 import logging
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -44,7 +52,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import alternate, paired_ratios, ratio_table, table
+from common import Lockstep, alternate, paired_ratios, ratio_table, table
 
 import danling as dl
 
@@ -163,16 +171,43 @@ class PlainAccuracy:
         return {"acc": self.correct.item() / max(self.seen, 1)}
 
 
-def training_candidates(root: str, workload: str, ablate: bool) -> tuple[dict[str, Callable[[], object]], list]:
-    """The hand-written loop (twice, as a noise control) and the runner variants for one workload."""
+class TurnLoader:
+    """A loader whose every pass hands the turn on before each batch (see `common.Lockstep`)."""
+
+    def __init__(self, loader: Any, wrap: Callable[[Any], Any]) -> None:
+        self.loader, self.wrap = loader, wrap
+
+    def __iter__(self) -> Any:
+        return self.wrap(self.loader)
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __getattr__(self, name: str) -> Any:  # sampler, state_dict, ... of the real loader
+        return getattr(self.loader, name)
+
+
+def handwritten_candidates(workload: str) -> dict[str, Callable[[Callable], object]]:
+    """The hand-written loop, twice (the second copy is the noise control), as `fn(wrap)` loops."""
     features, hidden, classes, batch_size, n_train, n_val, epochs = WORKLOADS[workload]
-    candidates: dict[str, Callable[[], object]] = {}
+    candidates = {}
     for name in ("hand-written loop", "hand-written loop, second copy"):
         torch.manual_seed(0)
         model = make_model(features, hidden, classes)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
         loaders = torch_loaders(make_splits(features, classes, n_train, n_val), batch_size)
-        candidates[name] = lambda m=model, o=optimizer, lo=loaders: [handwritten_epoch(m, o, lo) for _ in range(epochs)]
+
+        def loop(wrap: Callable, m: nn.Module = model, o: Any = optimizer, lo: dict = loaders) -> None:
+            turns = {split: TurnLoader(loader, wrap) for split, loader in lo.items()}
+            for _ in range(epochs):
+                handwritten_epoch(m, o, turns)
+
+        candidates[name] = loop
+    return candidates
+
+
+def runner_variants(root: str, workload: str, ablate: bool) -> dict[str, dl.TorchRunner]:
+    """The runner as a user gets it, with the loop's torch loaders, and (``--ablate``) with services off."""
     variants = {"runner": {}, "runner, torch loaders": {"torch_loaders": True}}
     if ablate:  # switch off one runner service at a time to see what each costs
         variants["runner, torch loaders, no result files"] = {"torch_loaders": True, "files": False}
@@ -181,42 +216,80 @@ def training_candidates(root: str, workload: str, ablate: bool) -> tuple[dict[st
             "files": False,
             "plain": True,
         }
-    runners = []
+    runners = {}
     for name, options in variants.items():
         runner = quiet(BenchRunner(runner_config(root, workload, torch_loaders=options.get("torch_loaders", False))))
         if not options.get("files", True):
             runner.save_result = lambda r=runner: r.trackers.log({}, step=0)
         if options.get("plain"):
             runner.metrics = PlainAccuracy()
-        runners.append(runner)
-        candidates[name] = lambda r=runner: run_epochs(r)
-    return candidates, runners
+        runners[name] = runner
+    return runners
 
 
-def run_epochs(runner: dl.TorchRunner) -> None:
-    runner.train_state.epoch = 0  # re-run the same epoch budget; the model keeps training
-    runner.train()
+def run_epochs(runner: dl.TorchRunner, wrap: Callable | None = None) -> None:
+    """`runner.train()` over the configured epochs again (the model keeps training)."""
+    loaders = dict(runner.dataloaders)
+    if wrap is not None:
+        runner.dataloaders.update({split: TurnLoader(loader, wrap) for split, loader in loaders.items()})
+    try:
+        runner.train_state.epoch = 0
+        runner.train()
+    finally:
+        runner.dataloaders.update(loaders)
 
 
-def bench_training(root: str, repeats: int, ablate: bool = False) -> list[str]:
+def bench_training(root: str, repeats: int, ablate: bool = False, method: str = "both") -> list[str]:
     out = []
     for workload in TRAINING:
         _, _, _, batch_size, n_train, n_val, epochs = WORKLOADS[workload]
-        candidates, runners = training_candidates(root, workload, ablate)
+        handwritten = handwritten_candidates(workload)
+        runners = runner_variants(root, workload, ablate)
         # The compute-bound workload takes seconds per round: fewer rounds, still >= 5.
         rounds = repeats if workload.startswith("small") else max(5, repeats // 4)
-        results = paired_ratios(candidates, "hand-written loop", repeats=rounds)
-        for runner in runners:
-            runner.close()
         steps = epochs * (n_train // batch_size)
         batches = f"{n_train // batch_size} train + {-(-n_val // batch_size)} val batches"
-        title = f"Training, {workload}: {epochs} epoch(s) of {batches}, {rounds} rounds"
-        base = results["hand-written loop"][0]
-        extra = {name: (value[0] - base) / steps * 1e6 for name, value in results.items() if name.startswith("runner")}
-        summary = "; ".join(f"{name} {value:+.0f} us" for name, value in extra.items())
-        note = f"\n\nextra time per train step (difference of medians): {summary}"
-        out.append(ratio_table(title, results, "hand-written loop") + note)
+        if method in ("paired", "both"):
+            candidates = {name: lambda loop=loop: loop(lambda loader: loader) for name, loop in handwritten.items()}
+            candidates.update({name: lambda r=runner: run_epochs(r) for name, runner in runners.items()})
+            summary = paired_ratios(candidates, "hand-written loop", repeats=rounds)
+            title = f"Training, {workload}: {epochs} epoch(s) of {batches}; whole epochs in turn, {rounds} rounds"
+            out.append(_training_table(title, summary, runners, steps))
+        if method in ("lockstep", "both"):
+            summary = _lockstep_rounds(handwritten, runners, rounds)
+            title = f"Training, {workload}: {epochs} epoch(s) of {batches}; batches in turn, {rounds} rounds"
+            out.append(_training_table(title, summary, runners, steps))
+        for runner in runners.values():
+            runner.close()
     return out
+
+
+def _lockstep_rounds(handwritten: dict, runners: dict, rounds: int) -> dict[str, tuple[float, float, float, float]]:
+    """Each runner in lockstep with both hand-written loops (one batch each in turn), `rounds` times."""
+    seconds: dict[str, list[float]] = {name: [] for name in [*handwritten, *runners]}
+    ratios: dict[str, list[float]] = {name: [] for name in seconds}
+    first = next(iter(runners))
+    for round_index in range(rounds + 1):  # round 0 warms up
+        for name, runner in runners.items():
+            # One runner per session: it installs signal handlers, so it must run in the main thread.
+            timed = Lockstep().run((name, lambda wrap, r=runner: run_epochs(r, wrap)), handwritten)
+            if round_index == 0:
+                continue
+            for other in [name, *handwritten] if name == first else [name]:
+                seconds[other].append(timed[other])
+                ratios[other].append(timed[other] / timed["hand-written loop"])
+    summary = {}
+    for name in seconds:
+        q1, median, q3 = statistics.quantiles(ratios[name], n=4) if rounds > 1 else [ratios[name][0]] * 3
+        summary[name] = (statistics.median(seconds[name]), q1, median, q3)
+    return summary
+
+
+def _training_table(title: str, summary: dict, runners: dict, steps: int) -> str:
+    base = summary["hand-written loop"][0]
+    extra = {name: (value[0] - base) / steps * 1e6 for name, value in summary.items() if name in runners}
+    note = "; ".join(f"{name} {value:+.0f} us" for name, value in extra.items())
+    return ratio_table(title, summary, "hand-written loop") + f"\n\nextra time per train step (medians): {note}"
 
 
 # --------------------------------------------------------------------------- 2. time to first step
@@ -352,6 +425,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="2 repeats, a smoke run of the script")
     parser.add_argument("--only", choices=("training", "first-step", "checkpoint"), default=None)
     parser.add_argument("--ablate", action="store_true", help="add runner variants with services switched off")
+    parser.add_argument(
+        "--method", choices=("paired", "lockstep", "both"), default="both", help="how training runs are interleaved"
+    )
     args = parser.parse_args(argv)
     repeats = 2 if args.quick else args.repeats
     other = max(2 if args.quick else 5, repeats // 3)  # first step and checkpoints: steadier, costlier
@@ -363,7 +439,7 @@ def main(argv: list[str] | None = None) -> None:
     sections = []
     try:
         if args.only in (None, "training"):
-            sections += bench_training(root, repeats, args.ablate)
+            sections += bench_training(root, repeats, args.ablate, args.method)
         if args.only in (None, "first-step"):
             sections += bench_first_step(root, other)
         if args.only in (None, "checkpoint"):

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import statistics
+import threading
 import time
 from collections.abc import Callable, Mapping
+from typing import Any
 
 
 def alternate(candidates: Mapping[str, Callable[[], object]], repeats: int = 5, warmup: int = 1) -> dict[str, float]:
@@ -77,3 +79,83 @@ def ratio_table(title: str, results: Mapping[str, tuple[float, float, float, flo
     for name, (seconds, q1, median, q3) in results.items():
         rows.append(f"| {name} | {seconds * 1e3:.2f} | {median:.3f} | {q1:.3f} - {q3:.3f} |")
     return "\n".join(rows)
+
+
+class Lockstep:
+    """Run several training loops batch by batch in turn, timing every batch of every loop.
+
+    On a shared virtual machine the speed of the CPU drifts by tens of percent within seconds,
+    so loops timed one after the other see different machines. Here each loop runs in its own
+    thread, but only one at a time: a loop wraps its batch iterables with `wrap`, and before each
+    batch is fetched the turn passes to the next loop. One turn covers fetching one batch and all
+    the work the loop does with it (plus anything it does at the end of a pass), so the loops'
+    totals are compared at a granularity of one batch, where the drift cancels.
+
+    Call `run(main=(name, fn), others={name: fn})`: `fn(wrap)` runs one loop; `main` runs in the
+    calling thread (runners install signal handlers, which Python allows only there). Returns the
+    seconds each loop spent in its own turns.
+    """
+
+    def __init__(self) -> None:
+        self._condition = threading.Condition()
+        self._order: list[str] = []
+        self._turn = 0
+        self._started = 0.0
+        self.seconds: dict[str, float] = {}
+
+    def wrap(self, name: str, iterable: Any) -> Any:
+        """`iterable`, handing the turn on before each item is fetched."""
+
+        def generate() -> Any:
+            iterator = iter(iterable)
+            while True:
+                self._pass_turn(name)
+                try:
+                    item = next(iterator)
+                except StopIteration:
+                    return  # keep the turn: the loop's end-of-pass work is part of it
+                yield item
+
+        return generate()
+
+    def run(self, main: tuple[str, Callable], others: Mapping[str, Callable]) -> dict[str, float]:
+        name, fn = main
+        self._order = [name, *others]
+        self.seconds = dict.fromkeys(self._order, 0.0)
+        self._turn, self._started = 0, time.perf_counter()
+        threads = [
+            threading.Thread(target=self._thread, args=(other, loop), daemon=True) for other, loop in others.items()
+        ]
+        for thread in threads:
+            thread.start()
+        self._loop(name, fn)
+        for thread in threads:
+            thread.join()
+        return self.seconds
+
+    def _thread(self, name: str, fn: Callable) -> None:
+        with self._condition:
+            self._condition.wait_for(lambda: self._order[self._turn] == name)
+            self._started = time.perf_counter()
+        self._loop(name, fn)
+
+    def _loop(self, name: str, fn: Callable) -> None:
+        try:
+            fn(lambda iterable: self.wrap(name, iterable))
+        finally:
+            with self._condition:
+                self.seconds[name] += time.perf_counter() - self._started
+                index = self._order.index(name)
+                self._order.pop(index)
+                if self._order:
+                    self._turn = index % len(self._order)
+                    self._started = time.perf_counter()
+                self._condition.notify_all()
+
+    def _pass_turn(self, name: str) -> None:
+        with self._condition:
+            self.seconds[name] += time.perf_counter() - self._started
+            self._turn = (self._order.index(name) + 1) % len(self._order)
+            self._condition.notify_all()
+            self._condition.wait_for(lambda: self._order[self._turn] == name)
+            self._started = time.perf_counter()
