@@ -13,7 +13,7 @@ to one core:
      epoch, order rotated, and divides its time by the hand-written loop's time in that round;
      the table gives the median and interquartile range of these paired ratios. Each loop runs
      as it would alone, but the drift between neighbouring epochs still shows.
-   - batches in turn (`common.Lockstep`): each runner variant runs in lockstep with both
+   - batches in turn (`common.Lockstep`, small MLP only): each runner variant runs in lockstep with both
      hand-written loops, one batch each in turn, and the ratio compares their totals. The drift
      cancels almost entirely, but every batch starts with caches another loop just used, so the
      cost of the runner's extra code counts fully.
@@ -250,12 +250,15 @@ def bench_training(root: str, repeats: int, ablate: bool = False, method: str = 
         steps = epochs * (n_train // batch_size)
         batches = f"{n_train // batch_size} train + {-(-n_val // batch_size)} val batches"
         if method in ("paired", "both"):
-            candidates = {name: lambda loop=loop: loop(lambda loader: loader) for name, loop in handwritten.items()}
+            candidates = {name: lambda loop=loop: loop(iter) for name, loop in handwritten.items()}
             candidates.update({name: lambda r=runner: run_epochs(r) for name, runner in runners.items()})
             summary = paired_ratios(candidates, "hand-written loop", repeats=rounds)
             title = f"Training, {workload}: {epochs} epoch(s) of {batches}; whole epochs in turn, {rounds} rounds"
             out.append(_training_table(title, summary, runners, steps))
-        if method in ("lockstep", "both"):
+        # Lockstep only for the bookkeeping-bound model: with the wide one, three models' weights and
+        # AdamW states (about 36 MB each) evict each other between turns, which no standalone loop
+        # suffers, and one run measured the runner at 1.19x that way against 1.03x epoch-paired.
+        if method in ("lockstep", "both") and workload.startswith("small"):
             summary = _lockstep_rounds(handwritten, runners, rounds)
             title = f"Training, {workload}: {epochs} epoch(s) of {batches}; batches in turn, {rounds} rounds"
             out.append(_training_table(title, summary, runners, steps))
