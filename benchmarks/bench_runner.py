@@ -4,17 +4,20 @@ Three measurements, each run in this process on one thread (`torch.set_num_threa
 to one core:
 
 1. Training wall time: the same model, data, AdamW optimizer, cross-entropy loss and an
-   accuracy metric, one epoch (a train pass and a validation pass) per round. Two models: a
-   small MLP at batch 32, where per-step bookkeeping matters most, and a wide MLP at batch 128
-   where the matrix multiplications dominate. A second, identical hand-written loop is timed as
-   a control: its ratio shows the noise floor. Two ways of interleaving, because the speed of
-   this virtual machine's CPU drifts by tens of percent within seconds:
-   - whole epochs in turn (`common.paired_ratios`): every round runs each candidate for one
-     epoch, order rotated, and divides its time by the hand-written loop's time in that round;
+   accuracy metric; each round is one `train()` call of 3 epochs (small MLP) or 1 epoch (wide
+   MLP), an epoch being a train pass and a validation pass. Two models: a small MLP at batch 32,
+   where per-step bookkeeping matters most, and a wide MLP at batch 128 where the matrix
+   multiplications dominate. (`train()` returns only when its result files are written, a
+   one-off cost per call that a one-epoch call of a tiny model would overstate.) A second,
+   identical hand-written loop is timed as a control: its ratio shows the noise floor. Two ways
+   of interleaving, because the speed of this virtual machine's CPU drifts by tens of percent
+   within seconds:
+   - whole calls in turn (`common.paired_ratios`): every round runs each candidate once,
+     order rotated, and divides its time by the hand-written loop's time in that round;
      the table gives the median and interquartile range of these paired ratios. Each loop runs
      as it would alone, but the drift between neighbouring epochs still shows.
-   - batches in turn (`common.Lockstep`, small MLP only): each runner variant runs in lockstep with both
-     hand-written loops, one batch each in turn, and the ratio compares their totals. The drift
+   - batches in turn (`common.Lockstep`, small MLP only): each runner variant runs in lockstep
+     with both hand-written loops, one batch each in turn, and the ratio compares their totals. The drift
      cancels almost entirely, but every batch starts with caches another loop just used, so the
      cost of the runner's extra code counts fully.
    ``runner`` builds its own (resumable) dataloaders; ``runner, torch loaders`` is given the
@@ -58,7 +61,7 @@ import danling as dl
 
 # name -> (features, hidden, classes, batch size, train samples, val samples, epochs per timed run)
 WORKLOADS = {
-    "small MLP, batch 32": (64, 128, 10, 32, 4096, 1024, 1),
+    "small MLP, batch 32": (64, 128, 10, 32, 4096, 1024, 3),
     "wide MLP, batch 128": (512, 1024, 10, 128, 12288, 512, 1),
 }
 TRAINING = ("small MLP, batch 32", "wide MLP, batch 128")

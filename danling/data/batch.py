@@ -36,6 +36,8 @@ def split_batch(data: Any) -> tuple[Any, Any]:
         Traceback (most recent call last):
         ValueError: a mapping batch needs an 'input' key (optionally 'target'); got keys ['x']
     """
+    if type(data) in (tuple, list) and len(data) > 1:  # the usual batch, without the ABC checks below
+        return data[0], data[1]
     if isinstance(data, Mapping):
         if "input" not in data:
             raise ValueError(f"a mapping batch needs an 'input' key (optionally 'target'); got keys {list(data)}")
