@@ -32,6 +32,7 @@ from danling.metrics import meter as meter_module
 from danling.metrics.functional import _common
 from danling.metrics.meter import sync_meters
 from tests.dist import run_distributed
+from tests.metrics._compare import same
 from tests.metrics.test_no_host_sync import ForbidHostSync
 
 NAMES = {
@@ -40,15 +41,6 @@ NAMES = {
     "multilabel": ["acc", "balanced_acc", "f1", "mcc", "confmat"],
 }
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
-
-
-def same(a, b) -> bool:
-    """Equal values, `nan` equal to `nan`, tensors compared exactly."""
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return type(a) is type(b) and a.dtype == b.dtype and torch.equal(a.nan_to_num(-7.0), b.nan_to_num(-7.0))
-    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
-        return True
-    return type(a) is type(b) and a == b
 
 
 def same_values(a, b) -> bool:

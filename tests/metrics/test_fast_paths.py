@@ -17,17 +17,9 @@ from danling.metrics import meter as meter_module
 from danling.metrics.functional._common import label_counter
 from danling.metrics.meter import sync_meters
 from danling.utils import RoundDict
+from tests.metrics._compare import same
 
 CLASSIFICATION = ["acc", "balanced_acc", "precision", "recall", "f1", "mcc", "confmat"]
-
-
-def same(a, b) -> bool:
-    """Equal values, `nan` equal to `nan`, tensors compared exactly."""
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return type(a) is type(b) and a.dtype == b.dtype and torch.equal(a.nan_to_num(-7.0), b.nan_to_num(-7.0))
-    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
-        return True
-    return type(a) is type(b) and a == b
 
 
 def batches_strategy(num_classes: int):
