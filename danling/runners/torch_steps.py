@@ -13,7 +13,6 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import timedelta
-from functools import cache
 from typing import Any
 
 import torch
@@ -55,8 +54,6 @@ class TorchStepMixin:
     # `is_distributed()` read once when a pass starts (None outside a pass): the stop poll runs every batch.
     _pass_distributed: bool | None = None
     _train_timeout_applied: bool = False
-    # Set per training pass: `train_step` may inline the default hooks (see `_default_hooks`).
-    _inline_hooks: bool = False
 
     # ------------------------------------------------------------------ mode and contexts
     @property
@@ -119,29 +116,14 @@ class TorchStepMixin:
         """
         if self.model is None:
             raise ValueError("train_step() needs self.model; set it in __init__")
-        # Inside a pass whose hooks are all the defaults and whose windows are one micro-step,
-        # do what to_device/train_context/backward/step would do without the calls: per-batch
-        # Python runs with cold caches and costs several times its microbenchmark figure.
-        inline = self._inline_hooks
-        if inline:
-            device = self.device
-            data = to_device(data, device, non_blocking=device.type == "cuda")
-        else:
-            data = self.to_device(data)
+        data = self.to_device(data)
         input, target = split_batch(data)
-        with self.precision_policy.autocast() if inline else self.train_context():
+        with self.train_context():
             pred = self.model(input)
             loss = self._criterion_loss(pred, target, required=True)
         self._update_metrics(pred, target)
-        if inline:
-            loss.backward()
-            state = self.state.train
-            state.__dict__["micro_step"] = state.micro_step + 1
-            self.accumulator.advance()  # closes the one-step window
-            self.optimizer_step()
-        else:
-            self.backward(loss)
-            self.step()
+        self.backward(loss)
+        self.step()
         return pred, loss.detach()
 
     def evaluate_step(self, data: Any) -> tuple[Any, torch.Tensor | None]:
@@ -333,12 +315,6 @@ class TorchStepMixin:
             metrics.reset()
         if mode is RunnerMode.train:
             self.accumulator.start(length)
-        self._inline_hooks = (
-            mode is RunnerMode.train
-            and _default_hooks(type(self))
-            and self.accumulator.accum_steps == 1
-            and self.precision_policy.scaler is None
-        )
 
     def collect_result(self, split: str) -> RoundDict:
         """The split's averaged loss plus the values of its metrics, reduced over all ranks.
@@ -346,7 +322,7 @@ class TorchStepMixin:
         Reading the meters and metrics synchronises ranks, so every rank calls this together (the
         loops do, at the end of each split).
         """
-        self._pass_distributed, self._inline_hooks = None, False  # the pass is over
+        self._pass_distributed = None  # the pass is over
         result = dict(self.meters.avg)
         metrics = self._active_metrics
         if metrics is not None:
@@ -430,16 +406,6 @@ class TorchStepMixin:
         if self._stop_polls % _STOP_POLL_EVERY:
             return False
         return bool(all_reduce_any(torch.tensor(local)))
-
-
-# What the default train_step calls per batch and inlines when none of them is overridden.
-_INLINABLE_HOOKS = ("to_device", "train_context", "forward_context", "backward", "step")
-
-
-@cache
-def _default_hooks(cls: type) -> bool:
-    """Whether `cls` keeps TorchStepMixin's own version of every hook in `_INLINABLE_HOOKS`."""
-    return all(getattr(cls, name) is getattr(TorchStepMixin, name) for name in _INLINABLE_HOOKS)
 
 
 @contextmanager

@@ -220,39 +220,6 @@ def test_schedulers_step_on_their_interval(tmp_path):
         runner.train()
 
 
-def test_inlined_default_hooks_match_the_hook_calls(tmp_path):
-    # The default train_step inlines to_device/train_context/backward/step when none is overridden;
-    # overriding one (here with an identical body) takes the hook path. Both must train alike.
-    seen = []
-
-    class Recording(TinyRunner):
-        def train_step(self, data):
-            seen.append(self._inline_hooks)
-            return super().train_step(data)
-
-    class WithHook(Recording):
-        def backward(self, loss):
-            super().backward(loss)
-
-    config = tiny_config(tmp_path / "a", **{"dataloader.train.shuffle": False})
-    with Recording(config) as inline:
-        inline.train()
-        weights = model_state(inline)
-        counters = (inline.train_state.global_step, inline.train_state.micro_step)
-    assert seen and all(seen)
-    seen.clear()
-    with WithHook(dict(config, workspace_root=str(tmp_path / "b"))) as hooked:
-        hooked.train()
-        assert seen and not any(seen)
-        assert (hooked.train_state.global_step, hooked.train_state.micro_step) == counters
-        for key, value in model_state(hooked).items():
-            assert torch.equal(value, weights[key])
-    seen.clear()
-    with Recording(tiny_config(tmp_path / "c", accum_steps=2)) as accumulating:
-        accumulating.train()
-    assert seen and not any(seen)  # windows of several micro-steps keep the hooks
-
-
 def test_epoch_interval_scheduler_steps_once_per_round_in_step_mode(tmp_path):
     # 20 samples in batches of 4: 5 updates per round; 12 steps finish 2 rounds and stop inside the third.
     sched = {"sched.type": "steplr", "sched.step_size": 1, "sched.gamma": 0.5, "sched.interval": "epoch"}
