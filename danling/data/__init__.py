@@ -2,7 +2,8 @@
 
 - [`build_dataloader`][danling.data.build_dataloader] turns a dataset and a ``dataloader`` config
   section into a torchdata ``StatefulDataLoader`` with a
-  [`ResumableSampler`][danling.data.ResumableSampler], so a checkpointed loader continues mid-epoch.
+  [`ResumableSampler`][danling.data.ResumableSampler] (batched by a
+  [`ResumableBatchSampler`][danling.data.ResumableBatchSampler]), so a checkpointed loader continues mid-epoch.
 - [`batch_fingerprint`][danling.data.batch_fingerprint] /
   [`check_batch_fingerprint`][danling.data.check_batch_fingerprint] verify on resume that the
   rebuilt loader continues the saved data stream.
@@ -13,11 +14,12 @@
 from .batch import split_batch
 from .fingerprint import DataResumeError, batch_fingerprint, check_batch_fingerprint, indices_fingerprint
 from .loader import LOADER_OPTIONS, build_dataloader, resolve_loader_options, set_epoch
-from .sampler import ResumableSampler, derive_seed
+from .sampler import ResumableBatchSampler, ResumableSampler, derive_seed
 
 __all__ = [
     "LOADER_OPTIONS",
     "DataResumeError",
+    "ResumableBatchSampler",
     "ResumableSampler",
     "batch_fingerprint",
     "build_dataloader",

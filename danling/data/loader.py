@@ -10,7 +10,7 @@ import torch
 from torch.utils.data import IterableDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from .sampler import ResumableSampler
+from .sampler import ResumableBatchSampler, ResumableSampler
 
 __all__ = ["LOADER_OPTIONS", "build_dataloader", "resolve_loader_options", "set_epoch"]
 
@@ -151,7 +151,7 @@ def build_dataloader(
     with warnings.catch_warnings():
         # torchdata calls a deprecated torch hook on every construction; the warning is not actionable.
         warnings.filterwarnings("ignore", message="'set_vital' is deprecated", category=UserWarning)
-        return StatefulDataLoader(
+        loader = StatefulDataLoader(
             dataset,
             sampler=sampler,
             generator=generator,
@@ -159,6 +159,12 @@ def build_dataloader(
             worker_init_fn=worker_init_fn,
             **options,
         )
+    if isinstance(sampler, ResumableSampler) and loader.batch_size is not None:
+        # Same batches and states as torchdata's batch sampler, cut by slices rather than drawn one
+        # index at a time. Swapped in after construction so that `sampler`, `batch_size` and
+        # `drop_last` keep describing the loader (passing `batch_sampler=` would reset them).
+        object.__setattr__(loader, "batch_sampler", ResumableBatchSampler(sampler, loader.batch_size, loader.drop_last))
+    return loader
 
 
 def _merged_options(config: Mapping[str, Any] | None, split: str) -> dict[str, Any]:

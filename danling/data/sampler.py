@@ -7,9 +7,9 @@ from collections.abc import Iterator, Mapping, Sized
 from typing import Any
 
 import torch
-from torch.utils.data import DistributedSampler
+from torch.utils.data import BatchSampler, DistributedSampler
 
-__all__ = ["ResumableSampler", "derive_seed"]
+__all__ = ["ResumableBatchSampler", "ResumableSampler", "derive_seed"]
 
 
 def derive_seed(*parts: int) -> int:
@@ -78,6 +78,11 @@ class ResumableSampler(DistributedSampler):
         self._skip: int | None = None
 
     def __iter__(self) -> Iterator[int]:
+        indices, start = self._start_pass()
+        return self._iterate(indices, start)
+
+    def _start_pass(self) -> tuple[list[int], int]:
+        """Begin a pass: the pass's indices and the position it starts at (after a restored skip)."""
         # Everything that must happen when the pass starts runs now, not at the first next():
         # torchdata creates (and may discard) iterators before pulling from them.
         start, self._skip = self._skip or 0, None
@@ -87,16 +92,19 @@ class ResumableSampler(DistributedSampler):
         if start > len(indices):
             raise ValueError(f"cannot resume at index {start}: this pass only has {len(indices)} indices")
         self.yielded = start
-        return self._iterate(indices, start)
+        return indices, start
+
+    def _end_pass(self) -> None:
+        # The pass is over: a state saved from now on must describe the start of the next one,
+        # not "epoch + 1 with this pass's count already handed out" (which skipped indices).
+        self.epoch += 1
+        self.yielded = 0
 
     def _iterate(self, indices: list[int], start: int) -> Iterator[int]:
         for position in range(start, len(indices)):
             self.yielded = position + 1
             yield indices[position]
-        # The pass is over: a state saved from now on must describe the start of the next one,
-        # not "epoch + 1 with this pass's count already handed out" (which skipped indices).
-        self.epoch += 1
-        self.yielded = 0
+        self._end_pass()
 
     def state_dict(self) -> dict[str, int]:
         """Return the epoch and the number of indices handed out in the current pass."""
@@ -113,3 +121,80 @@ class ResumableSampler(DistributedSampler):
         self.epoch = int(state_dict["epoch"])
         self.yielded = yielded
         self._skip = yielded
+
+
+class ResumableBatchSampler(BatchSampler):
+    """Batches of a [`ResumableSampler`][danling.data.ResumableSampler]'s indices, one list slice per batch.
+
+    It yields exactly the batches torchdata's own batch sampler builds from the same sampler, and
+    leaves the sampler (and the checkpointed state) exactly as that one does after every batch,
+    but it cuts each batch from the pass's index list instead of drawing the indices one at a
+    time through two Python iterators; at small batch sizes that per-index walk cost as much as
+    the rest of the runner's per-batch bookkeeping. The state format is torchdata's
+    (``samples_yielded`` and the sampler's own state), so checkpoints move freely between the two.
+
+    Examples:
+        >>> sampler = ResumableSampler(range(5), num_replicas=1, rank=0, shuffle=False)
+        >>> batches = ResumableBatchSampler(sampler, batch_size=2, drop_last=False)
+        >>> it = iter(batches); next(it)
+        [0, 1]
+        >>> state = it.state_dict(); state
+        {'samples_yielded': 2, 'sampler_state': {'epoch': 0, 'yielded': 2}}
+        >>> fresh = ResumableBatchSampler(ResumableSampler(range(5), num_replicas=1, rank=0, shuffle=False), 2, False)
+        >>> it = iter(fresh); it.load_state_dict(state); list(it)
+        [[2, 3], [4]]
+    """
+
+    sampler: ResumableSampler
+
+    def __init__(self, sampler: ResumableSampler, batch_size: int, drop_last: bool) -> None:
+        if not isinstance(sampler, ResumableSampler):
+            raise TypeError(f"ResumableBatchSampler needs a ResumableSampler, got {type(sampler).__name__}")
+        super().__init__(sampler, batch_size, drop_last)
+
+    def __iter__(self) -> _ResumableBatchIterator:
+        return _ResumableBatchIterator(self.sampler, self.batch_size, self.drop_last)
+
+
+class _ResumableBatchIterator:
+    """One pass of a `ResumableBatchSampler`; Stateful in torchdata's sense (state_dict/load_state_dict)."""
+
+    def __init__(self, sampler: ResumableSampler, batch_size: int, drop_last: bool) -> None:
+        self.sampler, self.batch_size, self.drop_last = sampler, batch_size, drop_last
+        self.samples_yielded = 0
+        self._begin()
+
+    def _begin(self) -> None:
+        self._indices, self._position = self.sampler._start_pass()
+        self._finished = False
+
+    def __iter__(self) -> _ResumableBatchIterator:
+        return self
+
+    def __next__(self) -> list[int]:
+        start, size = self._position, self.batch_size
+        batch = self._indices[start : start + size]
+        if len(batch) == size:  # the usual batch: the pass goes on, the sampler counts it
+            self._position = self.sampler.yielded = start + size
+            self.samples_yielded += size
+            return batch
+        if self._finished:
+            raise StopIteration
+        # Fewer indices than a batch left: asking for them ends the sampler's pass, as it does
+        # when torchdata's batch sampler exhausts the per-index iterator.
+        self._finished = True
+        self._position += len(batch)
+        self.samples_yielded += len(batch)
+        self.sampler._end_pass()
+        if not batch or self.drop_last:
+            raise StopIteration
+        return batch
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"samples_yielded": self.samples_yielded, "sampler_state": self.sampler.state_dict()}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        self.samples_yielded = state_dict["samples_yielded"]
+        if "sampler_state" in state_dict:
+            self.sampler.load_state_dict(state_dict["sampler_state"])
+        self._begin()

@@ -3,9 +3,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.data import Dataset, IterableDataset
+from torchdata.stateful_dataloader import StatefulDataLoader
 
 from danling.data import (
     DataResumeError,
+    ResumableBatchSampler,
     ResumableSampler,
     batch_fingerprint,
     build_dataloader,
@@ -238,3 +240,73 @@ def test_state_saved_after_a_short_final_batch_resumes_the_next_epoch():
     restored.load_state_dict(sampler.state_dict())
     sampler_next = list(sampler)
     assert list(restored) == sampler_next and len(first) == 1
+
+
+def _torchdata_batched(size, batch, *, shuffle, drop_last, world_size, rank):
+    """The same sampler batched by torchdata's own (per-index) batch sampler: the reference."""
+    generator = torch.Generator().manual_seed(5)
+    sampler = ResumableSampler(
+        Indices(size),
+        num_replicas=world_size,
+        rank=rank,
+        shuffle=shuffle,
+        seed=5,
+        drop_last=drop_last,
+        generator=generator,
+    )
+    return StatefulDataLoader(
+        Indices(size), sampler=sampler, batch_size=batch, drop_last=drop_last, generator=generator
+    )
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    size=st.integers(1, 25),
+    batch=st.integers(1, 6),
+    world_size=st.integers(1, 3),
+    shuffle=st.booleans(),
+    drop_last=st.booleans(),
+    cut=st.integers(0, 12),
+    data=st.data(),
+)
+def test_slice_batching_matches_torchdata_batches_and_states(size, batch, world_size, shuffle, drop_last, cut, data):
+    rank = data.draw(st.integers(0, world_size - 1))
+    config = {"batch_size": batch, "shuffle": shuffle, "drop_last": drop_last}
+    ours = build_dataloader(
+        Indices(size),
+        split="train",
+        config=config,
+        distributed=world_size > 1,
+        rank=rank,
+        world_size=world_size,
+        seed=5,
+    )
+    assert isinstance(ours.batch_sampler, ResumableBatchSampler)
+    assert ours.sampler is ours.batch_sampler.sampler and (ours.batch_size, ours.drop_last) == (batch, drop_last)
+    reference = _torchdata_batched(size, batch, shuffle=shuffle, drop_last=drop_last, world_size=world_size, rank=rank)
+    # Same batches and the same checkpoint state after every batch, over three passes.
+    steps = []
+    for _ in range(3):
+        mine, theirs = iter(ours), iter(reference)
+        for expected in theirs:
+            assert next(mine).tolist() == expected.tolist()
+            assert ours.state_dict() == reference.state_dict()
+            steps.append(reference.state_dict())
+        assert next(mine, None) is None
+        assert ours.state_dict() == reference.state_dict() and ours.sampler.epoch == reference.sampler.epoch
+    # A state written by either continues identically in the other.
+    if steps:
+        state = steps[min(cut, len(steps) - 1)]
+        continued = []
+        for loader in (
+            ours,
+            _torchdata_batched(size, batch, shuffle=shuffle, drop_last=drop_last, world_size=world_size, rank=rank),
+        ):
+            loader.load_state_dict(state)
+            continued.append([b.tolist() for _ in range(2) for b in loader])
+        assert continued[0] == continued[1]
+
+
+def test_batch_sampler_needs_a_resumable_sampler():
+    with pytest.raises(TypeError, match="needs a ResumableSampler, got list"):
+        ResumableBatchSampler([0, 1], batch_size=1, drop_last=False)
