@@ -29,6 +29,10 @@ __all__ = ["ResultsMixin", "format_result"]
 # Score names matching this pattern are minimised; everything else is maximised.
 _LOWER_IS_BETTER = re.compile(r"loss|err|mse|mae|rmse|perplexity|ppl|nll|wer|cer|distance", re.IGNORECASE)
 _PREFERRED_SCORE_SPLITS = ("val", "validate", "validation")
+# Result files trail the newest row by at most this many seconds while a loop runs (every loop
+# writes them before it returns): short epochs then cost one write per file per couple of
+# seconds, not one per epoch, and the rows are in every checkpoint anyway.
+RESULT_FILES_LINGER = 2.0
 
 
 def format_result(result: Mapping[str, Any], format_spec: str = ".4f") -> str:
@@ -216,10 +220,12 @@ class ResultsMixin:
         the global step; in epoch mode the row also carries its `epoch` index.
 
         The files are written by a helper thread ([`BackgroundWriter`][danling.utils.BackgroundWriter])
-        from a snapshot of the rows, so the loop does not wait for the disk; every loop waits for
-        them before it returns, and so does `close()`. They are replaced atomically but not
-        fsync'ed: a reader never sees a partial file, and the same rows are stored durably in
-        every checkpoint, so an fsync per file and epoch would buy nothing but latency.
+        from a snapshot of the rows, so the loop does not wait for the disk. While a loop runs
+        they may trail the newest row by up to two seconds (rows arriving faster are coalesced
+        into one write); every loop writes them before it returns, and so does `close()`. They
+        are replaced atomically but not fsync'ed: a reader never sees a partial file, and the
+        same rows are stored durably in every checkpoint, so an fsync per file and epoch would
+        buy nothing but latency.
         """
         if not self.results:
             return
@@ -252,7 +258,7 @@ class ResultsMixin:
     def _result_writer(self) -> BackgroundWriter:
         writer = self.__dict__.get("_results_writer")
         if writer is None:
-            writer = self.__dict__["_results_writer"] = BackgroundWriter("danling-results")
+            writer = self.__dict__["_results_writer"] = BackgroundWriter("danling-results", linger=RESULT_FILES_LINGER)
         return writer
 
     def _plain_row(self, index: int) -> dict[str, Any]:

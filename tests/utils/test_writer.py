@@ -76,3 +76,49 @@ def test_objects_are_written_by_save(tmp_path):
     writer.close()
     save({"x": [1.5]}, tmp_path / "d.yaml")
     assert (tmp_path / "w.yaml").read_text() == (tmp_path / "d.yaml").read_text()
+
+
+def _recording_save(monkeypatch):
+    """Record which thread writes each file (the real `save` still does the writing)."""
+    import danling.utils.writer as writer_module
+
+    calls, written = [], threading.Event()
+
+    def recording(obj, path, **kwargs):
+        save(obj, path, **kwargs)
+        calls.append((os.path.basename(path), threading.current_thread().name))
+        written.set()
+
+    monkeypatch.setattr(writer_module, "save", recording)
+    return calls, written
+
+
+def test_linger_coalesces_and_flush_writes_at_once_in_the_caller(tmp_path, monkeypatch):
+    calls, _ = _recording_save(monkeypatch)
+    writer = BackgroundWriter(name="lingering", linger=600.0)
+    for step in range(50):
+        writer.submit({"step": step}, tmp_path / "status.json", durable=False)
+    assert writer.pending == 1 and not (tmp_path / "status.json").exists()  # due in ten minutes
+    writer.flush()
+    assert load(tmp_path / "status.json") == {"step": 49}
+    assert calls == [("status.json", threading.current_thread().name)]  # one write, by the flushing thread
+    writer.close()
+    assert len(calls) == 1
+
+
+def test_linger_bounds_how_long_a_file_lags(tmp_path, monkeypatch):
+    import time
+
+    calls, written = _recording_save(monkeypatch)
+    writer = BackgroundWriter(name="lagging", linger=0.05)
+    started = time.monotonic()
+    writer.submit([1], tmp_path / "a.json")
+    assert written.wait(30), "the helper never wrote the lingering file"
+    assert time.monotonic() - started >= 0.05
+    assert calls == [("a.json", "lagging")] and load(tmp_path / "a.json") == [1]
+    writer.close()
+
+
+def test_linger_must_not_be_negative():
+    with pytest.raises(ValueError, match="linger must be a non-negative number of seconds, got -1"):
+        BackgroundWriter(linger=-1)
