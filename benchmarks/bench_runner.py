@@ -17,9 +17,12 @@ to one core:
      the table gives the median and interquartile range of these paired ratios. Each loop runs
      as it would alone, but the drift between neighbouring epochs still shows.
    - batches in turn (`common.Lockstep`, small MLP only): each runner variant runs in lockstep
-     with both hand-written loops, one batch each in turn, and the ratio compares their totals. The drift
-     cancels almost entirely, but every batch starts with caches another loop just used, so the
-     cost of the runner's extra code counts fully.
+     with both hand-written loops, one batch each in turn, every loop in a thread of its own
+     (the main thread alone ran a loop about 2% slower), and the ratio compares their totals.
+     The drift cancels almost entirely, but every batch starts with caches another loop just
+     used, so the runner's extra code runs cold: a pessimistic figure.
+     (``--method passes`` hands the turn on once per pass instead; the drift within a pass
+     makes it about as noisy as whole calls.)
    ``runner`` builds its own (resumable) dataloaders; ``runner, torch loaders`` is given the
    plain `torch.utils.data.DataLoader`s the hand-written loop uses, which separates loop
    overhead from the dataloader choice. With ``--ablate`` two more variants switch off the
@@ -32,6 +35,9 @@ to one core:
    state, synchronous writes.
 
 Usage: ``python benchmarks/bench_runner.py [--repeats 31] [--ablate] [--method both] [--only training] [--quick]``
+(``--method``: ``both`` = ``paired`` and ``lockstep``, or one of ``paired``, ``lockstep``, ``passes``).
+
+Instruction counts of the same comparison (deterministic): ``benchmarks/bench_runner_instructions.py``.
 """
 
 from __future__ import annotations
@@ -151,7 +157,8 @@ def runner_config(root: str, workload: str, *, torch_loaders: bool = False, **ov
 
 
 def quiet(runner: dl.TorchRunner) -> dl.TorchRunner:
-    runner.logger.setLevel(logging.WARNING)
+    # ERROR: in `Lockstep` threads every train() call would warn that signal handlers need the main thread.
+    runner.logger.setLevel(logging.ERROR)
     return runner
 
 
@@ -265,20 +272,25 @@ def bench_training(root: str, repeats: int, ablate: bool = False, method: str = 
             summary = _lockstep_rounds(handwritten, runners, rounds)
             title = f"Training, {workload}: {epochs} epoch(s) of {batches}; batches in turn, {rounds} rounds"
             out.append(_training_table(title, summary, runners, steps))
+        if method == "passes" and workload.startswith("small"):  # noisier than both of the above; on request
+            summary = _lockstep_rounds(handwritten, runners, rounds, batches_per_turn=None)
+            title = f"Training, {workload}: {epochs} epoch(s) of {batches}; passes in turn, {rounds} rounds"
+            out.append(_training_table(title, summary, runners, steps))
         for runner in runners.values():
             runner.close()
     return out
 
 
-def _lockstep_rounds(handwritten: dict, runners: dict, rounds: int) -> dict[str, tuple[float, float, float, float]]:
-    """Each runner in lockstep with both hand-written loops (one batch each in turn), `rounds` times."""
+def _lockstep_rounds(
+    handwritten: dict, runners: dict, rounds: int, batches_per_turn: int | None = 1
+) -> dict[str, tuple[float, float, float, float]]:
+    """Each runner in lockstep with both hand-written loops (one batch, or one pass, each in turn), `rounds` times."""
     seconds: dict[str, list[float]] = {name: [] for name in [*handwritten, *runners]}
     ratios: dict[str, list[float]] = {name: [] for name in seconds}
     first = next(iter(runners))
     for round_index in range(rounds + 1):  # round 0 warms up
         for name, runner in runners.items():
-            # One runner per session: it installs signal handlers, so it must run in the main thread.
-            timed = Lockstep().run((name, lambda wrap, r=runner: run_epochs(r, wrap)), handwritten)
+            timed = Lockstep(batches_per_turn).run({name: lambda wrap, r=runner: run_epochs(r, wrap), **handwritten})
             if round_index == 0:
                 continue
             for other in [name, *handwritten] if name == first else [name]:
@@ -432,7 +444,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--only", choices=("training", "first-step", "checkpoint"), default=None)
     parser.add_argument("--ablate", action="store_true", help="add runner variants with services switched off")
     parser.add_argument(
-        "--method", choices=("paired", "lockstep", "both"), default="both", help="how training runs are interleaved"
+        "--method",
+        choices=("paired", "lockstep", "passes", "both"),
+        default="both",
+        help="how training runs are interleaved (both = paired and lockstep)",
     )
     args = parser.parse_args(argv)
     repeats = 2 if args.quick else args.repeats

@@ -111,12 +111,7 @@ class BackgroundWriter:
             batch, self._pending = self._pending, {}
             self._busy = bool(batch)
         if batch:
-            try:
-                self._write(batch)
-            finally:
-                with self._condition:
-                    self._busy = False
-                    self._condition.notify_all()
+            self._write(batch)
         with self._condition:
             self._raise_pending_error()
 
@@ -170,22 +165,23 @@ class BackgroundWriter:
                 if batch is None:
                     return
                 self._busy = True
-            try:
-                self._write(batch)
-            finally:
-                with self._condition:
-                    self._busy = False
-                    self._condition.notify_all()
+            self._write(batch)
 
     def _write(self, batch: dict[str, tuple[Any, dict[str, Any], float]]) -> None:
-        for path, (obj, kwargs, _) in batch.items():
-            try:
-                save(obj, path, **kwargs)
-            except Exception as error:  # reported to the submitting thread by submit/flush
-                if not isinstance(error, OSError):
-                    wrapped = OSError(f"background write of {path!r} failed: {error!r}")
-                    wrapped.__cause__ = error
-                    error = wrapped
-                with self._condition:
-                    if self._error is None:
-                        self._error = error
+        """Write `batch` (taken with `_busy` set), record the first error, then clear `_busy`."""
+        try:
+            for path, (obj, kwargs, _) in batch.items():
+                try:
+                    save(obj, path, **kwargs)
+                except Exception as error:  # reported to the submitting thread by submit/flush
+                    if not isinstance(error, OSError):
+                        wrapped = OSError(f"background write of {path!r} failed: {error!r}")
+                        wrapped.__cause__ = error
+                        error = wrapped
+                    with self._condition:
+                        if self._error is None:
+                            self._error = error
+        finally:
+            with self._condition:
+                self._busy = False
+                self._condition.notify_all()

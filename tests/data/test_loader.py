@@ -132,20 +132,19 @@ def test_iterable_dataset_has_no_sampler():
         build_dataloader(Stream(), split="train", config={"shuffle": True})
 
 
+def _sharded(size, config, world_size, rank, *, seed):
+    """The runner's train loader over `Indices(size)` for one rank of `world_size`."""
+    distributed = world_size > 1
+    kwargs = {"distributed": distributed, "rank": rank, "world_size": world_size}
+    return build_dataloader(Indices(size), split="train", config=config, seed=seed, **kwargs)
+
+
 def _resume(size, batch, cut, *, num_workers=0, world_size=1, rank=0, shuffle=None, drop_last=None, passes=3):
     """Stop after `cut` batches, restore a fresh loader from the state, compare with an uninterrupted run."""
     config = {"batch_size": batch, "num_workers": num_workers, "shuffle": shuffle, "drop_last": drop_last}
 
     def make():
-        return build_dataloader(
-            Indices(size),
-            split="train",
-            config=config,
-            distributed=world_size > 1,
-            rank=rank,
-            world_size=world_size,
-            seed=11,
-        )
+        return _sharded(size, config, world_size, rank, seed=11)
 
     reference = _batches(make(), passes=passes)
     cut = min(cut, len(reference))
@@ -272,15 +271,7 @@ def _torchdata_batched(size, batch, *, shuffle, drop_last, world_size, rank):
 def test_slice_batching_matches_torchdata_batches_and_states(size, batch, world_size, shuffle, drop_last, cut, data):
     rank = data.draw(st.integers(0, world_size - 1))
     config = {"batch_size": batch, "shuffle": shuffle, "drop_last": drop_last}
-    ours = build_dataloader(
-        Indices(size),
-        split="train",
-        config=config,
-        distributed=world_size > 1,
-        rank=rank,
-        world_size=world_size,
-        seed=5,
-    )
+    ours = _sharded(size, config, world_size, rank, seed=5)
     assert isinstance(ours.batch_sampler, ResumableBatchSampler)
     assert ours.sampler is ours.batch_sampler.sampler and (ours.batch_size, ours.drop_last) == (batch, drop_last)
     reference = _torchdata_batched(size, batch, shuffle=shuffle, drop_last=drop_last, world_size=world_size, rank=rank)

@@ -1,0 +1,102 @@
+"""Instructions the `TorchRunner` executes over the hand-written loop, counted by valgrind.
+
+Wall time on this machine drifts by tens of percent within seconds (see `bench_runner.py`), so
+this script counts work instead: each candidate runs under `valgrind --tool=callgrind` twice,
+once with `--calls 0` and once with `--calls N` timed `train()` calls (3 epochs of the small MLP
+at batch 32, the same workload as `bench_runner.py`), and the difference of the two totals
+divided by N is what one call executes, startup and import excluded. The counts are exact
+and repeatable. They are not time: code that misses the caches costs more per instruction, and
+that is where the paired wall-time figures of `bench_runner.py` still differ from these.
+
+Usage: ``python benchmarks/bench_runner_instructions.py [--calls 2] [--jobs 2]`` (about
+10 minutes on 2 cores; needs ``valgrind`` on PATH).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+CANDIDATES = ("hand-written loop", "runner", "runner, torch loaders")
+WORKLOAD = "small MLP, batch 32"
+
+
+def child(candidate: str, calls: int) -> None:
+    """Build `candidate`, run one untimed call (warm-up), then `calls` more."""
+    import torch
+
+    sys.path.insert(0, HERE)
+    from bench_runner import BenchRunner, handwritten_candidates, quiet, run_epochs, runner_config
+
+    torch.set_num_threads(1)
+    if candidate == "hand-written loop":
+        loop = handwritten_candidates(WORKLOAD)[candidate]
+
+        def call() -> None:
+            loop(iter)
+    else:
+        root = tempfile.mkdtemp(prefix="bench-instructions-")
+        config = runner_config(root, WORKLOAD, torch_loaders=candidate.endswith("torch loaders"))
+        runner = quiet(BenchRunner(config))
+
+        def call() -> None:
+            run_epochs(runner)
+
+    for _ in range(calls + 1):
+        call()
+
+
+def count(candidate: str, calls: int) -> int:
+    """Total instructions of a child process running `candidate` with `calls` timed calls."""
+    with tempfile.TemporaryDirectory() as directory:
+        command = [
+            "valgrind",
+            "--tool=callgrind",
+            f"--callgrind-out-file={os.path.join(directory, 'out')}",
+            sys.executable,
+            os.path.abspath(__file__),
+            "--child",
+            candidate,
+            str(calls),
+        ]
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        done = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
+    match = re.search(r"Collected\s*:\s*([\d,]+)", done.stderr)
+    if done.returncode != 0 or match is None:
+        raise RuntimeError(f"valgrind run of {candidate!r} failed:\n{done.stderr[-2000:]}")
+    return int(match.group(1).replace(",", ""))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--calls", type=int, default=2, help="timed train() calls per candidate")
+    parser.add_argument("--jobs", type=int, default=2, help="valgrind runs at once")
+    parser.add_argument("--child", nargs=2, metavar=("CANDIDATE", "CALLS"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        child(args.child[0], int(args.child[1]))
+        return
+    if shutil.which("valgrind") is None:
+        print("skipped: valgrind is not installed (this benchmark counts instructions with callgrind)")
+        return
+    runs = [(candidate, calls) for candidate in CANDIDATES for calls in (0, args.calls)]
+    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        totals = dict(zip(runs, pool.map(lambda run: count(*run), runs)))
+    per_call = {c: (totals[c, args.calls] - totals[c, 0]) / args.calls for c in CANDIDATES}
+    base = per_call[CANDIDATES[0]]
+    print(f"### Instructions per train() call, {WORKLOAD} (3 epochs; valgrind, {args.calls} calls)\n")
+    print("| candidate | instructions per call (millions) | ratio |")
+    print("| --- | ---: | ---: |")
+    for candidate, value in per_call.items():
+        print(f"| {candidate} | {value / 1e6:.1f} | {value / base:.3f} |")
+
+
+if __name__ == "__main__":
+    main()
