@@ -139,7 +139,12 @@ class LoopMixin:
         return self.optimizer_step()
 
     def inference_context(self) -> AbstractContextManager:
-        """Context entered around each evaluation and inference step; backends disable autograd here."""
+        """Context for evaluation and inference; backends disable autograd here.
+
+        An evaluation pass runs entirely inside one such context (loader iteration, steps, meter
+        updates); inference enters it around each `infer_step`, since its batches are yielded to
+        the caller in between.
+        """
         return nullcontext()
 
     def collect_result(self, split: str) -> RoundDict:
@@ -377,46 +382,53 @@ class LoopMixin:
         # Per-batch services that are off by default are skipped outright rather than called per batch.
         beat = supervisor.beat if supervisor.heartbeat_dir is not None else None
         track_progress = training and (budget is not None or supervisor.gc_interval is not None)
-        train_step, evaluate_step, inference_context = self.train_step, self.evaluate_step, self.inference_context
+        step = self._batch_step(mode)
         batches, loss_meter = 0, None
-        for data in self._progress_bar(islice(loader, max_batches), split, length):
-            if training:
-                _, loss = train_step(data)
+        # An evaluation pass runs in one inference context (entering it per batch costs more than
+        # some small models' forward passes); it is left before a stop saves its checkpoint.
+        with nullcontext() if training else self.inference_context():
+            for data in self._progress_bar(islice(loader, max_batches), split, length):
+                _, loss = step(data)
+                batches += 1
+                if loss is not None:
+                    if loss_meter is None:
+                        meters.update(loss=loss)
+                        loss_meter = meters["loss"]  # then updated directly: this runs every batch
+                    else:
+                        loss_meter.update(loss)
+                if track_progress and state.global_step != self._seen_step:
+                    self._after_optimizer_progress(budget)
+                if beat is not None:
+                    beat(state.global_step, state.epoch, split)
+                if batches % interval == 0 or batches == length:
+                    self._log_step(split, batches, length, training)
+                if self._stop_latched or self._stop_requested():
+                    # Stop only at a window boundary: applying a partial window (or dropping its
+                    # gradients) would make the resumed run diverge from an uninterrupted one.
+                    self._stop_latched = True
+                    if not (training and self._pending_micro_steps):
+                        break  # the stop below shuts down
+                if budget is not None and self.train_state.global_step >= budget:
+                    break
             else:
-                with inference_context():
-                    _, loss = evaluate_step(data)
-            batches += 1
-            if loss is not None:
-                if loss_meter is None:
-                    meters.update(loss=loss)
-                    loss_meter = meters["loss"]  # then updated directly: this runs every batch
-                else:
-                    loss_meter.update(loss)
-            if track_progress and state.global_step != self._seen_step:
-                self._after_optimizer_progress(budget)
-            if beat is not None:
-                beat(state.global_step, state.epoch, split)
-            if batches % interval == 0 or batches == length:
-                self._log_step(split, batches, length, training)
-            if self._stop_latched or self._stop_requested():
-                # Stop only at a window boundary: applying a partial window (or dropping its
-                # gradients) would make the resumed run diverge from an uninterrupted one.
-                self._stop_latched = True
-                if not (training and self._pending_micro_steps):
-                    self._shutdown()
-            if budget is not None and self.train_state.global_step >= budget:
-                break
-        else:
-            if training:
-                self._train_cursor = None  # the pass ran to its end
+                if training:
+                    self._train_cursor = None  # the pass ran to its end
         if training and self._flush_pending_optimizer_step():
             self._after_optimizer_progress(budget)
-        if self._stop_latched:  # the pass ended inside the window the stop was waiting for
+        if self._stop_latched:  # at a window boundary (the break above) or at the end of the pass
             self._shutdown()
         return self.collect_result(split), batches
 
     def _start_split(self, split: str, mode: RunnerMode, length: int | None) -> None:
         """Called when a pass over `split` begins (after `mode` is set); backends reset per-pass state here."""
+
+    def _batch_step(self, mode: RunnerMode) -> Any:
+        """The callable a pass in `mode` runs on every batch (after `_start_split`).
+
+        `train_step` or `evaluate_step`; backends may return an equivalent that does the same
+        work through fewer calls when none of the hooks it stands for is overridden.
+        """
+        return self.train_step if mode is RunnerMode.train else self.evaluate_step
 
     def _begin_round(self) -> RoundDict:
         """The result of the current round: the restored partial one of a resumed round, else a new one."""

@@ -237,13 +237,14 @@ class ResultsMixin:
         if not self.is_main_process:
             return
         header = {"id": self.workspace.id, "timestamp": self.timestamp}
-        directory, writer = self.workspace.dir, self._result_writer()
+        results_file, latest_file, best_file = self._result_files()
+        writer = self._result_writer()
         rows = {key: self._plain_row(key) for key in self.results}
-        writer.submit({**header, "results": rows}, os.path.join(directory, "results.json"), durable=False)
+        writer.submit({**header, "results": rows}, results_file, durable=False)
         payload = {**header, "index": index, **row}
-        writer.submit(payload, os.path.join(directory, "latest.json"), durable=False)
+        writer.submit(payload, latest_file, durable=False)
         if self.is_best:
-            writer.submit(payload, os.path.join(directory, "best.json"), durable=False)
+            writer.submit(payload, best_file, durable=False)
 
     def flush_results(self, timeout: float | None = None) -> None:
         """Wait until the result files submitted by `save_result` are written.
@@ -254,6 +255,15 @@ class ResultsMixin:
         writer = self.__dict__.get("_results_writer")
         if writer is not None:
             writer.flush(timeout)
+
+    def _result_files(self) -> tuple[str, str, str]:
+        """Paths of `results.json`, `latest.json` and `best.json` (the writer creates the directory)."""
+        directory = os.fspath(self.workspace.path)
+        cached = self.__dict__.get("_result_file_paths")
+        if cached is None or cached[0] != directory:
+            names = ("results.json", "latest.json", "best.json")
+            cached = self.__dict__["_result_file_paths"] = (directory, *(os.path.join(directory, n) for n in names))
+        return cached[1:]
 
     def _result_writer(self) -> BackgroundWriter:
         writer = self.__dict__.get("_results_writer")

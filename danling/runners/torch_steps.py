@@ -37,6 +37,28 @@ from .torch_components import EMA
 __all__ = ["TorchStepMixin"]
 
 _STOP_POLL_EVERY = 8  # batches between the cross-rank agreements on a stop request while training
+# The hooks each fused default step stands for: a pass uses the fused step only when none of
+# them is overridden (by the class or on the instance); otherwise it calls the hooks as usual.
+_TRAIN_HOOKS = (
+    "train_step",
+    "to_device",
+    "train_context",
+    "forward_context",
+    "backward",
+    "step",
+    "optimizer_step",
+    "_update_metrics",
+    "_criterion_loss",
+    "_optimizer_container",
+)
+_EVALUATE_HOOKS = (
+    "evaluate_step",
+    "to_device",
+    "forward_context",
+    "_update_metrics",
+    "_criterion_loss",
+    "_inference_model",
+)
 _PREFERRED_MONITOR_SPLITS = ("val", "validate", "validation")
 
 
@@ -94,7 +116,7 @@ class TorchStepMixin:
         return _entered_together(no_sync, self.forward_context())
 
     def inference_context(self) -> AbstractContextManager:
-        """`torch.inference_mode()`: evaluation and inference steps build no autograd graph."""
+        """`torch.inference_mode()`: evaluation passes and inference steps build no autograd graph."""
         return torch.inference_mode()
 
     # ------------------------------------------------------------------ step hooks
@@ -241,8 +263,12 @@ class TorchStepMixin:
             RuntimeError: no optimizer is bound (set `config.optim.type` or `self.optimizer`).
         """
         container = self._optimizer_container()
-        self.checkpoint_manager.maybe_wait_for_staging()
         multiplier, self._grad_multiplier = self._grad_multiplier, None
+        return self._apply_update(container, multiplier)
+
+    def _apply_update(self, container: Any, multiplier: float | None) -> bool:
+        """What every update does, whichever step path asked for it (see `optimizer_step`)."""
+        self.checkpoint_manager.maybe_wait_for_staging()
         applied = container.step(multiplier)
         if applied:
             state = self.state.train
@@ -315,6 +341,74 @@ class TorchStepMixin:
             metrics.reset()
         if mode is RunnerMode.train:
             self.accumulator.start(length)
+
+    # ------------------------------------------------------------------ fused default steps
+    def _batch_step(self, mode: RunnerMode) -> Any:
+        """The fused default step of `mode` when the pass allows it, else the hook itself.
+
+        A fused step does what the default `train_step` / `evaluate_step` and the hooks they call
+        do, in one function: in a model small enough for the per-batch Python to matter, the
+        calls through the contexts, `backward`, `step`, `optimizer_step` and the metric update
+        cost a few percent of the step. It is used in full precision (no autocast context to
+        enter), with one micro-step per update (no accumulation window), and only when none of
+        the hooks it stands for is overridden; any other pass calls the hooks.
+        """
+        step = super()._batch_step(mode)
+        if mode is RunnerMode.infer or self.precision_policy.dtype is not None:
+            return step
+        if mode is RunnerMode.train:
+            eligible = (
+                self.accumulator.accum_steps == 1
+                and self.model is not None
+                and self.criterion is not None
+                and self._uses_default_hooks(_TRAIN_HOOKS)
+                and self._grad_multiplier is None
+            )
+            if eligible and self._optimizer_container_or_none() is not None:
+                return self._fused_train_step
+            return step
+        if (self.model is not None or self.ema is not None) and self._uses_default_hooks(_EVALUATE_HOOKS):
+            return self._fused_evaluate_step
+        return step
+
+    def _uses_default_hooks(self, names: tuple[str, ...]) -> bool:
+        instance, cls = self.__dict__, type(self)
+        return all(name not in instance and getattr(cls, name) is getattr(TorchStepMixin, name) for name in names)
+
+    def _optimizer_container_or_none(self) -> Any:
+        try:
+            return self._optimizer_container()
+        except RuntimeError:  # no optimizer: the hooks raise at the first update, as they always did
+            return None
+
+    def _fused_train_step(self, data: Any) -> tuple[Any, torch.Tensor]:
+        """`train_step` -> `backward` -> `step` -> `optimizer_step` of one full-precision micro-step
+        that closes its window, in one call (see `_batch_step`)."""
+        device = self.device
+        input, target = split_batch(to_device(data, device, non_blocking=device.type == "cuda"))
+        pred = self.model(input)
+        loss = self._criterion_loss(pred, target, required=True)
+        metrics = self._active_metrics
+        if metrics is not None and target is not None:
+            metrics.update(pred.detach() if isinstance(pred, torch.Tensor) else pred, target)
+        loss.backward()
+        state = self.state.train
+        state.__dict__["micro_step"] = state.micro_step + 1  # a validated int stays one
+        self.accumulator.advance()  # one micro-step per window: always closes it
+        self._apply_update(self.optimizer_container, None)
+        return pred, loss.detach()
+
+    def _fused_evaluate_step(self, data: Any) -> tuple[Any, torch.Tensor | None]:
+        """`evaluate_step` in full precision, in one call (see `_batch_step`)."""
+        model = self.ema if self.ema is not None else self.model
+        device = self.device
+        input, target = split_batch(to_device(data, device, non_blocking=device.type == "cuda"))
+        pred = model(input)
+        loss = None if target is None else self._criterion_loss(pred, target, required=False)
+        metrics = self._active_metrics
+        if metrics is not None and target is not None:
+            metrics.update(pred.detach() if isinstance(pred, torch.Tensor) else pred, target)
+        return pred, None if loss is None else loss.detach()
 
     def collect_result(self, split: str) -> RoundDict:
         """The split's averaged loss plus the values of its metrics, reduced over all ranks.

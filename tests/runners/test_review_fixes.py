@@ -268,3 +268,41 @@ def test_close_with_timeout_reports_a_stalled_save_which_still_completes(tmp_pat
     assert payload["model"].keys() == expected.keys()
     for key, value in expected.items():
         assert torch.equal(payload["model"][key], value)
+
+
+# ---------------------------------------------------------------------- evaluation runs in one inference context
+class _ModeRecordingData(torch.utils.data.Dataset):
+    """Records whether inference mode was on each time the loader fetched an item."""
+
+    def __init__(self, data: torch.utils.data.Dataset) -> None:
+        self.data, self.modes = data, []
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, index: int):
+        self.modes.append(torch.is_inference_mode_enabled())
+        return self.data[index]
+
+
+def test_evaluation_pass_runs_in_inference_mode_and_stops_outside_it(tmp_path):
+    class StopInEval(TinyRunner):
+        def __init__(self, config):
+            super().__init__(config)
+            self.datasets.val = _ModeRecordingData(self.datasets.val)
+
+        def evaluate_step(self, data):
+            if self.train_state.epoch == 1:
+                self.supervisor.request_stop()
+            return super().evaluate_step(data)
+
+        def prepare_for_shutdown_checkpoint(self):
+            self.stop_in_inference_mode = torch.is_inference_mode_enabled()
+            super().prepare_for_shutdown_checkpoint()
+
+    with pytest.raises(SystemExit), StopInEval(tiny_config(tmp_path)) as runner:
+        runner.train()
+    # the whole pass, loading included, ran under inference mode
+    assert runner.datasets.val.modes and all(runner.datasets.val.modes)
+    assert runner.stop_in_inference_mode is False  # the shutdown checkpoint was taken after leaving it
+    assert _shutdown_payload(runner)["state"]["train"]["epoch"] == 1
