@@ -9,20 +9,22 @@ to one core:
    where per-step bookkeeping matters most, and a wide MLP at batch 128 where the matrix
    multiplications dominate. (`train()` returns only when its result files are written, a
    one-off cost per call that a one-epoch call of a tiny model would overstate.) A second,
-   identical hand-written loop is timed as a control: its ratio shows the noise floor. Two ways
-   of interleaving, because the speed of this virtual machine's CPU drifts by tens of percent
-   within seconds:
-   - whole calls in turn (`common.paired_ratios`): every round runs each candidate once,
-     order rotated, and divides its time by the hand-written loop's time in that round;
-     the table gives the median and interquartile range of these paired ratios. Each loop runs
-     as it would alone, but the drift between neighbouring epochs still shows.
-   - batches in turn (`common.Lockstep`, small MLP only): each runner variant runs in lockstep
-     with both hand-written loops, one batch each in turn, every loop in a thread of its own
-     (the main thread alone ran a loop about 2% slower), and the ratio compares their totals.
-     The drift cancels almost entirely, but every batch starts with caches another loop just
-     used, so the runner's extra code runs cold: a pessimistic figure.
-     (``--method passes`` hands the turn on once per pass instead; the drift within a pass
-     makes it about as noisy as whole calls.)
+   identical hand-written loop is timed as a control: its ratio shows the noise floor.
+   Every round builds all candidates afresh, in a shuffled order with allocations of random
+   size in between, and warms each up with one untimed call: where a model's tensors land in
+   memory moves a loop's speed by a percent or two, and this way no candidate keeps a lucky or
+   unlucky placement for the whole session (see `build_round`). Two ways of interleaving,
+   because the speed of this virtual machine's CPU drifts by tens of percent within seconds:
+   - whole calls in turn (``--method paired``): every round runs each candidate once, order
+     rotated, and divides its time by the hand-written loop's time in that round; the table
+     gives the median and interquartile range of these paired ratios. Each loop runs as it
+     would alone, but the drift between neighbouring calls still shows.
+   - batches in turn (``--method lockstep``, small MLP only): all candidates run in
+     `common.Lockstep`, ``--turn`` batches (default 8) each in turn, every loop in a thread of
+     its own (the main thread alone ran a loop about 2% slower), and the ratio compares their
+     totals. The drift cancels almost entirely; the caches are shared between the loops, so
+     each turn starts with some of its working set evicted (``--turn 1`` makes that the rule:
+     a pessimistic figure). ``--method passes`` hands the turn on once per pass instead.
    ``runner`` builds its own (resumable) dataloaders; ``runner, torch loaders`` is given the
    plain `torch.utils.data.DataLoader`s the hand-written loop uses, which separates loop
    overhead from the dataloader choice. With ``--ablate`` two more variants switch off the
@@ -34,8 +36,8 @@ to one core:
    DCP backends against `torch.save` / `torch.load` and `dcp.save` / `dcp.load` of the same
    state, synchronous writes.
 
-Usage: ``python benchmarks/bench_runner.py [--repeats 31] [--ablate] [--method both] [--only training] [--quick]``
-(``--method``: ``both`` = ``paired`` and ``lockstep``, or one of ``paired``, ``lockstep``, ``passes``).
+Usage: ``python benchmarks/bench_runner.py [--repeats 31] [--ablate] [--method both] [--turn 8] [--only training]
+[--quick]`` (``--method``: ``both`` = ``paired`` and ``lockstep``, or one of ``paired``, ``lockstep``, ``passes``).
 
 Instruction counts of the same comparison (deterministic): ``benchmarks/bench_runner_instructions.py``.
 """
@@ -46,6 +48,7 @@ import argparse
 import contextlib
 import logging
 import os
+import random
 import shutil
 import statistics
 import sys
@@ -61,7 +64,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import Lockstep, alternate, paired_ratios, ratio_table, table
+from common import Lockstep, alternate, ratio_table, table
 
 import danling as dl
 
@@ -197,26 +200,26 @@ class TurnLoader:
         return getattr(self.loader, name)
 
 
-def handwritten_candidates(workload: str) -> dict[str, Callable[[Callable], object]]:
-    """The hand-written loop, twice (the second copy is the noise control), as `fn(wrap)` loops."""
+HANDWRITTEN = ("hand-written loop", "hand-written loop, second copy")  # the second is the A/A control
+
+
+def handwritten_loop(workload: str) -> Callable[[Callable], None]:
+    """A freshly built hand-written loop as `fn(wrap)`: one call trains the workload's epochs."""
     features, hidden, classes, batch_size, n_train, n_val, epochs = WORKLOADS[workload]
-    candidates = {}
-    for name in ("hand-written loop", "hand-written loop, second copy"):
-        torch.manual_seed(0)
-        model = make_model(features, hidden, classes)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        loaders = torch_loaders(make_splits(features, classes, n_train, n_val), batch_size)
+    torch.manual_seed(0)
+    model = make_model(features, hidden, classes)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    loaders = torch_loaders(make_splits(features, classes, n_train, n_val), batch_size)
 
-        def loop(wrap: Callable, m: nn.Module = model, o: Any = optimizer, lo: dict = loaders) -> None:
-            turns = {split: TurnLoader(loader, wrap) for split, loader in lo.items()}
-            for _ in range(epochs):
-                handwritten_epoch(m, o, turns)
+    def loop(wrap: Callable) -> None:
+        turns = {split: TurnLoader(loader, wrap) for split, loader in loaders.items()}
+        for _ in range(epochs):
+            handwritten_epoch(model, optimizer, turns)
 
-        candidates[name] = loop
-    return candidates
+    return loop
 
 
-def runner_variants(root: str, workload: str, ablate: bool) -> dict[str, dl.TorchRunner]:
+def runner_options(ablate: bool) -> dict[str, dict[str, bool]]:
     """The runner as a user gets it, with the loop's torch loaders, and (``--ablate``) with services off."""
     variants = {"runner": {}, "runner, torch loaders": {"torch_loaders": True}}
     if ablate:  # switch off one runner service at a time to see what each costs
@@ -226,15 +229,43 @@ def runner_variants(root: str, workload: str, ablate: bool) -> dict[str, dl.Torc
             "files": False,
             "plain": True,
         }
-    runners = {}
-    for name, options in variants.items():
-        runner = quiet(BenchRunner(runner_config(root, workload, torch_loaders=options.get("torch_loaders", False))))
-        if not options.get("files", True):
-            runner.save_result = lambda r=runner: r.trackers.log({}, step=0)
-        if options.get("plain"):
-            runner.metrics = PlainAccuracy()
-        runners[name] = runner
-    return runners
+    return variants
+
+
+def runner_variant(root: str, workload: str, options: dict[str, bool]) -> dl.TorchRunner:
+    runner = quiet(BenchRunner(runner_config(root, workload, torch_loaders=options.get("torch_loaders", False))))
+    if not options.get("files", True):
+        runner.save_result = lambda r=runner: r.trackers.log({}, step=0)
+    if options.get("plain"):
+        runner.metrics = PlainAccuracy()
+    return runner
+
+
+def build_round(
+    root: str, workload: str, ablate: bool, rng: random.Random
+) -> tuple[dict[str, Callable[[Callable], None]], list[dl.TorchRunner], list[torch.Tensor]]:
+    """Every candidate built afresh, in a shuffled order, each after an allocation of random size.
+
+    Where a model's weights and optimizer state land in memory shifts a loop's speed by a percent
+    or more: two hand-written loops built one after the other measured 1.5-2.5% apart, always
+    the same way round, over many runs. Building in a random order with random gaps makes that
+    placement a random effect of each round, which the median over rounds averages out, instead
+    of a bias one candidate keeps for the whole session. Returns the loops (as `fn(wrap)`, in a
+    fixed order), the runners to close and the padding to keep alive until the round is over.
+    """
+    options = runner_options(ablate)
+    names = [*HANDWRITTEN, *options]
+    loops: dict[str, Callable[[Callable], None]] = {}
+    runners, padding = [], []
+    for name in rng.sample(names, len(names)):
+        padding.append(torch.empty(rng.randrange(1, 1 << 16), dtype=torch.uint8))
+        if name in HANDWRITTEN:
+            loops[name] = handwritten_loop(workload)
+        else:
+            runner = runner_variant(os.path.join(root, f"{len(os.listdir(root))}"), workload, options[name])
+            runners.append(runner)
+            loops[name] = lambda wrap, r=runner: run_epochs(r, wrap)
+    return {name: loops[name] for name in names}, runners, padding
 
 
 def run_epochs(runner: dl.TorchRunner, wrap: Callable | None = None) -> None:
@@ -249,53 +280,65 @@ def run_epochs(runner: dl.TorchRunner, wrap: Callable | None = None) -> None:
         runner.dataloaders.update(loaders)
 
 
-def bench_training(root: str, repeats: int, ablate: bool = False, method: str = "both") -> list[str]:
+def bench_training(root: str, repeats: int, ablate: bool = False, method: str = "both", turn: int = 8) -> list[str]:
     out = []
     for workload in TRAINING:
         _, _, _, batch_size, n_train, n_val, epochs = WORKLOADS[workload]
-        handwritten = handwritten_candidates(workload)
-        runners = runner_variants(root, workload, ablate)
         # The compute-bound workload takes seconds per round: fewer rounds, still >= 5.
-        rounds = repeats if workload.startswith("small") else max(5, repeats // 4)
+        rounds = repeats if workload.startswith("small") else max(5, repeats // 6)
         steps = epochs * (n_train // batch_size)
         batches = f"{n_train // batch_size} train + {-(-n_val // batch_size)} val batches"
         if method in ("paired", "both"):
-            candidates = {name: lambda loop=loop: loop(iter) for name, loop in handwritten.items()}
-            candidates.update({name: lambda r=runner: run_epochs(r) for name, runner in runners.items()})
-            summary = paired_ratios(candidates, "hand-written loop", repeats=rounds)
-            title = f"Training, {workload}: {epochs} epoch(s) of {batches}; whole epochs in turn, {rounds} rounds"
-            out.append(_training_table(title, summary, runners, steps))
-        # Lockstep only for the bookkeeping-bound model: with the wide one, three models' weights and
+            summary = training_rounds(root, workload, ablate, rounds, turn=0)
+            title = f"Training, {workload}: {epochs} epoch(s) of {batches}; whole calls in turn, {rounds} rounds"
+            out.append(_training_table(title, summary, steps))
+        # Lockstep only for the bookkeeping-bound model: with the wide one, the models' weights and
         # AdamW states (about 36 MB each) evict each other between turns, which no standalone loop
         # suffers, and one run measured the runner at 1.19x that way against 1.03x epoch-paired.
         if method in ("lockstep", "both") and workload.startswith("small"):
-            summary = _lockstep_rounds(handwritten, runners, rounds)
-            title = f"Training, {workload}: {epochs} epoch(s) of {batches}; batches in turn, {rounds} rounds"
-            out.append(_training_table(title, summary, runners, steps))
+            summary = training_rounds(root, workload, ablate, rounds, turn=turn)
+            title = f"Training, {workload}: {epochs} epoch(s) of {batches}; {turn} batches per turn, {rounds} rounds"
+            out.append(_training_table(title, summary, steps))
         if method == "passes" and workload.startswith("small"):  # noisier than both of the above; on request
-            summary = _lockstep_rounds(handwritten, runners, rounds, batches_per_turn=None)
+            summary = training_rounds(root, workload, ablate, rounds, turn=None)
             title = f"Training, {workload}: {epochs} epoch(s) of {batches}; passes in turn, {rounds} rounds"
-            out.append(_training_table(title, summary, runners, steps))
-        for runner in runners.values():
-            runner.close()
+            out.append(_training_table(title, summary, steps))
     return out
 
 
-def _lockstep_rounds(
-    handwritten: dict, runners: dict, rounds: int, batches_per_turn: int | None = 1
+def training_rounds(
+    root: str, workload: str, ablate: bool, rounds: int, turn: int | None
 ) -> dict[str, tuple[float, float, float, float]]:
-    """Each runner in lockstep with both hand-written loops (one batch, or one pass, each in turn), `rounds` times."""
-    seconds: dict[str, list[float]] = {name: [] for name in [*handwritten, *runners]}
-    ratios: dict[str, list[float]] = {name: [] for name in seconds}
-    first = next(iter(runners))
-    for round_index in range(rounds + 1):  # round 0 warms up
-        for name, runner in runners.items():
-            timed = Lockstep(batches_per_turn).run({name: lambda wrap, r=runner: run_epochs(r, wrap), **handwritten})
-            if round_index == 0:
-                continue
-            for other in [name, *handwritten] if name == first else [name]:
-                seconds[other].append(timed[other])
-                ratios[other].append(timed[other] / timed["hand-written loop"])
+    """`rounds` rounds of fresh candidates (see `build_round`), each warmed up by one untimed call.
+
+    ``turn=0`` times whole `train()` calls one after the other (order rotated each round);
+    otherwise the candidates run in `Lockstep`, `turn` batches (``None``: a pass) each in turn.
+    Returns ``{name: (median seconds, q1, median, q3 of the ratio to the hand-written loop)}``.
+    """
+    rng = random.Random(0)
+    seconds: dict[str, list[float]] = {}
+    ratios: dict[str, list[float]] = {}
+    for round_index in range(rounds):
+        loops, runners, padding = build_round(root, workload, ablate, rng)
+        for loop in loops.values():
+            loop(iter)  # warm-up: first-touch allocations, the optimizer's lazily built state
+        names = list(loops)
+        shift = round_index % len(names)
+        order = {name: loops[name] for name in names[shift:] + names[:shift]}
+        if turn == 0:
+            timed = {}
+            for name, loop in order.items():
+                started = time.perf_counter()
+                loop(iter)
+                timed[name] = time.perf_counter() - started
+        else:
+            timed = Lockstep(turn).run(order)
+        for runner in runners:
+            runner.close()
+        del padding
+        for name in names:
+            seconds.setdefault(name, []).append(timed[name])
+            ratios.setdefault(name, []).append(timed[name] / timed[HANDWRITTEN[0]])
     summary = {}
     for name in seconds:
         q1, median, q3 = statistics.quantiles(ratios[name], n=4) if rounds > 1 else [ratios[name][0]] * 3
@@ -303,9 +346,9 @@ def _lockstep_rounds(
     return summary
 
 
-def _training_table(title: str, summary: dict, runners: dict, steps: int) -> str:
-    base = summary["hand-written loop"][0]
-    extra = {name: (value[0] - base) / steps * 1e6 for name, value in summary.items() if name in runners}
+def _training_table(title: str, summary: dict, steps: int) -> str:
+    base = summary[HANDWRITTEN[0]][0]
+    extra = {name: (value[0] - base) / steps * 1e6 for name, value in summary.items() if name not in HANDWRITTEN}
     note = "; ".join(f"{name} {value:+.0f} us" for name, value in extra.items())
     return ratio_table(title, summary, "hand-written loop") + f"\n\nextra time per train step (medians): {note}"
 
@@ -449,6 +492,7 @@ def main(argv: list[str] | None = None) -> None:
         default="both",
         help="how training runs are interleaved (both = paired and lockstep)",
     )
+    parser.add_argument("--turn", type=int, default=8, help="batches per turn of the lockstep method")
     args = parser.parse_args(argv)
     repeats = 2 if args.quick else args.repeats
     other = max(2 if args.quick else 5, repeats // 3)  # first step and checkpoints: steadier, costlier
@@ -460,7 +504,7 @@ def main(argv: list[str] | None = None) -> None:
     sections = []
     try:
         if args.only in (None, "training"):
-            sections += bench_training(root, repeats, args.ablate, args.method)
+            sections += bench_training(root, repeats, args.ablate, args.method, args.turn)
         if args.only in (None, "first-step"):
             sections += bench_first_step(root, other)
         if args.only in (None, "checkpoint"):

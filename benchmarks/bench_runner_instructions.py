@@ -33,11 +33,11 @@ def child(candidate: str, calls: int) -> None:
     import torch
 
     sys.path.insert(0, HERE)
-    from bench_runner import BenchRunner, handwritten_candidates, quiet, run_epochs, runner_config
+    from bench_runner import BenchRunner, handwritten_loop, quiet, run_epochs, runner_config
 
     torch.set_num_threads(1)
     if candidate == "hand-written loop":
-        loop = handwritten_candidates(WORKLOAD)[candidate]
+        loop = handwritten_loop(WORKLOAD)
 
         def call() -> None:
             loop(iter)

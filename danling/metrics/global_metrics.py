@@ -182,7 +182,9 @@ class _TaskStore:
         return MetricState(self.task, *data, **artifacts)
 
     def _synced_confusion(self, device: Any) -> Confusion:
-        confusion = self.confusion
+        counts = self.counts
+        # A view is enough: this Confusion lives for one read, while no update can run.
+        confusion = None if counts is None else self.counter.confusion(counts)
         if confusion is None:
             confusion = self.task.empty_confusion(self.last[0].device if self.last else device)
         if not is_distributed():

@@ -8,6 +8,7 @@ shape exchange and one all-reduce for the whole collection), so all ranks must r
 from __future__ import annotations
 
 import math
+import struct
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +31,7 @@ Number = int | float
 # 0-d tensor updates are summed in groups of this many (see AverageMeter): one stack and one
 # reduction per group instead of an addition per update.
 PENDING_VALUES = 64
+_FLOAT32 = struct.Struct("f")
 
 
 @dataclass
@@ -247,7 +249,12 @@ class AverageMeter:
             mean = total.item() / self._count
             like = self._val
             if isinstance(like, Tensor) and like.is_floating_point() and like.dtype != torch.float64:
-                return torch.tensor(mean, dtype=like.dtype).item()  # the rounding `_restore_dtype` applies
+                if like.dtype == torch.float32:  # the rounding `_restore_dtype` applies, without two tensor ops
+                    try:
+                        return _FLOAT32.unpack(_FLOAT32.pack(mean))[0]
+                    except OverflowError:  # Pythons that refuse to round out of range (torch gives inf)
+                        pass
+                return torch.tensor(mean, dtype=like.dtype).item()
             return mean
         return _to_python(_restore_dtype(total / self._count, self._val))
 
