@@ -39,15 +39,19 @@ def batches_strategy(num_classes: int):
     data=st.data(),
 )
 def test_plain_multiclass_batches_count_like_the_general_path(num_classes, ignore_index, data):
+    dtype = data.draw(st.sampled_from([torch.float32, torch.float64]))
     batches = [
-        (torch.tensor(x, dtype=torch.float32).reshape(-1, num_classes), torch.tensor(y, dtype=torch.long))
-        for x, y in data.draw(batches_strategy(num_classes))
+        (torch.tensor(x, dtype=dtype).reshape(-1, num_classes).requires_grad_(grad), torch.tensor(y, dtype=torch.long))
+        for (x, y), grad in zip(data.draw(batches_strategy(num_classes)), data.draw(st.lists(st.booleans(), min_size=4, max_size=4)))
     ]
     fast = multiclass_metrics(num_classes, CLASSIFICATION, ignore_index=ignore_index)
     general = multiclass_metrics(num_classes, CLASSIFICATION, ignore_index=ignore_index)
+    assert fast._plain_store is not None  # the short path of GlobalMetrics.update applies
     for input, target in batches:
         fast.update(input, target)
+    assert not any(source.requires_grad for source, _ in fast._plain_store.pending)
     # Every batch through MetricTask.format and MetricTask.predicted_labels instead.
+    general._plain_store = None
     with mock.patch.object(global_metrics_module, "_plain_multiclass", lambda *args: False):
         for input, target in batches:
             general.update(input, target)
