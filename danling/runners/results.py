@@ -257,13 +257,14 @@ class ResultsMixin:
             writer.flush(timeout)
 
     def _result_files(self) -> tuple[str, str, str]:
-        """Paths of `results.json`, `latest.json` and `best.json` (the writer creates the directory)."""
-        directory = os.fspath(self.workspace.path)
+        """Paths of `results.json`, `latest.json` and `best.json` in the run directory, taken once
+        per runner like the other files of the run (the writer creates the directory if needed)."""
         cached = self.__dict__.get("_result_file_paths")
-        if cached is None or cached[0] != directory:
+        if cached is None:
+            directory = os.path.abspath(self.workspace.path)
             names = ("results.json", "latest.json", "best.json")
-            cached = self.__dict__["_result_file_paths"] = (directory, *(os.path.join(directory, n) for n in names))
-        return cached[1:]
+            cached = self.__dict__["_result_file_paths"] = tuple(os.path.join(directory, n) for n in names)
+        return cached
 
     def _result_writer(self) -> BackgroundWriter:
         writer = self.__dict__.get("_results_writer")
