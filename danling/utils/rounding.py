@@ -12,6 +12,7 @@ import math
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+import chanfig.flat_dict
 import numpy as np
 import torch
 from chanfig import FlatDict, NestedDict
@@ -78,9 +79,13 @@ class RoundDict(NestedDict):
         ):
             return cls(values)
         result = RoundDict.__new__(RoundDict)
-        result.__dict__.update(_INSTANCE_ATTRS)
+        attributes = result.__dict__
+        attributes.update(_INSTANCE_ATTRS)
         for key, value in values.items():
-            FlatDict.set(result, key, value)  # stores the item and its attribute mirror
+            # What `FlatDict.set` does for such a key: store the item and mirror it as an
+            # attribute (its annotation and reserved-name checks cannot apply, see `_plain_item`).
+            dict.__setitem__(result, key, value)
+            attributes[key] = value
         return result
 
     def round(self, ndigits: int | None = None) -> Self:
@@ -175,22 +180,28 @@ _PROBE = RoundDict(_probe=0)
 # Instance attributes chanfig gives a RoundDict built from a flat mapping (minus the mirrored key);
 # all immutable, so every shortcut-built instance can share them.
 _INSTANCE_ATTRS = {key: value for key, value in vars(_PROBE).items() if key != "_probe"}
+# chanfig's names that `FlatDict.set` never mirrors as attributes (None if a version lacks them).
+_CHANFIG_INTERNAL = getattr(chanfig.flat_dict, "_INTERNAL_ATTRS", None)
 # The shortcut skips construction hooks, class-default copying and validation, so it is only
 # taken while those do nothing for RoundDict (no overridden hooks, no annotated fields); a chanfig
 # upgrade that changes this turns it off instead of building different objects.
 _SHORTCUT = (
-    dict(_PROBE) == {"_probe": 0}
+    _CHANFIG_INTERNAL is not None
+    and dict(_PROBE) == {"_probe": 0}
     and RoundDict.__post_init__ is FlatDict.__post_init__
     and RoundDict.validate in (FlatDict.validate, NestedDict.validate)
     and not any(vars(klass).get("__annotations__") for klass in RoundDict.__mro__)
 )
 _PLAIN_VALUES = (float, int, bool, type(None))
+# Names chanfig never mirrors as attributes, or that a RoundDict already has (methods,
+# properties): such keys take the constructor's path.
+_RESERVED = frozenset(_CHANFIG_INTERNAL or ()) | frozenset(dir(RoundDict))
 
 
 def _plain_item(key: Any, value: Any) -> bool:
     return (
         type(key) is str
         and "." not in key
-        and not hasattr(RoundDict, key)  # method and property names take chanfig's special paths
+        and key not in _RESERVED
         and (type(value) in _PLAIN_VALUES or isinstance(value, torch.Tensor))
     )
