@@ -21,8 +21,8 @@ to one core:
      would alone, but the drift between neighbouring calls still shows.
    - batches in turn (``--method lockstep``, small MLP only): all candidates run in
      `common.Lockstep`, ``--turn`` batches (default 8) each in turn, every loop in a thread of
-     its own (the main thread alone ran a loop about 2% slower), and the ratio compares their
-     totals. The drift cancels almost entirely; the caches are shared between the loops, so
+     its own, and the ratio compares their totals. The drift cancels almost entirely; the
+     caches are shared between the loops, so
      each turn starts with some of its working set evicted (``--turn 1`` makes that the rule:
      a pessimistic figure). ``--method passes`` hands the turn on once per pass instead.
    ``runner`` builds its own (resumable) dataloaders; ``runner, torch loaders`` is given the

@@ -2,14 +2,15 @@
 
 Wall time on this machine drifts by tens of percent within seconds (see `bench_runner.py`), so
 this script counts work instead: each candidate runs under `valgrind --tool=callgrind` twice,
-once with `--calls 0` and once with `--calls N` timed `train()` calls (3 epochs of the small MLP
-at batch 32, the same workload as `bench_runner.py`), and the difference of the two totals
-divided by N is what one call executes, startup and import excluded. The counts are exact
+once with `--calls 0` and once with `--calls N` timed `train()` calls (the workloads of
+`bench_runner.py`: 3 epochs of the small MLP at batch 32, or with ``--workload wide`` one epoch
+of the wide MLP at batch 128), and the difference of the two totals divided by N is what one
+call executes, startup and import excluded. The counts are exact
 and repeatable. They are not time: code that misses the caches costs more per instruction, and
 that is where the paired wall-time figures of `bench_runner.py` still differ from these.
 
-Usage: ``python benchmarks/bench_runner_instructions.py [--calls 2] [--jobs 2]`` (about
-10 minutes on 2 cores; needs ``valgrind`` on PATH).
+Usage: ``python benchmarks/bench_runner_instructions.py [--calls 2] [--jobs 2] [--workload small|wide|both]``
+(about 15 minutes per workload on 2 cores; needs ``valgrind`` on PATH).
 """
 
 from __future__ import annotations
@@ -25,10 +26,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CANDIDATES = ("hand-written loop", "runner", "runner, torch loaders")
-WORKLOAD = "small MLP, batch 32"
+WORKLOADS = {"small": "small MLP, batch 32", "wide": "wide MLP, batch 128"}  # as in bench_runner.WORKLOADS
+WORKLOAD_EPOCHS = {"small MLP, batch 32": 3, "wide MLP, batch 128": 1}
 
 
-def child(candidate: str, calls: int) -> None:
+def child(candidate: str, calls: int, workload: str) -> None:
     """Build `candidate`, run one untimed call (warm-up), then `calls` more."""
     import torch
 
@@ -37,13 +39,13 @@ def child(candidate: str, calls: int) -> None:
 
     torch.set_num_threads(1)
     if candidate == "hand-written loop":
-        loop = handwritten_loop(WORKLOAD)
+        loop = handwritten_loop(workload)
 
         def call() -> None:
             loop(iter)
     else:
         root = tempfile.mkdtemp(prefix="bench-instructions-")
-        config = runner_config(root, WORKLOAD, torch_loaders=candidate.endswith("torch loaders"))
+        config = runner_config(root, workload, torch_loaders=candidate.endswith("torch loaders"))
         runner = quiet(BenchRunner(config))
 
         def call() -> None:
@@ -53,7 +55,7 @@ def child(candidate: str, calls: int) -> None:
         call()
 
 
-def count(candidate: str, calls: int) -> int:
+def count(candidate: str, calls: int, workload: str) -> int:
     """Total instructions of a child process running `candidate` with `calls` timed calls."""
     with tempfile.TemporaryDirectory() as directory:
         command = [
@@ -65,6 +67,7 @@ def count(candidate: str, calls: int) -> int:
             "--child",
             candidate,
             str(calls),
+            workload,
         ]
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         done = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
@@ -78,24 +81,29 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=2, help="timed train() calls per candidate")
     parser.add_argument("--jobs", type=int, default=2, help="valgrind runs at once")
-    parser.add_argument("--child", nargs=2, metavar=("CANDIDATE", "CALLS"), help=argparse.SUPPRESS)
+    parser.add_argument("--workload", choices=(*WORKLOADS, "both"), default="small")
+    parser.add_argument("--child", nargs=3, metavar=("CANDIDATE", "CALLS", "WORKLOAD"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        child(args.child[0], int(args.child[1]))
+        child(args.child[0], int(args.child[1]), args.child[2])
         return
     if shutil.which("valgrind") is None:
         print("skipped: valgrind is not installed (this benchmark counts instructions with callgrind)")
         return
-    runs = [(candidate, calls) for candidate in CANDIDATES for calls in (0, args.calls)]
-    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
-        totals = dict(zip(runs, pool.map(lambda run: count(*run), runs)))
-    per_call = {c: (totals[c, args.calls] - totals[c, 0]) / args.calls for c in CANDIDATES}
-    base = per_call[CANDIDATES[0]]
-    print(f"### Instructions per train() call, {WORKLOAD} (3 epochs; valgrind, {args.calls} calls)\n")
-    print("| candidate | instructions per call (millions) | ratio |")
-    print("| --- | ---: | ---: |")
-    for candidate, value in per_call.items():
-        print(f"| {candidate} | {value / 1e6:.1f} | {value / base:.3f} |")
+    for key in WORKLOADS if args.workload == "both" else (args.workload,):
+        workload = WORKLOADS[key]
+        runs = [(candidate, calls, workload) for candidate in CANDIDATES for calls in (0, args.calls)]
+        with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+            totals = dict(zip(runs, pool.map(lambda run: count(*run), runs)))
+        per_call = {c: (totals[c, args.calls, workload] - totals[c, 0, workload]) / args.calls for c in CANDIDATES}
+        base = per_call[CANDIDATES[0]]
+        epochs = WORKLOAD_EPOCHS[workload]
+        print(f"### Instructions per train() call, {workload} ({epochs} epoch(s); valgrind, {args.calls} calls)\n")
+        print("| candidate | instructions per call (millions) | ratio |")
+        print("| --- | ---: | ---: |")
+        for candidate, value in per_call.items():
+            print(f"| {candidate} | {value / 1e6:.1f} | {value / base:.3f} |")
+        print()
 
 
 if __name__ == "__main__":

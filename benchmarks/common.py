@@ -59,9 +59,9 @@ class Lockstep:
     totals are compared at a granularity of one batch, where the drift cancels.
 
     Call `run({name: fn})`: `fn(wrap)` runs one loop. Every loop runs in a thread of its own
-    (the calling thread only waits): a loop in the main thread measured about 2% slower than the
-    same loop in another thread, a bias no comparison should carry. Returns the seconds each loop
-    spent in its own turns.
+    (the calling thread only waits), so that all of them run alike. Turns follow the order of
+    the mapping: a loop runs faster right after its twin, so callers should vary that order
+    between runs. Returns the seconds each loop spent in its own turns.
 
     `batches_per_turn=None` hands the turn on only when a pass starts: a turn is then one whole
     pass (and the work after it), long enough that each loop runs with caches it warmed itself,
