@@ -143,6 +143,19 @@ class AverageMeter:
             TypeError: If `value` is not a number or tensor, or `n` is not a number.
             ValueError: If `n` is negative or a tensor's shape differs from earlier updates.
         """
+        pending = self._pending
+        if pending and type(value) is Tensor and type(n) is int and n == 1 and self._pending_n == 1:
+            # The per-step loss joining the queue of its kind: what the branches below do for it.
+            first = pending[0]
+            same_kind = value.dtype is first.dtype and value.device == first.device
+            if same_kind and not value.ndim and not value.requires_grad:
+                pending.append(value)
+                if len(pending) >= PENDING_VALUES:
+                    self._commit()
+                self._val, self._n = value, 1
+                self._count += 1
+                self._updated = True
+                return
         # The per-step call passes a plain int, which skips the full check.
         if type(n) is not int and (isinstance(n, bool) or not isinstance(n, (int, float))):
             raise TypeError(f"n must be a non-negative number, got {n!r}")

@@ -383,6 +383,7 @@ class LoopMixin:
         beat = supervisor.beat if supervisor.heartbeat_dir is not None else None
         track_progress = training and (budget is not None or supervisor.gc_interval is not None)
         step = self._batch_step(mode)
+        stop_poll = self._stop_poll()
         batches, loss_meter = 0, None
         # An evaluation pass runs in one inference context (entering it per batch costs more than
         # some small models' forward passes); it is left before a stop saves its checkpoint.
@@ -402,7 +403,7 @@ class LoopMixin:
                     beat(state.global_step, state.epoch, split)
                 if batches % interval == 0 or batches == length:
                     self._log_step(split, batches, length, training)
-                if self._stop_latched or self._stop_requested():
+                if self._stop_latched or (supervisor.stop_requested if stop_poll is None else stop_poll()):
                     # Stop only at a window boundary: applying a partial window (or dropping its
                     # gradients) would make the resumed run diverge from an uninterrupted one.
                     self._stop_latched = True
@@ -500,6 +501,11 @@ class LoopMixin:
     def _stop_requested(self) -> bool:
         """Whether a graceful stop was requested; distributed backends override this to agree across ranks."""
         return self.supervisor.stop_requested
+
+    def _stop_poll(self) -> Any:
+        """What a pass asks after each batch: `_stop_requested`, or None when the supervisor's flag
+        alone answers (then the loop reads the flag instead of making a call per batch)."""
+        return None if type(self)._stop_requested is LoopMixin._stop_requested else self._stop_requested
 
     @contextmanager
     def _loop_scope(self, *, training: bool) -> Iterator[None]:

@@ -483,6 +483,12 @@ class TorchStepMixin:
         total = self.all_reduce(torch.tensor(float(loss_n), device=loss.device))
         return weighted / total
 
+    def _stop_poll(self) -> Any:
+        """None (the local flag answers) unless this pass must agree on stop requests across ranks."""
+        if type(self)._stop_requested is not TorchStepMixin._stop_requested:
+            return self._stop_requested
+        return self._stop_requested if self._training and self._pass_distributed else None
+
     def _stop_requested(self) -> bool:
         """A stop request, agreed across ranks while training so that all of them stop at the same batch.
 

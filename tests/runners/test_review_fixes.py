@@ -306,3 +306,16 @@ def test_evaluation_pass_runs_in_inference_mode_and_stops_outside_it(tmp_path):
     assert runner.datasets.val.modes and all(runner.datasets.val.modes)
     assert runner.stop_in_inference_mode is False  # the shutdown checkpoint was taken after leaving it
     assert _shutdown_payload(runner)["state"]["train"]["epoch"] == 1
+
+
+def test_an_overridden_stop_check_is_asked_after_every_batch(tmp_path):
+    class StopAfterThreeBatches(TinyRunner):
+        asked = 0
+
+        def _stop_requested(self):
+            self.asked += 1
+            return self.asked >= 4  # the first call is the loop's check before any batch
+
+    with pytest.raises(SystemExit), StopAfterThreeBatches(tiny_config(tmp_path)) as runner:
+        runner.train()
+    assert runner.train_state.micro_step == 3 and runner.asked == 4
