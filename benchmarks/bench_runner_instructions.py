@@ -10,7 +10,8 @@ and repeatable. They are not time: code that misses the caches costs more per in
 that is where the paired wall-time figures of `bench_runner.py` still differ from these.
 
 Usage: ``python benchmarks/bench_runner_instructions.py [--calls 2] [--jobs 2] [--workload small|wide|both]``
-(about 15 minutes per workload on 2 cores; needs ``valgrind`` on PATH).
+(about 15 minutes for the small workload on 2 cores; the wide one is dominated by matrix kernels,
+which callgrind runs so slowly that a single epoch took over 25 minutes; needs ``valgrind``).
 """
 
 from __future__ import annotations
