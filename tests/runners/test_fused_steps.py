@@ -84,6 +84,11 @@ def test_fused_steps_give_exactly_what_the_hooks_give(tmp_path, overrides):
             assert torch.equal(value, hooked["ema"][key])
     for key in ("lr", "state", "skipped"):
         assert fused[key] == hooked[key], key
+    moments, reference = fused["optimizer"]["state"], hooked["optimizer"]["state"]
+    assert moments.keys() == reference.keys()
+    for index, values in moments.items():
+        for name, value in values.items():
+            torch.testing.assert_close(value, reference[index][name], rtol=0, atol=0, equal_nan=True)
     # repr: exact floats, and the NaN training loss of epoch 1 equals itself
     assert repr(fused["results"]) == repr(hooked["results"]) and repr(fused["evaluated"]) == repr(hooked["evaluated"])
     assert set(fused["results"][1]["train"]) == {"loss", "mae"}
