@@ -23,7 +23,7 @@ from .functional._common import Confusion, LabelCounter
 from .functional.regression import merge_moments
 from .meter import format_number
 from .metric_meter import Preprocess, batch_size, metric_name
-from .preprocess import _FLOAT_DTYPES, _plain_multiclass, base_preprocess
+from .preprocess import _plain_multiclass, base_preprocess
 from .state import MetricFunc, MetricState, MetricTask
 
 __all__ = ["GlobalMetrics"]
@@ -318,26 +318,18 @@ class GlobalMetrics:
             ValueError: If the batch does not fit a metric's task (shapes, dtypes, class count).
         """
         store = self._plain_store
-        if store is not None and n is None and type(input) is Tensor and type(target) is Tensor:
-            # Scores (N, C) and labels (N,) as they come from a classifier: the checks `format()`
-            # makes, on the shapes at hand, then straight into the queue (this runs every batch).
-            shape, target_shape = input.shape, target.shape
-            if (
-                len(shape) == 2
-                and len(target_shape) == 1
-                and shape[0] == target_shape[0]
-                and shape[1] == store.num_classes
-                and input.dtype in _FLOAT_DTYPES
-                and target.dtype is torch.long
-            ):
-                if input.requires_grad:
-                    input = input.detach()
-                store.defer(input, target)
-                store.last = (input, target)
-                self._last_count = shape[0]
-                self._count += shape[0]
-                self._cache.clear()
-                return
+        # Scores (N, C) and labels (N,) as they come from a classifier: the store's own check, then
+        # straight into its queue without the general path's layers (this runs every batch).
+        if store is not None and n is None and _plain_multiclass(input, target, store.num_classes):
+            if input.requires_grad:
+                input = input.detach()
+            store.defer(input, target)
+            store.last = (input, target)
+            n = target.shape[0]
+            self._last_count = n
+            self._count += n
+            self._cache.clear()
+            return
         preprocess = self.preprocess
         if preprocess is base_preprocess and type(input) is Tensor and type(target) is Tensor:
             # What base_preprocess does to plain tensors, without its calls (this runs every batch).

@@ -39,6 +39,8 @@ __all__ = ["TorchStepMixin"]
 _STOP_POLL_EVERY = 8  # batches between the cross-rank agreements on a stop request while training
 # The hooks each fused default step stands for: a pass uses the fused step only when none of
 # them is overridden (by the class or on the instance); otherwise it calls the hooks as usual.
+# The fused steps still call `_criterion_loss`, `_update_metrics`, `_inference_model` and
+# `_apply_update`, so overrides of those apply to both paths.
 _TRAIN_HOOKS = (
     "train_step",
     "to_device",
@@ -47,18 +49,9 @@ _TRAIN_HOOKS = (
     "backward",
     "step",
     "optimizer_step",
-    "_update_metrics",
-    "_criterion_loss",
     "_optimizer_container",
 )
-_EVALUATE_HOOKS = (
-    "evaluate_step",
-    "to_device",
-    "forward_context",
-    "_update_metrics",
-    "_criterion_loss",
-    "_inference_model",
-)
+_EVALUATE_HOOKS = ("evaluate_step", "to_device", "forward_context")
 _PREFERRED_MONITOR_SPLITS = ("val", "validate", "validation")
 
 
@@ -367,7 +360,7 @@ class TorchStepMixin:
             if eligible and self._optimizer_container_or_none() is not None:
                 return self._fused_train_step
             return step
-        if (self.model is not None or self.ema is not None) and self._uses_default_hooks(_EVALUATE_HOOKS):
+        if self._uses_default_hooks(_EVALUATE_HOOKS):
             return self._fused_evaluate_step
         return step
 
@@ -388,9 +381,7 @@ class TorchStepMixin:
         input, target = split_batch(to_device(data, device, non_blocking=device.type == "cuda"))
         pred = self.model(input)
         loss = self._criterion_loss(pred, target, required=True)
-        metrics = self._active_metrics
-        if metrics is not None and target is not None:
-            metrics.update(pred.detach() if isinstance(pred, torch.Tensor) else pred, target)
+        self._update_metrics(pred, target)
         loss.backward()
         state = self.state.train
         state.__dict__["micro_step"] = state.micro_step + 1  # a validated int stays one
@@ -400,14 +391,12 @@ class TorchStepMixin:
 
     def _fused_evaluate_step(self, data: Any) -> tuple[Any, torch.Tensor | None]:
         """`evaluate_step` in full precision, in one call (see `_batch_step`)."""
-        model = self.ema if self.ema is not None else self.model
+        model = self._inference_model()
         device = self.device
         input, target = split_batch(to_device(data, device, non_blocking=device.type == "cuda"))
         pred = model(input)
         loss = None if target is None else self._criterion_loss(pred, target, required=False)
-        metrics = self._active_metrics
-        if metrics is not None and target is not None:
-            metrics.update(pred.detach() if isinstance(pred, torch.Tensor) else pred, target)
+        self._update_metrics(pred, target)
         return pred, None if loss is None else loss.detach()
 
     def collect_result(self, split: str) -> RoundDict:
