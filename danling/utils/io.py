@@ -352,7 +352,8 @@ def save(obj: Any, file: File, *args: Any, durable: bool = True, **kwargs: Any) 
     if fmt.extension_aware:
         kwargs["ext"] = ext
     directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
+    if not os.path.isdir(directory):  # a stat, cheaper than a failing mkdir on every save
+        os.makedirs(directory, exist_ok=True)
     temp = os.path.join(directory, f".{os.path.basename(path)}.{secrets.token_hex(4)}.tmp")
     # os.open with 0o666 lets the umask decide permissions, as a plain open() would.
     descriptor = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)

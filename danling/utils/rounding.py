@@ -61,32 +61,29 @@ class RoundDict(NestedDict):
 
     @classmethod
     def from_flat(cls, values: Mapping[str, Any]) -> RoundDict:
-        """`RoundDict(values)` for the flat results meters and metrics return, built without
-        chanfig's generic constructor (key splitting, mapping conversion, validation), which costs
-        several microseconds per call on paths that run at every log step.
+        """`RoundDict(values)` for the results meters, metrics and runner loops produce, built
+        without chanfig's generic constructor (key splitting, mapping conversion, validation),
+        which costs several microseconds per call on paths that run at every log step or epoch.
 
         The shortcut applies to plain string keys without `.` that are not attribute names of the
-        class, holding numbers, tensors or `None`; anything else goes through `RoundDict(values)`.
+        class, holding numbers, tensors, `None`, or mappings of the same (a result row: split ->
+        metrics), which become nested `RoundDict`s as the constructor would make them; anything
+        else goes through `RoundDict(values)`. The mappings are copied, never shared.
 
         Examples:
             >>> RoundDict.from_flat({"loss": 0.25, "acc": 1}).dict()
             {'loss': 0.25, 'acc': 1}
+            >>> row = RoundDict.from_flat({"val": {"acc": 0.5}, "epoch": 3})
+            >>> type(row["val"]).__name__, row.val.acc, row.dict()
+            ('RoundDict', 0.5, {'val': {'acc': 0.5}, 'epoch': 3})
             >>> RoundDict.from_flat({"val.acc": 0.5}).dict()  # nested key: the constructor's path
             {'val': {'acc': 0.5}}
         """
         if cls is not RoundDict or not (
-            _SHORTCUT and values and all(_plain_item(key, value) for key, value in values.items())
+            _SHORTCUT and values and all(_row_item(key, value) for key, value in values.items())
         ):
             return cls(values)
-        result = RoundDict.__new__(RoundDict)
-        attributes = result.__dict__
-        attributes.update(_INSTANCE_ATTRS)
-        for key, value in values.items():
-            # What `FlatDict.set` does for such a key: store the item and mirror it as an
-            # attribute (its annotation and reserved-name checks cannot apply, see `_plain_item`).
-            dict.__setitem__(result, key, value)
-            attributes[key] = value
-        return result
+        return _build(values)
 
     def round(self, ndigits: int | None = None) -> Self:
         """Return a copy with every number rounded to `ndigits` decimal places.
@@ -205,3 +202,31 @@ def _plain_item(key: Any, value: Any) -> bool:
         and key not in _RESERVED
         and (type(value) in _PLAIN_VALUES or isinstance(value, torch.Tensor))
     )
+
+
+def _row_item(key: Any, value: Any) -> bool:
+    """A plain item, or a plain key holding a non-empty mapping of plain items (one level deep)."""
+    if _plain_item(key, value):
+        return True
+    return (
+        isinstance(value, Mapping)
+        and bool(value)
+        and type(key) is str
+        and "." not in key
+        and key not in _RESERVED
+        and all(_plain_item(k, v) for k, v in value.items())
+    )
+
+
+def _build(values: Mapping[str, Any]) -> RoundDict:
+    """What `FlatDict.set` does for items that passed `_row_item`: store each item and mirror it as an
+    attribute (its annotation and reserved-name checks cannot apply); mappings become `RoundDict`s."""
+    result = RoundDict.__new__(RoundDict)
+    attributes = result.__dict__
+    attributes.update(_INSTANCE_ATTRS)
+    for key, value in values.items():
+        if isinstance(value, Mapping):
+            value = _build(value)
+        dict.__setitem__(result, key, value)
+        attributes[key] = value
+    return result

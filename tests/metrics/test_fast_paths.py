@@ -124,10 +124,44 @@ def test_round_dict_of_flat_results_is_the_round_dict_constructor(values):
 
 @pytest.mark.parametrize(
     "values",
-    [{"val.acc": 0.5}, {"nested": {"acc": 0.5}}, {"items": 0.5}, {"seq": [0.1, 0.2]}, {1: 0.5}],
+    [
+        {"val.acc": 0.5},
+        {"items": 0.5},
+        {"seq": [0.1, 0.2]},
+        {1: 0.5},
+        {"deep": {"er": {"acc": 0.5}}},
+        {"empty": {}},
+        {"val": {"a.b": 0.5}},
+        {"val": {"items": 0.5}},
+    ],
 )
 def test_round_dict_falls_back_to_the_constructor_for_anything_else(values):
     assert RoundDict.from_flat(values).dict() == RoundDict(values).dict()
+
+
+@pytest.mark.parametrize(
+    "row",
+    [
+        {"train": {"loss": 0.25, "acc": torch.tensor(0.5)}, "val": {"loss": math.nan}},
+        {"val": {"acc": 1}, "epoch": 3, "note": None},
+    ],
+)
+def test_round_dict_of_a_result_row_is_the_round_dict_constructor(row):
+    # A row of split -> metrics (what the loops store every epoch) takes the shortcut too.
+    fast, general = RoundDict.from_flat(row), RoundDict(row)
+    assert repr(fast) == repr(general) and f"{fast:.2f}" == f"{general:.2f}"
+    assert repr(pickle.loads(pickle.dumps(fast))) == repr(general)
+    for key, value in row.items():
+        if isinstance(value, dict):
+            assert type(fast[key]) is RoundDict and vars(fast[key]).keys() >= vars(general[key]).keys()
+            assert getattr(fast, key) is fast[key]
+            for name in value:
+                assert same(fast[key][name], general[key][name]) and same(fast[f"{key}.{name}"], general[key][name])
+    # A copy: later changes to the source mappings do not reach the row.
+    for value in row.values():
+        if isinstance(value, dict):
+            value["added"] = 1.0
+    assert all("added" not in value for value in fast.values() if isinstance(value, dict))
 
 
 def test_meters_average_read_matches_the_synchronised_path():
