@@ -323,7 +323,7 @@ class TorchStepMixin:
         # In a pass, the container `_start_split` chose; outside one (a direct call), by mode.
         metrics = self._active_metrics if self._pass_distributed is not None else self._metrics_for(self.mode)
         if metrics is not None:
-            metrics.update(pred.detach() if isinstance(pred, torch.Tensor) else pred, target)
+            metrics.update(pred.detach() if isinstance(pred, torch.Tensor) and pred.requires_grad else pred, target)
 
     def _start_split(self, split: str, mode: RunnerMode, length: int | None) -> None:
         """Reset the split's metrics and, for training, open the accumulation pass."""

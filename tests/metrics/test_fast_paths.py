@@ -39,18 +39,21 @@ def batches_strategy(num_classes: int):
     data=st.data(),
 )
 def test_plain_multiclass_batches_count_like_the_general_path(num_classes, ignore_index, data):
-    dtype = data.draw(st.sampled_from([torch.float32, torch.float64]))
-    grads = data.draw(st.lists(st.booleans(), min_size=4, max_size=4))  # some scores still carry autograd
+    # Per batch: the dtype (a change counts the queue first) and whether the scores carry autograd.
+    dtypes = data.draw(st.lists(st.sampled_from([torch.float32, torch.float64]), min_size=4, max_size=4))
+    grads = data.draw(st.lists(st.booleans(), min_size=4, max_size=4))
     batches = [
         (torch.tensor(x, dtype=dtype).reshape(-1, num_classes).requires_grad_(grad), torch.tensor(y, dtype=torch.long))
-        for (x, y), grad in zip(data.draw(batches_strategy(num_classes)), grads)
+        for (x, y), dtype, grad in zip(data.draw(batches_strategy(num_classes)), dtypes, grads)
     ]
     fast = multiclass_metrics(num_classes, CLASSIFICATION, ignore_index=ignore_index)
     general = multiclass_metrics(num_classes, CLASSIFICATION, ignore_index=ignore_index)
     assert fast._plain_store is not None  # the short path of GlobalMetrics.update applies
     for input, target in batches:
         fast.update(input, target)
-    assert not any(source.requires_grad for source, _ in fast._plain_store.pending)
+    pending = fast._plain_store.pending
+    assert not any(source.requires_grad for source, _ in pending)
+    assert len({source.dtype for source, _ in pending}) <= 1 and pending[-1][0].dtype is batches[-1][0].dtype
     # Every batch through MetricTask.format and MetricTask.predicted_labels instead.
     general._plain_store = None
     with mock.patch.object(global_metrics_module, "_plain_multiclass", lambda *args: False):
