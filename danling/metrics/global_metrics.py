@@ -95,29 +95,39 @@ class _TaskStore:
     def defer(self, source: Tensor, target: Tensor) -> None:
         """Queue a batch for counting: multiclass scores or predicted labels, with the targets."""
         pending = self.pending
-        device = source.device
         if pending:
-            # The queue's dtypes and device, kept from its first batch (read every batch).
-            source_dtype, target_dtype, queue_device = self._queue_kind
-            if source.dtype is not source_dtype or target.dtype is not target_dtype or device != queue_device:
-                self.flush()
-                pending = self.pending
-        # Storage, not elements: a small view of a large tensor keeps all of it alive.
+            # The usual batch joins a queue of its kind (dtypes and device kept from the queue's
+            # first batch) and is small: appended with the fewest reads, as this runs every batch.
+            source_dtype, target_dtype, device = self._queue_kind
+            if (
+                source.dtype is source_dtype
+                and target.dtype is target_dtype
+                and source.device == device
+                and target.device == device
+            ):
+                # Storage, not elements: a small view of a large tensor keeps all of it alive.
+                held = source.untyped_storage().nbytes() + target.untyped_storage().nbytes()
+                if held < PENDING_BYTES:
+                    pending.append((source, target))
+                    self.pending_bytes += held
+                    if len(pending) >= PENDING_BATCHES or self.pending_bytes >= PENDING_BYTES:
+                        self.flush()
+                    return
+            self.flush()  # a new kind of batch (or one too big to hold): count what is queued first
+        device = source.device
         held = source.untyped_storage().nbytes() + target.untyped_storage().nbytes()
         if (
             held >= PENDING_BYTES
             or target.device != device
-            or (not pending and self._counts is not None and self._counts.device != device)
+            or (self._counts is not None and self._counts.device != device)
         ):
             # Too big to gain from waiting, or a device mix that must fail now, as it always did.
-            self.flush()
             self._count([(source, target)])
             return
-        if not pending:
-            self._queue_kind = (source.dtype, target.dtype, device)
-        pending.append((source, target))
-        self.pending_bytes += held
-        if len(pending) >= PENDING_BATCHES or self.pending_bytes >= PENDING_BYTES:
+        self._queue_kind = (source.dtype, target.dtype, device)
+        self.pending.append((source, target))
+        self.pending_bytes = held
+        if PENDING_BATCHES <= 1:
             self.flush()
 
     def flush(self) -> None:
