@@ -11,6 +11,7 @@ import signal
 import pytest
 
 from danling.runners import BaseRunner, RunnerConfig, RunnerMode, Tracker, base_runner
+from danling.utils import RoundDict
 from tests.dist import run_distributed
 from tests.runners._toy import TRAIN, VAL, ToyRunner, toy_config
 
@@ -393,6 +394,23 @@ def test_best_score_bookkeeping(make_runner):
     assert runner.best_index == 1 and runner.best_score == pytest.approx(0.7)
     runner.append_result({"val": {"loss": 0.1, "acc": 0.9}}, index=3)
     assert runner.is_best
+
+
+def test_result_rows_are_copies_and_scores_resolve_plain_and_dotted_names(make_runner):
+    runner = make_runner()
+    source = {"val": {"loss": 0.5, "acc": 0.5}}
+    runner.append_result(source, index=0)
+    source["val"]["loss"] = 99.0  # the stored row is a copy
+    row = runner.results[0]
+    assert type(row) is RoundDict and type(row["val"]) is RoundDict and row.val.loss == 0.5
+    runner.append_result({"val": {"loss": 0.2, "acc": 0.1}}, index=1)
+    assert runner.scores.dict() == {0: 0.5, 1: 0.2} and runner.best_index == 1
+    runner.config.score_name = "acc"
+    assert runner.best_index == 0
+    # A dotted score name reads nested metrics through the mapping's own path lookup.
+    runner.append_result({"val": {"head": {"acc": 0.75}}}, index=2)
+    runner.config.score_name = "head.acc"
+    assert runner.scores.dict() == {2: 0.75} and runner.is_best
 
 
 def test_is_best_is_false_without_a_resolvable_score(make_runner):
