@@ -23,7 +23,7 @@ from .functional._common import Confusion, LabelCounter
 from .functional.regression import merge_moments
 from .meter import format_number
 from .metric_meter import Preprocess, batch_size, metric_name
-from .preprocess import _FLOAT_DTYPES, _plain_multiclass, base_preprocess
+from .preprocess import _plain_multiclass, base_preprocess
 from .state import MetricFunc, MetricState, MetricTask
 
 __all__ = ["GlobalMetrics"]
@@ -34,7 +34,6 @@ KINDS = ("val", "bat", "avg")
 # extra memory small; a batch that alone reaches it is counted at once and never held.
 PENDING_BATCHES = 64
 PENDING_BYTES = 1 << 20
-_LONG = torch.long
 
 
 class _TaskStore:
@@ -333,29 +332,18 @@ class GlobalMetrics:
             ValueError: If the batch does not fit a metric's task (shapes, dtypes, class count).
         """
         store = self._plain_store
-        # Scores (N, C) and labels (N,) as they come from a classifier: the check `_plain_multiclass`
-        # makes, inlined, then straight into the store's queue without the general path's layers
-        # (this runs every batch).
-        if (
-            store is not None
-            and n is None
-            and type(input) is Tensor
-            and type(target) is Tensor
-            and input.dtype in _FLOAT_DTYPES
-            and target.dtype is _LONG
-            and input.ndim == 2
-            and target.ndim == 1
-        ):
-            rows, classes = input.shape
-            if rows == target.shape[0] and classes == store.num_classes:
-                if input.requires_grad:
-                    input = input.detach()
-                store.defer(input, target)
-                store.last = (input, target)
-                self._last_count = rows
-                self._count += rows
-                self._cache.clear()
-                return
+        # Scores (N, C) and labels (N,) as they come from a classifier: the store's own check, then
+        # straight into its queue without the general path's layers (this runs every batch).
+        if store is not None and n is None and _plain_multiclass(input, target, store.num_classes):
+            if input.requires_grad:
+                input = input.detach()
+            store.defer(input, target)
+            store.last = (input, target)
+            n = target.shape[0]
+            self._last_count = n
+            self._count += n
+            self._cache.clear()
+            return
         preprocess = self.preprocess
         if preprocess is base_preprocess and type(input) is Tensor and type(target) is Tensor:
             # What base_preprocess does to plain tensors, without its calls (this runs every batch).
