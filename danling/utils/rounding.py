@@ -195,27 +195,19 @@ _PLAIN_VALUES = (float, int, bool, type(None))
 _RESERVED = frozenset(_CHANFIG_INTERNAL or ()) | frozenset(dir(RoundDict))
 
 
+def _plain_key(key: Any) -> bool:
+    return type(key) is str and "." not in key and key not in _RESERVED
+
+
 def _plain_item(key: Any, value: Any) -> bool:
-    return (
-        type(key) is str
-        and "." not in key
-        and key not in _RESERVED
-        and (type(value) in _PLAIN_VALUES or isinstance(value, torch.Tensor))
-    )
+    return _plain_key(key) and (type(value) in _PLAIN_VALUES or isinstance(value, torch.Tensor))
 
 
 def _row_item(key: Any, value: Any) -> bool:
     """A plain item, or a plain key holding a non-empty mapping of plain items (one level deep)."""
-    if _plain_item(key, value):
-        return True
-    return (
-        isinstance(value, Mapping)
-        and bool(value)
-        and type(key) is str
-        and "." not in key
-        and key not in _RESERVED
-        and all(_plain_item(k, v) for k, v in value.items())
-    )
+    if isinstance(value, Mapping):
+        return bool(value) and _plain_key(key) and all(_plain_item(k, v) for k, v in value.items())
+    return _plain_item(key, value)
 
 
 def _build(values: Mapping[str, Any]) -> RoundDict:
