@@ -25,11 +25,12 @@ to one core:
      caches are shared between the loops, so
      each turn starts with some of its working set evicted (``--turn 1`` makes that the rule:
      a pessimistic figure). ``--method passes`` hands the turn on once per pass instead.
-   ``runner`` builds its own (resumable) dataloaders; ``runner, torch loaders`` is given the
-   plain `torch.utils.data.DataLoader`s the hand-written loop uses, which separates loop
-   overhead from the dataloader choice. With ``--ablate`` two more variants switch off the
-   per-epoch result files and replace danling's metric container by the loop's plain running
-   count, to show what each service costs.
+   ``runner`` builds its own (resumable) dataloaders, which fetch the `TensorDataset` batches
+   whole (`danling.data.fetch`); ``runner, torch loaders`` is given the plain
+   `torch.utils.data.DataLoader`s the hand-written loop uses, which fetch example by example:
+   that row is the loop's own overhead, the first one what a user gets. With ``--ablate`` two
+   more variants switch off the per-epoch result files and replace danling's metric container
+   by the loop's plain running count, to show what each service costs.
 2. Time to first step: constructing everything (model, optimizer, loaders; for the runner also
    the workspace, logging and metadata) plus one optimizer step (median of alternating runs).
 3. Checkpoint throughput (MB of model + optimizer state per second) of the runner's file and

@@ -79,7 +79,7 @@ def tensor_batch_fetcher(fetcher: Any) -> _TensorBatchFetcher | None:
         dtype = indices.dtype
         if indices.ndim != 1 or dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
             return None
-        indices = indices.to(torch.int64)  # uint8 would index as a mask
+        indices = indices.to("cpu", torch.int64)  # uint8 would index as a mask; batch indices are on the CPU
         positions = indices if positions is None else indices[positions]
         node = node.dataset
     if not _is_stock(node, TensorDataset):
