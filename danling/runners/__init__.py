@@ -8,25 +8,32 @@
   DDP), registered for the stacks `auto`, `torch` and `ddp`.
 - [`Runner`][danling.runners.runner.Runner]: builds the backend runner named by `config.stack`
   (backends join through [`register_runner`][danling.runners.runner.register_runner]).
-- [`Precision`][danling.runners.torch_components.Precision],
-  [`GradientAccumulator`][danling.runners.torch_components.GradientAccumulator],
-  [`OptimizerContainer`][danling.runners.torch_components.OptimizerContainer],
-  [`EMA`][danling.runners.torch_components.EMA]: the pieces of the torch training step, usable alone.
-- [`RunnerState`][danling.runners.state.RunnerState], [`RunnerWorkspace`][danling.runners.workspace.RunnerWorkspace],
-  [`RunnerSupervisor`][danling.runners.supervisor.RunnerSupervisor] and the trackers: the services a runner
+- [`Precision`][danling.runners.update.precision.Precision],
+  [`GradientAccumulator`][danling.runners.update.accumulation.GradientAccumulator],
+  [`OptimizerContainer`][danling.runners.update.optimizer.OptimizerContainer],
+  [`EMA`][danling.runners.update.ema.EMA]: the pieces of the torch training step, usable alone.
+- [`RunnerState`][danling.runners.state.RunnerState],
+  [`RunnerWorkspace`][danling.runners.services.workspace.RunnerWorkspace],
+  [`RunnerSupervisor`][danling.runners.services.supervisor.RunnerSupervisor] and the trackers: the services a runner
   is built from, usable on their own.
 """
 
 from .base_runner import BaseRunner, MetaRunner
 from .config import RunnerConfig
-from .loops import RunnerMode
+from .loop import RunnerMode
 from .runner import RUNNERS, Runner, register_runner, resolve_runner
+from .services import (
+    RunnerSupervisor,
+    RunnerWorkspace,
+    TensorBoardTracker,
+    Tracker,
+    Trackers,
+    WandbTracker,
+    flatten_result,
+)
 from .state import RunnerElasticState, RunnerRNGState, RunnerState, RunnerTrainState
-from .supervisor import RunnerSupervisor
-from .torch_components import EMA, GradientAccumulator, OptimizerContainer, Precision
 from .torch_runner import TorchRunner
-from .trackers import TensorBoardTracker, Tracker, Trackers, WandbTracker, flatten_result
-from .workspace import RunnerWorkspace
+from .update import EMA, GradientAccumulator, OptimizerContainer, Precision
 
 __all__ = [
     "BaseRunner",

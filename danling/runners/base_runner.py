@@ -2,9 +2,9 @@
 
 The class owns the construction lifecycle, process facts (rank, world size), seeding and the
 services every backend shares (workspace, logging, trackers, checkpoint manager, supervisor).
-Loops live in [`loops`][danling.runners.loops], budgets and split selection in
-[`progress`][danling.runners.progress], result bookkeeping in [`results`][danling.runners.results]
-and the checkpoint API in [`checkpointing`][danling.runners.checkpointing]; `BaseRunner` mixes
+Loops live in [`loops`][danling.runners.loop.loops], budgets and split selection in
+[`progress`][danling.runners.loop.budget], result bookkeeping in [`results`][danling.runners.services.results]
+and the checkpoint API in [`checkpointing`][danling.runners.checkpointing.api]; `BaseRunner` mixes
 them together.
 """
 
@@ -28,13 +28,9 @@ from danling.utils.io import save as save_file
 
 from .checkpointing import CheckpointMixin
 from .config import RunnerConfig
-from .loops import LoopMixin
-from .progress import ProgressMixin
-from .results import ResultsMixin
+from .loop import LoopMixin, ProgressMixin
+from .services import ResultsMixin, RunnerSupervisor, RunnerWorkspace, TensorBoardTracker, Trackers, WandbTracker
 from .state import RunnerElasticState, RunnerRNGState, RunnerState, RunnerTrainState
-from .supervisor import RunnerSupervisor
-from .trackers import TensorBoardTracker, Trackers, WandbTracker
-from .workspace import RunnerWorkspace
 
 __all__ = ["BaseRunner", "MetaRunner"]
 
@@ -76,7 +72,7 @@ class BaseRunner(CheckpointMixin, ResultsMixin, LoopMixin, ProgressMixin, metacl
        validated, and a fresh [`RunnerState`][danling.runners.state.RunnerState] is created.
     2. The workspace, the `datasets`/`dataloaders`/`results` containers, the default
        [`FileCheckpointManager`][danling.checkpoint.FileCheckpointManager] and the
-       [`RunnerSupervisor`][danling.runners.supervisor.RunnerSupervisor] are bound.
+       [`RunnerSupervisor`][danling.runners.services.supervisor.RunnerSupervisor] are bound.
     3. Early hooks: `init_distributed`, `init_checkpoint_manager`, `init_fault_tolerance`,
        `init_garbage_collection`.
     4. `set_seed`, then `set_deterministic` when `config.deterministic` is set.
@@ -151,7 +147,7 @@ class BaseRunner(CheckpointMixin, ResultsMixin, LoopMixin, ProgressMixin, metacl
         """Finish construction once the subclass `__init__` has returned.
 
         Restores from `config.resume` / `config.auto_resume` / `config.pretrained` (see
-        [`auto_restore`][danling.runners.checkpointing.CheckpointMixin.auto_restore]) unless the
+        [`auto_restore`][danling.runners.checkpointing.api.CheckpointMixin.auto_restore]) unless the
         concrete runner did so already, then writes the run metadata on the main process.
         Concrete runners build their model, optimizer and dataloaders first and then call
         `super().__post_init__()`.

@@ -2,7 +2,7 @@
 
 The class assembles three layers: construction and component building (this module), per-batch
 hooks ([`TorchStepMixin`][danling.runners.torch_steps.TorchStepMixin]) and checkpoint payloads
-([`TorchCheckpointMixin`][danling.runners.torch_checkpoint.TorchCheckpointMixin]) on top of the
+([`TorchCheckpointMixin`][danling.runners.checkpointing.torch_state.TorchCheckpointMixin]) on top of the
 backend-free [`BaseRunner`][danling.runners.base_runner.BaseRunner].
 """
 
@@ -25,11 +25,11 @@ from danling.distributed import broadcast_object, init_process_group_from_env, i
 from danling.optim import build_optimizer, build_scheduler, is_metric_scheduler
 
 from .base_runner import BaseRunner
-from .compiler import Compiler
+from .checkpointing import TorchCheckpointMixin
 from .runner import register_runner
-from .torch_checkpoint import TorchCheckpointMixin
-from .torch_components import EMA, GradientAccumulator, OptimizerContainer, Precision
+from .services import Compiler
 from .torch_steps import TorchStepMixin
+from .update import EMA, GradientAccumulator, OptimizerContainer, Precision
 
 __all__ = ["TorchRunner"]
 
@@ -54,17 +54,17 @@ class TorchRunner(TorchCheckpointMixin, TorchStepMixin, BaseRunner):
 
     Attributes:
         model: The model after materialization (moved to `device`, possibly compiled and DDP-wrapped).
-        ema: The [`EMA`][danling.runners.torch_components.EMA] copy (or your own module) used by
+        ema: The [`EMA`][danling.runners.update.ema.EMA] copy (or your own module) used by
             evaluation and inference when set.
         criterion: Loss function `criterion(pred, target)` of the default steps.
         optimizer: The optimizer, built from `config.optim` unless assigned.
         scheduler: The learning-rate scheduler, built from the scheduler section unless assigned.
-        optimizer_container: The [`OptimizerContainer`][danling.runners.torch_components.OptimizerContainer]
+        optimizer_container: The [`OptimizerContainer`][danling.runners.update.optimizer.OptimizerContainer]
             that applies each update (clipping, non-finite skip, step-interval scheduler).
-        accumulator: The [`GradientAccumulator`][danling.runners.torch_components.GradientAccumulator]
+        accumulator: The [`GradientAccumulator`][danling.runners.update.accumulation.GradientAccumulator]
             deciding which micro-steps update.
-        precision_policy: The [`Precision`][danling.runners.torch_components.Precision] of `config.precision`.
-        compiler: The [`Compiler`][danling.runners.compiler.Compiler] of the `compile` section.
+        precision_policy: The [`Precision`][danling.runners.update.precision.Precision] of `config.precision`.
+        compiler: The [`Compiler`][danling.runners.services.compiler.Compiler] of the `compile` section.
         scheduler_interval: When the scheduler steps: `"step"` (each update) or `"epoch"`/`"validation"`.
         scheduler_monitor: Dotted result path a metric scheduler watches, or `None` for the score metric.
         collate_fn: Batch collation used by `build_dataloaders` (`None`: torch's default).

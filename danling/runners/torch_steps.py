@@ -1,7 +1,7 @@
 """Per-batch hooks of [`TorchRunner`][danling.runners.TorchRunner]: default steps, backward, the update.
 
 [`TorchStepMixin`][danling.runners.torch_steps.TorchStepMixin] implements the hooks the loops of
-[`LoopMixin`][danling.runners.loops.LoopMixin] call once per batch: the default batch contract
+[`LoopMixin`][danling.runners.loop.loops.LoopMixin] call once per batch: the default batch contract
 (`train_step`, `evaluate_step`, `infer_step`), the precision and DDP contexts, the accumulation
 state machine (`backward`, `step`, `optimizer_step`), metric updates and per-split results,
 scheduler stepping and the collectives used for logging. Nothing here reads a tensor back to the
@@ -31,8 +31,8 @@ from danling.distributed import (
 from danling.optim import is_metric_scheduler
 from danling.utils import RoundDict, to_device
 
-from .loops import RunnerMode
-from .torch_components import EMA
+from .loop import RunnerMode
+from .update import EMA
 
 __all__ = ["TorchStepMixin"]
 
@@ -73,7 +73,7 @@ class TorchStepMixin:
     # ------------------------------------------------------------------ mode and contexts
     @property
     def mode(self) -> RunnerMode:
-        """Current [`RunnerMode`][danling.runners.loops.RunnerMode]; setting it switches `model` between
+        """Current [`RunnerMode`][danling.runners.loop.loops.RunnerMode]; setting it switches `model` between
         `train()` and `eval()` (the EMA copy always stays in evaluation mode)."""
         return self._mode
 
@@ -182,7 +182,7 @@ class TorchStepMixin:
     def infer(
         self, split: str = "infer", *, steps: int | None = None, stream: bool | None = None
     ) -> list[Any] | Iterator[list[Any]]:
-        """Predict on `split` like [`LoopMixin.infer`][danling.runners.loops.LoopMixin.infer]; under DDP a
+        """Predict on `split` like [`LoopMixin.infer`][danling.runners.loop.loops.LoopMixin.infer]; under DDP a
         list result covers the whole split, in dataset order, on every rank.
 
         The split's sampler shards the data over the ranks (rank `r` gets items `r, r + W, ...`
@@ -247,7 +247,7 @@ class TorchStepMixin:
         """Apply one update from the accumulated gradients; return whether it was applied.
 
         Waits until a pending asynchronous checkpoint no longer reads the parameters, then lets the
-        [`OptimizerContainer`][danling.runners.torch_components.OptimizerContainer] unscale, skip
+        [`OptimizerContainer`][danling.runners.update.optimizer.OptimizerContainer] unscale, skip
         non-finite gradients (all ranks agree), clip, step optimizer and step-interval scheduler and
         zero the gradients. An applied update increments `train_state.global_step` and refreshes
         the EMA copy; a skipped one changes neither.

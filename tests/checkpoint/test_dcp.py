@@ -191,7 +191,7 @@ class _Pairs(torch.utils.data.Dataset):
 def _train_run(rank: int, world_size: int, directory: str, stop_at: int | None = None, resume: bool = False):
     """Three epochs of 2-step accumulation with dropout, clipping, EMA and a resumable loader."""
     from danling.data import batch_fingerprint, build_dataloader, check_batch_fingerprint, split_batch
-    from danling.runners.torch_components import EMA, GradientAccumulator, OptimizerContainer
+    from danling.runners.update import EMA, GradientAccumulator, OptimizerContainer
 
     distributed = world_size > 1
     torch.manual_seed(0)

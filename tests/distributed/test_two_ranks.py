@@ -21,7 +21,7 @@ from danling.distributed import (
     unwrap_model,
     wrap_ddp,
 )
-from danling.runners.torch_components import GradientAccumulator, OptimizerContainer, has_nonfinite_gradients
+from danling.runners.update import GradientAccumulator, OptimizerContainer, has_nonfinite_gradients
 from tests.dist import run_distributed
 
 GLOBAL_BATCH = 12

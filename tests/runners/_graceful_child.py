@@ -14,7 +14,7 @@ from pathlib import Path
 
 def main(run_dir: str) -> None:
     from danling.checkpoint import FileCheckpointManager
-    from danling.runners.supervisor import RunnerSupervisor
+    from danling.runners.services.supervisor import RunnerSupervisor
 
     root = Path(run_dir)
     supervisor = RunnerSupervisor(heartbeat_dir=root / "heartbeats", heartbeat_interval=0)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from danling.metrics import regression_metrics
-from danling.runners.loops import RunnerMode
+from danling.runners.loop.loops import RunnerMode
 from danling.runners.torch_steps import _EVALUATE_HOOKS, _TRAIN_HOOKS, TorchStepMixin
 from tests.runners._torch_toy import TinyRunner, model_state, tiny_config
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from danling.checkpoint import FileCheckpointManager
-from danling.runners.supervisor import RunnerSupervisor
+from danling.runners.services.supervisor import RunnerSupervisor
 
 CHILD = Path(__file__).with_name("_graceful_child.py")
 REPO = Path(__file__).resolve().parents[2]

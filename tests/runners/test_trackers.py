@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from danling.runners.trackers import TensorBoardTracker, Tracker, Trackers, WandbTracker, flatten_result
+from danling.runners.services.trackers import TensorBoardTracker, Tracker, Trackers, WandbTracker, flatten_result
 
 RESULTS = [
     (1, {"train": {"loss": torch.tensor(0.75), "lr": 0.1}}),

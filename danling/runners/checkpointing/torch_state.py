@@ -1,7 +1,7 @@
 """Checkpoint payload and restore paths of [`TorchRunner`][danling.runners.TorchRunner].
 
-[`TorchCheckpointMixin`][danling.runners.torch_checkpoint.TorchCheckpointMixin] extends the
-backend-neutral payload of [`CheckpointMixin`][danling.runners.checkpointing.CheckpointMixin] with
+[`TorchCheckpointMixin`][danling.runners.checkpointing.torch_state.TorchCheckpointMixin] extends the
+backend-neutral payload of [`CheckpointMixin`][danling.runners.checkpointing.api.CheckpointMixin] with
 the torch components and everything an exact resume needs:
 
 - `model` / `optimizer`: keyed by parameter name (through
@@ -32,7 +32,7 @@ import torch
 from danling.checkpoint import FileCheckpointManager
 from danling.data import DataResumeError, ResumableSampler, batch_fingerprint, check_batch_fingerprint
 
-from .checkpointing import CheckpointSource, _dcp_directory, _is_path
+from .api import CheckpointSource, _dcp_directory, _is_path
 
 __all__ = ["TorchCheckpointMixin"]
 

@@ -450,7 +450,7 @@ def _config_id(config: Any) -> str:
         return config_id
     if not isinstance(config, Mapping):
         raise TypeError(f"config must be a RunnerConfig or a mapping, got {type(config).__name__}")
-    from .config import RunnerConfig
+    from ..config import RunnerConfig
 
     return RunnerConfig(config).config_id
 

@@ -1,6 +1,6 @@
 """Budgets, cadences and split selection derived from the config and the bound dataloaders.
 
-[`ProgressMixin`][danling.runners.progress.ProgressMixin] answers "how long do we train, how
+[`ProgressMixin`][danling.runners.loop.budget.ProgressMixin] answers "how long do we train, how
 often do we log and checkpoint, and on which splits" for `BaseRunner`; every answer is read
 from `config` first and inferred from `dataloaders` otherwise.
 """
@@ -13,7 +13,7 @@ from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .config import RunnerConfig
+    from ..config import RunnerConfig
 
 __all__ = ["ProgressMixin"]
 

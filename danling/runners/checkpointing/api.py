@@ -1,6 +1,6 @@
 """The runner's checkpoint API, delegating storage to `self.checkpoint_manager`.
 
-[`CheckpointMixin`][danling.runners.checkpointing.CheckpointMixin] builds and restores the
+[`CheckpointMixin`][danling.runners.checkpointing.api.CheckpointMixin] builds and restores the
 backend-neutral payload (config, runner state, RNG snapshots, dataloader progress, result rows),
 decides checkpoint names and aliases, and implements the resume policy
 (`resume` > `auto_resume` > `pretrained`). Backends extend `state_dict` with their components
@@ -18,10 +18,10 @@ from danling.checkpoint import read_checkpoint as read_checkpoint_source
 from danling.checkpoint.layout import POINTER_SUFFIX, follow_pointer
 from danling.utils import RoundDict
 
-from .config import RunnerConfig
+from ..config import RunnerConfig
 
 if TYPE_CHECKING:
-    from .base_runner import BaseRunner
+    from ..base_runner import BaseRunner
 
 __all__ = ["CheckpointMixin"]
 

@@ -4,7 +4,7 @@ A runner keeps one row per round in [`results`][danling.runners.base_runner.Base
 epoch index in epoch mode and the global step in step mode, and each row maps a split name to
 that split's metrics (``{"train": {"loss": 0.31}, "val": {"loss": 0.35, "acc": 0.91}}``).
 
-[`ResultsMixin`][danling.runners.results.ResultsMixin] derives everything else from those rows:
+[`ResultsMixin`][danling.runners.services.results.ResultsMixin] derives everything else from those rows:
 the split and metric used for model selection, the best row, early stopping, and the three JSON
 files a run directory carries (`results.json`, `latest.json`, `best.json`).
 """
@@ -22,7 +22,7 @@ from chanfig import FlatDict
 from danling.utils import BackgroundWriter, RoundDict
 
 if TYPE_CHECKING:
-    from .config import RunnerConfig
+    from ..config import RunnerConfig
 
 __all__ = ["ResultsMixin", "format_result"]
 
@@ -283,7 +283,7 @@ class ResultsMixin:
         return cached[1]
 
     def format_result(self, result: Mapping[str, Any], format_spec: str = ".4f") -> str:
-        """Render `result` as text; see [`format_result`][danling.runners.results.format_result]."""
+        """Render `result` as text; see [`format_result`][danling.runners.services.results.format_result]."""
         return format_result(result, format_spec)
 
     def format_epoch_result(self, result: Mapping[str, Any], epoch: int | None = None, format_spec: str = ".4f") -> str:

@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-from danling.runners.torch_components import (
+from danling.runners.update import (
     EMA,
     GradientAccumulator,
     OptimizerContainer,

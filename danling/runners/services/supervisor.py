@@ -1,6 +1,6 @@
 """Process-level services for a training run: graceful signals, heartbeats and GC pacing.
 
-[`RunnerSupervisor`][danling.runners.supervisor.RunnerSupervisor] never touches the model or the
+[`RunnerSupervisor`][danling.runners.services.supervisor.RunnerSupervisor] never touches the model or the
 loop itself. Its signal handlers only record the request; the training loop polls
 `stop_requested` between steps, finishes the step it is in, saves a shutdown checkpoint, closes,
 and exits with `exit_code` (128 + signal number, the shell convention).

@@ -1,8 +1,8 @@
 """Experiment trackers: every result the runner writes also goes to TensorBoard and/or W&B.
 
 Trackers receive nested result mappings (`{"train": {"loss": tensor(0.3)}, "val": {...}}`) and a
-step. [`flatten_result`][danling.runners.trackers.flatten_result] turns them into
-`{"train/loss": 0.3, ...}`; [`Trackers`][danling.runners.trackers.Trackers] fans one call out to
+step. [`flatten_result`][danling.runners.services.trackers.flatten_result] turns them into
+`{"train/loss": 0.3, ...}`; [`Trackers`][danling.runners.services.trackers.Trackers] fans one call out to
 all configured backends. TensorBoard and W&B are imported only when their tracker is built.
 """
 

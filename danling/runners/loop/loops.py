@@ -1,6 +1,6 @@
 """Backend-free loop skeletons: training, evaluation and inference over the bound dataloaders.
 
-[`LoopMixin`][danling.runners.loops.LoopMixin] drives training, evaluation and inference over
+[`LoopMixin`][danling.runners.loop.loops.LoopMixin] drives training, evaluation and inference over
 `self.dataloaders[split]` and calls the step hooks (`train_step`, `evaluate_step`,
 `infer_step`). It updates the progress counters, result rows and checkpoints, honours early stop
 and graceful-stop requests, and feeds step logs to the logger and the trackers. It never touches
@@ -22,10 +22,10 @@ from tqdm.auto import tqdm
 
 from danling.utils import RoundDict
 
-from .progress import length_of
+from .budget import length_of
 
 if TYPE_CHECKING:
-    from .config import RunnerConfig
+    from ..config import RunnerConfig
 
 __all__ = ["LoopMixin", "RunnerMode"]
 
@@ -63,7 +63,7 @@ class LoopMixin:
     # ------------------------------------------------------------------ mode
     @property
     def mode(self) -> RunnerMode:
-        """Current [`RunnerMode`][danling.runners.loops.RunnerMode]; backends override the setter to
+        """Current [`RunnerMode`][danling.runners.loop.loops.RunnerMode]; backends override the setter to
         switch their modules between training and evaluation behaviour."""
         return self._mode
 

@@ -1,0 +1,20 @@
+"""Services a runner is built from, each usable on its own: run directory and logging, signals and
+heartbeats, trackers, result bookkeeping and `torch.compile` settings."""
+
+from .compiler import Compiler
+from .results import ResultsMixin
+from .supervisor import RunnerSupervisor
+from .trackers import TensorBoardTracker, Tracker, Trackers, WandbTracker, flatten_result
+from .workspace import RunnerWorkspace
+
+__all__ = [
+    "Compiler",
+    "ResultsMixin",
+    "RunnerSupervisor",
+    "RunnerWorkspace",
+    "TensorBoardTracker",
+    "Tracker",
+    "Trackers",
+    "WandbTracker",
+    "flatten_result",
+]
