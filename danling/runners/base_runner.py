@@ -28,7 +28,7 @@ from danling.utils.io import save as save_file
 
 from .checkpointing import CheckpointMixin
 from .config import RunnerConfig
-from .loop import LoopMixin, ProgressMixin
+from .loop import LoopMixin, LoopState, ProgressMixin
 from .services import ResultsMixin, RunnerSupervisor, RunnerWorkspace, TensorBoardTracker, Trackers, WandbTracker
 from .state import RunnerElasticState, RunnerRNGState, RunnerState, RunnerTrainState
 
@@ -152,6 +152,9 @@ class BaseRunner(CheckpointMixin, ResultsMixin, LoopMixin, ProgressMixin, metacl
         Concrete runners build their model, optimizer and dataloaders first and then call
         `super().__post_init__()`.
         """
+        if "update" not in self.__dict__:
+            self.update = self.build_update_strategy()
+        self.loop_state.accumulator = self.update.accumulator
         if not self.__dict__.get("_restored", False):
             self.auto_restore()
         if self.is_main_process:
@@ -176,6 +179,7 @@ class BaseRunner(CheckpointMixin, ResultsMixin, LoopMixin, ProgressMixin, metacl
         if "dataloaders" not in self.__dict__:
             self.dataloaders = FlatDict()
         self.results = RoundDict()
+        self.loop_state = LoopState()
         self.meters = AverageMeters()
         self.trackers = Trackers()
         self.ft = None
@@ -346,14 +350,6 @@ class BaseRunner(CheckpointMixin, ResultsMixin, LoopMixin, ProgressMixin, metacl
         runner and exit with 128 + the signal number. Handlers are restored by `close`.
         """
         self.supervisor.install_signal_handlers()
-
-    def prepare_for_shutdown_checkpoint(self) -> None:
-        """Bring the state to a consistent point before the shutdown checkpoint is written.
-
-        The default applies a pending partial accumulation window, so the checkpoint never holds
-        gradients that were computed but not applied.
-        """
-        self._flush_pending_optimizer_step()
 
     # ------------------------------------------------------------------ logging and trackers
     def init_logging(self) -> None:

@@ -12,6 +12,7 @@ import math
 import os
 import random
 from collections.abc import Callable, Iterator, Mapping, Sized
+from datetime import timedelta
 from functools import cached_property
 from typing import Any
 
@@ -21,20 +22,28 @@ from torch import nn
 from torch.utils.data import IterableDataset
 
 from danling.data import ResumableSampler, build_dataloader, resolve_loader_options
-from danling.distributed import broadcast_object, init_process_group_from_env, is_distributed, unwrap_model, wrap_ddp
+from danling.distributed import (
+    all_reduce_mean,
+    broadcast_object,
+    init_process_group_from_env,
+    is_distributed,
+    unwrap_model,
+    wrap_ddp,
+)
 from danling.optim import build_optimizer, build_scheduler, is_metric_scheduler
 
 from .base_runner import BaseRunner
 from .checkpointing import TorchCheckpointMixin
 from .runner import register_runner
 from .services import Compiler
-from .torch_steps import TorchStepMixin
-from .update import EMA, GradientAccumulator, OptimizerContainer, Precision
+from .torch_batch import TorchBatchMixin
+from .update import EMA, GradientAccumulator, OptimizerContainer, Precision, TorchUpdateStrategy, gradient_sync_for
+from .update.scheduling import advance_round_scheduler
 
 __all__ = ["TorchRunner"]
 
 
-class TorchRunner(TorchCheckpointMixin, TorchStepMixin, BaseRunner):
+class TorchRunner(TorchCheckpointMixin, TorchBatchMixin, BaseRunner):
     """PyTorch runner for training, evaluation and inference, in one process or under DDP.
 
     Subclass it and, in `__init__` after `super().__init__(config)`, bind `self.model` (required),
@@ -92,12 +101,11 @@ class TorchRunner(TorchCheckpointMixin, TorchStepMixin, BaseRunner):
     """
 
     collate_fn: Callable | None = None
+    scheduler_interval: str = "step"
+    scheduler_monitor: str | None = None
+    _train_timeout_applied: bool = False
     _owns_process_group: bool = False
     _deterministic_before: tuple | None = None
-
-    def __init__(self, config: Any) -> None:
-        super().__init__(config)
-        self.accumulator = GradientAccumulator(self.accum_steps)
 
     def __post_init__(self) -> None:
         """Materialize the model, build optimizer, scheduler and dataloaders, then restore and record metadata."""
@@ -106,7 +114,8 @@ class TorchRunner(TorchCheckpointMixin, TorchStepMixin, BaseRunner):
         self.materialize_model()
         self.build_optimizer()
         self.build_scheduler()
-        self._bind_optimizer_container()
+        self.update = self.build_update_strategy()
+        self.update.bind(self.optimizer, self.scheduler, self.scheduler_interval)
         if self.datasets:
             self.build_dataloaders()
         super().__post_init__()
@@ -320,22 +329,112 @@ class TorchRunner(TorchCheckpointMixin, TorchStepMixin, BaseRunner):
             per_epoch += math.ceil(batches / self.accum_steps)
         return self.epochs * per_epoch or None
 
-    def _bind_optimizer_container(self) -> None:
-        previous = self.optimizer_container
-        if self.optimizer is None:
-            self.optimizer_container = None
-            return
-        self.optimizer_container = OptimizerContainer(
-            self.optimizer,
-            self.scheduler,
+    # ------------------------------------------------------------------ updates
+    def build_update_strategy(self) -> TorchUpdateStrategy:
+        """The [`TorchUpdateStrategy`][danling.runners.update.strategy.TorchUpdateStrategy] of this run.
+
+        Called once by `__post_init__` after `materialize_model`, `build_optimizer` and
+        `build_scheduler` (the optimizer and scheduler are bound to it right after). It reads
+        `accum_steps`, `precision`, the clipping and non-finite settings, and takes the model's
+        gradient-sync control (DDP `no_sync`, FSDP2's sync flag) and the gradient domain's group.
+        Backends whose engine owns backward and step return their own strategy.
+        """
+        return TorchUpdateStrategy(
+            self.accum_steps,
             precision=self.precision_policy,
+            gradient_sync=gradient_sync_for(self.model),
+            group=None,
             max_grad_norm=self.max_grad_norm,
             max_grad_value=self.max_grad_value,
             skip_nonfinite_grad=self.skip_nonfinite_grad,
-            scheduler_interval=self.scheduler_interval,
         )
-        if previous is not None:
-            self.optimizer_container.skipped_steps = previous.skipped_steps
+
+    @property
+    def accumulator(self) -> GradientAccumulator:
+        """The accumulation window state of the update strategy."""
+        return self.update.accumulator
+
+    @property
+    def optimizer_container(self) -> OptimizerContainer | None:
+        """The [`OptimizerContainer`][danling.runners.update.optimizer.OptimizerContainer] applying each update."""
+        return self.__dict__["update"].container if "update" in self.__dict__ else None
+
+    def optimizer_step(self) -> bool:
+        """Apply one update from the accumulated gradients; return whether it was applied.
+
+        Waits until a pending asynchronous checkpoint no longer reads the parameters, then lets the
+        [`OptimizerContainer`][danling.runners.update.optimizer.OptimizerContainer] unscale, skip
+        non-finite gradients (all ranks agree), clip, step optimizer and step-interval scheduler and
+        zero the gradients. An applied update increments `train_state.global_step` and refreshes
+        the EMA copy; a skipped one changes neither.
+
+        Raises:
+            RuntimeError: no optimizer is bound (set `config.optim.type` or `self.optimizer`).
+        """
+        container = self.update.container
+        if container is None or container.optimizer is not self.optimizer or container.scheduler is not self.scheduler:
+            self.update.bind(self.optimizer, self.scheduler, self.scheduler_interval)  # reassigned by the user
+            if self.update.container is None:
+                raise RuntimeError(
+                    f"{type(self).__name__} has no optimizer to step: set config.optim.type or assign self.optimizer"
+                )
+        applied = super().optimizer_step()
+        if applied:
+            if isinstance(self.ema, EMA):
+                self.ema.update(self.model)
+            if not self._train_timeout_applied:
+                self._apply_train_timeout()
+        return applied
+
+    def _apply_train_timeout(self) -> None:
+        """Switch the default group to `comm.train_timeout_seconds` once the first update went through."""
+        self._train_timeout_applied = True
+        seconds = self.config.comm.train_timeout_seconds
+        set_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
+        if seconds and is_distributed() and set_timeout is not None:
+            set_timeout(timedelta(seconds=seconds), None)
+
+    def advance_schedulers(self, result: Mapping[str, Any]) -> None:
+        """Step an epoch-interval scheduler once per round; metric schedulers get the monitored value.
+
+        The value is `scheduler.monitor` (a dotted path in the row), else the score metric of
+        `score_split`, or of the first validation split that has it.
+        """
+        configured = self.config.get("score_split")
+        advance_round_scheduler(
+            self.scheduler,
+            self.scheduler_interval,
+            result,
+            monitor=self.scheduler_monitor,
+            score_name=self.score_name,
+            splits=[configured] if configured else ["val", "validate", "validation", *self.evaluate_splits],
+        )
+
+    # ------------------------------------------------------------------ collectives
+    def all_reduce(self, tensor: torch.Tensor, *, op: Any = dist.ReduceOp.SUM) -> torch.Tensor:
+        """`tensor` reduced with `op` over all ranks (a copy; the input itself when there is one rank)."""
+        if not is_distributed():
+            return tensor
+        out = tensor.detach().clone()
+        dist.all_reduce(out, op=op)
+        return out
+
+    def reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Mean of `tensor` over all ranks."""
+        return all_reduce_mean(tensor)
+
+    def reduce_loss_for_logging(self, loss: torch.Tensor | None, loss_n: int | None) -> torch.Tensor | None:
+        """Detached loss averaged over ranks, weighted by each rank's `loss_n` samples when given."""
+        if loss is None:
+            return None
+        loss = loss.detach()
+        if not is_distributed():
+            return loss
+        if loss_n is None:
+            return all_reduce_mean(loss)
+        weighted = self.all_reduce(loss.float() * loss_n)
+        total = self.all_reduce(torch.tensor(float(loss_n), device=loss.device))
+        return weighted / total
 
     # ------------------------------------------------------------------ data
     def _loader_config(self) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""The fused default steps: chosen exactly when no hook they stand for is overridden, and doing what the hooks do."""
+"""One step path: the default hooks and hooks overridden by passthroughs give exactly the same run."""
 
 from __future__ import annotations
 
@@ -6,8 +6,7 @@ import pytest
 import torch
 
 from danling.metrics import regression_metrics
-from danling.runners.loop.loops import RunnerMode
-from danling.runners.torch_steps import _EVALUATE_HOOKS, _TRAIN_HOOKS, TorchStepMixin
+from danling.runners import TorchRunner
 from tests.runners._torch_toy import TinyRunner, model_state, tiny_config
 
 
@@ -42,9 +41,6 @@ class HookedRunner(MeasuredRunner):
 
 def _run(cls, root, overrides):
     with cls(tiny_config(root, deterministic=True, **overrides)) as runner:
-        assert (runner._batch_step(RunnerMode.train).__func__ is TorchStepMixin._fused_train_step) == (
-            cls is MeasuredRunner
-        )
         runner.train()
         evaluated = runner.evaluate()
         ema = None if runner.ema is None else {k: v.clone() for k, v in runner.ema.state_dict().items()}
@@ -95,37 +91,29 @@ def test_fused_steps_give_exactly_what_the_hooks_give(tmp_path, overrides):
     assert set(fused["results"][1]["val"]) == {"loss", "mse", "r2"}
 
 
-@pytest.mark.parametrize("hook", _TRAIN_HOOKS)
-def test_overriding_any_train_hook_turns_the_fused_train_step_off(tmp_path, hook):
-    original = getattr(TorchStepMixin, hook)
-    passthrough = {hook: lambda self, *args, **kwargs: original(self, *args, **kwargs)}
-    with type("Overridden", (TinyRunner,), passthrough)(tiny_config(tmp_path)) as runner:
-        assert runner._batch_step(RunnerMode.train) == runner.train_step
-        if hook not in _EVALUATE_HOOKS:
-            assert runner._batch_step(RunnerMode.evaluate).__func__ is TorchStepMixin._fused_evaluate_step
+_HOOKS = ("train_step", "evaluate_step", "to_device", "train_context", "forward_context", "backward", "step")
 
 
-@pytest.mark.parametrize("hook", _EVALUATE_HOOKS)
-def test_overriding_any_evaluate_hook_turns_the_fused_evaluate_step_off(tmp_path, hook):
+@pytest.mark.parametrize("hook", [*_HOOKS, "optimizer_step"])
+def test_every_overridden_hook_is_called(tmp_path, hook):
+    """No pass bypasses a hook: an override (on the class or the instance) sees every call it stands for."""
+    calls = []
+    original = getattr(TorchRunner, hook)
+
+    def counted(self, *args, **kwargs):
+        calls.append(hook)
+        return original(self, *args, **kwargs)
+
+    with type("Overridden", (TinyRunner,), {hook: counted})(tiny_config(tmp_path)) as runner:
+        runner.train()
+        assert calls, hook
+        assert runner.train_state.global_step > 0
+
+
+def test_an_instance_attribute_overrides_the_evaluate_step(tmp_path):
     with TinyRunner(tiny_config(tmp_path)) as runner:
-        assert runner._batch_step(RunnerMode.evaluate).__func__ is TorchStepMixin._fused_evaluate_step
-        setattr(runner, hook, getattr(runner, hook))  # an instance attribute counts as an override
-        assert runner._batch_step(RunnerMode.evaluate) == runner.evaluate_step
-
-
-@pytest.mark.parametrize(
-    ("overrides", "train_fused", "evaluate_fused"),
-    [
-        ({}, True, True),
-        ({"accum_steps": 2}, False, True),
-        ({"precision": "bf16"}, False, False),
-        ({"optim.type": None}, False, True),
-    ],
-    ids=["fp32", "accumulation", "autocast", "no-optimizer"],
-)
-def test_fused_steps_only_where_they_apply(tmp_path, overrides, train_fused, evaluate_fused):
-    with TinyRunner(tiny_config(tmp_path, **overrides)) as runner:
-        train, evaluate = runner._batch_step(RunnerMode.train), runner._batch_step(RunnerMode.evaluate)
-        assert (getattr(train, "__func__", None) is TorchStepMixin._fused_train_step) == train_fused
-        assert (getattr(evaluate, "__func__", None) is TorchStepMixin._fused_evaluate_step) == evaluate_fused
-        assert runner._batch_step(RunnerMode.infer) == runner.evaluate_step
+        seen = []
+        default = runner.evaluate_step
+        runner.evaluate_step = lambda data: seen.append(1) or default(data)
+        runner.evaluate()
+        assert seen

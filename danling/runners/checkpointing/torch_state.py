@@ -75,7 +75,7 @@ class TorchCheckpointMixin:
         """
         payload = super().state_dict(cls)
         payload["results"] = cls((str(index), row) for index, row in payload["results"].items())
-        keep = {*self.train_splits, self._train_cursor}
+        keep = {*self.train_splits, self.loop_state.split}
         loaders = cls((split, state) for split, state in payload["dataloaders"].items() if split in keep)
         payload["dataloaders"] = loaders
         payload.update(self._export_training_state())
@@ -83,11 +83,9 @@ class TorchCheckpointMixin:
             payload["ema"] = self.unwrap(self.ema).state_dict()
         if self.scheduler is not None:
             payload["scheduler"] = self.scheduler.state_dict()
-        container = self.optimizer_container
         payload["loop"] = cls(
-            **self._loop_state(),
-            accumulator=self.accumulator.state_dict(),
-            optimizer_container=None if container is None else container.state_dict(),
+            **self.loop_state.state_dict(),
+            update=self.update.state_dict(),
             fingerprints=cls((split, self._fingerprint(split, state)) for split, state in loaders.items()),
         )
         payload["backend"] = cls(stack="torch", world_size=self.world_size, checkpoint=self.checkpoint_manager.backend)
@@ -147,11 +145,9 @@ class TorchCheckpointMixin:
         """
         super().load_state_dict(checkpoint)
         loop = checkpoint.get("loop") or {}
-        self._load_loop_state(loop)
-        if loop.get("accumulator"):
-            self.accumulator.load_state_dict(loop["accumulator"])
+        self.loop_state.load_state_dict(loop)
         self._restored_fingerprints = dict(loop.get("fingerprints") or {})
-        self._restored_container_state = loop.get("optimizer_container")
+        self._restored_update_state = loop.get("update")
 
     def load_checkpoint(self, checkpoint: CheckpointSource, *args: Any, **kwargs: Any) -> None:
         """Restore a full checkpoint, then rebind the optimizer container to the restored optimizer and scheduler.
@@ -166,11 +162,11 @@ class TorchCheckpointMixin:
         try:
             super().load_checkpoint(checkpoint, *args, **kwargs)
         finally:
-            container_state = self.__dict__.pop("_restored_container_state", None)
+            update_state = self.__dict__.pop("_restored_update_state", None)
             self._restored_fingerprints = None
-        self._bind_optimizer_container()
-        if container_state and self.optimizer_container is not None:
-            self.optimizer_container.load_state_dict(container_state)
+        self.update.bind(self.optimizer, self.scheduler, self.scheduler_interval)
+        if update_state:
+            self.update.load_state_dict(update_state)
 
     def load_model(self, state_dict: Mapping[str, Any], *args: Any, **kwargs: Any) -> None:
         """Load weights keyed by parameter name into `self.model`, whatever wrapper it has.
@@ -204,7 +200,7 @@ class TorchCheckpointMixin:
         """
         fingerprints = self._restored_fingerprints or {}
         states = dict(state_dict or {})
-        cursor = self._train_cursor
+        cursor = self.loop_state.split
         if cursor is not None:
             self._check_resumable(cursor, states)
         for split, state in states.items():

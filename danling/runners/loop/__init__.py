@@ -1,6 +1,9 @@
-"""The loops: training, evaluation and inference passes, budgets and split selection."""
+"""The loops: rounds, passes, per-batch hooks, the loop position, budgets and split selection."""
 
 from .budget import ProgressMixin, length_of
-from .loops import LoopMixin, RunnerMode
+from .hooks import RunnerMode, StepHooks
+from .loops import LoopMixin
+from .passes import PassMixin
+from .position import LoopState
 
-__all__ = ["LoopMixin", "ProgressMixin", "RunnerMode", "length_of"]
+__all__ = ["LoopMixin", "LoopState", "PassMixin", "ProgressMixin", "RunnerMode", "StepHooks", "length_of"]

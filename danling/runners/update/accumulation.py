@@ -9,6 +9,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .gradient_sync import gradient_sync_for
+
 __all__ = ["GradientAccumulator"]
 
 
@@ -72,6 +74,11 @@ class GradientAccumulator:
         self.total, self.position, self._pending = total, 0, 0
 
     @property
+    def pending(self) -> int:
+        """Micro-steps taken in the window that is still open (0 at a window boundary)."""
+        return self._pending
+
+    @property
     def window_size(self) -> int:
         """Number of micro-steps in the window the next micro-step belongs to."""
         if self.total is None or self.accum_steps == 1:
@@ -94,13 +101,13 @@ class GradientAccumulator:
         return loss if size == 1 else loss / size
 
     def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager:
-        """``model.no_sync()`` for micro-steps that do not close their window, else a no-op context.
+        """The context that keeps the next micro-step's gradients local unless it closes its window.
 
-        Run forward and backward inside it. Models without ``no_sync`` (not DDP) get a no-op.
+        Enter it around the forward pass (and the backward, which may follow the block). The
+        model's [`GradientSync`][danling.runners.update.gradient_sync.GradientSync] decides how
+        (DDP's `no_sync`, FSDP2's sync flag, ...); a model with no reducer gets a no-op.
         """
-        if self.is_boundary or not hasattr(model, "no_sync"):
-            return contextlib.nullcontext()
-        return model.no_sync()
+        return gradient_sync_for(model).context(self.is_boundary)
 
     def advance(self) -> bool:
         """Record one finished micro-step; return whether the optimizer should step now."""

@@ -18,11 +18,17 @@ def _grads(parameters: Iterable[torch.Tensor]) -> list[torch.Tensor]:
     return [p.grad for p in parameters if p.grad is not None]
 
 
-def scale_gradients(parameters: Iterable[torch.Tensor], factor: float) -> None:
-    """Multiply every existing ``.grad`` of `parameters` by `factor` in place."""
+def scale_gradients(parameters: Iterable[torch.Tensor], factor: float | torch.Tensor) -> None:
+    """Multiply every existing ``.grad`` of `parameters` by `factor` (a number or a 0-d tensor) in place.
+
+    A tensor factor is applied as is, without reading it on the host.
+    """
     grads = _grads(parameters)
-    if grads and factor != 1:
-        torch._foreach_mul_(grads, factor)
+    if not grads or (not isinstance(factor, torch.Tensor) and factor == 1):
+        return
+    if isinstance(factor, torch.Tensor):
+        factor = factor.to(grads[0].device)
+    torch._foreach_mul_(grads, factor)
 
 
 def clip_gradients(

@@ -1,0 +1,173 @@
+"""The per-batch hooks every runner implements, and the metric bookkeeping of a pass.
+
+[`StepHooks`][danling.runners.loop.hooks.StepHooks] is the contract between the loops and a
+backend: the loops call `train_step` / `evaluate_step` / `infer_step` once per batch, the steps
+call `backward` and `step`, and `step` calls `optimizer_step` when an accumulation window closes.
+How a loss becomes an update is the business of the runner's update strategy (`self.update`),
+so these hooks stay the same for every backend.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from contextlib import AbstractContextManager, nullcontext
+from enum import Enum
+from typing import Any
+
+from danling.utils import RoundDict
+
+from ..update import UpdateStrategy
+
+__all__ = ["RunnerMode", "StepHooks"]
+
+
+class RunnerMode(str, Enum):
+    """What the runner is doing: `train`, `evaluate` or `infer`."""
+
+    train = "train"
+    evaluate = "evaluate"
+    infer = "infer"
+
+
+class StepHooks:
+    """Per-batch hooks and pass metrics; mixed into `BaseRunner`."""
+
+    update: UpdateStrategy
+    metrics: Any = None
+    train_metrics: Any = None
+    evaluate_metrics: Any = None
+    _mode: RunnerMode = RunnerMode.train
+    _active_metrics: Any = None  # the metric container of the pass under way (None outside a pass)
+
+    # ------------------------------------------------------------------ mode
+    @property
+    def mode(self) -> RunnerMode:
+        """Current [`RunnerMode`][danling.runners.loop.hooks.RunnerMode]; backends override the setter to
+        switch their modules between training and evaluation behaviour."""
+        return self._mode
+
+    @mode.setter
+    def mode(self, mode: RunnerMode | str) -> None:
+        self._mode = RunnerMode(mode)
+
+    # ------------------------------------------------------------------ step hooks
+    def train_step(self, data: Any) -> tuple[Any, Any]:
+        """Process one training micro-batch and return `(prediction, loss)`.
+
+        Called by the training loops once per batch of `self.dataloaders[split]`. Implementations
+        compute the loss, call `self.backward(loss)` (when there are gradients) and then
+        `self.step()`, which advances the accumulation window and the optimizer. Return
+        `(pred, None)` when there is no loss to record. Do not touch `train_state`, save
+        checkpoints or zero gradients here: the loop and `optimizer_step` own those.
+        """
+        raise NotImplementedError(f"{type(self).__name__} must implement train_step(data) -> (pred, loss)")
+
+    def evaluate_step(self, data: Any) -> tuple[Any, Any]:
+        """Process one evaluation batch and return `(prediction, loss or None)`.
+
+        Runs inside `inference_context()`; must not step the optimizer or change counters.
+        """
+        raise NotImplementedError(f"{type(self).__name__} must implement evaluate_step(data) -> (pred, loss)")
+
+    def infer_step(self, data: Any) -> list[Any]:
+        """Return the predictions for one batch as a list (one entry per example).
+
+        Runs inside `inference_context()`; must not update metrics or counters.
+        """
+        raise NotImplementedError(f"{type(self).__name__} must implement infer_step(data) -> list")
+
+    def build_update_strategy(self) -> UpdateStrategy:
+        """The [`UpdateStrategy`][danling.runners.update.strategy.UpdateStrategy] that turns losses into updates.
+
+        Called once by `__post_init__`, after the model, optimizer and scheduler are built. The
+        base runner's strategy only counts accumulation windows; backends return theirs (torch:
+        precision, gradient-sync suppression, clipping, the optimizer step).
+        """
+        return UpdateStrategy(self.accum_steps)
+
+    def backward(self, loss: Any, weight: Any = None) -> None:
+        """Back-propagate one micro-step loss through the update strategy.
+
+        The loss is divided by the size of its accumulation window. With `weight` (e.g. the number
+        of valid tokens the loss averages over), it is weighted instead, and the update applies
+        the weight-normalised mean gradient over the window and the ranks. Do not step the
+        optimizer or change counters here.
+        """
+        self.update.backward(loss, weight)
+
+    def step(self) -> None:
+        """Count one micro-step and call `optimizer_step` when it closes its accumulation window.
+
+        Call exactly once per micro-batch from `train_step`, after `backward`; never together with
+        `optimizer_step`. A window left open at the end of a pass is applied by the loop.
+        """
+        state = self.state.train
+        # The counters are validated ints; an increment keeps them so, so it bypasses the check.
+        state.__dict__["micro_step"] = state.micro_step + 1
+        if self.update.advance():
+            self.optimizer_step()
+
+    def optimizer_step(self) -> bool:
+        """Apply one parameter update; return whether it was applied.
+
+        Waits until a pending asynchronous checkpoint no longer reads the state, then lets the
+        update strategy apply the window (a non-finite window may be skipped). An applied update
+        increments `train_state.global_step`; a skipped one does not. Overrides call `super()`
+        and add what follows an update (the torch runner refreshes the EMA copy).
+        """
+        self.checkpoint_manager.maybe_wait_for_staging()
+        applied = self.update.apply()
+        state = self.state.train
+        if applied:
+            state.__dict__["global_step"] = state.global_step + 1  # a validated int stays one
+        return applied
+
+    def _close_window(self) -> bool:
+        """Apply a window the pass left open (a pass of unknown length ended, or a shutdown)."""
+        return self.update.close_window() and self.optimizer_step()
+
+    def inference_context(self) -> AbstractContextManager:
+        """Context for evaluation and inference; backends disable autograd here.
+
+        An evaluation pass runs entirely inside one such context (loader iteration, steps, meter
+        updates); inference enters it around each `infer_step`, since its batches are yielded to
+        the caller in between.
+        """
+        return nullcontext()
+
+    def advance_schedulers(self, result: Mapping[str, Any]) -> None:
+        """Called once per epoch with the epoch's row, before it is stored; backends step
+        epoch-interval and metric-driven schedulers here. The base runner has none."""
+
+    # ------------------------------------------------------------------ metrics of a pass
+    def _metrics_for(self, mode: RunnerMode) -> Any:
+        if mode is RunnerMode.train:
+            return self.train_metrics if self.train_metrics is not None else self.metrics
+        if mode is RunnerMode.evaluate:
+            return self.evaluate_metrics if self.evaluate_metrics is not None else self.metrics
+        return None
+
+    def _start_metrics(self, mode: RunnerMode) -> None:
+        metrics = self._active_metrics = self._metrics_for(mode)
+        if metrics is not None:
+            metrics.reset()
+
+    def _update_metrics(self, pred: Any, target: Any) -> None:
+        """Feed one batch to the metrics of the pass under way (by mode outside a pass)."""
+        if target is None:
+            return
+        metrics = self._active_metrics if self._active_metrics is not None else self._metrics_for(self.mode)
+        if metrics is not None:
+            metrics.update(pred.detach() if getattr(pred, "requires_grad", False) else pred, target)
+
+    def collect_result(self, split: str) -> RoundDict:
+        """The split's averaged step losses plus the values of its metrics.
+
+        Reading meters and metrics synchronises ranks, so every rank calls this together (the
+        loops do, at the end of each split).
+        """
+        result = dict(self.meters.avg)
+        metrics, self._active_metrics = self._active_metrics, None
+        if metrics is not None:
+            result.update(metrics.avg)
+        return RoundDict.from_flat(result)  # flat results skip chanfig's generic constructor

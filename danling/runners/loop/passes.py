@@ -1,0 +1,207 @@
+"""One pass over a split: the per-batch loop every training, evaluation and inference loop runs.
+
+[`PassMixin`][danling.runners.loop.passes.PassMixin] iterates a loader, calls the step hook of
+the mode, records losses on the device, paces logging, checkpoints, heartbeats and garbage
+collection, and stops gracefully at an accumulation-window boundary when asked to. Optional
+services cost nothing per batch when they are off: the pass looks them up once when it starts.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager, nullcontext
+from itertools import islice
+from typing import NoReturn
+
+import torch
+from tqdm.auto import tqdm
+
+from danling.distributed import all_reduce_any, is_distributed
+from danling.utils import RoundDict
+
+from .budget import length_of
+from .hooks import RunnerMode, StepHooks
+from .position import LoopState
+
+__all__ = ["PassMixin"]
+
+_STOP_POLL_EVERY = 8  # batches between the cross-rank agreements on a stop request while training
+
+
+class PassMixin(StepHooks):
+    """The pass engine and the graceful-stop machinery; mixed into `BaseRunner`."""
+
+    split: str | None = None
+    loop_state: LoopState
+    _loop_depth: int = 0
+    _training: bool = False
+    # A stop request was seen; the loop exits at the next accumulation-window boundary.
+    _stop_latched: bool = False
+    _stop_polls: int = 0
+    _seen_step: int = 0
+
+    def _run_split(
+        self, split: str, mode: RunnerMode, *, budget: int | None = None, max_batches: int | None = None
+    ) -> tuple[RoundDict, int]:
+        """Iterate one split in `mode`; return its result and the number of batches consumed."""
+        loader = self.dataloaders[split]
+        self.mode, self.split = mode, split
+        self.meters.reset()
+        length = length_of(loader)
+        training = mode is RunnerMode.train
+        position = self.loop_state
+        if training:
+            if position.split != split:
+                position.batch = 0
+            position.split = split
+            self.update.start_pass(length)
+        self._start_metrics(mode)
+        if max_batches is not None:
+            length = max_batches if length is None else min(length, max_batches)
+        interval = self._log_interval_for(length)
+        state = self.train_state
+        self._seen_step = state.global_step
+        # Looked up once per pass rather than once per batch; none of them is rebound by a step.
+        meters, supervisor, update = self.meters, self.supervisor, self.update
+        # Per-batch services that are off by default are skipped outright rather than called per batch.
+        beat = supervisor.beat if supervisor.heartbeat_dir is not None else None
+        track_progress = training and (budget is not None or supervisor.gc_interval is not None)
+        step = self.train_step if training else self.evaluate_step
+        # Inside a training loop (its evaluation passes included) ranks agree on a stop, so they stop
+        # at the same batch; otherwise (evaluate() or infer() alone) the local flag answers.
+        # An overridden check is asked after every batch too.
+        agree = self._training and is_distributed()
+        overridden = type(self)._stop_requested is not PassMixin._stop_requested
+        stop_poll = self._stop_requested if agree or overridden else None
+        batches, loss_meter = 0, None
+        # An evaluation pass runs in one inference context (entering it per batch costs more than
+        # some small models' forward passes); it is left before a stop saves its checkpoint.
+        with nullcontext() if training else self.inference_context():
+            for data in self._progress_bar(islice(loader, max_batches), split, length):
+                _, loss = step(data)
+                batches += 1
+                if loss is not None:
+                    if loss_meter is None:
+                        meters.update(loss=loss)
+                        loss_meter = meters["loss"]  # then updated directly: this runs every batch
+                    else:
+                        loss_meter.update(loss)
+                if training:
+                    position.batch += 1
+                    if track_progress and state.global_step != self._seen_step:
+                        self._after_optimizer_progress(budget)
+                if beat is not None:
+                    beat(state.global_step, state.epoch, split)
+                if batches % interval == 0 or batches == length:
+                    self._log_step(split, batches, length, training)
+                if self._stop_latched or (supervisor.stop_requested if stop_poll is None else stop_poll()):
+                    # Stop only at a window boundary: applying a partial window (or dropping its
+                    # gradients) would make the resumed run diverge from an uninterrupted one.
+                    self._stop_latched = True
+                    if not (training and update.pending):
+                        break  # the stop below shuts down
+                if budget is not None and state.global_step >= budget:
+                    break
+            else:
+                if training:
+                    position.split, position.batch = None, 0  # the pass ran to its end
+        if training and self._close_window():
+            self._after_optimizer_progress(budget)
+        if self._stop_latched:  # at a window boundary (the break above) or at the end of the pass
+            self._shutdown()
+        return self.collect_result(split), batches
+
+    def _after_optimizer_progress(self, budget: int | None) -> None:
+        """GC pacing and step-cadence checkpoints, once per applied optimizer step."""
+        global_step = self.train_state.global_step
+        if global_step == self._seen_step:
+            return
+        self._seen_step = global_step
+        self.supervisor.gc_step(global_step)
+        # The final step-mode checkpoint is saved by train_steps itself.
+        if budget is not None and global_step < budget:
+            self.save_checkpoint()
+
+    def _log_step(self, split: str, iteration: int, length: int | None, training: bool) -> None:
+        to_log, to_track = self.logger.isEnabledFor(logging.INFO), training and len(self.trackers) > 0
+        if not (to_log or to_track or self.distributed):
+            # Nobody reads the values: skip the read, which synchronises with the device. Under
+            # several processes the read is a collective every rank joins, whatever it logs.
+            return
+        values = self.meters.avg  # the one place step values are read back
+        if to_log:
+            self.logger.info(self.format_step_result(values, split, iteration, length))
+        if to_track and values:
+            self.trackers.log({f"{split}_step": values.dict()}, step=self.train_state.global_step)
+
+    def _progress_bar(self, iterable: Iterable, split: str, length: int | None) -> Iterable:
+        show = self.is_main_process and sys.stdout.isatty()
+        if not show:
+            return iterable
+        return tqdm(iterable, total=length, desc=split, leave=False, dynamic_ncols=True)
+
+    def _stop_requested(self) -> bool:
+        """A stop request, agreed across ranks while training so that all of them stop at the same batch.
+
+        The agreement is a collective, made every few batches to keep the hot path free of host
+        synchronisations; outside training (evaluation or inference possibly run on one rank
+        only) the local flag is used.
+        """
+        local = self.supervisor.stop_requested
+        if not (self._training and is_distributed()):
+            return local
+        self._stop_polls += 1
+        if self._stop_polls % _STOP_POLL_EVERY:
+            return False
+        return bool(all_reduce_any(torch.tensor(local)))
+
+    def prepare_for_shutdown_checkpoint(self) -> None:
+        """Bring the state to a consistent point before the shutdown checkpoint is written.
+
+        The default applies a window the pass left open, so the checkpoint never holds gradients
+        that were computed but not applied.
+        """
+        self._close_window()
+
+    @contextmanager
+    def _loop_scope(self, *, training: bool) -> Iterator[None]:
+        """Keep stop-signal handlers installed while a loop runs (outermost loop only)."""
+        depth = self._loop_depth
+        self._loop_depth = depth + 1
+        if depth == 0:
+            self._training = training
+            self.supervisor.install_signal_handlers()
+        try:
+            if depth == 0 and self._stop_requested():
+                self._shutdown()
+            yield
+            if depth == 0:
+                self.flush_results()  # a finished loop leaves its result files complete on disk
+        finally:
+            self._loop_depth = depth
+            if depth == 0:
+                self._training = False
+                if not self.__dict__.get("_closed", False):
+                    self.supervisor.restore_signal_handlers()
+
+    def _shutdown(self) -> NoReturn:
+        """Save a `shutdown` checkpoint (when training), close the runner and exit.
+
+        The training loops call it only at an accumulation-window boundary (a stop request that
+        arrives inside a window lets the window finish first), with the loop position describing
+        where the round stood, so a run resumed from the checkpoint ends exactly as an
+        uninterrupted one. The exit status is 128 + the signal number, or 0 when the stop was
+        requested in code (`supervisor.request_stop()`) rather than by a signal.
+        """
+        code = self.supervisor.exit_code
+        state = self.train_state
+        self.logger.warning(
+            "stopping on request at epoch %d, global step %d (exit code %d)", state.epoch, state.global_step, code
+        )
+        if self._training:
+            self.prepare_for_shutdown_checkpoint()
+            self.save_checkpoint(name="shutdown", force=True, save_best=False)
+        self.close()
+        raise SystemExit(code)

@@ -1,0 +1,171 @@
+"""The default batch contract of [`TorchRunner`][danling.runners.TorchRunner]: one batch to prediction and loss.
+
+[`TorchBatchMixin`][danling.runners.torch_batch.TorchBatchMixin] implements the step hooks the
+loops call once per batch (`train_step`, `evaluate_step`, `infer_step`) for batches shaped as
+mappings (`input`, `target`), sequences (items 0 and 1) or a bare input, plus the contexts they
+run in. Gradients, accumulation and the update itself belong to the runner's update strategy
+(`self.update`), reached through `backward` and `step`. Nothing here reads a tensor back to the
+host: losses and metrics stay on the device until a log step or the end of a split reads them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import AbstractContextManager
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DistributedSampler
+
+from danling.data import split_batch
+from danling.distributed import all_gather_strided, is_distributed
+from danling.utils import to_device
+
+from .loop import RunnerMode
+
+__all__ = ["TorchBatchMixin"]
+
+
+class TorchBatchMixin:
+    """Default step hooks and their contexts; mixed into `TorchRunner` ahead of `BaseRunner`."""
+
+    # ------------------------------------------------------------------ mode and contexts
+    @property
+    def mode(self) -> RunnerMode:
+        """Current [`RunnerMode`][danling.runners.loop.loops.RunnerMode]; setting it switches `model` between
+        `train()` and `eval()` (the EMA copy always stays in evaluation mode)."""
+        return self._mode
+
+    @mode.setter
+    def mode(self, mode: RunnerMode | str) -> None:
+        self._mode = RunnerMode(mode)
+        if isinstance(self.model, nn.Module):
+            self.model.train(self._mode is RunnerMode.train)
+        if isinstance(self.ema, nn.Module):
+            self.ema.eval()
+
+    def to_device(self, data: Any) -> Any:
+        """Move one batch (any nesting of tensors) to `self.device`."""
+        device = self.device
+        return to_device(data, device, non_blocking=device.type == "cuda")
+
+    def forward_context(self) -> AbstractContextManager:
+        """Autocast context of the configured precision, entered around every forward pass."""
+        return self.update.forward_context()
+
+    def train_context(self) -> AbstractContextManager:
+        """Context of one training forward pass: autocast, plus gradient sync switched off for a
+        micro-step that does not close its accumulation window (see the update strategy's
+        [`train_context`][danling.runners.update.strategy.TorchUpdateStrategy.train_context]).
+
+        The backward pass may run after the block.
+        """
+        return self.update.train_context()
+
+    def inference_context(self) -> AbstractContextManager:
+        """`torch.inference_mode()`: evaluation passes and inference steps build no autograd graph."""
+        return torch.inference_mode()
+
+    # ------------------------------------------------------------------ step hooks
+    def train_step(self, data: Any) -> tuple[Any, torch.Tensor | None]:
+        """Forward, loss, metrics, backward and accumulation for one training micro-batch.
+
+        Called once per batch by the training loops with `self.mode == "train"`. The batch is moved
+        to `self.device` and split by [`split_batch`][danling.data.split_batch] (`input`/`target` of a
+        mapping, items 0/1 of a sequence, otherwise input only). The forward pass and the loss run
+        in `train_context()`; the training metrics are updated; then `backward(loss)` and `step()`.
+        Override it when batches or losses look different, keeping the `backward` and `step` calls;
+        do not zero gradients, step the optimizer or touch the counters here.
+
+        Returns:
+            The model output and the detached loss.
+
+        Raises:
+            ValueError: `self.model` or `self.criterion` is not set, or the criterion returned None.
+        """
+        if self.model is None:
+            raise ValueError("train_step() needs self.model; set it in __init__")
+        data = self.to_device(data)
+        input, target = split_batch(data)
+        with self.train_context():
+            pred = self.model(input)
+            loss = self._criterion_loss(pred, target, required=True)
+        self._update_metrics(pred, target)
+        self.backward(loss)
+        self.step()
+        return pred, loss.detach()
+
+    def evaluate_step(self, data: Any) -> tuple[Any, torch.Tensor | None]:
+        """Forward (through the EMA copy when there is one), optional loss and metrics for one batch.
+
+        Called by the evaluation loops inside `inference_context()`. The loss is computed only when
+        `self.criterion` is set and the batch has a target. Never call `backward`/`step` or change
+        counters here.
+
+        Raises:
+            ValueError: neither `self.ema` nor `self.model` is set.
+        """
+        model = self._inference_model()
+        data = self.to_device(data)
+        input, target = split_batch(data)
+        with self.forward_context():
+            pred = model(input)
+            loss = None if target is None else self._criterion_loss(pred, target, required=False)
+        self._update_metrics(pred, target)
+        return pred, None if loss is None else loss.detach()
+
+    def infer_step(self, data: Any) -> list[Any]:
+        """Predictions for one batch as a Python list (one number per example by default).
+
+        The input is taken as in `evaluate_step` (the target, if any, is ignored), run through the
+        EMA copy or the model under `forward_context()`, and converted with
+        `pred.squeeze(-1).cpu().tolist()`. Override it for outputs that are not one number per
+        example; return a list, never a tensor, and leave metrics alone.
+
+        Raises:
+            ValueError: neither `self.ema` nor `self.model` is set.
+        """
+        model = self._inference_model()
+        input, _ = split_batch(data)
+        input = self.to_device(input)
+        with self.forward_context():
+            pred = model(input)
+        values = pred.detach().squeeze(-1).cpu().tolist()
+        return values if isinstance(values, list) else [values]
+
+    def infer(
+        self, split: str = "infer", *, steps: int | None = None, stream: bool | None = None
+    ) -> list[Any] | Iterator[list[Any]]:
+        """Predict on `split` like [`LoopMixin.infer`][danling.runners.loop.loops.LoopMixin.infer]; under DDP a
+        list result covers the whole split, in dataset order, on every rank.
+
+        The split's sampler shards the data over the ranks (rank `r` gets items `r, r + W, ...`
+        when it does not shuffle), so each rank predicts its shard and the lists are then merged
+        back in order and cut to the dataset's length (dropping the sampler's padding). This is
+        a collective: call it on every rank. Streams, and loaders whose sampler shuffles or is not
+        a `DistributedSampler`, return this rank's own predictions.
+        """
+        outputs = super().infer(split, steps=steps, stream=stream)
+        if not isinstance(outputs, list) or not is_distributed():
+            return outputs
+        sampler = getattr(self.dataloaders[split], "sampler", None)
+        if not isinstance(sampler, DistributedSampler) or sampler.shuffle:
+            return outputs
+        return all_gather_strided(outputs, None if sampler.drop_last else len(sampler.dataset))
+
+    def _inference_model(self) -> Any:
+        model = self.ema if self.ema is not None else self.model
+        if model is None:
+            raise ValueError(f"{type(self).__name__} needs self.model (or self.ema) to evaluate or infer")
+        return model
+
+    def _criterion_loss(self, pred: Any, target: Any, *, required: bool) -> torch.Tensor | None:
+        if self.criterion is None:
+            if required:
+                raise ValueError("the default train_step needs self.criterion; set it or override train_step")
+            return None
+        loss = self.criterion(pred, target)
+        if loss is None and required:
+            raise ValueError(f"criterion {self.criterion!r} returned None; train_step needs a loss tensor")
+        return loss

@@ -1,0 +1,269 @@
+"""Update strategies: the one component that turns micro-step losses into parameter updates.
+
+A runner holds one strategy (`runner.update`, built by the `build_update_strategy` hook). The
+loops and the step hooks only ask it questions and hand it work:
+
+- `start_pass(total)` opens a pass of `total` micro-batches (accumulation windows follow it);
+- `train_context()` is entered around a training forward pass: precision, and gradient sync
+  switched off for micro-steps that do not close their window;
+- `backward(loss, weight)` back-propagates one micro-step loss, normalised for its window;
+- `advance()` records a finished micro-step and says whether its window is now closed;
+- `close_window()` prepares a window a pass left open (synchronising the gradients it kept local);
+- `apply()` applies the window's update and says whether it was applied.
+
+[`UpdateStrategy`][danling.runners.update.strategy.UpdateStrategy] is backend-free (windows only);
+[`TorchUpdateStrategy`][danling.runners.update.strategy.TorchUpdateStrategy] is PyTorch's:
+autocast and fp16 scaling, DDP/FSDP2 gradient-sync suppression, clipping, the non-finite skip,
+optimizer and scheduler. Other backends (an engine that owns its own step) subclass it.
+
+**Weighted micro-steps.** `backward(loss, weight=n)` declares that `loss` is a mean over `n`
+units (valid tokens, say). The window's gradient is then the `n`-weighted mean over its
+micro-steps and over the ranks of the gradient domain, exactly the gradient of one big batch
+holding all of them, however the padding fell. The weights are summed on the device and
+all-reduced once per update; nothing is read back on the host.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from danling.distributed import all_reduce_gradients, is_distributed
+
+from .accumulation import GradientAccumulator
+from .gradient_sync import GradientSync
+from .optimizer import OptimizerContainer
+from .precision import Precision
+
+__all__ = ["TorchUpdateStrategy", "UpdateStrategy"]
+
+_NO_CONTEXT = nullcontext()
+
+
+class UpdateStrategy:
+    """Accumulation windows without any parameters: every closed window is one (counted) update.
+
+    Args:
+        accum_steps: Micro-steps per window.
+
+    Examples:
+        >>> update = UpdateStrategy(accum_steps=2)
+        >>> update.start_pass(total=3)
+        >>> [update.advance() for _ in range(3)], update.apply()
+        ([False, True, True], True)
+    """
+
+    def __init__(self, accum_steps: int = 1) -> None:
+        self.accumulator = GradientAccumulator(accum_steps)
+
+    @property
+    def accum_steps(self) -> int:
+        return self.accumulator.accum_steps
+
+    @property
+    def pending(self) -> int:
+        """Micro-steps of the open window (0 at a window boundary)."""
+        return self.accumulator.pending
+
+    @property
+    def skipped_steps(self) -> int:
+        """Updates dropped because their gradients were not finite."""
+        return 0
+
+    def start_pass(self, total: int | None) -> None:
+        """Open a training pass of `total` micro-batches (`None` when unknown), or continue a restored one."""
+        self.accumulator.start(total)
+
+    def forward_context(self) -> AbstractContextManager:
+        """Context of every forward pass (evaluation and inference included)."""
+        return _NO_CONTEXT
+
+    def train_context(self) -> AbstractContextManager:
+        """Context of one training forward pass."""
+        return self.forward_context()
+
+    def backward(self, loss: Any, weight: Any = None) -> None:
+        """Back-propagate `loss` divided by the size of its window (weights are a torch feature)."""
+        if weight is not None:
+            raise ValueError(f"{type(self).__name__} does not support weighted micro-steps (weight={weight!r})")
+        if not callable(getattr(loss, "backward", None)):
+            raise TypeError(f"backward() needs a loss with a backward() method, got {type(loss).__name__}")
+        self.accumulator.normalize(loss).backward()
+
+    def advance(self) -> bool:
+        """Record one finished micro-step; `True` when it closed its window (apply the update now)."""
+        return self.accumulator.advance()
+
+    def close_window(self) -> bool:
+        """Close a window the pass left open; `True` when there was one (apply the update next)."""
+        return self.accumulator.finish() is not None
+
+    def apply(self) -> bool:
+        """Apply the closed window's update; `True` when it was applied."""
+        return True
+
+    def state_dict(self) -> dict[str, Any]:
+        """State of the update machinery; the window position is checkpointed with the loop's
+        [`LoopState`][danling.runners.loop.position.LoopState]."""
+        return {}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Restore what `state_dict` returned."""
+
+
+class TorchUpdateStrategy(UpdateStrategy):
+    """PyTorch updates: autocast, gradient-sync suppression, clipping, non-finite skip, optimizer and scheduler.
+
+    Args:
+        accum_steps: Micro-steps per window.
+        precision: The [`Precision`][danling.runners.update.precision.Precision] of the run.
+        gradient_sync: How the (wrapped) model keeps gradients local inside a window; see
+            [`gradient_sync_for`][danling.runners.update.gradient_sync.gradient_sync_for].
+        group: Process group of the gradient domain (`None`: the default group).
+        max_grad_norm: Clip the global gradient norm to this value.
+        max_grad_value: Clip each gradient element to this magnitude.
+        skip_nonfinite_grad: Skip updates whose gradients hold inf/NaN (all ranks agree).
+
+    Call [`bind`][danling.runners.update.strategy.TorchUpdateStrategy.bind] with the optimizer
+    and scheduler before the first update.
+    """
+
+    def __init__(
+        self,
+        accum_steps: int = 1,
+        *,
+        precision: Precision | None = None,
+        gradient_sync: GradientSync | None = None,
+        group: Any = None,
+        max_grad_norm: float | None = None,
+        max_grad_value: float | None = None,
+        skip_nonfinite_grad: bool = False,
+    ) -> None:
+        super().__init__(accum_steps)
+        self.precision = precision if precision is not None else Precision()
+        self.gradient_sync = gradient_sync if gradient_sync is not None else GradientSync()
+        self.group = group
+        self.max_grad_norm = max_grad_norm
+        self.max_grad_value = max_grad_value
+        self.skip_nonfinite_grad = skip_nonfinite_grad
+        self.container: OptimizerContainer | None = None
+        self._multiplier: float | None = None  # rescales a window a pass left open
+        self._weight: Any = None  # sum of the open window's micro-step weights, when weighted
+
+    def bind(self, optimizer: torch.optim.Optimizer | None, scheduler: Any = None, interval: str = "step") -> None:
+        """Step `optimizer` (and `scheduler` when `interval == "step"`) from now on; counters carry over."""
+        previous = self.container
+        if optimizer is None:
+            self.container = None
+            return
+        self.container = OptimizerContainer(
+            optimizer,
+            scheduler,
+            precision=self.precision,
+            max_grad_norm=self.max_grad_norm,
+            max_grad_value=self.max_grad_value,
+            skip_nonfinite_grad=self.skip_nonfinite_grad,
+            scheduler_interval=interval,
+        )
+        if previous is not None:
+            self.container.skipped_steps = previous.skipped_steps
+
+    @property
+    def skipped_steps(self) -> int:
+        return 0 if self.container is None else self.container.skipped_steps
+
+    def forward_context(self) -> AbstractContextManager:
+        return self.precision.autocast()
+
+    def train_context(self) -> AbstractContextManager:
+        """Autocast, plus gradient sync switched off when this micro-step does not close its window.
+
+        DDP decides during the forward pass whether the following backward reduces, so the
+        context must be open around the forward; the backward may run after the block.
+        """
+        accumulator = self.accumulator
+        autocast = self.precision.autocast()
+        if accumulator.accum_steps == 1 or not self.gradient_sync.suppresses:
+            return autocast
+        sync = self.gradient_sync.context(accumulator.is_boundary)
+        if type(sync) is nullcontext:
+            return autocast
+        return sync if type(autocast) is nullcontext else _entered_together(sync, autocast)
+
+    def backward(self, loss: torch.Tensor, weight: Any = None) -> None:
+        """Back-propagate one micro-step loss: divided by its window size, or scaled by `weight`.
+
+        Raises:
+            ValueError: a window mixes weighted and unweighted micro-steps.
+        """
+        scaler = self.precision.scaler
+        if weight is not None:
+            if self._weight is None and self.accumulator.pending:
+                raise ValueError("a window mixes weighted and unweighted micro-steps; pass weight= to every backward")
+            self._weight = weight if self._weight is None else self._weight + weight
+            loss = loss * weight
+        elif self._weight is not None:
+            raise ValueError("a window mixes weighted and unweighted micro-steps; pass weight= to every backward")
+        elif self.accumulator.accum_steps == 1 and scaler is None:
+            loss.backward()  # nothing to divide or scale
+            return
+        else:
+            loss = self.accumulator.normalize(loss)
+        (loss if scaler is None else scaler.scale(loss)).backward()
+
+    def close_window(self) -> bool:
+        """Close a window the pass left open: reduce its local gradients and rescale them to its real size."""
+        accumulator = self.accumulator
+        pending = accumulator.pending
+        if not pending:
+            return False
+        window = accumulator.window_size
+        accumulator.finish()
+        if self.gradient_sync.suppresses and is_distributed() and self.container is not None:
+            all_reduce_gradients(self.container.parameters(), group=self.group)
+        if self._weight is None:
+            self._multiplier = window / pending
+        return True
+
+    def apply(self) -> bool:
+        """Apply the update of the closed window through the optimizer container.
+
+        Raises:
+            RuntimeError: no optimizer is bound.
+        """
+        container = self.container
+        if container is None:
+            raise RuntimeError("no optimizer to step: set config.optim.type or assign runner.optimizer")
+        multiplier, self._multiplier = self._multiplier, None
+        if self._weight is not None:
+            multiplier, self._weight = self._weight_factor(self._weight), None
+        return container.step(multiplier)
+
+    def _weight_factor(self, weight: Any) -> Any:
+        """`ranks / total weight`: turns rank-averaged weighted sums into the weighted mean."""
+        if not is_distributed():
+            return 1.0 / weight
+        device = next(iter(self.container.parameters())).device  # type: ignore[union-attr]
+        total = torch.as_tensor(weight, dtype=torch.float32, device=device).detach().clone()
+        dist.all_reduce(total, group=self.group)
+        return dist.get_world_size(self.group) / total
+
+    def state_dict(self) -> dict[str, Any]:
+        """Skipped updates and gradient-scaler state."""
+        return {"optimizer_container": None if self.container is None else self.container.state_dict()}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        container_state = state_dict.get("optimizer_container")
+        if container_state and self.container is not None:
+            self.container.load_state_dict(container_state)
+
+
+@contextlib.contextmanager
+def _entered_together(outer: AbstractContextManager, inner: AbstractContextManager) -> Iterator[None]:
+    with outer, inner:
+        yield
