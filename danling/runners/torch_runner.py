@@ -1,8 +1,8 @@
 """`TorchRunner`: the PyTorch runner (single process or DDP), registered for the stacks `auto`, `torch` and `ddp`.
 
-The class assembles three layers: construction and component building (this module), per-batch
-hooks ([`TorchStepMixin`][danling.runners.torch_steps.TorchStepMixin]) and checkpoint payloads
-([`TorchCheckpointMixin`][danling.runners.checkpointing.torch_state.TorchCheckpointMixin]) on top of the
+The class assembles construction, component building and the update strategy (this module), the
+default batch contract ([`TorchBatchMixin`][danling.runners.torch_batch.TorchBatchMixin]) and checkpoint
+payloads ([`TorchCheckpointMixin`][danling.runners.checkpointing.torch_state.TorchCheckpointMixin]) on top of the
 backend-free [`BaseRunner`][danling.runners.base_runner.BaseRunner].
 """
 
