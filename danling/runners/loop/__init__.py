@@ -1,9 +1,49 @@
-"""The loops: rounds, passes, per-batch hooks, the loop position, budgets and split selection."""
+"""The loops: rounds, passes, per-batch hooks, the loop position, typed events, budgets and split selection.
+
+[`events`][danling.runners.loop.events]: typed events, their contexts and the
+[`EventBus`][danling.runners.loop.events.EventBus] the loops emit them on.
+"""
 
 from .budget import ProgressMixin, length_of
+from .events import (
+    CheckpointContext,
+    EpochContext,
+    EvaluationContext,
+    Event,
+    EventBus,
+    Events,
+    FailureContext,
+    RunContext,
+    SkippedStepContext,
+    StepContext,
+    StopContext,
+    Subscription,
+    on,
+)
 from .hooks import RunnerMode, StepHooks
 from .loops import LoopMixin
 from .passes import PassMixin
 from .position import LoopState
 
-__all__ = ["LoopMixin", "LoopState", "PassMixin", "ProgressMixin", "RunnerMode", "StepHooks", "length_of"]
+__all__ = [
+    "CheckpointContext",
+    "EpochContext",
+    "EvaluationContext",
+    "Event",
+    "EventBus",
+    "Events",
+    "FailureContext",
+    "LoopMixin",
+    "LoopState",
+    "PassMixin",
+    "ProgressMixin",
+    "RunContext",
+    "RunnerMode",
+    "SkippedStepContext",
+    "StepContext",
+    "StepHooks",
+    "StopContext",
+    "Subscription",
+    "length_of",
+    "on",
+]
