@@ -7,30 +7,34 @@ converted to the declared type and checked. `RunnerConfig.validate` adds the cro
 (valid stack, budgets, precision, ...) and raises `ValueError` with the offending value.
 """
 
+import functools
 import hashlib
 import json
 import os
 import re
 import sys
 import warnings
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 from chanfig import Config, ConfigParser
 from chanfig.utils import get_cached_annotations
 from typing_extensions import Self
 
-from danling.data import resolve_loader_options
+from danling.data import LOADER_OPTIONS, resolve_loader_options
 
 from ._config_utils import (
     check_annotations,
     check_values,
+    feature_keys,
     normalize_exclude,
     peek,
     read_config_file,
     register_typed_arguments,
     semantic,
     split_file_options,
+    unknown_keys,
+    unsupported,
 )
 
 # Section classes are importable from this module but kept out of the package namespace.
@@ -45,7 +49,16 @@ class _TypedConfig(Config):
 
     chanfig converts and checks values against the annotations of the instance's own class
     only; merging the inherited ones here keeps `epochs: int | None` honoured in user subclasses.
+
+    A section rejects keys it does not declare (`STRICT`), so a typo such as
+    `checkpoint.intervall` fails validation instead of being ignored; `EXTRA_KEYS` are accepted
+    too, and with `NAMED_SUBSECTIONS` an undeclared mapping is a named override section.
+    (Plain class attributes, not annotations: annotated names would become config keys.)
     """
+
+    STRICT = True
+    EXTRA_KEYS = frozenset()
+    NAMED_SUBSECTIONS = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -60,21 +73,27 @@ class _TypedConfig(Config):
 class OptimConfig(_TypedConfig):
     """Optimizer section (`optim.*`); an optimizer is configured once `optim.type` is set.
 
+    Open: every other key is an option of the optimizer (`optim.lr`, `optim.weight_decay`, ...).
+
     Attributes:
         param_groups: Optional regex-selected parameter groups (`pattern` plus group options).
     """
 
+    STRICT = False
     param_groups: list[dict] | None = None
 
 
 class SchedulerConfig(_TypedConfig):
     """Learning-rate scheduler section (`scheduler.*`); a scheduler is configured once `type` is set.
 
+    Open: every other key is an option of the scheduler.
+
     Attributes:
         interval: `"step"`, `"epoch"` or `"validation"`; None picks by scheduler kind.
         monitor: Dotted metric path for metric-driven schedulers (e.g. `"val.loss"`).
     """
 
+    STRICT = False
     interval: str | None = None
     monitor: str | None = None
 
@@ -104,8 +123,12 @@ class DataloaderConfig(_TypedConfig):
     """Dataloader defaults (`dataloader.*`); a mapping under a split name overrides them for that split.
 
     `dataloader.train.shuffle=False` changes only the `train` loader. Use
-    `kwargs` to get the merged arguments.
+    `kwargs` to get the merged arguments. Besides the declared keys, every option the loader
+    builder passes on (`danling.data.LOADER_OPTIONS`, e.g. `timeout`) is accepted.
     """
+
+    EXTRA_KEYS = LOADER_OPTIONS
+    NAMED_SUBSECTIONS = True
 
     batch_size: int | None = None
     shuffle: bool | None = None
@@ -257,6 +280,12 @@ class HeartbeatConfig(_TypedConfig):
     dir_name: str = "heartbeats"
 
 
+@functools.cache
+def _base_defaults() -> dict[str, Any]:
+    """Every declared key of `RunnerConfig` with its default, flattened (computed once)."""
+    return RunnerConfig().dict(flatten=True)
+
+
 class RunnerConfig(_TypedConfig):
     r"""Every setting of a runner, as a nested, attribute-access `chanfig.Config`.
 
@@ -274,6 +303,14 @@ class RunnerConfig(_TypedConfig):
         STACKS: Accepted values of `stack`; extend them with `register_stack`.
         PRECISIONS: Accepted `precision` spellings, mapped to `"fp32"`, `"fp16"` or `"bf16"`.
         CONFIG_ID_IGNORES: Dotted key patterns (`*` matches one level) left out of `config_id`.
+        FEATURES: Documented keys that only some runners read, by feature name (`section.*` covers
+            a section). A runner lists the features it implements in `supported_features`; for
+            any other feature, a key set to a non-default value fails `check_supported`.
+
+    Keys inside the typed sections (`checkpoint`, `dataloader`, ...) must be declared ones: an
+    unknown key fails construction, `merge` and `validate` with a `ValueError` that suggests the
+    closest known keys. `optim.*` and `scheduler.*` hold optimizer/scheduler options and stay open,
+    as does the top level.
 
     Attributes:
         stack: Runner stack picked by `Runner`: `"auto"`, `"ddp"`/`"torch"`, `"graph"`, `"deepspeed"`/`"ds"`
@@ -352,6 +389,21 @@ class RunnerConfig(_TypedConfig):
         "compile",
         *(f"dataloader.{split}{key}" for split in ("", "*.") for key in _LOADER_RUNTIME_KEYS),
     )
+    # Features no runner of this version implements; a backend lifts one by naming it in its
+    # `supported_features` (and the entry is dropped once every runner reads those keys).
+    FEATURES = {
+        "parallel": ("parallel.*",),
+        "fsdp": ("fsdp.*",),
+        "profiling": ("profiling.*",),
+        "fault-tolerance": (
+            "ft.*",
+            "checkpoint.enable_ft_dataloader_checkpoints",
+            "checkpoint.ft_replica_id",
+            "checkpoint.ft_dataloader_checkpoint_prefix",
+        ),
+        "graph": ("compile.precompile_artifact_dir", "compile.memory_policy"),
+    }
+    STRICT = False  # the top level takes free-form user keys (`config.network.type = ...`)
 
     stack: str = "auto"
     seed: int | None = None
@@ -399,6 +451,17 @@ class RunnerConfig(_TypedConfig):
             args = (read_config_file(args[0]),)
         if args or kwargs:
             self.merge(*args, **kwargs)
+
+    def merge(self, *args: Any, **kwargs: Any) -> Self:
+        """chanfig's `merge`, then the section key check: an undeclared key in a typed section raises `ValueError`."""
+        super().merge(*args, **kwargs)
+        self._check_keys()
+        return self
+
+    def _check_keys(self) -> None:
+        problems = unknown_keys(self)
+        if problems:
+            raise ValueError("; ".join(problems))
 
     @classmethod
     def from_dict(cls, obj: Mapping | Sequence) -> Any:
@@ -514,10 +577,13 @@ class RunnerConfig(_TypedConfig):
 
         Raises:
             ValueError: A known key holds an unacceptable value (the message names key, value and
-                what is accepted).
+                what is accepted), or a typed section holds a key it does not declare.
             TypeError: A value does not match its annotation.
 
         Examples:
+            >>> RunnerConfig(**{"checkpoint.intervall": 5})
+            Traceback (most recent call last):
+            ValueError: config.checkpoint.intervall is not a key of config.checkpoint; did you mean checkpoint.interval?
             >>> RunnerConfig(stack="jax")
             Traceback (most recent call last):
             ValueError: config.stack='jax' is not a known stack; expected one of: auto, ddp, torch, ...
@@ -528,6 +594,7 @@ class RunnerConfig(_TypedConfig):
             Traceback (most recent call last):
             ValueError: training needs a budget: set config.epochs or config.steps (both are None)
         """
+        self._check_keys()
         stack = peek(self, "stack")
         if not isinstance(stack, str) or stack.strip().lower() not in self.STACKS:
             raise ValueError(f"config.stack={stack!r} is not a known stack; expected one of: {', '.join(self.STACKS)}")
@@ -541,6 +608,67 @@ class RunnerConfig(_TypedConfig):
         if training and peek(self, "epochs") is None and peek(self, "steps") is None:
             raise ValueError("training needs a budget: set config.epochs or config.steps (both are None)")
         check_annotations(self)
+
+    def check_supported(
+        self, stacks: Collection[str], features: Collection[str] = (), *, runner: str | None = None
+    ) -> None:
+        """Raise unless a runner offering `stacks` and `features` can run this config as written.
+
+        `stack` must be one of `stacks`, and every key of a `FEATURES` entry missing from
+        `features` must keep its default: a setting nothing reads would otherwise be ignored.
+
+        Args:
+            stacks: Stack names the runner implements.
+            features: Names of `FEATURES` entries the runner implements.
+            runner: Runner name for the messages.
+
+        Raises:
+            ValueError: The stack is not among `stacks` (the message lists them), or keys of
+                missing features hold non-default values (the message names each key and value).
+
+        Examples:
+            >>> RunnerConfig(stack="deepspeed").check_supported(["auto", "ddp", "torch"], runner="TorchRunner")
+            Traceback (most recent call last):
+            ValueError: config.stack='deepspeed' is not available with TorchRunner in this version of danling; ...
+            >>> RunnerConfig(**{"fsdp.enabled": True}).check_supported(["auto"])
+            Traceback (most recent call last):
+            ValueError: config.fsdp.enabled=True is not available yet in this version of danling: it needs ...
+            >>> RunnerConfig(**{"fsdp.enabled": True}).check_supported(["auto"], ["fsdp"])
+        """
+        defaults = _base_defaults()
+        problem = unsupported(self, stacks, features, runner, feature_keys(self.FEATURES, defaults), defaults)
+        if problem:
+            raise ValueError(problem)
+
+    @classmethod
+    def check_runner(cls, config: Any, runner: type) -> None:
+        """`check_supported` for a runner class: the check a runner runs first thing when constructed.
+
+        The stacks come from the runner registry
+        ([`runner_stacks`][danling.runners.runner.runner_stacks]); the features are the union of
+        `supported_features` over `runner` and its bases. A stack registered to a different runner
+        class is reported with that class's name. Values that are not mappings are left to the
+        runner's own type check.
+
+        Raises:
+            ValueError: See `check_supported`; also for unknown keys of typed sections.
+        """
+        from .runner import RUNNERS, runner_stacks  # runner.py imports this module
+
+        if not isinstance(config, RunnerConfig):
+            if not isinstance(config, Mapping):
+                return
+            config = cls(**config)
+        stacks = runner_stacks(runner)
+        stack = str(config.get("stack") or "auto").strip().lower()
+        owner = RUNNERS.get(stack)
+        if stack not in stacks and owner is not None:
+            raise ValueError(
+                f"config.stack={stack!r} is implemented by {owner.__name__}, not by {runner.__name__} "
+                f"(available stacks: {list(stacks)}); build the runner with Runner(config) or subclass {owner.__name__}"
+            )
+        features = {name for klass in runner.__mro__ for name in vars(klass).get("supported_features", ())}
+        config.check_supported(stacks, features, runner=runner.__name__)
 
     def _normalize(self) -> None:
         stack = peek(self, "stack")
