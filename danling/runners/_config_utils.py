@@ -1,6 +1,7 @@
 """Private helpers of `danling.runners.config`: value checks, config identity, files and CLI typing."""
 
 import ast
+import difflib
 import math
 import os
 from collections.abc import Iterable, Mapping, Sequence
@@ -164,6 +165,109 @@ def normalize_exclude(value: Any) -> Any:
             item = _EXCLUDE_ALIASES.get(head, head) + dot + tail
         result.append(item)
     return result
+
+
+# ---------------------------------------------------------------------------------------------
+# keys: undeclared keys of typed sections, and keys of features a runner does not provide
+
+
+def unknown_keys(node: Mapping, prefix: str = "") -> list[str]:
+    """One message per key that a strict typed section of `node` does not declare, with close matches.
+
+    A section is strict when its class sets `STRICT`; it accepts its annotated keys and `EXTRA_KEYS`.
+    With `NAMED_SUBSECTIONS`, an undeclared key holding a mapping is a named override section
+    (`dataloader.<split>`) whose keys must be accepted ones. Free-form mappings are searched for
+    nested typed sections but never checked themselves.
+    """
+    kind = type(node)
+    strict = getattr(kind, "STRICT", False)
+    accepted = set(get_cached_annotations(node)) | set(getattr(kind, "EXTRA_KEYS", ())) if strict else set()
+    problems: list[str] = []
+    for key, value in node.items():
+        name = f"{prefix}{key}"
+        if not strict or key in accepted:
+            if isinstance(value, Mapping):
+                problems += unknown_keys(value, f"{name}.")
+        elif isinstance(value, Mapping) and getattr(kind, "NAMED_SUBSECTIONS", False):
+            problems += [_unknown(f"{name}.{sub}", name, accepted) for sub in value if sub not in accepted]
+        else:
+            problems.append(_unknown(name, prefix.rstrip("."), accepted))
+    return problems
+
+
+def _unknown(dotted: str, section: str, accepted: set[str]) -> str:
+    leaf = dotted.rsplit(".", 1)[-1]
+    close = difflib.get_close_matches(str(leaf), sorted(accepted), n=3, cutoff=0.6)
+    if close:
+        hint = "did you mean " + " or ".join(f"{section}.{key}" for key in close) + "?"
+    else:
+        hint = "known keys: " + ", ".join(sorted(accepted))
+    return f"config.{dotted} is not a key of config.{section}; {hint}"
+
+
+_MISSING = object()
+
+
+def _lookup(mapping: Any, dotted: str) -> Any:
+    node = mapping
+    for part in dotted.split("."):
+        if not isinstance(node, Mapping) or part not in node:
+            return _MISSING
+        node = node[part]
+    return node
+
+
+def feature_keys(features: Mapping[str, Iterable[str]], declared: Iterable[str]) -> dict[str, str]:
+    """Map each gated key to its feature; `section.*` patterns expand to the declared keys below `section`."""
+    declared = list(declared)
+    owners: dict[str, str] = {}
+    for feature, patterns in features.items():
+        for pattern in patterns:
+            if pattern.endswith(".*"):
+                keys = [key for key in declared if key.startswith(pattern[:-1])]
+            else:
+                keys = [pattern]
+            owners.update(dict.fromkeys(keys, feature))
+    return owners
+
+
+def feature_requests(config: Mapping, owners: Mapping[str, str], defaults: Mapping[str, Any]) -> list[tuple]:
+    """`(feature, key, value, default)` for each gated key of `config` that holds a non-default value."""
+    requests = []
+    for key, feature in owners.items():
+        value = _lookup(config, key)
+        if value is not _MISSING and value != defaults.get(key):
+            requests.append((feature, key, value, defaults.get(key)))
+    return requests
+
+
+def unsupported(
+    config: Mapping,
+    stacks: Iterable[str],
+    features: Iterable[str],
+    runner: str | None,
+    owners: Mapping[str, str],
+    defaults: Mapping[str, Any],
+) -> str | None:
+    """What a runner offering `stacks` and `features` cannot run in `config`, as a message; None when nothing."""
+    stack = str(peek(config, "stack") or "auto").strip().lower()
+    available = sorted({str(name).lower() for name in stacks})
+    if stack not in available:
+        with_runner = f" with {runner}" if runner else ""
+        return f"config.stack={stack!r} is not available{with_runner} in this version of danling; " + (
+            f"available stacks: {available}"
+        )
+    features = set(features)
+    lacking = f", which {runner} does not implement" if runner else ""
+    return (
+        "; ".join(
+            f"config.{key}={value!r} is not available yet in this version of danling: it needs the {feature!r} "
+            f"feature{lacking}; leave it at its default {default!r}"
+            for feature, key, value, default in feature_requests(config, owners, defaults)
+            if feature not in features
+        )
+        or None
+    )
 
 
 # ---------------------------------------------------------------------------------------------

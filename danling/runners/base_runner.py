@@ -122,6 +122,7 @@ class BaseRunner(CheckpointMixin, ResultsMixin, LoopMixin, ProgressMixin, metacl
     metrics: Any = None
 
     def __init__(self, config: RunnerConfig | Mapping[str, Any]) -> None:
+        RunnerConfig.check_runner(config, type(self))  # refuse stacks/features this class does not implement
         self.config = self._normalize_config(config)
         self.state = RunnerState(config=self.config)
         self.timestamp = time.strftime("%Y%m%d-%H%M%S")

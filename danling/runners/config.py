@@ -1,260 +1,68 @@
 """Runner configuration: a typed, parseable `chanfig.Config` with every runner key.
 
-`RunnerConfig` composes one small section class per
-component (checkpointing, data loading, tracking, parallelism, ...). Each section declares its
-keys as annotated class attributes, so values coming from YAML files or the command line are
-converted to the declared type and checked. `RunnerConfig.validate` adds the cross-field checks
-(valid stack, budgets, precision, ...) and raises `ValueError` with the offending value.
+`RunnerConfig` composes one small section class per component (checkpointing, data loading,
+tracking, parallelism, ...), defined in [`config_sections`][danling.runners.config_sections]. Each
+section declares its keys as annotated class attributes, so values coming from YAML files or the
+command line are converted to the declared type and checked. `RunnerConfig.validate` adds the
+cross-field checks (valid stack, budgets, precision, ...) and raises `ValueError` with the
+offending value.
 """
 
+import functools
 import hashlib
 import json
 import os
 import re
 import sys
 import warnings
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any
 
-from chanfig import Config, ConfigParser
-from chanfig.utils import get_cached_annotations
+from chanfig import ConfigParser
 from typing_extensions import Self
-
-from danling.data import resolve_loader_options
 
 from ._config_utils import (
     check_annotations,
     check_values,
+    feature_keys,
     normalize_exclude,
     peek,
     read_config_file,
     register_typed_arguments,
     semantic,
     split_file_options,
+    unknown_keys,
+    unsupported,
+)
+from .config_sections import (
+    CheckpointConfig,
+    CommConfig,
+    CompileConfig,
+    DataloaderConfig,
+    EmaConfig,
+    FaultToleranceConfig,
+    FsdpConfig,
+    GcConfig,
+    HeartbeatConfig,
+    OptimConfig,
+    ParallelConfig,
+    ProfilingConfig,
+    SchedulerConfig,
+    WandbConfig,
+    _TypedConfig,
 )
 
-# Section classes are importable from this module but kept out of the package namespace.
+# Section classes are importable from this module (and config_sections) but kept out of the package namespace.
 __all__ = ["RunnerConfig"]
 
 # dataloader keys that change throughput, not results; left out of config_id
 _LOADER_RUNTIME_KEYS = ("num_workers", "persistent_workers", "prefetch_factor", "pin_memory", "snapshot_every_n_steps")
 
 
-class _TypedConfig(Config):
-    """Config whose subclasses inherit their parents' annotations.
-
-    chanfig converts and checks values against the annotations of the instance's own class
-    only; merging the inherited ones here keeps `epochs: int | None` honoured in user subclasses.
-    """
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        merged: dict[str, Any] = {}
-        for klass in reversed(cls.__mro__[1:]):
-            if issubclass(klass, _TypedConfig):
-                merged.update(get_cached_annotations(klass))
-        merged.update(cls.__dict__.get("__annotations__", {}))
-        cls.__annotations__ = merged
-
-
-class OptimConfig(_TypedConfig):
-    """Optimizer section (`optim.*`); an optimizer is configured once `optim.type` is set.
-
-    Attributes:
-        param_groups: Optional regex-selected parameter groups (`pattern` plus group options).
-    """
-
-    param_groups: list[dict] | None = None
-
-
-class SchedulerConfig(_TypedConfig):
-    """Learning-rate scheduler section (`scheduler.*`); a scheduler is configured once `type` is set.
-
-    Attributes:
-        interval: `"step"`, `"epoch"` or `"validation"`; None picks by scheduler kind.
-        monitor: Dotted metric path for metric-driven schedulers (e.g. `"val.loss"`).
-    """
-
-    interval: str | None = None
-    monitor: str | None = None
-
-
-class CheckpointConfig(_TypedConfig):
-    """Checkpoint section (`checkpoint.*`). Keys and defaults follow the reference table."""
-
-    dir_name: str = "checkpoints"
-    backend: str = "auto"
-    interval: int | None = None
-    keep_latest_k: int = 0
-    load_only: bool = False
-    async_enabled: bool = True
-    async_mode: str | None = None
-    dedicated_async_process_group: bool = True
-    async_process_group_backend: str = "gloo"
-    wait_timeout: float | None = 600.0
-    enable_ft_dataloader_checkpoints: bool = False
-    ft_replica_id: str | None = None
-    ft_dataloader_checkpoint_prefix: str = "ft-replica"
-    exclude_from_loading: list[str] | str | None = []
-    last_save_model_only: bool = False
-    export_dtype: str | None = None
-
-
-class DataloaderConfig(_TypedConfig):
-    """Dataloader defaults (`dataloader.*`); a mapping under a split name overrides them for that split.
-
-    `dataloader.train.shuffle=False` changes only the `train` loader. Use
-    `kwargs` to get the merged arguments.
-    """
-
-    batch_size: int | None = None
-    shuffle: bool | None = None
-    drop_last: bool | None = None
-    num_workers: int = 0
-    persistent_workers: bool = False
-    prefetch_factor: int | None = None
-    pin_memory: bool = False
-    in_order: bool = True
-    snapshot_every_n_steps: int | None = 1
-
-    def kwargs(self, split: str, *, train: bool) -> dict[str, Any]:
-        """Dataloader keyword arguments for one split: defaults, then the split's overrides.
-
-        Unset `shuffle`/`drop_last` follow `train`; keys left as None are dropped so the
-        dataloader's own defaults apply.
-
-        Examples:
-            >>> loader = RunnerConfig(**{"dataloader.batch_size": 8, "dataloader.val.batch_size": 32}).dataloader
-            >>> loader.kwargs("train", train=True)["batch_size"], loader.kwargs("train", train=True)["shuffle"]
-            (8, True)
-            >>> loader.kwargs("val", train=False)["batch_size"], loader.kwargs("val", train=False)["drop_last"]
-            (32, False)
-        """
-        # One merge rule for the config and the loader builder: danling.data owns it.
-        return resolve_loader_options(self, split, is_train=train)
-
-
-class WandbConfig(_TypedConfig):
-    """Weights & Biases section (`wandb.*`); unset names fall back to lineage/experiment/run id."""
-
-    enabled: bool = False
-    project: str | None = None
-    entity: str | None = None
-    group: str | None = None
-    name: str | None = None
-    job_type: str | None = None
-    tags: list[str] | str | None = None
-    dir: str | None = None
-    mode: str | None = None
-
-
-class FaultToleranceConfig(_TypedConfig):
-    """TorchFT section (`ft.*`)."""
-
-    enabled: bool = False
-    process_group: str = "gloo"
-    process_group_timeout_ms: int = 10000
-    replica_id: int = 0
-    group_size: int = 1
-    min_replica_size: int = 1
-
-
-class ParallelAxesConfig(_TypedConfig):
-    """Parallel degrees (`parallel.axes.*`); one axis may be -1 to absorb the rest of the world size."""
-
-    replicate: int = 1
-    shard: int = 1
-    context: int = 1
-    pipeline: int = 1
-    tensor: int = 1
-    expert: int = 1
-    expert_tensor: int = 1
-
-
-class ParallelConfig(_TypedConfig):
-    """Parallel layout and pipeline schedule (`parallel.*`)."""
-
-    axes: ParallelAxesConfig = ParallelAxesConfig()
-    pipeline_schedule: str = "1F1B"
-    pipeline_microbatch_size: int = 1
-    pipeline_n_microbatches: int | None = None
-    module_fqns_per_model_part: list[list[str]] | None = None
-
-
-class FsdpConfig(_TypedConfig):
-    """FSDP2 section (`fsdp.*`)."""
-
-    enabled: bool = False
-    reshard_after_forward: bool | int | None = None
-    mp_policy: bool | int | None = None
-    offload_policy: bool | int | None = None
-
-
-class CompileConfig(_TypedConfig):
-    """`torch.compile` section (`compile.*`); None leaves torch's own default in place."""
-
-    enable: bool = False
-    backend: str | None = None
-    fullgraph: bool = False
-    dynamic: bool | None = None
-    mode: str | None = None
-    options: dict | None = None
-    optimize_ddp: str | None = None
-    precompile_artifact_dir: str | None = None
-    memory_policy: str | None = None
-
-
-class CommConfig(_TypedConfig):
-    """Process-group timeouts (`comm.*`), in seconds."""
-
-    init_timeout_seconds: int | None = None
-    train_timeout_seconds: int | None = None
-
-
-class GcConfig(_TypedConfig):
-    """Runner-paced garbage collection (`gc.*`); disabled while `interval` is None."""
-
-    interval: int | None = None
-    generation: int = 1
-    disable_automatic: bool = True
-
-
-class ProfilingConfig(_TypedConfig):
-    """Bounded `torch.profiler` tracing (`profiling.*`); `trace_dir` is relative to the run directory."""
-
-    enabled: bool = False
-    wait: int = 1
-    warmup: int = 1
-    active: int = 3
-    repeat: int | None = None
-    record_shapes: bool = False
-    profile_memory: bool = False
-    with_stack: bool = False
-    with_flops: bool = False
-    trace_dir: str = "profiles"
-
-
-class EmaConfig(_TypedConfig):
-    """Exponential moving average of the model weights (`ema.*`).
-
-    When `enabled`, the torch runner keeps an averaged copy of the model, updates it after every
-    applied optimizer step and evaluates and infers with it.
-
-    Attributes:
-        enabled: Keep an EMA copy of the model.
-        decay: Weight of the running average, in `[0, 1]`.
-    """
-
-    enabled: bool = False
-    decay: float = 0.999
-
-
-class HeartbeatConfig(_TypedConfig):
-    """Per-rank heartbeat files (`heartbeat.*`) under `<run dir>/<dir_name>`."""
-
-    enabled: bool = False
-    interval_seconds: float = 60.0
-    dir_name: str = "heartbeats"
+@functools.cache
+def _base_defaults() -> dict[str, Any]:
+    """Every declared key of `RunnerConfig` with its default, flattened (computed once)."""
+    return RunnerConfig().dict(flatten=True)
 
 
 class RunnerConfig(_TypedConfig):
@@ -274,6 +82,14 @@ class RunnerConfig(_TypedConfig):
         STACKS: Accepted values of `stack`; extend them with `register_stack`.
         PRECISIONS: Accepted `precision` spellings, mapped to `"fp32"`, `"fp16"` or `"bf16"`.
         CONFIG_ID_IGNORES: Dotted key patterns (`*` matches one level) left out of `config_id`.
+        FEATURES: Documented keys that only some runners read, by feature name (`section.*` covers
+            a section). A runner lists the features it implements in `supported_features`; for
+            any other feature, a key set to a non-default value fails `check_supported`.
+
+    Keys inside the typed sections (`checkpoint`, `dataloader`, ...) must be declared ones: an
+    unknown key fails construction, `merge` and `validate` with a `ValueError` that suggests the
+    closest known keys. `optim.*` and `scheduler.*` hold optimizer/scheduler options and stay open,
+    as does the top level.
 
     Attributes:
         stack: Runner stack picked by `Runner`: `"auto"`, `"ddp"`/`"torch"`, `"graph"`, `"deepspeed"`/`"ds"`
@@ -352,6 +168,21 @@ class RunnerConfig(_TypedConfig):
         "compile",
         *(f"dataloader.{split}{key}" for split in ("", "*.") for key in _LOADER_RUNTIME_KEYS),
     )
+    # Features no runner of this version implements; a backend lifts one by naming it in its
+    # `supported_features` (and the entry is dropped once every runner reads those keys).
+    FEATURES = {
+        "parallel": ("parallel.*",),
+        "fsdp": ("fsdp.*",),
+        "profiling": ("profiling.*",),
+        "fault-tolerance": (
+            "ft.*",
+            "checkpoint.enable_ft_dataloader_checkpoints",
+            "checkpoint.ft_replica_id",
+            "checkpoint.ft_dataloader_checkpoint_prefix",
+        ),
+        "graph": ("compile.precompile_artifact_dir", "compile.memory_policy"),
+    }
+    STRICT = False  # the top level takes free-form user keys (`config.network.type = ...`)
 
     stack: str = "auto"
     seed: int | None = None
@@ -399,6 +230,17 @@ class RunnerConfig(_TypedConfig):
             args = (read_config_file(args[0]),)
         if args or kwargs:
             self.merge(*args, **kwargs)
+
+    def merge(self, *args: Any, **kwargs: Any) -> Self:
+        """chanfig's `merge`, then the section key check: an undeclared key in a typed section raises `ValueError`."""
+        super().merge(*args, **kwargs)
+        self._check_keys()
+        return self
+
+    def _check_keys(self) -> None:
+        problems = unknown_keys(self)
+        if problems:
+            raise ValueError("; ".join(problems))
 
     @classmethod
     def from_dict(cls, obj: Mapping | Sequence) -> Any:
@@ -514,10 +356,13 @@ class RunnerConfig(_TypedConfig):
 
         Raises:
             ValueError: A known key holds an unacceptable value (the message names key, value and
-                what is accepted).
+                what is accepted), or a typed section holds a key it does not declare.
             TypeError: A value does not match its annotation.
 
         Examples:
+            >>> RunnerConfig(**{"checkpoint.intervall": 5})
+            Traceback (most recent call last):
+            ValueError: config.checkpoint.intervall is not a key of config.checkpoint; did you mean checkpoint.interval?
             >>> RunnerConfig(stack="jax")
             Traceback (most recent call last):
             ValueError: config.stack='jax' is not a known stack; expected one of: auto, ddp, torch, ...
@@ -528,6 +373,7 @@ class RunnerConfig(_TypedConfig):
             Traceback (most recent call last):
             ValueError: training needs a budget: set config.epochs or config.steps (both are None)
         """
+        self._check_keys()
         stack = peek(self, "stack")
         if not isinstance(stack, str) or stack.strip().lower() not in self.STACKS:
             raise ValueError(f"config.stack={stack!r} is not a known stack; expected one of: {', '.join(self.STACKS)}")
@@ -541,6 +387,67 @@ class RunnerConfig(_TypedConfig):
         if training and peek(self, "epochs") is None and peek(self, "steps") is None:
             raise ValueError("training needs a budget: set config.epochs or config.steps (both are None)")
         check_annotations(self)
+
+    def check_supported(
+        self, stacks: Collection[str], features: Collection[str] = (), *, runner: str | None = None
+    ) -> None:
+        """Raise unless a runner offering `stacks` and `features` can run this config as written.
+
+        `stack` must be one of `stacks`, and every key of a `FEATURES` entry missing from
+        `features` must keep its default: a setting nothing reads would otherwise be ignored.
+
+        Args:
+            stacks: Stack names the runner implements.
+            features: Names of `FEATURES` entries the runner implements.
+            runner: Runner name for the messages.
+
+        Raises:
+            ValueError: The stack is not among `stacks` (the message lists them), or keys of
+                missing features hold non-default values (the message names each key and value).
+
+        Examples:
+            >>> RunnerConfig(stack="deepspeed").check_supported(["auto", "ddp", "torch"], runner="TorchRunner")
+            Traceback (most recent call last):
+            ValueError: config.stack='deepspeed' is not available with TorchRunner in this version of danling; ...
+            >>> RunnerConfig(**{"fsdp.enabled": True}).check_supported(["auto"])
+            Traceback (most recent call last):
+            ValueError: config.fsdp.enabled=True is not available yet in this version of danling: it needs ...
+            >>> RunnerConfig(**{"fsdp.enabled": True}).check_supported(["auto"], ["fsdp"])
+        """
+        defaults = _base_defaults()
+        problem = unsupported(self, stacks, features, runner, feature_keys(self.FEATURES, defaults), defaults)
+        if problem:
+            raise ValueError(problem)
+
+    @classmethod
+    def check_runner(cls, config: Any, runner: type) -> None:
+        """`check_supported` for a runner class: the check a runner runs first thing when constructed.
+
+        The stacks come from the runner registry
+        ([`runner_stacks`][danling.runners.runner.runner_stacks]); the features are the union of
+        `supported_features` over `runner` and its bases. A stack registered to a different runner
+        class is reported with that class's name. Values that are not mappings are left to the
+        runner's own type check.
+
+        Raises:
+            ValueError: See `check_supported`; also for unknown keys of typed sections.
+        """
+        from .runner import RUNNERS, runner_stacks  # runner.py imports this module
+
+        if not isinstance(config, RunnerConfig):
+            if not isinstance(config, Mapping):
+                return
+            config = cls(**config)
+        stacks = runner_stacks(runner)
+        stack = str(config.get("stack") or "auto").strip().lower()
+        owner = RUNNERS.get(stack)
+        if stack not in stacks and owner is not None:
+            raise ValueError(
+                f"config.stack={stack!r} is implemented by {owner.__name__}, not by {runner.__name__} "
+                f"(available stacks: {list(stacks)}); build the runner with Runner(config) or subclass {owner.__name__}"
+            )
+        features = {name for klass in runner.__mro__ for name in vars(klass).get("supported_features", ())}
+        config.check_supported(stacks, features, runner=runner.__name__)
 
     def _normalize(self) -> None:
         stack = peek(self, "stack")

@@ -9,6 +9,12 @@ register_runner(("torch", "ddp", "auto"), TorchRunner)
 `Runner(config)` then builds the registered class for `config.stack`. Subclassing works too:
 `class MyRunner(Runner)` keeps your hooks and gains the backend's implementation, chosen per run
 (`--stack deepspeed` swaps the backend without touching the script).
+
+The registry also says which stacks a runner class implements
+([`runner_stacks`][danling.runners.runner.runner_stacks]): a runner built directly, say a
+`TorchRunner` subclass, refuses a `config.stack` it does not implement (see
+[`RunnerConfig.check_runner`][danling.runners.config.RunnerConfig.check_runner]). A stack that
+`RunnerConfig.STACKS` names but no runner is registered for is not built in this version yet.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from typing import Any, TypeVar
 from .base_runner import BaseRunner
 from .config import RunnerConfig
 
-__all__ = ["RUNNERS", "Runner", "register_runner", "resolve_runner"]
+__all__ = ["RUNNERS", "Runner", "register_runner", "resolve_runner", "runner_stacks"]
 
 R = TypeVar("R", bound=type[BaseRunner])
 
@@ -65,12 +71,36 @@ def resolve_runner(stack: str) -> type[BaseRunner]:
     """Return the runner class registered for `stack`.
 
     Raises:
-        ValueError: No runner is registered under that name; the message lists the ones that are.
+        ValueError: No runner is registered under that name; the message lists the ones that are
+            and says when the name is a known stack that is not built in this version yet.
     """
     key = stack.lower() if isinstance(stack, str) else stack
     if key not in RUNNERS:
-        raise ValueError(f"no runner is registered for stack {stack!r}; registered stacks: {sorted(RUNNERS) or 'none'}")
+        registered = sorted(RUNNERS) or "none"
+        if key in RunnerConfig.STACKS:
+            raise ValueError(
+                f"config.stack={stack!r} is not available yet in this version of danling: no runner is "
+                f"registered for it; registered stacks: {registered}"
+            )
+        raise ValueError(f"no runner is registered for stack {stack!r}; registered stacks: {registered}")
     return RUNNERS[key]
+
+
+def runner_stacks(runner: type) -> tuple[str, ...]:
+    """Stacks `runner` implements: `"auto"` and every name registered for it or one of its bases.
+
+    `"auto"` always counts: it asks for no particular backend, so a runner class used directly
+    (even one outside the registry) runs it as itself.
+
+    Examples:
+        >>> from danling.runners import TorchRunner
+        >>> runner_stacks(TorchRunner)
+        ('auto', 'ddp', 'torch')
+        >>> runner_stacks(BaseRunner)
+        ('auto',)
+    """
+    names = {name for name, backend in RUNNERS.items() if isinstance(runner, type) and issubclass(runner, backend)}
+    return tuple(sorted(names | {"auto"}))
 
 
 def _stack_of(config: Any) -> str:
