@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+import sys
 import time
 from collections.abc import Mapping
 from contextlib import suppress
@@ -28,8 +29,17 @@ from danling.utils.io import save as save_file
 
 from .checkpointing import CheckpointMixin
 from .config import RunnerConfig
-from .loop import LoopMixin, LoopState, ProgressMixin
-from .services import ResultsMixin, RunnerSupervisor, RunnerWorkspace, TensorBoardTracker, Trackers, WandbTracker
+from .loop import EventBus, Events, LoopMixin, LoopState, ProgressMixin
+from .loop.events import LogContext, StepContext
+from .services import (
+    ProgressBar,
+    ResultsMixin,
+    RunnerSupervisor,
+    RunnerWorkspace,
+    TensorBoardTracker,
+    Trackers,
+    WandbTracker,
+)
 from .state import RunnerElasticState, RunnerRNGState, RunnerState, RunnerTrainState
 
 __all__ = ["BaseRunner", "MetaRunner"]
@@ -153,6 +163,7 @@ class BaseRunner(CheckpointMixin, ResultsMixin, LoopMixin, ProgressMixin, metacl
         Concrete runners build their model, optimizer and dataloaders first and then call
         `super().__post_init__()`.
         """
+        self.events.subscribe_object(self)  # methods marked with @on(...)
         if "update" not in self.__dict__:
             self.update = self.build_update_strategy()
         self.loop_state.accumulator = self.update.accumulator
@@ -180,6 +191,8 @@ class BaseRunner(CheckpointMixin, ResultsMixin, LoopMixin, ProgressMixin, metacl
         if "dataloaders" not in self.__dict__:
             self.dataloaders = FlatDict()
         self.results = RoundDict()
+        self.events = EventBus()
+        self.events.subscribe(Events.LOG, self._forward_to_trackers)
         self.loop_state = LoopState()
         self.meters = AverageMeters()
         self.trackers = Trackers()
@@ -343,6 +356,14 @@ class BaseRunner(CheckpointMixin, ResultsMixin, LoopMixin, ProgressMixin, metacl
             self.supervisor.heartbeat_dir = self.workspace.heartbeat_dir
             self.supervisor.heartbeat_interval = heartbeat.interval_seconds
             self.supervisor.beat(self.train_state.global_step, self.train_state.epoch, "init", force=True)
+            self.events.subscribe(Events.STEP_END, self._beat)
+
+    def _beat(self, context: StepContext) -> None:
+        self.supervisor.beat(context.global_step, self.train_state.epoch, context.split)
+
+    def _forward_to_trackers(self, context: LogContext) -> None:
+        if len(self.trackers):
+            self.trackers.log(dict(context.values), step=context.step)
 
     def init_signal_handlers(self) -> None:
         """Turn SIGTERM/SIGINT into a graceful stop request.
@@ -358,6 +379,8 @@ class BaseRunner(CheckpointMixin, ResultsMixin, LoopMixin, ProgressMixin, metacl
         self.logger = self.workspace.setup_logging()
         self.supervisor.logger = self.logger
         self.checkpoint_manager.logger = self.logger
+        if self.is_main_process and sys.stdout.isatty():
+            ProgressBar().attach(self.events)
 
     def init_tensorboard(self, *args: Any, **kwargs: Any) -> None:
         """Send every written result to TensorBoard under `<run dir>/tensorboard` (main process only)."""

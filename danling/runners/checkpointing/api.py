@@ -19,6 +19,7 @@ from danling.checkpoint.layout import POINTER_SUFFIX, follow_pointer
 from danling.utils import RoundDict
 
 from ..config import RunnerConfig
+from ..loop.events import CheckpointContext, Events
 
 if TYPE_CHECKING:
     from ..base_runner import BaseRunner
@@ -168,9 +169,12 @@ class CheckpointMixin:
             aliases.append("best")
         metadata = {"epoch": state.epoch, "global_step": state.global_step, "run_id": self.id}
         payload = self._checkpoint_payload(last_step=last_step)
-        return self.checkpoint_manager.save(
+        path = self.checkpoint_manager.save(
             payload, checkpoint_name, aliases=tuple(dict.fromkeys(aliases)), metadata=metadata
         )
+        if path is not None:
+            self.events.emit(Events.CHECKPOINT_SAVED, CheckpointContext(self, path, name))
+        return path
 
     def save_seed_checkpoint(self, name: str = "seed") -> Path | None:
         """Save the initial state as checkpoint `name` (alias `name`, never pruned).
@@ -239,6 +243,8 @@ class CheckpointMixin:
                 load(payload.get(key))
         if _is_path(checkpoint):
             self.config.resume = os.fspath(checkpoint)
+        source = os.fspath(checkpoint) if _is_path(checkpoint) else _describe(checkpoint)
+        self.events.emit(Events.CHECKPOINT_LOADED, CheckpointContext(self, source))
         self.logger.info(
             "restored checkpoint %s at epoch %d, global step %d",
             _describe(checkpoint),
@@ -322,6 +328,7 @@ class CheckpointMixin:
             latest = manager.latest
             if latest is not None and latest != path:
                 self.logger.warning("auto_resume: latest checkpoint %s is not usable; resuming from %s", latest, path)
+                self.events.emit(Events.CHECKPOINT_FALLBACK, CheckpointContext(self, path, requested=latest))
             self.load_checkpoint(path)
         elif config.get("pretrained"):
             self.load_pretrained(config.pretrained)

@@ -30,6 +30,8 @@ __all__ = [
     "EventBus",
     "Events",
     "FailureContext",
+    "LogContext",
+    "PassContext",
     "RunContext",
     "SkippedStepContext",
     "StepContext",
@@ -90,6 +92,27 @@ class StepContext:
 
 
 @dataclass(slots=True)
+class PassContext:
+    """One pass over `split` in `mode` (`length` batches when known); the body sets `batches` before `PASS_END`."""
+
+    runner: Any
+    split: str
+    mode: str
+    length: int | None = None
+    batches: int = 0
+    error: BaseException | None = None
+
+
+@dataclass(slots=True)
+class LogContext:
+    """Values to record at `step` (a result row, or step losses keyed `<split>_step`), for trackers."""
+
+    runner: Any
+    values: Mapping[str, Any]
+    step: int
+
+
+@dataclass(slots=True)
 class SkippedStepContext:
     """An optimizer step skipped because the gradients were not finite."""
 
@@ -147,7 +170,9 @@ class Events:
     | --- | --- | --- |
     | `RUN_START`, `RUN_END` | `RunContext` | around a whole `train()`, `evaluate()` or `infer()` |
     | `EPOCH_START`, `EPOCH_END` | `EpochContext` | around each training epoch |
+    | `PASS_START`, `PASS_END` | `PassContext` | around each pass over one split (training or evaluation) |
     | `STEP_START`, `STEP_END` | `StepContext` | around each batch |
+    | `LOG` | `LogContext` | when step values or a result row are recorded (trackers listen) |
     | `OPTIMIZER_STEP_SKIPPED` | `SkippedStepContext` | when non-finite gradients drop an optimizer step |
     | `EVALUATION_START`, `EVALUATION_END` | `EvaluationContext` | around each evaluation pass |
     | `CHECKPOINT_SAVED`, `CHECKPOINT_LOADED` | `CheckpointContext` | after a checkpoint is written or read |
@@ -160,6 +185,8 @@ class Events:
     RUN_END = Event("run_end", RunContext)
     EPOCH_START = Event("epoch_start", EpochContext)
     EPOCH_END = Event("epoch_end", EpochContext)
+    PASS_START = Event("pass_start", PassContext)
+    PASS_END = Event("pass_end", PassContext)
     STEP_START = Event("step_start", StepContext)
     STEP_END = Event("step_end", StepContext)
     OPTIMIZER_STEP_SKIPPED = Event("optimizer_step_skipped", SkippedStepContext)
@@ -170,6 +197,7 @@ class Events:
     CHECKPOINT_FALLBACK = Event("checkpoint_fallback", CheckpointContext)
     STOP_REQUESTED = Event("stop_requested", StopContext)
     FAILURE = Event("failure", FailureContext)
+    LOG = Event("log", LogContext)
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,6 +17,7 @@ from typing import Any
 from danling.utils import RoundDict
 
 from ..update import UpdateStrategy
+from .events import Events, SkippedStepContext
 
 __all__ = ["RunnerMode", "StepHooks"]
 
@@ -120,6 +121,9 @@ class StepHooks:
         state = self.state.train
         if applied:
             state.__dict__["global_step"] = state.global_step + 1  # a validated int stays one
+        else:
+            skipped = SkippedStepContext(self, state.global_step, self.update.skipped_steps)
+            self.events.emit(Events.OPTIMIZER_STEP_SKIPPED, skipped)
         return applied
 
     def _close_window(self) -> bool:

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from danling.utils import RoundDict
 
 from .budget import length_of
+from .events import EpochContext, Events, StopContext
 from .hooks import RunnerMode
 from .passes import PassMixin
 
@@ -79,24 +80,27 @@ class LoopMixin(PassMixin):
         evaluate_splits = self._resolve_splits(evaluate_splits, self.evaluate_splits, "evaluate")
         with self._loop_scope(training=True):
             for epoch in range(self.train_state.epoch, self.epochs):
-                result = self.loop_state.begin_round()
-                if not self.loop_state.trained:
-                    for split in self.loop_state.splits_from_cursor(list(train_splits)):
-                        result[split] = self.train_epoch(split)
-                    self.loop_state.trained = True
-                for split in evaluate_splits:
-                    result[split] = self.evaluate_epoch(split)
-                self.advance_schedulers(result)
-                self.append_result(result, index=epoch)
-                if self.logger.isEnabledFor(logging.INFO):  # formatting a row costs more than the check
-                    self.logger.info(self.format_epoch_result(result, epoch))
-                self.save_result()
-                self.train_state.epoch = epoch + 1
-                self.loop_state.end_round()
+                with self.events.pair(Events.EPOCH_START, Events.EPOCH_END, EpochContext(self, epoch)) as context:
+                    result = self.loop_state.begin_round()
+                    if not self.loop_state.trained:
+                        for split in self.loop_state.splits_from_cursor(list(train_splits)):
+                            result[split] = self.train_epoch(split)
+                        self.loop_state.trained = True
+                    for split in evaluate_splits:
+                        result[split] = self.evaluate_epoch(split)
+                    self.advance_schedulers(result)
+                    self.append_result(result, index=epoch)
+                    if self.logger.isEnabledFor(logging.INFO):  # formatting a row costs more than the check
+                        self.logger.info(self.format_epoch_result(result, epoch))
+                    self.save_result()
+                    self.train_state.epoch = epoch + 1
+                    self.loop_state.end_round()
+                    context.result = result
                 stop_early = self.should_stop_early()
                 self.save_checkpoint(epochs=epoch, last_step=stop_early or epoch + 1 == self.epochs)
                 if stop_early:
                     self.logger.info("early stop: no better %s in %s epochs", self.score_name, self.patience)
+                    self.events.emit(Events.STOP_REQUESTED, StopContext(self, "early stop"))
                     break
         return self.results
 
@@ -166,7 +170,7 @@ class LoopMixin(PassMixin):
             for split in splits:
                 result[split] = self.evaluate_epoch(split)
         self.logger.info(self.format_result(result))
-        self.trackers.log(result.dict(), step=self.train_state.global_step)  # one x-axis for every tracker log
+        self.log_values(result.dict())  # at the global step: one x-axis for every tracker log
         return result
 
     def evaluate_epoch(self, split: str = "val") -> RoundDict:
@@ -219,7 +223,7 @@ class LoopMixin(PassMixin):
         batches = self._iter_infer_batches(loader, split, steps)
         if stream:
             return batches
-        with self._loop_scope(training=False):
+        with self._loop_scope(training=False, mode=RunnerMode.infer):
             return [item for batch in batches for item in batch]
 
     def _iter_infer_batches(self, loader: Iterable, split: str, steps: int | None) -> Iterator[list[Any]]:

@@ -9,19 +9,27 @@ services cost nothing per batch when they are off: the pass looks them up once w
 from __future__ import annotations
 
 import logging
-import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager, nullcontext
 from itertools import islice
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import torch
-from tqdm.auto import tqdm
 
 from danling.distributed import all_reduce_any, is_distributed
 from danling.utils import RoundDict
 
 from .budget import length_of
+from .events import (
+    EvaluationContext,
+    Events,
+    FailureContext,
+    LogContext,
+    PassContext,
+    RunContext,
+    StepContext,
+    StopContext,
+)
 from .hooks import RunnerMode, StepHooks
 from .position import LoopState
 
@@ -45,7 +53,30 @@ class PassMixin(StepHooks):
     def _run_split(
         self, split: str, mode: RunnerMode, *, budget: int | None = None, max_batches: int | None = None
     ) -> tuple[RoundDict, int]:
-        """Iterate one split in `mode`; return its result and the number of batches consumed."""
+        """Iterate one split in `mode`; return its result and the number of batches consumed.
+
+        The pass is announced with `PASS_START`/`PASS_END` (and `EVALUATION_START`/`EVALUATION_END`
+        for evaluation passes); the end events fire even when the pass fails.
+        """
+        events = self.events
+        length = length_of(self.dataloaders[split])
+        if max_batches is not None:
+            length = max_batches if length is None else min(length, max_batches)
+        with events.pair(Events.PASS_START, Events.PASS_END, PassContext(self, split, mode.value, length)) as context:
+            if mode is RunnerMode.evaluate:
+                with events.pair(
+                    Events.EVALUATION_START, Events.EVALUATION_END, EvaluationContext(self, split)
+                ) as evaluation:
+                    result, batches = self._iterate_split(split, mode, budget=budget, max_batches=max_batches)
+                    evaluation.result = result
+            else:
+                result, batches = self._iterate_split(split, mode, budget=budget, max_batches=max_batches)
+            context.batches = batches
+        return result, batches
+
+    def _iterate_split(
+        self, split: str, mode: RunnerMode, *, budget: int | None = None, max_batches: int | None = None
+    ) -> tuple[RoundDict, int]:
         loader = self.dataloaders[split]
         self.mode, self.split = mode, split
         self.meters.reset()
@@ -65,8 +96,9 @@ class PassMixin(StepHooks):
         self._seen_step = state.global_step
         # Looked up once per pass rather than once per batch; none of them is rebound by a step.
         meters, supervisor, update = self.meters, self.supervisor, self.update
-        # Per-batch services that are off by default are skipped outright rather than called per batch.
-        beat = supervisor.beat if supervisor.heartbeat_dir is not None else None
+        # Per-batch subscribers (progress bar, heartbeat, yours) are looked up once per pass: with
+        # none, a batch costs no event at all.
+        observed = self.events.has_subscribers(Events.STEP_START) or self.events.has_subscribers(Events.STEP_END)
         track_progress = training and (budget is not None or supervisor.gc_interval is not None)
         step = self.train_step if training else self.evaluate_step
         # Inside a training loop (its evaluation passes included) ranks agree on a stop, so they stop
@@ -79,8 +111,11 @@ class PassMixin(StepHooks):
         # An evaluation pass runs in one inference context (entering it per batch costs more than
         # some small models' forward passes); it is left before a stop saves its checkpoint.
         with nullcontext() if training else self.inference_context():
-            for data in self._progress_bar(islice(loader, max_batches), split, length):
-                _, loss = step(data)
+            for data in islice(loader, max_batches):
+                if observed:
+                    loss = self._observed_step(step, data, split, batches)
+                else:
+                    _, loss = step(data)
                 batches += 1
                 if loss is not None:
                     if loss_meter is None:
@@ -92,8 +127,6 @@ class PassMixin(StepHooks):
                     position.batch += 1
                     if track_progress and state.global_step != self._seen_step:
                         self._after_optimizer_progress(budget)
-                if beat is not None:
-                    beat(state.global_step, state.epoch, split)
                 if batches % interval == 0 or batches == length:
                     self._log_step(split, batches, length, training)
                 if self._stop_latched or (supervisor.stop_requested if stop_poll is None else stop_poll()):
@@ -113,6 +146,14 @@ class PassMixin(StepHooks):
             self._shutdown()
         return self.collect_result(split), batches
 
+    def _observed_step(self, step: Any, data: Any, split: str, index: int) -> Any:
+        """Run one step between `STEP_START` and `STEP_END` (which fires with the error if the step fails)."""
+        context = StepContext(self, split, index, self.train_state.global_step)
+        with self.events.pair(Events.STEP_START, Events.STEP_END, context):
+            _, loss = step(data)
+            context.loss, context.global_step = loss, self.train_state.global_step
+        return loss
+
     def _after_optimizer_progress(self, budget: int | None) -> None:
         """GC pacing and step-cadence checkpoints, once per applied optimizer step."""
         global_step = self.train_state.global_step
@@ -125,7 +166,7 @@ class PassMixin(StepHooks):
             self.save_checkpoint()
 
     def _log_step(self, split: str, iteration: int, length: int | None, training: bool) -> None:
-        to_log, to_track = self.logger.isEnabledFor(logging.INFO), training and len(self.trackers) > 0
+        to_log, to_track = self.logger.isEnabledFor(logging.INFO), training and self._log_listened()
         if not (to_log or to_track or self.distributed):
             # Nobody reads the values: skip the read, which synchronises with the device. Under
             # several processes the read is a collective every rank joins, whatever it logs.
@@ -134,13 +175,16 @@ class PassMixin(StepHooks):
         if to_log:
             self.logger.info(self.format_step_result(values, split, iteration, length))
         if to_track and values:
-            self.trackers.log({f"{split}_step": values.dict()}, step=self.train_state.global_step)
+            self.log_values({f"{split}_step": values.dict()})
 
-    def _progress_bar(self, iterable: Iterable, split: str, length: int | None) -> Iterable:
-        show = self.is_main_process and sys.stdout.isatty()
-        if not show:
-            return iterable
-        return tqdm(iterable, total=length, desc=split, leave=False, dynamic_ncols=True)
+    def log_values(self, values: Mapping[str, Any], step: int | None = None) -> None:
+        """Send `values` to the trackers (every `LOG` subscriber) at `step` (default: the global step)."""
+        step = self.train_state.global_step if step is None else step
+        self.events.emit(Events.LOG, LogContext(self, values, step))
+
+    def _log_listened(self) -> bool:
+        """Whether anyone records logged values: a tracker, or a `LOG` subscriber of the user's."""
+        return len(self.trackers) > 0 or len(self.events.handlers(Events.LOG)) > 1
 
     def _stop_requested(self) -> bool:
         """A stop request, agreed across ranks while training so that all of them stop at the same batch.
@@ -166,25 +210,35 @@ class PassMixin(StepHooks):
         self._close_window()
 
     @contextmanager
-    def _loop_scope(self, *, training: bool) -> Iterator[None]:
-        """Keep stop-signal handlers installed while a loop runs (outermost loop only)."""
+    def _loop_scope(self, *, training: bool, mode: RunnerMode | None = None) -> Iterator[None]:
+        """Keep stop-signal handlers installed while a loop runs (outermost loop only).
+
+        The outermost loop is announced with `RUN_START`/`RUN_END`; an exception leaving it is
+        announced with `FAILURE` first.
+        """
         depth = self._loop_depth
-        self._loop_depth = depth + 1
-        if depth == 0:
-            self._training = training
-            self.supervisor.install_signal_handlers()
-        try:
-            if depth == 0 and self._stop_requested():
-                self._shutdown()
+        if depth:
             yield
-            if depth == 0:
-                self.flush_results()  # a finished loop leaves its result files complete on disk
+            return
+        self._loop_depth = 1
+        self._training = training
+        self.supervisor.install_signal_handlers()
+        mode = mode or (RunnerMode.train if training else RunnerMode.evaluate)
+        try:
+            with self.events.pair(Events.RUN_START, Events.RUN_END, RunContext(self, mode.value)):
+                try:
+                    if self._stop_requested():
+                        self._shutdown()
+                    yield
+                    self.flush_results()  # a finished loop leaves its result files complete on disk
+                except Exception as error:
+                    self.events.emit(Events.FAILURE, FailureContext(self, error))
+                    raise
         finally:
-            self._loop_depth = depth
-            if depth == 0:
-                self._training = False
-                if not self.__dict__.get("_closed", False):
-                    self.supervisor.restore_signal_handlers()
+            self._loop_depth = 0
+            self._training = False
+            if not self.__dict__.get("_closed", False):
+                self.supervisor.restore_signal_handlers()
 
     def _shutdown(self) -> NoReturn:
         """Save a `shutdown` checkpoint (when training), close the runner and exit.
@@ -196,6 +250,8 @@ class PassMixin(StepHooks):
         requested in code (`supervisor.request_stop()`) rather than by a signal.
         """
         code = self.supervisor.exit_code
+        reason = "signal" if code > 128 else "request"
+        self.events.emit(Events.STOP_REQUESTED, StopContext(self, reason, code - 128 if code > 128 else None))
         state = self.train_state
         self.logger.warning(
             "stopping on request at epoch %d, global step %d (exit code %d)", state.epoch, state.global_step, code

@@ -2,6 +2,7 @@
 heartbeats, trackers, result bookkeeping and `torch.compile` settings."""
 
 from .compiler import Compiler
+from .progress_bar import ProgressBar
 from .results import ResultsMixin
 from .supervisor import RunnerSupervisor
 from .trackers import TensorBoardTracker, Tracker, Trackers, WandbTracker, flatten_result
@@ -9,6 +10,7 @@ from .workspace import RunnerWorkspace
 
 __all__ = [
     "Compiler",
+    "ProgressBar",
     "ResultsMixin",
     "RunnerSupervisor",
     "RunnerWorkspace",

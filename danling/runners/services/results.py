@@ -233,7 +233,7 @@ class ResultsMixin:
         row = self._plain_row(index)
         # Trackers share one x-axis, the global step: step logs already use it and W&B drops any
         # log whose step is lower than one it has seen, which epoch indices always are.
-        self.trackers.log(row if self.is_step_mode else {**row, "epoch": index}, step=self.train_state.global_step)
+        self.log_values(row if self.is_step_mode else {**row, "epoch": index})
         if not self.is_main_process:
             return
         header = {"id": self.workspace.id, "timestamp": self.timestamp}
