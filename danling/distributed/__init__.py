@@ -1,8 +1,10 @@
-"""Process groups and collectives for data-parallel runs, safe to call in a single process.
+"""Process groups, collectives and the parallel topology, safe to call in a single process.
 
 Rank queries fall back to torchrun's environment variables and then to a single process; the
 collectives become local no-ops when no multi-rank group is active, so code written for
-``torchrun --nproc_per_node N`` runs unchanged in a plain ``python`` process.
+``torchrun --nproc_per_node N`` runs unchanged in a plain ``python`` process. Every collective
+takes a `group` (`None`: every rank); [`Topology`][danling.distributed.Topology] says which
+group each purpose (data, metrics, gradients, ...) should use.
 """
 
 from .collectives import all_gather_strided, all_reduce_any, all_reduce_gradients, all_reduce_mean, broadcast_object
@@ -17,8 +19,10 @@ from .process_group import (
     is_distributed,
     is_main_process,
 )
+from .topology import Topology
 
 __all__ = [
+    "Topology",
     "all_gather_strided",
     "all_reduce_any",
     "all_reduce_gradients",

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import os
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:  # only for annotations: builds without distributed support lack the class
+    from torch.distributed import ProcessGroup
 
 __all__ = [
     "barrier",
@@ -30,37 +34,47 @@ def _env_int(name: str, default: int) -> int:
         raise ValueError(f"environment variable {name}={value!r} is not an integer") from None
 
 
-def is_distributed() -> bool:
-    """Whether a default process group with more than one rank is active.
+def _initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def is_distributed(group: ProcessGroup | None = None) -> bool:
+    """Whether `group` (the default group when `None`) is active and has more than one rank.
+
+    A collective over a one-rank group is the identity, so callers skip it when this is false.
 
     Examples:
         >>> is_distributed()
         False
     """
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    return _initialized() and dist.get_world_size(group) > 1
 
 
-def get_rank() -> int:
-    """Global rank: from the process group when one is active, else ``$RANK``, else 0.
+def get_rank(group: ProcessGroup | None = None) -> int:
+    """This process's rank in `group`; for the default group, ``$RANK`` or 0 without a process group.
 
     Examples:
         >>> get_rank()
         0
     """
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank()
+    if _initialized():
+        return dist.get_rank(group)
+    if group is not None:
+        raise RuntimeError("a process group was given but torch.distributed is not initialised")
     return _env_int("RANK", 0)
 
 
-def get_world_size() -> int:
-    """Number of processes: from the process group when one is active, else ``$WORLD_SIZE``, else 1.
+def get_world_size(group: ProcessGroup | None = None) -> int:
+    """Number of ranks in `group`; for the default group, ``$WORLD_SIZE`` or 1 without a process group.
 
     Examples:
         >>> get_world_size()
         1
     """
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_world_size()
+    if _initialized():
+        return dist.get_world_size(group)
+    if group is not None:
+        raise RuntimeError("a process group was given but torch.distributed is not initialised")
     return _env_int("WORLD_SIZE", 1)
 
 
@@ -84,10 +98,10 @@ def is_main_process() -> bool:
     return get_rank() == 0
 
 
-def barrier() -> None:
-    """Wait for every rank; does nothing unless a multi-rank process group is active."""
-    if is_distributed():
-        dist.barrier()
+def barrier(group: ProcessGroup | None = None) -> None:
+    """Wait for every rank of `group` (default: all); does nothing unless it has more than one rank."""
+    if is_distributed(group):
+        dist.barrier(group=group)
 
 
 def default_backend() -> str:

@@ -2,7 +2,8 @@
 
 Nothing here runs on the update path: meters and containers only call these helpers when a
 synchronised value (`bat`, `avg`) is requested, so every rank must read those values together,
-just as every rank must enter any other collective.
+just as every rank must enter any other collective. Each helper takes a `group`: the ranks to
+combine (the default `None` is every rank); a group of one rank makes the helper a no-op.
 
 - [`sum_across_ranks`][danling.metrics.distributed.sum_across_ranks]: element-wise sum of a
   tensor of the same shape on every rank.
@@ -14,18 +15,25 @@ just as every rank must enter any other collective.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+if TYPE_CHECKING:  # only for annotations: builds without distributed support lack the class
+    from torch.distributed import ProcessGroup
+
 __all__ = [
+    "GroupHandle",
     "collective_device",
     "gather_across_ranks",
     "gather_shapes",
     "get_world_size",
     "is_distributed",
+    "pack_group",
     "sum_across_ranks",
+    "unpack_group",
 ]
 
 # Tensors travel in a dtype every backend supports; they are cast back after the collective.
@@ -44,23 +52,61 @@ _WIRE_DTYPES: tuple[torch.dtype, ...] = (
 _MAX_NDIM = 8
 
 
-def is_distributed() -> bool:
-    """Whether a default process group with more than one rank is active."""
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+def is_distributed(group: ProcessGroup | None = None) -> bool:
+    """Whether `group` (the default group when `None`) is active and has more than one rank."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
 
 
-def get_world_size() -> int:
-    """Number of ranks in the default process group (1 without one)."""
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+def get_world_size(group: ProcessGroup | None = None) -> int:
+    """Number of ranks in `group` (the default group when `None`; 1 without a process group)."""
+    return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
 
 
-def collective_device(preferred: torch.device | str | None = None) -> torch.device:
-    """Device on which tensors must live to take part in a collective of the default group.
+class GroupHandle:
+    """Carries a container's process group through copies and pickles.
+
+    A process group is a handle to this process's communicators, not data: a copy made in the
+    same process shares it, while a pickle leaves it out (no other process could use it), so
+    an unpickled container reduces over every rank until its `group` is set again.
+    """
+
+    __slots__ = ("group",)
+
+    def __init__(self, group: ProcessGroup | None) -> None:
+        self.group = group
+
+    def __copy__(self) -> GroupHandle:
+        return self
+
+    def __deepcopy__(self, memo: dict) -> GroupHandle:
+        return self
+
+    def __reduce__(self) -> tuple:
+        return (GroupHandle, (None,))
+
+
+def pack_group(state: dict, key: str = "group") -> dict:
+    """Wrap the process group stored under `key` of an object's state for copying or pickling."""
+    if state.get(key) is not None:
+        state[key] = GroupHandle(state[key])
+    return state
+
+
+def unpack_group(state: dict, key: str = "group") -> dict:
+    """Undo [`pack_group`][danling.metrics.distributed.pack_group] on a state being restored."""
+    handle = state.get(key)
+    if isinstance(handle, GroupHandle):
+        state[key] = handle.group
+    return state
+
+
+def collective_device(preferred: torch.device | str | None = None, group: ProcessGroup | None = None) -> torch.device:
+    """Device on which tensors must live to take part in a collective of `group`.
 
     NCCL needs the current CUDA device; a pure Gloo group works on CPU tensors; groups that
     mix backends per device follow the data (`preferred`), falling back to CPU.
     """
-    backend = str(dist.get_backend())
+    backend = str(dist.get_backend(group))
     if backend == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     if backend == "gloo" or preferred is None:
@@ -68,23 +114,30 @@ def collective_device(preferred: torch.device | str | None = None) -> torch.devi
     return torch.device(preferred)
 
 
-def sum_across_ranks(tensor: Tensor, device: torch.device | str | None = None) -> Tensor:
-    """Return the element-wise sum of `tensor` over all ranks, on `tensor`'s device.
+def sum_across_ranks(
+    tensor: Tensor, device: torch.device | str | None = None, group: ProcessGroup | None = None
+) -> Tensor:
+    """Return the element-wise sum of `tensor` over the ranks of `group`, on `tensor`'s device.
 
-    Every rank must pass a tensor of the same shape and dtype.
+    Every rank of `group` must pass a tensor of the same shape and dtype.
     """
-    if not is_distributed():
+    if not is_distributed(group):
         return tensor
-    wire = tensor.to(collective_device(device or tensor.device), copy=True)
-    dist.all_reduce(wire)
+    wire = tensor.to(collective_device(device or tensor.device, group), copy=True)
+    dist.all_reduce(wire, group=group)
     return wire.to(tensor.device)
 
 
-def gather_shapes(shapes: Sequence[torch.Size | None], device: torch.device | str | None = None) -> list[list]:
-    """Exchange a list of shapes (or `None` for "nothing here") with every rank.
+def gather_shapes(
+    shapes: Sequence[torch.Size | None],
+    device: torch.device | str | None = None,
+    group: ProcessGroup | None = None,
+) -> list[list]:
+    """Exchange a list of shapes (or `None` for "nothing here") with every rank of `group`.
 
     Returns:
-        One list per rank, each holding that rank's shapes (`torch.Size` or `None`).
+        One list per rank of `group`, in group rank order, each holding that rank's shapes
+        (`torch.Size` or `None`).
     """
     rows = []
     for shape in shapes:
@@ -92,21 +145,23 @@ def gather_shapes(shapes: Sequence[torch.Size | None], device: torch.device | st
             raise ValueError(f"cannot synchronise tensors with more than {_MAX_NDIM} dimensions, got shape {shape}")
         dims = list(shape) if shape is not None else []
         rows.append([int(shape is not None), len(dims), *dims, *([0] * (_MAX_NDIM - len(dims)))])
-    local = torch.tensor(rows, dtype=torch.int64, device=collective_device(device)).reshape(len(rows), -1)
-    gathered = [torch.empty_like(local) for _ in range(dist.get_world_size())]
-    dist.all_gather(gathered, local)
+    local = torch.tensor(rows, dtype=torch.int64, device=collective_device(device, group)).reshape(len(rows), -1)
+    gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, local, group=group)
     result = []
     for rank_rows in gathered:
         result.append([torch.Size(row[2 : 2 + row[1]]) if row[0] else None for row in rank_rows.tolist()])
     return result
 
 
-def gather_across_ranks(tensor: Tensor | None, device: torch.device | str | None = None) -> Tensor | None:
-    """Concatenate along dim 0 the shards that all ranks hold, in rank order.
+def gather_across_ranks(
+    tensor: Tensor | None, device: torch.device | str | None = None, group: ProcessGroup | None = None
+) -> Tensor | None:
+    """Concatenate along dim 0 the shards that the ranks of `group` hold, in group rank order.
 
     Shards may differ in length (uneven or variable-length data) and a rank may pass `None`
-    when it has seen nothing; the other dimensions and the dtype must agree. Without a process
-    group the tensor is returned unchanged.
+    when it has seen nothing; the other dimensions and the dtype must agree. When `group` has a
+    single rank (or no process group runs) the tensor is returned unchanged.
 
     Returns:
         The concatenation on the local shard's device (CPU when the local shard is `None`),
@@ -115,15 +170,15 @@ def gather_across_ranks(tensor: Tensor | None, device: torch.device | str | None
     Raises:
         ValueError: If ranks disagree on the trailing shape or the dtype.
     """
-    if not is_distributed():
+    if not is_distributed(group):
         return tensor
     local_device = tensor.device if tensor is not None else torch.device("cpu")
-    wire_device = collective_device(device or local_device)
+    wire_device = collective_device(device or local_device, group)
     code = _WIRE_DTYPES.index(tensor.dtype) if tensor is not None else -1
     shape = None if tensor is None else torch.Size([*tensor.shape, code])  # dtype rides along as a fake dim
     if tensor is not None and tensor.ndim == 0:
         raise ValueError("gather_across_ranks needs tensors with a first dimension, got a 0-d tensor")
-    per_rank = [shapes[0] for shapes in gather_shapes([shape], wire_device)]
+    per_rank = [shapes[0] for shapes in gather_shapes([shape], wire_device, group)]
     present = [(rank, s) for rank, s in enumerate(per_rank) if s is not None]
     if not present:
         return None
@@ -142,6 +197,6 @@ def gather_across_ranks(tensor: Tensor | None, device: torch.device | str | None
     if tensor is not None and tensor.shape[0]:
         buffer[: tensor.shape[0]] = tensor.to(device=wire_device, dtype=wire_dtype)
     gathered = [torch.empty_like(buffer) for _ in lengths]
-    dist.all_gather(gathered, buffer)
+    dist.all_gather(gathered, buffer, group=group)
     out = torch.cat([shard[:length] for shard, length in zip(gathered, lengths)])
     return out.to(device=local_device, dtype=dtype)

@@ -11,20 +11,23 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
 from danling.utils import RoundDict
 
-from .distributed import gather_across_ranks, is_distributed, sum_across_ranks
+from .distributed import gather_across_ranks, is_distributed, pack_group, sum_across_ranks, unpack_group
 from .functional._common import Confusion, LabelCounter
 from .functional.regression import merge_moments
 from .meter import format_number
 from .metric_meter import Preprocess, batch_size, metric_name
 from .preprocess import _plain_multiclass, base_preprocess
 from .state import MetricFunc, MetricState, MetricTask
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 __all__ = ["GlobalMetrics"]
 
@@ -174,19 +177,24 @@ class _TaskStore:
             self.inputs, self.targets = [torch.cat(self.inputs)], [torch.cat(self.targets)]
         return self.inputs[0], self.targets[0]
 
-    def state(self, kind: str, device: Any) -> MetricState | tuple[Tensor, Tensor] | None:
-        """The state metrics read for `kind`: the latest batch (`val`, `bat`) or all data (`avg`)."""
+    def state(
+        self, kind: str, device: Any, group: ProcessGroup | None = None
+    ) -> MetricState | tuple[Tensor, Tensor] | None:
+        """The state metrics read for `kind`: the latest batch (`val`, `bat`) or all data (`avg`).
+
+        `bat` and `avg` combine the ranks of `group` (every rank when `None`).
+        """
         if kind == "avg":
             data = self.local_data() if "data" in self.needs else None
             artifacts = {}
             if "confusion" in self.needs:
-                artifacts["confusion"] = self._synced_confusion(device)
+                artifacts["confusion"] = self._synced_confusion(device, group)
             if "moments" in self.needs:
-                artifacts["moments"] = self._synced_moments(device)
+                artifacts["moments"] = self._synced_moments(device, group)
         else:
             data, artifacts = self.last, {}
         if kind != "val" and (kind == "bat" or "data" in self.needs):
-            data = _gather_pair(data, device)
+            data = _gather_pair(data, device, group)
         if self.task is None:
             return data
         if data is None:
@@ -195,23 +203,23 @@ class _TaskStore:
                 data = self._empty[device] = self.task.format(*_empty_pair(self.task, device))
         return MetricState(self.task, *data, **artifacts)
 
-    def _synced_confusion(self, device: Any) -> Confusion:
+    def _synced_confusion(self, device: Any, group: ProcessGroup | None) -> Confusion:
         counts = self.counts
         # A view is enough: this Confusion lives for one read, while no update can run.
         confusion = None if counts is None else self.counter.confusion(counts)
         if confusion is None:
             confusion = self.task.empty_confusion(self.last[0].device if self.last else device)
-        if not is_distributed():
+        if not is_distributed(group):
             return confusion
         flat = torch.cat([confusion.matrix.reshape(-1), confusion.invalid.reshape(1)])
-        flat = sum_across_ranks(flat, device)
+        flat = sum_across_ranks(flat, device, group)
         return Confusion(flat[:-1].view_as(confusion.matrix), flat[-1])
 
-    def _synced_moments(self, device: Any) -> Tensor:
+    def _synced_moments(self, device: Any, group: ProcessGroup | None) -> Tensor:
         moments = self.moments if self.moments is not None else self.task.empty_moments(device)
-        if not is_distributed():
+        if not is_distributed(group):
             return moments
-        gathered = gather_across_ranks(moments.unsqueeze(0), device)
+        gathered = gather_across_ranks(moments.unsqueeze(0), device, group)
         merged = gathered[0]
         for other in gathered[1:]:
             merged = merge_moments(merged, other)
@@ -228,9 +236,10 @@ class GlobalMetrics:
     [`multiclass_metrics`][danling.metrics.multiclass_metrics] and friends.
 
     `val` holds the metrics of the latest local batch, `bat` those of the latest batch of all
-    ranks together, and `avg` those of all data of all ranks; `compute()` is `avg`. Reading
-    `bat` or `avg` in a multi-process run is a collective: every rank must read. Shards may
-    differ in size between ranks, and a rank may have no data at all.
+    ranks together, and `avg` those of all data of all ranks; `compute()` is `avg`. "All ranks"
+    are the ranks of `group` (every rank when `None`). Reading `bat` or `avg` in a multi-process
+    run is a collective: every rank of `group` must read. Shards may differ in size between
+    ranks, and a rank may have no data at all.
 
     Updates are batched. `update` checks a batch and keeps it (for confusion counts: the scores,
     or the predicted labels of binary and multilabel tasks, with the targets) but runs no
@@ -248,6 +257,9 @@ class GlobalMetrics:
         *metrics: Metric functions, named after their `__name__` (or `MetricFunc.name`).
         preprocess: Preprocessing applied to every batch first (`None` to skip).
         device: If given, inputs are moved there before being stored; also used for collectives.
+        group: Process group whose ranks `bat` and `avg` combine, e.g. the data-parallel group of
+            a [`Topology`][danling.distributed.Topology] (ranks that hold the same batch must not
+            be counted twice); every rank when `None`. Assignable later as `metrics.group`.
         **named_metrics: Metric functions under explicit names.
 
     Examples:
@@ -273,17 +285,21 @@ class GlobalMetrics:
         0.5
     """
 
+    group: ProcessGroup | None = None
+
     def __init__(
         self,
         *metrics: Callable | MetricFunc,
         preprocess: Preprocess | None = base_preprocess,
         device: torch.device | str | None = None,
+        group: ProcessGroup | None = None,
         **named_metrics: Callable | MetricFunc,
     ) -> None:
         self.metrics: dict[str, Callable] = {metric_name(m): m for m in metrics}
         self.metrics.update(named_metrics)
         self.preprocess = preprocess
         self.device = device
+        self.group = group
         needs: dict[MetricTask | None, set[str]] = {}
         for name, metric in self.metrics.items():
             if not callable(metric):
@@ -397,14 +413,16 @@ class GlobalMetrics:
         if kind not in KINDS:
             raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {kind!r}")
         # Synchronised results are never cached: ranks whose caches disagreed would deadlock.
-        cacheable = kind == "val" or not is_distributed()
+        group = self.group
+        distributed = is_distributed(group)
+        cacheable = kind == "val" or not distributed
         if cacheable and kind in self._cache:
             return self._cache[kind][0], dict.fromkeys(self.metrics, self._cache[kind][1])
-        states = {task: store.state(kind, self.device) for task, store in self._stores.items()}
+        states = {task: store.state(kind, self.device, group) for task, store in self._stores.items()}
         values = RoundDict.from_flat({name: _evaluate(metric, states) for name, metric in self.metrics.items()})
         count = self._last_count if kind != "avg" else self._count
-        if kind != "val" and is_distributed():
-            count = int(sum_across_ranks(torch.tensor([count], dtype=torch.long), self.device).item())
+        if kind != "val" and distributed:
+            count = int(sum_across_ranks(torch.tensor([count], dtype=torch.long), self.device, group).item())
         if cacheable:
             self._cache[kind] = (values, count)
         return values, dict.fromkeys(self.metrics, count)
@@ -419,6 +437,12 @@ class GlobalMetrics:
     def __repr__(self) -> str:
         return f"{type(self).__name__}({', '.join(self.metrics)})"
 
+    def __getstate__(self) -> dict[str, Any]:
+        return pack_group(self.__dict__.copy())
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(unpack_group(state))
+
 
 def _evaluate(metric: Callable, states: Mapping[MetricTask | None, Any]) -> Any:
     if isinstance(metric, MetricFunc):
@@ -431,11 +455,13 @@ def _evaluate(metric: Callable, states: Mapping[MetricTask | None, Any]) -> Any:
     return value
 
 
-def _gather_pair(data: tuple[Tensor, Tensor] | None, device: Any) -> tuple[Tensor, Tensor] | None:
-    if not is_distributed():
+def _gather_pair(
+    data: tuple[Tensor, Tensor] | None, device: Any, group: ProcessGroup | None
+) -> tuple[Tensor, Tensor] | None:
+    if not is_distributed(group):
         return data
-    input = gather_across_ranks(None if data is None else data[0], device)
-    target = gather_across_ranks(None if data is None else data[1], device)
+    input = gather_across_ranks(None if data is None else data[0], device, group)
+    target = gather_across_ranks(None if data is None else data[1], device, group)
     return None if input is None else (input, target)
 
 

@@ -2,7 +2,8 @@
 
 Updates never leave the device: tensor values are accumulated as tensors and only turned into
 Python numbers when read. Reading `bat` or `avg` in a multi-process run is a collective (one
-shape exchange and one all-reduce for the whole collection), so all ranks must read together.
+shape exchange and one all-reduce for the whole collection) over the meter's `group` (every rank
+by default), so all ranks of that group must read together.
 """
 
 from __future__ import annotations
@@ -11,14 +12,17 @@ import math
 import struct
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
 from danling.utils import RoundDict
 
-from .distributed import collective_device, gather_shapes, is_distributed, sum_across_ranks
+from .distributed import collective_device, gather_shapes, is_distributed, pack_group, sum_across_ranks, unpack_group
+
+if TYPE_CHECKING:  # only for annotations: builds without distributed support lack the class
+    from torch.distributed import ProcessGroup
 
 try:  # Python 3.11+
     from typing import Self
@@ -61,15 +65,19 @@ class AverageMeter:
 
     Attributes:
         val: Latest value on this rank.
-        bat: Latest value combined over all ranks (weighted by each rank's `n`); equals `val`
-            without a process group.
-        avg: Weighted average of everything added so far, over all ranks.
+        bat: Latest value combined over the ranks of `group` (weighted by each rank's `n`);
+            equals `val` without a process group.
+        avg: Weighted average of everything added so far, over the ranks of `group`.
         sum: Weighted sum of the values added on this rank.
         count: Total weight added on this rank.
         device: Device used for collectives; detected when a synchronisation happens if `None`.
+        group: Process group whose ranks `bat` and `avg` combine; `None` means every rank.
+            Assignable; a group of one rank makes reads local. Copies share it; pickles drop it.
 
     Args:
         device: Optional device for distributed reductions.
+        group: Optional process group to reduce over (e.g. the data-parallel group of a
+            [`Topology`][danling.distributed.Topology]); every rank by default.
 
     Examples:
         >>> meter = AverageMeter()
@@ -111,8 +119,10 @@ class AverageMeter:
     """
 
     device: torch.device | str | None = None
+    group: ProcessGroup | None = None
 
-    def __init__(self, *, device: torch.device | str | None = None) -> None:
+    def __init__(self, *, device: torch.device | str | None = None, group: ProcessGroup | None = None) -> None:
+        self.group = group
         self.reset(device=device)
 
     def reset(self, *, device: torch.device | str | None = None) -> Self:
@@ -230,13 +240,13 @@ class AverageMeter:
 
     @property
     def bat(self) -> Any:
-        if not is_distributed():
+        if not is_distributed(self.group):
             return self.val
         return self.sync().bat
 
     @property
     def avg(self) -> Any:
-        if not is_distributed():
+        if not is_distributed(self.group):
             return self._local_avg()
         return self.sync().avg
 
@@ -249,8 +259,8 @@ class AverageMeter:
         return self._count
 
     def sync(self) -> SyncedValues:
-        """Current-step and running values combined over all ranks (a collective when distributed)."""
-        return sync_meters([self])[0]
+        """Current-step and running values combined over the ranks of `group` (a collective there)."""
+        return sync_meters([self], group=self.group)[0]
 
     def _local_avg(self) -> Any:
         if not self._count:
@@ -279,17 +289,28 @@ class AverageMeter:
         # Local values only: a repr must never block on a collective.
         return f"{type(self).__name__}(val={self.val}, avg={self._local_avg()})"
 
+    def __getstate__(self) -> dict[str, Any]:
+        return pack_group(self.__dict__.copy())
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(unpack_group(state))
+
 
 class MetersBase:
     """Named collection of meters with dictionary and attribute access.
 
     `val`, `sum` and `count` are local; `bat` and `avg` are synchronised for all meters at
-    once when read in a multi-process run.
+    once when read in a multi-process run, over the ranks of `group` (every rank when `None`).
+    Assigning the collection's `group` sets it on every meter it holds, and while it is set a
+    meter added later takes it over, so that reading one meter reduces over the same ranks.
     """
 
-    def __init__(self, *, device: torch.device | str | None = None) -> None:
+    _group: ProcessGroup | None = None
+
+    def __init__(self, *, device: torch.device | str | None = None, group: ProcessGroup | None = None) -> None:
         object.__setattr__(self, "_meters", {})
         object.__setattr__(self, "device", device)
+        object.__setattr__(self, "_group", group)
 
     def __getitem__(self, name: str) -> AverageMeter:
         return self._meters[name]
@@ -297,7 +318,20 @@ class MetersBase:
     def __setitem__(self, name: str, meter: AverageMeter) -> None:
         if not isinstance(meter, AverageMeter):
             raise TypeError(f"{type(self).__name__} holds AverageMeter instances, got {type(meter).__name__}")
+        if self._group is not None:
+            meter.group = self._group
         self._meters[name] = meter
+
+    @property
+    def group(self) -> ProcessGroup | None:
+        """Process group the meters reduce over (`None`: every rank); assigning it updates every meter."""
+        return self._group
+
+    @group.setter
+    def group(self, group: ProcessGroup | None) -> None:
+        object.__setattr__(self, "_group", group)
+        for meter in self._meters.values():
+            meter.group = group
 
     def __delitem__(self, name: str) -> None:
         del self._meters[name]
@@ -364,17 +398,17 @@ class MetersBase:
             return self.val, {name: meter._n for name, meter in self._meters.items()}
         if kind not in ("bat", "avg"):
             raise ValueError(f"kind must be 'val', 'bat' or 'avg', got {kind!r}")
-        if kind == "avg" and not is_distributed():  # the per-split read: skip reading `bat`, which nobody asked for
+        if kind == "avg" and not is_distributed(self._group):  # the per-split read: skip `bat`, which nobody asked for
             meters = self._meters
             values = {name: meter._local_avg() for name, meter in meters.items()}
             return RoundDict.from_flat(values), {name: meter._count for name, meter in meters.items()}
-        synced = sync_meters(list(self._meters.values()), self.device, names=list(self._meters))
+        synced = sync_meters(list(self._meters.values()), self.device, names=list(self._meters), group=self._group)
         values = RoundDict.from_flat({name: getattr(s, kind) for name, s in zip(self._meters, synced)})
         counts = {name: s.bat_count if kind == "bat" else s.count for name, s in zip(self._meters, synced)}
         return values, counts
 
     def __format__(self, format_spec: str) -> str:
-        synced = sync_meters(list(self._meters.values()), self.device, names=list(self._meters))
+        synced = sync_meters(list(self._meters.values()), self.device, names=list(self._meters), group=self._group)
         return "\t".join(
             f"{name}: {format_number(s.bat, format_spec)} ({format_number(s.avg, format_spec)})"
             for name, s in zip(self._meters, synced)
@@ -383,6 +417,12 @@ class MetersBase:
     def __repr__(self) -> str:
         inner = ", ".join(f"{name}={meter!r}" for name, meter in self._meters.items())
         return f"{type(self).__name__}({inner})"
+
+    def __getstate__(self) -> dict[str, Any]:
+        return pack_group(self.__dict__.copy(), "_group")
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(unpack_group(state, "_group"))
 
 
 class AverageMeters(MetersBase):
@@ -428,7 +468,7 @@ class AverageMeters(MetersBase):
         for name, value in values.items():
             meter = meters.get(name)
             if meter is None:
-                meter = meters[name] = AverageMeter(device=self.device)
+                meter = meters[name] = AverageMeter(device=self.device, group=self._group)
             meter.update(value)
 
 
@@ -437,13 +477,15 @@ def sync_meters(
     device: torch.device | str | None = None,
     *,
     names: Sequence[str] | None = None,
+    group: ProcessGroup | None = None,
 ) -> list[SyncedValues]:
-    """Combine the current-step and running values of several meters over all ranks.
+    """Combine the current-step and running values of several meters over the ranks of `group`.
 
-    One shape exchange and one all-reduce serve all meters. A rank that never updated a meter
-    contributes nothing to it, so uneven data is fine.
+    One shape exchange and one all-reduce serve all meters; `group=None` means every rank, and
+    a group of one rank gives the local values. A rank that never updated a meter contributes
+    nothing to it, so uneven data is fine.
     """
-    if not is_distributed():
+    if not is_distributed(group):
         return [SyncedValues(m.val, m._n, m._local_avg(), m._count) for m in meters]
     if not meters:
         return []
@@ -451,7 +493,7 @@ def sync_meters(
     if device is None:
         device = next((m._val.device for m in meters if isinstance(m._val, Tensor)), None)
     local_shapes = [_shape(m._val) if m._updated else None for m in meters]
-    per_rank = gather_shapes(local_shapes, device)
+    per_rank = gather_shapes(local_shapes, device, group)
     shapes = []
     names = names if names is not None else [str(i) for i in range(len(meters))]
     for index, meter_name in enumerate(names):
@@ -467,8 +509,8 @@ def sync_meters(
             pieces += [weighted_val, _flat64(meter._n, 1), _flat64(meter._sum, numel), _flat64(meter._count, 1)]
         else:
             pieces.append(torch.zeros(2 * numel + 2, dtype=torch.float64))
-    wire = collective_device(device)
-    total = sum_across_ranks(torch.cat([p.to(wire) for p in pieces]), wire).cpu()
+    wire = collective_device(device, group)
+    total = sum_across_ranks(torch.cat([p.to(wire) for p in pieces]), wire, group).cpu()
     results, offset = [], 0
     for meter, shape in zip(meters, shapes):
         numel = shape.numel()

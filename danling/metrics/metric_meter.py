@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -11,6 +11,9 @@ from torch import Tensor
 from .meter import AverageMeter
 from .preprocess import to_tensor
 from .state import MetricFunc, MetricState, MetricTask
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 __all__ = ["MetricMeter", "batch_size", "evaluate_metric", "metric_name"]
 
@@ -34,8 +37,8 @@ class MetricMeter(AverageMeter):
         metric: The metric evaluated on each batch.
         preprocess: Function applied to `(input, target)` first, or `None`.
         val: Metric of the latest batch on this rank.
-        bat: Metric of the latest batch, combined over ranks.
-        avg: Batch-size-weighted average over all batches and ranks.
+        bat: Metric of the latest batch, combined over the ranks of `group`.
+        avg: Batch-size-weighted average over all batches and the ranks of `group`.
         sum: Running sum of metric × batch size on this rank.
         count: Running number of samples on this rank.
 
@@ -44,6 +47,7 @@ class MetricMeter(AverageMeter):
         preprocess: Preprocessing applied before the metric; by default the metric gets the
             inputs as given (the built-in metric functions convert them themselves).
         device: Device used for collectives.
+        group: Process group to reduce over; every rank when `None`.
 
     Examples:
         >>> import torch
@@ -80,12 +84,13 @@ class MetricMeter(AverageMeter):
         preprocess: Preprocess | None = None,
         *,
         device: torch.device | str | None = None,
+        group: ProcessGroup | None = None,
     ) -> None:
         if not callable(metric):
             raise TypeError(f"metric must be callable, got {type(metric).__name__}")
         self.metric = metric
         self.preprocess = preprocess
-        super().__init__(device=device)
+        super().__init__(device=device, group=group)
 
     def update(self, input: Any, target: Any, *, n: int | None = None) -> None:  # type: ignore[override]
         """Evaluate the metric on one batch and add it with weight `n`.

@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
 from danling.utils import RoundDict
 
+from .distributed import pack_group, unpack_group
 from .global_metrics import GlobalMetrics
 from .meter import MetersBase
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 try:  # Python 3.11+
     from typing import Self
@@ -31,12 +35,29 @@ class MultiTaskBase:
     A container is a [`StreamMetrics`][danling.metrics.StreamMetrics],
     [`AverageMeters`][danling.metrics.AverageMeters] or
     [`GlobalMetrics`][danling.metrics.GlobalMetrics]; assigning one as an attribute adds a task.
+
+    `group` is the process group the tasks reduce over (`None`, the default, is every rank).
+    Assigning it sets it on every task, and while it is set a task added later takes it over,
+    so that all tasks combine the same ranks.
     """
+
+    _group: ProcessGroup | None = None
 
     def __init__(self, **tasks: Container) -> None:
         object.__setattr__(self, "_tasks", {})
         for name, container in tasks.items():
             self[name] = container
+
+    @property
+    def group(self) -> ProcessGroup | None:
+        """Process group the tasks reduce over (`None`: every rank); assigning it updates every task."""
+        return self._group
+
+    @group.setter
+    def group(self, group: ProcessGroup | None) -> None:
+        object.__setattr__(self, "_group", group)
+        for container in self._tasks.values():
+            container.group = group
 
     def __setitem__(self, name: str, container: Container) -> None:
         if not isinstance(container, (MetersBase, GlobalMetrics)):
@@ -45,6 +66,8 @@ class MultiTaskBase:
             )
         if name == AGGREGATE_KEY:
             raise ValueError(f"{AGGREGATE_KEY!r} is reserved for the aggregate across tasks")
+        if self._group is not None:
+            container.group = self._group
         self._tasks[name] = container
 
     def __getitem__(self, name: str) -> Container:
@@ -89,6 +112,12 @@ class MultiTaskBase:
     def __repr__(self) -> str:
         inner = ", ".join(f"{name}={container!r}" for name, container in self._tasks.items())
         return f"{type(self).__name__}({inner})"
+
+    def __getstate__(self) -> dict[str, Any]:
+        return pack_group(self.__dict__.copy(), "_group")
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(unpack_group(state, "_group"))
 
 
 class MultiTaskMetrics(MultiTaskBase):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -11,6 +11,9 @@ from .meter import AverageMeter, AverageMeters
 from .metric_meter import MetricMeter, Preprocess, batch_size, metric_name
 from .preprocess import base_preprocess
 from .state import MetricFunc, MetricState, MetricTask
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 __all__ = ["StreamMetrics"]
 
@@ -28,8 +31,8 @@ class StreamMetrics(AverageMeters):
     Attributes:
         preprocess: Shared preprocessing of `(input, target)`.
         val: Latest local value of every meter.
-        bat: Latest value of every meter, combined over ranks.
-        avg: Running average of every meter, over ranks.
+        bat: Latest value of every meter, combined over the ranks of `group`.
+        avg: Running average of every meter, over the ranks of `group`.
         sum: Local running sums.
         count: Local sample counts.
 
@@ -37,6 +40,8 @@ class StreamMetrics(AverageMeters):
         *args: Metric functions, named after their `__name__` (or `MetricFunc.name`).
         preprocess: Preprocessing applied to every batch before the metrics.
         device: Device used for collectives.
+        group: Process group to reduce over (every rank when `None`); assignable later as
+            `metrics.group`, which sets it on every meter.
         **meters: Named metric functions or `MetricMeter`s.
 
     Examples:
@@ -64,9 +69,10 @@ class StreamMetrics(AverageMeters):
         *args: Callable | MetricFunc,
         preprocess: Preprocess | None = base_preprocess,
         device: torch.device | str | None = None,
+        group: ProcessGroup | None = None,
         **meters: Callable | MetricFunc | MetricMeter,
     ) -> None:
-        super().__init__(device=device)
+        super().__init__(device=device, group=group)
         self.preprocess = preprocess
         for metric in args:
             self[metric_name(metric)] = metric
