@@ -23,6 +23,7 @@ import numpy as np
 from chanfig import FlatDict
 
 from danling.checkpoint import CheckpointManager, FileCheckpointManager
+from danling.distributed import Topology
 from danling.metrics import AverageMeters
 from danling.utils import RoundDict
 from danling.utils.io import save as save_file
@@ -139,6 +140,7 @@ class BaseRunner(CheckpointMixin, ResultsMixin, LoopMixin, ProgressMixin, metacl
         self._closed = False
         self._bind_components()
         self.init_distributed()
+        self.topology = self.build_topology()
         self.init_checkpoint_manager()
         self.init_fault_tolerance()
         self.init_garbage_collection()
@@ -306,6 +308,19 @@ class BaseRunner(CheckpointMixin, ResultsMixin, LoopMixin, ProgressMixin, metacl
         nothing (a single process needs no group); backends initialise `torch.distributed` here.
         """
 
+    def build_topology(self) -> Topology:
+        """Who this rank is along each parallel axis, and the process group of each reduction domain.
+
+        Called once during construction, right after `init_distributed`. The default is plain
+        data parallelism ([`Topology.data_parallel`][danling.distributed.topology.Topology.data_parallel]):
+        the data, metrics and gradient domains are the whole world, so every collective uses the
+        default group. Samplers, loader sharding, the inference gather, metric reduction, the
+        per-rank seed offset and per-rank checkpoint entries follow the `data` domain; gradient
+        synchronisation follows the `gradient` domain. Backends with model parallelism return a
+        topology built from their axes.
+        """
+        return Topology.data_parallel()
+
     def init_checkpoint_manager(self) -> None:
         """Swap in the checkpoint backend this runner needs.
 
@@ -421,7 +436,8 @@ class BaseRunner(CheckpointMixin, ResultsMixin, LoopMixin, ProgressMixin, metacl
                 drawn and stored in the config; resuming a checkpoint then adopts the seed the
                 checkpointed run used.
             bias: Offset added to the seed so processes draw different augmentations. `None` or
-                `True` use `self.rank`; `False` adds nothing; an int is added as is.
+                `True` use the rank in the data domain (ranks that read the same batch draw
+                alike; under plain DDP, the rank); `False` adds nothing; an int is added as is.
 
         Returns:
             The seed this process actually used.
@@ -433,7 +449,8 @@ class BaseRunner(CheckpointMixin, ResultsMixin, LoopMixin, ProgressMixin, metacl
             self.config.seed = seed
             self._seed_was_drawn = True  # a resumed checkpoint's seed replaces it (see load_state_dict)
         if bias is None or bias is True:
-            bias = self.rank
+            topology = self.topology
+            bias = self.rank if topology.is_data_parallel_only else topology.rank("data")
         elif bias is False:
             bias = 0
         seed = int(seed) + int(bias)

@@ -152,7 +152,8 @@ class TorchBatchMixin:
         sampler = getattr(self.dataloaders[split], "sampler", None)
         if not isinstance(sampler, DistributedSampler) or sampler.shuffle:
             return outputs
-        return all_gather_strided(outputs, None if sampler.drop_last else len(sampler.dataset))
+        total = None if sampler.drop_last else len(sampler.dataset)
+        return all_gather_strided(outputs, total, group=self.topology.group("data"))
 
     def _inference_model(self) -> Any:
         model = self.ema if self.ema is not None else self.model

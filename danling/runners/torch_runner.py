@@ -343,7 +343,7 @@ class TorchRunner(TorchCheckpointMixin, TorchBatchMixin, BaseRunner):
             self.accum_steps,
             precision=self.precision_policy,
             gradient_sync=gradient_sync_for(self.model),
-            group=None,
+            group=self.topology.group("gradient"),
             max_grad_norm=self.max_grad_norm,
             max_grad_value=self.max_grad_value,
             skip_nonfinite_grad=self.skip_nonfinite_grad,
@@ -420,8 +420,8 @@ class TorchRunner(TorchCheckpointMixin, TorchBatchMixin, BaseRunner):
         return out
 
     def reduce(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Mean of `tensor` over all ranks."""
-        return all_reduce_mean(tensor)
+        """Mean of `tensor` over the metrics domain (all ranks under plain DDP)."""
+        return all_reduce_mean(tensor, group=self.topology.group("metrics"))
 
     def reduce_loss_for_logging(self, loss: torch.Tensor | None, loss_n: int | None) -> torch.Tensor | None:
         """Detached loss averaged over ranks, weighted by each rank's `loss_n` samples when given."""
@@ -431,7 +431,7 @@ class TorchRunner(TorchCheckpointMixin, TorchBatchMixin, BaseRunner):
         if not is_distributed():
             return loss
         if loss_n is None:
-            return all_reduce_mean(loss)
+            return self.reduce(loss)
         weighted = self.all_reduce(loss.float() * loss_n)
         total = self.all_reduce(torch.tensor(float(loss_n), device=loss.device))
         return weighted / total
@@ -466,9 +466,9 @@ class TorchRunner(TorchCheckpointMixin, TorchBatchMixin, BaseRunner):
                 dataset,
                 split=split,
                 config=config,
-                distributed=self.distributed,
-                rank=self.rank,
-                world_size=self.world_size,
+                distributed=self.topology.size("data") > 1,
+                rank=self.topology.rank("data"),
+                world_size=self.topology.size("data"),
                 seed=self._data_seed,
                 is_train=is_train,
                 collate_fn=self.collate_fn,
@@ -486,11 +486,11 @@ class TorchRunner(TorchCheckpointMixin, TorchBatchMixin, BaseRunner):
         options = resolve_loader_options(self._loader_config(), split, is_train=is_train)
         generator = torch.Generator()
         generator.manual_seed(self._data_seed)
-        distributed = self.distributed
+        topology = self.topology  # the data domain: ranks that read the same batch share a shard
         return ResumableSampler(
             dataset,
-            num_replicas=self.world_size if distributed else 1,
-            rank=self.rank if distributed else 0,
+            num_replicas=topology.size("data"),
+            rank=topology.rank("data"),
             shuffle=shuffle,
             seed=self._data_seed,
             drop_last=bool(options["drop_last"]),

@@ -153,7 +153,12 @@ class StepHooks:
 
     def _start_metrics(self, mode: RunnerMode) -> None:
         metrics = self._active_metrics = self._metrics_for(mode)
+        group = self.topology.group("metrics")  # None: the default group (plain data parallelism)
+        if group is not None:
+            self.meters.group = group
         if metrics is not None:
+            if group is not None:
+                metrics.group = group
             metrics.reset()
 
     def _update_metrics(self, pred: Any, target: Any) -> None:
