@@ -146,7 +146,7 @@ def _fsdp_windows() -> tuple[int, list[bool]]:
     update.bind(torch.optim.SGD(model.parameters(), lr=0.1))
     update.start_pass(6)
     reduced_at = []
-    for step in range(6):
+    for _ in range(6):
         before = len(calls)
         with update.train_context():
             loss = model(torch.randn(2, 3)).sum()
