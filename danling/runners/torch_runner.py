@@ -34,6 +34,7 @@ from danling.optim import build_optimizer, build_scheduler, is_metric_scheduler
 
 from .base_runner import BaseRunner
 from .checkpointing import TorchCheckpointMixin
+from .checkpointing.torch_state import RANK_LOCAL_KEYS
 from .runner import register_runner
 from .services import Compiler
 from .torch_batch import TorchBatchMixin
@@ -192,6 +193,7 @@ class TorchRunner(TorchCheckpointMixin, TorchBatchMixin, BaseRunner):
             self.workspace.checkpoint_dir,
             dedicated_async_process_group=checkpoint.dedicated_async_process_group,
             async_process_group_backend=checkpoint.async_process_group_backend,
+            rank_local_keys=RANK_LOCAL_KEYS,
             **self._checkpoint_options(),
         )
         self.set_checkpoint_manager(manager)

@@ -25,9 +25,10 @@ def fingerprint(runner):
 def test_state_dict_payload(make_runner):
     runner = make_runner()
     payload = runner.state_dict()
-    assert set(payload) == {"runner", "state", "dataloaders", "results", "model"}
-    assert payload["runner"]["epochs"] == 3 and set(payload["state"]) == {"train", "elastic", "rng"}
-    assert payload["state"]["rng"]["python"] is not None  # captured on export
+    assert set(payload) == {"runner", "state", "rng", "dataloaders", "results", "topology", "model"}
+    assert payload["runner"]["epochs"] == 3 and set(payload["state"]) == {"train", "elastic"}
+    assert payload["rng"]["python"] is not None  # captured on export, per rank
+    assert payload["topology"]["data_size"] == payload["topology"]["world_size"] == 1
 
 
 def test_checkpoint_round_trip_through_runner_api(make_runner):

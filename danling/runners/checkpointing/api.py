@@ -30,6 +30,8 @@ CheckpointSource = Mapping[str, Any] | bytes | str | os.PathLike
 # Components whose state a full checkpoint must carry when the runner has them bound.
 _REQUIRED_COMPONENTS = ("model", "optimizer", "scheduler")
 _DCP_METADATA = ".metadata"
+# Payload entries that differ between ranks; everything else is written once and read by every rank.
+RANK_LOCAL_KEYS = ("rng", "dataloaders", "fingerprints")
 
 
 def _is_path(checkpoint: Any) -> bool:
@@ -66,11 +68,13 @@ class CheckpointMixin:
         """Return the backend-neutral checkpoint payload.
 
         Keys: `runner` (the config as a plain mapping, used to refuse resuming a different
-        experiment), `state` (counters and RNG snapshots), `dataloaders` (progress of every
-        dataloader that has a `state_dict`) and `results` (all result rows, so best-score
-        tracking and early stop continue after a resume). The current RNG state is captured
-        first. Backends call `super().state_dict(cls)` and add their components; do not mutate
-        model or optimizer state here.
+        experiment), `state` (the counters: one copy, the same on every rank), `rng` (this
+        rank's RNG snapshots), `dataloaders` (progress of every dataloader that has a
+        `state_dict`, per rank), `results` (all result rows, so best-score tracking and early
+        stop continue after a resume) and `topology` (world and data-domain sizes, to detect a
+        resume on another layout). The current RNG state is captured first. Backends call
+        `super().state_dict(cls)` and add their components; do not mutate model or optimizer
+        state here.
 
         Args:
             cls: Mapping type used for the payload and its nested sections.
@@ -80,11 +84,14 @@ class CheckpointMixin:
         for split, loader in self.dataloaders.items():
             if callable(getattr(loader, "state_dict", None)):
                 loaders[split] = loader.state_dict()
+        state = self.state.state_dict()
         return cls(
             runner=self.config.dict(),
-            state=self.state.state_dict(),
+            state=cls(train=state["train"], elastic=state["elastic"]),
+            rng=state["rng"],
             dataloaders=loaders,
             results=self.results.dict(),
+            topology=self.topology.describe(),
         )
 
     def load_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
@@ -105,6 +112,9 @@ class CheckpointMixin:
         state = checkpoint.get("state")
         if state is not None:
             self.state.load_state_dict(state)
+        rng = checkpoint.get("rng")
+        if rng is not None and not self._resized(checkpoint):
+            self.rng_state.load_state_dict(rng)
             self.rng_state.restore()
         results = checkpoint.get("results")
         if results is not None:
@@ -223,6 +233,7 @@ class CheckpointMixin:
         map_location = kwargs.pop("map_location", "cpu")
         payload = self.read_checkpoint(checkpoint, map_location=map_location)
         excluded = self._excluded_components()
+        self._check_resumable_layout(payload, excluded, checkpoint)
         for key in _REQUIRED_COMPONENTS:
             if getattr(self, key, None) is not None and payload.get(key) is None and key not in excluded:
                 raise ValueError(
@@ -250,6 +261,39 @@ class CheckpointMixin:
             _describe(checkpoint),
             self.train_state.epoch,
             self.train_state.global_step,
+        )
+
+    def _resized(self, payload: Mapping[str, Any]) -> bool:
+        """Whether `payload` was written with another number of data-parallel ranks than this run has."""
+        saved = payload.get("topology")
+        return isinstance(saved, Mapping) and saved.get("data_size") != self.topology.size("data")
+
+    def _check_resumable_layout(self, payload: Mapping[str, Any], excluded: set[str], source: Any) -> None:
+        """Refuse, on every rank alike, a resume whose per-rank state cannot follow a new data-parallel size.
+
+        The counters, results, model and optimizer are global and restore on any layout. Loader
+        positions are per rank: with another number of data-parallel ranks they describe shards
+        that no longer exist, so the resume is refused unless `dataloaders` is excluded from
+        loading (the interrupted pass then restarts). Per-rank RNG snapshots are dropped on a
+        resize: every rank re-seeds from the seed and its data rank. The decision reads only the
+        checkpoint's metadata, so every rank takes it alike, before any collective.
+        """
+        if not self._resized(payload):
+            return
+        saved = payload["topology"]
+        size, world = self.topology.size("data"), self.topology.size("world")
+        if "dataloaders" not in excluded:  # decided from global facts only: never per-rank content
+            raise ValueError(
+                f"checkpoint {_describe(source)} was written with {saved.get('data_size')} data-parallel ranks "
+                f"(world size {saved.get('world_size')}) but this run has {size} (world size {world}): its "
+                "dataloader positions are per rank and cannot be split over the new ranks. Resume with "
+                f"{saved.get('data_size')} data-parallel ranks, or add 'dataloaders' to "
+                "checkpoint.exclude_from_loading to restart the interrupted pass on the new layout"
+            )
+        self.logger.warning(
+            "resuming a checkpoint of %s data-parallel ranks on %d: per-rank RNG state is re-seeded",
+            saved.get("data_size"),
+            size,
         )
 
     def _excluded_components(self) -> set[str]:
@@ -338,9 +382,11 @@ class CheckpointMixin:
     def _read_source(cls, checkpoint: CheckpointSource, map_location: Any = "cpu") -> Mapping[str, Any]:
         """Payload of a checkpoint read without a runner instance: file-backend or DCP layout."""
         if _is_path(checkpoint) and _dcp_directory(Path(os.fspath(checkpoint))) is not None:
-            from danling.checkpoint.dcp import read_dcp_checkpoint
+            from danling.checkpoint.dcp import TorchDistributedCheckpointManager
 
-            return read_dcp_checkpoint(checkpoint, map_location=map_location)
+            path = Path(os.fspath(checkpoint))
+            reader = TorchDistributedCheckpointManager(path.parent, load_only=True, rank_local_keys=RANK_LOCAL_KEYS)
+            return reader.load(path, map_location=map_location)
         return read_checkpoint_source(checkpoint, map_location=map_location)
 
     @classmethod

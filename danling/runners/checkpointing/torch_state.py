@@ -32,9 +32,9 @@ import torch
 from danling.checkpoint import FileCheckpointManager
 from danling.data import DataResumeError, ResumableSampler, batch_fingerprint, check_batch_fingerprint
 
-from .api import CheckpointSource, _dcp_directory, _is_path
+from .api import RANK_LOCAL_KEYS, CheckpointSource, _dcp_directory, _is_path
 
-__all__ = ["TorchCheckpointMixin"]
+__all__ = ["RANK_LOCAL_KEYS", "TorchCheckpointMixin"]
 
 _EXPORT_DTYPES = {
     "fp32": torch.float32,
@@ -53,7 +53,9 @@ _EXPORT_DTYPES = {
 def _read_dcp(path: Path, map_location: Any, exclude: Any = ()) -> dict[str, Any]:
     from danling.checkpoint.dcp import TorchDistributedCheckpointManager
 
-    manager = TorchDistributedCheckpointManager(path.parent, load_only=True, exclude_from_loading=exclude)
+    manager = TorchDistributedCheckpointManager(
+        path.parent, load_only=True, exclude_from_loading=exclude, rank_local_keys=RANK_LOCAL_KEYS
+    )
     return manager.load(path, map_location=map_location)
 
 
@@ -83,11 +85,9 @@ class TorchCheckpointMixin:
             payload["ema"] = self.unwrap(self.ema).state_dict()
         if self.scheduler is not None:
             payload["scheduler"] = self.scheduler.state_dict()
-        payload["loop"] = cls(
-            **self.loop_state.state_dict(),
-            update=self.update.state_dict(),
-            fingerprints=cls((split, self._fingerprint(split, state)) for split, state in loaders.items()),
-        )
+        payload["loop"] = cls(**self.loop_state.state_dict(), update=self.update.state_dict())
+        # Per rank, like the loader positions they check.
+        payload["fingerprints"] = cls((split, self._fingerprint(split, state)) for split, state in loaders.items())
         payload["backend"] = cls(stack="torch", world_size=self.world_size, checkpoint=self.checkpoint_manager.backend)
         return payload
 
@@ -146,7 +146,7 @@ class TorchCheckpointMixin:
         super().load_state_dict(checkpoint)
         loop = checkpoint.get("loop") or {}
         self.loop_state.load_state_dict(loop)
-        self._restored_fingerprints = dict(loop.get("fingerprints") or {})
+        self._restored_fingerprints = dict(checkpoint.get("fingerprints") or {})
         self._restored_update_state = loop.get("update")
 
     def load_checkpoint(self, checkpoint: CheckpointSource, *args: Any, **kwargs: Any) -> None:

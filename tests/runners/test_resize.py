@@ -1,0 +1,61 @@
+"""Resuming on another number of data-parallel ranks: restore on every rank, or refuse on every rank."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.dist import run_distributed
+from tests.runners._torch_toy import TinyRunner, tiny_config
+
+
+class ResizeRunner(TinyRunner):
+    n_train = 24
+
+
+def _config(root: str, **overrides) -> dict:
+    # Step mode with a checkpoint every 6 updates: step 12 is in the middle of a pass on 2 ranks.
+    return tiny_config(
+        root, epochs=None, steps=20, **{"dataloader.batch_size": 2, "checkpoint.interval": 6}, **overrides
+    )
+
+
+def _train_on_two(rank: int, world_size: int, root: str) -> str:
+    torch.set_num_threads(1)
+    with ResizeRunner(_config(root)) as runner:
+        runner.train()
+        return str(runner.checkpoint_manager.directory / "step-000012")
+
+
+def _resume(root: str, checkpoint: str, exclude: bool) -> dict:
+    overrides = {"resume": checkpoint}
+    if exclude:
+        overrides["checkpoint.exclude_from_loading"] = ["dataloaders"]
+    try:
+        runner = ResizeRunner(_config(root, **overrides))
+    except ValueError as error:
+        return {"error": str(error)}
+    with runner:
+        restored = runner.train_state.global_step
+        runner.train()
+        return {"restored": restored, "final": runner.train_state.global_step}
+
+
+def _resume_on_three(rank: int, world_size: int, root: str, checkpoint: str) -> dict:
+    torch.set_num_threads(1)
+    return {
+        "refused": _resume(f"{root}/refused", checkpoint, False),
+        "excluded": _resume(f"{root}/ok", checkpoint, True),
+    }
+
+
+@pytest.mark.distributed
+def test_resume_on_another_data_parallel_size_restores_or_refuses_everywhere(tmp_path):
+    checkpoint = run_distributed(_train_on_two, str(tmp_path / "two"), world_size=2)[0]
+    for out in run_distributed(_resume_on_three, str(tmp_path / "three"), checkpoint, world_size=3):
+        error = out["refused"]["error"]
+        assert "written with 2 data-parallel ranks" in error and "this run has 3" in error
+        assert out["excluded"] == {"restored": 12, "final": 20}  # every rank, rank 2 included
+    refused = _resume(str(tmp_path / "one"), checkpoint, False)
+    assert "written with 2 data-parallel ranks" in refused["error"] and "this run has 1" in refused["error"]
+    assert _resume(str(tmp_path / "one-ok"), checkpoint, True) == {"restored": 12, "final": 20}
