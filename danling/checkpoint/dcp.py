@@ -32,7 +32,7 @@ from danling.utils import to_device
 
 from .base import CheckpointManager
 from .manifest import CheckpointError, verify_directory
-from .payload import check_objects, drop_key, normalize_excludes
+from .payload import check_objects, drop_key
 from .ranks import RANK_LAYOUT_KEY, RankLayout, layout_record, plan_rank_entries, rank_entry, read_layout
 from .training import ModelState, OptimizerState, TrainingState, get_training_state, set_training_state
 
@@ -98,6 +98,14 @@ def _check_index(value: Any, label: str, minimum: int = 0) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{label} must be an integer >= {minimum}, got {value!r}")
     return value
+
+
+def _key_names(value: Any, label: str) -> tuple[str, ...]:
+    keys = (value,) if isinstance(value, str) else tuple(value)
+    for key in keys:
+        if not isinstance(key, str) or not key:
+            raise ValueError(f"{label} must be top-level checkpoint keys (non-empty strings), got {key!r}")
+    return keys
 
 
 def _data_domain(data_rank: int | None, data_size: int | None, rank: int, world_size: int) -> tuple[int, int]:
@@ -195,8 +203,8 @@ class TorchDistributedCheckpointManager(CheckpointManager):
         world_size = dist.get_world_size(process_group) if self.distributed else 1
         self.data_rank, self.data_size = _data_domain(data_rank, data_size, self.rank, world_size)
         kwargs["is_main_process"] = self.rank == 0
-        self.rank_local_keys = normalize_excludes(rank_local_keys)
-        self.optional_rank_local_keys = normalize_excludes(optional_rank_local_keys)
+        self.rank_local_keys = _key_names(rank_local_keys, "rank_local_keys")
+        self.optional_rank_local_keys = _key_names(optional_rank_local_keys, "optional_rank_local_keys")
         # Without a process group or explicit data coordinates the manager is a reader for tools:
         # it takes whatever data size wrote the checkpoint and returns data rank 0's copies.
         self._any_size = not self.distributed and data_rank is None and data_size is None

@@ -70,7 +70,9 @@ def layout_record(keys: Iterable[str], rank_local_keys: Iterable[str], data_size
     return {"data_size": int(data_size), "keys": sorted(keys), "rank_local_keys": sorted(rank_local_keys)}
 
 
-def read_layout(manifest: Mapping[str, Any], paths: Iterable[Sequence[Any]], default_rank_local: Sequence[str]):
+def read_layout(
+    manifest: Mapping[str, Any], paths: Iterable[Sequence[Any]], default_rank_local: Sequence[str]
+) -> RankLayout:
     """Read a checkpoint's layout from its manifest, or infer it from its entries for older checkpoints.
 
     Args:

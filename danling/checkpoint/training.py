@@ -126,6 +126,8 @@ class OptimizerState:
         groups = []
         for group in self.optimizer.param_groups:
             hyper = {key: value for key, value in group.items() if key != "params"}
+            if any(id(param) not in names for param in group["params"]):
+                raise ValueError(f"the {type(self.optimizer).__name__} updates parameters that are not in the model")
             groups.append({**hyper, "params": [names[id(param)] for param in group["params"]]})
         return {"state": {}, "param_groups": groups}
 

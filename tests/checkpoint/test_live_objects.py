@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 
@@ -195,3 +196,18 @@ def test_data_coordinates_and_reserved_metadata_are_checked(tmp_path):
         TorchDistributedCheckpointManager(tmp_path, data_rank=0, data_size=0)
     with pytest.raises(ValueError, match="'rank_layout' is reserved"):
         TorchDistributedCheckpointManager(tmp_path).save({"a": 1}, "step-000001", metadata={"rank_layout": 1})
+
+
+def test_checkpoints_without_a_recorded_layout_infer_it_from_their_copies(tmp_path):
+    # Written as before layouts were recorded: per-rank copies under "<key>.rank<r>", no manifest entry.
+    copies = {"rank0": {"seed": 10}, "rank1": {"seed": 11}}
+    TorchDistributedCheckpointManager(tmp_path, rank_local_keys=()).save({"rng": copies, "step": 5}, "step-000005")
+    manifest_path = tmp_path / "step-000005" / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    del manifest["metadata"]["rank_layout"]
+    manifest_path.write_text(json.dumps(manifest))
+    options = {"rank_local_keys": ["rng"]}
+    rest = TorchDistributedCheckpointManager(tmp_path, data_rank=1, data_size=2, **options).load("latest")
+    assert rest == {"rng": {"seed": 11}, "step": 5}
+    with pytest.raises(CheckpointResizeError, match="written by 2 data-parallel ranks, but this run has 3"):
+        TorchDistributedCheckpointManager(tmp_path, data_rank=0, data_size=3, **options).load("latest")
