@@ -40,6 +40,7 @@ from .layout import (
     in_flight,
     publish,
     recover_directory,
+    scan_checkpoints,
     write_pointer,
 )
 from .manifest import (
@@ -48,11 +49,10 @@ from .manifest import (
     CheckpointNotFoundError,
     file_record,
     fsync_dir,
-    read_manifest,
     verify_directory,
     write_manifest,
 )
-from .payload import drop_key, normalize_excludes, snapshot_state
+from .payload import capture_state, check_objects, drop_key, normalize_excludes, restore_objects, snapshot_state
 
 __all__ = ["CheckpointManager"]
 
@@ -165,7 +165,10 @@ class CheckpointManager:
         """Write `state` as checkpoint `name` and point each alias at it.
 
         Args:
-            state: The payload mapping (config, runner state, model, optimizer, ...).
+            state: The payload mapping (config, runner state, model, optimizer, ...). Top-level
+                values may be live objects with `state_dict()`/`load_state_dict()` (see
+                [`Stateful`][danling.checkpoint.Stateful]); their `state_dict()` is taken here, in
+                the caller's thread, before an async write starts.
             name: Checkpoint directory name, e.g. `"epoch-000003"`. Saving an existing name
                 replaces it atomically.
             aliases: Pointer names to update once the checkpoint is durable.
@@ -192,6 +195,7 @@ class CheckpointManager:
             raise TypeError(f"checkpoint metadata must be JSON-serializable, got {metadata!r}: {err}") from err
         if not self._writes:
             return None
+        state = self._capture(state)
         self.wait()
         target = self.directory / name
         if not self.async_save:
@@ -320,6 +324,10 @@ class CheckpointManager:
         """Undo what a killed writer left behind: partial temp dirs, half-finished replacements."""
         recover_directory(self.directory, self.logger)
 
+    def _capture(self, state: Mapping[str, Any]) -> dict[str, Any]:
+        """Take the `state_dict()` of live objects and check the payload (backends add their own checks)."""
+        return capture_state(state)
+
     def _snapshot(self, state: Mapping[str, Any]) -> Any:
         """Copy `state` for a background writer (a DCP backend would stage into pinned memory here)."""
         return snapshot_state(state)
@@ -416,6 +424,23 @@ class CheckpointManager:
             drop_key(payload, key)
         return payload
 
+    def load_into(
+        self, checkpoint: str | os.PathLike, objects: Mapping[str, Any], *, map_location: Any = "cpu"
+    ) -> dict[str, Any]:
+        """Restore live objects in place from a checkpoint and return its remaining plain entries.
+
+        `checkpoint` is what [`load`][danling.checkpoint.CheckpointManager.load] accepts; `objects`
+        maps top-level keys to live objects ([`Stateful`][danling.checkpoint.Stateful]), and each
+        gets `load_state_dict(payload[key])` unless its key is in `exclude_from_loading`. Returns
+        the payload without the objects' entries (config, results, counters, ...).
+
+        Raises:
+            CheckpointError: The checkpoint is unusable or lacks an entry for one of `objects`.
+        """
+        objects = check_objects(objects)
+        payload = self.load(checkpoint, map_location=map_location)
+        return dict(restore_objects(payload, objects, self.exclude_from_loading, checkpoint))
+
     def latest_valid(self) -> Path | None:
         """Return the newest checkpoint that passes verification, logging every one it skips.
 
@@ -443,20 +468,7 @@ class CheckpointManager:
 
     def _scan(self) -> list[tuple[Path, dict[str, Any]]]:
         """List checkpoint directories (newest first) with their manifests (empty when unreadable)."""
-        if not self.directory.is_dir():
-            return []
-        found = []
-        for entry in self.directory.iterdir():
-            if entry.name.startswith(".") or not entry.is_dir():
-                continue
-            try:
-                manifest = read_manifest(entry)
-            except CheckpointError:
-                manifest = {"history": bool(self.history_pattern.match(entry.name))}
-            created = manifest.get("created_ns", entry.stat().st_mtime_ns)
-            found.append((created, entry.name, entry, manifest))
-        found.sort(key=lambda item: (item[0], item[1]), reverse=True)
-        return [(entry, manifest) for _, _, entry, manifest in found]
+        return scan_checkpoints(self.directory, self.history_pattern)
 
     def aliases(self, *, wait: bool = True) -> dict[str, Path]:
         """Map each alias to the checkpoint it points at (aliases whose target is gone are skipped)."""

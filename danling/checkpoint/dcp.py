@@ -7,7 +7,10 @@ weights are written once, sharded ones by their owners) into ``__<rank>_<n>.dist
 directory, all ranks write into it, and rank 0 hashes the files, writes the manifest, renames the
 directory into place, moves the aliases and prunes, then tells the other ranks how it went.
 
-Loading needs no collective: each rank reads the whole checkpoint back as a nested dict.
+Loading needs no collective. [`load_into`][danling.checkpoint.dcp.TorchDistributedCheckpointManager.load_into]
+reads each live object's entries straight into its own tensors (a DTensor gets only its local
+shard), and the small plain entries next to them; `load` reads the whole checkpoint into CPU
+tensors, for tools and inspection. Per-rank entries follow [`danling.checkpoint.ranks`][].
 """
 
 from __future__ import annotations
@@ -16,73 +19,41 @@ import os
 import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch import nn
-from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
-from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
-from torch.utils._pytree import tree_map
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from danling.utils import to_device
 
 from .base import CheckpointManager
 from .manifest import CheckpointError, verify_directory
+from .payload import check_objects, drop_key
+from .ranks import RANK_LAYOUT_KEY, RankLayout, layout_record, plan_rank_entries, rank_entry, read_layout
+from .training import ModelState, OptimizerState, TrainingState, get_training_state, set_training_state
 
-__all__ = ["TorchDistributedCheckpointManager", "get_training_state", "read_dcp_checkpoint", "set_training_state"]
+__all__ = [
+    "TorchDistributedCheckpointManager",
+    "ModelState",
+    "OptimizerState",
+    "TrainingState",
+    "get_training_state",
+    "set_training_state",
+    "read_dcp_checkpoint",
+]
 
 _METADATA = ".metadata"
-_RANK_PREFIX = "rank"
 
 
-def get_training_state(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:
-    """Model (and optimizer) state keyed by parameter names, ready for any checkpoint backend.
-
-    Uses DCP's ``get_state_dict``: wrapper prefixes (DDP ``module.``, ``torch.compile``) are
-    dropped and the optimizer state is keyed by parameter name instead of by position, so the
-    payload survives a change of wrapping and, unlike ``optimizer.state_dict()``, a round trip
-    through DCP (which stores every mapping key as a string).
-
-    Returns:
-        ``{"model": ...}`` plus ``"optimizer"`` when an optimizer is given.
-
-    Examples:
-        >>> model = nn.Linear(2, 1)
-        >>> state = get_training_state(model, torch.optim.SGD(model.parameters(), lr=0.1))
-        >>> sorted(state["model"]), state["optimizer"]["param_groups"][0]["params"]
-        (['bias', 'weight'], ['weight', 'bias'])
-    """
-    if optimizer is None:
-        model_state, _ = get_state_dict(model, [])
-        return {"model": model_state}
-    model_state, optimizer_state = get_state_dict(model, optimizer)
-    return {"model": model_state, "optimizer": optimizer_state}
-
-
-def set_training_state(
-    model: nn.Module, optimizer: torch.optim.Optimizer | None, state: Mapping[str, Any], *, strict: bool = True
-) -> None:
-    """Load what [`get_training_state`][danling.checkpoint.dcp.get_training_state] produced into live objects.
-
-    Args:
-        model: The (possibly wrapped) model to load ``state["model"]`` into.
-        optimizer: The optimizer to load ``state["optimizer"]`` into, or ``None`` to skip it.
-        state: A mapping with ``"model"`` and optionally ``"optimizer"``.
-        strict: Require the model keys to match exactly.
-    """
-    options = StateDictOptions(strict=strict)
-    # set_state_dict consumes the mappings it is given; rebuild the containers so `state` stays intact.
-    model_state = tree_map(lambda leaf: leaf, state["model"])
-    if optimizer is None or "optimizer" not in state:
-        set_state_dict(model, [], model_state_dict=model_state, optim_state_dict={}, options=options)
-    else:
-        optimizer_state = tree_map(lambda leaf: leaf, state["optimizer"])
-        set_state_dict(
-            model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state, options=options
-        )
+class _Plan(NamedTuple):
+    layout: RankLayout
+    metadata: Metadata
+    wanted: tuple[str, ...]  # top-level keys to read
+    per_rank: tuple[str, ...]  # of those, the ones stored per data rank
 
 
 def _check_keys(obj: Any, path: str = "") -> None:
@@ -93,63 +64,87 @@ def _check_keys(obj: Any, path: str = "") -> None:
                 where = f"{path}.{key!r}" if path else repr(key)
                 raise TypeError(
                     f"DCP checkpoints need string keys, but the state has key {where} ({type(key).__name__}); "
-                    "it would come back as a string. Use danling.checkpoint.dcp.get_training_state for "
+                    "it would come back as a string. Use danling.checkpoint.OptimizerState for "
                     "optimizer state, or convert the keys"
                 )
             _check_keys(value, f"{path}.{key}" if path else key)
 
 
-def _read_dcp_directory(directory: Path) -> dict[str, Any]:
-    payload: dict[str, Any] = {}
-    try:
-        with warnings.catch_warnings():  # DCP warns that it runs without a process group: that is the intent
-            warnings.simplefilter("ignore", UserWarning)
-            _load_state_dict(
-                payload,
-                storage_reader=dcp.FileSystemReader(str(directory)),
-                planner=_EmptyStateDictLoadPlanner(),
-                no_dist=True,
-            )
-    except Exception as err:
-        raise CheckpointError(f"DCP checkpoint {directory} cannot be read: {err}") from err
-    return payload
-
-
 def read_dcp_checkpoint(
-    path: str | os.PathLike, *, rank: int | None = None, map_location: Any = "cpu"
+    path: str | os.PathLike, *, rank: int | None = None, map_location: Any = "cpu", **options: Any
 ) -> dict[str, Any]:
-    """Verify and load a DCP checkpoint (directory, alias pointer or file inside it) without keeping a manager.
+    """Verify and read a whole DCP checkpoint (directory, alias pointer or file inside it) without a manager.
+
+    Meant for tools and inspection. Per-rank entries come back as the copy of data rank `rank`.
+    With an explicit `rank`, or in a process without a process group (rank 0), any copy the
+    checkpoint holds can be read, whatever data size wrote it. Inside a process group and without
+    `rank`, the resize rule of the manager applies (see [`danling.checkpoint.ranks`][]).
 
     Args:
         path: The checkpoint directory, a ``*.pointer`` alias file, or a file inside the checkpoint.
-        rank: Whose copy of the rank-local entries to return; defaults to this process's rank.
+        rank: Whose copy of the per-rank entries to return.
         map_location: Device to move the loaded tensors to.
+        **options: Further options of the manager (``exclude_from_loading``, ``rank_local_keys``, ...).
     """
     path = Path(path)
-    manager = TorchDistributedCheckpointManager(path.parent, load_only=True)
+    manager = TorchDistributedCheckpointManager(path.parent, load_only=True, **options)
     if rank is not None:
-        manager.rank = rank
+        manager._any_size = True
+        manager.data_rank = _check_index(rank, "rank")
     return manager.load(path, map_location=map_location)
+
+
+def _check_index(value: Any, label: str, minimum: int = 0) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{label} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def _key_names(value: Any, label: str) -> tuple[str, ...]:
+    keys = (value,) if isinstance(value, str) else tuple(value)
+    for key in keys:
+        if not isinstance(key, str) or not key:
+            raise ValueError(f"{label} must be top-level checkpoint keys (non-empty strings), got {key!r}")
+    return keys
+
+
+def _data_domain(data_rank: int | None, data_size: int | None, rank: int, world_size: int) -> tuple[int, int]:
+    """Validate the data-parallel coordinates, defaulting to the process group's own."""
+    if data_size is None and data_rank is None:
+        return rank, world_size
+    size = world_size if data_size is None else _check_index(data_size, "data_size", 1)
+    if data_rank is None:
+        raise ValueError(f"data_rank must be given with data_size={data_size!r} (this rank's data-parallel index)")
+    index = _check_index(data_rank, "data_rank")
+    if index >= size:
+        raise ValueError(f"data_rank must be below data_size={size}, got {index}")
+    return index, size
 
 
 class TorchDistributedCheckpointManager(CheckpointManager):
     """Checkpoint manager that writes with ``torch.distributed.checkpoint`` from every rank.
 
     `save` is collective: every rank of the process group must call it with the same name and
-    aliases, in the same order. Entries that differ between ranks (the runner's RNG snapshot in
-    ``state``, ``dataloaders`` positions) are listed in `rank_local_keys`; each rank stores its own
-    copy under ``<key>.rank<r>`` and gets its own copy back from `load` (the runner's ``loop`` entry,
-    which carries each rank's next-batch fingerprints, is rank-local too). Everything else is
-    assumed identical (or DCP-sharded) across ranks.
+    aliases, in the same order. Top-level values may be live objects
+    ([`ModelState`][danling.checkpoint.training.ModelState],
+    [`OptimizerState`][danling.checkpoint.training.OptimizerState], any
+    [`Stateful`][danling.checkpoint.Stateful]); `load_into` restores them in place.
+
+    Entries whose value differs between data-parallel ranks (RNG streams, dataloader positions)
+    are listed in `rank_local_keys`: each data rank stores its own copy under
+    ``<key>.rank<data_rank>`` and gets it back on load. Everything else is global: identical on
+    every rank, or sharded by DCP itself. The manifest records the data size the checkpoint was
+    written with; loading it with another size drops the `optional_rank_local_keys` with a warning
+    and raises [`CheckpointResizeError`][danling.checkpoint.CheckpointResizeError] on every rank
+    for any other per-rank key that is loaded (see [`danling.checkpoint.ranks`][]).
 
     Mapping keys must be strings, because DCP stores them as strings; a state with other keys is
-    refused. Build model and optimizer entries with
-    [`get_training_state`][danling.checkpoint.dcp.get_training_state].
+    refused.
 
-    With ``async_save=True`` the state is copied to CPU and written on a background thread. The
-    collectives of that write run on a dedicated process group (gloo by default) so they never
-    interleave with the training collectives of the default group. Without a process group (a
-    single process) the manager writes and reads DCP checkpoints locally.
+    With ``async_save=True`` the state is copied to CPU (DTensors keep their sharding) and written
+    on a background thread. The collectives of that write run on a dedicated process group (gloo by
+    default) so they never interleave with the training collectives of the default group. Without a
+    process group (a single process) the manager writes and reads DCP checkpoints locally.
 
     Args:
         directory: Where checkpoints live (shared by all ranks).
@@ -158,7 +153,14 @@ class TorchDistributedCheckpointManager(CheckpointManager):
         dedicated_async_process_group: With `async_save`, create a separate group for checkpoint
             traffic. Creating it is collective: every rank must build the manager together.
         async_process_group_backend: Backend of that dedicated group.
-        rank_local_keys: Top-level keys whose values differ between ranks.
+        rank_local_keys: Top-level keys stored once per data-parallel rank.
+        optional_rank_local_keys: Per-rank keys that loading on a different data size drops (with
+            a warning) instead of refusing, e.g. ``("rng",)``.
+        data_rank: This rank's index in the data-parallel domain (ranks that see the same batches,
+            such as tensor-parallel peers, share one). Defaults to the group rank.
+        data_size: Number of data-parallel ranks. Defaults to the group size. Outside a process
+            group and without `data_rank`/`data_size`, the manager reads checkpoints of any data
+            size (data rank 0's copies), as tools do; pass ``data_size=1`` to apply the resize rule.
         **kwargs: The options of [`CheckpointManager`][danling.checkpoint.CheckpointManager]
             (``interval``, ``keep_latest_k``, ``async_save``, ``load_only``, ...). ``is_main_process``
             is derived from the group rank when a group is active.
@@ -166,11 +168,13 @@ class TorchDistributedCheckpointManager(CheckpointManager):
     Examples:
         >>> import tempfile
         >>> manager = TorchDistributedCheckpointManager(tempfile.mkdtemp(), keep_latest_k=1)
-        >>> model = nn.Linear(2, 1)
-        >>> _ = manager.save({**get_training_state(model), "state": {"epoch": 1}}, "epoch-000001")
-        >>> _ = manager.save({**get_training_state(model), "state": {"epoch": 2}}, "epoch-000002")
+        >>> model = torch.nn.Linear(2, 1)
+        >>> _ = manager.save({"model": ModelState(model), "state": {"epoch": 1}}, "epoch-000001")
+        >>> _ = manager.save({"model": ModelState(model), "state": {"epoch": 2}}, "epoch-000002")
         >>> [path.name for path in manager.checkpoints()], manager.load("latest")["state"]
         (['epoch-000002'], {'epoch': 2})
+        >>> manager.load_into("latest", {"model": ModelState(torch.nn.Linear(2, 1))})
+        {'state': {'epoch': 2}}
     """
 
     backend = "dcp"
@@ -184,6 +188,9 @@ class TorchDistributedCheckpointManager(CheckpointManager):
         dedicated_async_process_group: bool = True,
         async_process_group_backend: str = "gloo",
         rank_local_keys: Sequence[str] = ("state", "dataloaders", "rng", "loop"),
+        optional_rank_local_keys: Sequence[str] = (),
+        data_rank: int | None = None,
+        data_size: int | None = None,
         **kwargs: Any,
     ) -> None:
         self.distributed = dist.is_available() and dist.is_initialized()
@@ -193,8 +200,14 @@ class TorchDistributedCheckpointManager(CheckpointManager):
             process_group = dist.new_group(backend=async_process_group_backend)
         self.process_group = process_group
         self.rank = dist.get_rank(process_group) if self.distributed else 0
+        world_size = dist.get_world_size(process_group) if self.distributed else 1
+        self.data_rank, self.data_size = _data_domain(data_rank, data_size, self.rank, world_size)
         kwargs["is_main_process"] = self.rank == 0
-        self.rank_local_keys = tuple(rank_local_keys)
+        self.rank_local_keys = _key_names(rank_local_keys, "rank_local_keys")
+        self.optional_rank_local_keys = _key_names(optional_rank_local_keys, "optional_rank_local_keys")
+        # Without a process group or explicit data coordinates the manager is a reader for tools:
+        # it takes whatever data size wrote the checkpoint and returns data rank 0's copies.
+        self._any_size = not self.distributed and data_rank is None and data_size is None
         self._announced = False
         super().__init__(directory, **kwargs)
 
@@ -209,14 +222,27 @@ class TorchDistributedCheckpointManager(CheckpointManager):
     ) -> Path | None:
         """Collectively write `state` as checkpoint `name`; every rank must call this.
 
-        Arguments are those of [`CheckpointManager.save`][danling.checkpoint.CheckpointManager.save].
-        Every rank returns the checkpoint path (``None`` when the manager is load-only).
+        Arguments are those of [`CheckpointManager.save`][danling.checkpoint.CheckpointManager.save];
+        the manifest metadata also records the checkpoint's layout under ``"rank_layout"`` (data
+        size, keys, per-rank keys). Every rank returns the checkpoint path (``None`` when the
+        manager is load-only).
 
         Raises:
             TypeError: the state holds a mapping key that is not a string.
+            ValueError: `metadata` uses the reserved ``"rank_layout"`` key.
         """
-        _check_keys(state)  # fail in the caller's thread, not later inside an async write
+        metadata = dict(metadata or {})
+        if RANK_LAYOUT_KEY in metadata:
+            raise ValueError(f"checkpoint metadata key {RANK_LAYOUT_KEY!r} is reserved for the DCP manager's layout")
+        keys = [str(key) for key in state] if isinstance(state, Mapping) else []
+        local = [key for key in keys if key in self.rank_local_keys]
+        metadata[RANK_LAYOUT_KEY] = layout_record(keys, local, self.data_size)
         return super().save(state, name, aliases=aliases, history=history, metadata=metadata)
+
+    def _capture(self, state: Mapping[str, Any]) -> dict[str, Any]:
+        state = super()._capture(state)
+        _check_keys(state)  # fail in the caller's thread, not later inside an async write
+        return state
 
     # collective plumbing ---------------------------------------------------------------------
 
@@ -281,7 +307,7 @@ class TorchDistributedCheckpointManager(CheckpointManager):
         local = dict(state)
         for key in self.rank_local_keys:
             if key in local:
-                local[key] = {f"{_RANK_PREFIX}{self.rank}": local[key]}
+                local[key] = {rank_entry(self.data_rank): local[key]}
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
             dcp.save(
@@ -291,27 +317,115 @@ class TorchDistributedCheckpointManager(CheckpointManager):
                 no_dist=not self.distributed,
             )
 
-    def _read_payload(self, directory: Path, manifest: Mapping[str, Any], map_location: Any) -> dict[str, Any]:
+    # loading ---------------------------------------------------------------------------------
+
+    def load_into(
+        self, checkpoint: str | os.PathLike, objects: Mapping[str, Any], *, map_location: Any = "cpu"
+    ) -> dict[str, Any]:
+        """Restore live objects in place from a checkpoint and return its remaining plain entries.
+
+        Each object's entries are read straight into the tensors of its `state_dict_to_load()`
+        (or `state_dict()`), so a DTensor receives only its local shard and nothing else of the
+        object is materialised; then the object gets `load_state_dict(...)`. Entries the object
+        asks for but the checkpoint lacks are left out of what it gets (its `load_state_dict`
+        decides: [`ModelState`][danling.checkpoint.training.ModelState] with ``strict`` raises).
+        No collective is involved. A torch.save file is read whole, as by the base class.
+
+        Args:
+            checkpoint: Alias, checkpoint name, directory, pointer file or file inside a checkpoint.
+            objects: Top-level key -> live object. Keys in `exclude_from_loading` are skipped.
+            map_location: Device for the returned plain entries.
+
+        Returns:
+            The plain entries (config, results, per-rank positions, ...) with per-rank keys
+            resolved to this data rank's copy.
+
+        Raises:
+            CheckpointError: The checkpoint is unusable or lacks an entry for one of `objects`.
+            CheckpointResizeError: It was written by another data size and a loaded per-rank
+                key is not optional.
+        """
+        objects = check_objects(objects)
+        self.wait()
+        path = self.resolve(checkpoint)
+        directory = path if path.is_dir() else path.parent
+        if not (directory / _METADATA).is_file():
+            return super().load_into(checkpoint, objects, map_location=map_location)
+        plan = self._plan(directory, self._check_manifest(directory, verify_directory(directory)))
+        live = {key: obj for key, obj in objects.items() if key not in self.exclude_from_loading}
+        missing = [key for key in live if key not in plan.layout.keys]
+        if missing:
+            raise CheckpointError(
+                f"checkpoint {directory} has no {missing} entries to load into; it holds {sorted(plan.layout.keys)}. "
+                f"Add {missing} to exclude_from_loading to keep those objects' current state"
+            )
+        live = {key: obj for key, obj in live.items() if key in plan.wanted}  # optional per-rank keys may be dropped
+        payload = self._read(directory, plan, {key: _template(obj) for key, obj in live.items()})
+        for key, obj in live.items():
+            obj.load_state_dict(payload.pop(key))
+        return _to_location(payload, map_location)
+
+    def _check_manifest(self, directory: Path, manifest: Mapping[str, Any]) -> Mapping[str, Any]:
+        if manifest.get("backend", self.backend) != self.backend:
+            raise CheckpointError(
+                f"checkpoint {directory} was written by the {manifest['backend']!r} backend; "
+                f"{type(self).__name__} reads {self.backend!r} checkpoints"
+            )
         if _METADATA not in manifest["files"]:
             raise CheckpointError(f"checkpoint {directory} has no DCP {_METADATA} in its manifest")
-        payload = _read_dcp_directory(directory)
-        for key in self.rank_local_keys:
-            copies = payload.get(key)
-            if not isinstance(copies, Mapping):
-                continue
-            mine = f"{_RANK_PREFIX}{self.rank}"
-            if mine in copies:
-                payload[key] = copies[mine]
-            else:
-                del payload[key]
-                self.logger.warning(
-                    "checkpoint %s has no %r entry for rank %d (it holds %s); leaving it out",
-                    directory,
-                    key,
-                    self.rank,
-                    sorted(copies),
-                )
-        return _to_location(payload, map_location)
+        return manifest
+
+    def _plan(self, directory: Path, manifest: Mapping[str, Any]) -> _Plan:
+        """Decide what this rank reads, from the manifest and DCP metadata alone (same on every rank)."""
+        try:
+            metadata = dcp.FileSystemReader(str(directory)).read_metadata()
+        except Exception as err:
+            raise CheckpointError(f"DCP checkpoint {directory} cannot be read: {err}") from err
+        layout = read_layout(manifest, _paths(metadata).values(), self.rank_local_keys)
+        wanted = [key for key in layout.keys if key not in self.exclude_from_loading]
+        size = layout.data_size if self._any_size else self.data_size
+        per_rank, dropped = plan_rank_entries(
+            layout, wanted, data_size=size, optional=self.optional_rank_local_keys, origin=directory
+        )
+        if dropped:
+            self.logger.warning(
+                "checkpoint %s was written by %s data-parallel ranks and this run has %d: leaving out its "
+                "per-rank entries %s (declared optional), which start afresh",
+                directory,
+                layout.data_size,
+                self.data_size,
+                list(dropped),
+            )
+        if self._any_size and per_rank and self.data_rank >= (layout.data_size or 0):
+            raise CheckpointError(
+                f"checkpoint {directory} holds per-rank entries {list(per_rank)} for data ranks "
+                f"0..{(layout.data_size or 1) - 1}; there is no copy for rank {self.data_rank}"
+            )
+        return _Plan(layout, metadata, tuple(key for key in wanted if key not in dropped), per_rank)
+
+    def _read(self, directory: Path, plan: _Plan, templates: Mapping[str, Any]) -> dict[str, Any]:
+        """Read the planned entries: into `templates` for live objects, into new CPU tensors for the rest."""
+        targets, mapping = _targets(plan, templates, self.data_rank, self.exclude_from_loading)
+        if targets:
+            try:
+                with warnings.catch_warnings():  # DCP warns that it runs without a process group: that is the intent
+                    warnings.simplefilter("ignore", UserWarning)
+                    dcp.load(targets, storage_reader=dcp.FileSystemReader(str(directory)), no_dist=True)
+            except Exception as err:
+                raise CheckpointError(f"DCP checkpoint {directory} cannot be read: {err}") from err
+        payload: dict[str, Any] = {}
+        for fqn, value in targets.items():
+            set_element(payload, mapping[fqn], value)
+        for key in plan.wanted:  # DCP stores no empty mappings: a key it dropped held `{}`
+            payload.setdefault(key, {})
+        for key in self.exclude_from_loading:
+            if "." in key:
+                drop_key(payload, key)
+        return payload
+
+    def _read_payload(self, directory: Path, manifest: Mapping[str, Any], map_location: Any) -> dict[str, Any]:
+        plan = self._plan(directory, self._check_manifest(directory, manifest))
+        return _to_location(self._read(directory, plan, {}), map_location)
 
     def _read_file(self, path: Path, map_location: Any) -> dict[str, Any]:
         if (path.parent / _METADATA).is_file():  # a file inside a DCP checkpoint: read the whole checkpoint
@@ -320,6 +434,60 @@ class TorchDistributedCheckpointManager(CheckpointManager):
             return torch.load(path, map_location=map_location, weights_only=False)
         except Exception as err:
             raise CheckpointError(f"checkpoint {path} cannot be unpickled: {err}") from err
+
+
+def _template(obj: Any) -> Any:
+    """What a live object's checkpoint entries are read into."""
+    to_load = getattr(obj, "state_dict_to_load", None)
+    return to_load() if callable(to_load) else obj.state_dict()
+
+
+def _paths(metadata: Metadata) -> dict[str, tuple]:
+    """Nested key path of every stored leaf (DCP's planner data; dotted keys split for other planners)."""
+    planner_data = metadata.planner_data if isinstance(metadata.planner_data, Mapping) else {}
+    return {fqn: tuple(planner_data.get(fqn) or fqn.split(".")) for fqn in metadata.state_dict_metadata}
+
+
+def _excluded(path: Sequence[Any], excludes: Sequence[str]) -> bool:
+    dotted = ".".join(map(str, path))
+    return any(dotted == key or dotted.startswith(key + ".") for key in excludes if "." in key)
+
+
+def _targets(
+    plan: _Plan, templates: Mapping[str, Any], data_rank: int, excludes: Sequence[str]
+) -> tuple[dict[str, Any], dict[str, tuple]]:
+    """Flat DCP load targets and the logical path (per-rank level removed) each one lands at.
+
+    Stored leaves of live objects load into the object's own tensors; leaves the object does not
+    have are read too when they are plain values (a hyperparameter a newer optimizer lacks) and
+    skipped when they are tensors. Other entries get new CPU tensors (or `None` for plain values).
+    """
+    metadata, wanted, per_rank = plan.metadata, plan.wanted, plan.per_rank
+    mine = rank_entry(data_rank)
+    flat_templates: dict[str, Any] = {}
+    for key, template in templates.items():
+        nested = {key: {mine: template} if key in per_rank else template}
+        flat_templates.update(flatten_state_dict(nested)[0])
+    targets: dict[str, Any] = {}
+    mapping: dict[str, tuple] = {}
+    for fqn, path in _paths(metadata).items():
+        key = str(path[0])
+        if key not in wanted or (key in per_rank and (len(path) < 2 or path[1] != mine)):
+            continue
+        logical = (key, *path[2:]) if key in per_rank else path
+        if _excluded(logical, excludes):
+            continue
+        stored = metadata.state_dict_metadata[fqn]
+        if fqn in flat_templates:
+            targets[fqn] = flat_templates[fqn]
+        elif isinstance(stored, TensorStorageMetadata):
+            if key in templates:
+                continue  # a tensor the live object has no place for
+            targets[fqn] = torch.empty(stored.size, dtype=stored.properties.dtype)
+        else:
+            targets[fqn] = None
+        mapping[fqn] = logical
+    return targets, mapping
 
 
 def _to_location(payload: dict[str, Any], map_location: Any) -> dict[str, Any]:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import io
-import logging
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -15,8 +13,6 @@ from .base import CheckpointManager
 from .manifest import CheckpointError, HashingWriter
 
 __all__ = ["FileCheckpointManager", "read_checkpoint"]
-
-_logger = logging.getLogger("danling.checkpoint")
 
 
 def _torch_load(source: str | os.PathLike | BinaryIO, map_location: Any, origin: Any) -> Any:
@@ -77,34 +73,7 @@ class FileCheckpointManager(CheckpointManager):
 def read_checkpoint(
     checkpoint: Mapping[str, Any] | bytes | str | os.PathLike, *, map_location: Any = "cpu"
 ) -> dict[str, Any]:
-    """Load a checkpoint payload without keeping a manager around.
+    """Same as [`danling.checkpoint.read_checkpoint`][danling.checkpoint.read_checkpoint] (any registered format)."""
+    from .formats import read_checkpoint as read_any
 
-    Directories and files inside a checkpoint are verified against the manifest first; pointer
-    files (`latest.pointer`) are followed; a plain `torch.save` file with no manifest is loaded
-    as is; bytes are unpickled with `torch.load`; a mapping is returned as a shallow `dict` copy.
-
-    Examples:
-        >>> import tempfile
-        >>> tmp = tempfile.TemporaryDirectory()
-        >>> path = FileCheckpointManager(tmp.name).save({"step": 7}, "step-000007")
-        >>> read_checkpoint(path)["step"], read_checkpoint(path.parent / "latest.pointer")["step"]
-        (7, 7)
-        >>> read_checkpoint({"step": 1})
-        {'step': 1}
-        >>> tmp.cleanup()
-    """
-    if isinstance(checkpoint, Mapping):
-        return dict(checkpoint)
-    if isinstance(checkpoint, (bytes, bytearray, memoryview)):
-        payload = _torch_load(io.BytesIO(bytes(checkpoint)), map_location, "<bytes>")
-    elif isinstance(checkpoint, (str, os.PathLike)):
-        path = Path(checkpoint)
-        manager = FileCheckpointManager(path.parent, load_only=True, logger=_logger)
-        return manager.load(path, map_location=map_location)
-    else:
-        raise TypeError(
-            f"read_checkpoint() accepts a mapping, bytes or a path, got {type(checkpoint).__name__}: {checkpoint!r}"
-        )
-    if not isinstance(payload, dict):
-        raise CheckpointError(f"checkpoint <bytes> holds a {type(payload).__name__}, expected a mapping")
-    return payload
+    return read_any(checkpoint, map_location=map_location)

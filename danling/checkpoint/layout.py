@@ -20,7 +20,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from .manifest import CheckpointNotFoundError, atomic_write_text, fsync_dir
+from .manifest import CheckpointError, CheckpointNotFoundError, atomic_write_text, fsync_dir, read_manifest
 
 __all__ = [
     "POINTER_SUFFIX",
@@ -30,6 +30,7 @@ __all__ = [
     "write_pointer",
     "follow_pointer",
     "recover_directory",
+    "scan_checkpoints",
 ]
 
 POINTER_SUFFIX = ".pointer"
@@ -130,3 +131,25 @@ def recover_directory(directory: Path, logger: logging.Logger) -> None:
         else:
             shutil.rmtree(entry, ignore_errors=True)
             logger.info("removed leftover %s from an interrupted checkpoint write", entry)
+
+
+def scan_checkpoints(directory: Path, history_pattern: re.Pattern) -> list[tuple[Path, dict[str, Any]]]:
+    """Checkpoint directories under `directory`, newest first, with their manifests.
+
+    A directory whose manifest cannot be read gets a stand-in `{"history": ...}` judged from its
+    name by `history_pattern`, and is ordered by its modification time.
+    """
+    if not directory.is_dir():
+        return []
+    found = []
+    for entry in directory.iterdir():
+        if entry.name.startswith(".") or not entry.is_dir():
+            continue
+        try:
+            manifest = read_manifest(entry)
+        except CheckpointError:
+            manifest = {"history": bool(history_pattern.match(entry.name))}
+        created = manifest.get("created_ns", entry.stat().st_mtime_ns)
+        found.append((created, entry.name, entry, manifest))
+    found.sort(key=lambda item: (item[0], item[1]), reverse=True)
+    return [(entry, manifest) for _, _, entry, manifest in found]

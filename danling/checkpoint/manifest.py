@@ -24,6 +24,7 @@ __all__ = [
     "MANIFEST_FORMAT",
     "CheckpointError",
     "CheckpointNotFoundError",
+    "CheckpointResizeError",
     "HashingWriter",
     "file_record",
     "fsync_dir",
@@ -45,6 +46,14 @@ class CheckpointError(ValueError):
 
 class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
     """No checkpoint, alias or file matches the requested name or path."""
+
+
+class CheckpointResizeError(CheckpointError):
+    """A checkpoint holds per-rank state for a different number of data ranks than the loading run has.
+
+    Raised on every rank alike (the decision only reads checkpoint metadata), so no rank is left
+    waiting in a collective for ranks that failed.
+    """
 
 
 class HashingWriter:

@@ -1,15 +1,105 @@
-"""Payload helpers shared by checkpoint backends: async snapshots and key exclusion."""
+"""Payload helpers shared by checkpoint backends: live objects, async snapshots and key exclusion."""
 
 from __future__ import annotations
 
 import copy
+import sys
 from collections import OrderedDict
-from collections.abc import MutableMapping, Sequence
-from typing import Any
+from collections.abc import Mapping, MutableMapping, Sequence
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-__all__ = ["snapshot_state", "normalize_excludes", "drop_key"]
+from .manifest import CheckpointError
+
+__all__ = [
+    "Stateful",
+    "is_stateful",
+    "capture_state",
+    "check_objects",
+    "restore_objects",
+    "snapshot_state",
+    "normalize_excludes",
+    "drop_key",
+]
+
+
+@runtime_checkable
+class Stateful(Protocol):
+    """Anything a checkpoint can save by value and restore in place: modules, optimizers, schedulers, loaders.
+
+    Managers call `state_dict()` when saving (in the caller's thread, before any background
+    write starts) and `load_state_dict(state)` from
+    [`load_into`][danling.checkpoint.CheckpointManager.load_into]. An object may also define
+    `state_dict_to_load()`, returning the structure to load into when it differs from what
+    `state_dict()` saves (an optimizer that has not stepped yet has no state to load into; see
+    [`OptimizerState`][danling.checkpoint.training.OptimizerState]).
+    """
+
+    def state_dict(self) -> Any: ...
+
+    def load_state_dict(self, state_dict: Any) -> Any: ...
+
+
+def is_stateful(obj: Any) -> bool:
+    """Whether `obj` is a live object (not a mapping or tensor) with `state_dict` and `load_state_dict`.
+
+    Examples:
+        >>> import torch
+        >>> is_stateful(torch.nn.Linear(1, 1)), is_stateful({"step": 1}), is_stateful(torch.zeros(1))
+        (True, False, False)
+    """
+    if isinstance(obj, (Mapping, torch.Tensor, type)):
+        return False
+    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
+
+
+def capture_state(state: Mapping[str, Any]) -> dict[str, Any]:
+    """Replace every top-level live object of `state` by its `state_dict()`; plain values pass through.
+
+    Examples:
+        >>> import torch
+        >>> payload = capture_state({"model": torch.nn.Linear(1, 1, bias=False), "epoch": 3})
+        >>> sorted(payload["model"]), payload["epoch"]
+        (['weight'], 3)
+    """
+    return {key: value.state_dict() if is_stateful(value) else value for key, value in state.items()}
+
+
+def check_objects(objects: Any) -> dict[str, Any]:
+    """Validate the `objects` argument of `load_into`: a mapping of string keys to live objects."""
+    if not isinstance(objects, Mapping):
+        raise TypeError(f"objects must be a mapping of checkpoint keys to live objects, got {type(objects).__name__}")
+    for key, obj in objects.items():
+        if not isinstance(key, str) or not key:
+            raise TypeError(f"objects keys must be non-empty strings (top-level checkpoint keys), got {key!r}")
+        if not is_stateful(obj):
+            raise TypeError(
+                f"objects[{key!r}] is a {type(obj).__name__}, which has no state_dict()/load_state_dict(); "
+                "pass live objects here and read plain entries from the returned payload"
+            )
+    return dict(objects)
+
+
+def restore_objects(
+    payload: MutableMapping[str, Any], objects: Mapping[str, Any], excluded: Sequence[str], origin: Any
+) -> MutableMapping[str, Any]:
+    """Load `payload[key]` into each live object in place and return what is left of `payload`.
+
+    Objects whose key is in `excluded` keep their current state. A key the checkpoint lacks is an
+    error: the caller asked for that object to be restored.
+    """
+    for key, obj in objects.items():
+        if key in excluded:
+            continue
+        if key not in payload:
+            raise CheckpointError(
+                f"checkpoint {origin} has no {key!r} entry to load into the {type(obj).__name__}; it holds "
+                f"{sorted(payload)}. Add {key!r} to exclude_from_loading to keep the object's current state"
+            )
+        obj.load_state_dict(payload.pop(key))
+    return payload
+
 
 _KEY_ALIASES = {"data_loader": "dataloaders", "dataloader": "dataloaders", "lr_scheduler": "scheduler"}
 _SCALARS = (str, bytes, int, float, complex, bool, type(None))
@@ -64,6 +154,8 @@ def snapshot_state(state: Any) -> Any:
 
     Each tensor storage is copied once and views are rebuilt on the copy, so tensors that
     share memory (tied weights, views) still share it afterwards, just as `torch.save` keeps them.
+    A `DTensor` (FSDP2, tensor parallel) keeps its mesh, placements and global shape; only its
+    local shard is copied.
 
     Examples:
         >>> import torch
@@ -74,20 +166,33 @@ def snapshot_state(state: Any) -> Any:
         (tensor([0., 0., 0., 0.]), True)
     """
     storages: dict[tuple[Any, int], Any] = {}
+    # DTensors can only exist once torch.distributed.tensor is imported; do not import it here.
+    dtensor_module = sys.modules.get("torch.distributed.tensor")
+    dtensor_type = getattr(dtensor_module, "DTensor", None)
 
     def copy_tensor(tensor: torch.Tensor) -> torch.Tensor:
         tensor = tensor.detach()
         try:
             storage = tensor.untyped_storage()
+            key = (storage.device, storage.data_ptr())
         except (RuntimeError, NotImplementedError):  # sparse, nested and other storage-less layouts
             return tensor.to("cpu", copy=True)
-        key = (storage.device, storage.data_ptr())
         if key not in storages:
             storages[key] = storage.cpu() if storage.device.type != "cpu" else storage.clone()
         view = torch.empty(0, dtype=tensor.dtype)
         return view.set_(storages[key], tensor.storage_offset(), tensor.shape, tensor.stride())
 
+    def copy_dtensor(tensor: Any) -> Any:
+        # A DTensor's storage is its local shard, but its shape is the global one: copy the shard
+        # and wrap it in the same spec (mesh, placements, global shape and stride), so DCP still
+        # writes it as that shard of the global tensor. The public `DTensor.from_local` would move
+        # the copy back to the mesh's device, which would defeat staging on the CPU.
+        local = copy_tensor(tensor.to_local())
+        return dtensor_type(local, tensor._spec, requires_grad=False)
+
     def copy_tree(obj: Any) -> Any:
+        if dtensor_type is not None and isinstance(obj, dtensor_type):
+            return copy_dtensor(obj)
         if isinstance(obj, torch.Tensor):
             return copy_tensor(obj)
         if type(obj) in (dict, OrderedDict):
