@@ -34,7 +34,7 @@ from danling.optim import build_optimizer, build_scheduler, is_metric_scheduler
 
 from .base_runner import BaseRunner
 from .checkpointing import TorchCheckpointMixin
-from .checkpointing.torch_state import RANK_LOCAL_KEYS
+from .checkpointing.api import OPTIONAL_RANK_LOCAL_KEYS, RANK_LOCAL_KEYS
 from .runner import register_runner
 from .services import Compiler
 from .torch_batch import TorchBatchMixin
@@ -194,6 +194,9 @@ class TorchRunner(TorchCheckpointMixin, TorchBatchMixin, BaseRunner):
             dedicated_async_process_group=checkpoint.dedicated_async_process_group,
             async_process_group_backend=checkpoint.async_process_group_backend,
             rank_local_keys=RANK_LOCAL_KEYS,
+            optional_rank_local_keys=OPTIONAL_RANK_LOCAL_KEYS,
+            data_rank=self.topology.rank("data"),
+            data_size=self.topology.size("data"),
             **self._checkpoint_options(),
         )
         self.set_checkpoint_manager(manager)

@@ -54,8 +54,8 @@ def test_resume_on_another_data_parallel_size_restores_or_refuses_everywhere(tmp
     checkpoint = run_distributed(_train_on_two, str(tmp_path / "two"), world_size=2)[0]
     for out in run_distributed(_resume_on_three, str(tmp_path / "three"), checkpoint, world_size=3):
         error = out["refused"]["error"]
-        assert "written with 2 data-parallel ranks" in error and "this run has 3" in error
+        assert "written by 2 data-parallel ranks, but this run has 3" in error
         assert out["excluded"] == {"restored": 12, "final": 20}  # every rank, rank 2 included
     refused = _resume(str(tmp_path / "one"), checkpoint, False)
-    assert "written with 2 data-parallel ranks" in refused["error"] and "this run has 1" in refused["error"]
+    assert "written by 2 data-parallel ranks, but this run has 1" in refused["error"]
     assert _resume(str(tmp_path / "one-ok"), checkpoint, True) == {"restored": 12, "final": 20}

@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from danling.checkpoint import read_checkpoint as read_checkpoint_source
-from danling.checkpoint.layout import POINTER_SUFFIX, follow_pointer
 from danling.utils import RoundDict
 
 from ..config import RunnerConfig
@@ -29,21 +28,15 @@ __all__ = ["CheckpointMixin"]
 CheckpointSource = Mapping[str, Any] | bytes | str | os.PathLike
 # Components whose state a full checkpoint must carry when the runner has them bound.
 _REQUIRED_COMPONENTS = ("model", "optimizer", "scheduler")
-_DCP_METADATA = ".metadata"
 # Payload entries that differ between ranks; everything else is written once and read by every rank.
 RANK_LOCAL_KEYS = ("rng", "dataloaders", "fingerprints")
+# Per-rank entries a resume on another data-parallel size may drop: the RNG re-seeds, and the
+# fingerprints only check loader positions, which such a resume never restores.
+OPTIONAL_RANK_LOCAL_KEYS = ("rng", "fingerprints")
 
 
 def _is_path(checkpoint: Any) -> bool:
     return isinstance(checkpoint, (str, os.PathLike))
-
-
-def _dcp_directory(path: Path) -> Path | None:
-    """The DCP checkpoint directory `path` is, points to (alias pointer) or lies in; `None` for other layouts."""
-    if path.is_file() and path.name.endswith(POINTER_SUFFIX):
-        path = follow_pointer(path)
-    directory = path if path.is_dir() else path.parent
-    return directory if (directory / _DCP_METADATA).is_file() else None
 
 
 class CheckpointMixin:
@@ -231,16 +224,21 @@ class CheckpointMixin:
                 checkpoint's config differs semantically.
         """
         map_location = kwargs.pop("map_location", "cpu")
-        payload = self.read_checkpoint(checkpoint, map_location=map_location)
         excluded = self._excluded_components()
+        in_place = self._in_place_components(checkpoint, excluded)
+        payload = self._read_for_restore(checkpoint, in_place, map_location)
         self._check_resumable_layout(payload, excluded, checkpoint)
         for key in _REQUIRED_COMPONENTS:
-            if getattr(self, key, None) is not None and payload.get(key) is None and key not in excluded:
+            missing = payload.get(key) is None and key not in excluded and key not in in_place
+            if getattr(self, key, None) is not None and missing:
                 raise ValueError(
                     f"checkpoint {_describe(checkpoint)} has no {key!r} state but the runner has a {key} bound; "
                     f"add {key!r} to checkpoint.exclude_from_loading to keep the current one"
                 )
         self.load_state_dict(payload)
+        if in_place:  # read straight into the live components, after every check above passed
+            self._restore_in_place(checkpoint, in_place, map_location, *args, **kwargs)
+            excluded = excluded | set(in_place)
         if payload.get("model") is not None and "model" not in excluded:
             self.load_model(payload["model"], *args, **kwargs)
         loaders = {
@@ -263,6 +261,22 @@ class CheckpointMixin:
             self.train_state.global_step,
         )
 
+    def _in_place_components(self, checkpoint: CheckpointSource, excluded: set[str]) -> tuple[str, ...]:
+        """Components restored in place from `checkpoint` rather than from a payload read into memory.
+
+        None by default; backends whose checkpoint format reads straight into live tensors list them.
+        """
+        return ()
+
+    def _read_for_restore(self, checkpoint: CheckpointSource, in_place: tuple[str, ...], map_location: Any) -> Any:
+        """The payload a restore reads into memory (without the components restored in place)."""
+        return self.read_checkpoint(checkpoint, map_location=map_location)
+
+    def _restore_in_place(
+        self, checkpoint: CheckpointSource, keys: tuple[str, ...], map_location: Any, *args: Any, **kwargs: Any
+    ) -> None:
+        raise NotImplementedError(f"{type(self).__name__} restores no component in place")
+
     def _resized(self, payload: Mapping[str, Any]) -> bool:
         """Whether `payload` was written with another number of data-parallel ranks than this run has."""
         saved = payload.get("topology")
@@ -284,8 +298,8 @@ class CheckpointMixin:
         size, world = self.topology.size("data"), self.topology.size("world")
         if "dataloaders" not in excluded:  # decided from global facts only: never per-rank content
             raise ValueError(
-                f"checkpoint {_describe(source)} was written with {saved.get('data_size')} data-parallel ranks "
-                f"(world size {saved.get('world_size')}) but this run has {size} (world size {world}): its "
+                f"checkpoint {_describe(source)} was written by {saved.get('data_size')} data-parallel ranks, "
+                f"but this run has {size} (world sizes {saved.get('world_size')} and {world}): its "
                 "dataloader positions are per rank and cannot be split over the new ranks. Resume with "
                 f"{saved.get('data_size')} data-parallel ranks, or add 'dataloaders' to "
                 "checkpoint.exclude_from_loading to restart the interrupted pass on the new layout"
@@ -380,13 +394,7 @@ class CheckpointMixin:
     # ------------------------------------------------------------------ constructors
     @classmethod
     def _read_source(cls, checkpoint: CheckpointSource, map_location: Any = "cpu") -> Mapping[str, Any]:
-        """Payload of a checkpoint read without a runner instance: file-backend or DCP layout."""
-        if _is_path(checkpoint) and _dcp_directory(Path(os.fspath(checkpoint))) is not None:
-            from danling.checkpoint.dcp import TorchDistributedCheckpointManager
-
-            path = Path(os.fspath(checkpoint))
-            reader = TorchDistributedCheckpointManager(path.parent, load_only=True, rank_local_keys=RANK_LOCAL_KEYS)
-            return reader.load(path, map_location=map_location)
+        """Payload of a checkpoint read without a runner instance, in any registered format."""
         return read_checkpoint_source(checkpoint, map_location=map_location)
 
     @classmethod

@@ -29,10 +29,10 @@ from typing import Any
 
 import torch
 
-from danling.checkpoint import FileCheckpointManager
+from danling.checkpoint import detect_format, open_checkpoint_reader
 from danling.data import DataResumeError, ResumableSampler, batch_fingerprint, check_batch_fingerprint
 
-from .api import RANK_LOCAL_KEYS, CheckpointSource, _dcp_directory, _is_path
+from .api import OPTIONAL_RANK_LOCAL_KEYS, RANK_LOCAL_KEYS, CheckpointSource, _is_path
 
 __all__ = ["RANK_LOCAL_KEYS", "TorchCheckpointMixin"]
 
@@ -48,15 +48,6 @@ _EXPORT_DTYPES = {
     "float64": torch.float64,
     "double": torch.float64,
 }
-
-
-def _read_dcp(path: Path, map_location: Any, exclude: Any = ()) -> dict[str, Any]:
-    from danling.checkpoint.dcp import TorchDistributedCheckpointManager
-
-    manager = TorchDistributedCheckpointManager(
-        path.parent, load_only=True, exclude_from_loading=exclude, rank_local_keys=RANK_LOCAL_KEYS
-    )
-    return manager.load(path, map_location=map_location)
 
 
 class TorchCheckpointMixin:
@@ -75,41 +66,44 @@ class TorchCheckpointMixin:
         Args:
             cls: Mapping type used for the payload and its sections.
         """
+        payload = self._payload(cls)
+        payload.update((key, live.state_dict()) for key, live in self._live_objects().items())
+        return payload
+
+    def _payload(self, cls: type = dict) -> Any:
+        """Everything but the live components: runner state, results, loaders, loop position."""
         payload = super().state_dict(cls)
         payload["results"] = cls((str(index), row) for index, row in payload["results"].items())
         keep = {*self.train_splits, self.loop_state.split}
         loaders = cls((split, state) for split, state in payload["dataloaders"].items() if split in keep)
         payload["dataloaders"] = loaders
-        payload.update(self._export_training_state())
-        if self.ema is not None:
-            payload["ema"] = self.unwrap(self.ema).state_dict()
-        if self.scheduler is not None:
-            payload["scheduler"] = self.scheduler.state_dict()
         payload["loop"] = cls(**self.loop_state.state_dict(), update=self.update.state_dict())
         # Per rank, like the loader positions they check.
         payload["fingerprints"] = cls((split, self._fingerprint(split, state)) for split, state in loaders.items())
         payload["backend"] = cls(stack="torch", world_size=self.world_size, checkpoint=self.checkpoint_manager.backend)
         return payload
 
-    def _export_training_state(self) -> dict[str, Any]:
-        from danling.checkpoint.dcp import get_training_state
+    def _live_objects(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """The runner's live components as stateful objects, restored through the `load_*` hooks.
 
-        optimizer = self.optimizer
-        if optimizer is None or optimizer.state:
-            return get_training_state(self.model, optimizer)
-        # DCP initialises empty optimizer state with a zero-lr step, which would advance Adam's step
-        # counter before training; an optimizer that has not stepped yet is exported as is.
-        state = get_training_state(self.model)
-        names = {id(param): name for name, param in self.unwrap(self.model).named_parameters()}
-        groups = [
-            {
-                **{key: value for key, value in group.items() if key != "params"},
-                "params": [names[id(p)] for p in group["params"]],
-            }
-            for group in optimizer.param_groups
-        ]
-        state["optimizer"] = {"state": {}, "param_groups": groups}
-        return state
+        Checkpoint managers take them as they are: a save asks each for its `state_dict()`, and an
+        in-place load (DCP) reads each one's entries straight into its tensors (a sharded
+        parameter receives only its local shard) before the hook gets them. `args`/`kwargs` go to
+        `load_model`.
+        """
+        from danling.checkpoint.training import ModelState, OptimizerState
+
+        objects: dict[str, Any] = {}
+        if self.model is not None:
+            model = ModelState(self.model)
+            objects["model"] = _ThroughHook(model, lambda state: self.load_model(state, *args, **kwargs))
+        if self.optimizer is not None:
+            objects["optimizer"] = _ThroughHook(OptimizerState(self.model, self.optimizer), self.load_optimizer)
+        if self.ema is not None:
+            objects["ema"] = _ThroughHook(ModelState(self.unwrap(self.ema)), self.load_ema)
+        if self.scheduler is not None:
+            objects["scheduler"] = _ThroughHook(self.scheduler, self.load_scheduler)
+        return objects
 
     def _fingerprint(self, split: str, state: Mapping[str, Any]) -> str | None:
         loader = self.dataloaders.get(split)
@@ -121,10 +115,11 @@ class TorchCheckpointMixin:
             return None
 
     def _checkpoint_payload(self, *, last_step: bool) -> Mapping[str, Any]:
-        """The final save is a model-only export when `checkpoint.last_save_model_only` is set."""
+        """The live components and the runner state; a model-only export for the final save when
+        `checkpoint.last_save_model_only` is set."""
         checkpoint = self.config.checkpoint
         if not (last_step and checkpoint.last_save_model_only):
-            return self.state_dict()
+            return {**self._payload(), **self._live_objects()}
         dtype = _EXPORT_DTYPES.get(checkpoint.export_dtype) if checkpoint.export_dtype else None
 
         def export(state: Mapping[str, Any]) -> dict[str, Any]:
@@ -242,20 +237,76 @@ class TorchCheckpointMixin:
             "'dataloaders' to checkpoint.exclude_from_loading to restart the pass deliberately"
         )
 
+    # ------------------------------------------------------------------ in-place restore (DCP)
+    def _in_place_components(self, checkpoint: CheckpointSource, excluded: set[str]) -> tuple[str, ...]:
+        """Model, optimizer, EMA and scheduler of a DCP checkpoint load straight into the live objects."""
+        if not _is_path(checkpoint) or detect_format(self.checkpoint_manager.resolve(checkpoint)) != "dcp":
+            return ()
+        return tuple(key for key in self._live_objects() if key not in excluded)
+
+    def _dcp_reader(self, directory: Path, exclude: Any) -> Any:
+        from danling.checkpoint.dcp import TorchDistributedCheckpointManager
+
+        options = self._reader_options("dcp")
+        logger = self.checkpoint_manager.logger
+        return TorchDistributedCheckpointManager(
+            directory, load_only=True, exclude_from_loading=exclude, logger=logger, **options
+        )
+
+    def _read_for_restore(self, checkpoint: CheckpointSource, in_place: tuple[str, ...], map_location: Any) -> Any:
+        if not in_place:
+            return super()._read_for_restore(checkpoint, in_place, map_location)
+        path = self.checkpoint_manager.resolve(checkpoint)
+        exclude = [*self.checkpoint_manager.exclude_from_loading, *in_place]
+        return self._dcp_reader(path.parent, exclude).load(path, map_location=map_location)
+
+    def _restore_in_place(
+        self, checkpoint: CheckpointSource, keys: tuple[str, ...], map_location: Any, *args: Any, **kwargs: Any
+    ) -> None:
+        path = self.checkpoint_manager.resolve(checkpoint)
+        objects = {key: live for key, live in self._live_objects(*args, **kwargs).items() if key in keys}
+        reader = self._dcp_reader(path.parent, self.checkpoint_manager.exclude_from_loading)
+        reader.load_into(path, objects, map_location=map_location)
+
     # ------------------------------------------------------------------ reading
     def read_checkpoint(self, checkpoint: CheckpointSource, *args: Any, **kwargs: Any) -> Mapping[str, Any]:
-        """Payload of a mapping, bytes, alias, file-backend path or DCP directory, whatever the current backend."""
-        map_location = kwargs.get("map_location", "cpu")
-        manager = self.checkpoint_manager
+        """Payload of a mapping, bytes, alias or path of any registered format, whatever the current backend.
+
+        The format comes from the checkpoint registry
+        ([`detect_format`][danling.checkpoint.detect_format]); the runner's own manager reads its
+        own format, and a reader of the other format is opened for the rest.
+        """
         if not _is_path(checkpoint):
             return super().read_checkpoint(checkpoint, *args, **kwargs)
+        manager = self.checkpoint_manager
         path = manager.resolve(checkpoint)
-        is_dcp = _dcp_directory(path) is not None
-        if is_dcp == (manager.backend == "dcp"):
-            return manager.load(checkpoint, map_location=map_location)
-        if is_dcp:
-            return _read_dcp(path, map_location, manager.exclude_from_loading)
-        reader = FileCheckpointManager(
-            path.parent, load_only=True, exclude_from_loading=manager.exclude_from_loading, logger=manager.logger
-        )
-        return reader.load(path, map_location=map_location)
+        reader = open_checkpoint_reader(path, manager=manager, **self._reader_options(detect_format(path)))
+        return reader.load(path, map_location=kwargs.get("map_location", "cpu"))
+
+    def _reader_options(self, name: str) -> dict[str, Any]:
+        """Options of a reader of format `name`: a DCP reader takes this rank's place in the data domain."""
+        if name != "dcp":
+            return {}
+        return {
+            "rank_local_keys": RANK_LOCAL_KEYS,
+            "optional_rank_local_keys": OPTIONAL_RANK_LOCAL_KEYS,
+            "data_rank": self.topology.rank("data"),
+            "data_size": self.topology.size("data"),
+        }
+
+
+class _ThroughHook:
+    """A live component whose restore goes through the runner's `load_*` hook (overrides apply)."""
+
+    def __init__(self, source: Any, load: Any) -> None:
+        self.source, self.load = source, load
+
+    def state_dict(self) -> Any:
+        return self.source.state_dict()
+
+    def state_dict_to_load(self) -> Any:
+        to_load = getattr(self.source, "state_dict_to_load", None)
+        return to_load() if callable(to_load) else self.source.state_dict()
+
+    def load_state_dict(self, state_dict: Any) -> None:
+        self.load(state_dict)
