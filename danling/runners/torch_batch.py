@@ -15,11 +15,12 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DistributedSampler
 
 from danling.data import split_batch
-from danling.distributed import all_gather_strided, is_distributed
+from danling.distributed import all_gather_strided, all_reduce_mean, is_distributed
 from danling.utils import to_device
 
 from .loop import RunnerMode
@@ -170,3 +171,29 @@ class TorchBatchMixin:
         if loss is None and required:
             raise ValueError(f"criterion {self.criterion!r} returned None; train_step needs a loss tensor")
         return loss
+
+    # ------------------------------------------------------------------ collectives
+    def all_reduce(self, tensor: torch.Tensor, *, op: Any = dist.ReduceOp.SUM, group: Any = None) -> torch.Tensor:
+        """`tensor` reduced with `op` over `group` (default: all ranks); a copy, or the input itself alone."""
+        if not is_distributed(group):
+            return tensor
+        out = tensor.detach().clone()
+        dist.all_reduce(out, op=op, group=group)
+        return out
+
+    def reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Mean of `tensor` over the metrics domain (all ranks under plain DDP)."""
+        return all_reduce_mean(tensor, group=self.topology.group("metrics"))
+
+    def reduce_loss_for_logging(self, loss: torch.Tensor | None, loss_n: int | None) -> torch.Tensor | None:
+        """Detached loss averaged over ranks, weighted by each rank's `loss_n` samples when given."""
+        if loss is None:
+            return None
+        loss = loss.detach()
+        if not is_distributed():
+            return loss
+        if loss_n is None:
+            return self.reduce(loss)
+        weighted = self.all_reduce(loss.float() * loss_n)
+        total = self.all_reduce(torch.tensor(float(loss_n), device=loss.device))
+        return weighted / total

@@ -8,10 +8,9 @@ backend-free [`BaseRunner`][danling.runners.base_runner.BaseRunner].
 
 from __future__ import annotations
 
-import math
 import os
 import random
-from collections.abc import Callable, Iterator, Mapping, Sized
+from collections.abc import Callable, Iterator, Mapping
 from datetime import timedelta
 from functools import cached_property
 from typing import Any
@@ -19,11 +18,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.data import IterableDataset
 
-from danling.data import ResumableSampler, build_dataloader, resolve_loader_options
 from danling.distributed import (
-    all_reduce_mean,
     broadcast_object,
     init_process_group_from_env,
     is_distributed,
@@ -38,13 +34,14 @@ from .checkpointing.api import OPTIONAL_RANK_LOCAL_KEYS, RANK_LOCAL_KEYS
 from .runner import register_runner
 from .services import Compiler
 from .torch_batch import TorchBatchMixin
+from .torch_data import TorchDataMixin
 from .update import EMA, GradientAccumulator, OptimizerContainer, Precision, TorchUpdateStrategy, gradient_sync_for
 from .update.scheduling import advance_round_scheduler
 
 __all__ = ["TorchRunner"]
 
 
-class TorchRunner(TorchCheckpointMixin, TorchBatchMixin, BaseRunner):
+class TorchRunner(TorchCheckpointMixin, TorchBatchMixin, TorchDataMixin, BaseRunner):
     """PyTorch runner for training, evaluation and inference, in one process or under DDP.
 
     Subclass it and, in `__init__` after `super().__init__(config)`, bind `self.model` (required),
@@ -167,7 +164,7 @@ class TorchRunner(TorchCheckpointMixin, TorchBatchMixin, BaseRunner):
         timeout = self.config.comm.init_timeout_seconds
         self._owns_process_group = init_process_group_from_env(timeout=timeout, allow_existing=True)
         if is_distributed():
-            self.timestamp = broadcast_object(self.timestamp)
+            self.timestamp = broadcast_object(self.timestamp, group=None)  # the world: no topology yet
         self.elastic_state.restart_count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
 
     def init_checkpoint_manager(self) -> None:
@@ -209,7 +206,7 @@ class TorchRunner(TorchCheckpointMixin, TorchBatchMixin, BaseRunner):
         shuffle the data alike (their own offset `bias` still differs).
         """
         if seed is None and self.config.get("seed") is None and is_distributed():
-            self.config.seed = broadcast_object(random.SystemRandom().randrange(2**31))
+            self.config.seed = broadcast_object(random.SystemRandom().randrange(2**31), group=None)
             self._seed_was_drawn = True
         seed = super().set_seed(seed, bias)
         torch.manual_seed(seed)
@@ -259,7 +256,7 @@ class TorchRunner(TorchCheckpointMixin, TorchBatchMixin, BaseRunner):
             self.ema = self.ema.to(self.device)
             if is_distributed():
                 for tensor in self.ema.state_dict().values():
-                    dist.broadcast(tensor, src=0)
+                    dist.broadcast(tensor, group=self.topology.group("data"), group_src=0)
 
     def iter_optimizer_named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         """`(name, parameter)` of every trainable parameter, named as in the unwrapped model."""
@@ -317,23 +314,6 @@ class TorchRunner(TorchCheckpointMixin, TorchBatchMixin, BaseRunner):
                 merged.update({key: value for key, value in plain.items() if value is not None})
         return merged
 
-    def _total_steps(self) -> int | None:
-        """The optimizer-step budget, estimated from the datasets when the loaders are not built yet."""
-        steps = self.steps
-        if steps is not None or self.epochs is None:
-            return steps
-        per_epoch = 0
-        for split in self.train_splits:
-            dataset = self.datasets.get(split)
-            if not isinstance(dataset, Sized) or isinstance(dataset, IterableDataset):
-                return None
-            options = resolve_loader_options(self._loader_config(), split, is_train=True)
-            samples = len(self.build_datasampler(dataset, split=split, shuffle=False))
-            size = options.get("batch_size", 1)
-            batches = samples // size if options["drop_last"] else math.ceil(samples / size)
-            per_epoch += math.ceil(batches / self.accum_steps)
-        return self.epochs * per_epoch or None
-
     # ------------------------------------------------------------------ updates
     def build_update_strategy(self) -> TorchUpdateStrategy:
         """The [`TorchUpdateStrategy`][danling.runners.update.strategy.TorchUpdateStrategy] of this run.
@@ -352,6 +332,7 @@ class TorchRunner(TorchCheckpointMixin, TorchBatchMixin, BaseRunner):
             max_grad_norm=self.max_grad_norm,
             max_grad_value=self.max_grad_value,
             skip_nonfinite_grad=self.skip_nonfinite_grad,
+            skip_group=self.topology.group("world"),
         )
 
     @property
@@ -413,93 +394,6 @@ class TorchRunner(TorchCheckpointMixin, TorchBatchMixin, BaseRunner):
             monitor=self.scheduler_monitor,
             score_name=self.score_name,
             splits=[configured] if configured else ["val", "validate", "validation", *self.evaluate_splits],
-        )
-
-    # ------------------------------------------------------------------ collectives
-    def all_reduce(self, tensor: torch.Tensor, *, op: Any = dist.ReduceOp.SUM) -> torch.Tensor:
-        """`tensor` reduced with `op` over all ranks (a copy; the input itself when there is one rank)."""
-        if not is_distributed():
-            return tensor
-        out = tensor.detach().clone()
-        dist.all_reduce(out, op=op)
-        return out
-
-    def reduce(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Mean of `tensor` over the metrics domain (all ranks under plain DDP)."""
-        return all_reduce_mean(tensor, group=self.topology.group("metrics"))
-
-    def reduce_loss_for_logging(self, loss: torch.Tensor | None, loss_n: int | None) -> torch.Tensor | None:
-        """Detached loss averaged over ranks, weighted by each rank's `loss_n` samples when given."""
-        if loss is None:
-            return None
-        loss = loss.detach()
-        if not is_distributed():
-            return loss
-        if loss_n is None:
-            return self.reduce(loss)
-        weighted = self.all_reduce(loss.float() * loss_n)
-        total = self.all_reduce(torch.tensor(float(loss_n), device=loss.device))
-        return weighted / total
-
-    # ------------------------------------------------------------------ data
-    def _loader_config(self) -> dict[str, Any]:
-        return self.config.dataloader.dict()
-
-    @property
-    def _data_seed(self) -> int:
-        return int(self.config.get("seed") or 0)
-
-    def build_dataloaders(self) -> None:
-        """Wrap every dataset in `self.datasets` without a dataloader yet in a resumable `StatefulDataLoader`.
-
-        Called by `__post_init__` when datasets are bound. Options come from `config.dataloader`
-        with `config.dataloader.<split>` overrides; train splits shuffle and drop the last partial
-        batch unless configured otherwise. Samplers come from `build_datasampler` and batches are
-        collated with `self.collate_fn`. Loaders already in `self.dataloaders` are left alone.
-        """
-        config = self._loader_config()
-        train_splits = set(self.train_splits)
-        for split, dataset in self.datasets.items():
-            if split in self.dataloaders:
-                continue
-            is_train = split in train_splits
-            sampler = None
-            if not isinstance(dataset, IterableDataset):
-                shuffle = resolve_loader_options(config, split, is_train=is_train)["shuffle"]
-                sampler = self.build_datasampler(dataset, split=split, shuffle=shuffle)
-            self.dataloaders[split] = build_dataloader(
-                dataset,
-                split=split,
-                config=config,
-                distributed=self.topology.size("data") > 1,
-                rank=self.topology.rank("data"),
-                world_size=self.topology.size("data"),
-                seed=self._data_seed,
-                is_train=is_train,
-                collate_fn=self.collate_fn,
-                sampler=sampler,
-            )
-
-    def build_datasampler(self, dataset: Any, *, split: str, shuffle: bool) -> Any:
-        """The index sampler of one split: a [`ResumableSampler`][danling.data.ResumableSampler].
-
-        It is a `DistributedSampler` sharding over all ranks when distributed, and a local
-        random or sequential sampler otherwise; its order depends only on `(seed, epoch)` and its
-        position is saved with the loader, so a resumed run continues mid-epoch.
-        """
-        is_train = split in self.train_splits
-        options = resolve_loader_options(self._loader_config(), split, is_train=is_train)
-        generator = torch.Generator()
-        generator.manual_seed(self._data_seed)
-        topology = self.topology  # the data domain: ranks that read the same batch share a shard
-        return ResumableSampler(
-            dataset,
-            num_replicas=topology.size("data"),
-            rank=topology.rank("data"),
-            shuffle=shuffle,
-            seed=self._data_seed,
-            drop_last=bool(options["drop_last"]),
-            generator=generator,
         )
 
     # ------------------------------------------------------------------ misc

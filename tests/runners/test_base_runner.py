@@ -10,7 +10,8 @@ import signal
 
 import pytest
 
-from danling.runners import BaseRunner, RunnerConfig, RunnerMode, Tracker, base_runner
+from danling.runners import BaseRunner, RunnerConfig, RunnerMode, Tracker
+from danling.runners.services import observability
 from danling.utils import RoundDict
 from tests.dist import run_distributed
 from tests.runners._toy import TRAIN, VAL, ToyRunner, toy_config
@@ -172,7 +173,7 @@ def test_wandb_tracker_gets_run_identity(make_runner, monkeypatch):
         def __init__(self, **options):
             created.append(options)
 
-    monkeypatch.setattr(base_runner, "WandbTracker", FakeWandb)
+    monkeypatch.setattr(observability, "WandbTracker", FakeWandb)
     runner = make_runner(**{"wandb.enabled": True, "wandb.tags": "smoke", "wandb.mode": "offline"})
     (options,) = created
     assert options["project"] == runner.workspace.lineage and options["name"] == runner.id

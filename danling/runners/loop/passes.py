@@ -199,7 +199,7 @@ class PassMixin(StepHooks):
         self._stop_polls += 1
         if self._stop_polls % _STOP_POLL_EVERY:
             return False
-        return bool(all_reduce_any(torch.tensor(local)))
+        return bool(all_reduce_any(torch.tensor(local), group=self.topology.group("world")))
 
     def prepare_for_shutdown_checkpoint(self) -> None:
         """Bring the state to a consistent point before the shutdown checkpoint is written.

@@ -2,6 +2,7 @@
 heartbeats, trackers, result bookkeeping and `torch.compile` settings."""
 
 from .compiler import Compiler
+from .observability import ObservabilityMixin
 from .progress_bar import ProgressBar
 from .results import ResultsMixin
 from .supervisor import RunnerSupervisor
@@ -10,6 +11,7 @@ from .workspace import RunnerWorkspace
 
 __all__ = [
     "Compiler",
+    "ObservabilityMixin",
     "ProgressBar",
     "ResultsMixin",
     "RunnerSupervisor",

@@ -62,12 +62,13 @@ def clip_gradients(
     return torch.nn.utils.clip_grad_norm_(parameters, max_grad_norm)
 
 
-def has_nonfinite_gradients(parameters: Iterable[torch.Tensor], *, distributed: bool = True) -> bool:
+def has_nonfinite_gradients(parameters: Iterable[torch.Tensor], *, distributed: bool = True, group: Any = None) -> bool:
     """Whether any gradient holds ``inf``/``nan``, agreed across ranks.
 
-    With `distributed` (the default) and an active multi-rank group the local flag is all-reduced,
-    so every rank gets the same answer and takes the same branch; the call is then collective and
-    every rank must make it. The answer is read on the host: one synchronisation per call.
+    With `distributed` (the default) and an active multi-rank `group` (``None``: the default
+    group) the local flag is all-reduced, so every rank gets the same answer and takes the same
+    branch; the call is then collective and every rank must make it. The answer is read on the
+    host: one synchronisation per call.
 
     Examples:
         >>> w = torch.zeros(2, requires_grad=True); w.grad = torch.tensor([1.0, float("nan")])
@@ -81,7 +82,7 @@ def has_nonfinite_gradients(parameters: Iterable[torch.Tensor], *, distributed: 
         norms = torch._foreach_norm(grads, float("inf"))
         flag = ~torch.stack([n.to(grads[0].device, torch.float32) for n in norms]).isfinite().all()
     if distributed:
-        flag = all_reduce_any(flag)
+        flag = all_reduce_any(flag, group=group)
     return bool(flag)
 
 
@@ -106,6 +107,7 @@ class OptimizerContainer:
         skip_nonfinite_grad: Skip updates whose gradients contain ``inf``/``nan``.
         scheduler_interval: ``"step"`` to advance the scheduler here; any other value leaves it to
             the caller (e.g. once per epoch).
+        skip_group: Process group whose ranks agree on a non-finite skip (``None``: every rank).
 
     Examples:
         >>> model = torch.nn.Linear(2, 1)
@@ -128,6 +130,7 @@ class OptimizerContainer:
         max_grad_value: float | None = None,
         skip_nonfinite_grad: bool = False,
         scheduler_interval: str = "step",
+        skip_group: Any = None,
     ) -> None:
         for name, value in (("max_grad_norm", max_grad_norm), ("max_grad_value", max_grad_value)):
             if value is not None and value <= 0:
@@ -139,6 +142,7 @@ class OptimizerContainer:
         self.max_grad_value = max_grad_value
         self.skip_nonfinite_grad = skip_nonfinite_grad
         self.scheduler_interval = scheduler_interval
+        self.skip_group = skip_group  # ranks that agree on skipping (None: all of them)
         self.skipped_steps = 0
         self.last_grad_norm: torch.Tensor | None = None
 
@@ -164,7 +168,8 @@ class OptimizerContainer:
             scaler.unscale_(self.optimizer)
         if grad_multiplier is not None:
             scale_gradients(self.parameters(), grad_multiplier)
-        if (self.skip_nonfinite_grad or scaler is not None) and has_nonfinite_gradients(self.parameters()):
+        skip_check = self.skip_nonfinite_grad or scaler is not None
+        if skip_check and has_nonfinite_gradients(self.parameters(), group=self.skip_group):
             self.skipped_steps += 1
             if scaler is not None:
                 scaler.update()  # unscale_ recorded the overflow: back off the scale

@@ -125,6 +125,8 @@ class TorchUpdateStrategy(UpdateStrategy):
         gradient_sync: How the (wrapped) model keeps gradients local inside a window; see
             [`gradient_sync_for`][danling.runners.update.gradient_sync.gradient_sync_for].
         group: Process group of the gradient domain (`None`: the default group).
+        skip_group: Ranks that agree on skipping a non-finite update (`None`: every rank, so all
+            of them take the same branch).
         max_grad_norm: Clip the global gradient norm to this value.
         max_grad_value: Clip each gradient element to this magnitude.
         skip_nonfinite_grad: Skip updates whose gradients hold inf/NaN (all ranks agree).
@@ -143,8 +145,10 @@ class TorchUpdateStrategy(UpdateStrategy):
         max_grad_norm: float | None = None,
         max_grad_value: float | None = None,
         skip_nonfinite_grad: bool = False,
+        skip_group: Any = None,
     ) -> None:
         super().__init__(accum_steps)
+        self.skip_group = skip_group
         self.precision = precision if precision is not None else Precision()
         self.gradient_sync = gradient_sync if gradient_sync is not None else GradientSync()
         self.group = group
@@ -169,6 +173,7 @@ class TorchUpdateStrategy(UpdateStrategy):
             max_grad_value=self.max_grad_value,
             skip_nonfinite_grad=self.skip_nonfinite_grad,
             scheduler_interval=interval,
+            skip_group=self.skip_group,
         )
         if previous is not None:
             self.container.skipped_steps = previous.skipped_steps
