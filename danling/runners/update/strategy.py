@@ -158,6 +158,10 @@ class TorchUpdateStrategy(UpdateStrategy):
         self.container: OptimizerContainer | None = None
         self._multiplier: float | None = None  # rescales a window a pass left open
         self._weight: Any = None  # sum of the open window's micro-step weights, when weighted
+        # Settled at construction (window size, wrapper and precision do not change), so the
+        # per-micro-step calls skip what cannot apply.
+        self._sync_free = self.accumulator.accum_steps == 1 or not self.gradient_sync.suppresses
+        self._plain_backward = self.accumulator.accum_steps == 1 and self.precision.scaler is None
 
     def bind(self, optimizer: torch.optim.Optimizer | None, scheduler: Any = None, interval: str = "step") -> None:
         """Step `optimizer` (and `scheduler` when `interval == "step"`) from now on; counters carry over."""
@@ -191,11 +195,10 @@ class TorchUpdateStrategy(UpdateStrategy):
         DDP decides during the forward pass whether the following backward reduces, so the
         context must be open around the forward; the backward may run after the block.
         """
-        accumulator = self.accumulator
         autocast = self.precision.autocast()
-        if accumulator.accum_steps == 1 or not self.gradient_sync.suppresses:
+        if self._sync_free:
             return autocast
-        sync = self.gradient_sync.context(accumulator.is_boundary)
+        sync = self.gradient_sync.context(self.accumulator.is_boundary)
         if type(sync) is nullcontext:
             return autocast
         return sync if type(autocast) is nullcontext else _entered_together(sync, autocast)
@@ -206,6 +209,9 @@ class TorchUpdateStrategy(UpdateStrategy):
         Raises:
             ValueError: a window mixes weighted and unweighted micro-steps.
         """
+        if weight is None and self._plain_backward and self._weight is None:
+            loss.backward()  # nothing to divide or scale
+            return
         scaler = self.precision.scaler
         if weight is not None:
             if self._weight is None and self.accumulator.pending:
@@ -214,9 +220,6 @@ class TorchUpdateStrategy(UpdateStrategy):
             loss = loss * weight
         elif self._weight is not None:
             raise ValueError("a window mixes weighted and unweighted micro-steps; pass weight= to every backward")
-        elif self.accumulator.accum_steps == 1 and scaler is None:
-            loss.backward()  # nothing to divide or scale
-            return
         else:
             loss = self.accumulator.normalize(loss)
         (loss if scaler is None else scaler.scale(loss)).backward()
