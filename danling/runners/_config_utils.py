@@ -61,12 +61,12 @@ _CHOICES: dict[str, tuple] = {
 _EXCLUDE_ALIASES = {"data_loader": "dataloaders", "dataloader": "dataloaders", "lr_scheduler": "scheduler"}
 
 
-def peek(mapping: Any, dotted: str) -> Any:
-    """Value at a dotted path, or None when absent; never creates keys through default factories."""
+def peek(mapping: Any, dotted: str, default: Any = None) -> Any:
+    """Value at a dotted path, or `default` when absent; never creates keys through default factories."""
     node = mapping
     for part in dotted.split("."):
         if not isinstance(node, Mapping) or part not in node:
-            return None
+            return default
         node = node[part]
     return node
 
@@ -208,15 +208,6 @@ def _unknown(dotted: str, section: str, accepted: set[str]) -> str:
 _MISSING = object()
 
 
-def _lookup(mapping: Any, dotted: str) -> Any:
-    node = mapping
-    for part in dotted.split("."):
-        if not isinstance(node, Mapping) or part not in node:
-            return _MISSING
-        node = node[part]
-    return node
-
-
 def feature_keys(features: Mapping[str, Iterable[str]], declared: Iterable[str]) -> dict[str, str]:
     """Map each gated key to its feature; `section.*` patterns expand to the declared keys below `section`."""
     declared = list(declared)
@@ -235,7 +226,7 @@ def feature_requests(config: Mapping, owners: Mapping[str, str], defaults: Mappi
     """`(feature, key, value, default)` for each gated key of `config` that holds a non-default value."""
     requests = []
     for key, feature in owners.items():
-        value = _lookup(config, key)
+        value = peek(config, key, _MISSING)
         if value is not _MISSING and value != defaults.get(key):
             requests.append((feature, key, value, defaults.get(key)))
     return requests
