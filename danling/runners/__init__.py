@@ -12,6 +12,12 @@
   [`GradientAccumulator`][danling.runners.update.accumulation.GradientAccumulator],
   [`OptimizerContainer`][danling.runners.update.optimizer.OptimizerContainer],
   [`EMA`][danling.runners.update.ema.EMA]: the pieces of the torch training step, usable alone.
+- [`UpdateStrategy`][danling.runners.update.strategy.UpdateStrategy] /
+  [`TorchUpdateStrategy`][danling.runners.update.strategy.TorchUpdateStrategy]: the component that
+  turns losses into updates (`runner.update`, built by `build_update_strategy()`).
+- [`Events`][danling.runners.loop.events.Events], [`EventBus`][danling.runners.loop.events.EventBus]
+  and [`on`][danling.runners.loop.events.on]: what the loops announce (`runner.events`), and
+  [`LoopState`][danling.runners.loop.position.LoopState]: where they stand.
 - [`RunnerState`][danling.runners.state.RunnerState],
   [`RunnerWorkspace`][danling.runners.services.workspace.RunnerWorkspace],
   [`RunnerSupervisor`][danling.runners.services.supervisor.RunnerSupervisor] and the trackers: the services a runner
@@ -20,7 +26,7 @@
 
 from .base_runner import BaseRunner, MetaRunner
 from .config import RunnerConfig
-from .loop import RunnerMode
+from .loop import EventBus, Events, LoopState, RunnerMode, on
 from .runner import RUNNERS, Runner, register_runner, resolve_runner
 from .services import (
     RunnerSupervisor,
@@ -33,7 +39,7 @@ from .services import (
 )
 from .state import RunnerElasticState, RunnerRNGState, RunnerState, RunnerTrainState
 from .torch_runner import TorchRunner
-from .update import EMA, GradientAccumulator, OptimizerContainer, Precision
+from .update import EMA, GradientAccumulator, OptimizerContainer, Precision, TorchUpdateStrategy, UpdateStrategy
 
 __all__ = [
     "BaseRunner",
@@ -48,6 +54,12 @@ __all__ = [
     "register_runner",
     "resolve_runner",
     "RunnerMode",
+    "EventBus",
+    "Events",
+    "on",
+    "LoopState",
+    "UpdateStrategy",
+    "TorchUpdateStrategy",
     "RunnerConfig",
     "RunnerState",
     "RunnerTrainState",
