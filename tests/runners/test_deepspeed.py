@@ -20,7 +20,7 @@ from tests.dist import run_distributed
 from tests.runners._torch_toy import make_data, make_model
 
 pytest.importorskip("deepspeed")
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]  # a fresh machine compiles the comm op
 
 ROOT = Path(__file__).resolve().parents[2]
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -103,3 +103,57 @@ def test_zero_stages_match_ddp_and_accumulation_matches_one_big_batch(tmp_path):
 def test_import_danling_does_not_import_deepspeed():
     code = "import sys, danling, danling.runners; assert 'deepspeed' not in sys.modules, 'deepspeed imported'"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+def _checkpoint_scenarios(rank, world_size, root):
+    from danling.checkpoint import detect_format
+
+    out = {}
+    for stage in (2, 3):
+        with Regression(_config(root, f"full{stage}", stage=stage)) as runner:
+            runner.train()
+            manager = runner.checkpoint_manager
+            first = manager.directory / "epoch-000000"
+            final, aliases = _weights(runner), sorted(manager.aliases())
+            latest = manager.latest.name
+            fmt = detect_format(manager.directory / "latest.pointer")
+        resumed_config = _config(root, f"resumed{stage}", stage=stage, resume=str(first))
+        with Regression(resumed_config) as runner:
+            restored_step = runner.train_state.global_step
+            runner.train()
+            out[stage] = {
+                "aliases": aliases,
+                "latest": latest,
+                "format": fmt,
+                "restored_step": restored_step,
+                "resumed_losses": runner.losses,
+                "equal": all(torch.equal(final[key], value) for key, value in _weights(runner).items()),
+            }
+    # The consolidated export loads into a plain module; then a torn newest tag makes
+    # auto_resume fall back to the previous good one.
+    with Regression(_config(root, "full2", stage=2, auto_resume=True)) as runner:
+        export = runner.export_consolidated("latest", os.path.join(root, "export.pt"))
+        plain = make_model(0.0)
+        plain.load_state_dict(torch.load(export))
+        out["export_equal"] = all(torch.equal(v, _weights(runner)[k]) for k, v in plain.state_dict().items())
+        if rank == 0:
+            torn = runner.checkpoint_manager.directory / "epoch-000001" / "mp_rank_00_model_states.pt"
+            torn.write_bytes(torn.read_bytes()[:100])
+        torch.distributed.barrier()
+    with Regression(_config(root, "full2", stage=2, auto_resume=True)) as runner:
+        out["auto_step"] = runner.train_state.global_step
+    return out
+
+
+def test_checkpoints_resume_exactly_and_publish_aliases(tmp_path):
+    ranks = run_distributed(_checkpoint_scenarios, str(tmp_path), world_size=2, timeout=600)
+    for out in ranks:
+        for stage in (2, 3):
+            result = out[stage]
+            assert result["format"] == "deepspeed"
+            assert result["latest"] == "epoch-000001" and "best" in result["aliases"]
+            assert result["restored_step"] == 2  # epoch 0 done: 2 updates
+            assert len(result["resumed_losses"]) == 2  # only the second epoch ran again
+            assert result["equal"], f"stage {stage}: resumed weights differ from the uninterrupted run"
+        assert out["export_equal"]
+        assert out["auto_step"] == 2  # epoch-000001 is torn: resumed from epoch-000000
