@@ -11,7 +11,8 @@ $(STAMP): pyproject.toml requirements/ci.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -r requirements/ci.txt
-	$(PY) -m pip install --quiet -c requirements/ci.txt -e ".[test,docs,bench]"
+	# DS_BUILD_OPS=0: DeepSpeed installs as pure Python; its tests compile only the CPU comm op.
+	DS_BUILD_OPS=0 $(PY) -m pip install --quiet -c requirements/ci.txt -e ".[test,docs,bench]"
 	touch $(STAMP)
 
 demo: $(STAMP)

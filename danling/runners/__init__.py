@@ -6,6 +6,8 @@
   checkpoint API and loops.
 - [`TorchRunner`][danling.runners.torch_runner.TorchRunner]: the PyTorch backend (single process or
   DDP), registered for the stacks `auto`, `torch` and `ddp`.
+- [`DeepSpeedRunner`][danling.runners.deepspeed_runner.DeepSpeedRunner]: DeepSpeed ZeRO owning backward and
+  step, registered for the stacks `deepspeed` and `ds` (DeepSpeed is imported only when it builds).
 - [`Runner`][danling.runners.runner.Runner]: builds the backend runner named by `config.stack`
   (backends join through [`register_runner`][danling.runners.runner.register_runner]).
 - [`Precision`][danling.runners.update.precision.Precision],
@@ -26,6 +28,7 @@
 
 from .base_runner import BaseRunner, MetaRunner
 from .config import RunnerConfig
+from .deepspeed_runner import DeepSpeedRunner
 from .loop import EventBus, Events, LoopState, RunnerMode, on
 from .runner import RUNNERS, Runner, register_runner, resolve_runner
 from .services import (
@@ -45,6 +48,7 @@ __all__ = [
     "BaseRunner",
     "MetaRunner",
     "TorchRunner",
+    "DeepSpeedRunner",
     "Precision",
     "GradientAccumulator",
     "OptimizerContainer",

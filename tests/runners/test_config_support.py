@@ -19,7 +19,7 @@ from tests.runners._torch_toy import TinyRunner, tiny_config
 from tests.runners._toy import ToyRunner, toy_config
 
 ROOT = Path(__file__).resolve().parents[2]
-UNBUILT_STACKS = ("deepspeed", "ds", "parallel", "graph")
+UNBUILT_STACKS = ("parallel", "graph")
 
 
 def declared_keys() -> dict[str, Any]:
@@ -180,7 +180,8 @@ def test_torch_runner_subclass_refuses_an_unbuilt_stack_before_any_side_effect(t
     with pytest.raises(ValueError, match=rf"config\.stack='{stack}' is not available with TinyRunner"):
         TinyRunner(tiny_config(tmp_path, stack=stack))
     with pytest.raises(
-        ValueError, match=rf"'{stack}' is not available yet .*registered stacks: \['auto', 'ddp', 'torch'\]"
+        ValueError,
+        match=rf"'{stack}' is not available yet .*registered stacks: \['auto', 'ddp', 'deepspeed', 'ds', 'torch'\]",
     ):
         Runner(tiny_config(tmp_path, stack=stack))
     assert list(tmp_path.iterdir()) == []  # no run directory, log or checkpoint was created

@@ -1,0 +1,128 @@
+"""Checkpoints in DeepSpeed's tagged layout, with danling's manifest, aliases, retention and recovery.
+
+A DeepSpeed save is collective: every rank enters `engine.save_checkpoint(directory, tag)`, which
+writes the module states (`mp_rank_00_model_states.pt`) and each rank's ZeRO optimizer partition
+(`zero_pp_rank_<r>_mp_rank_00_optim_states.pt`, or `*_model_states.pt` under ZeRO-3) into
+`<directory>/<tag>/`. [`DeepSpeedCheckpointManager`][danling.checkpoint.deepspeed.DeepSpeedCheckpointManager]
+lets the engine write into danling's temporary directory, adds danling's own state next to it and
+publishes the directory like any other backend:
+
+```text
+<directory>/
+  step-000004/                        the DeepSpeed tag
+    mp_rank_00_model_states.pt        DeepSpeed (module, engine-owned scheduler, client state)
+    zero_pp_rank_0_mp_rank_00_optim_states.pt
+    danling.pt                        runner state, results, loop position, EMA, runner-owned scheduler
+    danling-rank0.pt                  per-rank entries (RNG, loader positions), one file per data rank
+    manifest.json                     size + SHA-256 of every file above
+  latest.pointer                      written only after the tag is complete
+```
+
+The collective choreography (rank 0 picks the directory, everyone writes, rank 0 hashes, renames
+into place, moves the pointers and prunes, then reports the outcome to the others) is the one of
+[`TorchDistributedCheckpointManager`][danling.checkpoint.dcp.TorchDistributedCheckpointManager]; only
+the payload I/O differs. A torn tag fails verification, so `latest_valid` (and `auto_resume`)
+falls back to the previous good one. The engine state itself is restored by the runner with
+`engine.load_checkpoint`; `load` returns danling's part of the payload.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .base import CheckpointManager
+from .dcp import TorchDistributedCheckpointManager
+from .file import _torch_load
+from .manifest import CheckpointError
+
+__all__ = ["DeepSpeedCheckpointManager", "is_deepspeed_checkpoint"]
+
+GLOBAL_FILE = "danling.pt"
+CLIENT_STEP_KEY = "danling_global_step"
+
+
+def _rank_file(data_rank: int) -> str:
+    return f"danling-rank{data_rank}.pt"
+
+
+def is_deepspeed_checkpoint(path: Path) -> bool:
+    """Whether `path` (a directory, or a file inside one) is a DeepSpeed tag directory."""
+    directory = path if path.is_dir() else path.parent
+    return (directory / "mp_rank_00_model_states.pt").is_file() or any(directory.glob("zero_pp_rank_*"))
+
+
+class DeepSpeedCheckpointManager(TorchDistributedCheckpointManager):
+    """Collective checkpoints in DeepSpeed's tag layout.
+
+    Call [`bind`][danling.checkpoint.deepspeed.DeepSpeedCheckpointManager.bind] with the engine
+    before saving.
+
+    `save` is collective (every rank, same name and aliases). The state's top-level keys listed in
+    `rank_local_keys` are stored once per data rank; the rest is written by rank 0. Asynchronous
+    saves are not supported (the engine writes synchronously).
+
+    Args:
+        directory: Where tags, manifests and pointers live (shared by all ranks).
+        **kwargs: Options of
+            [`TorchDistributedCheckpointManager`][danling.checkpoint.dcp.TorchDistributedCheckpointManager].
+    """
+
+    backend = "deepspeed"
+
+    def __init__(self, directory: str | os.PathLike, **kwargs: Any) -> None:
+        kwargs["async_save"] = False
+        super().__init__(directory, **kwargs)
+        self.engine: Any = None
+
+    def bind(self, engine: Any) -> None:
+        """Save through `engine` (a `DeepSpeedEngine`) from now on."""
+        self.engine = engine
+
+    # saving ----------------------------------------------------------------------------------
+
+    def _save(self, state: Mapping[str, Any], directory: Path) -> None:
+        engine = self.engine
+        if engine is None:
+            raise CheckpointError("DeepSpeedCheckpointManager has no engine to save: call bind(engine) first")
+        step = (state.get("state") or {}).get("train", {}).get("global_step")
+        engine.save_checkpoint(
+            str(directory.parent), tag=directory.name, client_state={CLIENT_STEP_KEY: step}, save_latest=False
+        )
+        local = {key: value for key, value in state.items() if key in self.rank_local_keys}
+        _save_file(local, directory / _rank_file(self.data_rank))
+        if self.is_main_process:
+            shared = {key: value for key, value in state.items() if key not in self.rank_local_keys}
+            _save_file(shared, directory / GLOBAL_FILE)
+        if self.distributed:  # every rank's file exists before rank 0 hashes the directory
+            torch.distributed.barrier(group=self.process_group)
+
+    # loading ---------------------------------------------------------------------------------
+
+    load_into = CheckpointManager.load_into
+
+    def _read_payload(self, directory: Path, manifest: Mapping[str, Any], map_location: Any) -> dict[str, Any]:
+        if GLOBAL_FILE not in manifest.get("files", {}):
+            raise CheckpointError(f"checkpoint {directory} has no {GLOBAL_FILE}: it was not written by danling")
+        payload = _torch_load(directory / GLOBAL_FILE, map_location, directory / GLOBAL_FILE)
+        ranks = sorted(directory.glob("danling-rank*.pt"))
+        mine = directory / _rank_file(self.data_rank)
+        if mine.is_file() and len(ranks) == self.data_size:
+            payload.update(_torch_load(mine, map_location, mine))
+        return payload
+
+    def _read_file(self, path: Path, map_location: Any) -> dict[str, Any]:
+        if path.parent.is_dir() and (path.parent / GLOBAL_FILE).is_file():
+            return self._read_payload(path.parent, {"files": {GLOBAL_FILE: {}}}, map_location)
+        return _torch_load(path, map_location, path)
+
+
+def _save_file(obj: Any, path: Path) -> None:
+    with open(path, "wb") as handle:
+        torch.save(obj, handle)
+        handle.flush()
+        os.fsync(handle.fileno())

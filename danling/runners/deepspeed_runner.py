@@ -1,0 +1,354 @@
+"""`DeepSpeedRunner`: DeepSpeed ZeRO owns backward, reduction and the optimizer step; danling owns the loop.
+
+Registered for the stacks `deepspeed` and `ds`, so `Runner(config)` with `stack: deepspeed` picks it
+and a user's script does not change. It is a thin [`TorchRunner`][danling.runners.TorchRunner]:
+
+- `materialize_model` moves and compiles the model (no DDP: the engine wraps it);
+- `build_update_strategy` creates the engine with `deepspeed.initialize` from the user's model,
+  optimizer and, for a step-interval scheduler, scheduler, and returns a
+  [`DeepSpeedUpdateStrategy`][danling.runners.update.deepspeed.DeepSpeedUpdateStrategy];
+- checkpoints go through a [`DeepSpeedCheckpointManager`][danling.checkpoint.deepspeed.DeepSpeedCheckpointManager]
+  (`engine.save_checkpoint` into a tag directory plus danling's state, pointers after success)
+  and are restored with `engine.load_checkpoint`.
+
+`import danling` does not import DeepSpeed: the runner imports it when it builds the engine.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from danling.checkpoint import register_format
+from danling.checkpoint.manifest import CheckpointError
+from danling.data import resolve_loader_options
+from danling.distributed import is_distributed
+from danling.utils.imports import optional_import
+
+from .checkpointing.api import OPTIONAL_RANK_LOCAL_KEYS, RANK_LOCAL_KEYS, CheckpointSource, _describe, _is_path
+from .runner import register_runner
+from .torch_runner import TorchRunner
+from .update import EMA
+from .update.deepspeed import DeepSpeedUpdateStrategy
+from .update.gradient_sync import OwnsAccumulationBoundary
+
+__all__ = ["DeepSpeedRunner"]
+
+_PRECISION_SECTIONS = {"bf16": "bf16", "fp16": "fp16"}
+
+
+class DeepSpeedRunner(TorchRunner):
+    """Runner whose model is a DeepSpeed engine (ZeRO stages 0-3); danling keeps loop, data, metrics and checkpoints.
+
+    The engine runs with `gradient_accumulation_steps: 1`; danling's `accum_steps` decides where a
+    window ends and tells the engine through its boundary flag. Configure DeepSpeed in the
+    `deepspeed` section of the config (any DeepSpeed key; see
+    [`get_deepspeed_config`][danling.runners.deepspeed_runner.DeepSpeedRunner.get_deepspeed_config]).
+
+    Attributes:
+        model: The `DeepSpeedEngine` once the runner is built (the user's module before).
+        deepspeed_config: The effective config passed to `deepspeed.initialize`.
+    """
+
+    deepspeed_config: dict[str, Any] | None = None
+
+    # ------------------------------------------------------------------ process and checkpoints
+    def init_distributed(self) -> None:
+        """Start (or adopt) the default process group; a single process gets a one-rank gloo group,
+        because DeepSpeed always talks through `torch.distributed`."""
+        super().init_distributed()
+        if not (dist.is_available() and dist.is_initialized()):
+            store = dist.HashStore()
+            dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+            self._owns_process_group = True
+
+    @property
+    def checkpoint_backend(self) -> str:
+        """Always `"deepspeed"` (`checkpoint.backend` may be `"auto"` or `"deepspeed"`).
+
+        Raises:
+            ValueError: `checkpoint.backend` names another backend.
+        """
+        backend = self.config.checkpoint.backend or "auto"
+        if backend not in ("auto", "deepspeed"):
+            raise ValueError(
+                f"checkpoint.backend={backend!r} is not supported by DeepSpeedRunner; use 'auto' or 'deepspeed'"
+            )
+        return "deepspeed"
+
+    def init_checkpoint_manager(self) -> None:
+        """Bind a [`DeepSpeedCheckpointManager`][danling.checkpoint.deepspeed.DeepSpeedCheckpointManager]."""
+        self.checkpoint_backend  # noqa: B018 - validates checkpoint.backend
+        from danling.checkpoint.deepspeed import DeepSpeedCheckpointManager
+
+        options = self._checkpoint_options()
+        options.pop("async_save", None)
+        manager = DeepSpeedCheckpointManager(
+            self.workspace.checkpoint_dir,
+            rank_local_keys=RANK_LOCAL_KEYS,
+            optional_rank_local_keys=OPTIONAL_RANK_LOCAL_KEYS,
+            data_rank=self.topology.rank("data"),
+            data_size=self.topology.size("data"),
+            **options,
+        )
+        self.set_checkpoint_manager(manager)
+
+    # ------------------------------------------------------------------ components
+    def materialize_model(self) -> None:
+        """Move the model to `device`, compile it and create the EMA copy; the engine wraps it later.
+
+        Raises:
+            ValueError: `self.model` is not set.
+            TypeError: `self.model` is not an `nn.Module`.
+        """
+        if self.model is None:
+            raise ValueError(f"{type(self).__name__} needs self.model: assign an nn.Module in __init__")
+        if not isinstance(self.model, nn.Module):
+            raise TypeError(f"self.model must be a torch.nn.Module, got {type(self.model).__name__}")
+        self.model = self.compiler.compile(self.model.to(self.device), distributed=self.distributed)
+        if self.ema is None and self.config.ema.enabled:
+            self.ema = EMA(self.model, decay=self.config.ema.decay)
+        elif isinstance(self.ema, nn.Module):
+            self.ema = self.ema.to(self.device)
+
+    def get_deepspeed_config(self) -> dict[str, Any]:
+        """The effective DeepSpeed config: `config.deepspeed` plus what danling owns.
+
+        `gradient_accumulation_steps` is forced to 1 (danling owns the windows);
+        `train_micro_batch_size_per_gpu` is filled from the training loader's batch size;
+        `precision` (`bf16`/`fp16`) enables the matching DeepSpeed section; `max_grad_norm`
+        becomes `gradient_clipping` (unset, clipping is off, where DeepSpeed's own default clips
+        at 1.0). With a danling-built (client) optimizer,
+        `zero_allow_untested_optimizer` defaults to true.
+
+        Raises:
+            ValueError: `config.deepspeed` is not a mapping, a DeepSpeed setting conflicts with
+                the runner's (both values are named), or a runner setting has no DeepSpeed
+                counterpart (`max_grad_value`, `skip_nonfinite_grad`).
+        """
+        section = self.config.get("deepspeed")
+        if section is None:
+            section = {}
+        if not isinstance(section, Mapping):
+            raise ValueError(f"config.deepspeed must be a mapping of DeepSpeed settings, got {type(section).__name__}")
+        config = copy.deepcopy(section.dict() if callable(getattr(section, "dict", None)) else dict(section))
+        _agree(config, "gradient_accumulation_steps", 1, f"accum_steps={self.accum_steps} (danling owns accumulation)")
+        config["gradient_accumulation_steps"] = 1
+        micro = self._micro_batch_size()
+        if micro is not None:
+            _agree(config, "train_micro_batch_size_per_gpu", micro, f"the loader's batch_size={micro}")
+            config["train_micro_batch_size_per_gpu"] = micro
+            _agree(
+                config,
+                "train_batch_size",
+                micro * self.world_size,
+                f"batch_size x world size = {micro}x{self.world_size}",
+            )
+        if self.precision in _PRECISION_SECTIONS:
+            key = _PRECISION_SECTIONS[self.precision]
+            sub = config.setdefault(key, {})
+            if sub.get("enabled") is False:
+                raise ValueError(f"config.deepspeed.{key}.enabled=False conflicts with precision={self.precision!r}")
+            sub["enabled"] = True
+        if self.max_grad_norm is not None:
+            _agree(config, "gradient_clipping", self.max_grad_norm, f"max_grad_norm={self.max_grad_norm}")
+            config["gradient_clipping"] = self.max_grad_norm
+        config.setdefault("gradient_clipping", 0.0)  # DeepSpeed clips at 1.0 unless told; danling does not
+        for name in ("max_grad_value", "skip_nonfinite_grad"):
+            if self.config.get(name):
+                raise ValueError(f"{name}={self.config.get(name)!r} is not supported by DeepSpeedRunner yet")
+        config.setdefault("steps_per_print", 2**31 - 1)  # the runner logs; keep DeepSpeed quiet
+        if self.optimizer is not None:  # the user chose it (config.optim): ZeRO may shard any torch optimizer
+            config.setdefault("zero_allow_untested_optimizer", True)
+        return config
+
+    def _micro_batch_size(self) -> int | None:
+        for split in self.train_splits:
+            loader = self.dataloaders.get(split)
+            if loader is not None and getattr(loader, "batch_size", None):
+                return int(loader.batch_size)
+            if split in self.datasets:
+                return int(resolve_loader_options(self._loader_config(), split, is_train=True).get("batch_size", 1))
+        return None
+
+    def build_update_strategy(self) -> DeepSpeedUpdateStrategy:
+        """Create the DeepSpeed engine and return the strategy that drives it.
+
+        Runs after `build_optimizer` and `build_scheduler`: `deepspeed.initialize` receives the
+        model, the optimizer (or builds one from the DeepSpeed config when none is bound) and the
+        scheduler when its interval is `"step"` (the engine steps it); `self.model`,
+        `self.optimizer` and `self.scheduler` are rebound to what the engine returns.
+        """
+        deepspeed = optional_import("deepspeed", "deepspeed")
+        deepspeed.init_distributed(dist_backend=dist.get_backend())  # adopts the running group
+        self.deepspeed_config = self.get_deepspeed_config()
+        scheduler = self.scheduler if self.scheduler_interval == "step" else None
+        parameters = None if self.optimizer is not None else [p for p in self.model.parameters() if p.requires_grad]
+        engine, optimizer, _, engine_scheduler = deepspeed.initialize(
+            model=self.model,
+            optimizer=self.optimizer,
+            model_parameters=parameters,
+            lr_scheduler=scheduler,
+            config=self.deepspeed_config,
+        )
+        self.model, self.optimizer = engine, optimizer
+        if scheduler is not None:
+            self.scheduler = engine_scheduler
+        self.checkpoint_manager.bind(engine)
+        return DeepSpeedUpdateStrategy(engine, self.accum_steps, precision=self.precision_policy)
+
+    @property
+    def engine_owns_scheduler(self) -> bool:
+        """Whether the engine steps (and checkpoints) the scheduler."""
+        return self.scheduler is not None and self.scheduler_interval == "step"
+
+    def optimizer_step(self) -> bool:
+        """Step the engine at danling's window boundary; count the update and refresh the EMA copy."""
+        applied = super(TorchRunner, self).optimizer_step()  # the engine, not an OptimizerContainer
+        if applied:
+            if isinstance(self.ema, EMA):
+                self.ema.update(self.unwrap(self.model))
+            if not self._train_timeout_applied:
+                self._apply_train_timeout()
+        return applied
+
+    def unwrap(self, model: Any) -> Any:
+        """The user's module inside the engine (and DDP / `torch.compile` wrappers)."""
+        if isinstance(model, OwnsAccumulationBoundary) and isinstance(getattr(model, "module", None), nn.Module):
+            model = model.module
+        return super().unwrap(model)
+
+    def load_model(self, state_dict: Mapping[str, Any], *args: Any, **kwargs: Any) -> None:
+        """Load a plain state dict into the engine's module (ZeRO stages 0-2)."""
+        strict = kwargs.pop("strict", args[0] if args else True)
+        self.unwrap(self.model).load_state_dict(state_dict, strict=strict)
+
+    # ------------------------------------------------------------------ checkpoints
+    def _checkpoint_payload(self, *, last_step: bool) -> Mapping[str, Any]:
+        """Danling's state; the engine writes module, optimizer and its scheduler itself."""
+        payload = self._payload()
+        if self.ema is not None:
+            payload["ema"] = self.unwrap(self.ema).state_dict()
+        if self.scheduler is not None and not self.engine_owns_scheduler:
+            payload["scheduler"] = self.scheduler.state_dict()
+        return payload
+
+    def _is_deepspeed_source(self, checkpoint: CheckpointSource) -> bool:
+        if not _is_path(checkpoint):
+            return False
+        from danling.checkpoint import detect_format
+
+        return detect_format(self.checkpoint_manager.resolve(checkpoint)) == "deepspeed"
+
+    def _in_place_components(self, checkpoint: CheckpointSource, excluded: set[str]) -> tuple[str, ...]:
+        """Model, optimizer and the engine's scheduler of a DeepSpeed tag load through `engine.load_checkpoint`."""
+        if not self._is_deepspeed_source(checkpoint):
+            return super()._in_place_components(checkpoint, excluded)
+        keys = ["model", "optimizer"] + (["scheduler"] if self.engine_owns_scheduler else [])
+        return tuple(key for key in keys if key not in excluded or key == "model")
+
+    def _read_for_restore(self, checkpoint: CheckpointSource, in_place: tuple[str, ...], map_location: Any) -> Any:
+        if in_place and self._is_deepspeed_source(checkpoint):
+            return self.read_checkpoint(checkpoint, map_location=map_location)
+        return super()._read_for_restore(checkpoint, in_place, map_location)
+
+    def _restore_in_place(
+        self, checkpoint: CheckpointSource, keys: tuple[str, ...], map_location: Any, *args: Any, **kwargs: Any
+    ) -> None:
+        if not self._is_deepspeed_source(checkpoint):
+            return super()._restore_in_place(checkpoint, keys, map_location, *args, **kwargs)
+        tag = self._tag_directory(checkpoint)
+        self._engine_load(
+            tag,
+            load_optimizer_states="optimizer" in keys,
+            load_lr_scheduler_states="scheduler" in keys,
+            expected_step=self.train_state.global_step,
+        )
+
+    def _tag_directory(self, checkpoint: CheckpointSource) -> Path:
+        path = self.checkpoint_manager.resolve(checkpoint)
+        return path if path.is_dir() else path.parent
+
+    def _engine_load(self, tag: Path, *, expected_step: int | None = None, **options: Any) -> None:
+        """`engine.load_checkpoint` of one tag directory, verifying that this tag is the one loaded.
+
+        Raises:
+            CheckpointError: the engine loaded nothing, or another tag than `tag` (its recorded
+                step differs).
+        """
+        from danling.checkpoint.deepspeed import CLIENT_STEP_KEY
+
+        load_path, client = self.model.load_checkpoint(str(tag.parent), tag=tag.name, **options)
+        if load_path is None:
+            raise CheckpointError(f"DeepSpeed could not load checkpoint tag {tag}")
+        loaded = (client or {}).get(CLIENT_STEP_KEY)
+        if expected_step is not None and loaded is not None and loaded != expected_step:
+            raise CheckpointError(
+                f"DeepSpeed loaded a checkpoint of global step {loaded} when tag {tag} (step {expected_step}) "
+                "was requested"
+            )
+
+    def load_pretrained(self, checkpoint: CheckpointSource, *args: Any, **kwargs: Any) -> None:
+        """Load model weights only: the EMA weights when danling's state has them, else the engine's module.
+
+        Optimizer, scheduler, counters and dataloaders stay as they are.
+        """
+        if not self._is_deepspeed_source(checkpoint):
+            return super().load_pretrained(checkpoint, *args, **kwargs)
+        payload = self.read_checkpoint(checkpoint, map_location=kwargs.pop("map_location", "cpu"))
+        if payload.get("ema") is not None:
+            self.load_model(payload["ema"], *args, **kwargs)
+            source = "ema"
+        else:
+            self._engine_load(self._tag_directory(checkpoint), load_module_only=True)
+            source = "model"
+        self.config.pretrained = os.fspath(checkpoint)
+        self.logger.info("loaded %s weights from %s", source, _describe(checkpoint))
+
+    def export_consolidated(self, checkpoint: CheckpointSource, file: str | os.PathLike) -> Path:
+        """Write the fp32 weights of a DeepSpeed checkpoint as one `torch.save` state dict, usable without DeepSpeed.
+
+        Reads the ZeRO partitions on the main process only (no collective), so it also works after
+        training. Returns the path written (on every rank).
+        """
+        tag = self._tag_directory(checkpoint)
+        target = Path(file)
+        if self.is_main_process:
+            from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+            state = get_fp32_state_dict_from_zero_checkpoint(str(tag.parent), tag=tag.name)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            torch.save(dict(state), target)
+        if is_distributed():
+            dist.barrier()
+        return target
+
+
+def _agree(config: dict[str, Any], key: str, value: Any, ours: str) -> None:
+    """Refuse a DeepSpeed setting that disagrees with the runner's (`"auto"` and unset agree)."""
+    given = config.get(key)
+    if given is not None and given != "auto" and given != value:
+        raise ValueError(f"config.deepspeed.{key}={given!r} conflicts with {ours}: the runner sets it to {value!r}")
+
+
+def _detect(path: Path) -> bool:
+    from danling.checkpoint.deepspeed import is_deepspeed_checkpoint
+
+    return is_deepspeed_checkpoint(path)
+
+
+def _manager(directory: Any, **options: Any) -> Any:
+    from danling.checkpoint.deepspeed import DeepSpeedCheckpointManager
+
+    return DeepSpeedCheckpointManager(directory, **options)
+
+
+register_format("deepspeed", detect=_detect, manager=_manager, replace=True)
+register_runner(("deepspeed", "ds"), DeepSpeedRunner)
