@@ -231,7 +231,7 @@ class DeepSpeedRunner(TorchRunner):
         self.unwrap(self.model).load_state_dict(state_dict, strict=strict)
 
     # ------------------------------------------------------------------ checkpoints
-    def _checkpoint_payload(self, *, last_step: bool) -> Mapping[str, Any]:
+    def checkpoint_payload(self, *, last_step: bool) -> Mapping[str, Any]:
         """Danling's state; the engine writes module, optimizer and its scheduler itself."""
         payload = self._payload()
         if self.ema is not None:
@@ -247,23 +247,23 @@ class DeepSpeedRunner(TorchRunner):
 
         return detect_format(self.checkpoint_manager.resolve(checkpoint)) == "deepspeed"
 
-    def _in_place_components(self, checkpoint: CheckpointSource, excluded: set[str]) -> tuple[str, ...]:
+    def in_place_components(self, checkpoint: CheckpointSource, excluded: set[str]) -> tuple[str, ...]:
         """Model, optimizer and the engine's scheduler of a DeepSpeed tag load through `engine.load_checkpoint`."""
         if not self._is_deepspeed_source(checkpoint):
-            return super()._in_place_components(checkpoint, excluded)
+            return super().in_place_components(checkpoint, excluded)
         keys = ["model", "optimizer"] + (["scheduler"] if self.engine_owns_scheduler else [])
         return tuple(key for key in keys if key not in excluded or key == "model")
 
-    def _read_for_restore(self, checkpoint: CheckpointSource, in_place: tuple[str, ...], map_location: Any) -> Any:
+    def read_restore_payload(self, checkpoint: CheckpointSource, in_place: tuple[str, ...], map_location: Any) -> Any:
         if in_place and self._is_deepspeed_source(checkpoint):
             return self.read_checkpoint(checkpoint, map_location=map_location)
-        return super()._read_for_restore(checkpoint, in_place, map_location)
+        return super().read_restore_payload(checkpoint, in_place, map_location)
 
-    def _restore_in_place(
+    def restore_in_place(
         self, checkpoint: CheckpointSource, keys: tuple[str, ...], map_location: Any, *args: Any, **kwargs: Any
     ) -> None:
         if not self._is_deepspeed_source(checkpoint):
-            return super()._restore_in_place(checkpoint, keys, map_location, *args, **kwargs)
+            return super().restore_in_place(checkpoint, keys, map_location, *args, **kwargs)
         tag = self._tag_directory(checkpoint)
         self._engine_load(
             tag,

@@ -171,7 +171,7 @@ class CheckpointMixin:
         if save_best and self.results and self.is_best and self._scored_progress == self._progress_marker():
             aliases.append("best")
         metadata = {"epoch": state.epoch, "global_step": state.global_step, "run_id": self.id}
-        payload = self._checkpoint_payload(last_step=last_step)
+        payload = self.checkpoint_payload(last_step=last_step)
         path = self.checkpoint_manager.save(
             payload, checkpoint_name, aliases=tuple(dict.fromkeys(aliases)), metadata=metadata
         )
@@ -187,11 +187,17 @@ class CheckpointMixin:
         payload, so a backend's model-only export setting applies.
         """
         metadata = {"epoch": self.train_state.epoch, "global_step": self.train_state.global_step, "run_id": self.id}
-        payload = self._checkpoint_payload(last_step=True)
+        payload = self.checkpoint_payload(last_step=True)
         return self.checkpoint_manager.save(payload, name, aliases=(name,), history=False, metadata=metadata)
 
-    def _checkpoint_payload(self, *, last_step: bool) -> Mapping[str, Any]:
-        """Payload for one save; backends return a model-only payload for final exports."""
+    def checkpoint_payload(self, *, last_step: bool) -> Mapping[str, Any]:
+        """What one save hands to `self.checkpoint_manager`.
+
+        Called by `save_checkpoint` and `save_seed_checkpoint` on every rank. Values may be
+        plain state or live stateful objects (the manager calls their `state_dict()` in the
+        caller's thread). Backends return a model-only payload for final exports when configured
+        (`last_step`), or the pieces their engine saves itself. Must not change any state.
+        """
         return self.state_dict()
 
     # ------------------------------------------------------------------ loading
@@ -225,8 +231,8 @@ class CheckpointMixin:
         """
         map_location = kwargs.pop("map_location", "cpu")
         excluded = self._excluded_components()
-        in_place = self._in_place_components(checkpoint, excluded)
-        payload = self._read_for_restore(checkpoint, in_place, map_location)
+        in_place = self.in_place_components(checkpoint, excluded)
+        payload = self.read_restore_payload(checkpoint, in_place, map_location)
         self._check_resumable_layout(payload, excluded, checkpoint)
         for key in _REQUIRED_COMPONENTS:
             missing = payload.get(key) is None and key not in excluded and key not in in_place
@@ -237,7 +243,7 @@ class CheckpointMixin:
                 )
         self.load_state_dict(payload)
         if in_place:  # read straight into the live components, after every check above passed
-            self._restore_in_place(checkpoint, in_place, map_location, *args, **kwargs)
+            self.restore_in_place(checkpoint, in_place, map_location, *args, **kwargs)
             excluded = excluded | set(in_place)
         if payload.get("model") is not None and "model" not in excluded:
             self.load_model(payload["model"], *args, **kwargs)
@@ -261,20 +267,30 @@ class CheckpointMixin:
             self.train_state.global_step,
         )
 
-    def _in_place_components(self, checkpoint: CheckpointSource, excluded: set[str]) -> tuple[str, ...]:
+    def in_place_components(self, checkpoint: CheckpointSource, excluded: set[str]) -> tuple[str, ...]:
         """Components restored in place from `checkpoint` rather than from a payload read into memory.
 
-        None by default; backends whose checkpoint format reads straight into live tensors list them.
+        Called first by `load_checkpoint`, on every rank. None by default; backends whose
+        checkpoint format reads straight into live tensors (DCP, an engine's own loader) list the
+        keys here, and `read_restore_payload` / `restore_in_place` then split the restore in two.
         """
         return ()
 
-    def _read_for_restore(self, checkpoint: CheckpointSource, in_place: tuple[str, ...], map_location: Any) -> Any:
-        """The payload a restore reads into memory (without the components restored in place)."""
+    def read_restore_payload(self, checkpoint: CheckpointSource, in_place: tuple[str, ...], map_location: Any) -> Any:
+        """The payload a restore reads into memory, without the components restored in place.
+
+        `load_checkpoint` runs its checks (config, layout, missing components) on it before
+        anything is changed.
+        """
         return self.read_checkpoint(checkpoint, map_location=map_location)
 
-    def _restore_in_place(
+    def restore_in_place(
         self, checkpoint: CheckpointSource, keys: tuple[str, ...], map_location: Any, *args: Any, **kwargs: Any
     ) -> None:
+        """Restore the components `in_place_components` listed, after every check has passed.
+
+        `args`/`kwargs` are those of `load_checkpoint` (they reach `load_model`).
+        """
         raise NotImplementedError(f"{type(self).__name__} restores no component in place")
 
     def _resized(self, payload: Mapping[str, Any]) -> bool:

@@ -114,7 +114,7 @@ class TorchCheckpointMixin:
         except TypeError:  # a custom sampler that cannot be copied: no resume check for this split
             return None
 
-    def _checkpoint_payload(self, *, last_step: bool) -> Mapping[str, Any]:
+    def checkpoint_payload(self, *, last_step: bool) -> Mapping[str, Any]:
         """The live components and the runner state; a model-only export for the final save when
         `checkpoint.last_save_model_only` is set."""
         checkpoint = self.config.checkpoint
@@ -238,7 +238,7 @@ class TorchCheckpointMixin:
         )
 
     # ------------------------------------------------------------------ in-place restore (DCP)
-    def _in_place_components(self, checkpoint: CheckpointSource, excluded: set[str]) -> tuple[str, ...]:
+    def in_place_components(self, checkpoint: CheckpointSource, excluded: set[str]) -> tuple[str, ...]:
         """Model, optimizer, EMA and scheduler of a DCP checkpoint load straight into the live objects."""
         if not _is_path(checkpoint) or detect_format(self.checkpoint_manager.resolve(checkpoint)) != "dcp":
             return ()
@@ -253,14 +253,14 @@ class TorchCheckpointMixin:
             directory, load_only=True, exclude_from_loading=exclude, logger=logger, **options
         )
 
-    def _read_for_restore(self, checkpoint: CheckpointSource, in_place: tuple[str, ...], map_location: Any) -> Any:
+    def read_restore_payload(self, checkpoint: CheckpointSource, in_place: tuple[str, ...], map_location: Any) -> Any:
         if not in_place:
-            return super()._read_for_restore(checkpoint, in_place, map_location)
+            return super().read_restore_payload(checkpoint, in_place, map_location)
         path = self.checkpoint_manager.resolve(checkpoint)
         exclude = [*self.checkpoint_manager.exclude_from_loading, *in_place]
         return self._dcp_reader(path.parent, exclude).load(path, map_location=map_location)
 
-    def _restore_in_place(
+    def restore_in_place(
         self, checkpoint: CheckpointSource, keys: tuple[str, ...], map_location: Any, *args: Any, **kwargs: Any
     ) -> None:
         path = self.checkpoint_manager.resolve(checkpoint)
