@@ -66,8 +66,8 @@ class CheckpointMixin:
         `state_dict`, per rank), `results` (all result rows, so best-score tracking and early
         stop continue after a resume) and `topology` (world and data-domain sizes, to detect a
         resume on another layout). The current RNG state is captured first. Backends call
-        `super().state_dict(cls)` and add their components; do not mutate model or optimizer
-        state here.
+        `super().state_dict(cls)` and add their components; building the payload must leave
+        every component as it was.
 
         Args:
             cls: Mapping type used for the payload and its nested sections.
