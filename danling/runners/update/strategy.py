@@ -162,6 +162,8 @@ class TorchUpdateStrategy(UpdateStrategy):
         # per-micro-step calls skip what cannot apply.
         self._sync_free = self.accumulator.accum_steps == 1 or not self.gradient_sync.suppresses
         self._plain_backward = self.accumulator.accum_steps == 1 and self.precision.scaler is None
+        # Full precision without sync suppression: every forward pass runs in the same no-op context.
+        self._fixed_context = _NO_CONTEXT if self._sync_free and self.precision.dtype is None else None
 
     def bind(self, optimizer: torch.optim.Optimizer | None, scheduler: Any = None, interval: str = "step") -> None:
         """Step `optimizer` (and `scheduler` when `interval == "step"`) from now on; counters carry over."""
@@ -187,7 +189,8 @@ class TorchUpdateStrategy(UpdateStrategy):
         return 0 if self.container is None else self.container.skipped_steps
 
     def forward_context(self) -> AbstractContextManager:
-        return self.precision.autocast()
+        fixed = self._fixed_context
+        return fixed if fixed is not None else self.precision.autocast()
 
     def train_context(self) -> AbstractContextManager:
         """Autocast, plus gradient sync switched off when this micro-step does not close its window.
@@ -195,6 +198,9 @@ class TorchUpdateStrategy(UpdateStrategy):
         DDP decides during the forward pass whether the following backward reduces, so the
         context must be open around the forward; the backward may run after the block.
         """
+        fixed = self._fixed_context
+        if fixed is not None:
+            return fixed
         autocast = self.precision.autocast()
         if self._sync_free:
             return autocast
