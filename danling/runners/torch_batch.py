@@ -53,7 +53,9 @@ class TorchBatchMixin:
 
     def forward_context(self) -> AbstractContextManager:
         """Autocast context of the configured precision, entered around every forward pass."""
-        return self.update.forward_context()
+        update = self.update
+        fixed = update.fixed_context
+        return fixed if fixed is not None else update.forward_context()
 
     def train_context(self) -> AbstractContextManager:
         """Context of one training forward pass: autocast, plus gradient sync switched off for a
@@ -62,7 +64,9 @@ class TorchBatchMixin:
 
         The backward pass may run after the block.
         """
-        return self.update.train_context()
+        update = self.update
+        fixed = update.fixed_context
+        return fixed if fixed is not None else update.train_context()
 
     def inference_context(self) -> AbstractContextManager:
         """`torch.inference_mode()`: evaluation passes and inference steps build no autograd graph."""

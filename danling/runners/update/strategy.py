@@ -58,8 +58,14 @@ class UpdateStrategy:
         ([False, True, True], True)
     """
 
+    # A full-precision context that every forward pass of this strategy enters, when there is one
+    # (no autocast, no sync suppression); hooks may return it without asking the strategy.
+    fixed_context: AbstractContextManager | None = _NO_CONTEXT
+
     def __init__(self, accum_steps: int = 1) -> None:
         self.accumulator = GradientAccumulator(accum_steps)
+        # The accumulator answers directly: `advance` runs once per micro-step.
+        self.advance = self.accumulator.advance  # type: ignore[method-assign]
 
     @property
     def accum_steps(self) -> int:
@@ -163,7 +169,7 @@ class TorchUpdateStrategy(UpdateStrategy):
         self._sync_free = self.accumulator.accum_steps == 1 or not self.gradient_sync.suppresses
         self._plain_backward = self.accumulator.accum_steps == 1 and self.precision.scaler is None
         # Full precision without sync suppression: every forward pass runs in the same no-op context.
-        self._fixed_context = _NO_CONTEXT if self._sync_free and self.precision.dtype is None else None
+        self.fixed_context = _NO_CONTEXT if self._sync_free and self.precision.dtype is None else None
 
     def bind(self, optimizer: torch.optim.Optimizer | None, scheduler: Any = None, interval: str = "step") -> None:
         """Step `optimizer` (and `scheduler` when `interval == "step"`) from now on; counters carry over."""
@@ -189,7 +195,7 @@ class TorchUpdateStrategy(UpdateStrategy):
         return 0 if self.container is None else self.container.skipped_steps
 
     def forward_context(self) -> AbstractContextManager:
-        fixed = self._fixed_context
+        fixed = self.fixed_context
         return fixed if fixed is not None else self.precision.autocast()
 
     def train_context(self) -> AbstractContextManager:
@@ -198,7 +204,7 @@ class TorchUpdateStrategy(UpdateStrategy):
         DDP decides during the forward pass whether the following backward reduces, so the
         context must be open around the forward; the backward may run after the block.
         """
-        fixed = self._fixed_context
+        fixed = self.fixed_context
         if fixed is not None:
             return fixed
         autocast = self.precision.autocast()
