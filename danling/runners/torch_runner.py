@@ -364,7 +364,7 @@ class TorchRunner(TorchCheckpointMixin, TorchBatchMixin, TorchDataMixin, BaseRun
                 raise RuntimeError(
                     f"{type(self).__name__} has no optimizer to step: set config.optim.type or assign self.optimizer"
                 )
-        applied = super().optimizer_step()
+        applied = self._apply_update()
         if applied:
             if isinstance(self.ema, EMA):
                 self.ema.update(self.model)

@@ -192,3 +192,21 @@ def test_gradient_sync_is_suppressed_inside_windows_and_weights_span_ranks(tmp_p
         reduce_scatters, reduced_at = out["fsdp"]
         assert reduced_at == [False, False, True, False, False, True]
         assert reduce_scatters == 2
+
+
+def test_a_strategy_with_its_own_backward_is_never_bypassed(tmp_path):
+    calls = []
+
+    class Engine(TorchUpdateStrategy):
+        def backward(self, loss, weight=None):
+            calls.append(weight)
+            super().backward(loss, weight)
+
+    class EngineRunner(TinyRunner):
+        def build_update_strategy(self):
+            return Engine(precision=self.precision_policy)
+
+    with EngineRunner(tiny_config(tmp_path, epochs=1)) as runner:
+        assert not runner.update.plain_backward
+        runner.train()
+    assert len(calls) == runner.train_state.micro_step > 0

@@ -94,7 +94,11 @@ class StepHooks:
         the weight-normalised mean gradient over the window and the ranks. Do not step the
         optimizer or change counters here.
         """
-        self.update.backward(loss, weight)
+        update = self.update
+        if weight is None and update.plain_backward:
+            loss.backward()  # what the strategy would do, one call sooner
+            return
+        update.backward(loss, weight)
 
     def step(self) -> None:
         """Count one micro-step and call `optimizer_step` when it closes its accumulation window.
@@ -116,6 +120,10 @@ class StepHooks:
         increments `train_state.global_step`; a skipped one does not. Overrides call `super()`
         and add what follows an update (the torch runner refreshes the EMA copy).
         """
+        return self._apply_update()
+
+    def _apply_update(self) -> bool:
+        """The update every `optimizer_step` applies, whichever class's hook asked for it."""
         self.checkpoint_manager.maybe_wait_for_staging()
         applied = self.update.apply()
         state = self.state.train

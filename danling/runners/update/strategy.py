@@ -61,6 +61,9 @@ class UpdateStrategy:
     # A full-precision context that every forward pass of this strategy enters, when there is one
     # (no autocast, no sync suppression); hooks may return it without asking the strategy.
     fixed_context: AbstractContextManager | None = _NO_CONTEXT
+    # True while `loss.backward()` alone is the whole of `backward(loss)` (nothing to divide,
+    # scale or weigh): the runner's `backward` hook then calls it without going through here.
+    plain_backward: bool = False
 
     def __init__(self, accum_steps: int = 1) -> None:
         self.accumulator = GradientAccumulator(accum_steps)
@@ -167,9 +170,14 @@ class TorchUpdateStrategy(UpdateStrategy):
         # Settled at construction (window size, wrapper and precision do not change), so the
         # per-micro-step calls skip what cannot apply.
         self._sync_free = self.accumulator.accum_steps == 1 or not self.gradient_sync.suppresses
-        self._plain_backward = self.accumulator.accum_steps == 1 and self.precision.scaler is None
+        # A subclass with its own backward (an engine's) is never bypassed.
+        own_backward = type(self).backward is TorchUpdateStrategy.backward
+        self._plain_backward = own_backward and self.accumulator.accum_steps == 1 and self.precision.scaler is None
+        self.plain_backward = self._plain_backward
         # Full precision without sync suppression: every forward pass runs in the same no-op context.
-        self.fixed_context = _NO_CONTEXT if self._sync_free and self.precision.dtype is None else None
+        own_contexts = type(self).train_context is TorchUpdateStrategy.train_context
+        plain = own_contexts and self._sync_free and self.precision.dtype is None
+        self.fixed_context = _NO_CONTEXT if plain else None
 
     def bind(self, optimizer: torch.optim.Optimizer | None, scheduler: Any = None, interval: str = "step") -> None:
         """Step `optimizer` (and `scheduler` when `interval == "step"`) from now on; counters carry over."""
@@ -229,6 +237,7 @@ class TorchUpdateStrategy(UpdateStrategy):
             if self._weight is None and self.accumulator.pending:
                 raise ValueError("a window mixes weighted and unweighted micro-steps; pass weight= to every backward")
             self._weight = weight if self._weight is None else self._weight + weight
+            self.plain_backward = False  # until this weighted window is applied
             loss = loss * weight
         elif self._weight is not None:
             raise ValueError("a window mixes weighted and unweighted micro-steps; pass weight= to every backward")
@@ -262,6 +271,7 @@ class TorchUpdateStrategy(UpdateStrategy):
         multiplier, self._multiplier = self._multiplier, None
         if self._weight is not None:
             multiplier, self._weight = self._weight_factor(self._weight), None
+            self.plain_backward = self._plain_backward
         return container.step(multiplier)
 
     def _weight_factor(self, weight: Any) -> Any:
