@@ -210,3 +210,16 @@ def test_a_strategy_with_its_own_backward_is_never_bypassed(tmp_path):
         assert not runner.update.plain_backward
         runner.train()
     assert len(calls) == runner.train_state.micro_step > 0
+
+
+def test_a_subclass_advance_is_not_shadowed_by_the_accumulators():
+    class Counting(UpdateStrategy):
+        calls = 0
+
+        def advance(self):
+            self.calls += 1
+            return super().advance()
+
+    update = Counting(accum_steps=2)
+    update.start_pass(2)
+    assert [update.advance(), update.advance()] == [False, True] and update.calls == 2

@@ -67,8 +67,9 @@ class UpdateStrategy:
 
     def __init__(self, accum_steps: int = 1) -> None:
         self.accumulator = GradientAccumulator(accum_steps)
-        # The accumulator answers directly: `advance` runs once per micro-step.
-        self.advance = self.accumulator.advance  # type: ignore[method-assign]
+        if type(self).advance is UpdateStrategy.advance:  # a subclass's own advance is kept
+            # The accumulator answers directly: `advance` runs once per micro-step.
+            self.advance = self.accumulator.advance  # type: ignore[method-assign]
 
     @property
     def accum_steps(self) -> int:
