@@ -108,10 +108,7 @@ class DeepSpeedRunner(TorchRunner):
             ValueError: `self.model` is not set.
             TypeError: `self.model` is not an `nn.Module`.
         """
-        if self.model is None:
-            raise ValueError(f"{type(self).__name__} needs self.model: assign an nn.Module in __init__")
-        if not isinstance(self.model, nn.Module):
-            raise TypeError(f"self.model must be a torch.nn.Module, got {type(self.model).__name__}")
+        self._require_model()
         self.model = self.compiler.compile(self.model.to(self.device), distributed=self.distributed)
         if self.ema is None and self.config.ema.enabled:
             self.ema = EMA(self.model, decay=self.config.ema.decay)

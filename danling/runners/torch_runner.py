@@ -240,10 +240,7 @@ class TorchRunner(TorchCheckpointMixin, TorchBatchMixin, TorchDataMixin, BaseRun
             ValueError: `self.model` is not set.
             TypeError: `self.model` is not an `nn.Module`.
         """
-        if self.model is None:
-            raise ValueError(f"{type(self).__name__} needs self.model: assign an nn.Module in __init__")
-        if not isinstance(self.model, nn.Module):
-            raise TypeError(f"self.model must be a torch.nn.Module, got {type(self.model).__name__}")
+        self._require_model()
         self.model = self.model.to(self.device)
         self.model = self.compiler.compile(self.model, distributed=self.distributed)
         trainable = any(param.requires_grad for param in self.model.parameters())
@@ -257,6 +254,13 @@ class TorchRunner(TorchCheckpointMixin, TorchBatchMixin, TorchDataMixin, BaseRun
             if is_distributed():
                 for tensor in self.ema.state_dict().values():
                     dist.broadcast(tensor, group=self.topology.group("data"), group_src=0)
+
+    def _require_model(self) -> None:
+        """`self.model` must be a bound `nn.Module` before it is materialized."""
+        if self.model is None:
+            raise ValueError(f"{type(self).__name__} needs self.model: assign an nn.Module in __init__")
+        if not isinstance(self.model, nn.Module):
+            raise TypeError(f"self.model must be a torch.nn.Module, got {type(self.model).__name__}")
 
     def iter_optimizer_named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         """`(name, parameter)` of every trainable parameter, named as in the unwrapped model."""
