@@ -230,7 +230,7 @@ class TorchUpdateStrategy(UpdateStrategy):
         Raises:
             ValueError: a window mixes weighted and unweighted micro-steps.
         """
-        if weight is None and self._plain_backward and self._weight is None:
+        if weight is None and self.plain_backward:  # false while a weighted window is open
             loss.backward()  # nothing to divide or scale
             return
         scaler = self.precision.scaler
