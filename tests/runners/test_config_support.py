@@ -19,7 +19,7 @@ from tests.runners._torch_toy import TinyRunner, tiny_config
 from tests.runners._toy import ToyRunner, toy_config
 
 ROOT = Path(__file__).resolve().parents[2]
-UNBUILT_STACKS = ("parallel", "graph")
+UNBUILT_STACKS = ("graph",)
 
 
 def declared_keys() -> dict[str, Any]:
@@ -181,7 +181,7 @@ def test_torch_runner_subclass_refuses_an_unbuilt_stack_before_any_side_effect(t
         TinyRunner(tiny_config(tmp_path, stack=stack))
     with pytest.raises(
         ValueError,
-        match=rf"'{stack}' is not available yet .*registered stacks: \['auto', 'ddp', 'deepspeed', 'ds', 'torch'\]",
+        match=rf"'{stack}' is not available yet .*stacks: \['auto', 'ddp', 'deepspeed', 'ds', 'parallel', 'torch'\]",
     ):
         Runner(tiny_config(tmp_path, stack=stack))
     assert list(tmp_path.iterdir()) == []  # no run directory, log or checkpoint was created
@@ -226,9 +226,15 @@ def other_value(key: str, default: Any) -> Any:
         return (default or 1) + 1
     if key == "ft.process_group":
         return "nccl"
+    if key == "parallel.activation_checkpointing":
+        return "block"
+    if key == "parallel.tensor_plan":
+        return {"layer": "colwise"}
+    if key == "fsdp.modules":
+        return ["layers.*"]
     if isinstance(default, str) or (default is None and str in members):
         return f"{default or ''}x"
-    return [["layer"]]  # the only list-typed gated key: parallel.module_fqns_per_model_part
+    return [["layer"]]  # parallel.module_fqns_per_model_part
 
 
 @pytest.mark.parametrize("key", sorted(gated_keys()))
