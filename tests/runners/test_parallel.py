@@ -198,3 +198,40 @@ def test_dcp_checkpoints_reshard_between_layouts_and_training_continues(tmp_path
     for key, value in results[0]["saved"].items():
         assert torch.equal(back["loaded"][key], value), key
     assert back["start"] == 4 and back["end"] == 4 + 8
+
+
+FOUR_RANK_LAYOUTS = {
+    "fsdp+tensor": {"parallel.axes.shard": 2, "parallel.axes.tensor": 2, "fsdp.enabled": True, "max_grad_norm": 0.5},
+    "hsdp": {"parallel.axes.replicate": 2, "parallel.axes.shard": 2, "fsdp.enabled": True},
+}
+
+
+def _train_four_rank_layouts(rank: int, world_size: int, root: str) -> dict:
+    results = {}
+    for name, layout in FOUR_RANK_LAYOUTS.items():
+        if "parallel.axes.tensor" in layout:
+            layout = {**layout, "parallel.tensor_plan": TENSOR_PLAN}
+        with ParallelRegression(parallel_config(root, name, **layout)) as runner:
+            runner.train()
+            results[name] = {"losses": runner.losses, "weights": full_weights(runner), "mesh": runner.topology.mesh}
+    return {name: {**result, "mesh": str(result["mesh"])} for name, result in results.items()}
+
+
+def test_two_dimensional_meshes_on_four_ranks_train_like_one_process(tmp_path):
+    results = run_distributed(_train_four_rank_layouts, str(tmp_path / "dist"), world_size=4)
+    references = {  # 2 data-parallel ranks of 4 (fsdp+tensor), 4 of 4 (hsdp)
+        "fsdp+tensor": {"dataloader.batch_size": 8, "max_grad_norm": 0.5},
+        "hsdp": {"dataloader.batch_size": 16},
+    }
+    for name, overrides in references.items():
+        config = parallel_config(str(tmp_path), f"reference-{name}", stack="torch", **overrides)
+        with ParallelRegression(config) as runner:
+            runner.train()
+            reference = {"losses": runner.losses, "weights": full_weights(runner)}
+        for rank in range(4):
+            got = results[rank][name]
+            assert got["losses"] == pytest.approx(reference["losses"], rel=1e-5, abs=1e-6), name
+            for key, value in reference["weights"].items():
+                torch.testing.assert_close(got["weights"][key], value, rtol=1e-5, atol=1e-6, msg=f"{name}: {key}")
+    assert "(shard=2, tensor=2)" in results[0]["fsdp+tensor"]["mesh"]
+    assert "(replicate=2, shard=2)" in results[0]["hsdp"]["mesh"]
