@@ -35,7 +35,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import danling as dl  # noqa: E402
+import danling as dl
 
 # name: (width, depth, batch size per rank, samples)
 WORKLOADS = {"small MLP, batch 32": (128, 2, 32, 2048), "compute-bound MLP, batch 64": (1024, 4, 64, 1024)}
@@ -88,7 +88,8 @@ def build_runner(root: str, workload: str) -> BenchRunner:
         seed=0,
         log=False,
         log_interval=10**9,
-        **{"parallel.axes.shard": 2, "fsdp.enabled": True, "optim.type": "sgd", "optim.lr": 1e-3, "optim.momentum": 0.9},
+        **{"parallel.axes.shard": 2, "fsdp.enabled": True},
+        **{"optim.type": "sgd", "optim.lr": 1e-3, "optim.momentum": 0.9},
         **{"dataloader.batch_size": WORKLOADS[workload][2], "checkpoint.async_enabled": False},
     )
     config.bench.workload = workload
@@ -196,8 +197,7 @@ def bench_checkpoints(root: str, workload: str, repeats: int) -> str:
         samples["dcp.save"].append(timed(raw_save))
         samples["runner save"].append(timed(lambda: paths.append(runner.save_checkpoint(force=True))))
         samples["dcp.load"].append(timed(raw_load))
-        latest = runner.checkpoint_manager.latest
-        samples["runner load"].append(timed(lambda: runner.load_checkpoint(latest)))
+        samples["runner load"].append(timed(lambda: runner.load_checkpoint(runner.checkpoint_manager.latest)))
     local = sum(t.numel() * t.element_size() for t in _tensors(get_state_dict(model, optimizer)))
     total = torch.tensor(float(local))
     dist.all_reduce(total)
