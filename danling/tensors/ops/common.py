@@ -62,8 +62,11 @@ def align(arg: Any, ref: NestedTensor) -> Any:
         arg = plain(arg)
         if arg.dim() == 0 or arg.dim() <= trailing_static(ref):
             return arg
-        if arg.dim() == ref.ndim:
-            dense = torch.broadcast_to(arg, ref.shape)
+        if arg.dim() <= ref.ndim:  # read like ``ref.tensor``: broadcast against the padded shape, keep real positions
+            try:
+                dense = torch.broadcast_to(arg, ref.shape)
+            except RuntimeError:
+                raise Misaligned from None
             return ref.nested_like(dense)._values
         raise Misaligned
     return arg
@@ -84,14 +87,36 @@ def element_arg(arg: Any, index: int, ref: NestedTensor) -> Any:
     return arg
 
 
-def per_element(func: Callable, args: Sequence[Any], kwargs: dict[str, Any], ref: NestedTensor | None = None) -> Any:
-    """Run ``func`` on every element and nest the results (the reference semantics of every op)."""
+def nested_arg(arg: Any, index: int, ref: NestedTensor) -> Any:
+    """Like `element_arg`, but dense tensors are shared by every element (weights, indices, tables)."""
+    if isinstance(arg, NestedTensor):
+        if len(arg) != len(ref):
+            raise ValueError(f"NestedTensor batch sizes differ: {len(ref)} and {len(arg)}")
+        return arg._elements()[index]
+    if isinstance(arg, Tensor):
+        return plain(arg)
+    if isinstance(arg, (list, tuple)) and any(isinstance(a, NestedTensor) for a in arg):
+        return type(arg)(nested_arg(a, index, ref) for a in arg)
+    return arg
+
+
+def per_element(
+    func: Callable,
+    args: Sequence[Any],
+    kwargs: dict[str, Any],
+    ref: NestedTensor | None = None,
+    split_dense: bool = True,
+) -> Any:
+    """Run ``func`` on every element and nest the results (the reference semantics of every op).
+
+    With ``split_dense`` a dense tensor that has the NestedTensor's number of dims is read like
+    ``ref.tensor`` (row ``i`` cropped to element ``i``); otherwise dense tensors go to every element whole.
+    """
     ref = ref if ref is not None else first_nested(args, kwargs)
+    pick = element_arg if split_dense else nested_arg
     results = []
     for i in range(len(ref)):
-        results.append(
-            func(*[element_arg(a, i, ref) for a in args], **{k: element_arg(v, i, ref) for k, v in kwargs.items()})
-        )
+        results.append(func(*[pick(a, i, ref) for a in args], **{k: pick(v, i, ref) for k, v in kwargs.items()}))
     return nest_results(results, ref)
 
 
@@ -104,6 +129,8 @@ def nest_results(results: list[Any], ref: NestedTensor) -> Any:
             return type(results[0])(nested)
         return tuple(nested)
     if results and not isinstance(results[0], Tensor):
+        if all(r is None for r in results):
+            return None
         return results
     return ref._from_elements(results)
 

@@ -324,7 +324,7 @@ def _allclose(func: Any, input: Any, other: Any, *args: Any, **kwargs: Any) -> b
     ref = first_nested((input, other))
     try:
         a, b = align(input, ref), align(other, ref)
-    except Misaligned:
+    except (Misaligned, ValueError):  # different batch sizes or shapes are simply not close
         return False
     if isinstance(input, NestedTensor) and isinstance(other, NestedTensor) and input._shapes != other._shapes:
         return False
