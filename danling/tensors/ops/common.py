@@ -122,12 +122,17 @@ def per_element(
 
 def nest_results(results: list[Any], ref: NestedTensor) -> Any:
     """Nest per-element results (tuples of results become tuples of NestedTensors)."""
-    if results and isinstance(results[0], tuple):
+    if results and isinstance(results[0], (tuple, list)) and not isinstance(results[0], Tensor):
+        if len({len(r) for r in results}) > 1:
+            raise ValueError(
+                f"the op gives elements different numbers of results ({sorted({len(r) for r in results})}), "
+                "so they cannot be nested; apply it to the elements (.unbind()) instead"
+            )
         columns = list(zip(*results))
         nested = [nest_results(list(col), ref) for col in columns]
         if hasattr(results[0], "_fields") or type(results[0]).__module__ == "torch.return_types":
             return type(results[0])(nested)
-        return tuple(nested)
+        return type(results[0])(nested) if isinstance(results[0], list) else tuple(nested)
     if results and not isinstance(results[0], Tensor):
         if all(r is None for r in results):
             return None

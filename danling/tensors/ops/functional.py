@@ -98,25 +98,6 @@ def normalize(input: NestedTensor, p: float = 2.0, dim: int = 1, eps: float = 1e
     return input._from_elements([F.normalize(e, p, element_dim, eps) for e in input._elements()])
 
 
-def _packed(arg: Any, ref: NestedTensor) -> tuple[Tensor, NestedTensor]:
-    """Packed values of a loss operand; a dense operand is cut along ``ref``'s ragged dims."""
-    if isinstance(arg, NestedTensor):
-        return arg._values, arg
-    nested = ref.nested_like(plain(arg), strict=False)
-    return nested._values, nested
-
-
-def loss(func: Any, input: Any, target: Any, *args: Any, **kwargs: Any) -> Any:
-    """A loss over real positions only: operands are packed, padding never reaches ``func``."""
-    ref = first_nested((input, target))
-    input_values, _ = _packed(input, ref)
-    target_values, target_nested = _packed(target, ref)
-    out = func(input_values, target_values, *args, **kwargs)
-    if isinstance(out, Tensor) and out.dim() > 0 and out.shape[0] == target_values.shape[0]:
-        return target_nested._derive(out)
-    return out
-
-
 def _attention_operand(x: Any, query: NestedTensor) -> tuple[Tensor, Tensor | None]:
     """A batch-first padded key/value and its per-element key lengths (``None``: every key is real).
 
@@ -215,20 +196,6 @@ def _as_nested(tensor: Any, ref: NestedTensor) -> NestedTensor:
     return ref._from_elements(list(rows.unbind(0)))
 
 
-LOSSES = [
-    "cross_entropy",
-    "nll_loss",
-    "mse_loss",
-    "l1_loss",
-    "smooth_l1_loss",
-    "huber_loss",
-    "binary_cross_entropy",
-    "binary_cross_entropy_with_logits",
-    "kl_div",
-    "soft_margin_loss",
-]
-
-
 def _register() -> None:
     register((F.linear,), linear)
     register((F.embedding,), embedding)
@@ -241,8 +208,6 @@ def _register() -> None:
     if hasattr(F, "rms_norm"):
         register((F.rms_norm,), partial(_trailing, F.rms_norm))
     register((F.normalize,), normalize)
-    for name in LOSSES:
-        register((getattr(F, name),), partial(loss, getattr(F, name)))
     register((F.scaled_dot_product_attention,), scaled_dot_product_attention)
     register((torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__), matmul)
     register((torch.Tensor.__rmatmul__,), rmatmul)

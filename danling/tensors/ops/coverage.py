@@ -1,0 +1,165 @@
+"""Registration tables: which torch / ``torch.nn.functional`` ops use which generic handler.
+
+Semantics are always those of applying the op to each element and nesting the results (see
+`danling.tensors.ops.generic`). Ops that cannot be given that meaning are listed in `UNDEFINED`
+with the reason their error message gives.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+
+from . import generic
+from .registry import UNDEFINED, register
+
+# name: (position of dim, default dim). The dim is a NestedTensor dim.
+DIM_OPS: dict[str, tuple[int, object]] = {
+    "sort": (1, -1),
+    "argsort": (1, -1),
+    "topk": (2, -1),
+    "cumsum": (1, None),
+    "cumprod": (1, None),
+    "cummax": (1, None),
+    "cummin": (1, None),
+    "logcumsumexp": (1, None),
+    "diff": (2, -1),
+    "split": (2, 0),
+    "chunk": (2, 0),
+    "tensor_split": (2, 0),
+    "split_with_sizes": (2, 0),
+    "gather": (1, None),
+    "scatter": (1, None),
+    "scatter_add": (1, None),
+    "scatter_reduce": (1, None),
+    "index_select": (1, None),
+    "index_add": (1, None),
+    "index_copy": (1, None),
+    "index_fill": (1, None),
+    "index_reduce": (1, None),
+    "take_along_dim": (2, None),
+    "narrow": (1, None),
+    "select": (1, None),
+    "repeat_interleave": (2, None),
+    "cross": (2, None),
+    "cumulative_trapezoid": (2, -1),
+    "trapezoid": (2, -1),
+    "renorm": (2, None),
+    "glu": (1, -1),
+}
+REDUCING_DIM_OPS = {"kthvalue": (2, -1), "mode": (1, -1), "nanmedian": (1, None)}
+INPLACE_DIM_OPS = ["cumsum", "cumprod", "index_add", "index_copy", "index_fill", "scatter", "scatter_add"]
+INPLACE_DIM_OPS += ["scatter_reduce", "index_reduce", "renorm"]
+F_DIM_OPS = {"glu": (1, -1), "cosine_similarity": (2, 1), "gumbel_softmax": (4, -1)}
+
+# linear algebra on the last k dims: name -> (k, reduces the k dims away)
+LINALG = {
+    "det": (2, True),
+    "slogdet": (2, True),
+    "logdet": (2, True),
+    "inv": (2, False),
+    "pinv": (2, False),
+    "matrix_exp": (2, False),
+    "matrix_power": (2, False),
+    "cholesky": (2, False),
+    "qr": (2, False),
+    "svd": (2, False),
+    "svdvals": (2, False),
+    "eigh": (2, False),
+    "eigvalsh": (2, False),
+    "eig": (2, False),
+    "eigvals": (2, False),
+    "matrix_rank": (2, True),
+    "cond": (2, True),
+    "solve": (2, False),
+    "cross": (1, False),
+    "vecdot": (1, True),
+    "diagonal": (2, False),
+}
+TORCH_LINALG = {"det": "det", "slogdet": "slogdet", "logdet": "logdet", "inverse": "inv", "pinverse": "pinv"}
+TORCH_LINALG.update({"matrix_exp": "matrix_exp", "matrix_power": "matrix_power", "cholesky": "cholesky"})
+TORCH_LINALG.update({"qr": "qr", "svd": "svd", "trace": "trace", "diag_embed": "diag_embed"})
+TORCH_TRAILING = {"trace": (2, True), "diag_embed": (1, False), "tril": (2, False), "triu": (2, False)}
+TORCH_TRAILING.update({"pairwise_distance": (1, True)})
+
+F_EACH = ["conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d"]
+F_EACH += ["avg_pool1d", "avg_pool2d", "avg_pool3d", "max_pool1d", "max_pool2d", "max_pool3d"]
+F_EACH += ["max_pool1d_with_indices", "max_pool2d_with_indices", "max_pool3d_with_indices"]
+F_EACH += ["adaptive_avg_pool1d", "adaptive_avg_pool2d", "adaptive_avg_pool3d"]
+F_EACH += ["adaptive_max_pool1d", "adaptive_max_pool2d", "adaptive_max_pool3d"]
+F_EACH += ["adaptive_max_pool1d_with_indices", "adaptive_max_pool2d_with_indices", "adaptive_max_pool3d_with_indices"]
+F_EACH += ["lp_pool1d", "lp_pool2d", "lp_pool3d", "max_unpool1d", "max_unpool2d", "max_unpool3d"]
+F_EACH += ["fractional_max_pool2d", "fractional_max_pool3d", "pad", "pixel_shuffle", "pixel_unshuffle"]
+F_EACH += ["channel_shuffle", "native_channel_shuffle", "unfold", "fold", "pdist"]
+F_BATCHED = ["interpolate", "upsample", "upsample_nearest", "upsample_bilinear", "grid_sample", "group_norm"]
+F_BATCHED += ["instance_norm", "local_response_norm", "dropout1d", "dropout2d", "dropout3d"]
+TORCH_EACH = ["conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d"]
+TORCH_EACH += ["avg_pool1d", "max_pool1d", "max_pool2d", "max_pool3d", "adaptive_avg_pool1d", "adaptive_max_pool1d"]
+TORCH_EACH += ["pixel_shuffle", "pixel_unshuffle", "channel_shuffle", "constant_pad_nd", "pdist"]
+TORCH_EACH += ["kron", "inner", "outer", "ger", "dot", "vdot", "mv", "mm", "bmm", "tensordot"]
+TORCH_EACH += ["diag", "diagflat", "histogram", "corrcoef", "cov", "atleast_1d", "atleast_2d"]
+TORCH_EACH += ["atleast_3d", "fliplr", "flipud", "t", "adjoint", "vander", "cartesian_prod", "combinations"]
+
+UNDEFINED.update(
+    {
+        torch.Tensor.numpy: "elements differ in shape and a NumPy array is rectangular; use .tensor or .tolist()",
+        torch.Tensor.storage: "the packed storage is internal; .concat is the packed values",
+        torch.msort: "msort sorts along the batch dim, across elements of different sizes",
+        torch.Tensor.msort: "msort sorts along the batch dim, across elements of different sizes",
+        torch.Tensor.expand: "target sizes would be padded sizes, which elements do not have; expand each element",
+        torch.Tensor.expand_as: "target sizes would be padded sizes, which elements do not have; expand each element",
+        torch.Tensor.repeat: "repeating the padded batch would repeat padding; repeat the elements instead",
+        torch.tile: "tiling the padded batch would tile padding; tile the elements instead",
+        torch.Tensor.tile: "tiling the padded batch would tile padding; tile the elements instead",
+        torch.Tensor.resize_: "element sizes are fixed by the data; build a new NestedTensor",
+        torch.Tensor.set_: "the packed storage is internal; build a new NestedTensor",
+        torch.Tensor.as_strided: "strides of the padded batch do not exist: the storage is packed",
+        torch.as_strided: "strides of the padded batch do not exist: the storage is packed",
+        torch.Tensor.stride: "strides of the padded batch do not exist: the storage is packed",
+        torch.block_diag: "elements are not matrices of one batch; use torch.block_diag(*nt.unbind())",
+        torch.Tensor.unfold: "windows over the padded batch would include padding; use F.unfold on each element",
+    }
+)
+
+
+def _register() -> None:
+    for name, (position, default) in DIM_OPS.items():
+        for func in (getattr(torch, name, None), getattr(torch.Tensor, name, None)):
+            if func is not None:
+                register(func, partial(generic.dim_op, func, position, default))
+    for name in INPLACE_DIM_OPS:
+        func = getattr(torch.Tensor, name + "_", None)
+        if func is not None:
+            out_of_place = getattr(torch.Tensor, name)
+            register(func, partial(generic.in_place, partial(generic.dim_op, out_of_place, *DIM_OPS[name])))
+    for name, (position, default) in REDUCING_DIM_OPS.items():
+        for func in (getattr(torch, name, None), getattr(torch.Tensor, name, None)):
+            register(func, partial(generic.reducing_dim_op, func, position, default))
+    for name, (position, default) in F_DIM_OPS.items():
+        register(getattr(F, name), partial(generic.dim_op, getattr(F, name), position, default))
+    for name, (k, reduces) in LINALG.items():
+        func = getattr(torch.linalg, name, None)
+        if func is not None:
+            register(func, partial(generic.trailing_op, func, k, reduces))
+    for name, linalg_name in TORCH_LINALG.items():
+        k, reduces = LINALG.get(linalg_name, TORCH_TRAILING.get(name, (2, False)))
+        for func in (getattr(torch, name, None), getattr(torch.Tensor, name, None)):
+            if func is not None:
+                register(func, partial(generic.trailing_op, func, k, reduces))
+    for name, (k, reduces) in TORCH_TRAILING.items():
+        for func in (getattr(torch, name, None), getattr(torch.Tensor, name, None), getattr(F, name, None)):
+            if func is not None:
+                register(func, partial(generic.trailing_op, func, k, reduces))
+    for name in F_EACH:
+        register(getattr(F, name, None), partial(generic.each, getattr(F, name, None)))
+    for name in TORCH_EACH:
+        for func in (getattr(torch, name, None), getattr(torch.Tensor, name, None)):
+            if func is not None:
+                register(func, partial(generic.each, func))
+    for name in F_BATCHED:
+        register(getattr(F, name, None), partial(generic.batched, getattr(F, name, None)))
+
+
+_register()
