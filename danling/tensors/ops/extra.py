@@ -155,7 +155,8 @@ def norm(func: Any, kind: str, input: NestedTensor, *args: Any, **kwargs: Any) -
     if None in edims:
         if len(edims) > 1:
             raise ValueError(f"a norm over the batch dim together with dims {dim} is not defined for a NestedTensor")
-        results = [torch.linalg.vector_norm(e, positional[0], **kwargs) for e in input._elements()]
+        order = 2 if positional[0] == "fro" else positional[0]
+        results = [torch.linalg.vector_norm(e, order, **kwargs) for e in input._elements()]
         out = torch.stack(results)
         return out.unsqueeze(0) if keepdim else out
     edims = sorted(edims)  # type: ignore[type-var]
