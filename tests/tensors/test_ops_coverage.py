@@ -172,7 +172,10 @@ CASES = {
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_matches_elements(name):
-    elements, nested_fn, element_fn, grad, dense = CASES[name]
+    _check(*CASES[name])
+
+
+def _check(elements, nested_fn, element_fn, grad, dense):
     expected = [element_fn(e) for e in elements]
     if isinstance(expected[0], tuple):  # several results: each is a NestedTensor of the per-element results
         output = nested_fn(NestedTensor(elements))
@@ -316,3 +319,53 @@ def test_multihead_attention_module_per_element():
         expected, expected_weights = attention(sequence[None], sequence[None], sequence[None])
         torch.testing.assert_close(output[i], expected[0], atol=1e-6, rtol=1e-5)
         torch.testing.assert_close(weights[i], expected_weights[0], atol=1e-6, rtol=1e-5)
+
+
+ALIASES = {
+    "logaddexp": (SEQ, lambda x: torch.logaddexp(x, x * 2), lambda e: torch.logaddexp(e, e * 2), True, False),
+    "vstack": (SEQ, lambda x: torch.vstack([x, x])[3:], lambda e: e, True, False),
+    "hstack": (SEQ, lambda x: torch.hstack([x, x]), lambda e: torch.cat([e, e]), True, False),
+    "hsplit": (SEQ, lambda x: torch.hsplit(x, 2), lambda e: torch.tensor_split(e, 2, dim=0), False, False),
+    "addmm": (
+        SEQ,
+        lambda x: torch.addmm(PROJECT[0], x, PROJECT),
+        lambda e: torch.addmm(PROJECT[0], e, PROJECT),
+        True,
+        False,
+    ),
+    "diagonal_linalg": (SQUARE, torch.linalg.diagonal, torch.linalg.diagonal, True, False),
+    "cdist": (SEQ, lambda x: torch.cdist(x, x), lambda e: torch.cdist(e, e), True, False),
+    "reshape_as": (SEQ, lambda x: x.reshape_as(x.flatten(1)), lambda e: e.flatten(), True, False),
+    "quantile_dim": (SEQ, lambda x: x.quantile(0.5, dim=1), lambda e: e.quantile(0.5, dim=0), True, True),
+    "aminmax": (SEQ, lambda x: torch.aminmax(x, dim=1), lambda e: torch.aminmax(e, dim=0), False, True),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ALIASES))
+def test_aliases_match_elements(name):
+    elements, nested_fn, element_fn, grad, dense = ALIASES[name]
+    if name == "aminmax":
+        low, high = nested_fn(NestedTensor(elements))
+        torch.testing.assert_close(low, torch.stack([element_fn(e).min for e in elements]))
+        torch.testing.assert_close(high, torch.stack([element_fn(e).max for e in elements]))
+        return
+    _check(elements, nested_fn, element_fn, grad, dense)
+
+
+def test_values_reductions_and_selection():
+    nt = NestedTensor(SEQ, padding_value=50.0)
+    flat = torch.cat(SEQ)
+    torch.testing.assert_close(torch.quantile(nt, 0.5), flat.flatten().quantile(0.5))
+    torch.testing.assert_close(torch.dist(nt, nt * 0), flat.norm())
+    longer = SEQ[:1] + SEQ[2:]  # std of a single row is undefined
+    std, mean = torch.std_mean(NestedTensor(longer), dim=1)
+    torch.testing.assert_close(mean, torch.stack([e.mean(0) for e in longer]))
+    torch.testing.assert_close(std, torch.stack([e.std(0) for e in longer]))
+    torch.testing.assert_close(torch.masked_select(nt, nt > 0), flat[flat > 0])
+    assert [t.shape for t in torch.unbind(nt)] == [e.shape for e in SEQ]
+    frac, exponent = torch.frexp(nt)
+    torch.testing.assert_close(torch.cat(list(frac * 2.0**exponent)), flat)
+    assert torch.numel(nt) == flat.numel() and torch.is_floating_point(nt)
+    copied = NestedTensor([torch.zeros_like(e) for e in SEQ])
+    copied.copy_(nt)
+    torch.testing.assert_close(copied.concat, flat)

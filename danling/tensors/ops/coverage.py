@@ -30,6 +30,10 @@ DIM_OPS: dict[str, tuple[int, object]] = {
     "chunk": (2, 0),
     "tensor_split": (2, 0),
     "split_with_sizes": (2, 0),
+    "unsafe_split": (2, 0),
+    "unsafe_chunk": (2, 0),
+    "unsafe_split_with_sizes": (2, 0),
+    "trapz": (2, -1),
     "gather": (1, None),
     "scatter": (1, None),
     "scatter_add": (1, None),
@@ -50,6 +54,8 @@ DIM_OPS: dict[str, tuple[int, object]] = {
     "glu": (1, -1),
 }
 REDUCING_DIM_OPS = {"kthvalue": (2, -1), "mode": (1, -1), "nanmedian": (1, None)}
+STACKS = {"vstack": 0, "row_stack": 0, "hstack": 1, "dstack": 2}  # cat along this NestedTensor dim
+SPLITS = {"vsplit": 0, "hsplit": 1, "dsplit": 2}  # tensor_split along this NestedTensor dim
 INPLACE_DIM_OPS = ["cumsum", "cumprod", "index_add", "index_copy", "index_fill", "scatter", "scatter_add"]
 INPLACE_DIM_OPS += ["scatter_reduce", "index_reduce", "renorm"]
 F_DIM_OPS = {"glu": (1, -1), "cosine_similarity": (2, 1), "gumbel_softmax": (4, -1)}
@@ -77,6 +83,15 @@ LINALG = {
     "cross": (1, False),
     "vecdot": (1, True),
     "diagonal": (2, False),
+    "cholesky_ex": (2, False),
+    "inv_ex": (2, False),
+    "lu": (2, False),
+    "lu_factor": (2, False),
+    "lu_factor_ex": (2, False),
+    "solve_ex": (2, False),
+    "solve_triangular": (2, False),
+    "ldl_factor": (2, False),
+    "householder_product": (2, False),
 }
 TORCH_LINALG = {"det": "det", "slogdet": "slogdet", "logdet": "logdet", "inverse": "inv", "pinverse": "pinv"}
 TORCH_LINALG.update({"matrix_exp": "matrix_exp", "matrix_power": "matrix_power", "cholesky": "cholesky"})
@@ -92,6 +107,7 @@ F_EACH += ["adaptive_max_pool1d", "adaptive_max_pool2d", "adaptive_max_pool3d"]
 F_EACH += ["adaptive_max_pool1d_with_indices", "adaptive_max_pool2d_with_indices", "adaptive_max_pool3d_with_indices"]
 F_EACH += ["lp_pool1d", "lp_pool2d", "lp_pool3d", "max_unpool1d", "max_unpool2d", "max_unpool3d"]
 F_EACH += ["fractional_max_pool2d", "fractional_max_pool3d", "pad", "pixel_shuffle", "pixel_unshuffle"]
+F_EACH += ["fractional_max_pool2d_with_indices", "fractional_max_pool3d_with_indices"]
 F_EACH += ["channel_shuffle", "native_channel_shuffle", "unfold", "fold", "pdist"]
 F_BATCHED = ["interpolate", "upsample", "upsample_nearest", "upsample_bilinear", "grid_sample", "group_norm"]
 F_BATCHED += ["instance_norm", "local_response_norm", "dropout1d", "dropout2d", "dropout3d"]
@@ -100,26 +116,45 @@ TORCH_EACH += ["avg_pool1d", "max_pool1d", "max_pool2d", "max_pool3d", "adaptive
 TORCH_EACH += ["pixel_shuffle", "pixel_unshuffle", "channel_shuffle", "constant_pad_nd", "pdist"]
 TORCH_EACH += ["kron", "inner", "outer", "ger", "dot", "vdot", "mv", "mm", "bmm", "tensordot"]
 TORCH_EACH += ["diag", "diagflat", "histogram", "corrcoef", "cov", "atleast_1d", "atleast_2d"]
+TORCH_EACH += ["addmm", "addmv", "addr", "baddbmm", "addbmm", "cdist", "cholesky_solve", "cholesky_inverse"]
+TORCH_EACH += ["triangular_solve", "lu_solve", "lu_unpack", "unique_consecutive", "gradient", "stft", "istft"]
+TORCH_EACH += ["multinomial", "nuclear_norm", "chain_matmul"]
 TORCH_EACH += ["atleast_3d", "fliplr", "flipud", "t", "adjoint", "vander", "cartesian_prod", "combinations"]
 
+PADDED_SIZES = "target sizes would be padded sizes, which elements do not have; expand each element"
+FLAT_INDICES = "flat indices address the padded batch, not the packed values; index elements instead"
+SOURCE_ORDER = "the source is consumed across elements in padded order; use masked assignment"
+NO_STRIDES = "strides of the padded batch do not exist: the storage is packed"
+BATCH_SORT = "msort sorts along the batch dim, across elements of different sizes"
+TILING = "tiling the padded batch would tile padding; tile the elements instead"
 UNDEFINED.update(
     {
         torch.Tensor.numpy: "elements differ in shape and a NumPy array is rectangular; use .tensor or .tolist()",
         torch.Tensor.storage: "the packed storage is internal; .concat is the packed values",
-        torch.msort: "msort sorts along the batch dim, across elements of different sizes",
-        torch.Tensor.msort: "msort sorts along the batch dim, across elements of different sizes",
-        torch.Tensor.expand: "target sizes would be padded sizes, which elements do not have; expand each element",
-        torch.Tensor.expand_as: "target sizes would be padded sizes, which elements do not have; expand each element",
+        torch.msort: BATCH_SORT,
+        torch.Tensor.msort: BATCH_SORT,
+        torch.Tensor.expand: PADDED_SIZES,
+        torch.Tensor.expand_as: PADDED_SIZES,
         torch.Tensor.repeat: "repeating the padded batch would repeat padding; repeat the elements instead",
-        torch.tile: "tiling the padded batch would tile padding; tile the elements instead",
-        torch.Tensor.tile: "tiling the padded batch would tile padding; tile the elements instead",
+        torch.tile: TILING,
+        torch.Tensor.tile: TILING,
         torch.Tensor.resize_: "element sizes are fixed by the data; build a new NestedTensor",
         torch.Tensor.set_: "the packed storage is internal; build a new NestedTensor",
-        torch.Tensor.as_strided: "strides of the padded batch do not exist: the storage is packed",
-        torch.as_strided: "strides of the padded batch do not exist: the storage is packed",
-        torch.Tensor.stride: "strides of the padded batch do not exist: the storage is packed",
+        torch.Tensor.as_strided: NO_STRIDES,
+        torch.as_strided: NO_STRIDES,
+        torch.Tensor.stride: NO_STRIDES,
         torch.block_diag: "elements are not matrices of one batch; use torch.block_diag(*nt.unbind())",
         torch.Tensor.unfold: "windows over the padded batch would include padding; use F.unfold on each element",
+        torch.broadcast_to: PADDED_SIZES,
+        torch.Tensor.broadcast_to: PADDED_SIZES,
+        torch.Tensor.sum_to_size: "target sizes would be padded sizes, which elements do not have",
+        torch.take: FLAT_INDICES,
+        torch.Tensor.take: FLAT_INDICES,
+        torch.Tensor.put_: FLAT_INDICES,
+        torch.Tensor.put: FLAT_INDICES,
+        torch.Tensor.masked_scatter: SOURCE_ORDER,
+        torch.Tensor.masked_scatter_: SOURCE_ORDER,
+        torch.masked_scatter: SOURCE_ORDER,
     }
 )
 
@@ -160,6 +195,41 @@ def _register() -> None:
                 register(func, partial(generic.each, func))
     for name in F_BATCHED:
         register(getattr(F, name, None), partial(generic.batched, getattr(F, name, None)))
+    _register_aliases()
+
+
+def _register_aliases() -> None:
+    from . import functional
+    from .extra import aminmax, dist, masked_select, quantile, reshape_as, std_var_mean, unbind
+
+    for name, dim in STACKS.items():
+        register(getattr(torch, name), partial(_stacked, dim))
+    for name, dim in SPLITS.items():
+        for func in (getattr(torch, name), getattr(torch.Tensor, name)):
+            register(func, partial(_split, dim))
+    register((torch.linalg.matmul,), functional.matmul)
+    register((torch.linalg.multi_dot,), partial(generic.each, torch.linalg.multi_dot))
+    register((torch.embedding,), lambda weight, input, *args: functional.embedding(input, weight, *args))
+    register((torch.unbind, torch.Tensor.unbind), unbind)
+    register((torch.masked_select, torch.Tensor.masked_select), masked_select)
+    register((torch.aminmax, torch.Tensor.aminmax), aminmax)
+    register((torch.std_mean,), partial(std_var_mean, "std"))
+    register((torch.var_mean,), partial(std_var_mean, "var"))
+    for func in (torch.quantile, torch.Tensor.quantile, torch.nanquantile, torch.Tensor.nanquantile):
+        register(func, partial(quantile, func))
+    register((torch.dist, torch.Tensor.dist), dist)
+    register((torch.Tensor.reshape_as,), partial(reshape_as, "reshape"))
+    register((torch.Tensor.view_as,), partial(reshape_as, "view"))
+
+
+def _stacked(dim: int, tensors: list) -> object:
+    from .functional import cat
+
+    return cat(tensors, dim)
+
+
+def _split(dim: int, input: object, sections: object) -> object:
+    return generic.dim_op(torch.tensor_split, 2, None, input, sections, dim)
 
 
 _register()

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from ..nested_tensor import NestedTensor
 from .common import Misaligned, align, first_nested, per_element, plain
-from .registry import GETTERS, register, torch_variants
+from .registry import GETTERS, HANDLERS, register, torch_variants
 
 UNARY = [
     "abs",
@@ -90,6 +90,12 @@ UNARY = [
     "positive",
     "conj",
     "relu",
+    "conj_physical",
+    "resolve_conj",
+    "resolve_neg",
+    "mvlgamma",
+    "poisson",
+    "frexp",
 ]
 BINARY = [
     "add",
@@ -139,6 +145,19 @@ BINARY = [
     "addcdiv",
     "masked_fill",
     "isclose",
+    "logaddexp",
+    "logaddexp2",
+    "gcd",
+    "lcm",
+    "ldexp",
+    "nextafter",
+    "igamma",
+    "igammac",
+    "rsub",
+    "polygamma",
+    "binomial",
+    "complex",
+    "polar",
 ]
 DUNDERS = [
     "add",
@@ -220,6 +239,8 @@ CONVERSIONS = [
     "retain_grad",
     "share_memory_",
     "record_stream",
+    "copy_",
+    "chalf",
 ]
 LIKE = ["zeros_like", "ones_like", "full_like", "empty_like", "rand_like", "randn_like", "randint_like"]
 ACTIVATIONS = [
@@ -305,6 +326,8 @@ def elementwise(func: Any, *args: Any, **kwargs: Any) -> Any:
         return args[0]
     if out is None:  # e.g. retain_grad
         return None
+    if isinstance(out, tuple):  # several element-wise results (frexp)
+        return type(out)([ref._derive(plain(o)) for o in out])
     if isinstance(out, Tensor) and out.dim() == ref._values.dim() > 0 and out.shape[0] == ref._values.shape[0]:
         return ref._derive(plain(out))
     if out is NotImplemented:
@@ -383,6 +406,14 @@ def _register() -> None:
     GETTERS["is_nested"] = lambda nt: False
     GETTERS["names"] = lambda nt: (None,) * nt.ndim
     GETTERS["data"] = lambda nt: nt._derive(nt._values.data, nt._shapes)
+    GETTERS["real"] = lambda nt: nt._derive(nt._values.real, nt._shapes)
+    GETTERS["imag"] = lambda nt: nt._derive(nt._values.imag, nt._shapes)
+    GETTERS["mH"] = lambda nt: nt.mT.conj()
+    GETTERS["H"] = lambda nt: nt.T.conj()
+    for name in ("is_floating_point", "is_complex", "is_signed", "is_nonzero", "numel", "get_device", "is_conj"):
+        for func in (getattr(torch, name, None), getattr(torch.Tensor, name, None)):
+            if func is not None and func not in HANDLERS:
+                register(func, partial(_values_call, func))
     register((torch.allclose, torch.Tensor.allclose), partial(_allclose, torch.allclose))
     register((torch.equal, torch.Tensor.equal), _equal)
     register(torch.where, _where)

@@ -169,6 +169,57 @@ def norm(func: Any, kind: str, input: NestedTensor, *args: Any, **kwargs: Any) -
     return reduction._stack(results, input, edims, keepdim)
 
 
+def unbind(input: NestedTensor, dim: int = 0) -> tuple[Tensor, ...]:
+    return input.unbind(dim)
+
+
+def masked_select(input: NestedTensor, mask: Any) -> Tensor:
+    """The real values where ``mask`` holds, in the order ``input.tensor.masked_select`` gives them."""
+    if not isinstance(mask, NestedTensor) and mask.shape != input.shape:
+        mask = torch.broadcast_to(plain(mask), input.shape)
+    out = input[mask]
+    return out if isinstance(out, NestedTensor) else out.reshape(-1)
+
+
+def aminmax(input: NestedTensor, *, dim: int | None = None, keepdim: bool = False) -> Any:
+    low, high = reduction.reduce("amin", input, dim, keepdim), reduction.reduce("amax", input, dim, keepdim)
+    return torch.return_types.aminmax((low, high))
+
+
+def std_var_mean(name: str, input: NestedTensor, dim: Any = None, *args: Any, **kwargs: Any) -> tuple:
+    keepdim = kwargs.pop("keepdim", False)
+    spread = reduction.reduce(name, input, dim, keepdim, *args, **kwargs)
+    return spread, reduction.reduce("mean", input, dim, keepdim)
+
+
+def quantile(
+    func: Any, input: NestedTensor, q: Any, dim: int | None = None, keepdim: bool = False, **kwargs: Any
+) -> Any:
+    """Quantiles of all real values (``dim=None``) or of each element along ``dim``."""
+    if dim is None:
+        out = func(input._values.reshape(-1), q, **kwargs)
+        return out.reshape(*out.shape, *[1] * input.ndim) if keepdim else out
+    from .generic import reducing_dim_op
+
+    return reducing_dim_op(lambda e, q_, dim: func(e, q_, dim, keepdim, **kwargs), 2, None, input, q, dim)
+
+
+def dist(input: Any, other: Any, p: float = 2) -> Tensor:
+    """The p-norm of ``input - other`` over all real values."""
+    from .elementwise import elementwise
+
+    return torch.linalg.vector_norm(elementwise(torch.sub, input, other)._values, p)
+
+
+def reshape_as(method: str, input: NestedTensor, other: Any) -> NestedTensor:
+    """Reshape every element like the matching element of ``other`` (a NestedTensor), or to ``other.shape``."""
+    if not isinstance(other, NestedTensor):
+        return getattr(input, method)(other.shape)
+    if len(other) != len(input):
+        raise ValueError(f"NestedTensor batch sizes differ: {len(input)} and {len(other)}")
+    return input._from_elements([getattr(e, method)(s) for e, s in zip(input._elements(), other._shapes)])
+
+
 def _where(condition: Any, input: Any = None, other: Any = None) -> Any:
     if input is None and other is None:  # torch.where(condition) is nonzero(condition, as_tuple=True)
         return nonzero(condition, as_tuple=True)
