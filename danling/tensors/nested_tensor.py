@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 from . import layout, methods, views
+from .compile import opaque_to_dynamo
 from .ops import registry
 
 
@@ -420,3 +421,6 @@ def _format_element(element: Tensor) -> str:
 def _rebuild(values: Tensor, shapes: layout.Shapes, flags: tuple) -> NestedTensor:
     batch_first, padding_value, mask_value = flags
     return NestedTensor._make(values, shapes, None, None, batch_first, padding_value, mask_value)
+
+
+opaque_to_dynamo(NestedTensor, methods.NestedTensorMethods, views.NestedTensorViews)
