@@ -322,6 +322,49 @@ def test_multihead_attention_module_per_element():
 
 
 ALIASES = {
+    "conv1d_strided": (
+        CHANNELS,
+        lambda x: F.conv1d(x, W1, stride=2, padding=2, dilation=2),
+        lambda e: F.conv1d(e, W1, stride=2, padding=2, dilation=2),
+        True,
+        False,
+    ),
+    "conv1d_same": (
+        CHANNELS,
+        lambda x: F.conv1d(x, W1, padding="same"),
+        lambda e: F.conv1d(e, W1, padding="same"),
+        True,
+        False,
+    ),
+    "conv_transpose2d": (
+        IMAGES,
+        lambda x: F.conv_transpose2d(x, W2.transpose(0, 1), stride=2, output_padding=1),
+        lambda e: F.conv_transpose2d(e, W2.transpose(0, 1), stride=2, output_padding=1),
+        True,
+        False,
+    ),
+    "max_pool1d_ceil": (
+        CHANNELS,
+        lambda x: F.max_pool1d(x, 3, 2, padding=1, ceil_mode=True),
+        lambda e: F.max_pool1d(e, 3, 2, padding=1, ceil_mode=True),
+        True,
+        False,
+    ),
+    "max_pool2d": (
+        IMAGES,
+        lambda x: F.max_pool2d(x, 2, ceil_mode=True),
+        lambda e: F.max_pool2d(e, 2, ceil_mode=True),
+        True,
+        False,
+    ),
+    "max_pool2d_indices": (
+        IMAGES,
+        lambda x: F.max_pool2d(x, 2, return_indices=True),
+        lambda e: F.max_pool2d(e, 2, return_indices=True),
+        False,
+        False,
+    ),
+    "nn_conv1d": (CHANNELS, torch.nn.Conv1d(2, 3, 3, padding=1, dtype=torch.float64), None, True, False),
     "logaddexp": (SEQ, lambda x: torch.logaddexp(x, x * 2), lambda e: torch.logaddexp(e, e * 2), True, False),
     "vstack": (SEQ, lambda x: torch.vstack([x, x])[3:], lambda e: e, True, False),
     "hstack": (SEQ, lambda x: torch.hstack([x, x]), lambda e: torch.cat([e, e]), True, False),
@@ -344,6 +387,7 @@ ALIASES = {
 @pytest.mark.parametrize("name", sorted(ALIASES))
 def test_aliases_match_elements(name):
     elements, nested_fn, element_fn, grad, dense = ALIASES[name]
+    element_fn = element_fn or nested_fn
     if name == "aminmax":
         low, high = nested_fn(NestedTensor(elements))
         torch.testing.assert_close(low, torch.stack([element_fn(e).min for e in elements]))

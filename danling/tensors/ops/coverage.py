@@ -99,8 +99,8 @@ TORCH_LINALG.update({"qr": "qr", "svd": "svd", "trace": "trace", "diag_embed": "
 TORCH_TRAILING = {"trace": (2, True), "diag_embed": (1, False), "tril": (2, False), "triu": (2, False)}
 TORCH_TRAILING.update({"pairwise_distance": (1, True)})
 
-F_EACH = ["conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d"]
-F_EACH += ["avg_pool1d", "avg_pool2d", "avg_pool3d", "max_pool1d", "max_pool2d", "max_pool3d"]
+# conv*, conv_transpose* and max_pool* run on a padded batch: see danling.tensors.ops.conv
+F_EACH = ["avg_pool1d", "avg_pool2d", "avg_pool3d"]
 F_EACH += ["max_pool1d_with_indices", "max_pool2d_with_indices", "max_pool3d_with_indices"]
 F_EACH += ["adaptive_avg_pool1d", "adaptive_avg_pool2d", "adaptive_avg_pool3d"]
 F_EACH += ["adaptive_max_pool1d", "adaptive_max_pool2d", "adaptive_max_pool3d"]
@@ -111,7 +111,7 @@ F_EACH += ["fractional_max_pool2d_with_indices", "fractional_max_pool3d_with_ind
 F_EACH += ["channel_shuffle", "native_channel_shuffle", "unfold", "fold", "pdist"]
 F_BATCHED = ["interpolate", "upsample", "upsample_nearest", "upsample_bilinear", "grid_sample", "group_norm"]
 F_BATCHED += ["instance_norm", "local_response_norm", "dropout1d", "dropout2d", "dropout3d"]
-TORCH_EACH = ["conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d"]
+TORCH_EACH = ["conv_transpose1d", "conv_transpose2d", "conv_transpose3d"]
 TORCH_EACH += ["avg_pool1d", "max_pool1d", "max_pool2d", "max_pool3d", "adaptive_avg_pool1d", "adaptive_max_pool1d"]
 TORCH_EACH += ["pixel_shuffle", "pixel_unshuffle", "channel_shuffle", "constant_pad_nd", "pdist"]
 TORCH_EACH += ["kron", "inner", "outer", "ger", "dot", "vdot", "mv", "mm", "bmm", "tensordot"]
