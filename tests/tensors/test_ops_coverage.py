@@ -322,6 +322,27 @@ def test_multihead_attention_module_per_element():
 
 
 ALIASES = {
+    "interpolate_nearest_2d": (
+        IMAGES,
+        lambda x: F.interpolate(x, scale_factor=(1.5, 2.0)),
+        lambda e: F.interpolate(e[None], scale_factor=(1.5, 2.0))[0],
+        True,
+        False,
+    ),
+    "interpolate_bilinear": (
+        IMAGES,
+        lambda x: F.interpolate(x, scale_factor=2.5, mode="bilinear"),
+        lambda e: F.interpolate(e[None], scale_factor=2.5, mode="bilinear")[0],
+        True,
+        False,
+    ),
+    "interpolate_size": (
+        CHANNELS,
+        lambda x: F.interpolate(x, size=6, mode="linear", align_corners=True),
+        lambda e: F.interpolate(e[None], size=6, mode="linear", align_corners=True)[0],
+        True,
+        False,
+    ),
     "conv1d_strided": (
         CHANNELS,
         lambda x: F.conv1d(x, W1, stride=2, padding=2, dilation=2),

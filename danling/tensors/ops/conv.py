@@ -37,8 +37,43 @@ def _padded(nt: NestedTensor, fill: float) -> Tensor:
 
 
 def _crop(out: Tensor, nt: NestedTensor, sizes: list[tuple[int, ...]]) -> NestedTensor:
-    rows = [row[(slice(None), *[slice(0, s) for s in size])] for row, size in zip(out, sizes)]
-    return nt._from_elements(rows)
+    """Keep each element's ``(C, *size)`` corner of a batch-first padded result (one gather, no per-row copies)."""
+    shapes = tuple(torch.Size((out.shape[1], *size)) for size in sizes)
+    permutation, ragged = layout.canonical(shapes)
+    rmask = layout.ragged_mask(shapes, permutation, ragged, out.device)
+    return nt._derive(layout.from_padded(out, shapes, permutation, ragged, rmask), shapes)
+
+
+def _edge_padded(nt: NestedTensor, spatial: int) -> Tensor:
+    """The batch padded by repeating each element's last value along every spatial dim."""
+    out = _padded(nt, 0)
+    for d in range(spatial):
+        size = out.shape[2 + d]
+        last = torch.tensor([s[1 + d] - 1 for s in nt._shapes], device=out.device)
+        index = torch.minimum(torch.arange(size, device=out.device).view(1, -1), last.view(-1, 1))
+        view = [len(nt)] + [1] * (out.dim() - 1)
+        view[2 + d] = size
+        out = out.gather(2 + d, index.view(view).expand_as(out))
+    return out
+
+
+def interpolate(
+    func: Any, input: Any, size: Any = None, scale_factor: Any = None, mode: str = "nearest", *args: Any, **kw: Any
+) -> Any:
+    """``F.interpolate`` by scale factor on an edge-padded batch (exact: samples past an element's end
+    are clamped to its last value, as alone); by size, or with corner alignment / antialiasing, per element."""
+    align = kw.get("align_corners", args[0] if args else None)
+    exact = size is None and scale_factor is not None and not align and not kw.get("antialias", False) and not args
+    exact = exact and mode in ("nearest", "linear", "bilinear", "trilinear") and not kw.get("recompute_scale_factor")
+    if not isinstance(input, NestedTensor) or not exact:
+        from .generic import batched
+
+        return batched(func, input, size, scale_factor, mode, *args, **kw)
+    spatial = input.ndim - 2
+    scales = _tuple(scale_factor, spatial)
+    out = func(_edge_padded(input, spatial), None, scale_factor, mode, **kw)
+    sizes = [tuple(floor(s[1 + d] * scales[d]) for d in range(spatial)) for s in input._shapes]
+    return _crop(out, input, sizes)
 
 
 def conv(
@@ -106,6 +141,7 @@ def _register() -> None:
         transposed = getattr(F, f"conv_transpose{n}d")
         register(transposed, partial(conv, transposed, n, True))
         register(getattr(F, f"max_pool{n}d"), partial(max_pool, getattr(F, f"max_pool{n}d"), n))
+    register((F.interpolate,), partial(interpolate, F.interpolate))
 
 
 _register()
