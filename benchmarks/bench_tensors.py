@@ -170,7 +170,7 @@ def _op_data(seed: int = 0) -> dict:
         "conv": torch.randn(32, 16, 3, generator=generator),
         "head": torch.nn.Linear(EMBED, 10),
         "lstm": torch.nn.LSTM(EMBED, EMBED, batch_first=True),
-        "attention": torch.nn.MultiheadAttention(EMBED, 4, batch_first=True),
+        "attention": torch.nn.MultiheadAttention(EMBED, 4, batch_first=True),  # training mode, as in a train step
         "project": torch.randn(EMBED, EMBED, generator=generator),
     }
 
