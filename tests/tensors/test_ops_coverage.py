@@ -292,7 +292,13 @@ def test_rnn_modules_run_each_sequence(cell, bidirectional):
     torch.manual_seed(0)
     rnn = cell(4, 3, num_layers=2, batch_first=True, bidirectional=bidirectional)
     sequences = [torch.randn(n, 4) for n in (5, 2, 3)]
-    output, state = rnn(NestedTensor(sequences))
+    leaves = [s.clone().requires_grad_() for s in sequences]
+    output, state = rnn(NestedTensor(leaves))
+    output.sum().backward()
+    for leaf, sequence in zip(leaves, sequences):
+        alone = sequence.clone().requires_grad_()
+        rnn(alone[None])[0].sum().backward()
+        torch.testing.assert_close(leaf.grad, alone.grad, atol=1e-6, rtol=1e-5)
     states = state if isinstance(state, tuple) else (state,)
     for i, sequence in enumerate(sequences):
         expected, expected_state = rnn(sequence[None])
@@ -434,3 +440,19 @@ def test_values_reductions_and_selection():
     copied = NestedTensor([torch.zeros_like(e) for e in SEQ])
     copied.copy_(nt)
     torch.testing.assert_close(copied.concat, flat)
+
+
+def test_dims_follow_batch_second_layout():
+    nt = NestedTensor(SEQ, batch_first=False)  # (L, B, D): the sequence is dim 0
+    for actual, e in zip(nt.sort(dim=0).values, SEQ):
+        torch.testing.assert_close(actual, e.sort(dim=0).values)
+    for actual, e in zip(torch.cumsum(nt, 2), SEQ):
+        torch.testing.assert_close(actual, e.cumsum(1))
+    first, second = torch.split(nt, [2, 1], dim=1)  # dim 1 is the batch here
+    assert len(first) == 2 and len(second) == 1
+    rnn = torch.nn.GRU(4, 3, dtype=torch.float64)  # batch_first=False matches the NestedTensor
+    output, state = rnn(nt)
+    for i, e in enumerate(SEQ):
+        expected, expected_state = rnn(e[:, None])
+        torch.testing.assert_close(output[i], expected[:, 0])
+        torch.testing.assert_close(state[:, i], expected_state[:, 0])
