@@ -456,3 +456,57 @@ def test_dims_follow_batch_second_layout():
         expected, expected_state = rnn(e[:, None])
         torch.testing.assert_close(output[i], expected[:, 0])
         torch.testing.assert_close(state[:, i], expected_state[:, 0])
+
+
+(BILINEAR,) = batch((2, 4, 4), seed=2)
+MORE = {
+    "prelu": (CHANNELS, lambda x: F.prelu(x, PROJECT[0]), lambda e: F.prelu(e[None], PROJECT[0])[0], True, False),
+    "bilinear": (SEQ, lambda x: F.bilinear(x, x * 2, BILINEAR), lambda e: F.bilinear(e, e * 2, BILINEAR), True, False),
+    "bilinear_ragged": (
+        batch((2, 3), (4, 3)),
+        lambda x: F.bilinear(x, x.flip(1), SQUARE[0]),
+        lambda e: F.bilinear(e, e.flip(0), SQUARE[0]),
+        True,
+        False,
+    ),
+    "diagonal": (SQUARE, lambda x: x.diagonal(dim1=-2, dim2=-1), lambda e: e.diagonal(dim1=-2, dim2=-1), True, False),
+    "tril": (SQUARE, torch.tril, torch.tril, True, False),
+    "view_as_real": (
+        SEQ,
+        lambda x: torch.view_as_real(x.to(torch.complex128)),
+        lambda e: torch.view_as_real(e.to(torch.complex128)),
+        False,
+        False,
+    ),
+    "linear_cross_entropy": (
+        SEQ,
+        lambda x: F.linear_cross_entropy(
+            x, PROJECT.T, NestedTensor([torch.zeros(n, dtype=torch.long) for n in (3, 1, 5)])
+        ),
+        None,
+        True,
+        True,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MORE))
+def test_more_ops_match_elements(name):
+    elements, nested_fn, element_fn, grad, dense = MORE[name]
+    if element_fn is None:  # a loss: the mean over every real position of the batch
+        flat = torch.cat(elements)
+        expected = F.linear_cross_entropy(flat, PROJECT.T, torch.zeros(len(flat), dtype=torch.long))
+        torch.testing.assert_close(nested_fn(NestedTensor(elements)), expected)
+        return
+    _check(elements, nested_fn, element_fn, grad, dense)
+
+
+def test_in_place_tril_and_index_put():
+    nt = NestedTensor([e.clone() for e in SQUARE])
+    nt.tril_()
+    for actual, e in zip(nt, SQUARE):
+        torch.testing.assert_close(actual, e.tril())
+    seq = NestedTensor([e.clone() for e in SEQ])
+    mask = seq.mask
+    seq.index_put_((mask,), torch.tensor(0.0, dtype=torch.float64))
+    assert seq.concat.abs().sum() == 0

@@ -58,6 +58,7 @@ STACKS = {"vstack": 0, "row_stack": 0, "hstack": 1, "dstack": 2}  # cat along th
 SPLITS = {"vsplit": 0, "hsplit": 1, "dsplit": 2}  # tensor_split along this NestedTensor dim
 INPLACE_DIM_OPS = ["cumsum", "cumprod", "index_add", "index_copy", "index_fill", "scatter", "scatter_add"]
 INPLACE_DIM_OPS += ["scatter_reduce", "index_reduce", "renorm"]
+INPLACE_TRAILING = {"tril_": "tril", "triu_": "triu"}
 F_DIM_OPS = {"glu": (1, -1), "cosine_similarity": (2, 1), "gumbel_softmax": (4, -1)}
 
 # linear algebra on the last k dims: name -> (k, reduces the k dims away)
@@ -97,7 +98,7 @@ TORCH_LINALG = {"det": "det", "slogdet": "slogdet", "logdet": "logdet", "inverse
 TORCH_LINALG.update({"matrix_exp": "matrix_exp", "matrix_power": "matrix_power", "cholesky": "cholesky"})
 TORCH_LINALG.update({"qr": "qr", "svd": "svd", "trace": "trace", "diag_embed": "diag_embed"})
 TORCH_TRAILING = {"trace": (2, True), "diag_embed": (1, False), "tril": (2, False), "triu": (2, False)}
-TORCH_TRAILING.update({"pairwise_distance": (1, True)})
+TORCH_TRAILING.update({"pairwise_distance": (1, True), "view_as_real": (0, False), "view_as_complex": (1, False)})
 
 # conv*, conv_transpose* and max_pool* run on a padded batch: see danling.tensors.ops.conv
 F_EACH = ["avg_pool1d", "avg_pool2d", "avg_pool3d"]
@@ -110,7 +111,7 @@ F_EACH += ["fractional_max_pool2d", "fractional_max_pool3d", "pad", "pixel_shuff
 F_EACH += ["fractional_max_pool2d_with_indices", "fractional_max_pool3d_with_indices"]
 F_EACH += ["channel_shuffle", "native_channel_shuffle", "unfold", "fold", "pdist"]
 F_BATCHED = ["upsample", "upsample_nearest", "upsample_bilinear", "grid_sample", "group_norm"]
-F_BATCHED += ["instance_norm", "local_response_norm", "dropout1d", "dropout2d", "dropout3d"]
+F_BATCHED += ["prelu", "instance_norm", "local_response_norm", "dropout1d", "dropout2d", "dropout3d"]
 TORCH_EACH = ["conv_transpose1d", "conv_transpose2d", "conv_transpose3d"]
 TORCH_EACH += ["avg_pool1d", "max_pool1d", "max_pool2d", "max_pool3d", "adaptive_avg_pool1d", "adaptive_max_pool1d"]
 TORCH_EACH += ["pixel_shuffle", "pixel_unshuffle", "channel_shuffle", "constant_pad_nd", "pdist"]
@@ -187,6 +188,9 @@ def _register() -> None:
         for func in (getattr(torch, name, None), getattr(torch.Tensor, name, None), getattr(F, name, None)):
             if func is not None:
                 register(func, partial(generic.trailing_op, func, k, reduces))
+    for name, base in INPLACE_TRAILING.items():
+        out_of_place = partial(generic.trailing_op, getattr(torch.Tensor, base), 2, False)
+        register(getattr(torch.Tensor, name), partial(generic.in_place, out_of_place))
     for name in F_EACH:
         register(getattr(F, name, None), partial(generic.each, getattr(F, name, None)))
     for name in TORCH_EACH:

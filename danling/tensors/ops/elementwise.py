@@ -96,6 +96,8 @@ UNARY = [
     "mvlgamma",
     "poisson",
     "frexp",
+    "real",
+    "imag",
 ]
 BINARY = [
     "add",

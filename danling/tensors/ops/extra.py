@@ -10,6 +10,7 @@ from functools import partial
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from ..indexing import _valid
@@ -220,6 +221,33 @@ def reshape_as(method: str, input: NestedTensor, other: Any) -> NestedTensor:
     return input._from_elements([getattr(e, method)(s) for e, s in zip(input._elements(), other._shapes)])
 
 
+def bilinear(input1: Any, input2: Any, weight: Tensor, bias: Tensor | None = None) -> Any:
+    """``F.bilinear`` on the last dim: once on the packed values when both inputs share their layout."""
+    if isinstance(input1, NestedTensor) and isinstance(input2, NestedTensor) and input1._shapes == input2._shapes:
+        out = F.bilinear(input1._values, input2._values, plain(weight), None if bias is None else plain(bias))
+        shapes = tuple(torch.Size((*s[:-1], out.shape[-1])) for s in input1._shapes)
+        if out.shape[0] == input1._values.shape[0] and input1._values.dim() == out.dim():
+            return input1._derive(out, shapes)
+    return per_element(F.bilinear, (input1, input2, weight, bias), {}, split_dense=False)
+
+
+def diagonal(input: NestedTensor, offset: int = 0, dim1: int = 0, dim2: int = 1) -> NestedTensor:
+    """Diagonals of every element over two element dims (NestedTensor dims; the batch dim cannot be one)."""
+    first, second = input._element_dim(dim1), input._element_dim(dim2)
+    if first is None or second is None:
+        raise ValueError(f"diagonal over the batch dim of a NestedTensor is not defined (dims {dim1}, {dim2})")
+    return per_element(lambda e: torch.diagonal(e, offset, first, second), (input,), {}, input)
+
+
+def index_put(inplace: bool, input: NestedTensor, indices: Any, values: Any, accumulate: bool = False) -> NestedTensor:
+    """``index_put``: assignment at ``indices`` as ``input[indices] = values`` would do it."""
+    if accumulate:
+        raise TypeError("NestedTensor.index_put with accumulate=True is not supported: use the elements")
+    target = input if inplace else input.clone()
+    target[tuple(indices)] = values
+    return target
+
+
 def _where(condition: Any, input: Any = None, other: Any = None) -> Any:
     if input is None and other is None:  # torch.where(condition) is nonzero(condition, as_tuple=True)
         return nonzero(condition, as_tuple=True)
@@ -248,6 +276,10 @@ def _register() -> None:
     register((torch.where,), _where)
     register((torch.ravel, torch.Tensor.ravel), _ravel)
     register((torch.Tensor.item,), _item)
+    register((F.bilinear,), bilinear)
+    register((torch.diagonal, torch.Tensor.diagonal), diagonal)
+    register((torch.index_put, torch.Tensor.index_put), partial(index_put, False))
+    register((torch.Tensor.index_put_,), partial(index_put, True))
     for func in (torch.histc, torch.Tensor.histc, torch.bincount, torch.Tensor.bincount):
         register(func, partial(values_only, func))
     norms = {

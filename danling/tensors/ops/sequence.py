@@ -76,6 +76,17 @@ def loss(func: Any, names: tuple[str, ...], *args: Any, **kwargs: Any) -> Any:
     return out
 
 
+def linear_cross_entropy(input: Any, linear_weight: Tensor, target: Any, **kwargs: Any) -> Any:
+    """``F.linear_cross_entropy`` over real positions: ``linear_weight`` is a layer, not an operand."""
+    return loss(
+        lambda i, t, **kw: F.linear_cross_entropy(i, plain(linear_weight), t, **kw),
+        ("input", "target"),
+        input,
+        target,
+        **kwargs,
+    )
+
+
 def ctc_loss(
     log_probs: NestedTensor,
     targets: Any,
@@ -167,6 +178,8 @@ def _register() -> None:
     for name, names in LOSS_OPERANDS.items():
         register(getattr(F, name), partial(loss, getattr(F, name), names))
     register((F.ctc_loss,), ctc_loss)
+    if hasattr(F, "linear_cross_entropy"):
+        register((F.linear_cross_entropy,), linear_cross_entropy)
     register((F.batch_norm,), batch_norm)
     register((F.embedding_bag,), embedding_bag)
     for name in ("lstm", "gru", "rnn_tanh", "rnn_relu"):
