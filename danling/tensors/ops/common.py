@@ -120,6 +120,17 @@ def per_element(
     return nest_results(results, ref)
 
 
+def rebuild(like: Any, items: Sequence[Any]) -> Any:
+    """A container of the kind of ``like`` (tuple, list, named tuple, torch.return_types) holding ``items``."""
+    if hasattr(like, "_fields"):
+        return type(like)(*items)
+    if isinstance(like, list):
+        return list(items)
+    if type(like).__module__ == "torch.return_types":
+        return type(like)(items)
+    return tuple(items)
+
+
 def nest_results(results: list[Any], ref: NestedTensor) -> Any:
     """Nest per-element results (tuples of results become tuples of NestedTensors)."""
     if results and isinstance(results[0], (tuple, list)) and not isinstance(results[0], Tensor):
@@ -129,10 +140,7 @@ def nest_results(results: list[Any], ref: NestedTensor) -> Any:
                 "so they cannot be nested; apply it to the elements (.unbind()) instead"
             )
         columns = list(zip(*results))
-        nested = [nest_results(list(col), ref) for col in columns]
-        if hasattr(results[0], "_fields") or type(results[0]).__module__ == "torch.return_types":
-            return type(results[0])(nested)
-        return type(results[0])(nested) if isinstance(results[0], list) else tuple(nested)
+        return rebuild(results[0], [nest_results(list(col), ref) for col in columns])
     if results and not isinstance(results[0], Tensor):
         if all(r is None for r in results):
             return None

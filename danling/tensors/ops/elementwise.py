@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..nested_tensor import NestedTensor
-from .common import Misaligned, align, first_nested, per_element, plain
+from .common import Misaligned, align, first_nested, per_element, plain, rebuild
 from .registry import GETTERS, HANDLERS, register, torch_variants
 
 UNARY = [
@@ -329,7 +329,7 @@ def elementwise(func: Any, *args: Any, **kwargs: Any) -> Any:
     if out is None:  # e.g. retain_grad
         return None
     if isinstance(out, tuple):  # several element-wise results (frexp)
-        return type(out)([ref._derive(plain(o)) for o in out])
+        return rebuild(out, [ref._derive(plain(o)) for o in out])
     if isinstance(out, Tensor) and out.dim() == ref._values.dim() > 0 and out.shape[0] == ref._values.shape[0]:
         return ref._derive(plain(out))
     if out is NotImplemented:

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from ..nested_tensor import NestedTensor
-from .common import first_nested, per_element, plain, stack_or_nest, static_position, trailing_static
+from .common import first_nested, per_element, plain, rebuild, stack_or_nest, static_position, trailing_static
 from .registry import func_name
 
 BATCH_SPLITS = {"split", "chunk", "tensor_split", "split_with_sizes"}
@@ -44,11 +44,7 @@ def _wrap_packed(out: Any, ref: NestedTensor) -> Any:
         return ref._derive(plain(out)) if fits else None
     if isinstance(out, (tuple, list)):
         wrapped = [_wrap_packed(o, ref) for o in out]
-        if any(w is None for w in wrapped):
-            return None
-        if hasattr(out, "_fields") or type(out).__module__ == "torch.return_types":
-            return type(out)(wrapped)
-        return type(out)(wrapped) if isinstance(out, list) else tuple(wrapped)
+        return None if any(w is None for w in wrapped) else rebuild(out, wrapped)
     return None
 
 
@@ -126,7 +122,7 @@ def reducing_dim_op(func: Callable, position: int, default: Any, *args: Any, **k
     results = [func(e, *new_args[1:], **new_kwargs) for e in nt._elements()]
     if isinstance(results[0], tuple):
         columns = [[r[i] for r in results] for i in range(len(results[0]))]
-        return type(results[0])([stack_or_nest(c, nt) for c in columns])
+        return rebuild(results[0], [stack_or_nest(c, nt) for c in columns])
     return stack_or_nest(results, nt)
 
 
@@ -151,12 +147,7 @@ def trailing_op(func: Callable, k: int, reduces: bool, *args: Any, **kwargs: Any
 
 def _trailing_wrap(out: Any, nt: NestedTensor, k: int, keep: int) -> Any:
     if isinstance(out, (tuple, list)):
-        wrapped = [_trailing_wrap(o, nt, k, keep) for o in out]
-        return (
-            type(out)(wrapped)
-            if hasattr(out, "_fields") or type(out).__module__ == "torch.return_types"
-            else tuple(wrapped)
-        )
+        return rebuild(out, [_trailing_wrap(o, nt, k, keep) for o in out])
     tail = tuple(out.shape[keep:])
     shapes = tuple(torch.Size((*s[: len(s) - k], *tail)) for s in nt._shapes)
     return nt._derive(plain(out), shapes)
@@ -170,12 +161,7 @@ def _densify(result: Any) -> Any:
             return torch.stack(list(result._elements())) if result._batch_first else result.tensor
         return result
     if isinstance(result, (tuple, list)):
-        items = [_densify(r) for r in result]
-        return (
-            type(result)(items)
-            if hasattr(result, "_fields") or type(result).__module__ == "torch.return_types"
-            else tuple(items)
-        )
+        return rebuild(result, [_densify(r) for r in result])
     return result
 
 
