@@ -177,3 +177,18 @@ def test_in_place_tril_and_index_put():
     mask = seq.mask
     seq.index_put_((mask,), torch.tensor(0.0, dtype=torch.float64))
     assert seq.concat.abs().sum() == 0
+
+
+def test_expand_repeat_tile_take_full_shapes():
+    elements = [torch.randn(n, 1, dtype=torch.float64) for n in (3, 1, 2)]
+    nt = NestedTensor(elements)
+    _check(elements, lambda x: x.expand(3, -1, 4), lambda e: e.expand(-1, 4), True, False)
+    # the ragged dim given as its padded size keeps each element's own size
+    _check(elements, lambda x: x.expand(-1, 3, 4), lambda e: e.expand(-1, 4), True, False)
+    _check(elements, lambda x: x.repeat(1, 2, 3), lambda e: e.repeat(2, 3), True, False)
+    _check(elements, lambda x: torch.tile(x, (2,)), lambda e: torch.tile(e, (1, 2)), True, False)
+    _check(elements, lambda x: x.expand_as(x.repeat(1, 1, 5)), lambda e: e.expand(-1, 5), True, False)
+    with pytest.raises(ValueError, match="batch dim"):
+        nt.repeat(2, 1, 1)
+    with pytest.raises(ValueError, match="batch dim"):
+        nt.expand(2, 3, 4, 1)

@@ -19,8 +19,8 @@ UNDEFINED = [
     ("torch.Tensor.numpy", "rectangular", lambda x: x.numpy()),
     ("torch.Tensor.storage", "packed storage", lambda x: x.storage()),
     ("torch.msort", "batch dim", lambda x: torch.msort(x)),
-    ("torch.Tensor.expand", "padded sizes", lambda x: x.expand(2, 3, 4)),
-    ("torch.Tensor.repeat", "padding", lambda x: x.repeat(2, 1, 1)),
+    ("torch.Tensor.sum_to_size", "padded sizes", lambda x: x.sum_to_size(1, 3, 4)),
+    ("torch.take", "flat indices", lambda x: torch.take(x, torch.tensor([0]))),
     ("torch.Tensor.as_strided", "packed", lambda x: x.as_strided((2,), (1,))),
     ("torch.Tensor.unfold", "padding", lambda x: x.unfold(1, 2, 1)),
 ]

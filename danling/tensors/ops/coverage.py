@@ -122,23 +122,16 @@ TORCH_EACH += ["triangular_solve", "lu_solve", "lu_unpack", "unique_consecutive"
 TORCH_EACH += ["multinomial", "nuclear_norm", "chain_matmul"]
 TORCH_EACH += ["atleast_3d", "fliplr", "flipud", "t", "adjoint", "vander", "cartesian_prod", "combinations"]
 
-PADDED_SIZES = "target sizes would be padded sizes, which elements do not have; expand each element"
 FLAT_INDICES = "flat indices address the padded batch, not the packed values; index elements instead"
 SOURCE_ORDER = "the source is consumed across elements in padded order; use masked assignment"
 NO_STRIDES = "strides of the padded batch do not exist: the storage is packed"
 BATCH_SORT = "msort sorts along the batch dim, across elements of different sizes"
-TILING = "tiling the padded batch would tile padding; tile the elements instead"
 UNDEFINED.update(
     {
         torch.Tensor.numpy: "elements differ in shape and a NumPy array is rectangular; use .tensor or .tolist()",
         torch.Tensor.storage: "the packed storage is internal; .concat is the packed values",
         torch.msort: BATCH_SORT,
         torch.Tensor.msort: BATCH_SORT,
-        torch.Tensor.expand: PADDED_SIZES,
-        torch.Tensor.expand_as: PADDED_SIZES,
-        torch.Tensor.repeat: "repeating the padded batch would repeat padding; repeat the elements instead",
-        torch.tile: TILING,
-        torch.Tensor.tile: TILING,
         torch.Tensor.resize_: "element sizes are fixed by the data; build a new NestedTensor",
         torch.Tensor.set_: "the packed storage is internal; build a new NestedTensor",
         torch.Tensor.as_strided: NO_STRIDES,
@@ -146,8 +139,6 @@ UNDEFINED.update(
         torch.Tensor.stride: NO_STRIDES,
         torch.block_diag: "elements are not matrices of one batch; use torch.block_diag(*nt.unbind())",
         torch.Tensor.unfold: "windows over the padded batch would include padding; use F.unfold on each element",
-        torch.broadcast_to: PADDED_SIZES,
-        torch.Tensor.broadcast_to: PADDED_SIZES,
         torch.Tensor.sum_to_size: "target sizes would be padded sizes, which elements do not have",
         torch.take: FLAT_INDICES,
         torch.Tensor.take: FLAT_INDICES,

@@ -272,6 +272,52 @@ def rot90(input: NestedTensor, k: int = 1, dims: Sequence[int] | None = None) ->
     return _each(input, lambda e: e.rot90(k, edims))
 
 
+def _split_batch(input: NestedTensor, sizes: list[int], op: str, batch_ok: tuple[int, ...]) -> list[int]:
+    """The element part of a full-shape ``sizes`` (batch included); the batch entry must be one of ``batch_ok``."""
+    if len(sizes) != input.ndim:
+        raise ValueError(
+            f"NestedTensor.{op} needs one size per dim ({input.ndim}, batch included), got {sizes}: "
+            "new leading dims would come before the batch dim"
+        )
+    batch = 0 if input._batch_first or input.ndim == 1 else 1
+    if sizes[batch] not in batch_ok:
+        raise ValueError(
+            f"NestedTensor.{op} cannot change the batch dim: its size must be one of {batch_ok}, got {sizes[batch]}"
+        )
+    return sizes[:batch] + sizes[batch + 1 :]
+
+
+def expand(input: NestedTensor, *sizes: Any) -> NestedTensor:
+    """Expand size-1 dims of every element; -1 (or a ragged dim's padded size) keeps each element's own size."""
+    element = _split_batch(input, _dims_arg(sizes), "expand", (len(input), -1))
+    padded = input.shape[1:] if input._batch_first else (input.shape[0], *input.shape[2:])
+
+    ragged = {d for d in range(input.ndim - 1) if len({s[d] for s in input._shapes}) > 1}
+
+    def target(shape: torch.Size) -> list[int]:
+        keep = [size == -1 or (j in ragged and size == padded[j]) for j, size in enumerate(element)]
+        return [own if k else size for size, own, k in zip(element, shape, keep)]
+
+    return input._from_elements([e.expand(target(e.shape)) for e in input._elements()])
+
+
+def expand_as(input: NestedTensor, other: Any) -> NestedTensor:
+    if isinstance(other, NestedTensor):
+        return input._from_elements([e.expand_as(o) for e, o in zip(input._elements(), other._elements())])
+    return expand(input, *other.shape)
+
+
+def repeat(input: NestedTensor, *sizes: Any) -> NestedTensor:
+    """Repeat every element along its dims (sizes are NestedTensor dims; the batch entry must be 1)."""
+    element = _split_batch(input, _dims_arg(sizes), "repeat", (1,))
+    return _each(input, lambda e: e.repeat(element))
+
+
+def tile(input: NestedTensor, *dims: Any) -> NestedTensor:
+    sizes = _dims_arg(dims)
+    return repeat(input, *([1] * (input.ndim - len(sizes)) + sizes))
+
+
 def _swap(shape: torch.Size, a: int, b: int) -> torch.Size:
     dims = list(shape)
     dims[a], dims[b] = dims[b], dims[a]
@@ -295,6 +341,11 @@ def _register() -> None:
         "flip": flip,
         "roll": roll,
         "rot90": rot90,
+        "expand": expand,
+        "expand_as": expand_as,
+        "broadcast_to": expand,
+        "repeat": repeat,
+        "tile": tile,
     }
     for name, handler in table.items():
         register((getattr(torch, name, None), getattr(torch.Tensor, name, None)), handler)
