@@ -192,3 +192,11 @@ def test_expand_repeat_tile_take_full_shapes():
         nt.repeat(2, 1, 1)
     with pytest.raises(ValueError, match="batch dim"):
         nt.expand(2, 3, 4, 1)
+
+
+def test_linalg_norm_over_two_dims_is_frobenius():
+    elements = batch((2, 3, 4), (5, 3, 4))
+    _check(
+        elements, lambda x: torch.linalg.norm(x, dim=(2, 3)), lambda e: torch.linalg.norm(e, dim=(1, 2)), True, False
+    )
+    _check(elements, lambda x: torch.norm(x, dim=3), lambda e: torch.norm(e, dim=2), True, False)

@@ -152,11 +152,12 @@ def norm(func: Any, kind: str, input: NestedTensor, *args: Any, **kwargs: Any) -
         out = torch.linalg.vector_norm(input._values, 2 if ord_ in (None, "fro") else ord_, **kwargs)
         return out.reshape([1] * input.ndim) if keepdim else out
     edims = element_dims(input, dim)
-    positional = [ord_ if ord_ is not None else ("fro" if kind == "matrix" else 2)]
+    defaults = {"matrix": "fro", "torch": "fro", "linalg": None, "vector": 2}
+    positional = [ord_ if ord_ is not None else defaults[kind]]
     if None in edims:
         if len(edims) > 1:
             raise ValueError(f"a norm over the batch dim together with dims {dim} is not defined for a NestedTensor")
-        order = 2 if positional[0] == "fro" else positional[0]
+        order = 2 if positional[0] in ("fro", None) else positional[0]
         results = [torch.linalg.vector_norm(e, order, **kwargs) for e in input._elements()]
         out = torch.stack(results)
         return out.unsqueeze(0) if keepdim else out

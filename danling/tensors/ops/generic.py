@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from ..nested_tensor import NestedTensor
-from .common import first_nested, per_element, plain, rebuild, stack_or_nest, static_position, trailing_static
+from .common import first_nested, per_element, plain, rebuild, static_position, trailing_static
 from .registry import func_name
 
 BATCH_SPLITS = {"split", "chunk", "tensor_split", "split_with_sizes"}
@@ -118,12 +118,15 @@ def reducing_dim_op(func: Callable, position: int, default: Any, *args: Any, **k
             f"{func_name(func)} on a NestedTensor needs an element dim, got dim={dim}: along the batch dim it "
             "would mix elements of different sizes"
         )
+    from .reduction import _stack  # the reductions' rule for where the batch dim of a dense result goes
+
     new_args, new_kwargs = _with_dim(args, kwargs, position, element_dim)
+    keepdim = bool(kwargs.get("keepdim", False))
     results = [func(e, *new_args[1:], **new_kwargs) for e in nt._elements()]
     if isinstance(results[0], tuple):
         columns = [[r[i] for r in results] for i in range(len(results[0]))]
-        return rebuild(results[0], [stack_or_nest(c, nt) for c in columns])
-    return stack_or_nest(results, nt)
+        return rebuild(results[0], [_stack(c, nt, [element_dim], keepdim) for c in columns])
+    return _stack(results, nt, [element_dim], keepdim)
 
 
 def trailing_op(func: Callable, k: int, reduces: bool, *args: Any, **kwargs: Any) -> Any:
