@@ -34,6 +34,7 @@ import time
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 
 from danling.tensors import NestedTensor
 
@@ -180,7 +181,6 @@ def _padded_lstm(d: dict) -> torch.Tensor:
     return torch.nn.utils.rnn.pad_packed_sequence(d["lstm"](packed)[0], batch_first=True)[0]
 
 
-F = torch.nn.functional
 # family: (padded, NestedTensor, torch.nested); each takes the dict of `_op_data`
 OP_FAMILIES: dict[str, tuple[Callable, Callable, Callable]] = {
     "sort (ragged dim)": (
