@@ -200,3 +200,21 @@ def test_linalg_norm_over_two_dims_is_frobenius():
         elements, lambda x: torch.linalg.norm(x, dim=(2, 3)), lambda e: torch.linalg.norm(e, dim=(1, 2)), True, False
     )
     _check(elements, lambda x: torch.norm(x, dim=3), lambda e: torch.norm(e, dim=2), True, False)
+
+
+def test_in_place_shape_ops_type_and_hooks():
+    elements = batch((3, 1, 4), (2, 1, 4))
+    nt = NestedTensor([e.clone() for e in elements])
+    assert nt.squeeze_(2) is nt and [tuple(e.shape) for e in nt] == [(3, 4), (2, 4)]
+    nt.transpose_(1, 2)
+    for actual, e in zip(nt, elements):
+        torch.testing.assert_close(actual, e.squeeze(1).T)
+    nt.transpose_(0, 1)
+    assert nt.batch_first is False
+    assert nt.type() == "torch.DoubleTensor" and nt.type(torch.float32).dtype == torch.float32
+    leaf = NestedTensor(elements, requires_grad=True)
+    seen = []
+    leaf.register_hook(lambda grad: seen.append(grad) or grad * 2)
+    (leaf * 3).sum().backward()
+    assert isinstance(seen[0], NestedTensor) and torch.equal(seen[0].concat, torch.full_like(leaf.concat, 3))
+    torch.testing.assert_close(leaf.grad.concat, torch.full_like(leaf.concat, 6))

@@ -137,6 +137,8 @@ UNDEFINED.update(
         torch.Tensor.as_strided: NO_STRIDES,
         torch.as_strided: NO_STRIDES,
         torch.Tensor.stride: NO_STRIDES,
+        F.affine_grid: "it builds sampling grids from affine matrices and takes no ragged data",
+        F.conv_tbc: "it takes one dense (time, batch, channel) tensor; use F.conv1d on (C, L_i) elements",
         torch.block_diag: "elements are not matrices of one batch; use torch.block_diag(*nt.unbind())",
         torch.Tensor.unfold: "windows over the padded batch would include padding; use F.unfold on each element",
         torch.Tensor.sum_to_size: "target sizes would be padded sizes, which elements do not have",
@@ -191,6 +193,9 @@ def _register() -> None:
     for name in F_BATCHED:
         register(getattr(F, name, None), partial(generic.batched, getattr(F, name, None)))
     _register_aliases()
+    for name in ("grouped_mm", "scaled_mm", "scaled_grouped_mm"):
+        if hasattr(F, name):
+            UNDEFINED[getattr(F, name)] = "a low-level kernel for dense layouts; use matmul, which runs per element"
 
 
 def _register_aliases() -> None:

@@ -249,6 +249,23 @@ def index_put(inplace: bool, input: NestedTensor, indices: Any, values: Any, acc
     return target
 
 
+def tensor_type(input: NestedTensor, dtype: Any = None, non_blocking: bool = False, **kwargs: Any) -> Any:
+    """``Tensor.type``: the type string without an argument, otherwise a converted NestedTensor."""
+    if dtype is None:
+        return input._values.type()
+    return input._derive(input._values.type(dtype, non_blocking, **kwargs))
+
+
+def register_hook(input: NestedTensor, hook: Any) -> Any:
+    """A gradient hook that sees (and may replace) the gradient as a NestedTensor of ``input``'s structure."""
+
+    def on_values(grad: Tensor) -> Tensor | None:
+        out = hook(input._derive(grad, input._shapes))
+        return out._values if isinstance(out, NestedTensor) else out
+
+    return input._values.register_hook(on_values)
+
+
 def _where(condition: Any, input: Any = None, other: Any = None) -> Any:
     if input is None and other is None:  # torch.where(condition) is nonzero(condition, as_tuple=True)
         return nonzero(condition, as_tuple=True)
@@ -278,6 +295,8 @@ def _register() -> None:
     register((torch.ravel, torch.Tensor.ravel), _ravel)
     register((torch.Tensor.item,), _item)
     register((F.bilinear,), bilinear)
+    register((torch.Tensor.type,), tensor_type)
+    register((torch.Tensor.register_hook,), register_hook)
     register((torch.diagonal, torch.Tensor.diagonal), diagonal)
     register((torch.index_put, torch.Tensor.index_put), partial(index_put, False))
     register((torch.Tensor.index_put_,), partial(index_put, True))

@@ -8,6 +8,7 @@ ragged dims alone it runs once on the packed values; otherwise it runs element b
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from functools import partial
 from math import prod
 from typing import Any
 
@@ -318,6 +319,14 @@ def tile(input: NestedTensor, *dims: Any) -> NestedTensor:
     return repeat(input, *([1] * (input.ndim - len(sizes)) + sizes))
 
 
+def in_place(op: Callable, input: NestedTensor, *args: Any, **kwargs: Any) -> NestedTensor:
+    """In-place shape ops (``transpose_``, ``squeeze_``...): ``input`` takes the result's storage and layout."""
+    out = op(input, *args, **kwargs)
+    input._set_storage(out._values, out._shapes, out._permutation, out._ragged)
+    input._batch_first = out._batch_first
+    return input
+
+
 def _swap(shape: torch.Size, a: int, b: int) -> torch.Size:
     dims = list(shape)
     dims[a], dims[b] = dims[b], dims[a]
@@ -349,6 +358,9 @@ def _register() -> None:
     }
     for name, handler in table.items():
         register((getattr(torch, name, None), getattr(torch.Tensor, name, None)), handler)
+    for name in ("transpose", "swapaxes", "swapdims", "squeeze", "unsqueeze"):
+        register(getattr(torch.Tensor, name + "_"), partial(in_place, table[name]))
+    register(torch.Tensor.t_, partial(in_place, lambda input: transpose(input, -2, -1)))
 
 
 _register()
