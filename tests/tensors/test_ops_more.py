@@ -218,3 +218,16 @@ def test_in_place_shape_ops_type_and_hooks():
     (leaf * 3).sum().backward()
     assert isinstance(seen[0], NestedTensor) and torch.equal(seen[0].concat, torch.full_like(leaf.concat, 3))
     torch.testing.assert_close(leaf.grad.concat, torch.full_like(leaf.concat, 6))
+
+
+def test_transformer_layers_run_each_sequence():
+    torch.manual_seed(0)
+    encoder = torch.nn.TransformerEncoder(torch.nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True), 2)
+    decoder = torch.nn.TransformerDecoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+    sequences = [torch.randn(n, 8) for n in (4, 2, 3)]
+    nt = NestedTensor(sequences)
+    encoded, decoded = encoder(nt), decoder(nt, nt)
+    assert isinstance(encoded, NestedTensor) and isinstance(decoded, NestedTensor)
+    for i, s in enumerate(sequences):
+        torch.testing.assert_close(encoded[i], encoder(s[None])[0], atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(decoded[i], decoder(s[None], s[None])[0], atol=1e-5, rtol=1e-4)
