@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from . import layout, methods, views
-from .compile import opaque_to_dynamo
+from .dynamo import opaque_to_dynamo
 from .ops import registry
 
 
