@@ -299,6 +299,7 @@ class TorchRunner(TorchCheckpointMixin, TorchBatchMixin, TorchDataMixin, BaseRun
         section = self._merged_section("sched", "scheduler")
         if self.scheduler is None and self.optimizer is not None and section.get("type"):
             self.scheduler = build_scheduler(self.optimizer, section, total_steps=self._total_steps())
+            self.logger.info("scheduler: %r", self.scheduler)  # with the warmup/cooldown steps it settled on
         metric = self.scheduler is not None and is_metric_scheduler(self.scheduler)
         interval = section.get("interval") or ("epoch" if metric else "step")
         if metric and interval == "step":
