@@ -33,6 +33,7 @@ from .checkpointing import TorchCheckpointMixin
 from .checkpointing.api import OPTIONAL_RANK_LOCAL_KEYS, RANK_LOCAL_KEYS
 from .runner import register_runner
 from .services import Compiler
+from .services.profiling import StepProfiler
 from .torch_batch import TorchBatchMixin
 from .torch_data import TorchDataMixin
 from .update import EMA, GradientAccumulator, OptimizerContainer, Precision, TorchUpdateStrategy, gradient_sync_for
@@ -98,7 +99,9 @@ class TorchRunner(TorchCheckpointMixin, TorchBatchMixin, TorchDataMixin, BaseRun
         (8, ['index', 'train', 'val'], 8)
     """
 
+    supported_features = ("profiling",)
     collate_fn: Callable | None = None
+    profiler: StepProfiler | None = None
     scheduler_interval: str = "step"
     scheduler_monitor: str | None = None
     _train_timeout_applied: bool = False
@@ -116,6 +119,7 @@ class TorchRunner(TorchCheckpointMixin, TorchBatchMixin, TorchDataMixin, BaseRun
         self.update.bind(self.optimizer, self.scheduler, self.scheduler_interval)
         if self.datasets:
             self.build_dataloaders()
+        self.init_profiler()
         super().__post_init__()
 
     # ------------------------------------------------------------------ process facts
@@ -228,6 +232,33 @@ class TorchRunner(TorchCheckpointMixin, TorchBatchMixin, TorchDataMixin, BaseRun
         )
         torch.use_deterministic_algorithms(True)
         cudnn.deterministic, cudnn.benchmark = True, False
+
+    def init_profiler(self) -> None:
+        """Profile a bounded window of training steps with `torch.profiler` when `profiling.enabled`.
+
+        Called by `__post_init__` on every rank. The window is `profiling.wait` skipped,
+        `profiling.warmup` discarded and `profiling.active` recorded steps, `profiling.repeat`
+        times; `profiling.record_shapes`, `profiling.profile_memory`, `profiling.with_stack` and
+        `profiling.with_flops` go to the profiler. Traces (one per cycle and rank) are written to
+        `profiling.trace_dir` under the run directory; see
+        [`StepProfiler`][danling.runners.services.profiling.StepProfiler].
+        """
+        profiling = self.config.profiling
+        if not profiling.enabled:
+            return
+        self.profiler = StepProfiler(
+            os.path.join(self.dir, profiling.trace_dir),
+            rank=self.rank,
+            wait=profiling.wait,
+            warmup=profiling.warmup,
+            active=profiling.active,
+            repeat=profiling.repeat,
+            record_shapes=profiling.record_shapes,
+            profile_memory=profiling.profile_memory,
+            with_stack=profiling.with_stack,
+            with_flops=profiling.with_flops,
+            logger=self.logger,
+        ).attach(self.events)
 
     # ------------------------------------------------------------------ components
     def materialize_model(self) -> None:
@@ -416,6 +447,8 @@ class TorchRunner(TorchCheckpointMixin, TorchBatchMixin, TorchDataMixin, BaseRun
         try:
             return super().close(timeout)
         finally:
+            if self.profiler is not None:
+                self.profiler.stop()
             before = self._deterministic_before
             if before is not None:
                 torch.use_deterministic_algorithms(before[0], warn_only=before[1])
