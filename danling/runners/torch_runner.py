@@ -31,18 +31,19 @@ from danling.optim import build_optimizer, build_scheduler, is_metric_scheduler
 from .base_runner import BaseRunner
 from .checkpointing import TorchCheckpointMixin
 from .checkpointing.api import OPTIONAL_RANK_LOCAL_KEYS, RANK_LOCAL_KEYS
+from .loop.events import Events
 from .runner import register_runner
 from .services import Compiler
-from .services.profiling import StepProfiler
 from .torch_batch import TorchBatchMixin
 from .torch_data import TorchDataMixin
+from .torch_insight import TorchInsightMixin
 from .update import EMA, GradientAccumulator, OptimizerContainer, Precision, TorchUpdateStrategy, gradient_sync_for
 from .update.scheduling import advance_round_scheduler
 
 __all__ = ["TorchRunner"]
 
 
-class TorchRunner(TorchCheckpointMixin, TorchBatchMixin, TorchDataMixin, BaseRunner):
+class TorchRunner(TorchCheckpointMixin, TorchBatchMixin, TorchDataMixin, TorchInsightMixin, BaseRunner):
     """PyTorch runner for training, evaluation and inference, in one process or under DDP.
 
     Subclass it and, in `__init__` after `super().__init__(config)`, bind `self.model` (required),
@@ -101,7 +102,6 @@ class TorchRunner(TorchCheckpointMixin, TorchBatchMixin, TorchDataMixin, BaseRun
 
     supported_features = ("profiling",)
     collate_fn: Callable | None = None
-    profiler: StepProfiler | None = None
     scheduler_interval: str = "step"
     scheduler_monitor: str | None = None
     _train_timeout_applied: bool = False
@@ -121,6 +121,8 @@ class TorchRunner(TorchCheckpointMixin, TorchBatchMixin, TorchDataMixin, BaseRun
             self.build_dataloaders()
         self.init_profiler()
         super().__post_init__()
+        if self.is_main_process:
+            self.events.subscribe(Events.RUN_START, self._log_run_summary)
 
     # ------------------------------------------------------------------ process facts
     @property
@@ -232,33 +234,6 @@ class TorchRunner(TorchCheckpointMixin, TorchBatchMixin, TorchDataMixin, BaseRun
         )
         torch.use_deterministic_algorithms(True)
         cudnn.deterministic, cudnn.benchmark = True, False
-
-    def init_profiler(self) -> None:
-        """Profile a bounded window of training steps with `torch.profiler` when `profiling.enabled`.
-
-        Called by `__post_init__` on every rank. The window is `profiling.wait` skipped,
-        `profiling.warmup` discarded and `profiling.active` recorded steps, `profiling.repeat`
-        times; `profiling.record_shapes`, `profiling.profile_memory`, `profiling.with_stack` and
-        `profiling.with_flops` go to the profiler. Traces (one per cycle and rank) are written to
-        `profiling.trace_dir` under the run directory; see
-        [`StepProfiler`][danling.runners.services.profiling.StepProfiler].
-        """
-        profiling = self.config.profiling
-        if not profiling.enabled:
-            return
-        self.profiler = StepProfiler(
-            os.path.join(self.dir, profiling.trace_dir),
-            rank=self.rank,
-            wait=profiling.wait,
-            warmup=profiling.warmup,
-            active=profiling.active,
-            repeat=profiling.repeat,
-            record_shapes=profiling.record_shapes,
-            profile_memory=profiling.profile_memory,
-            with_stack=profiling.with_stack,
-            with_flops=profiling.with_flops,
-            logger=self.logger,
-        ).attach(self.events)
 
     # ------------------------------------------------------------------ components
     def materialize_model(self) -> None:

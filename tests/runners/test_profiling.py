@@ -36,3 +36,28 @@ def test_profiler_is_off_by_default_and_checks_its_window(tmp_path):
     assert not (runner.workspace.dir / "profiles").exists()
     with pytest.raises(ValueError, match=r"profiling.active must be an integer >= 1, got 0"):
         StepProfiler(tmp_path, active=0)
+
+
+def test_run_summary_is_logged_once_when_training_starts(tmp_path):
+    import logging
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    with TinyRunner(tiny_config(tmp_path, epochs=1, precision="bf16", accum_steps=2)) as runner:
+        runner.logger.addHandler(handler)
+        summary = runner.run_summary()
+        runner.train()
+        runner.epochs = 2
+        runner.train()  # continues: no second summary
+    blocks = [record.getMessage() for record in records if record.getMessage().startswith("run summary")]
+    assert len(blocks) == 1
+    assert summary["parameters"] == summary["trainable"] == 4 * 8 + 8 + 8 + 1
+    assert summary["precision"] == "bf16" and summary["optimizer_steps"] == 3 and summary["world_size"] == 1
+    for expected in (
+        "Sequential: 49 parameters (49 trainable), 196 B",
+        "bf16 on cpu",
+        "1 epochs (3 optimizer steps, 2 micro",
+        str(runner.workspace.dir),
+    ):
+        assert expected in blocks[0]
