@@ -83,7 +83,8 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None, err: Text
     try:
         return _dispatch(args, out)
     except CLIError as error:
-        err.write(f"danling: error: {error}\n")
+        message = " ".join(str(error).split())  # one line, whatever the message holds
+        err.write(f"danling: error: {message}\n")
         return 2
     except BrokenPipeError:  # `danling runs | head`
         return 0

@@ -95,7 +95,9 @@ def _file_contents(file: Path) -> tuple[dict[str, dict[str, int]], dict[str, Any
     try:
         payload = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
     except Exception as err:
-        raise CLIError(f"{file} cannot be read with weights_only=True (its code is not run): {err}") from None
+        lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+        reason = next((line for line in lines if "Unsupported global" in line), lines[0] if lines else repr(err))
+        raise CLIError(f"{file} cannot be read with weights_only=True, and its code is never run: {reason}") from None
     if not isinstance(payload, Mapping):
         payload = {"<payload>": payload}
     components = {}
@@ -169,8 +171,10 @@ def inspect_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     if (directory / "manifest.json").is_file():
         manifest = json.loads((directory / "manifest.json").read_text(encoding="utf-8"))
     verification = _verify(directory)
-    payload = None
-    if backend == "dcp":
+    payload, components = None, {}
+    if verification["ok"] is False:
+        pass  # a corrupt payload is not unpickled: the verification result is the answer
+    elif backend == "dcp":
         components = _dcp_contents(directory)
     elif backend == "file":
         file = target / "state.pt" if target.is_dir() else target
