@@ -86,10 +86,10 @@ def _figure(plot: str, data: list[tuple[Run, Series, str]]) -> Any:
         figure = figure_module.Figure(figsize=(6.4, 2.6 * max(len(metrics), 1)), layout="constrained")
         axes = figure.subplots(max(len(metrics), 1), 1, squeeze=False)[:, 0]
         for ax, metric in zip(axes, metrics or [None]):
-            for run, series, xlabel in data:
+            for index, (run, series, xlabel) in enumerate(data):
                 if metric in series:
                     xs, ys = zip(*series[metric])
-                    ax.plot(xs, ys, marker="o", label=_legend(run, xlabel, data))
+                    ax.plot(xs, ys, marker="o", color=f"C{index}", label=_legend(run, xlabel, data))
             ax.set_title(metric or _TITLES[plot])
             ax.set_xlabel(data[0][2])
         _finish(axes, metrics, data)
@@ -97,10 +97,11 @@ def _figure(plot: str, data: list[tuple[Run, Series, str]]) -> Any:
     figure = figure_module.Figure(figsize=(6.4, 3.6), layout="constrained")
     ax = figure.subplots()
     drawn = []
-    for run, series, xlabel in data:
+    for index, (run, series, xlabel) in enumerate(data):
         for column, suffix in _pick(plot, series):
             xs, ys = zip(*series[column])
             style = {"marker": "o", "linestyle": "--"} if "_step/" not in column and plot == "loss" else {}
+            style["color"] = f"C{index}"  # one colour per run; a run's epoch rows are the dashed line
             ax.plot(xs, ys, label=f"{_legend(run, xlabel, data)} {suffix}" if len(data) > 1 else suffix, **style)
             drawn.append(column)
     ax.set_title(_TITLES[plot])

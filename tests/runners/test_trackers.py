@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -188,6 +190,19 @@ def test_csv_merges_a_step_and_continues_an_existing_file(tmp_path):
 
 def val_loss(runner, epoch: int):
     return pytest.approx(runner.results[epoch]["val"]["loss"])
+
+
+def test_csv_keeps_the_last_row_when_nobody_closes_the_tracker(tmp_path):
+    # Scripts often end without runner.close(): the pending row is written when Python exits.
+    path = tmp_path / "metrics.csv"
+    code = (
+        "import sys; from danling.runners.services.csv_tracker import CSVTracker; "
+        "tracker = CSVTracker(sys.argv[1]); tracker.log({'loss': 1.0}, 1); tracker.log({'loss': 0.5}, 2)"
+    )
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    subprocess.run([sys.executable, "-c", code, str(path)], check=True, env=env, timeout=120)
+    assert read_metrics_csv(path) == {"loss": [(1, 1.0), (2, 0.5)]}
 
 
 def test_a_run_writes_metrics_csv_with_learning_rate_and_throughput(tmp_path):

@@ -12,9 +12,12 @@ log, the first evaluation), so the rewrites stay rare; every other row is a plai
 
 from __future__ import annotations
 
+import atexit
 import csv
+import functools
 import os
 import time
+import weakref
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -33,7 +36,8 @@ class CSVTracker(Tracker):
     buffered write, not a disk round trip.
 
     An existing file is continued (a resumed run appends to its own history); its header is
-    read back first so columns keep their order.
+    read back first so columns keep their order. A script that never closes its runner still
+    gets the last row: the tracker closes itself when the interpreter exits.
 
     Args:
         path: The CSV file to write (its directory is created on the first write).
@@ -61,6 +65,9 @@ class CSVTracker(Tracker):
         self._file: Any = None
         self._writer: Any = None
         self._last_flush = time.monotonic()
+        # A weak reference: exiting closes a live tracker, and registering never keeps one alive.
+        self._at_exit = functools.partial(_close_at_exit, weakref.ref(self))
+        atexit.register(self._at_exit)
         if self.path.is_file() and self.path.stat().st_size:
             with open(self.path, newline="", encoding="utf-8") as file:
                 header = next(csv.reader(file), None)
@@ -93,6 +100,7 @@ class CSVTracker(Tracker):
         if self._file is not None:
             self._file.close()
             self._file = self._writer = None
+        atexit.unregister(self._at_exit)
 
     def _write_row(self, row: Mapping[str, Any]) -> None:
         new = [key for key in row if key not in self.columns]
@@ -129,6 +137,12 @@ class CSVTracker(Tracker):
             for row in rows:
                 writer.writerow(row + [""] * (len(old_columns) - len(row)) + padding)
         os.replace(temporary, self.path)
+
+
+def _close_at_exit(reference: weakref.ref) -> None:
+    tracker = reference()
+    if tracker is not None:
+        tracker.close()
 
 
 def _cell(value: Any) -> str:
