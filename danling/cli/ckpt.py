@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import zipfile
 from collections.abc import Mapping
 from datetime import datetime, timezone
 from pathlib import Path
@@ -34,6 +35,8 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
     if target.is_dir() and is_run_dir(target):
         config = (json.loads((target / "metadata.json").read_text()).get("config") or {}).get("checkpoint") or {}
         target = target / str(config.get("dir_name") or "checkpoints")
+        if not target.is_dir():
+            raise CLIError(f"{os.fspath(path)} is a run directory without checkpoints ({target} does not exist)")
     if target.is_dir() and (target / f"latest{POINTER_SUFFIX}").is_file():
         target = target / f"latest{POINTER_SUFFIX}"
     if target.is_file() and target.name.endswith(POINTER_SUFFIX):
@@ -93,10 +96,13 @@ def _file_contents(file: Path) -> tuple[dict[str, dict[str, int]], dict[str, Any
     import torch
 
     try:
-        payload = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+        # mmap (tensors stay on disk until touched) only works for the zip format of torch.save
+        payload = torch.load(file, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(file))
     except Exception as err:
-        lines = [line.strip() for line in str(err).splitlines() if line.strip()]
-        reason = next((line for line in lines if "Unsupported global" in line), lines[0] if lines else repr(err))
+        # torch's message is a paragraph; the reason is the first line after "WeightsUnpickler error:"
+        text = str(err).split("WeightsUnpickler error:", 1)[-1]
+        lines = [line.strip() for line in text.splitlines() if line.strip()]
+        reason = lines[0] if lines else repr(err)
         raise CLIError(f"{file} cannot be read with weights_only=True, and its code is never run: {reason}") from None
     if not isinstance(payload, Mapping):
         payload = {"<payload>": payload}

@@ -187,6 +187,12 @@ def test_ckpt_never_runs_code_from_a_checkpoint(tmp_path):
 def test_ckpt_rejects_paths_that_are_not_checkpoints(tmp_path):
     assert_usage_error(*run_cli("ckpt", tmp_path / "missing"), "does not exist")
     assert_usage_error(*run_cli("ckpt", tmp_path), "not a checkpoint of any known format")
+    (tmp_path / "notes.pt").write_text("not a checkpoint")
+    assert_usage_error(*run_cli("ckpt", tmp_path / "notes.pt"), "weights_only")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metadata.json").write_text('{"id": "abc", "config": {}}')
+    assert_usage_error(*run_cli("ckpt", run), "run directory without checkpoints")
 
 
 # ---------------------------------------------------------------------------------------- report
