@@ -77,7 +77,7 @@ class BaseRunner(CheckpointMixin, ResultsMixin, ObservabilityMixin, LoopMixin, P
     3. Early hooks: `init_distributed`, `init_checkpoint_manager`, `init_fault_tolerance`,
        `init_garbage_collection`.
     4. `set_seed`, then `set_deterministic` when `config.deterministic` is set.
-    5. `init_logging`, `init_tensorboard` / `init_wandb` (when enabled), stdout routing for
+    5. `init_logging`, `init_trackers` (TensorBoard, W&B, CSV, MLflow as configured), stdout routing for
        non-main ranks, `init_signal_handlers`, `init_heartbeat`.
     6. The subclass `__init__` finishes (it typically binds `model`, `datasets`, ...).
     7. [`MetaRunner`][danling.runners.base_runner.MetaRunner] calls `__post_init__`, which
@@ -138,10 +138,7 @@ class BaseRunner(CheckpointMixin, ResultsMixin, ObservabilityMixin, LoopMixin, P
         if self.config.get("deterministic"):
             self.set_deterministic()
         self.init_logging()
-        if self.config.get("tensorboard"):
-            self.init_tensorboard()
-        if self.config.get("wandb.enabled"):
-            self.init_wandb()
+        self.init_trackers()
         self.workspace.route_print()
         self.init_signal_handlers()
         self.init_heartbeat()

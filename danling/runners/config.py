@@ -38,12 +38,14 @@ from .config_sections import (
     CheckpointConfig,
     CommConfig,
     CompileConfig,
+    CSVConfig,
     DataloaderConfig,
     EmaConfig,
     FaultToleranceConfig,
     FsdpConfig,
     GcConfig,
     HeartbeatConfig,
+    MLflowConfig,
     OptimConfig,
     ParallelConfig,
     ProfilingConfig,
@@ -119,6 +121,8 @@ class RunnerConfig(_TypedConfig):
         log: Write a log file in the run directory (main process only).
         log_interval: Steps between progress logs; None lets the runner choose.
         tensorboard: Write TensorBoard scalars.
+        csv: `metrics.csv` in the run directory (on by default); see `CSVConfig`.
+        mlflow: MLflow tracking (off by default); see `MLflowConfig`.
 
     Examples:
         >>> config = RunnerConfig()
@@ -159,6 +163,8 @@ class RunnerConfig(_TypedConfig):
         "log_interval",
         "tensorboard",
         "wandb",
+        "csv",
+        "mlflow",
         "checkpoint",
         "heartbeat",
         "profiling",
@@ -218,6 +224,8 @@ class RunnerConfig(_TypedConfig):
     checkpoint: CheckpointConfig = CheckpointConfig()
     dataloader: DataloaderConfig = DataloaderConfig()
     wandb: WandbConfig = WandbConfig()
+    csv: CSVConfig = CSVConfig()
+    mlflow: MLflowConfig = MLflowConfig()
     ft: FaultToleranceConfig = FaultToleranceConfig()
     parallel: ParallelConfig = ParallelConfig()
     fsdp: FsdpConfig = FsdpConfig()
