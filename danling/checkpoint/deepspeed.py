@@ -18,8 +18,9 @@ publishes the directory like any other backend:
   latest.pointer                      written only after the tag is complete
 ```
 
-The collective choreography (rank 0 picks the directory, everyone writes, rank 0 hashes, renames
-into place, moves the pointers and prunes, then reports the outcome to the others) is the one of
+The collective choreography (rank 0 picks the directory, everyone writes and all ranks agree that
+every write succeeded, rank 0 hashes, renames into place, moves the pointers and prunes, then
+reports the outcome to the others) is the one of
 [`TorchDistributedCheckpointManager`][danling.checkpoint.dcp.TorchDistributedCheckpointManager]; only
 the payload I/O differs. A torn tag fails verification, so `latest_valid` (and `auto_resume`)
 falls back to the previous good one. The engine state itself is restored by the runner with
@@ -164,13 +165,31 @@ class DeepSpeedCheckpointManager(TorchDistributedCheckpointManager):
         engine.save_checkpoint(
             str(directory.parent), tag=directory.name, client_state={CLIENT_STEP_KEY: step}, save_latest=False
         )
-        local = {key: value for key, value in state.items() if key in self.rank_local_keys}
-        _save_file(local, directory / _rank_file(self.data_rank))
-        if self.is_main_process:
-            shared = {key: value for key, value in state.items() if key not in self.rank_local_keys}
-            _save_file(shared, directory / GLOBAL_FILE)
-        if self.distributed:  # every rank's file exists before rank 0 hashes the directory
-            torch.distributed.barrier(group=self.process_group)
+        error: BaseException | None = None
+        try:
+            local = {key: value for key, value in state.items() if key in self.rank_local_keys}
+            _save_file(local, directory / _rank_file(self.data_rank))
+            if self.is_main_process:
+                shared = {key: value for key, value in state.items() if key not in self.rank_local_keys}
+                _save_file(shared, directory / GLOBAL_FILE)
+        except Exception as err:  # every rank must still reach the agreement below
+            error = err
+        # Every rank's files exist before rank 0 hashes the directory, or every rank learns that
+        # one of them failed: one all-reduce, which every rank enters whatever happened locally
+        # (a barrier skipped by a failed rank would leave the others waiting on a collective that
+        # never matches theirs).
+        failed = self._any_failed(error is not None)
+        if error is not None:
+            raise error
+        if failed:
+            raise CheckpointError("writing the DeepSpeed checkpoint failed on another rank; nothing was published")
+
+    def _any_failed(self, failed: bool) -> bool:
+        if not self.distributed:
+            return failed
+        flag = torch.tensor([int(failed)], device=getattr(self.engine, "device", None))
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=self.process_group)
+        return bool(flag.item())
 
     # loading ---------------------------------------------------------------------------------
 

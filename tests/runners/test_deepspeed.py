@@ -31,6 +31,18 @@ class Poisoned(Regression):
     poison = (1, 2)  # rank 1's second micro-step: the second update of the first epoch
 
 
+class FailingSave(Regression):
+    """Its rank `fail_rank` cannot pickle its per-rank checkpoint entries."""
+
+    fail_rank = None
+
+    def checkpoint_payload(self, *, last_step):
+        payload = dict(super().checkpoint_payload(last_step=last_step))
+        if self.rank == self.fail_rank:
+            payload["rng"] = {"unpicklable": lambda: None}
+        return payload
+
+
 def _train(config, cls=Regression):
     with cls(config) as runner:
         runner.train()
@@ -181,6 +193,23 @@ def _checkpoint_scenarios(rank, world_size, root):
         torch.distributed.barrier()
     with Regression(ds_config(root, "full2", stage=2, optim="adamw", auto_resume=True)) as runner:
         out["auto_step"] = runner.train_state.global_step
+    # A save that fails on one rank fails on every rank (no hang), publishes nothing, and the
+    # next save works.
+    with FailingSave(ds_config(root, "failing", stage=2, epochs=1)) as runner:
+        runner.train()
+        manager, errors = runner.checkpoint_manager, []
+        for fail_rank in (1, 0):
+            runner.fail_rank = fail_rank
+            runner.train_state.global_step += 1  # a new checkpoint name
+            try:
+                runner.save_checkpoint(force=True)
+            except Exception as error:
+                errors.append(f"{type(error).__name__}: {error}")
+            errors.append(manager.latest.name)
+        runner.fail_rank = None
+        runner.save_checkpoint(force=True)
+        out["failing"] = errors + [manager.latest.name]
+    out["rank"] = rank
     return out
 
 
@@ -239,6 +268,10 @@ def test_checkpoints_resume_exactly_publish_aliases_and_resize(tmp_path):
                 assert torch.equal(result["loaded"][key], value), f"{name}: {key}"
         assert out["export_equal"]
         assert out["auto_step"] == 2  # epoch-000001 is torn: resumed from epoch-000000
+        rank_fail, latest1, root_fail, latest0, after = out["failing"]
+        assert ("pickle" in rank_fail) == (out["rank"] == 1) and ("another rank" in rank_fail) == (out["rank"] == 0)
+        assert ("pickle" in root_fail) == (out["rank"] == 0) and ("another rank" in root_fail) == (out["rank"] == 1)
+        assert latest1 == latest0 == "epoch-000000" and after == "step-000004"
     first2, first3, sgd = ranks[0][2]["first"], ranks[0][3]["first"], ranks[0]["pretrained2"]["first"]
     (one,) = run_distributed(_resume_on_one_rank, str(tmp_path), first2, first3, sgd, world_size=1, timeout=600)
     for stage in (2, 3):
