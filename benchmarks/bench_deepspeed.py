@@ -8,7 +8,9 @@ model on the same data and run a validation pass:
 - hand-written: `loss = criterion(engine(x), y); engine.backward(loss); engine.step()`, the mean
   loss and accuracy kept on the device and read once per pass (what a careful script does);
 - the runner: `DeepSpeedRunner.train()` with an accuracy metric, as a user gets it (no checkpoint
-  I/O: `checkpoint.load_only`).
+  I/O: `checkpoint.load_only`); its own loaders fetch `TensorDataset` batches whole, which the
+  torch `DataLoader` of the hand-written loop does example by example, so a second runner row is
+  given the loop's torch loaders: that row is the runner's own per-step overhead.
 
 Every round builds all candidates afresh in a random order, warms each up with one untimed call,
 then times one call of each (in a random order) and divides by the hand-written loop's time in
@@ -17,7 +19,7 @@ hand-written loop is the A/A control (the noise floor). Two workloads: a small M
 where per-step bookkeeping matters most, and a wide MLP at batch 128, where the matrix
 multiplications dominate.
 
-Usage: ``python benchmarks/bench_deepspeed.py [--rounds 15] [--quick]``
+Usage: ``python benchmarks/bench_deepspeed.py [--rounds 25] [--quick]`` (about two minutes here).
 """
 
 from __future__ import annotations
@@ -58,6 +60,8 @@ WORKLOADS = {
 }
 HANDWRITTEN = ("hand-written DeepSpeed loop", "hand-written DeepSpeed loop, second copy")
 RUNNER = "DeepSpeedRunner"
+RUNNER_TORCH_LOADERS = "DeepSpeedRunner, torch loaders"
+RUNNERS = (RUNNER, RUNNER_TORCH_LOADERS)
 
 
 class BenchRunner(DeepSpeedRunner):
@@ -65,15 +69,17 @@ class BenchRunner(DeepSpeedRunner):
 
     def __init__(self, config: dl.RunnerConfig) -> None:
         super().__init__(config)
-        features, hidden, classes, _, n_train, n_val = WORKLOADS[config.bench.workload]
+        features, hidden, classes, batch_size, n_train, n_val = WORKLOADS[config.bench.workload]
         splits = make_splits(features, classes, n_train, n_val)
         self.datasets.train, self.datasets.val = splits["train"], splits["val"]
+        if config.bench.torch_loaders:
+            self.dataloaders.update(torch_loaders(splits, batch_size))
         self.model = make_model(features, hidden, classes)
         self.criterion = nn.CrossEntropyLoss()
         self.metrics = dl.multiclass_metrics(num_classes=classes, metrics=["acc"])
 
 
-def build_runner(root: str, workload: str) -> BenchRunner:
+def build_runner(root: str, workload: str, torch_loaders: bool = False) -> BenchRunner:
     config = dl.RunnerConfig(
         stack="deepspeed",
         workspace_root=root,
@@ -86,7 +92,7 @@ def build_runner(root: str, workload: str) -> BenchRunner:
         **{"optim.type": "adamw", "optim.lr": 1e-3, "dataloader.batch_size": WORKLOADS[workload][3]},
         **{"checkpoint.load_only": True},
     )
-    config.bench.workload = workload
+    config.bench.workload, config.bench.torch_loaders = workload, torch_loaders
     runner = BenchRunner(config)
     runner.logger.setLevel(logging.ERROR)
     return runner
@@ -136,11 +142,13 @@ def rounds_of(workload: str, rounds: int, root: str) -> dict[str, tuple[float, f
     ratios: dict[str, list[float]] = {}
     for index in range(rounds):
         loops: dict[str, Callable[[], None]] = {}
-        runner = None
-        for name in rng.sample([*HANDWRITTEN, RUNNER], 3):
-            if name == RUNNER:
-                runner = build_runner(os.path.join(root, str(index)), workload)
-                loops[name] = lambda r=runner: run_epoch(r)
+        runners = []
+        names = [*HANDWRITTEN, *RUNNERS]
+        for name in rng.sample(names, len(names)):
+            if name in RUNNERS:
+                directory = os.path.join(root, f"{index}-{len(runners)}")
+                runners.append(build_runner(directory, workload, torch_loaders=name == RUNNER_TORCH_LOADERS))
+                loops[name] = lambda r=runners[-1]: run_epoch(r)
             else:  # the runner's effective config: built once, below, from a throwaway runner
                 loops[name] = handwritten_loop(workload, CONFIGS[workload])
         for loop in loops.values():
@@ -150,12 +158,13 @@ def rounds_of(workload: str, rounds: int, root: str) -> dict[str, tuple[float, f
             started = time.perf_counter()
             loops[name]()
             timed[name] = time.perf_counter() - started
-        runner.close()
+        for runner in runners:
+            runner.close()
         for name, value in timed.items():
             seconds.setdefault(name, []).append(value)
             ratios.setdefault(name, []).append(value / timed[HANDWRITTEN[0]])
     summary = {}
-    for name in (*HANDWRITTEN, RUNNER):
+    for name in names:
         q1, median, q3 = statistics.quantiles(ratios[name], n=4) if rounds > 1 else [ratios[name][0]] * 3
         summary[name] = (statistics.median(seconds[name]), q1, median, q3)
     return summary
@@ -166,7 +175,7 @@ CONFIGS: dict[str, dict[str, Any]] = {}
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=15, help="rounds of the small MLP (the wide one: a third)")
+    parser.add_argument("--rounds", type=int, default=25, help="rounds of the small MLP (the wide one: a third)")
     parser.add_argument("--quick", action="store_true", help="3 rounds each, for a smoke run")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -185,9 +194,10 @@ def main() -> None:
             steps = n_train // batch_size
             batches = f"{steps} train + {-(-n_val // batch_size)} val batches"
             title = f"DeepSpeed ZeRO-2, {workload}: one epoch of {batches}, {rounds} rounds"
-            extra = (summary[RUNNER][0] - summary[HANDWRITTEN[0]][0]) / steps * 1e6
+            base = summary[HANDWRITTEN[0]][0]
+            extra = "; ".join(f"{name} {(summary[name][0] - base) / steps * 1e6:+.0f} us" for name in RUNNERS)
             out.append(ratio_table(title, summary, "hand-written DeepSpeed loop"))
-            out.append(f"\nextra time per train step (medians): {RUNNER} {extra:+.0f} us\n")
+            out.append(f"\nextra time per train step (medians): {extra}\n")
     dist.destroy_process_group()
     print("\n".join(out))
 
