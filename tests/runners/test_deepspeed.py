@@ -238,10 +238,23 @@ def _resume_on_one_rank(rank, world_size, root, first2, first3, sgd):
                 "converted_dir_removed": not (runner.checkpoint_manager.directory / ".universal").exists(),
             }
     out["log"] = [m for m in messages if "universal" in m]
-    try:  # SGD's momentum has no place in the universal format: refused before any step
-        Regression(ds_config(root, "one-sgd", stage=2, resume=sgd, **{"optim.lr": 0.0}, **resize))
-    except Exception as error:
-        out["sgd"] = f"{type(error).__name__}: {error}"
+    refused = {  # SGD's momentum has no place in the universal format: refused before any step
+        "sgd": ds_config(root, "one-sgd", stage=2, resume=sgd, **{"optim.lr": 0.0}, **resize),
+        # the non-finite skip needs the engine's own check
+        "stage0": ds_config(root, "bad", stage=0, skip_nonfinite_grad=True),
+        "bf16": ds_config(
+            root,
+            "bad",
+            skip_nonfinite_grad=True,
+            precision="bf16",
+            deepspeed={"bf16": {"check_grad_overflow": False}, "zero_optimization": {"stage": 2}},
+        ),
+    }
+    for name, config in refused.items():
+        try:
+            Regression(config).close()
+        except Exception as error:
+            out[name] = f"{type(error).__name__}: {error}"
     return out
 
 
@@ -282,3 +295,5 @@ def test_checkpoints_resume_exactly_publish_aliases_and_resize(tmp_path):
         assert result["adam_state"] and result["finite"] and result["converted_dir_removed"]
     assert len(one["log"]) == 2 and "2 data-parallel ranks and this run has 1" in one["log"][0]
     assert one["sgd"].startswith("CheckpointError") and "Adam-style optimizer states" in one["sgd"]
+    assert one["stage0"].startswith("ValueError") and "needs a ZeRO optimizer" in one["stage0"]
+    assert one["bf16"].startswith("ValueError") and "check_grad_overflow=False conflicts" in one["bf16"]
