@@ -135,6 +135,38 @@ def _pretrained(root, name, stage, source, **overrides):
         return {"loaded": loaded, "untouched": untouched and bool(state), "kept": kept, "first": first}
 
 
+def _older_tag(root, rank, first3):
+    # ZeRO-3 without optimizer states: DeepSpeed would read the weights of the directory's `latest`
+    # tag (here written as a plain DeepSpeed script would); the requested older tag must load.
+    if rank == 0:
+        with open(os.path.join(os.path.dirname(first3), "latest"), "w") as file:
+            file.write("epoch-000001")
+    torch.distributed.barrier()
+    no_optimizer = {"ema.enabled": True, "optim": "adamw", "checkpoint.exclude_from_loading": ["optimizer"]}
+    no_optimizer["resume"] = first3
+    with Regression(ds_config(root, "full3", stage=3, **no_optimizer)) as runner:
+        return {"step": runner.train_state.global_step, "weights": weights(runner)}
+
+
+def _failing_saves(root):
+    # A save that fails on one rank fails on every rank (no hang), publishes nothing, and the
+    # next save works.
+    with FailingSave(ds_config(root, "failing", stage=2, epochs=1)) as runner:
+        runner.train()
+        manager, errors = runner.checkpoint_manager, []
+        for fail_rank in (1, 0):
+            runner.fail_rank = fail_rank
+            runner.train_state.global_step += 1  # a new checkpoint name
+            try:
+                runner.save_checkpoint(force=True)
+            except Exception as error:
+                errors.append(f"{type(error).__name__}: {error}")
+            errors.append(manager.latest.name)
+        runner.fail_rank = None
+        runner.save_checkpoint(force=True)
+        return errors + [manager.latest.name]
+
+
 def _checkpoint_scenarios(rank, world_size, root):
     from danling.checkpoint import detect_format
 
@@ -165,19 +197,9 @@ def _checkpoint_scenarios(rank, world_size, root):
                 "first": str(first),
                 "final": final,
             }
-    # ZeRO-3 without optimizer states: DeepSpeed would read the weights of the directory's `latest`
-    # tag (here written as a plain DeepSpeed script would); the requested older tag must load.
-    first3 = out[3]["first"]
-    if rank == 0:
-        with open(os.path.join(os.path.dirname(first3), "latest"), "w") as file:
-            file.write("epoch-000001")
-    torch.distributed.barrier()
-    no_optimizer = {"ema.enabled": True, "optim": "adamw", "checkpoint.exclude_from_loading": ["optimizer"]}
-    no_optimizer["resume"] = first3
-    with Regression(ds_config(root, "full3", stage=3, **no_optimizer)) as runner:
-        out["older_tag"] = {"step": runner.train_state.global_step, "weights": weights(runner)}
+    out["older_tag"] = _older_tag(root, rank, out[3]["first"])
     out["pretrained3"] = _pretrained(
-        root, "pre3", 3, os.path.dirname(first3) + "/latest.pointer", **{"ema.enabled": True}
+        root, "pre3", 3, os.path.dirname(out[3]["first"]) + "/latest.pointer", **{"ema.enabled": True}
     )
     out["pretrained2"] = _pretrained(root, "pre2", 2, out[2]["first"].replace("000000", "000001"))
     # The consolidated export loads into a plain module; then a torn newest tag makes
@@ -193,22 +215,7 @@ def _checkpoint_scenarios(rank, world_size, root):
         torch.distributed.barrier()
     with Regression(ds_config(root, "full2", stage=2, optim="adamw", auto_resume=True)) as runner:
         out["auto_step"] = runner.train_state.global_step
-    # A save that fails on one rank fails on every rank (no hang), publishes nothing, and the
-    # next save works.
-    with FailingSave(ds_config(root, "failing", stage=2, epochs=1)) as runner:
-        runner.train()
-        manager, errors = runner.checkpoint_manager, []
-        for fail_rank in (1, 0):
-            runner.fail_rank = fail_rank
-            runner.train_state.global_step += 1  # a new checkpoint name
-            try:
-                runner.save_checkpoint(force=True)
-            except Exception as error:
-                errors.append(f"{type(error).__name__}: {error}")
-            errors.append(manager.latest.name)
-        runner.fail_rank = None
-        runner.save_checkpoint(force=True)
-        out["failing"] = errors + [manager.latest.name]
+    out["failing"] = _failing_saves(root)
     out["rank"] = rank
     return out
 
