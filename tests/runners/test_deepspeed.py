@@ -239,7 +239,7 @@ def _resume_on_one_rank(rank, world_size, root, first2, first3, sgd):
             out[stage] = {
                 "restored": restored,
                 "loaded": loaded,
-                "adam_state": bool(state) and all(torch.isfinite(v).all() for s in state for v in s.values()),
+                "adam_state": state,
                 "final": runner.train_state.global_step,
                 "finite": all(math.isfinite(loss) for loss in runner.losses),
                 "converted_dir_removed": not (runner.checkpoint_manager.directory / ".universal").exists(),
@@ -262,6 +262,25 @@ def _resume_on_one_rank(rank, world_size, root, first2, first3, sgd):
             Regression(config).close()
         except Exception as error:
             out[name] = f"{type(error).__name__}: {error}"
+    return out
+
+
+def _saved_adam_state(tag, stage, numels):
+    """`exp_avg` and `exp_avg_sq` of a two-rank ZeRO tag, whole and in parameter order (read from its files)."""
+    files = [os.path.join(tag, f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt") for r in (0, 1)]
+    parts = [torch.load(file, weights_only=False)["optimizer_state_dict"] for file in files]
+    parts = [part["base_optimizer_state" if stage < 3 else "optimizer_state_dict"]["state"][0] for part in parts]
+    out = {}
+    for key in ("exp_avg", "exp_avg_sq"):
+        if stage < 3:  # one flat vector of all parameters, cut in two equal halves
+            out[key] = torch.cat([part[key] for part in parts])[: sum(numels)]
+            continue
+        pieces, offset = [], 0  # ZeRO-3 cuts every parameter in two halves of its own
+        for numel in numels:
+            size = -(-numel // 2)
+            pieces.append(torch.cat([part[key][offset : offset + size] for part in parts])[:numel])
+            offset += size
+        out[key] = torch.cat(pieces)
     return out
 
 
@@ -299,7 +318,11 @@ def test_checkpoints_resume_exactly_publish_aliases_and_resize(tmp_path):
         assert result["restored"] == 2 and result["final"] == 2 + 4  # one rank: 4 updates per epoch
         for key, value in export.items():
             assert torch.equal(result["loaded"][key], value), f"stage {stage}: {key}"
-        assert result["adam_state"] and result["finite"] and result["converted_dir_removed"]
+        assert result["finite"] and result["converted_dir_removed"]
+        (state,) = result["adam_state"]  # one rank: every parameter's AdamW state, restored exactly
+        saved = _saved_adam_state(first2 if stage == 2 else first3, stage, [v.numel() for v in export.values()])
+        for key, value in saved.items():
+            assert torch.equal(state[key][: value.numel()], value), f"stage {stage}: {key}"
     assert len(one["log"]) == 2 and "2 data-parallel ranks and this run has 1" in one["log"][0]
     assert one["sgd"].startswith("CheckpointError") and "Adam-style optimizer states" in one["sgd"]
     assert one["stage0"].startswith("ValueError") and "needs a ZeRO optimizer" in one["stage0"]
