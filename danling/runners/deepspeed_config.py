@@ -10,9 +10,13 @@ import copy
 from collections.abc import Mapping
 from typing import Any
 
+import torch
+from torch.utils import deterministic
+
 __all__ = ["build_deepspeed_config"]
 
 _PRECISION_SECTIONS = {"bf16": "bf16", "fp16": "fp16"}
+_DEFAULT_BUCKET = 500_000_000  # DeepSpeed's default ZeRO bucket sizes, in elements
 
 
 def build_deepspeed_config(runner: Any) -> dict[str, Any]:
@@ -52,6 +56,8 @@ def build_deepspeed_config(runner: Any) -> dict[str, Any]:
         raise ValueError(f"max_grad_value={runner.config.get('max_grad_value')!r} is not supported by DeepSpeedRunner")
     if runner.config.get("skip_nonfinite_grad"):
         _skip_nonfinite(config)
+    if torch.are_deterministic_algorithms_enabled() and deterministic.fill_uninitialized_memory:
+        _size_buckets(config, runner.model)
     config.setdefault("steps_per_print", 2**31 - 1)  # the runner logs; keep DeepSpeed quiet
     if runner.optimizer is not None:  # the user chose it (config.optim): ZeRO may shard any torch optimizer
         config.setdefault("zero_allow_untested_optimizer", True)
@@ -90,3 +96,21 @@ def _skip_nonfinite(config: dict[str, Any]) -> None:
             "config.deepspeed.zero_optimization.compute_grad_norm=False conflicts with skip_nonfinite_grad=True: "
             "the engine finds non-finite gradients through their norm"
         )
+
+
+def _size_buckets(config: dict[str, Any], model: Any) -> None:
+    """Size unset ZeRO buckets to the model (at least 2**20 elements) in deterministic mode.
+
+    Deterministic mode fills every new tensor, and ZeRO allocates its buckets (5e8 elements by
+    default) again on every step: a second per step on a CPU, whatever the model's size. A bucket
+    larger than the whole model buys nothing; the reduction of each element is unchanged.
+    """
+    if not isinstance(model, torch.nn.Module):
+        return
+    size = max(sum(p.numel() for p in model.parameters()), 2**20)
+    if size >= _DEFAULT_BUCKET:
+        return
+    zero = config.get("zero_optimization")
+    if isinstance(zero, Mapping):
+        for key in ("reduce_bucket_size", "allgather_bucket_size"):
+            zero.setdefault(key, size)

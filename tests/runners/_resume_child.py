@@ -65,12 +65,8 @@ def _train(root: str, mode: str, world_size: int, kill_at: int, save_at: int) ->
         **budget,
         **{"ema.enabled": True, "ema.decay": 0.9, "scheduler.type": "cosine", "scheduler.warmup_steps": 2},
     )
-    if stage is not None:  # every parameter partitioned under ZeRO-3; buckets sized for the toy model,
-        # since deterministic mode fills every new buffer, and DeepSpeed's default buckets hold 5e8 elements
-        zero = {"stage": stage, "stage3_param_persistence_threshold": 0}
-        config["deepspeed"] = {
-            "zero_optimization": {**zero, "reduce_bucket_size": 2**20, "allgather_bucket_size": 2**20}
-        }
+    if stage is not None:  # every parameter partitioned under ZeRO-3
+        config["deepspeed"] = {"zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}
     with Child(config) as runner:
         start = runner.train_state.global_step
         runner.train()
