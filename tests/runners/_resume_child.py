@@ -12,6 +12,8 @@ then, once both were killed, `resume` restarts them with `auto_resume` and train
 Each run writes its final weights to `<root>/{clean,killed}/<mode>/final-rank<r>.pt`, and the exit
 status of every scenario is written to `<root>/status-rank<r>.json`. For two processes the parent
 sets `RANK`/`WORLD_SIZE`; every scenario rendezvouses through its own file store under `<root>`.
+With `--zero-stages E S` the runs use `DeepSpeedRunner` instead, ZeRO stage `E` in epoch mode and
+`S` in step mode.
 """
 
 from __future__ import annotations
@@ -29,9 +31,21 @@ import torch.distributed.checkpoint.state_dict  # imported once, before forking
 
 from tests.runners._torch_toy import TinyRunner, model_state, tiny_config
 
+ZERO_STAGES: dict[str, int] = {}  # mode -> ZeRO stage, set by --zero-stages before forking
+
+
+def _runner_class(stage: int | None) -> type:
+    if stage is None:
+        return TinyRunner
+    from danling.runners import DeepSpeedRunner
+
+    return type("TinyDeepSpeedRunner", (TinyRunner, DeepSpeedRunner), {})
+
 
 def _train(root: str, mode: str, world_size: int, kill_at: int, save_at: int) -> None:
-    class Child(TinyRunner):
+    stage = ZERO_STAGES.get(mode)
+
+    class Child(_runner_class(stage)):
         n_train = 20 * world_size  # 5 batches of 4 per rank and pass
 
         def optimizer_step(self) -> bool:
@@ -51,13 +65,15 @@ def _train(root: str, mode: str, world_size: int, kill_at: int, save_at: int) ->
         **budget,
         **{"ema.enabled": True, "ema.decay": 0.9, "scheduler.type": "cosine", "scheduler.warmup_steps": 2},
     )
+    if stage is not None:  # every parameter partitioned under ZeRO-3
+        config["deepspeed"] = {"zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}
     with Child(config) as runner:
         start = runner.train_state.global_step
         runner.train()
         final = {
             "start": start,
             "global_step": runner.train_state.global_step,
-            "model": model_state(runner),
+            "model": runner.model_state_dict() if stage is not None else model_state(runner),
             "ema": {k: v.clone() for k, v in runner.ema.module.state_dict().items()},
         }
         os.makedirs(os.path.join(root, mode), exist_ok=True)
@@ -104,8 +120,13 @@ def main() -> None:
     parser.add_argument("--epoch-kill-at", type=int, required=True)
     parser.add_argument("--epoch-save-at", type=int, default=0)
     parser.add_argument("--step-kill-at", type=int, required=True)
+    parser.add_argument("--zero-stages", type=int, nargs=2, metavar=("EPOCH", "STEP"))
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.zero_stages:
+        import deepspeed  # noqa: F401 - imported once, before forking
+
+        ZERO_STAGES.update(zip(("epoch", "step"), args.zero_stages))
     os.makedirs(args.root, exist_ok=True)
     pids = {
         "clean": _fork(args.root, "clean", "clean", ["epoch", "step"]),
