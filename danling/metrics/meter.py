@@ -169,11 +169,18 @@ class AverageMeter:
             raise TypeError(f"n must be a non-negative number, got {n!r}")
         if n < 0:
             raise ValueError(f"n must be a non-negative number, got {n!r}")
+        if self._updated and _shape(value) != _shape(self._val):
+            # Adding would broadcast one shape into the other and mix unrelated quantities.
+            raise ValueError(
+                f"AverageMeter got a value of shape {tuple(_shape(value))}, but earlier values had shape "
+                f"{tuple(_shape(self._val))}; reset the meter to change shapes"
+            )
         if isinstance(value, Tensor):
             if value.requires_grad:
                 value = value.detach()
-            total = self._total
-            if value.ndim or (isinstance(total, Tensor) and total.ndim):
+            if not n:  # weightless (an empty batch, whose mean is NaN): shown as `val`, never summed
+                pass
+            elif value.ndim or (isinstance(self._total, Tensor) and self._total.ndim):
                 self._add_tensor(value, n)
             else:  # the per-step loss: queue it, no tensor op now
                 pending = self._pending
@@ -187,8 +194,9 @@ class AverageMeter:
                 if len(pending) >= PENDING_VALUES:
                     self._commit()
         elif isinstance(value, (int, float)) and not isinstance(value, bool):
-            self._commit()
-            self._total = self._total + value * n
+            if n:
+                self._commit()
+                self._total = self._total + value * n
         else:
             raise TypeError(f"AverageMeter values must be numbers or tensors, got {type(value).__name__}")
         self._val, self._n = value, n
@@ -262,6 +270,9 @@ class AverageMeter:
 
     def _local_avg(self) -> Any:
         if not self._count:
+            like = self._val  # nothing weighs yet: NaN, shaped like the values seen
+            if isinstance(like, Tensor) and like.ndim:
+                return torch.full_like(like, math.nan, dtype=_nan_dtype(like))
             return math.nan
         total = self._sum
         if isinstance(total, Tensor) and not total.ndim and total.dtype == torch.float64:
@@ -468,3 +479,7 @@ class AverageMeters(MetersBase):
             if meter is None:
                 meter = meters[name] = AverageMeter(device=self.device, group=self._group)
             meter.update(value)
+
+
+def _nan_dtype(like: Tensor) -> torch.dtype:
+    return like.dtype if like.is_floating_point() else torch.get_default_dtype()

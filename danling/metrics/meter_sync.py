@@ -70,7 +70,9 @@ def sync_meters(
     for meter, shape in zip(meters, shapes):
         numel = shape.numel()
         if meter._updated:
-            weighted_val = _flat64(meter._val, numel) * meter._n
+            # A weightless value (NaN of an empty batch, say) contributes nothing, not NaN * 0.
+            zeros = torch.zeros(numel, dtype=torch.float64)
+            weighted_val = _flat64(meter._val, numel) * meter._n if meter._n else zeros
             pieces += [weighted_val, _flat64(meter._n, 1), _flat64(meter._sum, numel), _flat64(meter._count, 1)]
         else:
             pieces.append(torch.zeros(2 * numel + 2, dtype=torch.float64))
