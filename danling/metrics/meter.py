@@ -179,7 +179,10 @@ class AverageMeter:
             if value.requires_grad:
                 value = value.detach()
             if not n:  # weightless (an empty batch, whose mean is NaN): shown as `val`, never summed
-                pass
+                if not isinstance(self._total, Tensor):  # but the sum of tensors is a tensor all the same
+                    self._commit()
+                    zeros = torch.zeros(value.shape, dtype=_accumulation_dtype(value), device=value.device)
+                    self._total = zeros + self._total
             elif value.ndim or (isinstance(self._total, Tensor) and self._total.ndim):
                 self._add_tensor(value, n)
             else:  # the per-step loss: queue it, no tensor op now
