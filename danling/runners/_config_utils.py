@@ -24,7 +24,7 @@ _INT_RULES = {
     "steps": 0,
     "epochs": 0,
     "accum_steps": 1,
-    "log_interval": 1,
+    "log_interval": 0,  # 0: no step logs
     "checkpoint.interval": 1,
     "checkpoint.keep_latest_k": 0,
     "gc.interval": 1,
@@ -58,6 +58,8 @@ _CHOICES: dict[str, tuple] = {
     "ft.process_group": ("gloo", "nccl"),
     "gc.generation": (0, 1, 2),
 }
+# Choices read in any letter case ("DCP"); `RunnerConfig` stores them lower-cased.
+CASELESS_CHOICES = ("checkpoint.backend",)
 _EXCLUDE_ALIASES = {"data_loader": "dataloaders", "dataloader": "dataloaders", "lr_scheduler": "scheduler"}
 
 
@@ -114,6 +116,8 @@ def check_values(config: Mapping) -> None:
             raise ValueError(f"config.{key} must be a number in [0, 1], got {value!r}")
     for key, choices in _CHOICES.items():
         value = peek(config, key)
+        if key in CASELESS_CHOICES and isinstance(value, str):
+            value = value.lower()
         if value is not None and value not in choices:
             raise ValueError(
                 f"config.{key}={value!r} is not supported; expected None or one of: {', '.join(map(str, choices))}"

@@ -167,7 +167,8 @@ class BaseRunner(CheckpointMixin, ResultsMixin, ObservabilityMixin, LoopMixin, P
     @staticmethod
     def _normalize_config(config: RunnerConfig | Mapping[str, Any]) -> RunnerConfig:
         if isinstance(config, RunnerConfig):
-            config.validate()  # a config the caller built: booting it again would rerun its post() hooks
+            config._normalize()  # spellings only ("DCP", "bfloat16"); booting again would rerun post() hooks
+            config.validate()
             return config
         if isinstance(config, Mapping):
             return RunnerConfig(**config).boot()

@@ -22,6 +22,7 @@ from chanfig import ConfigParser
 from typing_extensions import Self
 
 from ._config_utils import (
+    CASELESS_CHOICES,
     check_annotations,
     check_values,
     feature_keys,
@@ -117,7 +118,7 @@ class RunnerConfig(_TypedConfig):
         auto_resume: Resume from the run's latest checkpoint when one exists.
         pretrained: Model-only checkpoint to initialise from.
         log: Write a log file in the run directory (main process only).
-        log_interval: Steps between progress logs; None lets the runner choose.
+        log_interval: Steps between progress logs; 0 turns step logs off; None lets the runner choose.
         tensorboard: Write TensorBoard scalars.
 
     Examples:
@@ -456,6 +457,10 @@ class RunnerConfig(_TypedConfig):
         precision = peek(self, "precision")
         if isinstance(precision, str) and self.PRECISIONS.get(precision.lower(), precision) != precision:
             self.precision = self.PRECISIONS[precision.lower()]
+        for key in CASELESS_CHOICES:
+            value = peek(self, key)
+            if isinstance(value, str) and value != value.lower():
+                self[key] = value.lower()
         checkpoint = peek(self, "checkpoint")
         if isinstance(checkpoint, Mapping) and "exclude_from_loading" in checkpoint:
             exclude = normalize_exclude(checkpoint["exclude_from_loading"])

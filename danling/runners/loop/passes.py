@@ -127,7 +127,7 @@ class PassMixin(StepHooks):
                     position.batch += 1
                     if track_progress and state.global_step != self._seen_step:
                         self._after_optimizer_progress(budget)
-                if batches % interval == 0 or batches == length:
+                if interval and (batches % interval == 0 or batches == length):
                     self._log_step(split, batches, length, training)
                 if self._stop_latched or (supervisor.stop_requested if stop_poll is None else stop_poll()):
                     # Stop only at a window boundary: applying a partial window (or dropping its

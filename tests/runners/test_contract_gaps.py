@@ -1,0 +1,47 @@
+"""Runner behaviours the API contract states: stack resolution, config spellings, checkpoint
+delegation and restore paths, step-mode scheduling and closing."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from danling.runners import RunnerConfig
+from tests.runners._torch_toy import TinyRunner, tiny_config
+from tests.runners._toy import ToyRunner, toy_config
+
+
+def test_checkpoint_backend_is_read_in_any_case(tmp_path):
+    from danling.checkpoint import FileCheckpointManager
+
+    config = RunnerConfig(**{"checkpoint.backend": "DCP"}).boot()
+    assert config.checkpoint.backend == "dcp"
+    built = RunnerConfig(**tiny_config(tmp_path / "a", **{"checkpoint.backend": "FILE"}))
+    with TinyRunner(built) as runner:  # a config object the caller built (validated, not booted)
+        assert runner.config.checkpoint.backend == "file"
+        assert isinstance(runner.checkpoint_manager, FileCheckpointManager)
+    with pytest.raises(ValueError, match="checkpoint.backend='tape'"):
+        RunnerConfig(**{"checkpoint.backend": "tape"}).boot()
+
+
+def test_log_interval_zero_turns_step_logs_off(tmp_path, caplog):
+    RunnerConfig(log_interval=0).boot()  # accepted
+    with pytest.raises(ValueError, match="log_interval"):
+        RunnerConfig(log_interval=-1).boot()
+    with ToyRunner(toy_config(tmp_path, log_interval=0, epochs=1)) as runner:
+        assert runner.log_interval == 0
+        with caplog.at_level(logging.INFO, logger=runner.logger.name):
+            runner.train()
+    step_lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith(("train [", "val ["))]
+    assert step_lines == []
+    assert runner.results[0]["train"]["loss"] >= 0  # rounds still run and are recorded
+
+
+def test_split_lists_are_deduplicated(tmp_path):
+    overrides = {"train_splits": ["train", "train"], "evaluate_splits": ["val", "val", "infer", "val"], "epochs": 1}
+    with ToyRunner(toy_config(tmp_path, **overrides)) as runner:
+        assert runner.train_splits == ["train"] and runner.evaluate_splits == ["val", "infer"]
+        assert runner._resolve_splits(["val", "val"], [], "evaluate") == ["val"]
+        runner.train()
+        assert runner.train_state.global_step == 5  # one pass over the 5 training items, not two
