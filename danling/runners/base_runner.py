@@ -125,6 +125,7 @@ class BaseRunner(CheckpointMixin, ResultsMixin, ObservabilityMixin, LoopMixin, P
     def __init__(self, config: RunnerConfig | Mapping[str, Any]) -> None:
         RunnerConfig.check_runner(config, type(self))  # refuse stacks/features this class does not implement
         self.config = self._normalize_config(config)
+        self._resolve_auto_stack()
         self.state = RunnerState(config=self.config)
         self.timestamp = time.strftime("%Y%m%d-%H%M%S")
         self._closed = False
@@ -173,6 +174,24 @@ class BaseRunner(CheckpointMixin, ResultsMixin, ObservabilityMixin, LoopMixin, P
         if isinstance(config, Mapping):
             return RunnerConfig(**config).boot()
         raise TypeError(f"config must be a RunnerConfig or a mapping, got {type(config).__name__}: {config!r}")
+
+    def _resolve_auto_stack(self) -> None:
+        """Record the backend `stack: auto` ran on: `"ddp"` for a `TorchRunner`, say.
+
+        The name is the one registered for the most derived backend class this runner is an
+        instance of (`"ddp"` preferred among a class's aliases); a runner outside the registry
+        keeps `"auto"`.
+        """
+        if str(self.config.get("stack") or "auto").strip().lower() != "auto":
+            return
+        from .runner import RUNNERS  # runner.py imports this module
+
+        backends = {backend for name, backend in RUNNERS.items() if name != "auto" and isinstance(self, backend)}
+        derived = [b for b in backends if not any(o is not b and issubclass(o, b) for o in backends)]
+        if len(derived) != 1:
+            return
+        names = [name for name, backend in RUNNERS.items() if backend is derived[0] and name != "auto"]
+        self.config.stack = "ddp" if "ddp" in names else names[0]
 
     def _bind_components(self) -> None:
         """Step 2 of construction: workspace, containers, checkpoint manager, supervisor."""

@@ -475,10 +475,19 @@ class RunnerConfig(_TypedConfig):
 
         Keys matching `CONFIG_ID_IGNORES` (paths, logging, checkpoint cadence, infrastructure),
         None values and empty sections are left out, so adding a new optional key or touching an
-        unset section does not change it.
+        unset section does not change it. A `stack` naming the backend `"auto"` resolves to
+        (`"ddp"`, `"torch"`) counts as `"auto"`: a runner records the backend it resolved, and
+        that must not make its config a different experiment.
         """
+        from .runner import RUNNERS  # runner.py imports this module
+
         ignores = tuple(tuple(pattern.split(".")) for pattern in self.CONFIG_ID_IGNORES)
-        return semantic(self.dict(), (), ignores)
+        result = semantic(self.dict(), (), ignores)
+        stack = result.get("stack")
+        default = RUNNERS.get("auto")
+        if isinstance(stack, str) and default is not None and RUNNERS.get(stack.strip().lower()) is default:
+            result["stack"] = "auto"
+        return result
 
     @property
     def config_id(self) -> str:

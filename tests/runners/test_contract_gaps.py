@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 
 import pytest
+import torch
 
 from danling.runners import RunnerConfig
 from tests.runners._torch_toy import TinyRunner, tiny_config
@@ -45,3 +46,28 @@ def test_split_lists_are_deduplicated(tmp_path):
         assert runner._resolve_splits(["val", "val"], [], "evaluate") == ["val"]
         runner.train()
         assert runner.train_state.global_step == 5  # one pass over the 5 training items, not two
+
+
+def test_stack_auto_is_resolved_to_ddp(tmp_path):
+    from danling.runners import Runner, TorchRunner
+
+    class TinyEntry(Runner):  # built through the stack registry: combined with TorchRunner
+        def __init__(self, config):
+            super().__init__(config)
+            self.model = torch.nn.Linear(4, 1)
+
+    with TinyRunner(tiny_config(tmp_path / "direct")) as runner:
+        assert runner.config.stack == "ddp"
+        # Recording the resolved backend leaves the experiment (and its run directory) as it was.
+        assert runner.config.config_id == RunnerConfig(**tiny_config(tmp_path / "direct")).config_id
+    config = RunnerConfig(**tiny_config(tmp_path / "entry"))
+    assert config.stack == "auto"
+    with TinyEntry(config) as runner:
+        assert isinstance(runner, TorchRunner) and runner.config.stack == "ddp" and config.stack == "ddp"
+    with TinyRunner(tiny_config(tmp_path / "named", stack="torch")) as runner:
+        assert runner.config.stack == "torch"  # an explicit choice is kept
+    # A run resumed with `stack: auto` again matches the checkpoint it wrote.
+    with TinyRunner(tiny_config(tmp_path / "resume", epochs=1)) as first:
+        first.train()
+    with TinyRunner(tiny_config(tmp_path / "resume", epochs=1, auto_resume=True)) as again:
+        assert again.train_state.epoch == 1
