@@ -53,6 +53,7 @@ from .manifest import (
     write_manifest,
 )
 from .payload import capture_state, check_objects, drop_key, normalize_excludes, restore_objects, snapshot_state
+from .runner_saves import RunnerSaves
 
 __all__ = ["CheckpointManager"]
 
@@ -63,11 +64,13 @@ def _check_count(value: Any, label: str, minimum: int) -> None:
         raise ValueError(f"{label} must be {kind} integer or None, got {value!r}")
 
 
-class CheckpointManager:
+class CheckpointManager(RunnerSaves):
     r"""Save, find, verify and load checkpoints under one directory.
 
     This base class owns the policy shared by all backends; subclasses supply the payload I/O
-    (see [`FileCheckpointManager`][danling.checkpoint.FileCheckpointManager]).
+    (see [`FileCheckpointManager`][danling.checkpoint.FileCheckpointManager]). A runner saves
+    through [`save_checkpoint`][danling.checkpoint.CheckpointManager.save_checkpoint], which a
+    custom manager may override.
 
     Args:
         directory: Where checkpoints, manifests and alias pointers live.

@@ -139,15 +139,15 @@ class CheckpointMixin:
         last_step: bool = False,
         force: bool = False,
     ) -> Path | None:
-        """Save a checkpoint through `self.checkpoint_manager` when the cadence says so.
+        """Save a checkpoint through `self.checkpoint_manager.save_checkpoint(self, ...)` when due.
 
-        The checkpoint directory is named `epoch-<epochs>` when `epochs` is given (epoch loops pass
-        the index of the epoch just finished) and `step-<global_step>` otherwise. The `name` alias
-        and `latest` are pointed at it, plus `best` when `save_best` is set, the newest result
-        row is the best one and no training happened since that row was stored (so a mid-epoch
-        save never inherits the score of the weights evaluated before it). Call it on every
-        rank: collective backends need all of them, and the file backend writes on the main
-        process only.
+        The manager decides ([`CheckpointManager.save_checkpoint`][danling.checkpoint.CheckpointManager.save_checkpoint]):
+        by default the checkpoint directory is named `epoch-<epochs>` when `epochs` is given (epoch
+        loops pass the index of the epoch just finished) and `step-<global_step>` otherwise, and the
+        `name` alias and `latest` are pointed at it, plus `best` when `save_best` is set and
+        [`publishes_best`][danling.runners.checkpointing.api.CheckpointMixin.publishes_best] holds.
+        A `CHECKPOINT_SAVED` event follows a write. Call it on every rank: collective backends
+        need all of them, and the file backend writes on the main process only.
 
         Args:
             name: Alias to publish (`"latest"`, `"shutdown"`, any valid name).
@@ -159,25 +159,20 @@ class CheckpointMixin:
         Returns:
             The checkpoint directory, or `None` when nothing was written by this process.
         """
-        state = self.train_state
-        if epochs is not None:
-            index, checkpoint_name = epochs + 1, f"epoch-{epochs:06d}"
-        else:
-            index = state.global_step if self.is_step_mode else state.epoch
-            checkpoint_name = f"step-{state.global_step:06d}"
-        if not self.checkpoint_manager.should_save(index, last=last_step, force=force):
-            return None
-        aliases = [name, "latest"]
-        if save_best and self.results and self.is_best and self._scored_progress == self._progress_marker():
-            aliases.append("best")
-        metadata = {"epoch": state.epoch, "global_step": state.global_step, "run_id": self.id}
-        payload = self.checkpoint_payload(last_step=last_step)
-        path = self.checkpoint_manager.save(
-            payload, checkpoint_name, aliases=tuple(dict.fromkeys(aliases)), metadata=metadata
+        path = self.checkpoint_manager.save_checkpoint(
+            self, name=name, epochs=epochs, save_best=save_best, last_step=last_step, force=force
         )
         if path is not None:
             self.events.emit(Events.CHECKPOINT_SAVED, CheckpointContext(self, path, name))
         return path
+
+    def publishes_best(self) -> bool:
+        """Whether a checkpoint saved now may be published as `best`.
+
+        True when the newest result row is the best one and no training happened since it was
+        stored, so a mid-epoch save never inherits the score of the weights evaluated before it.
+        """
+        return bool(self.results) and self.is_best and self._scored_progress == self._progress_marker()
 
     def save_seed_checkpoint(self, name: str = "seed") -> Path | None:
         """Save the initial state as checkpoint `name` (alias `name`, never pruned).
