@@ -93,7 +93,8 @@ def test_save_checkpoint_delegates_to_the_managers_save_checkpoint(tmp_path):
         manager = RecordingManager(runner.workspace.checkpoint_dir, is_main_process=True)
         runner.set_checkpoint_manager(manager)
         runner.train()
-        assert manager.requests == [("latest", 0, False, False), ("latest", 1, False, False), ("latest", 2, True, False)]
+        expected = [("latest", 0, False, False), ("latest", 1, False, False), ("latest", 2, True, False)]
+        assert manager.requests == expected
         assert [path.name for path in manager.checkpoints()] == ["epoch-000001"]  # the policy above: 2nd only
         assert manager.alias("best") is not None and manager.latest.name == "epoch-000001"
         assert runner.save_checkpoint(name="manual", force=True).name == "step-000015"  # the 4th request

@@ -141,8 +141,8 @@ class CheckpointMixin:
     ) -> Path | None:
         """Save a checkpoint through `self.checkpoint_manager.save_checkpoint(self, ...)` when due.
 
-        The manager decides ([`CheckpointManager.save_checkpoint`][danling.checkpoint.CheckpointManager.save_checkpoint]):
-        by default the checkpoint directory is named `epoch-<epochs>` when `epochs` is given (epoch
+        The manager decides
+        ([`CheckpointManager.save_checkpoint`][danling.checkpoint.CheckpointManager.save_checkpoint]): by default the checkpoint directory is named `epoch-<epochs>` when `epochs` is given (epoch
         loops pass the index of the epoch just finished) and `step-<global_step>` otherwise, and the
         `name` alias and `latest` are pointed at it, plus `best` when `save_best` is set and
         [`publishes_best`][danling.runners.checkpointing.api.CheckpointMixin.publishes_best] holds.
