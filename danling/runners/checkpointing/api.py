@@ -142,9 +142,11 @@ class CheckpointMixin:
         """Save a checkpoint through `self.checkpoint_manager.save_checkpoint(self, ...)` when due.
 
         The manager decides
-        ([`CheckpointManager.save_checkpoint`][danling.checkpoint.CheckpointManager.save_checkpoint]): by default the checkpoint directory is named `epoch-<epochs>` when `epochs` is given (epoch
-        loops pass the index of the epoch just finished) and `step-<global_step>` otherwise, and the
-        `name` alias and `latest` are pointed at it, plus `best` when `save_best` is set and
+        ([`CheckpointManager.save_checkpoint`][danling.checkpoint.CheckpointManager.save_checkpoint]).
+        By default the checkpoint directory is named `epoch-<epochs>` when `epochs` is given
+        (epoch loops pass the index of the epoch just finished) and `step-<global_step>`
+        otherwise, and the `name` alias and `latest` are pointed at it, plus `best` when
+        `save_best` is set and
         [`publishes_best`][danling.runners.checkpointing.api.CheckpointMixin.publishes_best] holds.
         A `CHECKPOINT_SAVED` event follows a write. Call it on every rank: collective backends
         need all of them, and the file backend writes on the main process only.
