@@ -100,3 +100,30 @@ def test_save_checkpoint_delegates_to_the_managers_save_checkpoint(tmp_path):
         assert runner.save_checkpoint(name="manual", force=True).name == "step-000015"  # the 4th request
         assert manager.alias("manual").name == "step-000015"
         assert runner.save_checkpoint(name="again", force=True) is None and manager.alias("again") is None
+
+
+@pytest.mark.parametrize("source", ["path", "mapping", "bytes"])
+def test_exclude_from_loading_honours_dotted_keys_and_runner(tmp_path, source):
+    import io
+
+    with ToyRunner(toy_config(tmp_path / "done")) as done:
+        done.train()
+        payload = done.state_dict()
+        sources = {"path": done.checkpoint_manager.latest, "mapping": payload}
+        buffer = io.BytesIO()
+        torch.save(payload, buffer)
+        sources["bytes"] = buffer.getvalue()
+    checkpoint = sources[source]
+    excluded = {"checkpoint.exclude_from_loading": ["state.train"]}
+    with ToyRunner(toy_config(tmp_path / "fresh", **excluded)) as runner:
+        runner.load_checkpoint(checkpoint)
+        assert runner.train_state.epoch == 0 and runner.train_state.global_step == 0  # counters kept
+        assert runner.model.weight == done.model.weight and list(runner.results) == [0, 1, 2]
+    assert payload["state"]["train"]["epoch"] == 3  # the caller's payload is left as it was
+    # Excluding the saved config skips the check that it describes the same experiment.
+    other = {"checkpoint.exclude_from_loading": "runner", "epochs": 9}
+    with ToyRunner(toy_config(tmp_path / "other", **other)) as runner:
+        runner.load_checkpoint(checkpoint)
+        assert runner.train_state.epoch == 3 and runner.config.epochs == 9
+    with ToyRunner(toy_config(tmp_path / "checked", epochs=9)) as runner, pytest.raises(ValueError, match="epochs"):
+        runner.load_checkpoint(checkpoint)

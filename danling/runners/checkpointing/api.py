@@ -10,7 +10,7 @@ decides checkpoint names and aliases, and implements the resume policy
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -201,17 +201,20 @@ class CheckpointMixin:
     def read_checkpoint(self, checkpoint: CheckpointSource, *args: Any, **kwargs: Any) -> Mapping[str, Any]:
         """Turn a checkpoint source into a payload mapping.
 
-        Mappings are returned as they are, bytes are unpickled, and strings or paths go through
-        `self.checkpoint_manager.load`, so aliases (`"latest"`, `"best"`), checkpoint names,
-        directories and files all work and are verified against their manifest. `map_location`
-        is honoured; other arguments are accepted for backend overrides.
+        Strings or paths go through `self.checkpoint_manager.load`, so aliases (`"latest"`,
+        `"best"`), checkpoint names, directories and files all work and are verified against their
+        manifest. Bytes are unpickled and mappings used as they are, except that the keys of
+        `checkpoint.exclude_from_loading` (dotted ones too: `"state.train"`) are left out of them
+        as the manager leaves them out of what it loads; the caller's mapping is not changed.
+        `map_location` is honoured; other arguments are accepted for backend overrides.
         """
         map_location = kwargs.get("map_location", "cpu")
-        if isinstance(checkpoint, Mapping):
-            return checkpoint
         if _is_path(checkpoint):
             return self.checkpoint_manager.load(checkpoint, map_location=map_location)
-        return read_checkpoint_source(checkpoint, map_location=map_location)
+        if not isinstance(checkpoint, Mapping):
+            checkpoint = read_checkpoint_source(checkpoint, map_location=map_location)
+        excludes = self.checkpoint_manager.exclude_from_loading
+        return _without(checkpoint, excludes) if excludes else checkpoint
 
     def load_checkpoint(self, checkpoint: CheckpointSource, *args: Any, **kwargs: Any) -> None:
         """Restore a full checkpoint: runner state, RNG, results, model/EMA, optimizer, scheduler, dataloaders.
@@ -455,6 +458,29 @@ def _flatten(mapping: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
         else:
             flat[f"{prefix}{key}"] = value
     return flat
+
+
+def _without(payload: Mapping[str, Any], keys: Sequence[str]) -> Mapping[str, Any]:
+    """`payload` without `keys` (dots read as nesting), copying only the mappings on their paths."""
+    for key in keys:
+        trimmed = _drop(payload, key)
+        if trimmed is not None:
+            payload = trimmed
+    return payload
+
+
+def _drop(mapping: Mapping[str, Any], key: str) -> dict[str, Any] | None:
+    """A copy of `mapping` without `key`, or None when it has no such key (a literal key wins)."""
+    if key in mapping:
+        return {name: value for name, value in mapping.items() if name != key}
+    parts = key.split(".")
+    for cut in range(1, len(parts)):
+        head = ".".join(parts[:cut])
+        child = mapping.get(head)
+        trimmed = _drop(child, ".".join(parts[cut:])) if isinstance(child, Mapping) else None
+        if trimmed is not None:
+            return {**mapping, head: trimmed}
+    return None
 
 
 def _describe(checkpoint: Any) -> str:
