@@ -81,7 +81,8 @@ class BaseRunner(CheckpointMixin, ResultsMixin, ObservabilityMixin, LoopMixin, P
        non-main ranks, `init_signal_handlers`, `init_heartbeat`.
     6. The subclass `__init__` finishes (it typically binds `model`, `datasets`, ...).
     7. [`MetaRunner`][danling.runners.base_runner.MetaRunner] calls `__post_init__`, which
-       restores a checkpoint if the config asks for one and records the run's metadata.
+       records the run's metadata; concrete runners restore a checkpoint there when the config
+       asks for one (see `__post_init__`).
 
     Attributes:
         config: The run's configuration.
@@ -150,18 +151,19 @@ class BaseRunner(CheckpointMixin, ResultsMixin, ObservabilityMixin, LoopMixin, P
     def __post_init__(self) -> None:
         """Finish construction once the subclass `__init__` has returned.
 
-        Restores from `config.resume` / `config.auto_resume` / `config.pretrained` (see
-        [`auto_restore`][danling.runners.checkpointing.api.CheckpointMixin.auto_restore]) unless the
-        concrete runner did so already, then writes the run metadata on the main process.
-        Concrete runners build their model, optimizer and dataloaders first and then call
-        `super().__post_init__()`.
+        Subscribes `@on` handlers, builds the update strategy and writes the run metadata on the
+        main process. The backend-free runner restores nothing: it cannot know what a checkpoint's
+        components load into. Concrete runners build their model, optimizer and dataloaders, call
+        `super().__post_init__()` and then restore what `config.resume` / `config.auto_resume` /
+        `config.pretrained` ask for with
+        [`auto_restore`][danling.runners.checkpointing.api.CheckpointMixin.auto_restore]
+        (`TorchRunner` does); a `BaseRunner` subclass does the same in its own `__post_init__`,
+        or calls `auto_restore()` after construction.
         """
         self.events.subscribe_object(self)  # methods marked with @on(...)
         if "update" not in self.__dict__:
             self.update = self.build_update_strategy()
         self.loop_state.accumulator = self.update.accumulator
-        if not self.__dict__.get("_restored", False):
-            self.auto_restore()
         if self.is_main_process:
             self.workspace.write_metadata({"runner": type(self).__name__, "timestamp": self.timestamp})
 

@@ -117,6 +117,8 @@ class TorchRunner(TorchCheckpointMixin, TorchBatchMixin, TorchDataMixin, BaseRun
         if self.datasets:
             self.build_dataloaders()
         super().__post_init__()
+        if not self.__dict__.get("_restored", False):  # resume / auto_resume / pretrained
+            self.auto_restore()
 
     # ------------------------------------------------------------------ process facts
     @property

@@ -127,3 +127,23 @@ def test_exclude_from_loading_honours_dotted_keys_and_runner(tmp_path, source):
         assert runner.train_state.epoch == 3 and runner.config.epochs == 9
     with ToyRunner(toy_config(tmp_path / "checked", epochs=9)) as runner, pytest.raises(ValueError, match="epochs"):
         runner.load_checkpoint(checkpoint)
+
+
+def test_a_backend_free_runner_restores_nothing_at_construction(tmp_path):
+    from danling.runners import BaseRunner
+
+    class Bare(BaseRunner):  # no model: nothing a checkpoint's weights could load into
+        pass
+
+    with ToyRunner(toy_config(tmp_path / "done")) as done:
+        done.train()
+        latest = str(done.checkpoint_manager.latest)
+    for key in ("resume", "pretrained"):
+        with Bare({"workspace_root": str(tmp_path / key), "log": False, key: latest}) as bare:
+            assert bare.train_state.epoch == 0 and not bare.results and bare.config[key] == latest
+    # A concrete runner restores at construction.
+    with TinyRunner(tiny_config(tmp_path / "tiny", epochs=1)) as tiny:
+        tiny.train()
+        tiny_latest = str(tiny.checkpoint_manager.latest)
+    with TinyRunner(tiny_config(tmp_path / "tiny", epochs=1, resume=tiny_latest)) as resumed:
+        assert resumed.train_state.epoch == 1
