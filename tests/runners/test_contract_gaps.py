@@ -147,3 +147,30 @@ def test_a_backend_free_runner_restores_nothing_at_construction(tmp_path):
         tiny_latest = str(tiny.checkpoint_manager.latest)
     with TinyRunner(tiny_config(tmp_path / "tiny", epochs=1, resume=tiny_latest)) as resumed:
         assert resumed.train_state.epoch == 1
+
+
+def test_from_checkpoint_of_a_fine_tuned_run(tmp_path):
+    with ToyRunner(toy_config(tmp_path / "base")) as base:
+        base.train()
+        source = str(base.checkpoint_manager.latest)
+    with ToyRunner(toy_config(tmp_path / "tuned", pretrained=source, epochs=2)) as tuned:
+        tuned.train()
+        latest, weight = tuned.checkpoint_manager.latest, tuned.model.weight
+    for checkpoint in (latest, latest / "state.pt"):
+        with ToyRunner.from_checkpoint(checkpoint) as restored:
+            assert restored.config.pretrained == source and restored.config.epochs == 2
+            assert restored.model.weight == weight and restored.train_state.epoch == 2
+
+
+def test_auto_resume_on_a_fresh_run_starts_from_pretrained(tmp_path, caplog):
+    with ToyRunner(toy_config(tmp_path / "base")) as base:
+        base.train()
+        source, weight = str(base.checkpoint_manager.latest), base.model.weight
+    config = toy_config(tmp_path / "tuned", pretrained=source, auto_resume=True, epochs=1)
+    with caplog.at_level(logging.INFO), ToyRunner(config) as first:
+        assert first.model.weight == weight and first.train_state.epoch == 0  # weights only
+        first.train()
+        trained = first.model.weight
+    assert any("starting from the pretrained weights" in r.getMessage() for r in caplog.records)
+    with ToyRunner(config) as again:  # the resubmitted job resumes its own checkpoint instead
+        assert again.model.weight == trained and again.train_state.epoch == 1

@@ -10,7 +10,8 @@ decides checkpoint names and aliases, and implements the resume policy
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
+from contextvars import ContextVar
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -19,6 +20,8 @@ from danling.utils import RoundDict
 
 from ..config import RunnerConfig
 from ..loop.events import CheckpointContext, Events
+from ._keys import flatten as _flatten
+from ._keys import without as _without
 
 if TYPE_CHECKING:
     from ..base_runner import BaseRunner
@@ -387,24 +390,34 @@ class CheckpointMixin:
 
         With `auto_resume`, the newest checkpoint in this run's checkpoint directory that passes
         verification is loaded; when that is not the one `latest` points to, the fallback is
-        logged as a warning. Without any checkpoint the run starts fresh.
+        logged as a warning. Without any checkpoint the run starts fresh, from the `pretrained`
+        weights when they are set (the first launch of a fine-tuning job that is resubmitted
+        with `auto_resume`). Inside
+        [`from_checkpoint`][danling.runners.checkpointing.api.CheckpointMixin.from_checkpoint],
+        which restores the full state right after construction, it does nothing.
         """
         self._restored = True
+        if _RESTORING.get():
+            return
         config = self.config
         if config.get("resume"):
             self.load_checkpoint(config.resume)
-        elif config.get("auto_resume"):
+            return
+        if config.get("auto_resume"):
             manager = self.checkpoint_manager
             path = manager.latest_valid()
-            if path is None:
-                self.logger.info("auto_resume: no checkpoint in %s, starting from scratch", manager.directory)
+            if path is not None:
+                latest = manager.latest
+                if latest is not None and latest != path:
+                    self.logger.warning(
+                        "auto_resume: latest checkpoint %s is not usable; resuming from %s", latest, path
+                    )
+                    self.events.emit(Events.CHECKPOINT_FALLBACK, CheckpointContext(self, path, requested=latest))
+                self.load_checkpoint(path)
                 return
-            latest = manager.latest
-            if latest is not None and latest != path:
-                self.logger.warning("auto_resume: latest checkpoint %s is not usable; resuming from %s", latest, path)
-                self.events.emit(Events.CHECKPOINT_FALLBACK, CheckpointContext(self, path, requested=latest))
-            self.load_checkpoint(path)
-        elif config.get("pretrained"):
+            start = "the pretrained weights" if config.get("pretrained") else "scratch"
+            self.logger.info("auto_resume: no checkpoint in %s, starting from %s", manager.directory, start)
+        if config.get("pretrained"):
             self.load_pretrained(config.pretrained)
 
     # ------------------------------------------------------------------ constructors
@@ -426,12 +439,18 @@ class CheckpointMixin:
     def from_checkpoint(cls, checkpoint: CheckpointSource, *args: Any, **kwargs: Any) -> BaseRunner:
         """Build a runner from the config stored in `checkpoint`, then restore its full state.
 
-        `*args` and `**kwargs` are forwarded to `load_checkpoint`.
+        The config is used as saved (`pretrained` included, so it matches the checkpoint); no
+        `resume`, `auto_resume` or `pretrained` restore runs during construction. `*args` and
+        `**kwargs` are forwarded to `load_checkpoint`.
         """
         payload = cls._read_source(checkpoint, map_location=kwargs.get("map_location", "cpu"))
         config = cls.read_config(payload)
-        config.resume, config.auto_resume, config.pretrained = None, False, None
-        runner = cls(config)
+        config.resume, config.auto_resume = None, False
+        token = _RESTORING.set(True)
+        try:
+            runner = cls(config)
+        finally:
+            _RESTORING.reset(token)
         runner.load_checkpoint(payload, *args, **kwargs)
         if _is_path(checkpoint):
             runner.config.resume = os.fspath(checkpoint)
@@ -448,39 +467,8 @@ class CheckpointMixin:
 
 
 _MISSING = object()
-
-
-def _flatten(mapping: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    flat = {}
-    for key, value in mapping.items():
-        if isinstance(value, Mapping):
-            flat.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
-
-
-def _without(payload: Mapping[str, Any], keys: Sequence[str]) -> Mapping[str, Any]:
-    """`payload` without `keys` (dots read as nesting), copying only the mappings on their paths."""
-    for key in keys:
-        trimmed = _drop(payload, key)
-        if trimmed is not None:
-            payload = trimmed
-    return payload
-
-
-def _drop(mapping: Mapping[str, Any], key: str) -> dict[str, Any] | None:
-    """A copy of `mapping` without `key`, or None when it has no such key (a literal key wins)."""
-    if key in mapping:
-        return {name: value for name, value in mapping.items() if name != key}
-    parts = key.split(".")
-    for cut in range(1, len(parts)):
-        head = ".".join(parts[:cut])
-        child = mapping.get(head)
-        trimmed = _drop(child, ".".join(parts[cut:])) if isinstance(child, Mapping) else None
-        if trimmed is not None:
-            return {**mapping, head: trimmed}
-    return None
+# Set while `from_checkpoint` constructs its runner: the full restore follows construction.
+_RESTORING: ContextVar[bool] = ContextVar("danling_restoring_from_checkpoint", default=False)
 
 
 def _describe(checkpoint: Any) -> str:
