@@ -174,3 +174,25 @@ def test_auto_resume_on_a_fresh_run_starts_from_pretrained(tmp_path, caplog):
     assert any("starting from the pretrained weights" in r.getMessage() for r in caplog.records)
     with ToyRunner(config) as again:  # the resubmitted job resumes its own checkpoint instead
         assert again.model.weight == trained and again.train_state.epoch == 1
+
+
+@pytest.mark.parametrize("passes", [1, 3])
+def test_epoch_interval_scheduler_steps_once_per_pass_in_step_mode(tmp_path, passes):
+    class Scheduled(TinyRunner):
+        def __init__(self, config):
+            super().__init__(config)
+            self.optimizer = torch.optim.SGD(self.model.parameters(), lr=1.0)
+            self.scheduler = torch.optim.lr_scheduler.StepLR(self.optimizer, step_size=1, gamma=0.5)
+
+    batches = TinyRunner.n_train // 4  # batch size 4: one pass is 5 optimizer steps
+    config = tiny_config(tmp_path, epochs=None, steps=passes * batches, **{"scheduler.interval": "epoch"})
+    with Scheduled(config) as runner:
+        runner.train()
+        assert runner.train_state.global_step == passes * batches
+        assert runner.train_state.epoch == passes and runner.scheduler.last_epoch == passes
+        assert runner.optimizer.param_groups[0]["lr"] == 0.5**passes
+    # A budget that ends inside a pass leaves that pass uncounted.
+    config = tiny_config(tmp_path / "partial", epochs=None, steps=batches + 2, **{"scheduler.interval": "epoch"})
+    with Scheduled(config) as runner:
+        runner.train()
+        assert runner.train_state.epoch == 1 and runner.scheduler.last_epoch == 1
