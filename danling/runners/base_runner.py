@@ -14,6 +14,7 @@ import logging
 import os
 import random
 import time
+import warnings
 from collections.abc import Mapping
 from contextlib import suppress
 from typing import Any
@@ -416,15 +417,18 @@ class BaseRunner(CheckpointMixin, ResultsMixin, ObservabilityMixin, LoopMixin, P
         """Release everything the runner holds; safe to call more than once.
 
         Waits for pending checkpoint writes (up to `timeout`, default `checkpoint.wait_timeout`)
-        and result files, closes trackers, restores signal handlers, automatic GC and stdout, and closes the log
-        files.
+        and result files, closes trackers, restores signal handlers, automatic GC and stdout, and
+        closes the log files. A checkpoint write still running after `timeout` is left to finish
+        in the background with a `RuntimeWarning`; calling `close()` again waits for it (and for
+        anything else the first call could not close).
 
         Returns:
             `True` when no checkpoint write was left in flight.
         """
         if self.__dict__.get("_closed", True):
             return True
-        self._closed = True
+        first = not self.__dict__.get("_closing", False)
+        self._closing = True
         drained = True
         manager = self.__dict__.get("checkpoint_manager")
         writer = self.__dict__.get("_results_writer")
@@ -436,8 +440,18 @@ class BaseRunner(CheckpointMixin, ResultsMixin, ObservabilityMixin, LoopMixin, P
                 if writer is not None:
                     writer.close(timeout)
             finally:
-                self._release_components()
-        return drained
+                if first:  # trackers, handlers, stdout and logs: released once, on the first call
+                    self._release_components()
+        if not drained:
+            warnings.warn(
+                f"{type(self).__name__}.close(timeout={timeout}): a checkpoint write is still running and "
+                "finishes in the background; call close() again to wait for it",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            return False
+        self._closed = True
+        return True
 
     def _release_components(self) -> None:
         """Close trackers and supervisor (their errors must not stop the rest) and the workspace."""

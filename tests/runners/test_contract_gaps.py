@@ -196,3 +196,35 @@ def test_epoch_interval_scheduler_steps_once_per_pass_in_step_mode(tmp_path, pas
     with Scheduled(config) as runner:
         runner.train()
         assert runner.train_state.epoch == 1 and runner.scheduler.last_epoch == 1
+
+
+def test_close_after_a_timeout_warns_and_a_second_close_drains(tmp_path):
+    import threading
+
+    from danling.checkpoint import FileCheckpointManager
+    from danling.checkpoint.manifest import HashingWriter
+
+    release = threading.Event()
+
+    class StalledWriter(HashingWriter):
+        def write(self, data):
+            release.wait()
+            return super().write(data)
+
+    class StalledManager(FileCheckpointManager):
+        def _payload_stream(self, raw):
+            return StalledWriter(raw)
+
+    runner = TinyRunner(tiny_config(tmp_path / "run"))
+    manager = StalledManager(tmp_path / "checkpoints", async_save=True)
+    runner.set_checkpoint_manager(manager)
+    runner.save_checkpoint(force=True)
+    try:
+        with pytest.warns(RuntimeWarning, match="still running"):
+            assert runner.close(timeout=0) is False
+    finally:
+        release.set()
+    assert manager._pending is not None  # left in flight by the first call
+    assert runner.close() is True  # waits for the write the first call left behind
+    assert manager._pending is None and FileCheckpointManager(tmp_path / "checkpoints").load("latest")["model"]
+    assert runner.close() is True  # and a closed runner stays closed
