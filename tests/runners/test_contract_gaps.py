@@ -228,3 +228,27 @@ def test_close_after_a_timeout_warns_and_a_second_close_drains(tmp_path):
     assert runner.close() is True  # waits for the write the first call left behind
     assert manager._pending is None and FileCheckpointManager(tmp_path / "checkpoints").load("latest")["model"]
     assert runner.close() is True  # and a closed runner stays closed
+
+
+def test_a_model_without_parameters_checkpoints_in_one_process(tmp_path):
+    from danling.checkpoint.training import ModelState
+
+    class FeatureSum(torch.nn.Module):  # no parameters, no buffers
+        def forward(self, x):
+            return x.sum(dim=-1, keepdim=True)
+
+    class Parameterless(TinyRunner):
+        def __init__(self, config):
+            super().__init__(config)
+            self.model = FeatureSum()
+
+    assert ModelState(torch.nn.ReLU()).state_dict() == {}
+    ModelState(torch.nn.ReLU()).load_state_dict({})  # nothing to load, nothing missing
+    with pytest.raises(ValueError, match="no weights"):
+        ModelState(torch.nn.Linear(2, 1)).load_state_dict({})
+    config = {key: value for key, value in tiny_config(tmp_path).items() if not key.startswith("optim.")}
+    with Parameterless(config) as runner:
+        path = runner.save_checkpoint(force=True)
+        assert path is not None and runner.evaluate()["val"]["loss"] >= 0
+    with Parameterless(dict(config, resume=str(path))) as resumed:
+        assert resumed.config.resume == str(path)
