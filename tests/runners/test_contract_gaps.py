@@ -252,3 +252,33 @@ def test_a_model_without_parameters_checkpoints_in_one_process(tmp_path):
         assert path is not None and runner.evaluate()["val"]["loss"] >= 0
     with Parameterless(dict(config, resume=str(path))) as resumed:
         assert resumed.config.resume == str(path)
+
+
+def _init_distributed_with_a_running_group(rank: int, world_size: int, root: str) -> str:
+    import torch.distributed as dist
+
+    assert dist.is_initialized()  # started by the harness, not by the runner
+    try:
+        TinyRunner(tiny_config(f"{root}/{rank}", log=False))
+    except RuntimeError as error:
+        return str(error)
+    return "constructed"
+
+
+def _init_distributed_owns_the_group(rank: int, world_size: int, root: str) -> dict:
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()
+    with TinyRunner(tiny_config(root, epochs=1, log=False)) as runner:
+        started = dist.is_initialized() and dist.get_world_size() == world_size and runner.world_size == world_size
+    return {"started": started, "destroyed": not dist.is_initialized()}
+
+
+@pytest.mark.distributed
+def test_init_distributed_refuses_a_group_it_did_not_start(tmp_path):
+    from tests.dist import run_distributed
+
+    errors = run_distributed(_init_distributed_with_a_running_group, str(tmp_path / "adopt"))
+    assert all("already initialised" in error for error in errors), errors
+    owned = run_distributed(_init_distributed_owns_the_group, str(tmp_path / "own"), init_process_group=False)
+    assert owned == [{"started": True, "destroyed": True}] * 2

@@ -84,7 +84,7 @@ def _training_scenarios(rank, world_size, root):
 
 
 def test_zero_stages_match_ddp_and_accumulation_matches_one_big_batch(tmp_path):
-    ranks = run_distributed(_training_scenarios, str(tmp_path), world_size=2, timeout=600)
+    ranks = run_distributed(_training_scenarios, str(tmp_path), world_size=2, timeout=600, init_process_group=False)
     for out in ranks:
         name, ddp_losses, ddp_weights, ddp_steps = out["ddp"]
         assert name == "Regression" and ddp_steps == 4
@@ -146,7 +146,7 @@ def _checkpoint_scenarios(rank, world_size, root):
 
 
 def test_checkpoints_resume_exactly_and_publish_aliases(tmp_path):
-    ranks = run_distributed(_checkpoint_scenarios, str(tmp_path), world_size=2, timeout=600)
+    ranks = run_distributed(_checkpoint_scenarios, str(tmp_path), world_size=2, timeout=600, init_process_group=False)
     for out in ranks:
         for stage in (2, 3):
             result = out[stage]
