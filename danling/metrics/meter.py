@@ -143,13 +143,17 @@ class AverageMeter:
     def update(self, value: float | int | Tensor, n: int = 1) -> None:
         """Add `value` with weight `n` (0-d tensors are added in groups: see the class docstring).
 
+        A value of weight `n=0` (the NaN mean of an empty batch, say) becomes `val` as given but
+        adds nothing to `sum`, `count` or `avg`.
+
         Args:
             value: A number or a tensor (detached; accumulated on its own device).
             n: Weight of the value, typically the number of samples it summarises.
 
         Raises:
             TypeError: If `value` is not a number or tensor, or `n` is not a number.
-            ValueError: If `n` is negative or a tensor's shape differs from earlier updates.
+            ValueError: If `n` is negative or the value's shape differs from earlier updates
+                (a number counts as shape `()`): adding would broadcast one into the other.
         """
         pending = self._pending
         if pending and type(value) is Tensor and type(n) is int and n == 1 and self._pending_n == 1:
