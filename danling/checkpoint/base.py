@@ -68,9 +68,7 @@ class CheckpointManager(RunnerSaves):
     r"""Save, find, verify and load checkpoints under one directory.
 
     This base class owns the policy shared by all backends; subclasses supply the payload I/O
-    (see [`FileCheckpointManager`][danling.checkpoint.FileCheckpointManager]). A runner saves
-    through [`save_checkpoint`][danling.checkpoint.CheckpointManager.save_checkpoint], which a
-    custom manager may override.
+    (see [`FileCheckpointManager`][danling.checkpoint.FileCheckpointManager]).
 
     Args:
         directory: Where checkpoints, manifests and alias pointers live.

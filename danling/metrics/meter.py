@@ -174,19 +174,12 @@ class AverageMeter:
         if n < 0:
             raise ValueError(f"n must be a non-negative number, got {n!r}")
         if self._updated and _shape(value) != _shape(self._val):
-            # Adding would broadcast one shape into the other and mix unrelated quantities.
-            raise ValueError(
-                f"AverageMeter got a value of shape {tuple(_shape(value))}, but earlier values had shape "
-                f"{tuple(_shape(self._val))}; reset the meter to change shapes"
-            )
+            self._refuse_shape(value)
         if isinstance(value, Tensor):
             if value.requires_grad:
                 value = value.detach()
             if not n:  # weightless (an empty batch, whose mean is NaN): shown as `val`, never summed
-                if not isinstance(self._total, Tensor):  # but the sum of tensors is a tensor all the same
-                    self._commit()
-                    zeros = torch.zeros(value.shape, dtype=_accumulation_dtype(value), device=value.device)
-                    self._total = zeros + self._total
+                self._tensor_sum(value)
             elif value.ndim or (isinstance(self._total, Tensor) and self._total.ndim):
                 self._add_tensor(value, n)
             else:  # the per-step loss: queue it, no tensor op now
@@ -209,6 +202,20 @@ class AverageMeter:
         self._val, self._n = value, n
         self._count += n
         self._updated = True
+
+    def _refuse_shape(self, value: Any) -> None:
+        # Adding would broadcast one shape into the other and mix unrelated quantities.
+        raise ValueError(
+            f"AverageMeter got a value of shape {tuple(_shape(value))}, but earlier values had shape "
+            f"{tuple(_shape(self._val))}; reset the meter to change shapes"
+        )
+
+    def _tensor_sum(self, like: Tensor) -> None:
+        """Make the running sum a (float64) tensor shaped like `like`, as adding one would."""
+        if not isinstance(self._total, Tensor):
+            self._commit()
+            zeros = torch.zeros(like.shape, dtype=_accumulation_dtype(like), device=like.device)
+            self._total = zeros + self._total
 
     def _add_tensor(self, value: Tensor, n: Number) -> None:
         self._commit()

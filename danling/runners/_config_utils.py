@@ -269,6 +269,14 @@ def unsupported(
 # identity
 
 
+def auto_stack(semantic_config: dict[str, Any], runners: Mapping[str, Any]) -> dict[str, Any]:
+    """`semantic_config` with a `stack` naming the runner `"auto"` resolves to written as `"auto"`."""
+    stack, default = semantic_config.get("stack"), runners.get("auto")
+    if isinstance(stack, str) and default is not None and runners.get(stack.strip().lower()) is default:
+        semantic_config["stack"] = "auto"
+    return semantic_config
+
+
 def semantic(obj: Any, path: tuple[str, ...], ignores: tuple[tuple[str, ...], ...]) -> Any:
     """Copy of `obj` without ignored keys, None values and empty mappings (keys stringified).
 

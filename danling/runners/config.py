@@ -23,6 +23,7 @@ from typing_extensions import Self
 
 from ._config_utils import (
     CASELESS_CHOICES,
+    auto_stack,
     check_annotations,
     check_values,
     feature_keys,
@@ -475,19 +476,13 @@ class RunnerConfig(_TypedConfig):
 
         Keys matching `CONFIG_ID_IGNORES` (paths, logging, checkpoint cadence, infrastructure),
         None values and empty sections are left out, so adding a new optional key or touching an
-        unset section does not change it. A `stack` naming the backend `"auto"` resolves to
-        (`"ddp"`, `"torch"`) counts as `"auto"`: a runner records the backend it resolved, and
-        that must not make its config a different experiment.
+        unset section does not change it. `"ddp"`/`"torch"` (what a runner records for `"auto"`)
+        count as `"auto"`.
         """
         from .runner import RUNNERS  # runner.py imports this module
 
         ignores = tuple(tuple(pattern.split(".")) for pattern in self.CONFIG_ID_IGNORES)
-        result = semantic(self.dict(), (), ignores)
-        stack = result.get("stack")
-        default = RUNNERS.get("auto")
-        if isinstance(stack, str) and default is not None and RUNNERS.get(stack.strip().lower()) is default:
-            result["stack"] = "auto"
-        return result
+        return auto_stack(semantic(self.dict(), (), ignores), RUNNERS)
 
     @property
     def config_id(self) -> str:

@@ -138,10 +138,7 @@ class PassMixin(StepHooks):
                 if budget is not None and state.global_step >= budget:
                     break
             else:
-                if agree and length is None and not self._stop_latched and self._agree_on_stop():
-                    self._stop_latched = True  # an unsized pass: its end is only known here
-                elif training:
-                    position.split, position.batch = None, 0  # the pass ran to its end
+                self._pass_ran_out(agree and length is None, training)
         if training and self._close_window():
             self._after_optimizer_progress(budget)
         if self._stop_latched:  # at a window boundary (the break above) or at the end of the pass
@@ -201,6 +198,14 @@ class PassMixin(StepHooks):
         if self._stop_polls % _STOP_POLL_EVERY:
             return False
         return self._agree_on_stop()
+
+    def _pass_ran_out(self, ask: bool, training: bool) -> None:
+        """The loader is exhausted: latch a stop the ranks agree on (`ask`: an unsized pass, whose
+        end is only known here), else record that the training pass ran to its end."""
+        if ask and not self._stop_latched and self._agree_on_stop():
+            self._stop_latched = True
+        elif training:
+            self.loop_state.split, self.loop_state.batch = None, 0
 
     def _stop_now(self, stop_poll: Callable[[], bool] | None, at_end: bool) -> bool:
         """Whether a stop is requested after this batch (agreed across ranks while training).
