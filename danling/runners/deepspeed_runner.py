@@ -157,6 +157,7 @@ class DeepSpeedRunner(TorchRunner):
         """
         deepspeed = optional_import("deepspeed", "deepspeed")
         deepspeed.init_distributed(dist_backend=dist.get_backend())  # adopts the running group
+        _forget_destroyed_world_group(deepspeed)
         self.deepspeed_config = self.get_deepspeed_config()
         scheduler = self.scheduler if self.scheduler_interval == "step" else None
         parameters = None if self.optimizer is not None else [p for p in self.model.parameters() if p.requires_grad]
@@ -408,4 +409,22 @@ def _manager(directory: Any, **options: Any) -> Any:
 
 
 register_format("deepspeed", detect=_detect, manager=_manager, replace=True)
+
+
+def _forget_destroyed_world_group(deepspeed: Any) -> None:
+    """Drop DeepSpeed's cached clone of the world group when that group was destroyed.
+
+    A runner destroys the process group it started when it closes; DeepSpeed keeps its clone of
+    the old world group, and every collective of the next engine on it fails ("not registered").
+    """
+    groups = deepspeed.utils.groups
+    cached = getattr(groups, "_WORLD_GROUP", None)
+    if cached is None:
+        return
+    try:
+        dist.get_process_group_ranks(cached)  # raises for a group the current world does not know
+    except (KeyError, RuntimeError, ValueError):
+        groups._WORLD_GROUP = None
+
+
 register_runner(("deepspeed", "ds"), DeepSpeedRunner)

@@ -11,9 +11,9 @@ paid once) and runs them concurrently:
 then, once both were killed, `resume` restarts them with `auto_resume` and trains to the end.
 Each run writes its final weights to `<root>/{clean,killed}/<mode>/final-rank<r>.pt`, and the exit
 status of every scenario is written to `<root>/status-rank<r>.json`. For two processes the parent
-sets `RANK`/`WORLD_SIZE`; every scenario rendezvouses through its own file store under `<root>`.
-With `--zero-stages E S` the runs use `DeepSpeedRunner` instead, ZeRO stage `E` in epoch mode and
-`S` in step mode.
+sets `RANK`/`WORLD_SIZE` and `--ports`; the runners of each scenario start the process group
+themselves (a runner owns it), rendezvousing on that scenario's port. With `--zero-stages E S` the
+runs use `DeepSpeedRunner` instead, ZeRO stage `E` in epoch mode and `S` in step mode.
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ import sys
 import traceback
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint.state_dict  # imported once, before forking
 
+from tests.dist import rendezvous_ports
 from tests.runners._torch_toy import TinyRunner, model_state, tiny_config
 
 ZERO_STAGES: dict[str, int] = {}  # mode -> ZeRO stage, set by --zero-stages before forking
@@ -80,6 +80,9 @@ def _train(root: str, mode: str, world_size: int, kill_at: int, save_at: int) ->
         torch.save(final, os.path.join(root, mode, f"final-rank{runner.rank}.pt"))
 
 
+_PORTS: dict[str, list[int]] = {}
+
+
 def _fork(root: str, directory: str, tag: str, modes: list[str], *, kill_at: int = 0, save_at: int = 0) -> int:
     """Run one scenario in a forked subprocess (logs and rendezvous named by `tag`); return its pid."""
     pid = os.fork()
@@ -91,13 +94,10 @@ def _fork(root: str, directory: str, tag: str, modes: list[str], *, kill_at: int
         log = os.open(f"{root}/{tag}-rank{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
         os.dup2(log, 1)
         os.dup2(log, 2)
-        if world_size > 1:
-            store = f"file://{root}/store-{tag}"
-            dist.init_process_group("gloo", init_method=store, rank=rank, world_size=world_size)
+        if world_size > 1:  # each runner starts (and destroys) the group, on a port of its own
+            rendezvous_ports(_PORTS[tag])
         for mode in modes:
             _train(os.path.join(root, directory), mode, world_size, kill_at, save_at)
-        if world_size > 1:
-            dist.destroy_process_group()
         code = 0
     except BaseException:
         traceback.print_exc()
@@ -121,7 +121,11 @@ def main() -> None:
     parser.add_argument("--epoch-save-at", type=int, default=0)
     parser.add_argument("--step-kill-at", type=int, required=True)
     parser.add_argument("--zero-stages", type=int, nargs=2, metavar=("EPOCH", "STEP"))
+    parser.add_argument("--ports", default="", help="rendezvous ports, 4 per scenario, comma-separated")
     args = parser.parse_args()
+    ports = [int(port) for port in args.ports.split(",") if port]
+    for index, tag in enumerate(("clean", "kill-epoch", "kill-step", "resume")):
+        _PORTS[tag] = ports[4 * index : 4 * index + 4]
     torch.set_num_threads(1)
     if args.zero_stages:
         import deepspeed  # noqa: F401 - imported once, before forking

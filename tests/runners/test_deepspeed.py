@@ -76,7 +76,7 @@ def _training_scenarios(rank, world_size, root):
 
 
 def test_zero_stages_match_ddp_weights_and_skip_nonfinite_updates(tmp_path):
-    ranks = run_distributed(_training_scenarios, str(tmp_path), world_size=2, timeout=900)
+    ranks = run_distributed(_training_scenarios, str(tmp_path), world_size=2, timeout=900, init_process_group=False)
     for out in ranks:
         name, ddp_losses, ddp_weights, ddp_steps = out["ddp"]
         assert name == "Regression" and ddp_steps == 4
@@ -285,7 +285,7 @@ def _saved_adam_state(tag, stage, numels):
 
 
 def test_checkpoints_resume_exactly_publish_aliases_and_resize(tmp_path):
-    ranks = run_distributed(_checkpoint_scenarios, str(tmp_path), world_size=2, timeout=900)
+    ranks = run_distributed(_checkpoint_scenarios, str(tmp_path), world_size=2, timeout=900, init_process_group=False)
     for out in ranks:
         for stage in (2, 3):
             result = out[stage]
@@ -312,7 +312,9 @@ def test_checkpoints_resume_exactly_publish_aliases_and_resize(tmp_path):
         assert ("pickle" in root_fail) == (out["rank"] == 0) and ("another rank" in root_fail) == (out["rank"] == 1)
         assert latest1 == latest0 == "epoch-000000" and after == "step-000004"
     first2, first3, sgd = ranks[0][2]["first"], ranks[0][3]["first"], ranks[0]["pretrained2"]["first"]
-    (one,) = run_distributed(_resume_on_one_rank, str(tmp_path), first2, first3, sgd, world_size=1, timeout=600)
+    (one,) = run_distributed(
+        _resume_on_one_rank, str(tmp_path), first2, first3, sgd, world_size=1, timeout=600, init_process_group=False
+    )
     for stage in (2, 3):
         result, export = one[stage], torch.load(ranks[0][f"export{stage}"])
         assert result["restored"] == 2 and result["final"] == 2 + 4  # one rank: 4 updates per epoch
