@@ -15,7 +15,7 @@ import sys
 import pytest
 import torch
 
-from tests.dist import run_distributed
+from tests.dist import process_group, run_distributed
 from tests.runners._deepspeed_toy import ROOT, Regression, ds_config, weights
 from tests.runners._torch_toy import make_model
 
@@ -141,7 +141,8 @@ def _older_tag(root, rank, first3):
     if rank == 0:
         with open(os.path.join(os.path.dirname(first3), "latest"), "w") as file:
             file.write("epoch-000001")
-    torch.distributed.barrier()
+    with process_group():  # between runners: each starts (and destroys) a group of its own
+        torch.distributed.barrier()
     no_optimizer = {"ema.enabled": True, "optim": "adamw", "checkpoint.exclude_from_loading": ["optimizer"]}
     no_optimizer["resume"] = first3
     with Regression(ds_config(root, "full3", stage=3, **no_optimizer)) as runner:
