@@ -35,6 +35,7 @@ from typing import Any, ClassVar
 from .layout import (
     NAME_PATTERN,
     POINTER_SUFFIX,
+    check_count,
     check_name,
     follow_pointer,
     in_flight,
@@ -55,12 +56,6 @@ from .manifest import (
 from .payload import capture_state, check_objects, drop_key, normalize_excludes, restore_objects, snapshot_state
 
 __all__ = ["CheckpointManager"]
-
-
-def _check_count(value: Any, label: str, minimum: int) -> None:
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < minimum):
-        kind = "a positive" if minimum else "a non-negative"
-        raise ValueError(f"{label} must be {kind} integer or None, got {value!r}")
 
 
 class CheckpointManager:
@@ -85,6 +80,8 @@ class CheckpointManager:
             process only).
         timeout: Default seconds `close` waits for an in-flight async save; `None` waits forever.
         logger: Where to report saves, pruning and verification fallbacks.
+        trusted: Unpickle with the full unpickler; by default a restricted one never runs code
+            stored in a file (see [`danling.checkpoint.unpickling`][]). Only for files you trust.
     """
 
     backend: ClassVar[str] = "base"
@@ -103,9 +100,10 @@ class CheckpointManager:
         is_main_process: bool = True,
         timeout: float | None = 600.0,
         logger: logging.Logger | None = None,
+        trusted: bool = False,
     ) -> None:
-        _check_count(interval, "interval", 1)
-        _check_count(keep_latest_k, "keep_latest_k", 0)
+        check_count(interval, "interval", 1)
+        check_count(keep_latest_k, "keep_latest_k", 0)
         if timeout is not None and (not isinstance(timeout, (int, float)) or timeout < 0):
             raise ValueError(f"timeout must be a non-negative number of seconds or None, got {timeout!r}")
         self.directory = Path(directory)
@@ -117,6 +115,7 @@ class CheckpointManager:
         self.is_main_process = bool(is_main_process)
         self.timeout = timeout
         self.logger = logger or logging.getLogger("danling.checkpoint")
+        self.trusted = bool(trusted)
         self._executor: ThreadPoolExecutor | None = None
         self._pending: Future | None = None
         self._pending_path: Path | None = None
@@ -231,8 +230,8 @@ class CheckpointManager:
     def close(self, timeout: float | None = None) -> bool:
         """Drain pending async writes (up to `timeout`, default `self.timeout`) and release the worker.
 
-        Returns `True` when nothing is left in flight. A save that is still running after the
-        timeout keeps going in the background; the previous checkpoint stays valid either way.
+        Returns `True` when nothing is left in flight. A save still running after the timeout
+        goes on in the background; the previous checkpoint stays valid either way.
         """
         timeout = self.timeout if timeout is None else timeout
         drained = True

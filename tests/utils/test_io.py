@@ -57,8 +57,18 @@ def test_torch_load_forwards_map_location(tmp_path):
     assert load(path, map_location="cpu").device == torch.device("cpu")
 
 
-def test_pickle_preserves_arbitrary_objects(tmp_path):
-    assert load(save(Custom([1, 2]), tmp_path / "c.pkl")).value == [1, 2]
+def test_pickle_preserves_arbitrary_objects_when_trusted(tmp_path):
+    path = save(Custom([1, 2]), tmp_path / "c.pkl")
+    with pytest.raises(pickle.UnpicklingError, match=r"tests\.utils\.test_io\.Custom.*trusted=True"):
+        load(path)
+    assert load(path, trusted=True).value == [1, 2]
+
+
+def test_pickle_of_plain_data_loads_without_trust(tmp_path):
+    obj = {"a": [1, 2.5, "x"], "s": {1, 2}, "t": (None, True), "arr": np.arange(3)}
+    loaded = load(save(obj, tmp_path / "plain.pkl"))
+    assert loaded["a"] == [1, 2.5, "x"] and loaded["s"] == {1, 2} and loaded["t"] == (None, True)
+    assert np.array_equal(loaded["arr"], np.arange(3))
 
 
 def test_json_and_yaml_convert_tensors_numpy_and_subclasses(tmp_path):

@@ -214,7 +214,8 @@ class CheckpointMixin:
             return checkpoint
         if _is_path(checkpoint):
             return self.checkpoint_manager.load(checkpoint, map_location=map_location)
-        return read_checkpoint_source(checkpoint, map_location=map_location)
+        trusted = self.config.checkpoint.trust_pickle
+        return read_checkpoint_source(checkpoint, map_location=map_location, trusted=trusted)
 
     def load_checkpoint(self, checkpoint: CheckpointSource, *args: Any, **kwargs: Any) -> None:
         """Restore a full checkpoint: runner state, RNG, results, model/EMA, optimizer, scheduler, dataloaders.
@@ -409,14 +410,20 @@ class CheckpointMixin:
 
     # ------------------------------------------------------------------ constructors
     @classmethod
-    def _read_source(cls, checkpoint: CheckpointSource, map_location: Any = "cpu") -> Mapping[str, Any]:
+    def _read_source(
+        cls, checkpoint: CheckpointSource, map_location: Any = "cpu", trusted: bool = False
+    ) -> Mapping[str, Any]:
         """Payload of a checkpoint read without a runner instance, in any registered format."""
-        return read_checkpoint_source(checkpoint, map_location=map_location)
+        return read_checkpoint_source(checkpoint, map_location=map_location, trusted=trusted)
 
     @classmethod
     def read_config(cls, checkpoint: CheckpointSource, *args: Any, **kwargs: Any) -> RunnerConfig:
-        """Return the `RunnerConfig` stored in a checkpoint (mapping, bytes, or file-backend path)."""
-        payload = cls._read_source(checkpoint, map_location=kwargs.get("map_location", "cpu"))
+        """Return the `RunnerConfig` stored in a checkpoint (mapping, bytes, or path of any format).
+
+        Pickled data is read without running code; pass `trusted=True` for a checkpoint you trust
+        that holds other types (the error of a refused one names the type).
+        """
+        payload = cls._read_source(checkpoint, kwargs.get("map_location", "cpu"), bool(kwargs.get("trusted")))
         saved = payload.get("runner")
         if not isinstance(saved, Mapping):
             raise ValueError(f"checkpoint {_describe(checkpoint)} has no runner config; keys: {sorted(payload)}")
@@ -426,11 +433,15 @@ class CheckpointMixin:
     def from_checkpoint(cls, checkpoint: CheckpointSource, *args: Any, **kwargs: Any) -> BaseRunner:
         """Build a runner from the config stored in `checkpoint`, then restore its full state.
 
-        `*args` and `**kwargs` are forwarded to `load_checkpoint`.
+        `*args` and `**kwargs` are forwarded to `load_checkpoint`, except `trusted=True`, which
+        reads a checkpoint you trust with the full unpickler (and sets `checkpoint.trust_pickle`).
         """
-        payload = cls._read_source(checkpoint, map_location=kwargs.get("map_location", "cpu"))
+        trusted = bool(kwargs.pop("trusted", False))
+        payload = cls._read_source(checkpoint, kwargs.get("map_location", "cpu"), trusted)
         config = cls.read_config(payload)
         config.resume, config.auto_resume, config.pretrained = None, False, None
+        if trusted:
+            config.checkpoint.trust_pickle = True
         runner = cls(config)
         runner.load_checkpoint(payload, *args, **kwargs)
         if _is_path(checkpoint):
