@@ -21,13 +21,13 @@ from typing import Any
 from chanfig import ConfigParser
 from typing_extensions import Self
 
+from ._config_refs import merge_config_files
 from ._config_utils import (
     check_annotations,
     check_values,
     feature_keys,
     normalize_exclude,
     peek,
-    read_config_file,
     register_typed_arguments,
     semantic,
     split_file_options,
@@ -239,7 +239,7 @@ class RunnerConfig(_TypedConfig):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__()
         if len(args) == 1 and isinstance(args[0], (str, bytes, os.PathLike)):
-            args = (read_config_file(args[0]),)
+            args = merge_config_files(self, [os.fsdecode(args[0])])
         if args or kwargs:
             self.merge(*args, **kwargs)
 
@@ -327,8 +327,7 @@ class RunnerConfig(_TypedConfig):
                 if no_default_config_action == "raise":
                     raise ValueError(message)
                 warnings.warn(message, RuntimeWarning, stacklevel=2)
-        for path in files:
-            self.merge(read_config_file(path))
+        merge_config_files(self, files)  # remembers !env/!include values, recorded as references
         if self.getattr("parser", None) is None:
             self.setattr("parser", ConfigParser())
         split_keys = register_typed_arguments(self.getattr("parser"), self, args)
