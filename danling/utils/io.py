@@ -372,9 +372,11 @@ def save(obj: Any, file: File, *args: Any, durable: bool = True, **kwargs: Any) 
                 handle.flush()
                 os.fsync(handle.fileno())
         os.replace(temp, path)
-    except BaseException:
+    except BaseException as error:
         if os.path.exists(temp):
             os.remove(temp)
+        if isinstance(error, OSError) and error.errno and not error.filename:  # a write: name the file
+            raise OSError(error.errno, f"cannot write {path}: {error.strerror or error}", path) from error
         raise
     if durable:
         _fsync_directory(directory)

@@ -280,3 +280,17 @@ def test_json_and_yaml_round_trip_property(tmp_path_factory, value):
 def test_yaml_keeps_unicode_line_breaks(tmp_path, text):
     # PyYAML writes NEL / LS / PS raw when allow_unicode is on and reads them back as spaces.
     assert load(save({text: text}, tmp_path / "v.yaml")) == {text: text}
+
+
+def test_failed_write_names_the_file(tmp_path, monkeypatch):
+    """A full disk during `save` raises an OSError that keeps the errno and names the target file."""
+    import errno
+
+    def full_disk(descriptor):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full_disk)  # where a full disk shows up for buffered writes
+    with pytest.raises(OSError, match="results.json") as info:
+        save({"a": 1}, tmp_path / "results.json")
+    assert info.value.errno == errno.ENOSPC and info.value.filename == str(tmp_path / "results.json")
+    assert list(tmp_path.iterdir()) == []  # no temp file left behind
