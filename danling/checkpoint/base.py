@@ -1,21 +1,13 @@
 """Backend-neutral checkpoint manager: layout, aliases, retention, cadence and async writes.
 
-Every backend shares one on-disk layout under `directory`:
-
-```text
-<directory>/
-  epoch-000003/            one directory per checkpoint
-    state.pt               payload file(s), written by the backend
-    manifest.json          size + SHA-256 of each payload file
-  latest.pointer           alias -> checkpoint name (a one-line text file)
-  best.pointer
-```
-
-A save first fills `.tmp-<name>-<uuid>/`, fsyncs it, renames it into place, then rewrites the
-alias pointers, and only then prunes old history. Backends implement the private payload hooks
-(`_write_payload`, `_read_payload`, `_read_file`) and, when several ranks write, the `_temp_dir`,
-`_gather_records` and `_barrier` seams; everything else lives here, so a distributed backend only
-changes where bytes come from and which ranks take part.
+Every backend shares one layout under `directory`: one directory per checkpoint (payload files
+plus `manifest.json`, the size and SHA-256 of each) and one-line `<alias>.pointer` files naming
+the checkpoint an alias points at (see [`danling.checkpoint.layout`][]). A save first fills
+`.tmp-<name>-<uuid>/`, fsyncs it, renames it into place, then rewrites the alias pointers, and
+only then prunes old history. Backends implement the private payload hooks (`_write_payload`,
+`_read_payload`, `_read_file`) and, when several ranks write, the `_temp_dir`, `_gather_records`
+and `_barrier` seams; everything else lives here, so a distributed backend only changes where
+bytes come from and which ranks take part.
 """
 
 from __future__ import annotations
@@ -32,6 +24,7 @@ from concurrent.futures import TimeoutError as FutureTimeoutError
 from pathlib import Path
 from typing import Any, ClassVar
 
+from .failures import raise_save_error
 from .layout import (
     NAME_PATTERN,
     POINTER_SUFFIX,
@@ -176,8 +169,12 @@ class CheckpointManager:
             metadata: JSON-serializable facts stored in the manifest (epoch, step, ...).
 
         Returns:
-            The checkpoint directory (for async saves, where it will appear), or `None` when
-            this process does not write (load-only manager or non-main process).
+            The checkpoint directory (for async saves, where it will appear), or `None` when this
+            process does not write (load-only manager or non-main process).
+
+        Raises:
+            CheckpointSaveError: The write failed (full disk, ...), naming the directory, bytes needed
+                and free; an async save raises it at the next `save`, `wait` or `maybe_wait_for_staging`.
         """
         if not isinstance(state, Mapping):
             raise TypeError(f"checkpoint state must be a mapping, got {type(state).__name__}")
@@ -207,7 +204,11 @@ class CheckpointManager:
         return target
 
     def maybe_wait_for_staging(self) -> None:
-        """Block until the last async save no longer reads caller memory (staging is synchronous here)."""
+        """Block until the last async save no longer reads caller memory (staging is synchronous here).
+
+        Called before every optimizer step: an async save that failed raises its error here."""
+        if self._pending is not None and self._pending.done():
+            self.wait(0)
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait for the in-flight async save; re-raise its error. Returns `False` on timeout."""
@@ -279,9 +280,10 @@ class CheckpointManager:
                 write_manifest(tmp, name=name, backend=self.backend, files=records, history=history, metadata=metadata)
                 fsync_dir(tmp)
                 self._publish(tmp, name)
-        except BaseException:
+        except BaseException as err:
             if self.is_main_process:
                 shutil.rmtree(tmp, ignore_errors=True)
+            raise_save_error(err, final, state, self.aliases(wait=False).get("latest"))  # full disk: one clear error
             raise
         if self.is_main_process:
             for alias in aliases:

@@ -55,7 +55,12 @@ class FileCheckpointManager(CheckpointManager):
     def _write_payload(self, state: Mapping[str, Any], directory: Path) -> dict[str, dict[str, Any]]:
         with open(directory / self.payload_name, "wb") as raw:
             stream = self._payload_stream(raw)
-            torch.save(dict(state), stream)
+            try:
+                torch.save(dict(state), stream)
+            except RuntimeError as err:  # torch reports a failed write as "unexpected pos": keep its cause
+                if stream.error is None:
+                    raise
+                raise stream.error from err
             raw.flush()
             os.fsync(raw.fileno())
         return {self.payload_name: stream.record()}

@@ -107,6 +107,7 @@ class CheckpointConfig(_TypedConfig):
     last_save_model_only: bool = False
     export_dtype: str | None = None
     trust_pickle: bool = False
+    continue_on_save_error: bool = False
 
 
 class DataloaderConfig(_TypedConfig):

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from danling.checkpoint import read_checkpoint as read_checkpoint_source
+from danling.checkpoint.failures import CheckpointSaveError
 from danling.utils import RoundDict
 
 from ..config import RunnerConfig
@@ -157,7 +158,8 @@ class CheckpointMixin:
             force: Write regardless of the cadence.
 
         Returns:
-            The checkpoint directory, or `None` when nothing was written by this process.
+            The checkpoint directory, or `None` when nothing was written by this process (or the
+            write failed and `checkpoint.continue_on_save_error` is set; see `checkpoint_save_failed`).
         """
         state = self.train_state
         if epochs is not None:
@@ -172,12 +174,26 @@ class CheckpointMixin:
             aliases.append("best")
         metadata = {"epoch": state.epoch, "global_step": state.global_step, "run_id": self.id}
         payload = self.checkpoint_payload(last_step=last_step)
-        path = self.checkpoint_manager.save(
-            payload, checkpoint_name, aliases=tuple(dict.fromkeys(aliases)), metadata=metadata
-        )
+        try:
+            path = self.checkpoint_manager.save(
+                payload, checkpoint_name, aliases=tuple(dict.fromkeys(aliases)), metadata=metadata
+            )
+        except CheckpointSaveError as err:
+            return self.checkpoint_save_failed(err)
         if path is not None:
             self.events.emit(Events.CHECKPOINT_SAVED, CheckpointContext(self, path, name))
         return path
+
+    def checkpoint_save_failed(self, error: CheckpointSaveError) -> None:
+        """Handle a save that failed (a full disk, ...): stop the run, or go on when configured.
+
+        By default the error propagates and the run stops; the checkpoint before it stays
+        loadable. With `checkpoint.continue_on_save_error` the error is logged and training goes
+        on; the next save the cadence asks for tries again.
+        """
+        if not self.config.checkpoint.continue_on_save_error:
+            raise error
+        self.logger.error("%s; continuing (checkpoint.continue_on_save_error), retrying at the next save", error)
 
     def save_seed_checkpoint(self, name: str = "seed") -> Path | None:
         """Save the initial state as checkpoint `name` (alias `name`, never pruned).

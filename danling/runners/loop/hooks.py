@@ -14,6 +14,7 @@ from contextlib import AbstractContextManager, nullcontext
 from enum import Enum
 from typing import Any
 
+from danling.checkpoint.failures import CheckpointSaveError
 from danling.utils import RoundDict
 
 from ..update import UpdateStrategy
@@ -124,7 +125,10 @@ class StepHooks:
 
     def _apply_update(self) -> bool:
         """The update every `optimizer_step` applies, whichever class's hook asked for it."""
-        self.checkpoint_manager.maybe_wait_for_staging()
+        try:
+            self.checkpoint_manager.maybe_wait_for_staging()
+        except CheckpointSaveError as err:  # an async save failed since the last step
+            self.checkpoint_save_failed(err)
         applied = self.update.apply()
         state = self.state.train
         if applied:
