@@ -28,6 +28,7 @@ from ._config_utils import (
     feature_keys,
     normalize_exclude,
     peek,
+    register_free_form_arguments,
     register_typed_arguments,
     semantic,
     split_file_options,
@@ -298,7 +299,9 @@ class RunnerConfig(_TypedConfig):
 
         Precedence, lowest first: class defaults and values set in `__init__`, each config file in
         the order given, then the remaining `--key value` arguments. Unset keys can be given as
-        `none`/`null`; list-typed keys take several values (`--train_splits train extra`).
+        `none`/`null`; list-typed keys take several values (`--train_splits train extra`); values of
+        free-form keys (`optim.*`, `scheduler.*`, undeclared ones) are read as numbers, booleans or
+        strings, several of them as a list (`--optim.betas 0.9 0.99`). Returns this config.
 
         Args:
             args: Arguments to parse; defaults to `sys.argv[1:]`.
@@ -306,9 +309,6 @@ class RunnerConfig(_TypedConfig):
             no_default_config_action: What to do when no file is given: `"ignore"`, `"warn"` or `"raise"`.
             boot: Run `boot()` (post hooks, normalisation, validation) afterwards.
             strict: Reject arguments that are not existing keys.
-
-        Returns:
-            This config.
 
         Raises:
             FileNotFoundError: A config file does not exist.
@@ -328,9 +328,9 @@ class RunnerConfig(_TypedConfig):
                     raise ValueError(message)
                 warnings.warn(message, RuntimeWarning, stacklevel=2)
         merge_config_files(self, files)  # remembers !env/!include values, recorded as references
-        if self.getattr("parser", None) is None:
-            self.setattr("parser", ConfigParser())
-        split_keys = register_typed_arguments(self.getattr("parser"), self, args)
+        parser = self.getattr("parser", None) or ConfigParser()  # typed options first, then free-form keys
+        self.setattr("parser", parser)
+        split_keys = register_typed_arguments(parser, self, args) + register_free_form_arguments(parser, self, args)
         with warnings.catch_warnings():
             # per-split dataloader overrides are legitimate; chanfig would flag them as typos
             for key in split_keys:
