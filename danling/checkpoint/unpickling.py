@@ -122,7 +122,12 @@ def _weights_only_reason(err: Exception) -> str:
 
 
 def torch_load(
-    source: str | os.PathLike | BinaryIO, *, map_location: Any = "cpu", origin: Any = None, trusted: bool = False
+    source: str | os.PathLike | BinaryIO,
+    *,
+    map_location: Any = "cpu",
+    origin: Any = None,
+    trusted: bool = False,
+    mmap: bool = False,
 ) -> Any:
     """`torch.load` with `weights_only=True` and [`SAFE_GLOBALS`][danling.checkpoint.unpickling.SAFE_GLOBALS].
 
@@ -131,6 +136,7 @@ def torch_load(
         map_location: Forwarded to `torch.load`.
         origin: How messages name the source (default: the path).
         trusted: Load with the full unpickler (may run code stored in the file).
+        mmap: Map tensors from the file instead of reading them (zip-format files only).
 
     Raises:
         UnsafePickleError: The file needs a type outside the allow-list.
@@ -139,9 +145,9 @@ def torch_load(
     origin = origin if origin is not None else (os.fspath(source) if isinstance(source, (str, os.PathLike)) else source)
     try:
         if trusted:
-            return torch.load(source, map_location=map_location, weights_only=False)
+            return torch.load(source, map_location=map_location, weights_only=False, mmap=mmap)
         with torch.serialization.safe_globals(list(SAFE_GLOBALS)):
-            return torch.load(source, map_location=map_location, weights_only=True)
+            return torch.load(source, map_location=map_location, weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as err:
         if "weights_only" in str(err) or "WeightsUnpickler" in str(err):
             raise _refusal(origin, _weights_only_reason(err)) from None

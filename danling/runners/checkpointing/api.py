@@ -20,6 +20,7 @@ from danling.utils import RoundDict
 
 from ..config import RunnerConfig
 from ..loop.events import CheckpointContext, Events
+from ..reconcile import newest_valid_checkpoint, reconcile_on_start
 
 if TYPE_CHECKING:
     from ..base_runner import BaseRunner
@@ -402,21 +403,24 @@ class CheckpointMixin:
     def auto_restore(self) -> None:
         """Restore what the config asks for: `resume`, else `auto_resume`, else `pretrained`.
 
-        With `auto_resume`, the newest checkpoint in this run's checkpoint directory that passes
-        verification is loaded; when that is not the one `latest` points to, the fallback is
-        logged as a warning. Without any checkpoint the run starts fresh.
+        First, on the main process of a writing run, the run directory is reconciled with its
+        checkpoints ([`reconcile_run`][danling.runners.reconcile.reconcile_run]: aliases, result
+        files, leftovers of interrupted writes). With `auto_resume`, the newest checkpoint in this
+        run's checkpoint directory that passes verification is loaded; when that is not the one
+        `latest` pointed to, the fallback is logged as a warning. Without any checkpoint the run
+        starts fresh.
         """
         self._restored = True
-        config = self.config
+        config, manager = self.config, self.checkpoint_manager
+        latest = manager.latest  # as the last run left it, before reconciling corrects a lagging pointer
+        reconcile_on_start(self)
         if config.get("resume"):
             self.load_checkpoint(config.resume)
         elif config.get("auto_resume"):
-            manager = self.checkpoint_manager
-            path = manager.latest_valid()
+            path = newest_valid_checkpoint(manager.directory, self.logger) or manager.latest_valid()
             if path is None:
                 self.logger.info("auto_resume: no checkpoint in %s, starting from scratch", manager.directory)
                 return
-            latest = manager.latest
             if latest is not None and latest != path:
                 self.logger.warning("auto_resume: latest checkpoint %s is not usable; resuming from %s", latest, path)
                 self.events.emit(Events.CHECKPOINT_FALLBACK, CheckpointContext(self, path, requested=latest))
