@@ -51,6 +51,7 @@ def _numpy_globals() -> tuple[Any, ...]:
 # configs, NumPy arrays and scalars in results and user state. None of them runs code on load
 # (an object array's items still go through the same allow-list).
 SAFE_GLOBALS: tuple[Any, ...] = (*(getattr(pathlib, name) for name in _PATH_NAMES), *_numpy_globals())
+"""Types admitted beyond torch's weights-only defaults: `pathlib` paths, NumPy arrays, scalars, dtypes."""
 
 _PLAIN_BUILTINS = {"set", "frozenset", "complex", "bytearray", "range", "slice", "list", "dict", "tuple", "int"}
 _PLAIN_BUILTINS |= {"float", "str", "bytes", "bool"}
