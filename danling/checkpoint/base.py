@@ -47,11 +47,12 @@ from .manifest import (
     write_manifest,
 )
 from .payload import capture_state, check_objects, drop_key, normalize_excludes, restore_objects, snapshot_state
+from .runner_saves import RunnerSaves
 
 __all__ = ["CheckpointManager"]
 
 
-class CheckpointManager:
+class CheckpointManager(RunnerSaves):
     r"""Save, find, verify and load checkpoints under one directory.
 
     This base class owns the policy shared by all backends; subclasses supply the payload I/O
@@ -61,10 +62,9 @@ class CheckpointManager:
         directory: Where checkpoints, manifests and alias pointers live.
         interval: Save cadence used by [`should_save`][danling.checkpoint.CheckpointManager.should_save]
             (epochs or steps, whichever the caller counts). `None` saves at every index.
-        keep_latest_k: How many history checkpoints to keep. `None` or `0` keeps all of them.
-            Checkpoints that an alias points to are never pruned.
-        async_save: Write on a background thread. The state is copied to CPU first, so the
-            caller may keep mutating its tensors as soon as `save` returns.
+        keep_latest_k: History checkpoints to keep (`None`/`0`: all); aliased ones are never pruned.
+        async_save: Write on a background thread, from a CPU copy of the state: the caller may
+            change its tensors as soon as `save` returns.
         load_only: Never write; `save` becomes a no-op while loading keeps working.
         exclude_from_loading: Top-level or dotted keys removed from loaded payloads
             (`"optimizer"`, `"model.head"`, ...). `dataloader`, `data_loader` and `lr_scheduler`

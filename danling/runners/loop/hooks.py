@@ -123,6 +123,17 @@ class StepHooks:
         """
         return self._apply_update()
 
+    def checkpoint_save_failed(self, error: CheckpointSaveError) -> None:
+        """Handle a save that failed (a full disk, ...): stop the run, or go on when configured.
+
+        By default the error propagates and the run stops; the checkpoint before it stays
+        loadable. With `checkpoint.continue_on_save_error` the error is logged and training goes
+        on; the next save the cadence asks for tries again.
+        """
+        if not self.config.checkpoint.continue_on_save_error:
+            raise error
+        self.logger.error("%s; continuing (checkpoint.continue_on_save_error), retrying at the next save", error)
+
     def _apply_update(self) -> bool:
         """The update every `optimizer_step` applies, whichever class's hook asked for it."""
         try:
