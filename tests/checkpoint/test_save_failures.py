@@ -112,3 +112,15 @@ def test_runner_continues_and_retries_when_configured(tmp_path, monkeypatch, cap
     assert runner.train_state.epoch == 3
     assert names == ["epoch-000002", "epoch-000000"]  # the failed one is missing, the next save worked
     assert any("epoch-000001" in r.getMessage() and r.levelname == "ERROR" for r in caplog.records)
+
+
+def test_runner_with_async_saves_stops_on_the_failed_save(tmp_path, monkeypatch):
+    from tests.runners._toy import ToyRunner, toy_config
+
+    _fail_saves(monkeypatch, {1})
+    runner = ToyRunner(toy_config(tmp_path, epochs=4, **{"checkpoint.async_enabled": True}))
+    with pytest.raises(CheckpointSaveError, match=r"epoch-000001.*epoch-000000 is untouched"):
+        runner.train()  # raised before the next optimizer step, or at the next save, whichever comes first
+    runner.close()  # raised once: closing afterwards is clean
+    assert runner.train_state.epoch <= 3
+    assert FileCheckpointManager(runner.checkpoint_manager.directory).load("latest")["state"]["train"]["epoch"] == 1
