@@ -70,7 +70,8 @@ def _remove_leftovers(run_dir: Path, checkpoint_dir: Path, logger: logging.Logge
     """Hidden `*.tmp` files of interrupted writes in `run_dir`, and staging entries of checkpoint saves."""
     removed = []
     for entry in sorted(run_dir.iterdir()):
-        if entry.is_file() and entry.name.startswith(".") and entry.name.endswith(".tmp"):
+        mine = entry.name.endswith(f".{os.getpid()}.tmp")  # a write of this very process, in flight
+        if entry.is_file() and entry.name.startswith(".") and entry.name.endswith(".tmp") and not mine:
             entry.unlink(missing_ok=True)
             removed.append(entry.name)
     if checkpoint_dir.is_dir():
