@@ -20,10 +20,14 @@
 - [`CheckpointError`][danling.checkpoint.CheckpointError]: raised for torn, corrupt or missing
   checkpoints, naming the offending file;
   [`CheckpointResizeError`][danling.checkpoint.CheckpointResizeError] when per-rank state does not
-  fit the number of data-parallel ranks.
+  fit the number of data-parallel ranks;
+  [`CheckpointSaveError`][danling.checkpoint.failures.CheckpointSaveError] when a save fails (a
+  full disk), and [`UnsafePickleError`][danling.checkpoint.unpickling.UnsafePickleError] when a
+  file needs more than the restricted unpickler admits (see [`danling.checkpoint.unpickling`][]).
 """
 
 from .base import CheckpointManager
+from .failures import CheckpointSaveError
 from .file import FileCheckpointManager
 from .formats import (
     CheckpointFormat,
@@ -36,6 +40,7 @@ from .formats import (
 )
 from .manifest import CheckpointError, CheckpointNotFoundError, CheckpointResizeError
 from .payload import Stateful
+from .unpickling import UnsafePickleError
 
 __all__ = [
     "CheckpointManager",
@@ -43,6 +48,8 @@ __all__ = [
     "CheckpointError",
     "CheckpointNotFoundError",
     "CheckpointResizeError",
+    "CheckpointSaveError",
+    "UnsafePickleError",
     "Stateful",
     "CheckpointFormat",
     "register_format",

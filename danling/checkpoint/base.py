@@ -1,21 +1,13 @@
 """Backend-neutral checkpoint manager: layout, aliases, retention, cadence and async writes.
 
-Every backend shares one on-disk layout under `directory`:
-
-```text
-<directory>/
-  epoch-000003/            one directory per checkpoint
-    state.pt               payload file(s), written by the backend
-    manifest.json          size + SHA-256 of each payload file
-  latest.pointer           alias -> checkpoint name (a one-line text file)
-  best.pointer
-```
-
-A save first fills `.tmp-<name>-<uuid>/`, fsyncs it, renames it into place, then rewrites the
-alias pointers, and only then prunes old history. Backends implement the private payload hooks
-(`_write_payload`, `_read_payload`, `_read_file`) and, when several ranks write, the `_temp_dir`,
-`_gather_records` and `_barrier` seams; everything else lives here, so a distributed backend only
-changes where bytes come from and which ranks take part.
+Every backend shares one layout under `directory`: one directory per checkpoint (payload files
+plus `manifest.json`, the size and SHA-256 of each) and one-line `<alias>.pointer` files naming
+the checkpoint an alias points at (see [`danling.checkpoint.layout`][]). A save first fills
+`.tmp-<name>-<uuid>/`, fsyncs it, renames it into place, then rewrites the alias pointers, and
+only then prunes old history. Backends implement the private payload hooks (`_write_payload`,
+`_read_payload`, `_read_file`) and, when several ranks write, the `_temp_dir`, `_gather_records`
+and `_barrier` seams; everything else lives here, so a distributed backend only changes where
+bytes come from and which ranks take part.
 """
 
 from __future__ import annotations
@@ -32,9 +24,11 @@ from concurrent.futures import TimeoutError as FutureTimeoutError
 from pathlib import Path
 from typing import Any, ClassVar
 
+from .failures import raise_save_error
 from .layout import (
     NAME_PATTERN,
     POINTER_SUFFIX,
+    check_count,
     check_name,
     follow_pointer,
     in_flight,
@@ -58,12 +52,6 @@ from .runner_saves import RunnerSaves
 __all__ = ["CheckpointManager"]
 
 
-def _check_count(value: Any, label: str, minimum: int) -> None:
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < minimum):
-        kind = "a positive" if minimum else "a non-negative"
-        raise ValueError(f"{label} must be {kind} integer or None, got {value!r}")
-
-
 class CheckpointManager(RunnerSaves):
     r"""Save, find, verify and load checkpoints under one directory.
 
@@ -74,10 +62,9 @@ class CheckpointManager(RunnerSaves):
         directory: Where checkpoints, manifests and alias pointers live.
         interval: Save cadence used by [`should_save`][danling.checkpoint.CheckpointManager.should_save]
             (epochs or steps, whichever the caller counts). `None` saves at every index.
-        keep_latest_k: How many history checkpoints to keep. `None` or `0` keeps all of them.
-            Checkpoints that an alias points to are never pruned.
-        async_save: Write on a background thread. The state is copied to CPU first, so the
-            caller may keep mutating its tensors as soon as `save` returns.
+        keep_latest_k: History checkpoints to keep (`None`/`0`: all); aliased ones are never pruned.
+        async_save: Write on a background thread, from a CPU copy of the state: the caller may
+            change its tensors as soon as `save` returns.
         load_only: Never write; `save` becomes a no-op while loading keeps working.
         exclude_from_loading: Top-level or dotted keys removed from loaded payloads
             (`"optimizer"`, `"model.head"`, ...). `dataloader`, `data_loader` and `lr_scheduler`
@@ -86,6 +73,8 @@ class CheckpointManager(RunnerSaves):
             process only).
         timeout: Default seconds `close` waits for an in-flight async save; `None` waits forever.
         logger: Where to report saves, pruning and verification fallbacks.
+        trusted: Unpickle with the full unpickler; by default a restricted one never runs code
+            stored in a file (see [`danling.checkpoint.unpickling`][]). Only for files you trust.
     """
 
     backend: ClassVar[str] = "base"
@@ -104,9 +93,10 @@ class CheckpointManager(RunnerSaves):
         is_main_process: bool = True,
         timeout: float | None = 600.0,
         logger: logging.Logger | None = None,
+        trusted: bool = False,
     ) -> None:
-        _check_count(interval, "interval", 1)
-        _check_count(keep_latest_k, "keep_latest_k", 0)
+        check_count(interval, "interval", 1)
+        check_count(keep_latest_k, "keep_latest_k", 0)
         if timeout is not None and (not isinstance(timeout, (int, float)) or timeout < 0):
             raise ValueError(f"timeout must be a non-negative number of seconds or None, got {timeout!r}")
         self.directory = Path(directory)
@@ -118,6 +108,7 @@ class CheckpointManager(RunnerSaves):
         self.is_main_process = bool(is_main_process)
         self.timeout = timeout
         self.logger = logger or logging.getLogger("danling.checkpoint")
+        self.trusted = bool(trusted)
         self._executor: ThreadPoolExecutor | None = None
         self._pending: Future | None = None
         self._pending_path: Path | None = None
@@ -178,8 +169,12 @@ class CheckpointManager(RunnerSaves):
             metadata: JSON-serializable facts stored in the manifest (epoch, step, ...).
 
         Returns:
-            The checkpoint directory (for async saves, where it will appear), or `None` when
-            this process does not write (load-only manager or non-main process).
+            The checkpoint directory (for async saves, where it will appear), or `None` when this
+            process does not write (load-only manager or non-main process).
+
+        Raises:
+            CheckpointSaveError: The write failed (full disk, ...), naming the directory, bytes needed
+                and free; an async save raises it at the next `save`, `wait` or `maybe_wait_for_staging`.
         """
         if not isinstance(state, Mapping):
             raise TypeError(f"checkpoint state must be a mapping, got {type(state).__name__}")
@@ -209,7 +204,11 @@ class CheckpointManager(RunnerSaves):
         return target
 
     def maybe_wait_for_staging(self) -> None:
-        """Block until the last async save no longer reads caller memory (staging is synchronous here)."""
+        """Block until the last async save no longer reads caller memory (staging is synchronous here).
+
+        Called before every optimizer step: an async save that failed raises its error here."""
+        if self._pending is not None and self._pending.done():
+            self.wait(0)
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait for the in-flight async save; re-raise its error. Returns `False` on timeout."""
@@ -232,8 +231,8 @@ class CheckpointManager(RunnerSaves):
     def close(self, timeout: float | None = None) -> bool:
         """Drain pending async writes (up to `timeout`, default `self.timeout`) and release the worker.
 
-        Returns `True` when nothing is left in flight. A save that is still running after the
-        timeout keeps going in the background; the previous checkpoint stays valid either way.
+        Returns `True` when nothing is left in flight. A save still running after the timeout
+        goes on in the background; the previous checkpoint stays valid either way.
         """
         timeout = self.timeout if timeout is None else timeout
         drained = True
@@ -281,9 +280,10 @@ class CheckpointManager(RunnerSaves):
                 write_manifest(tmp, name=name, backend=self.backend, files=records, history=history, metadata=metadata)
                 fsync_dir(tmp)
                 self._publish(tmp, name)
-        except BaseException:
+        except BaseException as err:
             if self.is_main_process:
                 shutil.rmtree(tmp, ignore_errors=True)
+            raise_save_error(err, final, state, self.aliases(wait=False).get("latest"))  # full disk: one clear error
             raise
         if self.is_main_process:
             for alias in aliases:

@@ -30,11 +30,13 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 
 from danling.utils import to_device
 
+from ._dcp_io import CheckpointException, SafePlanner, SafeReader
 from .base import CheckpointManager
 from .manifest import CheckpointError, verify_directory
 from .payload import check_objects, drop_key
 from .ranks import RANK_LAYOUT_KEY, RankLayout, layout_record, plan_rank_entries, rank_entry, read_layout
 from .training import ModelState, OptimizerState, TrainingState, get_training_state, set_training_state
+from .unpickling import UnsafePickleError, torch_load
 
 __all__ = [
     "TorchDistributedCheckpointManager",
@@ -378,7 +380,9 @@ class TorchDistributedCheckpointManager(CheckpointManager):
     def _plan(self, directory: Path, manifest: Mapping[str, Any]) -> _Plan:
         """Decide what this rank reads, from the manifest and DCP metadata alone (same on every rank)."""
         try:
-            metadata = dcp.FileSystemReader(str(directory)).read_metadata()
+            metadata = SafeReader(str(directory), trusted=self.trusted).read_metadata()
+        except UnsafePickleError:
+            raise
         except Exception as err:
             raise CheckpointError(f"DCP checkpoint {directory} cannot be read: {err}") from err
         layout = read_layout(manifest, _paths(metadata).values(), self.rank_local_keys)
@@ -407,11 +411,14 @@ class TorchDistributedCheckpointManager(CheckpointManager):
         """Read the planned entries: into `templates` for live objects, into new CPU tensors for the rest."""
         targets, mapping = _targets(plan, templates, self.data_rank, self.exclude_from_loading)
         if targets:
+            planner, reader = SafePlanner(self.trusted, directory), SafeReader(str(directory), trusted=self.trusted)
             try:
                 with warnings.catch_warnings():  # DCP warns that it runs without a process group: that is the intent
                     warnings.simplefilter("ignore", UserWarning)
-                    dcp.load(targets, storage_reader=dcp.FileSystemReader(str(directory)), no_dist=True)
-            except Exception as err:
+                    dcp.load(targets, storage_reader=reader, planner=planner, no_dist=True)
+            except (Exception, CheckpointException) as err:  # DCP wraps errors per rank: raise a refusal as it is
+                if planner.refused is not None:
+                    raise planner.refused from None
                 raise CheckpointError(f"DCP checkpoint {directory} cannot be read: {err}") from err
         payload: dict[str, Any] = {}
         for fqn, value in targets.items():
@@ -430,10 +437,7 @@ class TorchDistributedCheckpointManager(CheckpointManager):
     def _read_file(self, path: Path, map_location: Any) -> dict[str, Any]:
         if (path.parent / _METADATA).is_file():  # a file inside a DCP checkpoint: read the whole checkpoint
             return self._read_payload(path.parent, verify_directory(path.parent), map_location)
-        try:
-            return torch.load(path, map_location=map_location, weights_only=False)
-        except Exception as err:
-            raise CheckpointError(f"checkpoint {path} cannot be unpickled: {err}") from err
+        return torch_load(path, map_location=map_location, trusted=self.trusted)
 
 
 def _template(obj: Any) -> Any:

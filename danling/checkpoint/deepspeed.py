@@ -198,17 +198,17 @@ class DeepSpeedCheckpointManager(TorchDistributedCheckpointManager):
     def _read_payload(self, directory: Path, manifest: Mapping[str, Any], map_location: Any) -> dict[str, Any]:
         if GLOBAL_FILE not in manifest.get("files", {}):
             raise CheckpointError(f"checkpoint {directory} has no {GLOBAL_FILE}: it was not written by danling")
-        payload = _torch_load(directory / GLOBAL_FILE, map_location, directory / GLOBAL_FILE)
+        payload = _torch_load(directory / GLOBAL_FILE, map_location, directory / GLOBAL_FILE, self.trusted)
         ranks = sorted(directory.glob("danling-rank*.pt"))
         mine = directory / _rank_file(self.data_rank)
         if mine.is_file() and len(ranks) == self.data_size:
-            payload.update(_torch_load(mine, map_location, mine))
+            payload.update(_torch_load(mine, map_location, mine, self.trusted))
         return payload
 
     def _read_file(self, path: Path, map_location: Any) -> dict[str, Any]:
         if path.parent.is_dir() and (path.parent / GLOBAL_FILE).is_file():
             return self._read_payload(path.parent, {"files": {GLOBAL_FILE: {}}}, map_location)
-        return _torch_load(path, map_location, path)
+        return _torch_load(path, map_location, path, self.trusted)
 
 
 def _save_file(obj: Any, path: Path) -> None:

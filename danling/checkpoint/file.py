@@ -11,16 +11,14 @@ import torch
 
 from .base import CheckpointManager
 from .manifest import CheckpointError, HashingWriter
+from .unpickling import torch_load
 
 __all__ = ["FileCheckpointManager", "read_checkpoint"]
 
 
-def _torch_load(source: str | os.PathLike | BinaryIO, map_location: Any, origin: Any) -> Any:
-    try:
-        # Runner payloads hold configs and RNG states, which the weights-only unpickler rejects.
-        return torch.load(source, map_location=map_location, weights_only=False)
-    except Exception as err:
-        raise CheckpointError(f"checkpoint {origin} cannot be unpickled: {err}") from err
+def _torch_load(source: str | os.PathLike | BinaryIO, map_location: Any, origin: Any, trusted: bool = False) -> Any:
+    # Runner payloads are plain containers, tensors and RNG byte tensors: weights-only reads them.
+    return torch_load(source, map_location=map_location, origin=origin, trusted=trusted)
 
 
 class FileCheckpointManager(CheckpointManager):
@@ -28,8 +26,9 @@ class FileCheckpointManager(CheckpointManager):
 
     Only the main process writes; other ranks get `None` from `save` and can still load.
     Each checkpoint is `<directory>/<name>/state.pt` plus its manifest, so a torn or altered
-    file is caught on load instead of silently resuming from garbage. Loading unpickles the
-    payload: only load checkpoints you trust.
+    file is caught on load instead of silently resuming from garbage. Loading reads the payload
+    with torch's weights-only unpickler, so a planted payload cannot run code; `trusted=True`
+    (see [`CheckpointManager`][danling.checkpoint.CheckpointManager]) lifts that for files you trust.
 
     Examples:
         >>> import tempfile, torch
@@ -56,7 +55,12 @@ class FileCheckpointManager(CheckpointManager):
     def _write_payload(self, state: Mapping[str, Any], directory: Path) -> dict[str, dict[str, Any]]:
         with open(directory / self.payload_name, "wb") as raw:
             stream = self._payload_stream(raw)
-            torch.save(dict(state), stream)
+            try:
+                torch.save(dict(state), stream)
+            except RuntimeError as err:  # torch reports a failed write as "unexpected pos": keep its cause
+                if stream.error is None:
+                    raise
+                raise stream.error from err
             raw.flush()
             os.fsync(raw.fileno())
         return {self.payload_name: stream.record()}
@@ -67,13 +71,13 @@ class FileCheckpointManager(CheckpointManager):
         return self._read_file(directory / self.payload_name, map_location)
 
     def _read_file(self, path: Path, map_location: Any) -> dict[str, Any]:
-        return _torch_load(path, map_location, path)
+        return _torch_load(path, map_location, path, self.trusted)
 
 
 def read_checkpoint(
-    checkpoint: Mapping[str, Any] | bytes | str | os.PathLike, *, map_location: Any = "cpu"
+    checkpoint: Mapping[str, Any] | bytes | str | os.PathLike, *, map_location: Any = "cpu", trusted: bool = False
 ) -> dict[str, Any]:
     """Same as [`danling.checkpoint.read_checkpoint`][danling.checkpoint.read_checkpoint] (any registered format)."""
     from .formats import read_checkpoint as read_any
 
-    return read_any(checkpoint, map_location=map_location)
+    return read_any(checkpoint, map_location=map_location, trusted=trusted)

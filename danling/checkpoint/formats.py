@@ -53,8 +53,9 @@ class CheckpointFormat:
         detect: Whether a path (a checkpoint directory or a file, pointers already followed)
             holds this format.
         manager: Builds a manager for the format: ``manager(directory, **options)``.
-        reader: Optional ``reader(path, *, map_location)`` for [`read_checkpoint`][danling.checkpoint.read_checkpoint],
-            when reading without a manager needs more than ``manager(...).load(path)``.
+        reader: Optional ``reader(path, *, map_location, trusted)`` for
+            [`read_checkpoint`][danling.checkpoint.read_checkpoint], when reading without a manager
+            needs more than ``manager(...).load(path)``.
     """
 
     name: str
@@ -169,19 +170,22 @@ def open_checkpoint_reader(
     if manager is not None and manager.backend == name:
         return manager
     if manager is not None:
-        options = {"exclude_from_loading": manager.exclude_from_loading, "logger": manager.logger, **options}
+        inherited = {"exclude_from_loading": manager.exclude_from_loading, "logger": manager.logger}
+        options = {**inherited, "trusted": manager.trusted, **options}
     options["load_only"] = True
     return _FORMATS[name].manager(Path(path).parent, **options)
 
 
 def read_checkpoint(
-    checkpoint: Mapping[str, Any] | bytes | str | os.PathLike, *, map_location: Any = "cpu"
+    checkpoint: Mapping[str, Any] | bytes | str | os.PathLike, *, map_location: Any = "cpu", trusted: bool = False
 ) -> dict[str, Any]:
     """Load a checkpoint payload of any registered format without keeping a manager around.
 
     Directories and files inside a checkpoint are verified against the manifest first; pointer
     files (`latest.pointer`) are followed; a plain `torch.save` file with no manifest is loaded
     as is; bytes are unpickled with `torch.load`; a mapping is returned as a shallow `dict` copy.
+    Pickled data is read with the restricted unpickler of [`danling.checkpoint.unpickling`][]
+    (no code stored in the file runs) unless `trusted` is set.
     A DCP checkpoint is read whole, per-rank entries as this rank's copy (rank 0 outside a
     process group; see [`read_dcp_checkpoint`][danling.checkpoint.dcp.read_dcp_checkpoint]).
 
@@ -200,13 +204,13 @@ def read_checkpoint(
     if isinstance(checkpoint, (str, os.PathLike)):
         fmt = _FORMATS[detect_format(checkpoint)]
         if fmt.reader is not None:
-            return fmt.reader(checkpoint, map_location=map_location)
-        return open_checkpoint_reader(checkpoint).load(checkpoint, map_location=map_location)
+            return fmt.reader(checkpoint, map_location=map_location, trusted=trusted)
+        return open_checkpoint_reader(checkpoint, trusted=trusted).load(checkpoint, map_location=map_location)
     if not isinstance(checkpoint, (bytes, bytearray, memoryview)):
         raise TypeError(
             f"read_checkpoint() accepts a mapping, bytes or a path, got {type(checkpoint).__name__}: {checkpoint!r}"
         )
-    payload = _torch_load(io.BytesIO(bytes(checkpoint)), map_location, "<bytes>")
+    payload = _torch_load(io.BytesIO(bytes(checkpoint)), map_location, "<bytes>", trusted)
     if not isinstance(payload, dict):
         raise CheckpointError(f"checkpoint <bytes> holds a {type(payload).__name__}, expected a mapping")
     return payload
@@ -226,10 +230,10 @@ def _dcp_manager(directory: Path, **options: Any) -> CheckpointManager:
     return TorchDistributedCheckpointManager(directory, **options)
 
 
-def _dcp_reader(path: str | os.PathLike, *, map_location: Any = "cpu") -> dict[str, Any]:
+def _dcp_reader(path: str | os.PathLike, *, map_location: Any = "cpu", trusted: bool = False) -> dict[str, Any]:
     from .dcp import read_dcp_checkpoint
 
-    return read_dcp_checkpoint(path, map_location=map_location)
+    return read_dcp_checkpoint(path, map_location=map_location, trusted=trusted)
 
 
 register_format("file", detect=_is_file_checkpoint, manager=FileCheckpointManager)

@@ -59,6 +59,13 @@ def check_name(value: Any, kind: str = "checkpoint name") -> str:
     return value
 
 
+def check_count(value: Any, label: str, minimum: int) -> None:
+    """Refuse a count that is not an integer >= `minimum` (or `None`), naming `label`."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < minimum):
+        kind = "a positive" if minimum else "a non-negative"
+        raise ValueError(f"{label} must be {kind} integer or None, got {value!r}")
+
+
 @contextmanager
 def in_flight(path: Path) -> Iterator[Path]:
     """Mark a hidden entry as in use by this process for the duration of the block."""

@@ -78,22 +78,27 @@ class HashingWriter:
     def __init__(self, raw: Any) -> None:
         self.raw = raw
         self.size = 0
+        self.error: OSError | None = None  # torch.save reports a failed write without its cause
         self._hash = hashlib.sha256()
 
     def write(self, data: bytes | bytearray | memoryview) -> int:
         view = memoryview(data)
         if view.ndim != 1 or view.format != "B":
             view = view.cast("B")
-        if view.nbytes >= self.parallel_threshold:
-            # the buffer stays alive and unchanged until both the hash and the write finish
-            hashed = _hash_pool().submit(self._hash.update, view)
-            try:
+        try:
+            if view.nbytes >= self.parallel_threshold:
+                # the buffer stays alive and unchanged until both the hash and the write finish
+                hashed = _hash_pool().submit(self._hash.update, view)
+                try:
+                    self.raw.write(view)
+                finally:
+                    hashed.result()
+            else:
+                self._hash.update(view)
                 self.raw.write(view)
-            finally:
-                hashed.result()
-        else:
-            self._hash.update(view)
-            self.raw.write(view)
+        except OSError as err:
+            self.error = err
+            raise
         self.size += view.nbytes
         return view.nbytes
 

@@ -5,6 +5,7 @@ danling runs [ROOT] [--json]          # table of the runs under a workspace root
 danling diff RUN_A RUN_B [--json]     # config differences, best and latest results side by side
 danling ckpt PATH [--json]            # what a checkpoint holds, with its manifest verified
 danling report RUN [RUN ...] [--out]  # report.html and PNG plots, several runs overlaid
+danling reconcile RUN [--json]        # repair aliases, result files and leftovers after a crash
 ```
 
 Also available as `python -m danling`. [`main`][danling.cli.main] takes the argument list and
@@ -41,6 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
     report = commands.add_parser("report", help="write report.html and PNG plots for one or more runs")
     report.add_argument("runs", nargs="+", help="run directories; several are overlaid")
     report.add_argument("--out", default=None, help="output directory (default: the first run directory)")
+    reconcile = commands.add_parser("reconcile", help="repair a run's aliases, result files and leftovers")
+    reconcile.add_argument("run", help="run directory (not one that is still writing)")
+    reconcile.add_argument("--json", action="store_true", help="print JSON instead of text")
     return parser
 
 
@@ -57,6 +61,10 @@ def _dispatch(args: argparse.Namespace, out: TextIO) -> int:
         from .ckpt import ckpt_command
 
         return ckpt_command(args.path, args.json, out)
+    if args.command == "reconcile":
+        from .reconcile import reconcile_command
+
+        return reconcile_command(args.run, args.json, out)
     from .report import report_command
 
     return report_command(args.runs, args.out, out)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import pickle
 import zipfile
 from collections.abc import Mapping
 from datetime import datetime, timezone
@@ -49,37 +48,16 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
     return target
 
 
-# Plain-data globals DCP metadata refers to (layouts and the paths of its storage entries).
-_PLAIN_GLOBALS = {
-    ("torch.serialization", "_get_layout"),
-    ("collections", "OrderedDict"),
-    *(("pathlib", name) for name in ("Path", "PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath")),
-}
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """Unpickles DCP's `.metadata`, refusing every global that is not plain metadata."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        import torch
-
-        if module in ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem"):
-            value = getattr(__import__(module, fromlist=[name]), name, None)
-            if isinstance(value, type) or name == "_MEM_FORMAT_ENCODING":
-                return value
-        elif module == "torch" and (name == "Size" or isinstance(getattr(torch, name, None), torch.dtype)):
-            return getattr(torch, name)
-        elif (module, name) in _PLAIN_GLOBALS:
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"refusing to load {module}.{name} from checkpoint metadata")
-
-
 def _dcp_contents(directory: Path) -> dict[str, dict[str, int]]:
     import torch
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    with open(directory / ".metadata", "rb") as file:
-        metadata = _MetadataUnpickler(file).load()
+    from danling.checkpoint.unpickling import UnsafePickleError, read_dcp_metadata
+
+    try:
+        metadata = read_dcp_metadata(directory / ".metadata")
+    except UnsafePickleError as err:
+        raise CLIError(str(err)) from None
     components: dict[str, dict[str, int]] = {}
     for key, entry in metadata.state_dict_metadata.items():
         counts = components.setdefault(key.split(".", 1)[0], {"tensors": 0, "bytes": 0, "objects": 0})

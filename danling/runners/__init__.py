@@ -26,6 +26,8 @@
   [`RunnerWorkspace`][danling.runners.services.workspace.RunnerWorkspace],
   [`RunnerSupervisor`][danling.runners.services.supervisor.RunnerSupervisor] and the trackers: the services a runner
   is built from, usable on their own.
+- [`reconcile_run`][danling.runners.reconcile.reconcile_run]: bring a run directory's aliases,
+  result files and leftovers in line with its checkpoints after a crash.
 """
 
 from .base_runner import BaseRunner, MetaRunner
@@ -33,6 +35,7 @@ from .config import RunnerConfig
 from .deepspeed_runner import DeepSpeedRunner
 from .loop import EventBus, Events, LoopState, RunnerMode, on
 from .parallel_runner import ParallelRunner
+from .reconcile import reconcile_run
 from .runner import RUNNERS, Runner, register_runner, resolve_runner
 from .services import (
     RunnerSupervisor,
@@ -80,4 +83,5 @@ __all__ = [
     "TensorBoardTracker",
     "WandbTracker",
     "flatten_result",
+    "reconcile_run",
 ]

@@ -452,3 +452,46 @@ def register_typed_arguments(parser: Any, config: Mapping, args: Sequence[str]) 
             split_keys.append(".".join(parts))
             add(split_keys[-1], loader_annotations[parts[2]])
     return split_keys
+
+
+# Sections whose keys are free-form options of a user-chosen class (optimizer, scheduler).
+_OPEN_SECTIONS = ("optim", "scheduler")
+
+
+def _scalar(token: str) -> Any:
+    """A command-line value as the YAML-like scalar it spells (`0.9`, `1e-3`, `true`, `none`, `cosine`)."""
+    lowered = token.strip().lower()
+    if lowered in ("none", "null"):
+        return None
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    return _literal(token)
+
+
+def register_free_form_arguments(parser: Any, config: Mapping, args: Sequence[str]) -> list[str]:
+    """Type the free-form keys in `args`: `optim.*`, `scheduler.*` and keys the config does not have.
+
+    Each value is read as a scalar and several values make a list, so `--optim.betas 0.9 0.99`
+    gives `[0.9, 0.99]` (not strings). Returns the keys of the open sections, which chanfig would
+    otherwise report as unrecognized.
+    """
+    counts: dict[str, int] = {}
+    key = None
+    for token in args:
+        if token == "--":
+            break
+        if token.startswith("--"):
+            key, _, value = token[2:].partition("=")
+            key = key.replace("-", "_")
+            counts[key] = 1 if value else 0
+        elif key is not None:
+            counts[key] += 1
+    open_keys = []
+    for key, count in counts.items():
+        free = key.split(".")[0] in _OPEN_SECTIONS or peek(config, key.split(".")[0]) is None
+        if not free or f"--{key}" in parser:
+            continue
+        parser.add_argument(f"--{key}", dest=key, type=_scalar, nargs="+" if count > 1 else None)
+        if key.split(".")[0] in _OPEN_SECTIONS:
+            open_keys.append(key)
+    return open_keys

@@ -241,6 +241,7 @@ class BaseRunner(CheckpointMixin, ResultsMixin, ObservabilityMixin, LoopMixin, P
             "is_main_process": self.is_main_process,
             "timeout": checkpoint.wait_timeout,
             "logger": logging.getLogger("danling.checkpoint"),
+            "trusted": checkpoint.trust_pickle,
         }
 
     # ------------------------------------------------------------------ process facts

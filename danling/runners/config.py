@@ -21,6 +21,7 @@ from typing import Any
 from chanfig import ConfigParser
 from typing_extensions import Self
 
+from ._config_refs import merge_config_files
 from ._config_utils import (
     CASELESS_CHOICES,
     auto_stack,
@@ -29,7 +30,7 @@ from ._config_utils import (
     feature_keys,
     normalize_exclude,
     peek,
-    read_config_file,
+    register_free_form_arguments,
     register_typed_arguments,
     semantic,
     split_file_options,
@@ -241,7 +242,7 @@ class RunnerConfig(_TypedConfig):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__()
         if len(args) == 1 and isinstance(args[0], (str, bytes, os.PathLike)):
-            args = (read_config_file(args[0]),)
+            args = merge_config_files(self, [os.fsdecode(args[0])])
         if args or kwargs:
             self.merge(*args, **kwargs)
 
@@ -300,7 +301,9 @@ class RunnerConfig(_TypedConfig):
 
         Precedence, lowest first: class defaults and values set in `__init__`, each config file in
         the order given, then the remaining `--key value` arguments. Unset keys can be given as
-        `none`/`null`; list-typed keys take several values (`--train_splits train extra`).
+        `none`/`null`; list-typed keys take several values (`--train_splits train extra`); values of
+        free-form keys (`optim.*`, `scheduler.*`, undeclared ones) are read as numbers, booleans or
+        strings, several of them as a list (`--optim.betas 0.9 0.99`). Returns this config.
 
         Args:
             args: Arguments to parse; defaults to `sys.argv[1:]`.
@@ -308,9 +311,6 @@ class RunnerConfig(_TypedConfig):
             no_default_config_action: What to do when no file is given: `"ignore"`, `"warn"` or `"raise"`.
             boot: Run `boot()` (post hooks, normalisation, validation) afterwards.
             strict: Reject arguments that are not existing keys.
-
-        Returns:
-            This config.
 
         Raises:
             FileNotFoundError: A config file does not exist.
@@ -329,11 +329,10 @@ class RunnerConfig(_TypedConfig):
                 if no_default_config_action == "raise":
                     raise ValueError(message)
                 warnings.warn(message, RuntimeWarning, stacklevel=2)
-        for path in files:
-            self.merge(read_config_file(path))
-        if self.getattr("parser", None) is None:
-            self.setattr("parser", ConfigParser())
-        split_keys = register_typed_arguments(self.getattr("parser"), self, args)
+        merge_config_files(self, files)  # remembers !env/!include values, recorded as references
+        parser = self.getattr("parser", None) or ConfigParser()  # typed options first, then free-form keys
+        self.setattr("parser", parser)
+        split_keys = register_typed_arguments(parser, self, args) + register_free_form_arguments(parser, self, args)
         with warnings.catch_warnings():
             # per-split dataloader overrides are legitimate; chanfig would flag them as typos
             for key in split_keys:

@@ -106,6 +106,8 @@ class CheckpointConfig(_TypedConfig):
     exclude_from_loading: list[str] | str | None = []
     last_save_model_only: bool = False
     export_dtype: str | None = None
+    trust_pickle: bool = False
+    continue_on_save_error: bool = False
 
 
 class DataloaderConfig(_TypedConfig):

@@ -171,7 +171,12 @@ class TorchBatchMixin:
             if required:
                 raise ValueError("the default train_step needs self.criterion; set it or override train_step")
             return None
-        loss = self.criterion(pred, target)
+        try:
+            loss = self.criterion(pred, target)
+        except (IndexError, RuntimeError) as err:
+            if "out of bounds" not in str(err) and "out of range" not in str(err):
+                raise
+            raise ValueError(_label_range_message(self, pred, target, err)) from err
         if loss is None and required:
             raise ValueError(f"criterion {self.criterion!r} returned None; train_step needs a loss tensor")
         return loss
@@ -201,3 +206,16 @@ class TorchBatchMixin:
         weighted = self.all_reduce(loss.float() * loss_n)
         total = self.all_reduce(torch.tensor(float(loss_n), device=loss.device))
         return weighted / total
+
+
+def _label_range_message(runner: Any, pred: Any, target: Any, err: Exception) -> str:
+    """Say which split and which range, when the criterion refused a class label (checked on error only)."""
+    split = getattr(runner, "split", None)
+    if not (isinstance(pred, torch.Tensor) and isinstance(target, torch.Tensor) and pred.ndim >= 2):
+        return f"criterion {runner.criterion!r} failed on split {split!r}: {err}"
+    classes = pred.shape[1]
+    found = f"targets range from {int(target.min())} to {int(target.max())}" if target.numel() else "no targets"
+    return (
+        f"labels out of range on split {split!r}: the criterion {type(runner.criterion).__name__} accepts class "
+        f"indices in [0, {classes - 1}] for predictions of {classes} classes, and the batch's {found} ({err})"
+    )

@@ -106,9 +106,9 @@ def _save_yaml(obj: Any, handle: IO[bytes], *args: Any, **kwargs: Any) -> None:
 # torch / pickle / NumPy -----------------------------------------------------------------------
 
 
-def _load_torch(path: str, *args: Any, **kwargs: Any) -> Any:
+def _load_torch(path: str, *args: Any, trusted: bool = False, **kwargs: Any) -> Any:
     # Safe by default: only tensors, primitive containers and allow-listed types are unpickled.
-    kwargs.setdefault("weights_only", True)
+    kwargs.setdefault("weights_only", not trusted)
     return torch.load(path, *args, **kwargs)
 
 
@@ -116,9 +116,13 @@ def _save_torch(obj: Any, handle: IO[bytes], *args: Any, **kwargs: Any) -> None:
     torch.save(obj, handle, *args, **kwargs)
 
 
-def _load_pickle(path: str, *args: Any, **kwargs: Any) -> Any:
-    with open(path, "rb") as handle:
-        return pickle.load(handle, *args, **kwargs)  # trusted files only, as load() documents
+def _load_pickle(path: str, *args: Any, trusted: bool = False, **kwargs: Any) -> Any:
+    if trusted:
+        with open(path, "rb") as handle:
+            return pickle.load(handle, *args, **kwargs)
+    from danling.checkpoint.unpickling import restricted_load  # the checkpoint package imports this module
+
+    return restricted_load(path, trusted=False)
 
 
 def _save_pickle(obj: Any, handle: IO[bytes], *args: Any, **kwargs: Any) -> None:
@@ -237,20 +241,22 @@ def load(file: PathStr, *args: Any, **kwargs: Any) -> Any:
     | `.json` | decoded JSON | `json.load` |
     | `.yaml`, `.yml` | decoded YAML | `yaml.load` with `SafeLoader` |
     | `.pt`, `.pth`, `.bin` | the saved object | `torch.load(weights_only=True)` |
-    | `.pkl`, `.pickle` | the saved object | `pickle.load` |
+    | `.pkl`, `.pickle` | the saved object | `pickle.load`, restricted unless `trusted=True` |
     | `.npy` / `.npz` | an array / a `dict` of arrays | `numpy.load` |
     | `.txt` | the text as one `str` | `open().read()` |
     | `.csv`, `.tsv`, `.parquet`, `.feather` | a `DataFrame` | pandas, see [`load_pandas`][danling.utils.load_pandas] |
 
     Torch files are read with `weights_only=True`, which only rebuilds tensors, plain
-    containers and allow-listed types, so an untrusted checkpoint cannot run code. Pass
-    `weights_only=False` for a trusted file that stores arbitrary Python objects. Pickle files
-    have no such guard: only load pickles you trust.
+    containers and allow-listed types, so an untrusted checkpoint cannot run code. Pickle files
+    are read with the restricted unpickler of [`danling.checkpoint.unpickling`][] (containers,
+    plain values, NumPy arrays); a file needing more raises an `UnpicklingError` naming the type.
+    Pass `trusted=True` for a file you trust that stores arbitrary Python objects.
 
     Args:
         file: Path to read. The extension is matched case-insensitively.
         *args: Forwarded to the backend reader.
-        **kwargs: Forwarded to the backend reader (e.g. `map_location` for torch files).
+        **kwargs: Forwarded to the backend reader (e.g. `map_location` for torch files);
+            `trusted=True` lifts the restricted unpickling of torch and pickle files.
 
     Returns:
         The decoded object.
@@ -277,6 +283,8 @@ def load(file: PathStr, *args: Any, **kwargs: Any) -> Any:
         raise FileNotFoundError(f"cannot load {path!r}: no such file")
     if fmt.extension_aware:
         kwargs["ext"] = ext
+    if kwargs.get("trusted") is not None and fmt.load not in (_load_torch, _load_pickle):
+        kwargs.pop("trusted")  # nothing to trust in formats that cannot run code
     return fmt.load(path, *args, **kwargs)
 
 
@@ -364,9 +372,11 @@ def save(obj: Any, file: File, *args: Any, durable: bool = True, **kwargs: Any) 
                 handle.flush()
                 os.fsync(handle.fileno())
         os.replace(temp, path)
-    except BaseException:
+    except BaseException as error:
         if os.path.exists(temp):
             os.remove(temp)
+        if isinstance(error, OSError) and error.errno and not error.filename:  # a write: name the file
+            raise OSError(error.errno, f"cannot write {path}: {error.strerror or error}", path) from error
         raise
     if durable:
         _fsync_directory(directory)

@@ -57,8 +57,18 @@ def test_torch_load_forwards_map_location(tmp_path):
     assert load(path, map_location="cpu").device == torch.device("cpu")
 
 
-def test_pickle_preserves_arbitrary_objects(tmp_path):
-    assert load(save(Custom([1, 2]), tmp_path / "c.pkl")).value == [1, 2]
+def test_pickle_preserves_arbitrary_objects_when_trusted(tmp_path):
+    path = save(Custom([1, 2]), tmp_path / "c.pkl")
+    with pytest.raises(pickle.UnpicklingError, match=r"tests\.utils\.test_io\.Custom.*trusted=True"):
+        load(path)
+    assert load(path, trusted=True).value == [1, 2]
+
+
+def test_pickle_of_plain_data_loads_without_trust(tmp_path):
+    obj = {"a": [1, 2.5, "x"], "s": {1, 2}, "t": (None, True), "arr": np.arange(3)}
+    loaded = load(save(obj, tmp_path / "plain.pkl"))
+    assert loaded["a"] == [1, 2.5, "x"] and loaded["s"] == {1, 2} and loaded["t"] == (None, True)
+    assert np.array_equal(loaded["arr"], np.arange(3))
 
 
 def test_json_and_yaml_convert_tensors_numpy_and_subclasses(tmp_path):
@@ -270,3 +280,17 @@ def test_json_and_yaml_round_trip_property(tmp_path_factory, value):
 def test_yaml_keeps_unicode_line_breaks(tmp_path, text):
     # PyYAML writes NEL / LS / PS raw when allow_unicode is on and reads them back as spaces.
     assert load(save({text: text}, tmp_path / "v.yaml")) == {text: text}
+
+
+def test_failed_write_names_the_file(tmp_path, monkeypatch):
+    """A full disk during `save` raises an OSError that keeps the errno and names the target file."""
+    import errno
+
+    def full_disk(descriptor):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full_disk)  # where a full disk shows up for buffered writes
+    with pytest.raises(OSError, match="results.json") as info:
+        save({"a": 1}, tmp_path / "results.json")
+    assert info.value.errno == errno.ENOSPC and info.value.filename == str(tmp_path / "results.json")
+    assert list(tmp_path.iterdir()) == []  # no temp file left behind

@@ -16,10 +16,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from danling.checkpoint import read_checkpoint as read_checkpoint_source
+from danling.checkpoint.failures import CheckpointSaveError
 from danling.utils import RoundDict
 
 from ..config import RunnerConfig
 from ..loop.events import CheckpointContext, Events
+from ..reconcile import newest_valid_checkpoint, reconcile_on_start
 from ._keys import flatten as _flatten
 from ._keys import without as _without
 
@@ -162,11 +164,15 @@ class CheckpointMixin:
             force: Write regardless of the cadence.
 
         Returns:
-            The checkpoint directory, or `None` when nothing was written by this process.
+            The checkpoint directory, or `None` when nothing was written by this process (or the
+            write failed and `checkpoint.continue_on_save_error` is set; see `checkpoint_save_failed`).
         """
-        path = self.checkpoint_manager.save_checkpoint(
-            self, name=name, epochs=epochs, save_best=save_best, last_step=last_step, force=force
-        )
+        try:
+            path = self.checkpoint_manager.save_checkpoint(
+                self, name=name, epochs=epochs, save_best=save_best, last_step=last_step, force=force
+            )
+        except CheckpointSaveError as err:
+            return self.checkpoint_save_failed(err)
         if path is not None:
             self.events.emit(Events.CHECKPOINT_SAVED, CheckpointContext(self, path, name))
         return path
@@ -215,7 +221,8 @@ class CheckpointMixin:
         if _is_path(checkpoint):
             return self.checkpoint_manager.load(checkpoint, map_location=map_location)
         if not isinstance(checkpoint, Mapping):
-            checkpoint = read_checkpoint_source(checkpoint, map_location=map_location)
+            trusted = self.config.checkpoint.trust_pickle
+            checkpoint = read_checkpoint_source(checkpoint, map_location=map_location, trusted=trusted)
         excludes = self.checkpoint_manager.exclude_from_loading
         return _without(checkpoint, excludes) if excludes else checkpoint
 
@@ -388,26 +395,28 @@ class CheckpointMixin:
     def auto_restore(self) -> None:
         """Restore what the config asks for: `resume`, else `auto_resume`, else `pretrained`.
 
-        With `auto_resume`, the newest checkpoint in this run's checkpoint directory that passes
-        verification is loaded; when that is not the one `latest` points to, the fallback is
-        logged as a warning. Without any checkpoint the run starts fresh, from the `pretrained`
-        weights when they are set (the first launch of a fine-tuning job that is resubmitted
-        with `auto_resume`). Inside
+        First, on the main process of a writing run, the run directory is reconciled with its
+        checkpoints ([`reconcile_run`][danling.runners.reconcile.reconcile_run]: aliases, result
+        files, leftovers of interrupted writes). With `auto_resume`, the newest checkpoint in this
+        run's checkpoint directory that passes verification is loaded; when that is not the one
+        `latest` pointed to, the fallback is logged as a warning. Without any checkpoint the run
+        starts fresh, from the `pretrained` weights when they are set (the first launch of a
+        fine-tuning job that is resubmitted with `auto_resume`). Inside
         [`from_checkpoint`][danling.runners.checkpointing.api.CheckpointMixin.from_checkpoint],
         which restores the full state right after construction, it does nothing.
         """
         self._restored = True
         if _RESTORING.get():
             return
-        config = self.config
+        config, manager = self.config, self.checkpoint_manager
+        latest = manager.latest  # as the last run left it, before reconciling corrects a lagging pointer
+        reconcile_on_start(self)
         if config.get("resume"):
             self.load_checkpoint(config.resume)
             return
         if config.get("auto_resume"):
-            manager = self.checkpoint_manager
-            path = manager.latest_valid()
+            path = newest_valid_checkpoint(manager.directory, self.logger) or manager.latest_valid()
             if path is not None:
-                latest = manager.latest
                 if latest is not None and latest != path:
                     self.logger.warning(
                         "auto_resume: latest checkpoint %s is not usable; resuming from %s", latest, path
@@ -422,14 +431,20 @@ class CheckpointMixin:
 
     # ------------------------------------------------------------------ constructors
     @classmethod
-    def _read_source(cls, checkpoint: CheckpointSource, map_location: Any = "cpu") -> Mapping[str, Any]:
+    def _read_source(
+        cls, checkpoint: CheckpointSource, map_location: Any = "cpu", trusted: bool = False
+    ) -> Mapping[str, Any]:
         """Payload of a checkpoint read without a runner instance, in any registered format."""
-        return read_checkpoint_source(checkpoint, map_location=map_location)
+        return read_checkpoint_source(checkpoint, map_location=map_location, trusted=trusted)
 
     @classmethod
     def read_config(cls, checkpoint: CheckpointSource, *args: Any, **kwargs: Any) -> RunnerConfig:
-        """Return the `RunnerConfig` stored in a checkpoint (mapping, bytes, or file-backend path)."""
-        payload = cls._read_source(checkpoint, map_location=kwargs.get("map_location", "cpu"))
+        """Return the `RunnerConfig` stored in a checkpoint (mapping, bytes, or path of any format).
+
+        Pickled data is read without running code; pass `trusted=True` for a checkpoint you trust
+        that holds other types (the error of a refused one names the type).
+        """
+        payload = cls._read_source(checkpoint, kwargs.get("map_location", "cpu"), bool(kwargs.get("trusted")))
         saved = payload.get("runner")
         if not isinstance(saved, Mapping):
             raise ValueError(f"checkpoint {_describe(checkpoint)} has no runner config; keys: {sorted(payload)}")
@@ -441,11 +456,15 @@ class CheckpointMixin:
 
         The config is used as saved (`pretrained` included, so it matches the checkpoint); no
         `resume`, `auto_resume` or `pretrained` restore runs during construction. `*args` and
-        `**kwargs` are forwarded to `load_checkpoint`.
+        `**kwargs` are forwarded to `load_checkpoint`, except `trusted=True`, which reads a
+        checkpoint you trust with the full unpickler (and sets `checkpoint.trust_pickle`).
         """
-        payload = cls._read_source(checkpoint, map_location=kwargs.get("map_location", "cpu"))
+        trusted = bool(kwargs.pop("trusted", False))
+        payload = cls._read_source(checkpoint, kwargs.get("map_location", "cpu"), trusted)
         config = cls.read_config(payload)
         config.resume, config.auto_resume = None, False
+        if trusted:
+            config.checkpoint.trust_pickle = True
         token = _RESTORING.set(True)
         try:
             runner = cls(config)

@@ -291,9 +291,10 @@ class TorchCheckpointMixin:
 
     def _reader_options(self, name: str) -> dict[str, Any]:
         """Options of a reader of format `name`: a DCP reader takes this rank's place in the data domain."""
+        trusted = {"trusted": bool(self.config.checkpoint.trust_pickle)}
         if name != "dcp":
-            return {}
-        return {
+            return trusted
+        return trusted | {
             "rank_local_keys": RANK_LOCAL_KEYS,
             "optional_rank_local_keys": OPTIONAL_RANK_LOCAL_KEYS,
             "data_rank": self.topology.rank("data"),

@@ -28,10 +28,45 @@ def length_of(loader: Any) -> int | None:
         return None
 
 
+def _why_empty(loader: Any) -> str:
+    """Why a loader of length 0 is empty, from its dataset size, batch size and `drop_last`."""
+    dataset, batch_size = getattr(loader, "dataset", None), getattr(loader, "batch_size", None)
+    size = length_of(dataset) if dataset is not None else None
+    if size == 0 or size is None:
+        return "its dataset is empty" if size == 0 else "it is empty"
+    return (
+        f"its dataset has {size} samples and batch_size={batch_size} with drop_last=True drops them all; "
+        f"use a batch_size <= {size} or drop_last=False"
+    )
+
+
 class ProgressMixin:
     """Budget, cadence and split properties; mixed into `BaseRunner`."""
 
     config: RunnerConfig
+
+    def check_training_budget(self, train_splits: Sequence[str]) -> None:
+        """Refuse a training budget or training data that would train nothing, before the first step.
+
+        Raises:
+            ValueError: `epochs` or `steps` is 0 (without progress to resume past it), or a train
+                split's loader yields no batch (an empty dataset, or `drop_last` with a batch larger
+                than the dataset); the message names the value and what is accepted.
+        """
+        config, state = self.config, self.train_state
+        for key, done in (("epochs", state.epoch), ("steps", state.global_step)):
+            if config.get(key) == 0 and done == 0 and (key == "epochs" or config.get("epochs") is None):
+                raise ValueError(f"{key}=0 trains nothing: set {key} to a positive int (or call evaluate())")
+        if config.get("steps") is not None and config.get("epochs") is not None:
+            self.logger.warning(
+                "steps=%s and epochs=%s are both set: epochs selects epoch mode, and steps is not a budget "
+                "there (it only paces progress and logging); set one of them",
+                config.steps,
+                config.epochs,
+            )
+        for split in train_splits:
+            if length_of(self.dataloaders[split]) == 0:
+                raise ValueError(f"training split {split!r} yields no batch: {_why_empty(self.dataloaders[split])}")
 
     # ------------------------------------------------------------------ budgets and cadence
     @property

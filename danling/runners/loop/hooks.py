@@ -14,6 +14,7 @@ from contextlib import AbstractContextManager, nullcontext
 from enum import Enum
 from typing import Any
 
+from danling.checkpoint.failures import CheckpointSaveError
 from danling.utils import RoundDict
 
 from ..update import UpdateStrategy
@@ -122,9 +123,23 @@ class StepHooks:
         """
         return self._apply_update()
 
+    def checkpoint_save_failed(self, error: CheckpointSaveError) -> None:
+        """Handle a save that failed (a full disk, ...): stop the run, or go on when configured.
+
+        By default the error propagates and the run stops; the checkpoint before it stays
+        loadable. With `checkpoint.continue_on_save_error` the error is logged and training goes
+        on; the next save the cadence asks for tries again.
+        """
+        if not self.config.checkpoint.continue_on_save_error:
+            raise error
+        self.logger.error("%s; continuing (checkpoint.continue_on_save_error), retrying at the next save", error)
+
     def _apply_update(self) -> bool:
         """The update every `optimizer_step` applies, whichever class's hook asked for it."""
-        self.checkpoint_manager.maybe_wait_for_staging()
+        try:
+            self.checkpoint_manager.maybe_wait_for_staging()
+        except CheckpointSaveError as err:  # an async save failed since the last step
+            self.checkpoint_save_failed(err)
         applied = self.update.apply()
         state = self.state.train
         if applied:

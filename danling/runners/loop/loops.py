@@ -46,7 +46,8 @@ class LoopMixin(PassMixin):
             All result rows (`self.results`).
 
         Raises:
-            ValueError: A requested split has no dataloader, or there is no training split.
+            ValueError: A requested split has no dataloader, there is no training split, or the
+                budget or data would train nothing (see `check_training_budget`).
         """
         train_splits = self._resolve_splits(train_splits, self.train_splits, "train")
         if not train_splits:
@@ -55,6 +56,7 @@ class LoopMixin(PassMixin):
                 "name one 'train' or set config.train_splits"
             )
         evaluate_splits = self._resolve_splits(evaluate_splits, self.evaluate_splits, "evaluate")
+        self.check_training_budget(train_splits)
         self.logger.info("training on %s; evaluating on %s", train_splits, evaluate_splits or "nothing")
         if self.is_step_mode:
             return self.train_steps(train_splits, evaluate_splits)

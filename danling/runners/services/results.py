@@ -210,6 +210,32 @@ class ResultsMixin:
         if not isinstance(index, int) or isinstance(index, bool):
             raise ValueError(f"result index must be an int, got {index!r}")
         self.results[index] = RoundDict.from_flat(result)  # a copy; rows of split -> metrics skip chanfig's constructor
+        if not self.__dict__.get("_score_checked"):
+            self._check_score_key(self.results[index])
+
+    def _check_score_key(self, row: Mapping[str, Any]) -> None:
+        """At the first row with an evaluation split, refuse a `score_split`/`score_name` it lacks.
+
+        Without the check such a run never picks a best checkpoint and never says why. A name set
+        in the config raises `ValueError`; the default `"loss"` only warns (a run may not care).
+        """
+        splits = [key for key, value in row.items() if isinstance(value, Mapping)]
+        if not splits or (self.evaluate_splits and not set(splits) & set(self.evaluate_splits)):
+            return  # a training-only row: evaluation has not happened yet
+        self.__dict__["_score_checked"] = True
+        split = self.score_split
+        if split not in splits:
+            raise ValueError(f"score_split {split!r} is not a split of the results; available splits: {splits}")
+        names = sorted(key for key in row[split] if not isinstance(row[split][key], Mapping))
+        if self.score_name in row[split]:
+            return
+        message = (
+            f"score_name {self.score_name!r} is not a metric of split {split!r}, so no best checkpoint "
+            f"can be picked; available metrics: {names}"
+        )
+        if self.score_name != "loss":  # chosen in the config: a typo must not go unnoticed
+            raise ValueError(message)
+        self.logger.warning("%s (set score_name to one of them)", message)
 
     def save_result(self) -> None:
         """Write the result files for the newest row and send it to the trackers.

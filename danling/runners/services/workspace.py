@@ -21,6 +21,8 @@ from importlib import metadata as importlib_metadata
 from pathlib import Path
 from typing import Any
 
+from .._config_refs import references_yaml, with_references
+
 __all__ = ["RunnerWorkspace"]
 
 LOGGER_NAME = "danling"
@@ -343,7 +345,7 @@ class RunnerWorkspace:
             "hostname": platform.node(),
             "versions": _versions(),
             "git": git_info(self._code_dir),
-            "config": _plain(self.config),
+            "config": with_references(self.config, _plain(self.config)),  # !env values as references
         }
 
     def write_metadata(self, extra: Mapping[str, Any] | None = None) -> Path:
@@ -488,8 +490,9 @@ def _plain(config: Any) -> Any:
 
 def _config_yaml(config: Any) -> str:
     yamls = getattr(config, "yamls", None)
-    if callable(yamls):
-        return yamls()
+    text = references_yaml(config, _plain(config))  # None unless !env/!include values were read
+    if text is not None or callable(yamls):
+        return text if text is not None else yamls()
     import yaml
 
     return yaml.safe_dump(json.loads(json.dumps(_plain(config), default=str)), sort_keys=False)

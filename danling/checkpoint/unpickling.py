@@ -1,0 +1,169 @@
+"""Reading pickled data without running its code: one restricted unpickler for every loader.
+
+A pickle can name any importable callable and have it called on load, so a checkpoint from
+somewhere else can run code the moment it is read; a manifest does not help (anyone can compute
+a SHA-256). Every checkpoint reader of danling therefore goes through this module:
+
+- [`torch_load`][danling.checkpoint.unpickling.torch_load] reads `torch.save` files with
+  `weights_only=True` plus [`SAFE_GLOBALS`][danling.checkpoint.unpickling.SAFE_GLOBALS], the few
+  plain-data types danling's payloads may hold beyond what torch admits;
+- [`restricted_load`][danling.checkpoint.unpickling.restricted_load] reads plain pickles (DCP's
+  `.metadata` index, `danling.load("x.pkl")`) with an unpickler that admits containers, plain
+  values, NumPy arrays and DCP's metadata classes, and nothing that can run code.
+
+Anything else raises [`UnsafePickleError`][danling.checkpoint.unpickling.UnsafePickleError],
+naming the refused type and the opt-in: `trusted=True` (runner config: `checkpoint.trust_pickle`)
+for a file you trust, which loads it with the full unpickler.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pathlib
+import pickle
+import re
+from typing import Any, BinaryIO
+
+import numpy as np
+import torch
+
+from .manifest import CheckpointError
+
+__all__ = ["SAFE_GLOBALS", "TRUST_HINT", "UnsafePickleError", "torch_load", "restricted_load", "read_dcp_metadata"]
+
+TRUST_HINT = (
+    "if you trust this file, load it with trusted=True "
+    "(runner config: checkpoint.trust_pickle: true; danling.load(..., trusted=True))"
+)
+
+_PATH_NAMES = ("Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath", "PureWindowsPath")
+
+
+def _numpy_globals() -> tuple[Any, ...]:
+    """What a pickled NumPy array or scalar refers to: its rebuild function, `ndarray` and dtypes."""
+    multiarray = getattr(np, "_core", None) or np.core
+    dtypes = {type(np.dtype(code)) for code in "?bhilqBHILQefdgFDGUSV"} | {np.dtype}
+    return (multiarray.multiarray._reconstruct, multiarray.multiarray.scalar, np.ndarray, *dtypes)
+
+
+# Plain-data types a danling payload may hold beyond torch's weights-only defaults: paths in
+# configs, NumPy arrays and scalars in results and user state. None of them runs code on load
+# (an object array's items still go through the same allow-list).
+SAFE_GLOBALS: tuple[Any, ...] = (*(getattr(pathlib, name) for name in _PATH_NAMES), *_numpy_globals())
+"""Types admitted beyond torch's weights-only defaults: `pathlib` paths, NumPy arrays, scalars, dtypes."""
+
+_PLAIN_BUILTINS = {"set", "frozenset", "complex", "bytearray", "range", "slice", "list", "dict", "tuple", "int"}
+_PLAIN_BUILTINS |= {"float", "str", "bytes", "bool"}
+_PLAIN = {("collections", "OrderedDict"), ("collections", "defaultdict"), ("torch.serialization", "_get_layout")}
+_PLAIN |= {("pathlib", name) for name in _PATH_NAMES}
+_PLAIN |= {("datetime", name) for name in ("datetime", "date", "time", "timedelta", "timezone")}
+_NUMPY = {"_reconstruct", "scalar", "ndarray", "dtype"}
+_DCP_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
+
+
+class UnsafePickleError(CheckpointError, pickle.UnpicklingError):
+    """A file needs a type the restricted unpickler refuses; the message names it and the opt-in."""
+
+
+def _refusal(origin: Any, what: str) -> UnsafePickleError:
+    return UnsafePickleError(
+        f"{origin} needs {what}, which the restricted unpickler refuses because loading it could run code "
+        f"stored in the file; {TRUST_HINT}"
+    )
+
+
+class _RestrictedUnpickler(pickle.Unpickler):
+    """Admits containers, plain values, NumPy arrays, dtypes and DCP metadata; refuses all else."""
+
+    origin: Any = "<pickle>"
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == "builtins" and name in _PLAIN_BUILTINS or (module, name) in _PLAIN:
+            return super().find_class(module, name)
+        if module in _DCP_MODULES:
+            value = getattr(__import__(module, fromlist=[name]), name, None)
+            if isinstance(value, type) or name == "_MEM_FORMAT_ENCODING":
+                return value
+        elif module == "torch" and (name == "Size" or isinstance(getattr(torch, name, None), torch.dtype)):
+            return getattr(torch, name)
+        elif module.split(".")[0] == "numpy" and (name in _NUMPY or name.endswith("DType")):
+            return super().find_class(module, name)
+        raise _refusal(self.origin, f"{module}.{name}")
+
+
+def restricted_load(source: BinaryIO | str | os.PathLike, *, origin: Any = None, trusted: bool = False) -> Any:
+    """Unpickle `source` (an open binary file or a path) without running code unless `trusted`.
+
+    Raises:
+        UnsafePickleError: The pickle refers to a type outside the allow-list (named in the message).
+    """
+    if not hasattr(source, "read"):
+        with open(source, "rb") as handle:
+            return restricted_load(handle, origin=origin or os.fspath(source), trusted=trusted)
+    if trusted:
+        return pickle.load(source)
+    unpickler = _RestrictedUnpickler(source)
+    unpickler.origin = origin or "<pickle>"
+    return unpickler.load()
+
+
+_GLOBAL = re.compile(r"GLOBAL ([\w.]+) was not an allowed global")
+
+
+def _weights_only_reason(err: Exception) -> str:
+    """The refused type (or torch's one-line reason) from a weights-only unpickling error."""
+    text = str(err)
+    found = _GLOBAL.search(text)
+    if found:
+        return found.group(1)
+    text = text.split("WeightsUnpickler error:", 1)[-1]
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return lines[0] if lines else repr(err)
+
+
+def torch_load(
+    source: str | os.PathLike | BinaryIO,
+    *,
+    map_location: Any = "cpu",
+    origin: Any = None,
+    trusted: bool = False,
+    mmap: bool = False,
+) -> Any:
+    """`torch.load` with `weights_only=True` and [`SAFE_GLOBALS`][danling.checkpoint.unpickling.SAFE_GLOBALS].
+
+    Args:
+        source: A path or an open binary file.
+        map_location: Forwarded to `torch.load`.
+        origin: How messages name the source (default: the path).
+        trusted: Load with the full unpickler (may run code stored in the file).
+        mmap: Map tensors from the file instead of reading them (zip-format files only).
+
+    Raises:
+        UnsafePickleError: The file needs a type outside the allow-list.
+        CheckpointError: The file is truncated or corrupt (the message names it).
+    """
+    origin = origin if origin is not None else (os.fspath(source) if isinstance(source, (str, os.PathLike)) else source)
+    try:
+        if trusted:
+            return torch.load(source, map_location=map_location, weights_only=False, mmap=mmap)
+        with torch.serialization.safe_globals(list(SAFE_GLOBALS)):
+            return torch.load(source, map_location=map_location, weights_only=True, mmap=mmap)
+    except pickle.UnpicklingError as err:
+        if "weights_only" in str(err) or "WeightsUnpickler" in str(err):
+            raise _refusal(origin, _weights_only_reason(err)) from None
+        raise CheckpointError(f"checkpoint {origin} is truncated or corrupt: cannot be unpickled: {err}") from err
+    except (EOFError, RuntimeError, OSError, ValueError) as err:
+        if isinstance(err, FileNotFoundError):
+            raise
+        raise CheckpointError(f"checkpoint {origin} is truncated or corrupt: cannot be unpickled: {err}") from err
+
+
+def read_dcp_metadata(path: str | os.PathLike, *, trusted: bool = False) -> Any:
+    """DCP's `.metadata` index at `path`, read with the restricted unpickler unless `trusted`."""
+    return restricted_load(path, origin=os.fspath(path), trusted=trusted)
+
+
+def loads(data: bytes, *, map_location: Any = "cpu", origin: Any = "<bytes>", trusted: bool = False) -> Any:
+    """[`torch_load`][danling.checkpoint.unpickling.torch_load] of in-memory bytes."""
+    return torch_load(io.BytesIO(bytes(data)), map_location=map_location, origin=origin, trusted=trusted)

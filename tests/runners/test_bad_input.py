@@ -1,0 +1,115 @@
+"""Inputs that used to train silently wrong or fail obscurely get a clear error or warning."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from danling.checkpoint import CheckpointError
+from danling.runners import RunnerConfig
+from tests.runners._torch_toy import TinyRunner, tiny_config
+from tests.runners._toy import ToyRunner, toy_config
+
+
+def test_missing_score_split_fails_at_first_evaluation_listing_splits(tmp_path):
+    with ToyRunner(toy_config(tmp_path, score_split="validation")) as runner:
+        with pytest.raises(ValueError, match=r"score_split 'validation'.*available splits: \['train', 'val'\]"):
+            runner.train()
+        assert runner.train_state.epoch == 0  # refused at the first row, not after the whole run
+
+
+def test_missing_score_name_fails_when_set_and_warns_by_default(tmp_path, caplog):
+    pattern = r"score_name 'acc'.*split 'val'.*available metrics: \['loss'\]"
+    with ToyRunner(toy_config(tmp_path / "a", score_name="acc")) as runner, pytest.raises(ValueError, match=pattern):
+        runner.train()
+
+    class NoLoss(ToyRunner):
+        def evaluate_step(self, data):
+            return self.model.weight, None  # no loss: the row has no 'loss' metric
+
+    with caplog.at_level(logging.WARNING), NoLoss(toy_config(tmp_path / "b", epochs=1)) as runner:
+        runner.evaluate_epoch = lambda split="val": {"acc": 0.5}
+        runner.train()
+    assert any("score_name 'loss'" in r.getMessage() and "['acc']" in r.getMessage() for r in caplog.records)
+
+
+def test_zero_epochs_is_refused(tmp_path):
+    with (
+        ToyRunner(toy_config(tmp_path, epochs=0)) as runner,
+        pytest.raises(ValueError, match=r"epochs=0 trains nothing"),
+    ):
+        runner.train()
+
+
+def test_steps_with_epochs_is_logged(tmp_path, caplog):
+    with caplog.at_level(logging.WARNING), ToyRunner(toy_config(tmp_path, epochs=1, steps=100)) as runner:
+        runner.train()
+    assert any("steps=100 and epochs=1" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize(
+    ("n_train", "overrides", "message"),
+    [
+        (0, {}, "its dataset is empty"),
+        (
+            3,
+            {"dataloader.drop_last": True},
+            r"its dataset has 3 samples and batch_size=4 with drop_last=True.*batch_size <= 3",
+        ),
+    ],
+)
+def test_training_data_that_yields_no_batch_is_refused_before_the_first_step(tmp_path, n_train, overrides, message):
+    class Small(TinyRunner):
+        pass
+
+    Small.n_train = n_train
+    with Small(tiny_config(tmp_path, **overrides)) as runner:
+        with pytest.raises(ValueError, match=rf"training split 'train' yields no batch: {message}"):
+            runner.train()
+        assert runner.train_state.global_step == 0
+
+
+def test_list_valued_cli_keys_arrive_typed_without_warnings():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # an "Unrecognized argument" warning fails the test
+        config = RunnerConfig().parse(
+            [
+                "--optim.type",
+                "adamw",
+                "--optim.betas",
+                "0.9",
+                "0.99",
+                "--scheduler.type",
+                "cosine",
+                "--optim.lr",
+                "1e-3",
+            ]
+        )
+    assert config.optim.betas == [0.9, 0.99] and config.scheduler.type == "cosine" and config.optim.lr == 0.001
+
+
+def test_truncated_plain_checkpoint_names_the_file(tmp_path):
+    path = tmp_path / "weights.pt"
+    torch.save({"model": {"w": torch.ones(64)}}, path)
+    path.write_bytes(path.read_bytes()[:100])
+    with pytest.raises(CheckpointError, match=r"weights\.pt is truncated or corrupt"):
+        TinyRunner(tiny_config(tmp_path / "run", pretrained=str(path)))
+
+
+def test_labels_out_of_range_name_the_range_and_split(tmp_path):
+    class Classifier(TinyRunner):
+        def __init__(self, config):
+            super().__init__(config)
+            self.model = nn.Linear(4, 3)
+            self.criterion = nn.CrossEntropyLoss()
+            self.datasets.train = TensorDataset(torch.randn(8, 4), torch.tensor([0, 1, 2, 3, 0, 1, 2, 0]))
+            self.datasets.val = TensorDataset(torch.randn(4, 4), torch.tensor([0, 1, 2, 0]))
+
+    pattern = r"labels out of range on split 'train'.*\[0, 2\].*3 classes.*0 to 3"
+    with Classifier(tiny_config(tmp_path)) as runner, pytest.raises(ValueError, match=pattern):
+        runner.train()

@@ -1,0 +1,48 @@
+"""`!env` / `!include` values reach the runner but are recorded as references, never resolved."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import yaml
+
+from danling.runners import RunnerConfig
+from tests.runners._toy import ToyRunner, toy_config
+
+SECRET = "s3cr3t-token-value"
+
+
+def _write_config(tmp_path):
+    (tmp_path / "extra.yaml").write_text(f"password: {SECRET}-2\nlayers: 3\n")
+    path = tmp_path / "run.yaml"
+    path.write_text("api_token: !env DANLING_TEST_SECRET\nextra: !include extra.yaml\nepochs: 1\n")
+    return path
+
+
+def test_env_and_include_values_are_recorded_as_references(tmp_path, monkeypatch):
+    monkeypatch.setenv("DANLING_TEST_SECRET", SECRET)
+    config = RunnerConfig().parse(["--config", str(_write_config(tmp_path))], boot=False)
+    config.merge(toy_config(tmp_path / "ws", epochs=1))
+    assert config.api_token == SECRET and config.extra.layers == 3  # the run sees the values
+    with ToyRunner(config) as runner:
+        run_dir = runner.workspace.path
+    config_text = (run_dir / "config.yaml").read_text()
+    metadata_text = (run_dir / "metadata.json").read_text()
+    for text in (config_text, metadata_text):
+        assert SECRET not in text
+    assert json.loads(metadata_text)["config"]["api_token"] == "!env DANLING_TEST_SECRET"
+    assert json.loads(metadata_text)["config"]["extra"] == f"!include {tmp_path / 'extra.yaml'}"
+    assert re.search(r"^api_token: !env '?DANLING_TEST_SECRET'?$", config_text, re.MULTILINE)
+    # config.yaml stays a loadable config: reading it back resolves the references again
+    assert RunnerConfig(str(run_dir / "config.yaml")).api_token == SECRET
+
+
+def test_overridden_reference_is_recorded_as_its_value(tmp_path, monkeypatch):
+    monkeypatch.setenv("DANLING_TEST_SECRET", SECRET)
+    path = _write_config(tmp_path)
+    config = RunnerConfig().parse(["--config", str(path), "--api_token", "plain"], boot=False)
+    config.merge(toy_config(tmp_path / "ws", epochs=1))
+    with ToyRunner(config) as runner:
+        run_dir = runner.workspace.path
+    assert yaml.safe_load((run_dir / "metadata.json").read_text())["config"]["api_token"] == "plain"
