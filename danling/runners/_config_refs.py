@@ -76,7 +76,7 @@ def merge_config_files(config: Any, files: list[str]) -> tuple:
 
     Returns an empty tuple (what is left to merge), so a constructor can chain it.
     """
-    from ._config_utils import read_config_file
+    from ._config_cli import read_config_file
 
     references = dict(config.getattr("references", None) or {})
     for path in files:

@@ -21,19 +21,16 @@ from typing import Any
 from chanfig import ConfigParser
 from typing_extensions import Self
 
+from ._config_cli import register_free_form_arguments, register_typed_arguments, split_file_options
 from ._config_refs import merge_config_files
 from ._config_utils import (
-    CASELESS_CHOICES,
     auto_stack,
     check_annotations,
     check_values,
     feature_keys,
-    normalize_exclude,
+    normalize_config,
     peek,
-    register_free_form_arguments,
-    register_typed_arguments,
     semantic,
-    split_file_options,
     unknown_keys,
     unsupported,
 )
@@ -463,24 +460,7 @@ class RunnerConfig(_TypedConfig):
         config.check_supported(stacks, features, runner=runner.__name__)
 
     def _normalize(self) -> None:
-        stack = peek(self, "stack")
-        if isinstance(stack, str) and stack != stack.strip().lower():
-            self.stack = stack.strip().lower()
-        precision = peek(self, "precision")
-        if isinstance(precision, str) and self.PRECISIONS.get(precision.lower(), precision) != precision:
-            self.precision = self.PRECISIONS[precision.lower()]
-        for key in CASELESS_CHOICES:
-            value = peek(self, key)
-            if isinstance(value, str) and value != value.lower():
-                self[key] = value.lower()
-        checkpoint = peek(self, "checkpoint")
-        if isinstance(checkpoint, Mapping) and "exclude_from_loading" in checkpoint:
-            exclude = normalize_exclude(checkpoint["exclude_from_loading"])
-            if exclude != checkpoint["exclude_from_loading"]:
-                checkpoint["exclude_from_loading"] = exclude
-        wandb = peek(self, "wandb")
-        if isinstance(wandb, Mapping) and isinstance(wandb.get("tags"), str):
-            wandb["tags"] = [wandb["tags"]]
+        normalize_config(self, self.PRECISIONS)
 
     def semantic_dict(self) -> dict[str, Any]:
         """The part of the config that defines the experiment, as plain nested dicts.

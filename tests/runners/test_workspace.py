@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from danling.runners.config import RunnerConfig
-from danling.runners.services.workspace import LOGGER_NAME, RunnerWorkspace, git_info, git_short_hash
+from danling.runners.services.git_info import git_info, git_short_hash
+from danling.runners.services.workspace import LOGGER_NAME, RunnerWorkspace
 from tests.dist import run_distributed
 
 
@@ -235,7 +236,7 @@ def test_two_ranks_share_identity_and_only_rank0_writes(tmp_path):
 
 
 def test_short_hash_is_read_once_per_process_and_directory(tmp_path, git_repo, monkeypatch):
-    from danling.runners.services import workspace as ws
+    from danling.runners.services import git_info as ws
 
     repo, short = git_repo
     calls = []

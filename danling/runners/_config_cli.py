@@ -1,0 +1,185 @@
+"""Private helpers of `danling.runners.config`: config files and typed command-line arguments."""
+
+import ast
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from types import UnionType
+from typing import Any, Union, get_args, get_origin
+
+from chanfig import Config, NestedDict
+from chanfig.utils import get_cached_annotations, parse_bool
+
+from ._config_utils import peek
+
+_NoneType = type(None)
+
+
+def read_config_file(path: str | bytes | os.PathLike) -> Mapping:
+    """Load a YAML/JSON/TOML config file as a mapping, with errors that name the file."""
+    name = os.fsdecode(path)
+    full = os.path.expanduser(name)
+    if not os.path.isfile(full):
+        raise FileNotFoundError(f"config file {name!r} does not exist")
+    suffix = os.path.splitext(full)[1].lower()
+    if suffix not in (".yaml", ".yml", ".json", ".toml"):
+        raise ValueError(f"config file {name!r} must end in .yaml, .yml, .json or .toml, got {suffix or 'no suffix'!r}")
+    try:
+        data = NestedDict.load(full)
+    except Exception as exc:  # parser errors carry the line/column; keep them and name the file
+        raise ValueError(f"cannot read config file {name!r}: {exc}") from exc
+    if data is None:
+        return {}
+    if not isinstance(data, Mapping):
+        raise ValueError(f"config file {name!r} must hold a mapping at the top level, got {type(data).__name__}")
+    return data
+
+
+def split_file_options(args: list[str], option: str) -> tuple[list[str], list[str]]:
+    """Remove `--<option> PATH` / `--<option>=PATH` from `args`; return the rest and the paths."""
+    flag = "--" + option
+    rest: list[str] = []
+    files: list[str] = []
+    index = 0
+    while index < len(args):
+        token = args[index]
+        if token == "--":
+            rest.extend(args[index:])
+            break
+        if token == flag:
+            if index + 1 >= len(args) or args[index + 1].startswith("--"):
+                raise ValueError(f"{flag} needs a file path")
+            files.append(args[index + 1])
+            index += 2
+            continue
+        if token.startswith(flag + "="):
+            files.append(token[len(flag) + 1 :])
+        else:
+            rest.append(token)
+        index += 1
+    return rest, files
+
+
+class _Nullable:
+    """argparse type that maps `none`/`null` to None and delegates everything else."""
+
+    def __init__(self, convert: Any) -> None:
+        self.convert = convert
+        self.__name__ = getattr(convert, "__name__", "value")
+
+    def __call__(self, token: str) -> Any:
+        return None if token.strip().lower() in ("none", "null") else self.convert(token)
+
+
+def _literal(token: str) -> Any:
+    try:
+        return ast.literal_eval(token)
+    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+        return token
+
+
+def _union_members(annotation: Any) -> tuple:
+    if get_origin(annotation) in (Union, UnionType):
+        return get_args(annotation)
+    return (annotation,)
+
+
+def _argument_kwargs(annotation: Any) -> dict[str, Any] | None:
+    members = _union_members(annotation)
+    nullable = _NoneType in members
+    members = tuple(member for member in members if member is not _NoneType)
+    for member in members:
+        if (get_origin(member) or member) in (list, tuple, set):
+            item = (get_args(member) or (None,))[0]
+            item_type = parse_bool if item is bool else item if item in (int, float, str) else _literal
+            return {"nargs": "+", "type": item_type}
+    if len(members) != 1:
+        return None
+    member = members[0]
+    if member is bool:
+        return {"type": _Nullable(parse_bool) if nullable else parse_bool}
+    if member in (int, float, str):
+        return {"type": _Nullable(member) if nullable else member}
+    if (get_origin(member) or member) is dict:
+        return {"type": _literal}
+    return None
+
+
+def _annotated_keys(node: Mapping, prefix: str = "") -> Iterable[tuple[str, Any]]:
+    for key, annotation in get_cached_annotations(node).items():
+        value = dict.get(node, key) if isinstance(node, dict) else None
+        if isinstance(value, Mapping):
+            yield from _annotated_keys(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}", annotation
+
+
+def register_typed_arguments(parser: Any, config: Mapping, args: Sequence[str]) -> list[str]:
+    """Declare typed options for annotated keys at every depth (chanfig types top-level keys only).
+
+    Returns the per-split dataloader keys found in `args` (`dataloader.<split>.<key>`).
+    """
+
+    def add(key: str, annotation: Any) -> None:
+        kwargs = _argument_kwargs(annotation)
+        if kwargs is not None and f"--{key}" not in parser:
+            parser.add_argument(f"--{key}", dest=key, **kwargs)
+
+    for key, annotation in _annotated_keys(config):
+        add(key, annotation)
+    loader = peek(config, "dataloader")
+    if not isinstance(loader, Config):
+        return []
+    loader_annotations = get_cached_annotations(loader)
+    split_keys = []
+    for token in args:
+        if not token.startswith("--"):
+            continue
+        parts = token[2:].split("=", 1)[0].replace("-", "_").split(".")
+        is_split_key = len(parts) == 3 and parts[0] == "dataloader" and parts[1] not in loader_annotations
+        if is_split_key and parts[2] in loader_annotations:
+            split_keys.append(".".join(parts))
+            add(split_keys[-1], loader_annotations[parts[2]])
+    return split_keys
+
+
+# Sections whose keys are free-form options of a user-chosen class (optimizer, scheduler).
+_OPEN_SECTIONS = ("optim", "scheduler")
+
+
+def _scalar(token: str) -> Any:
+    """A command-line value as the YAML-like scalar it spells (`0.9`, `1e-3`, `true`, `none`, `cosine`)."""
+    lowered = token.strip().lower()
+    if lowered in ("none", "null"):
+        return None
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    return _literal(token)
+
+
+def register_free_form_arguments(parser: Any, config: Mapping, args: Sequence[str]) -> list[str]:
+    """Type the free-form keys in `args`: `optim.*`, `scheduler.*` and keys the config does not have.
+
+    Each value is read as a scalar and several values make a list, so `--optim.betas 0.9 0.99`
+    gives `[0.9, 0.99]` (not strings). Returns the keys of the open sections, which chanfig would
+    otherwise report as unrecognized.
+    """
+    counts: dict[str, int] = {}
+    key = None
+    for token in args:
+        if token == "--":
+            break
+        if token.startswith("--"):
+            key, _, value = token[2:].partition("=")
+            key = key.replace("-", "_")
+            counts[key] = 1 if value else 0
+        elif key is not None:
+            counts[key] += 1
+    open_keys = []
+    for key, count in counts.items():
+        free = key.split(".")[0] in _OPEN_SECTIONS or peek(config, key.split(".")[0]) is None
+        if not free or f"--{key}" in parser:
+            continue
+        parser.add_argument(f"--{key}", dest=key, type=_scalar, nargs="+" if count > 1 else None)
+        if key.split(".")[0] in _OPEN_SECTIONS:
+            open_keys.append(key)
+    return open_keys
