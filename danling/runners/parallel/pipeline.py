@@ -16,8 +16,7 @@ broadcast over the pipeline group, so every rank reports the same number.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import AbstractContextManager, contextmanager
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -28,6 +27,7 @@ from danling.data import split_batch
 
 from .pipeline_loader import StepProxyLoader
 from .pipeline_parts import V_SCHEDULES, PipelineModelPart, stage_placement, validate_module_fqns
+from .pipeline_runtime import ScheduleCache, broadcast_shapes, no_grad_outside_inference, without_loss
 
 __all__ = ["PIPELINE_SCHEDULES", "PipelineMixin", "StepProxyLoader"]
 
@@ -60,7 +60,9 @@ class PipelineMixin:
     pipeline_has_last_stage: bool = True
     _pipeline_num_stages: int | None = None  # fixed once the parts are built
     _pipeline_n_microbatches: int = 1
-    _pipeline_last_rank: int | None = None  # global rank that owns the last stage
+    _pipeline_first_rank: int = 0  # global ranks that own the first and the last stage
+    _pipeline_last_rank: int = 0
+    _pipeline_schedules: ScheduleCache
 
     # ------------------------------------------------------------------ layout
     def _pipeline_schedule_class(self) -> tuple[type, str]:
@@ -213,40 +215,66 @@ class PipelineMixin:
         with `pipeline_microbatches()` microbatches, danling's normalising loss and
         `scale_grads=False`. Sets `pipeline_stages`, `pipeline_has_first_stage` and
         `pipeline_has_last_stage`; the caller binds the returned schedule to
-        `self.pipeline_schedule`.
+        `self.pipeline_schedule`. Batches of another shape later run through schedules built
+        the same way for their shape.
 
         Raises:
             ValueError: an unknown schedule name, a bad microbatch count, or a number of parts
                 that does not match the schedule (one per rank for GPipe/1F1B).
         """
-        from torch.distributed.pipelining import PipelineStage
-
         parts = [stage_model] if isinstance(stage_model, nn.Module) else list(stage_model)
-        schedule_class, style = self._pipeline_schedule_class()
         single = self._pipeline_single_stage()
         if not parts or (single and len(parts) != 1):
             raise ValueError(
                 f"parallel.pipeline_schedule {self.config.parallel.pipeline_schedule!r} needs "
                 f"{'exactly one' if single else 'at least one'} local stage module, got {len(parts)}"
             )
+        count = self.pipeline_microbatches()
         degree = self.topology.size("pipeline")
         num_stages = len(parts) * degree
         indices = self.pipeline_stage_indices(num_stages)
-        group = self.topology.group("pipeline")
+        _, style = self._pipeline_schedule_class()
+        placement = stage_placement(num_stages, degree, style)
+        ranks = self.topology.ranks("pipeline")
+        self._pipeline_first_rank, self._pipeline_last_rank = ranks[placement[0]], ranks[placement[num_stages - 1]]
+        self._pipeline_num_stages, self._pipeline_n_microbatches = num_stages, count
+        self.pipeline_has_first_stage, self.pipeline_has_last_stage = 0 in indices, num_stages - 1 in indices
+
+        def build(microbatches: int) -> Any:
+            return self._pipeline_build(parts, indices, microbatches)[0]
+
+        self._pipeline_schedules = ScheduleCache(build)
+        schedule, stages = self._pipeline_build(parts, indices, count)
+        self.pipeline_stages = tuple(stages)
+        return schedule
+
+    def _pipeline_build(self, parts: list[nn.Module], indices: tuple[int, ...], microbatches: int) -> tuple[Any, list]:
+        """A schedule over fresh `PipelineStage`s of `parts` for `microbatches` microbatches."""
+        from torch.distributed.pipelining import PipelineStage
+
+        schedule_class, _ = self._pipeline_schedule_class()
+        group, num_stages = self.topology.group("pipeline"), self._pipeline_num_stages
         stages = [
             PipelineStage(part, index, num_stages, self.device, group=group)
             for part, index in zip(parts, indices, strict=True)
         ]
-        count = self.pipeline_microbatches()
+        single = self._pipeline_single_stage()
         schedule = schedule_class(
-            stages[0] if single else stages, n_microbatches=count, loss_fn=self._pipeline_loss, scale_grads=False
+            stages[0] if single else stages, n_microbatches=microbatches, loss_fn=self._pipeline_loss, scale_grads=False
         )
-        self._pipeline_num_stages, self._pipeline_n_microbatches = num_stages, count
-        self.pipeline_stages = tuple(stages)
-        self.pipeline_has_first_stage = any(stage.is_first for stage in stages)
-        self.pipeline_has_last_stage = any(stage.is_last for stage in stages)
-        last_owner = stage_placement(num_stages, degree, style)[num_stages - 1]
-        self._pipeline_last_rank = self.topology.ranks("pipeline")[last_owner]
+        return schedule, stages
+
+    def _pipeline_select(self, args: tuple[Any, ...]) -> Any:
+        """The schedule for this batch's input shapes (shared by the first stage with every pipeline rank)."""
+        key = broadcast_shapes(
+            args,
+            src=self._pipeline_first_rank,
+            group=self.topology.group("pipeline"),
+            device=self.device,
+            degree=self.topology.size("pipeline"),
+        )
+        schedule = self._pipeline_schedules.get(self.pipeline_schedule, key)
+        self._pipeline_n_microbatches = schedule._n_microbatches
         return schedule
 
     def _pipeline_loss(self, pred: torch.Tensor, target: Any) -> torch.Tensor:
@@ -281,8 +309,9 @@ class PipelineMixin:
         """
         args, target = self._pipeline_inputs(data)
         losses: list[torch.Tensor] = []
+        schedule = self._pipeline_select(args)
         with self.forward_context():
-            output = self.pipeline_schedule.step(*args, target=target, losses=losses)
+            output = schedule.step(*args, target=target, losses=losses)
         if self.pipeline_has_last_stage:
             self._update_metrics(output, target)
         loss = self._pipeline_mean_loss(losses)
@@ -296,11 +325,11 @@ class PipelineMixin:
         every rank only through the last stage, so it is broadcast as well).
         """
         args, target = self._pipeline_inputs(data, need_target=False)
+        target = target if self.criterion is not None else None
         losses: list[torch.Tensor] = []
-        with self._pipeline_no_grad(), self.forward_context():
-            output = self.pipeline_schedule.eval(
-                *args, target=target if self.criterion is not None else None, losses=losses
-            )
+        schedule = self._pipeline_select(args)
+        with no_grad_outside_inference(), self.forward_context(), without_loss(schedule, target is None):
+            output = schedule.eval(*args, target=target, losses=losses)
         if self.pipeline_has_last_stage:
             self._update_metrics(output, target)
         return None, self._pipeline_mean_loss(losses, optional=True)
@@ -316,8 +345,9 @@ class PipelineMixin:
         """
         args, _ = self._pipeline_inputs(data, need_target=False)
         values: list[Any] = [None]
-        with self._pipeline_no_grad(), self.forward_context():
-            output = self.pipeline_schedule.eval(*args)
+        schedule = self._pipeline_select(args)
+        with no_grad_outside_inference(), self.forward_context(), without_loss(schedule):
+            output = schedule.eval(*args)
         if self.pipeline_has_last_stage:
             if not isinstance(output, torch.Tensor):
                 kind = type(output).__name__
@@ -377,16 +407,3 @@ class PipelineMixin:
         if not optional:
             return loss
         return loss[0] if loss[1].item() else None
-
-    def _pipeline_no_grad(self) -> AbstractContextManager:
-        """No autograd, and outside inference mode: the stages' receive buffers outlive this step
-        and training steps write them again, which inference tensors would forbid."""
-        if torch.is_inference_mode_enabled():
-            return _no_grad_outside_inference()
-        return torch.no_grad()
-
-
-@contextmanager
-def _no_grad_outside_inference() -> Iterator[None]:
-    with torch.inference_mode(False), torch.no_grad():
-        yield
