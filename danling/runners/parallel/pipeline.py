@@ -329,7 +329,7 @@ class PipelineMixin:
         losses: list[torch.Tensor] = []
         schedule = self._pipeline_select(args)
         with no_grad_outside_inference(), self.forward_context(), without_loss(schedule, target is None):
-            output = schedule.eval(*args, target=target, losses=losses)
+            output = schedule.eval(*args, target=target, losses=None if target is None else losses)
         if self.pipeline_has_last_stage:
             self._update_metrics(output, target)
         return None, self._pipeline_mean_loss(losses, optional=True)

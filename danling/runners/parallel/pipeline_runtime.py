@@ -58,8 +58,8 @@ class ScheduleCache:
     The main schedule (the one the runner built from the config) serves the first shape whose
     batch its microbatch count divides. Any other shape gets a schedule of its own from `build`,
     with the largest microbatch count up to the main one that divides its batch (equal
-    microbatches keep the mean of microbatch losses equal to the batch loss), skipping counts
-    the schedule class rejects.
+    microbatches keep the mean of microbatch losses equal to the batch loss); when the schedule
+    class rejects all of those, the smallest larger divisor it accepts.
 
     Args:
         build: Builds a schedule over fresh stages for a microbatch count.
@@ -92,13 +92,15 @@ class ScheduleCache:
         return schedule
 
     def _build_for(self, batch: int, limit: int) -> Any:
+        divisors = [count for count in range(1, batch + 1) if batch % count == 0]
+        # Prefer the most microbatches up to the configured count, then the fewest above it
+        # (1F1B, for one, needs at least as many microbatches as stages).
+        ordered = [c for c in reversed(divisors) if c <= limit] + [c for c in divisors if c > limit]
         error: ValueError | None = None
-        for count in range(min(batch, limit), 0, -1):
-            if batch % count:
-                continue
+        for count in ordered:
             try:
                 return self.build(count)
-            except ValueError as rejected:  # e.g. Interleaved1F1B's rounds must divide the count
+            except ValueError as rejected:
                 error = rejected
         raise ValueError(f"no pipeline schedule accepts any microbatch count for a batch of {batch}") from error
 
