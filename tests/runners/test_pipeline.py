@@ -168,6 +168,14 @@ def test_step_proxy_loader_counts_and_resumes():
         StepProxyLoader(batch for batch in loader)
 
 
+def test_v_schedules_refuse_forward_only_steps():
+    host = LayoutHost(0, pipeline_schedule="DualPipeV")
+    with pytest.raises(NotImplementedError, match=r"'DualPipeV' trains, but torch's V schedules"):
+        host.pipeline_evaluate_step(None)
+    with pytest.raises(NotImplementedError, match=r"cannot run forward-only \(evaluate/infer\)"):
+        host.pipeline_infer_step(None)
+
+
 def test_pipeline_loader_gives_data_only_to_edge_stages():
     host, loader = LayoutHost(0), DataLoader(list(range(4)))
     for first, last, target, proxied in [
@@ -221,6 +229,7 @@ def _two_rank_worker(rank, world_size):
         "gpipe": dict(schedule="GPipe", fqns=FQNS_2, n_microbatches=4),
         "1f1b": dict(schedule="1F1B", microbatch_size=2),  # stages from the model's hook
         "interleaved": dict(schedule="Interleaved1F1B", fqns=FQNS_4, n_microbatches=4),
+        "zbv": dict(schedule="ZBVZeroBubble", fqns=FQNS_4, n_microbatches=4),  # V placement
     }
     for name, options in cases.items():
         model = make_net(hooked=name == "1f1b")
@@ -264,12 +273,13 @@ def _evaluate_and_infer(model):
 def test_pipeline_schedules_match_single_process():
     results = run_distributed(_two_rank_worker, world_size=2)
     for rank, result in enumerate(results):
-        for name in ("gpipe", "1f1b", "interleaved", "accumulate"):
+        for name in ("gpipe", "1f1b", "interleaved", "zbv", "accumulate"):
             assert result[name]["loss"] < TOL, (rank, name, result[name])
             assert result[name]["weights"] < TOL, (rank, name, result[name])
             assert result[name]["stepped"] > 1e-3  # the weights did move
         assert result["gpipe"]["stages"] == result["1f1b"]["stages"] == (rank,)
         assert result["interleaved"]["stages"] == (rank, rank + 2)
+        assert result["zbv"]["stages"] == (rank, 3 - rank)
         evaluation = result["evaluate"]
         assert evaluation["eval_loss"] < TOL and evaluation["infer"] < TOL and evaluation["infer_len"] == 8
         assert evaluation["no_target"] is None and evaluation["train_after_eval"] < TOL

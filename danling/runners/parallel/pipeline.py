@@ -41,7 +41,8 @@ PIPELINE_SCHEDULES: tuple[str, ...] = (
     "DualPipeV",
 )
 """Names `parallel.pipeline_schedule` accepts (case-insensitive), resolved by torch's `get_schedule_class`.
-GPipe, 1F1B and Interleaved1F1B are the ones verified against single-process training."""
+Each trains like single-process training on CPU (torch 2.13); the V schedules (`ZBVZeroBubble`,
+`DualPipeV`) cannot evaluate or infer."""
 
 
 class PipelineMixin:
@@ -322,8 +323,14 @@ class PipelineMixin:
         """One evaluation batch through the schedule (forward only); returns `(None, loss)` on every rank.
 
         The loss is `None` when the criterion is unset or the batch has no target (known to
-        every rank only through the last stage, so it is broadcast as well).
+        every rank only through the last stage, so it is broadcast as well). Ranks with the last
+        stage update the evaluation metrics with the concatenated outputs.
+
+        Raises:
+            NotImplementedError: a V schedule (`ZBVZeroBubble`, `DualPipeV`), which torch cannot
+                run forward-only.
         """
+        self._pipeline_check_forward_only()
         args, target = self._pipeline_inputs(data, need_target=False)
         target = target if self.criterion is not None else None
         losses: list[torch.Tensor] = []
@@ -342,7 +349,10 @@ class PipelineMixin:
 
         Raises:
             ValueError: the output of the last stage is not a tensor.
+            NotImplementedError: a V schedule (`ZBVZeroBubble`, `DualPipeV`), which torch cannot
+                run forward-only.
         """
+        self._pipeline_check_forward_only()
         args, _ = self._pipeline_inputs(data, need_target=False)
         values: list[Any] = [None]
         schedule = self._pipeline_select(args)
@@ -371,6 +381,18 @@ class PipelineMixin:
         return StepProxyLoader(loader)
 
     # ------------------------------------------------------------------ helpers
+    def _pipeline_check_forward_only(self) -> None:
+        """Refuse evaluation under the V schedules, which torch (2.13) cannot run forward-only.
+
+        Every rank reads the same config, so all of them raise together instead of hanging.
+        """
+        if self._pipeline_schedule_class()[1] == "v":
+            raise NotImplementedError(
+                f"parallel.pipeline_schedule {self.config.parallel.pipeline_schedule!r} trains, but torch's V "
+                "schedules cannot run forward-only (evaluate/infer); use 'Interleaved1F1B' or 'InterleavedZeroBubble' "
+                "in runs that evaluate"
+            )
+
     def _pipeline_inputs(self, data: Any, *, need_target: bool = True) -> tuple[tuple[Any, ...], Any]:
         """Positional inputs for the first stage and the target for the last one (empty/None elsewhere)."""
         if data is None:
