@@ -9,6 +9,7 @@ local parts, build the schedule over them, keep only the parts.
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
@@ -90,6 +91,7 @@ class PipelineHost(PipelineMixin):
         accum_steps: int = 1,
         lr: float = 0.1,
         axes: dict[str, int] | None = None,
+        wrap: Callable[[nn.Module, Topology], nn.Module] | None = None,
     ) -> None:
         self.topology = Topology.from_axes(axes or {"pipeline": dist.get_world_size()})
         self.config = SimpleNamespace(
@@ -106,6 +108,8 @@ class PipelineHost(PipelineMixin):
         self.metric_updates: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.model = model
         parts = self.build_pipeline_model_parts(model)
+        if wrap is not None:  # as the runner shards or wraps each part before building the schedule
+            parts = [wrap(part, self.topology) for part in parts]
         self.pipeline_schedule = self.build_pipeline_schedule(parts)
         self.model_parts, self.model = parts, parts[0]
         self.optimizer = torch.optim.SGD([p for part in parts for p in part.parameters()], lr=lr)
@@ -128,8 +132,9 @@ class PipelineHost(PipelineMixin):
             self.metric_updates.append((pred.detach().clone(), target.clone()))
 
     def state(self) -> dict[str, torch.Tensor]:
-        """Weights of the local parts under their (original) keys."""
-        return {k: v.detach().clone() for part in self.model_parts for k, v in part.state_dict().items()}
+        """Full weights of the local parts under their (original) keys."""
+        state = {k: v for part in self.model_parts for k, v in part.state_dict().items()}
+        return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone() for k, v in state.items()}
 
 
 def reference_training(

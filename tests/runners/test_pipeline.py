@@ -316,11 +316,31 @@ def _four_rank_worker(rank, world_size):
     with torch.no_grad():
         out["replica_expected"] = model(batches[0][0]).squeeze(-1).tolist()
     out["replica"] = _train(host, model, batches)
+    # FSDP2 x pipeline with accumulation: each shard rank reads half of every global batch.
+    model = make_net()
+    host = PipelineHost(
+        copy.deepcopy(model),
+        fqns=FQNS_2,
+        n_microbatches=4,
+        accum_steps=2,
+        axes={"shard": 2, "pipeline": 2},
+        wrap=_shard,
+    )
+    shard, full = host.topology.rank("shard"), make_batches(4, 16, seed=20)
+    for x, y in full:
+        host.pipeline_train_step((x[8 * shard : 8 * shard + 8], y[8 * shard : 8 * shard + 8]))
+    out["fsdp"] = max_weight_diff(host.state(), reference_training(model, full, accum_steps=2)[1])
     return out
 
 
+def _shard(part, topology):
+    from torch.distributed.fsdp import fully_shard
+
+    return fully_shard(part, mesh=topology.mesh["shard"])
+
+
 @pytest.mark.distributed
-def test_middle_stages_get_no_data_and_subgroups_work():
+def test_middle_stages_get_no_data_and_subgroups_and_fsdp_work():
     results = run_distributed(_four_rank_worker, world_size=4)
     assert [result["proxied"] for result in results] == [False, True, True, False]
     assert [all(result["seen_none"]) for result in results] == [False, True, True, False]
@@ -329,3 +349,4 @@ def test_middle_stages_get_no_data_and_subgroups_work():
         assert result["loss"] < TOL and result["weights"] < TOL, (rank, result)
         assert result["replica"]["loss"] < TOL and result["replica"]["weights"] < TOL, (rank, result)
         assert max(abs(a - b) for a, b in zip(result["replica_infer"], result["replica_expected"])) < TOL
+        assert result["fsdp"] < TOL, (rank, result["fsdp"])

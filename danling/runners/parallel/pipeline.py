@@ -1,4 +1,4 @@
-"""Pipeline parallelism for [`ParallelRunner`][danling.runners.ParallelRunner], on `torch.distributed.pipelining`.
+"""Pipeline parallelism for the parallel runner (`ParallelRunner`), on `torch.distributed.pipelining`.
 
 [`PipelineMixin`][danling.runners.parallel.pipeline.PipelineMixin] cuts the model into stages,
 builds the PyTorch schedule over the local stages and runs the runner's train, evaluate and
