@@ -230,6 +230,9 @@ def _two_rank_worker(rank, world_size):
         "1f1b": dict(schedule="1F1B", microbatch_size=2),  # stages from the model's hook
         "interleaved": dict(schedule="Interleaved1F1B", fqns=FQNS_4, n_microbatches=4),
         "zbv": dict(schedule="ZBVZeroBubble", fqns=FQNS_4, n_microbatches=4),  # V placement
+        "dualpipev": dict(schedule="DualPipeV", fqns=FQNS_4, n_microbatches=4),
+        "loopedbfs": dict(schedule="LoopedBFS", fqns=FQNS_4, n_microbatches=4),
+        "zero_bubble": dict(schedule="InterleavedZeroBubble", fqns=FQNS_4, n_microbatches=4),
     }
     for name, options in cases.items():
         model = make_net(hooked=name == "1f1b")
@@ -273,7 +276,7 @@ def _evaluate_and_infer(model):
 def test_pipeline_schedules_match_single_process():
     results = run_distributed(_two_rank_worker, world_size=2)
     for rank, result in enumerate(results):
-        for name in ("gpipe", "1f1b", "interleaved", "zbv", "accumulate"):
+        for name in ("gpipe", "1f1b", "interleaved", "zbv", "dualpipev", "loopedbfs", "zero_bubble", "accumulate"):
             assert result[name]["loss"] < TOL, (rank, name, result[name])
             assert result[name]["weights"] < TOL, (rank, name, result[name])
             assert result[name]["stepped"] > 1e-3  # the weights did move
