@@ -15,6 +15,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from danling.distributed import Topology
+from danling.runners.config import RunnerConfig
 from danling.runners.parallel.pipeline import PipelineMixin
 from danling.runners.parallel.pipeline_loader import StepProxyLoader
 from danling.runners.parallel.pipeline_parts import PipelineModelPart, stage_placement, validate_module_fqns
@@ -100,6 +101,10 @@ def test_microbatch_count_errors():
         LayoutHost(0, pipeline_n_microbatches=3).pipeline_microbatches()
     with pytest.raises(ValueError, match=r"pipeline_n_microbatches=0"):
         LayoutHost(0, pipeline_n_microbatches=0).pipeline_microbatches()
+    # A batch size set for the train split only counts as well.
+    host = LayoutHost(0, pipeline_microbatch_size=2)
+    host.config.dataloader = RunnerConfig({"dataloader": {"train": {"batch_size": 6}}}).dataloader
+    assert host.pipeline_microbatches() == 3
 
 
 def test_model_parts_keep_original_keys_and_compute_the_model():

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from danling.data import split_batch
+from danling.data import resolve_loader_options, split_batch
 
 from .pipeline_loader import StepProxyLoader
 from .pipeline_parts import V_SCHEDULES, PipelineModelPart, stage_placement, validate_module_fqns
@@ -191,7 +191,7 @@ class PipelineMixin:
                 (unequal microbatches would not average to the loss of the whole batch).
         """
         parallel = self.config.parallel
-        batch_size = self.config.dataloader.batch_size or 1
+        batch_size = self._pipeline_batch_size()
         count = parallel.pipeline_n_microbatches
         if count is None:
             size = parallel.pipeline_microbatch_size
@@ -207,6 +207,14 @@ class PipelineMixin:
                 f"dataloader.batch_size={batch_size}"
             )
         return count
+
+    def _pipeline_batch_size(self) -> int:
+        """`dataloader.batch_size`, else the `train` split's own (`dataloader.train.batch_size`), else 1."""
+        loader = self.config.dataloader
+        size = getattr(loader, "batch_size", None)
+        if size is None and callable(getattr(loader, "dict", None)):
+            size = resolve_loader_options(loader.dict(), "train", is_train=True).get("batch_size")
+        return size or 1
 
     def build_pipeline_schedule(self, stage_model: nn.Module | Sequence[nn.Module]) -> Any:
         """The PyTorch schedule over this rank's stage modules (the final, wrapped ones).
