@@ -28,6 +28,7 @@ from tests.runners._pipeline_harness import (
     max_weight_diff,
     reference_training,
 )
+from tests.runners._pipeline_runner import PipelinedRunner, PlainRunner, run, runner_config
 
 FQNS_2 = [["inp", "layers.0", "layers.1"], ["layers.2", "layers.3", "head"]]
 FQNS_4 = [["inp", "layers.0"], ["layers.1"], ["layers.2"], ["layers.3", "head"]]
@@ -226,7 +227,7 @@ def _train(host, reference, batches, accum_steps=1):
     }
 
 
-def _two_rank_worker(rank, world_size):
+def _two_rank_worker(rank, world_size, root):
     results = {}
     batches = make_batches(4, 8)
     batches[3] = (batches[3][0][:6], batches[3][1][:6])  # a short last batch: microbatches of 2 x 3
@@ -250,6 +251,9 @@ def _two_rank_worker(rank, world_size):
     host = PipelineHost(copy.deepcopy(model), schedule="1F1B", fqns=FQNS_2, n_microbatches=2, accum_steps=2)
     results["accumulate"] = _train(host, model, batches, accum_steps=2)
     results["evaluate"] = _evaluate_and_infer(make_net())
+    # The real torch runner's loops, accumulation, metrics, evaluation and inference on top.
+    options = {"parallel.axes.pipeline": 2, "parallel.module_fqns_per_model_part": FQNS_2}
+    results["runner"] = run(PipelinedRunner(runner_config(f"{root}/rank{rank}", **options)))
     return results
 
 
@@ -278,8 +282,9 @@ def _evaluate_and_infer(model):
 
 
 @pytest.mark.distributed
-def test_pipeline_schedules_match_single_process():
-    results = run_distributed(_two_rank_worker, world_size=2)
+def test_pipeline_schedules_match_single_process(tmp_path):
+    expected = run(PlainRunner(runner_config(str(tmp_path / "plain"))))
+    results = run_distributed(_two_rank_worker, str(tmp_path), world_size=2)
     for rank, result in enumerate(results):
         for name in ("gpipe", "1f1b", "interleaved", "zbv", "dualpipev", "loopedbfs", "zero_bubble", "accumulate"):
             assert result[name]["loss"] < TOL, (rank, name, result[name])
@@ -297,6 +302,16 @@ def test_pipeline_schedules_match_single_process():
     keys = [set(result[name]["keys"]) for result in results for name in ("gpipe", "interleaved")]
     assert keys[0] | keys[2] == keys[1] | keys[3] == set(make_net().state_dict())  # original FQNs, any layout
     assert not keys[0] & keys[2]
+    # Runner: every rank logs the single-process losses; the last stage's metrics match too.
+    runs = [result["runner"] for result in results]
+    assert set(runs[0]["rows"]) == set(expected["rows"]) == {(0, "train"), (0, "val"), (1, "train"), (1, "val")}
+    for key, (loss, mse) in expected["rows"].items():
+        assert abs(runs[0]["rows"][key][0] - loss) < TOL and abs(runs[1]["rows"][key][0] - loss) < TOL, key
+        assert abs(runs[1]["rows"][key][1] - mse) < TOL, key
+    for run_ in runs:
+        assert max(abs(a - b) for a, b in zip(run_["predictions"], expected["predictions"])) < TOL
+        assert len(run_["predictions"]) == len(expected["predictions"]) == 6
+    assert runs[0]["keys"] == sorted(keys[0]) and runs[1]["keys"] == sorted(keys[2])
 
 
 def _four_rank_worker(rank, world_size):
