@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import warnings
 from collections.abc import Callable, Iterable, Mapping
 from functools import partial
 from typing import Any
@@ -14,7 +15,7 @@ from torch.optim import Optimizer, swa_utils
 from torch.optim import lr_scheduler as torch_schedulers
 
 from ..utils.registry import Registry, normalize
-from .lr_scheduler import LR_METHODS, LRScheduler
+from .lr_scheduler import LR_METHODS, LRScheduler, phase_steps
 from .param_groups import build_param_groups
 from .phases import PhaseScheduler
 
@@ -223,7 +224,33 @@ def build_scheduler(
             if key is not None and key in accepted:
                 options.setdefault(key, total_steps)
                 break
+        if "warmup_steps" in accepted and "cooldown_steps" in accepted:
+            _fit_phases(options, options.get("total_steps", total_steps))
     return SCHEDULERS.build(optimizer, type=name, **options)
+
+
+def _fit_phases(options: dict[str, Any], total_steps: Any) -> None:
+    """Shrink configured warmup + cooldown steps that exceed a short run, keeping their proportion.
+
+    A config written for a long run (`warmup_steps: 500`) must still work for a 10-step smoke
+    test; the shortening is announced with a warning that names both values.
+    """
+    if not isinstance(total_steps, int) or total_steps < 1:
+        return
+    warmup = phase_steps(options.get("warmup_steps", total_steps // 20), total_steps)
+    cooldown = phase_steps(options.get("cooldown_steps", total_steps // 5), total_steps)
+    if not (isinstance(warmup, int) and isinstance(cooldown, int)) or min(warmup, cooldown) < 0:
+        return  # LRScheduler names the bad value
+    if warmup + cooldown <= total_steps:
+        return
+    scale = total_steps / (warmup + cooldown)
+    fitted = int(warmup * scale), int(cooldown * scale)
+    warnings.warn(
+        f"scheduler warmup_steps={warmup} + cooldown_steps={cooldown} exceed the run's {total_steps} optimizer "
+        f"steps; shortened to {fitted[0]} + {fitted[1]} in the same proportion",
+        stacklevel=3,
+    )
+    options["warmup_steps"], options["cooldown_steps"] = fitted
 
 
 def is_metric_scheduler(scheduler: Any) -> bool:

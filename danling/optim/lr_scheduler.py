@@ -94,8 +94,10 @@ class LRScheduler(_LRScheduler):
         final_lr: Final learning rate shared by all groups.
         min_lr: Floor of the learning rate. Defaults to `1e-9`.
         method: Name of the decay curve in [`LR_METHODS`][danling.optim.LR_METHODS]. Defaults to `"cosine"`.
-        warmup_steps: Steps of linear warmup. Defaults to `total_steps // 20`; `0` disables warmup.
-        cooldown_steps: Steps of linear cooldown at the end. Defaults to `total_steps // 5`; `0` disables it.
+        warmup_steps: Steps of linear warmup, or a fraction of `total_steps` (a float in `[0, 1)`,
+            rounded down). Defaults to `total_steps // 20` (5%); `0` disables warmup.
+        cooldown_steps: Steps of linear cooldown at the end, or a fraction of `total_steps`.
+            Defaults to `total_steps // 5` (20%); `0` disables it.
         last_epoch: Index of the last step taken, `-1` for a fresh schedule.
         scaling: `"percentile"` (geometric) or `"numerical"` (arithmetic) interpolation. Defaults to
             `"numerical"` when `final_lr` is given and `"percentile"` otherwise.
@@ -141,16 +143,16 @@ class LRScheduler(_LRScheduler):
         final_lr: float | None = None,
         min_lr: float = 1e-9,
         method: str = "cosine",
-        warmup_steps: int | None = None,
-        cooldown_steps: int | None = None,
+        warmup_steps: int | float | None = None,
+        cooldown_steps: int | float | None = None,
         last_epoch: int = -1,
         scaling: str | None = None,
         **method_options: Any,
     ) -> None:
         if not _is_count(total_steps) or total_steps <= 0:
             raise ValueError(f"total_steps must be a positive integer, got {total_steps!r}")
-        warmup_steps = total_steps // 20 if warmup_steps is None else warmup_steps
-        cooldown_steps = total_steps // 5 if cooldown_steps is None else cooldown_steps
+        warmup_steps = total_steps // 20 if warmup_steps is None else phase_steps(warmup_steps, total_steps)
+        cooldown_steps = total_steps // 5 if cooldown_steps is None else phase_steps(cooldown_steps, total_steps)
         _check_phases(total_steps, warmup_steps, cooldown_steps)
         if final_lr is not None and final_lr_ratio is not None:
             raise ValueError(f"give final_lr ({final_lr}) or final_lr_ratio ({final_lr_ratio}), not both")
@@ -226,6 +228,20 @@ class LRScheduler(_LRScheduler):
 
 def _is_count(value: Any) -> bool:
     return isinstance(value, Integral) and not isinstance(value, bool)
+
+
+def phase_steps(value: int | float, total_steps: int) -> int | float:
+    """Steps of a warmup/cooldown phase: a float in `[0, 1)` is a fraction of `total_steps` (rounded down).
+
+    Anything else is returned as given, for the range checks to judge.
+
+    Examples:
+        >>> phase_steps(0.1, 95), phase_steps(7, 95), phase_steps(0.05, 10)
+        (9, 7, 0)
+    """
+    if isinstance(value, float) and 0 <= value < 1:
+        return int(value * total_steps)
+    return value
 
 
 def _check_phases(total_steps: int, warmup_steps: int, cooldown_steps: int) -> None:

@@ -8,6 +8,8 @@
   DDP), registered for the stacks `auto`, `torch` and `ddp`.
 - [`DeepSpeedRunner`][danling.runners.deepspeed_runner.DeepSpeedRunner]: DeepSpeed ZeRO owning backward and
   step, registered for the stacks `deepspeed` and `ds` (DeepSpeed is imported only when it builds).
+- [`ParallelRunner`][danling.runners.parallel_runner.ParallelRunner]: FSDP2, tensor and pipeline
+  parallelism over the axes of `config.parallel.axes`, registered for the stack `parallel`.
 - [`Runner`][danling.runners.runner.Runner]: builds the backend runner named by `config.stack`
   (backends join through [`register_runner`][danling.runners.runner.register_runner]).
 - [`Precision`][danling.runners.update.precision.Precision],
@@ -30,6 +32,7 @@ from .base_runner import BaseRunner, MetaRunner
 from .config import RunnerConfig
 from .deepspeed_runner import DeepSpeedRunner
 from .loop import EventBus, Events, LoopState, RunnerMode, on
+from .parallel_runner import ParallelRunner
 from .runner import RUNNERS, Runner, register_runner, resolve_runner
 from .services import (
     RunnerSupervisor,
@@ -49,6 +52,7 @@ __all__ = [
     "MetaRunner",
     "TorchRunner",
     "DeepSpeedRunner",
+    "ParallelRunner",
     "Precision",
     "GradientAccumulator",
     "OptimizerContainer",

@@ -57,6 +57,7 @@ _CHOICES: dict[str, tuple] = {
     "checkpoint.export_dtype": _DTYPES,
     "ft.process_group": ("gloo", "nccl"),
     "gc.generation": (0, 1, 2),
+    "parallel.activation_checkpointing": ("none", "block", "selective"),
 }
 _EXCLUDE_ALIASES = {"data_loader": "dataloaders", "dataloader": "dataloaders", "lr_scheduler": "scheduler"}
 
@@ -167,6 +168,11 @@ def normalize_exclude(value: Any) -> Any:
     return result
 
 
+def _plain(value: Any) -> Any:
+    """Config sections as plain dicts, for messages a person reads."""
+    return {key: _plain(item) for key, item in value.items()} if isinstance(value, Mapping) else value
+
+
 # ---------------------------------------------------------------------------------------------
 # keys: undeclared keys of typed sections, and keys of features a runner does not provide
 
@@ -252,7 +258,7 @@ def unsupported(
     lacking = f", which {runner} does not implement" if runner else ""
     return (
         "; ".join(
-            f"config.{key}={value!r} is not available yet in this version of danling: it needs the {feature!r} "
+            f"config.{key}={_plain(value)!r} is not available yet in this version of danling: it needs the {feature!r} "
             f"feature{lacking}; leave it at its default {default!r}"
             for feature, key, value, default in feature_requests(config, owners, defaults)
             if feature not in features

@@ -166,6 +166,10 @@ class RunnerConfig(_TypedConfig):
         "comm",
         "ft",
         "compile",
+        # how the work is laid out over the ranks, not what is trained: a run may resume on another layout
+        "stack",
+        "parallel",
+        "fsdp",
         *(f"dataloader.{split}{key}" for split in ("", "*.") for key in _LOADER_RUNTIME_KEYS),
     )
     # Features no runner of this version implements; a backend lifts one by naming it in its

@@ -183,9 +183,23 @@ class ParallelAxesConfig(_TypedConfig):
 
 
 class ParallelConfig(_TypedConfig):
-    """Parallel layout and pipeline schedule (`parallel.*`)."""
+    """Parallel layout, tensor-parallel plan, activation checkpointing and pipeline schedule (`parallel.*`).
+
+    Attributes:
+        axes: Degree of each parallel axis.
+        tensor_plan: Module-name pattern (`*` matches one name level) to tensor-parallel style
+            (`colwise`, `rowwise`, `sequence`), for models without a `parallelize(parallel)` method.
+        activation_checkpointing: `none`, `block` (recompute each block in backward) or
+            `selective` (keep matrix products, recompute the cheap ops of each block).
+        pipeline_schedule: Schedule class name of `torch.distributed.pipelining`.
+        pipeline_microbatch_size: Microbatch size, when `pipeline_n_microbatches` is not set.
+        pipeline_n_microbatches: Microbatches per batch.
+        module_fqns_per_model_part: Module names of each pipeline stage, in order.
+    """
 
     axes: ParallelAxesConfig = ParallelAxesConfig()
+    tensor_plan: dict | None = None
+    activation_checkpointing: str = "none"
     pipeline_schedule: str = "1F1B"
     pipeline_microbatch_size: int = 1
     pipeline_n_microbatches: int | None = None
@@ -193,9 +207,19 @@ class ParallelConfig(_TypedConfig):
 
 
 class FsdpConfig(_TypedConfig):
-    """FSDP2 section (`fsdp.*`)."""
+    """FSDP2 section (`fsdp.*`).
+
+    Attributes:
+        enabled: Shard parameters, gradients and optimizer state with `fully_shard`.
+        modules: Module-name patterns (`fnmatch`) sharded as their own units; by default every
+            member of an `nn.ModuleList` (the blocks of most models), then the root.
+        reshard_after_forward: Free the gathered parameters after forward (`None`: FSDP2's default).
+        mp_policy: Mixed-precision policy: `None`/`True` follows `precision`, `False` keeps fp32.
+        offload_policy: Keep sharded parameters and optimizer state in CPU memory.
+    """
 
     enabled: bool = False
+    modules: list[str] | None = None
     reshard_after_forward: bool | int | None = None
     mp_policy: bool | int | None = None
     offload_policy: bool | int | None = None

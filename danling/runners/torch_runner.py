@@ -31,17 +31,19 @@ from danling.optim import build_optimizer, build_scheduler, is_metric_scheduler
 from .base_runner import BaseRunner
 from .checkpointing import TorchCheckpointMixin
 from .checkpointing.api import OPTIONAL_RANK_LOCAL_KEYS, RANK_LOCAL_KEYS
+from .loop.events import Events
 from .runner import register_runner
 from .services import Compiler
 from .torch_batch import TorchBatchMixin
 from .torch_data import TorchDataMixin
+from .torch_insight import TorchInsightMixin
 from .update import EMA, GradientAccumulator, OptimizerContainer, Precision, TorchUpdateStrategy, gradient_sync_for
 from .update.scheduling import advance_round_scheduler
 
 __all__ = ["TorchRunner"]
 
 
-class TorchRunner(TorchCheckpointMixin, TorchBatchMixin, TorchDataMixin, BaseRunner):
+class TorchRunner(TorchCheckpointMixin, TorchBatchMixin, TorchDataMixin, TorchInsightMixin, BaseRunner):
     """PyTorch runner for training, evaluation and inference, in one process or under DDP.
 
     Subclass it and, in `__init__` after `super().__init__(config)`, bind `self.model` (required),
@@ -98,6 +100,7 @@ class TorchRunner(TorchCheckpointMixin, TorchBatchMixin, TorchDataMixin, BaseRun
         (8, ['index', 'train', 'val'], 8)
     """
 
+    supported_features = ("profiling",)
     collate_fn: Callable | None = None
     scheduler_interval: str = "step"
     scheduler_monitor: str | None = None
@@ -116,7 +119,10 @@ class TorchRunner(TorchCheckpointMixin, TorchBatchMixin, TorchDataMixin, BaseRun
         self.update.bind(self.optimizer, self.scheduler, self.scheduler_interval)
         if self.datasets:
             self.build_dataloaders()
+        self.init_profiler()
         super().__post_init__()
+        if self.is_main_process:
+            self.events.subscribe(Events.RUN_START, self._log_run_summary)
 
     # ------------------------------------------------------------------ process facts
     @property
@@ -299,6 +305,7 @@ class TorchRunner(TorchCheckpointMixin, TorchBatchMixin, TorchDataMixin, BaseRun
         section = self._merged_section("sched", "scheduler")
         if self.scheduler is None and self.optimizer is not None and section.get("type"):
             self.scheduler = build_scheduler(self.optimizer, section, total_steps=self._total_steps())
+            self.logger.info("scheduler: %r", self.scheduler)  # with the warmup/cooldown steps it settled on
         metric = self.scheduler is not None and is_metric_scheduler(self.scheduler)
         interval = section.get("interval") or ("epoch" if metric else "step")
         if metric and interval == "step":
@@ -415,6 +422,8 @@ class TorchRunner(TorchCheckpointMixin, TorchBatchMixin, TorchDataMixin, BaseRun
         try:
             return super().close(timeout)
         finally:
+            if self.profiler is not None:
+                self.profiler.stop()
             before = self._deterministic_before
             if before is not None:
                 torch.use_deterministic_algorithms(before[0], warn_only=before[1])

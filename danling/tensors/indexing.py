@@ -89,15 +89,49 @@ def _packed_mask(nt: NestedTensor, index: Tensor) -> Tensor:
 def _is_value_mask(nt: NestedTensor, index: Any) -> bool:
     from .nested_tensor import NestedTensor
 
-    if isinstance(index, NestedTensor):
-        return True
-    return isinstance(index, Tensor) and index.dtype == torch.bool and (index.dim() > 1 or nt.ndim == 1)
+    return isinstance(index, NestedTensor)
+
+
+def _is_padded_index(nt: NestedTensor, index: Any) -> bool:
+    """Whether ``index`` is read as an index of ``nt.tensor`` (tensor indices beyond a batch selection)."""
+    if isinstance(index, tuple):
+        batch_index = _split_tuple(nt, index)[0] if index else None
+        return isinstance(batch_index, Tensor) and batch_index.dim() > 0
+    if not isinstance(index, Tensor) or index.dim() == 0:
+        return False
+    batch_selector = index.dim() == 1 and (nt._batch_first or nt.ndim == 1)
+    return not batch_selector or (index.dtype == torch.bool and nt.ndim == 1)
+
+
+def _valid(nt: NestedTensor) -> Tensor:
+    """Boolean tensor of ``nt.shape``: True at real positions of ``nt.tensor``."""
+    mask = layout.full_mask(nt._shapes, nt._permutation, nt._ragged, nt._values.device)
+    batch_first_shape = (len(nt), *layout.max_shape(nt._shapes))
+    mask = mask.view(*mask.shape, *[1] * (len(batch_first_shape) - mask.dim())).expand(batch_first_shape)
+    return mask.movedim(0, 1) if not nt._batch_first and mask.dim() > 1 else mask
+
+
+def _getitem_padded(nt: NestedTensor, index: Any) -> Tensor | NestedTensor:
+    """``nt.tensor[index]``; a result that holds padding in a ragged pattern comes back as a NestedTensor."""
+    out, keep = nt.tensor[index], _valid(nt)[index]
+    if out.dim() < 2 or bool(keep.all()):
+        return out
+    kept_batch = out.dim() == nt.ndim and out.shape[0 if nt._batch_first else 1] == len(nt)
+    batch_first = nt._batch_first if kept_batch else True
+    try:
+        return type(nt).from_tensor_mask(
+            out, keep, batch_first=batch_first, padding_value=nt._padding_value, mask_value=nt._mask_value
+        )
+    except ValueError:  # padding scattered through the result: return it as torch would
+        return out
 
 
 def getitem(nt: NestedTensor, index: Any) -> Tensor | NestedTensor:
     """Implement ``nt[index]``."""
     if _is_value_mask(nt, index):
         return nt._values[_packed_mask(nt, index)]
+    if _is_padded_index(nt, index):
+        return _getitem_padded(nt, index)
     if index is Ellipsis:
         return nt
     if not isinstance(index, tuple):
@@ -138,6 +172,11 @@ def setitem(nt: NestedTensor, index: Any, value: Any) -> None:
 
     if _is_value_mask(nt, index):
         nt._values[_packed_mask(nt, index)] = value._values if isinstance(value, NestedTensor) else value
+        return
+    if _is_padded_index(nt, index):  # as torch would on ``nt.tensor``; only real positions are kept
+        padded = nt.tensor.clone()
+        padded[index] = value.tensor if isinstance(value, NestedTensor) else value
+        nt._set_storage(nt.nested_like(padded)._values, nt._shapes, nt._permutation, nt._ragged)
         return
     batch_index, rest = _split_tuple(nt, index) if isinstance(index, tuple) else (index, ())
     positions = _positions(nt, batch_index)

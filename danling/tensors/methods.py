@@ -204,12 +204,21 @@ class NestedTensorMethods:
         """
         return _run(torch.Tensor.view, self, *shape)
 
-    def flatten(self, start_dim: int = 0, end_dim: int = -1) -> NestedTensor:
-        """Flatten dims `start_dim..end_dim` of every element; starting at the batch dim means dim 0.
+    def flatten(self, start_dim: int = 0, end_dim: int = -1) -> Tensor | NestedTensor:
+        """Flatten dims `start_dim..end_dim`, as torch does on `.tensor` but without the padding.
+
+        Element dims only: every element is flattened, the result is a NestedTensor. A range that
+        starts at the batch dim removes it, so the result is dense: the real values, flattened
+        over the covered element dims and concatenated in batch order.
 
         Examples:
-            >>> NestedTensor([torch.zeros(2, 3), torch.zeros(1, 3)]).flatten().shape
+            >>> nested_tensor = NestedTensor([torch.zeros(2, 3), torch.zeros(1, 3)])
+            >>> nested_tensor.flatten(1).shape
             torch.Size([2, 6])
+            >>> nested_tensor.flatten().shape  # the 9 real values
+            torch.Size([9])
+            >>> nested_tensor.flatten(0, 1).shape  # the 3 real rows
+            torch.Size([3, 3])
         """
         return _run(torch.flatten, self, start_dim, end_dim)
 
@@ -238,7 +247,7 @@ class NestedTensorMethods:
         """
         return _run(torch.unsqueeze, self, dim)
 
-    def flip(self, *dims: Any) -> NestedTensor:
+    def flip(self, *args: Any, dims: Any = None) -> NestedTensor:
         """Reverse every element along `dims`; reversing a ragged dim reverses only real values.
 
         Examples:
@@ -248,7 +257,7 @@ class NestedTensorMethods:
                 [5, 4]
             ])
         """
-        return _run(torch.flip, self, *dims)
+        return _run(torch.flip, self, *args, dims=dims)
 
     def roll(self, shifts: Any, dims: Any = None) -> NestedTensor:
         """Roll every element along `dims` (all of its values when `dims` is `None`)."""

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Iterable, Iterator, Sequence
+from numbers import Number
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from . import layout, methods, views
+from .dynamo import opaque_to_dynamo
 from .ops import registry
 
 
@@ -109,8 +111,11 @@ class NestedTensor(methods.NestedTensorMethods, views.NestedTensorViews, Tensor)
         device: torch.device | str | None = None,
         requires_grad: bool | None = None,
     ):
+        check_flags(batch_first=batch_first, padding_value=padding_value, mask_value=mask_value)
         elements = _coerce_elements(tensors, dtype, device)
         values, shapes, permutation, ragged = layout.pack(elements)
+        if not elements and (dtype is not None or device is not None):  # nothing was converted: honour them
+            values = values.to(device=device, dtype=dtype)
         if requires_grad is not None:
             values = values.detach().requires_grad_(requires_grad)
         return cls._make(values, shapes, permutation, ragged, batch_first, padding_value, mask_value)
@@ -270,11 +275,15 @@ class NestedTensor(methods.NestedTensorMethods, views.NestedTensorViews, Tensor)
         return iter(self._elements())
 
     def __eq__(self, other: Any) -> NestedTensor:  # type: ignore[override]
-        """Element-wise equality; returns a boolean NestedTensor."""
+        """Element-wise equality; returns a boolean NestedTensor (Python's identity rule for non-numbers)."""
+        if not isinstance(other, (Tensor, Number)):
+            return NotImplemented
         return registry.dispatch(torch.eq, (self, other), None)
 
     def __ne__(self, other: Any) -> NestedTensor:  # type: ignore[override]
-        """Element-wise inequality; returns a boolean NestedTensor."""
+        """Element-wise inequality; returns a boolean NestedTensor (`True` against a non-number, as torch)."""
+        if not isinstance(other, (Tensor, Number)):
+            return NotImplemented
         return registry.dispatch(torch.ne, (self, other), None)
 
     def __copy__(self) -> NestedTensor:
@@ -361,6 +370,18 @@ class NestedTensor(methods.NestedTensorMethods, views.NestedTensorViews, Tensor)
 methods.NestedTensor = views.NestedTensor = NestedTensor  # type: ignore[attr-defined]
 
 
+def check_flags(**flags: Any) -> None:
+    """Reject flag values of the wrong type: `batch_first`/`mask_value` are bools, `padding_value` a number."""
+    for name, value in flags.items():
+        if name == "padding_value":
+            ok = isinstance(value, Number) and not isinstance(value, complex)
+            accepted = "a real number"
+        else:
+            ok, accepted = isinstance(value, bool), "a bool"
+        if not ok:
+            raise TypeError(f"NestedTensor {name} must be {accepted}, got {value!r} ({type(value).__name__})")
+
+
 def _logical_size(batch: int, maxes: tuple[int, ...], batch_first: bool) -> tuple[int, ...]:
     if not batch:
         return (0,)
@@ -400,3 +421,6 @@ def _format_element(element: Tensor) -> str:
 def _rebuild(values: Tensor, shapes: layout.Shapes, flags: tuple) -> NestedTensor:
     batch_first, padding_value, mask_value = flags
     return NestedTensor._make(values, shapes, None, None, batch_first, padding_value, mask_value)
+
+
+opaque_to_dynamo(NestedTensor, methods.NestedTensorMethods, views.NestedTensorViews)

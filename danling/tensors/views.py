@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from math import prod
 from typing import TYPE_CHECKING, Any
 
@@ -24,7 +25,8 @@ class NestedTensorViews:
 
     @batch_first.setter
     def batch_first(self: NestedTensor, value: bool) -> None:
-        self._batch_first = bool(value)
+        _check(batch_first=value)
+        self._batch_first = value
 
     @property
     def padding_value(self: NestedTensor) -> float:  # type: ignore[misc]
@@ -33,6 +35,7 @@ class NestedTensorViews:
 
     @padding_value.setter
     def padding_value(self: NestedTensor, value: float) -> None:
+        _check(padding_value=value)
         self._padding_value = value
 
     @property
@@ -42,7 +45,8 @@ class NestedTensorViews:
 
     @mask_value.setter
     def mask_value(self: NestedTensor, value: bool) -> None:
-        self._mask_value = bool(value)
+        _check(mask_value=value)
+        self._mask_value = value
 
     @property
     def _offsets(self: NestedTensor) -> Tensor:  # type: ignore[misc]
@@ -196,6 +200,8 @@ class NestedTensorViews:
             >>> torch.equal(nested_tensor.tensor, reconstructed.tensor)
             True
         """
+        flags, to = _options(kwargs)
+        concat_tensor = concat_tensor.to(**to) if to else concat_tensor
         shapes = tuple(torch.Size(s) for s in shapes)
         if len({len(s) for s in shapes}) > 1:
             raise ValueError(f"all shapes must have the same number of dims, got {[tuple(s) for s in shapes]}")
@@ -207,7 +213,7 @@ class NestedTensorViews:
                 f"concat_tensor of shape {tuple(concat_tensor.shape)} does not hold elements of shapes "
                 f"{[tuple(s) for s in shapes]}; expected shape {expected}"
             )
-        return cls._make(concat_tensor, shapes, permutation, ragged, **kwargs)  # type: ignore[attr-defined]
+        return cls._make(concat_tensor, shapes, permutation, ragged, **flags)  # type: ignore[attr-defined]
 
     @classmethod
     def from_tensor_mask(cls, tensor: Tensor, mask: Tensor, *, batched: bool = False, **kwargs: Any) -> NestedTensor:
@@ -236,23 +242,24 @@ class NestedTensorViews:
                 [6, 7, 8, 9]
             ])
         """
-        valid = mask.bool() != bool(kwargs.get("mask_value", False))
-        if not kwargs.get("batch_first", True) and valid.dim() > 1:
+        flags, to = _options(kwargs)
+        tensor = tensor.to(**to) if to else tensor
+        valid = mask.to(tensor.device).bool() != flags.get("mask_value", False)
+        if not flags.get("batch_first", True) and valid.dim() > 1:
             tensor, valid = tensor.movedim(1, 0), valid.movedim(1, 0)
         if valid.shape != tensor.shape[: valid.dim()]:
             raise ValueError(f"mask of shape {tuple(mask.shape)} does not match tensor of shape {tuple(tensor.shape)}")
         if valid.dim() == 1:
-            elements = list(tensor[valid]) if batched else [tensor[valid]]
-            return cls(elements, **kwargs)  # type: ignore[call-arg]
+            if batched:
+                return cls(list(tensor[valid]), **flags)  # type: ignore[call-arg]
+            _check_prefix(valid.unsqueeze(0), mask)
+            return cls([tensor[valid]], **flags)  # type: ignore[call-arg]
+        extents = _check_prefix(valid, mask)
         if valid.dim() == 2:
-            lengths = valid.sum(1).tolist()
-            shapes = tuple(torch.Size((n, *tensor.shape[2:])) for n in lengths)
-            return cls._make(tensor[valid], shapes, **kwargs)  # type: ignore[attr-defined]
-        elements = []
-        for row, keep in zip(tensor, valid):
-            extents = [int(keep.movedim(d, 0).flatten(1).any(1).sum()) for d in range(keep.dim())]
-            elements.append(row[tuple(slice(0, e) for e in extents)])
-        return cls(elements, **kwargs)  # type: ignore[call-arg]
+            shapes = tuple(torch.Size((int(n), *tensor.shape[2:])) for n in extents[:, 0].tolist())
+            return cls._make(tensor[valid], shapes, **flags)  # type: ignore[attr-defined]
+        elements = [row[tuple(slice(0, e) for e in sizes)] for row, sizes in zip(tensor, extents.tolist())]
+        return cls(elements, **flags)  # type: ignore[call-arg]
 
     def nested_like(self: NestedTensor, tensor: Tensor, strict: bool = True) -> NestedTensor:  # type: ignore[misc]
         """Cut a padded tensor into a NestedTensor with this one's element shapes.
@@ -319,6 +326,10 @@ class NestedTensorViews:
             >>> nt.values()
             tensor([2, 3, 5, 7, 8])
         """
+        if self.ndim == 1 and len(self):  # jagged layouts need a ragged dim: scalars get the strided layout
+            with warnings.catch_warnings():  # torch flags the strided layout as a prototype
+                warnings.simplefilter("ignore", UserWarning)
+                return torch.nested.nested_tensor(list(self._elements()), layout=torch.strided)
         if layout.is_simple(self._permutation, self._ragged):
             offsets = self._offsets.to(self._values.device, non_blocking=True)
             return torch.nested.nested_tensor_from_jagged(self._values, offsets)
@@ -395,3 +406,37 @@ class NestedTensorViews:
         """Switch gradient recording of the packed values in place; returns `self`."""
         self._values.requires_grad_(requires_grad)
         return self
+
+
+def _check(**flags: Any) -> None:
+    from .nested_tensor import check_flags
+
+    check_flags(**flags)
+
+
+def _options(kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Split constructor kwargs into NestedTensor flags (type-checked) and `Tensor.to` arguments."""
+    flags = {k: v for k, v in kwargs.items() if k not in ("dtype", "device")}
+    unknown = set(flags) - {"batch_first", "padding_value", "mask_value"}
+    if unknown:
+        raise TypeError(f"unexpected NestedTensor options {sorted(unknown)}")
+    _check(**flags)
+    return flags, {k: v for k, v in kwargs.items() if k in ("dtype", "device")}
+
+
+def _check_prefix(valid: Tensor, mask: Tensor) -> Tensor:
+    """Per-row extents of a `(B, *dims)` validity mask; every row must be a box at the origin."""
+    batch, dims = valid.shape[0], valid.dim() - 1
+    rows = [valid.movedim(d + 1, 1).reshape(batch, valid.shape[d + 1], -1).any(2).sum(1) for d in range(dims)]
+    extents = torch.stack(rows, dim=1).reshape(batch, dims)
+    box = torch.ones_like(valid)
+    for d in range(dims):
+        positions = torch.arange(valid.shape[d + 1], device=valid.device)
+        inside = positions.view(1, -1) < extents[:, d].view(-1, 1)
+        box = box & inside.view([batch] + [valid.shape[d + 1] if i == d else 1 for i in range(dims)])
+    if not torch.equal(box, valid):
+        raise ValueError(
+            "from_tensor_mask needs every element's valid positions to form a prefix (a box starting at 0); "
+            f"mask {mask.tolist() if mask.numel() <= 64 else tuple(mask.shape)} does not"
+        )
+    return extents

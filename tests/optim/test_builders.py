@@ -139,3 +139,23 @@ def test_none_values_are_unset():
     config = {"type": "cosine", "total_steps": None, "interval": None, "monitor": None}
     assert build_scheduler(optimizer, config, total_steps=12).total_steps == 12
     assert build_scheduler(optimizer, {"type": None, "interval": None}) is None
+
+
+def test_phases_given_as_fractions_and_phases_longer_than_a_short_run_are_fitted():
+    optimizer = torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=0.1)
+    scheduler = build_scheduler(
+        optimizer, {"type": "cosine", "warmup_steps": 0.1, "cooldown_steps": 0.25}, total_steps=40
+    )
+    assert (scheduler.warmup_steps, scheduler.cooldown_steps) == (4, 10)
+    # a config written for a long run still builds for a 10-step smoke test, and says so
+    with pytest.warns(UserWarning, match=r"warmup_steps=500 \+ cooldown_steps=100 exceed the run's 10 optimizer steps"):
+        scheduler = build_scheduler(
+            optimizer, {"type": "cosine", "warmup_steps": 500, "cooldown_steps": 100}, total_steps=10
+        )
+    assert (scheduler.warmup_steps, scheduler.cooldown_steps) == (8, 1)
+    # the defaults fit any run of at least one step
+    scheduler = build_scheduler(optimizer, {"type": "cosine"}, total_steps=1)
+    assert (scheduler.warmup_steps, scheduler.cooldown_steps) == (0, 0)
+    # the class itself still refuses inconsistent phases given directly
+    with pytest.raises(ValueError, match=r"got 6 \+ 5 > 10"):
+        LRScheduler(optimizer, total_steps=10, warmup_steps=6, cooldown_steps=5)

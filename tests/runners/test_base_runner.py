@@ -424,7 +424,11 @@ def test_format_helpers(make_runner):
     runner = make_runner()
     row = {"train": {"loss": 0.123456}, "val": {"loss": 0.5}}
     assert runner.format_result(row) == "train: loss: 0.1235\nval: loss: 0.5000"
-    assert runner.format_epoch_result(row, 1).splitlines()[0] == "epoch [1/2]"
+    # one line per split, each carrying the epoch, so every line can be found with grep
+    assert runner.format_epoch_result(row, 1).splitlines() == [
+        "epoch [1/2] train: loss: 0.1235",
+        "epoch [1/2] val: loss: 0.5000",
+    ]
     assert runner.format_step_result({"loss": 0.25}, "train", 3, 10) == "train [3/10]\tloss: 0.2500"
 
 

@@ -112,7 +112,7 @@ SHAPE = {
     "reshape_split": (SEQ, lambda x: x.reshape(-1, 3, 1), lambda e: e.reshape(-1, 3, 1)),
     "view": (SEQ3, lambda x: x.view(-1, 3), lambda e: e.view(-1, 3)),
     "flatten": (SEQ3, lambda x: x.flatten(2), lambda e: e.flatten(1)),
-    "flatten_all": (SEQ3, lambda x: x.flatten(), lambda e: e.flatten()),
+    "flatten_all": (SEQ3, lambda x: x.flatten(1), lambda e: e.flatten()),
     "unflatten": (SEQ3, lambda x: x.unflatten(-1, (3, 1)), lambda e: e.unflatten(-1, (3, 1))),
     "unsqueeze_first": (SEQ, lambda x: x.unsqueeze(1), lambda e: e.unsqueeze(0)),
     "unsqueeze_last": (SEQ, lambda x: x.unsqueeze(-1), lambda e: e.unsqueeze(-1)),

@@ -55,6 +55,12 @@ class TorchCheckpointMixin:
 
     _restored_fingerprints: dict[str, Any] | None = None
 
+    @property
+    def checkpoint_model(self) -> Any:
+        """The module whose weights checkpoints hold and restore: `self.model` (a runner with several
+        local model parts returns one module over all of them)."""
+        return self.model
+
     # ------------------------------------------------------------------ saving
     def state_dict(self, cls: type = dict) -> Mapping:
         """The full checkpoint payload: base runner state plus model, optimizer, EMA, scheduler and loop state.
@@ -94,11 +100,11 @@ class TorchCheckpointMixin:
         from danling.checkpoint.training import ModelState, OptimizerState
 
         objects: dict[str, Any] = {}
-        if self.model is not None:
-            model = ModelState(self.model)
-            objects["model"] = _ThroughHook(model, lambda state: self.load_model(state, *args, **kwargs))
+        model = self.checkpoint_model
+        if model is not None:
+            objects["model"] = _ThroughHook(ModelState(model), lambda state: self.load_model(state, *args, **kwargs))
         if self.optimizer is not None:
-            objects["optimizer"] = _ThroughHook(OptimizerState(self.model, self.optimizer), self.load_optimizer)
+            objects["optimizer"] = _ThroughHook(OptimizerState(model, self.optimizer), self.load_optimizer)
         if self.ema is not None:
             objects["ema"] = _ThroughHook(ModelState(self.unwrap(self.ema)), self.load_ema)
         if self.scheduler is not None:
@@ -173,7 +179,7 @@ class TorchCheckpointMixin:
         if self.model is None:
             raise ValueError("cannot load model weights: self.model is not set")
         strict = kwargs.pop("strict", args[0] if args else True)
-        set_training_state(self.model, None, {"model": state_dict}, strict=strict)
+        set_training_state(self.checkpoint_model, None, {"model": state_dict}, strict=strict)
 
     def load_optimizer(self, state_dict: Mapping[str, Any] | None, *args: Any, **kwargs: Any) -> None:
         """Load optimizer state keyed by parameter name (or torch's positional layout) into `self.optimizer`."""
@@ -185,7 +191,7 @@ class TorchCheckpointMixin:
         if groups and all(isinstance(param, int) for group in groups for param in group["params"]):
             self.optimizer.load_state_dict(state_dict)  # written by optimizer.state_dict() itself
             return
-        set_training_state(self.model, self.optimizer, {"model": {}, "optimizer": state_dict})
+        set_training_state(self.checkpoint_model, self.optimizer, {"model": {}, "optimizer": state_dict})
 
     def load_dataloaders(self, state_dict: Mapping[str, Any] | None) -> None:
         """Restore loader progress after checking each loader against the fingerprint in the checkpoint.

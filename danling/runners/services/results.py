@@ -287,10 +287,10 @@ class ResultsMixin:
         return format_result(result, format_spec)
 
     def format_epoch_result(self, result: Mapping[str, Any], epoch: int | None = None, format_spec: str = ".4f") -> str:
-        """Render a finished epoch's row with an `epoch [i/n]` header."""
+        """Render a finished epoch's row as one line per split, each starting with `epoch [i/n]`."""
         epoch = self.train_state.epoch if epoch is None else epoch
         total = "?" if self.epochs is None else self.epochs - 1
-        return f"epoch [{epoch}/{total}]\n{format_result(result, format_spec)}"
+        return "\n".join(f"epoch [{epoch}/{total}] {line}" for line in format_result(result, format_spec).split("\n"))
 
     def format_step_result(
         self, result: Mapping[str, Any], split: str, iteration: int, length: int | None, format_spec: str = ".4f"

@@ -135,8 +135,33 @@ class _RankFilter(logging.Filter):
         return True
 
 
+class _LineFormatter(logging.Formatter):
+    """Puts the record's header (time, level, rank, logger) in front of every line of a multi-line message,
+    so each line of a block (an epoch summary, the run summary) can be found with grep."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        text = super().format(record)
+        message = record.getMessage()
+        if "\n" not in message or not text.endswith(message) or record.exc_text or record.stack_info:
+            return text
+        header = text[: len(text) - len(message)]
+        return "\n".join(header + line for line in message.split("\n"))
+
+
 class _StderrHandler(logging.StreamHandler):
-    """Console handler that looks `sys.stderr` up on every record, so swapped streams are followed."""
+    """Console handler that looks `sys.stderr` up on every record, so swapped streams are followed.
+
+    Records go through `tqdm.write`, which clears an open progress bar, prints the line and draws
+    the bar again below it, so log lines and bars never tear each other.
+    """
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            from tqdm import tqdm
+
+            tqdm.write(self.format(record), file=self.stream)
+        except Exception:  # a broken stream must not take the run down
+            self.handleError(record)
 
     @property  # type: ignore[override]
     def stream(self) -> Any:
@@ -377,7 +402,7 @@ class RunnerWorkspace:
         for handler in owned:
             logger.removeHandler(handler)
             handler.close()
-        formatter = logging.Formatter(LOG_FORMAT, datefmt=LOG_DATE_FORMAT)
+        formatter = _LineFormatter(LOG_FORMAT, datefmt=LOG_DATE_FORMAT)
         handlers: list[tuple[logging.Handler, int]] = []
         if self.is_main_process:
             if not _root_logs_to_console():

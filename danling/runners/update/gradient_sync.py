@@ -87,14 +87,34 @@ class _FlagSync(GradientSync):
         return _NO_CONTEXT
 
 
+class _PartsSync(GradientSync):
+    """Several model parts (e.g. the local stages of a pipeline), each with its own control, switched together."""
+
+    def __init__(self, syncs: list[GradientSync]) -> None:
+        self.syncs = syncs
+        self.suppresses = all(sync.suppresses for sync in syncs)
+
+    def context(self, sync: bool) -> AbstractContextManager:
+        stack = contextlib.ExitStack()
+        for part in self.syncs:
+            stack.enter_context(part.context(sync))
+        return stack
+
+
 def gradient_sync_for(model: Any) -> GradientSync:
     """The [`GradientSync`][danling.runners.update.gradient_sync.GradientSync] of `model`, by its protocol.
+
+    A list or tuple of models (the local parts of a split model) gets one control that switches
+    them all; it can keep gradients local only when every part can.
 
     Examples:
         >>> from torch import nn
         >>> gradient_sync_for(nn.Linear(2, 2)).suppresses
         False
     """
+    if isinstance(model, (list, tuple)):
+        syncs = [gradient_sync_for(part) for part in model]
+        return syncs[0] if len(syncs) == 1 else _PartsSync(syncs)
     if isinstance(model, OwnsAccumulationBoundary):
         return _FlagSync(model.set_gradient_accumulation_boundary)
     if isinstance(model, RequiresGradientSyncToggle):

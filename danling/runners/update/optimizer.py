@@ -6,8 +6,9 @@ from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
-from danling.distributed import all_reduce_any
+from danling.distributed import all_reduce_any, is_distributed
 
 from .precision import Precision
 
@@ -15,7 +16,17 @@ __all__ = ["OptimizerContainer", "clip_gradients", "has_nonfinite_gradients", "s
 
 
 def _grads(parameters: Iterable[torch.Tensor]) -> list[torch.Tensor]:
-    return [p.grad for p in parameters if p.grad is not None]
+    """Existing gradients, as local tensors: a sharded (DTensor) gradient gives its shard.
+
+    Element-wise work (scaling, clamping, the finite check) is the same on the shards, and torch's
+    multi-tensor kernels refuse lists that mix DTensors with plain tensors.
+    """
+    grads = [p.grad for p in parameters if p.grad is not None]
+    return [g.to_local() if _is_dtensor(g) else g for g in grads]
+
+
+def _is_dtensor(tensor: torch.Tensor) -> bool:
+    return type(tensor).__name__ == "DTensor" and hasattr(tensor, "to_local")
 
 
 def scale_gradients(parameters: Iterable[torch.Tensor], factor: float | torch.Tensor) -> None:
@@ -32,11 +43,18 @@ def scale_gradients(parameters: Iterable[torch.Tensor], factor: float | torch.Te
 
 
 def clip_gradients(
-    parameters: Iterable[torch.Tensor], max_grad_norm: float | None = None, max_grad_value: float | None = None
+    parameters: Iterable[torch.Tensor],
+    max_grad_norm: float | None = None,
+    max_grad_value: float | None = None,
+    *,
+    norm_group: Any = None,
 ) -> torch.Tensor | None:
     """Clip gradients in place: first each element to ``±max_grad_value``, then the global norm to ``max_grad_norm``.
 
     Gradients must already be unscaled when a ``GradScaler`` is in use. No host synchronisation.
+    Sharded (DTensor) gradients count with their full tensors, whatever mesh each lives on; with
+    `norm_group`, the squared norms of the ranks in that group are summed too (pipeline stages
+    hold disjoint parameters, so the global norm spans them all).
 
     Returns:
         The total gradient norm before norm clipping (a tensor), or ``None`` when norm clipping is off.
@@ -52,14 +70,43 @@ def clip_gradients(
     if max_grad_value is not None:
         if max_grad_value <= 0:
             raise ValueError(f"max_grad_value must be positive, got {max_grad_value!r}")
-        torch.nn.utils.clip_grad_value_(parameters, max_grad_value)
+        local = _grads(parameters)
+        if local:
+            torch._foreach_clamp_min_(local, -max_grad_value)
+            torch._foreach_clamp_max_(local, max_grad_value)
     if max_grad_norm is None:
         return None
     if max_grad_norm <= 0:
         raise ValueError(f"max_grad_norm must be positive, got {max_grad_norm!r}")
     if not parameters:
         return torch.zeros(())
-    return torch.nn.utils.clip_grad_norm_(parameters, max_grad_norm)
+    sharded = any(_is_dtensor(p.grad) for p in parameters)
+    reduce = norm_group is not None and is_distributed(norm_group)
+    if not sharded and not reduce:
+        return torch.nn.utils.clip_grad_norm_(parameters, max_grad_norm)
+    total = _global_norm([p.grad for p in parameters], norm_group if reduce else None)
+    coefficient = torch.clamp(max_grad_norm / (total + 1e-6), max=1.0)
+    torch._foreach_mul_(_grads(parameters), coefficient.to(parameters[0].grad.device))
+    return total
+
+
+def _global_norm(grads: list[torch.Tensor], norm_group: Any) -> torch.Tensor:
+    """2-norm over `grads`: DTensors grouped by mesh and reduced to full norms, plus the ranks of `norm_group`."""
+    by_mesh: dict[int, list[torch.Tensor]] = {}
+    plain = []
+    for grad in grads:
+        if _is_dtensor(grad):
+            by_mesh.setdefault(id(grad.device_mesh), []).append(grad)
+        else:
+            plain.append(grad)
+    norms = [torch.nn.utils.get_total_norm(plain)] if plain else []
+    for group in by_mesh.values():
+        norm = torch.nn.utils.get_total_norm(group)
+        norms.append(norm.full_tensor() if _is_dtensor(norm) else norm)
+    squared = torch.stack([n.float() for n in norms]).square().sum() if norms else torch.zeros(())
+    if norm_group is not None:
+        dist.all_reduce(squared, group=norm_group)
+    return squared.sqrt()
 
 
 def has_nonfinite_gradients(parameters: Iterable[torch.Tensor], *, distributed: bool = True, group: Any = None) -> bool:
@@ -108,6 +155,8 @@ class OptimizerContainer:
         scheduler_interval: ``"step"`` to advance the scheduler here; any other value leaves it to
             the caller (e.g. once per epoch).
         skip_group: Process group whose ranks agree on a non-finite skip (``None``: every rank).
+        norm_group: Process group of ranks holding disjoint parameters (pipeline stages) whose
+            gradients share one global norm for clipping (``None``: the local parameters only).
 
     Examples:
         >>> model = torch.nn.Linear(2, 1)
@@ -131,6 +180,7 @@ class OptimizerContainer:
         skip_nonfinite_grad: bool = False,
         scheduler_interval: str = "step",
         skip_group: Any = None,
+        norm_group: Any = None,
     ) -> None:
         for name, value in (("max_grad_norm", max_grad_norm), ("max_grad_value", max_grad_value)):
             if value is not None and value <= 0:
@@ -143,6 +193,7 @@ class OptimizerContainer:
         self.skip_nonfinite_grad = skip_nonfinite_grad
         self.scheduler_interval = scheduler_interval
         self.skip_group = skip_group  # ranks that agree on skipping (None: all of them)
+        self.norm_group = norm_group  # ranks whose disjoint parameters share one gradient norm
         self.skipped_steps = 0
         self.last_grad_norm: torch.Tensor | None = None
 
@@ -178,7 +229,9 @@ class OptimizerContainer:
         if self.max_grad_norm is None and self.max_grad_value is None:
             self.last_grad_norm = None  # clipping off: skip collecting the gradients
         else:
-            self.last_grad_norm = clip_gradients(self.parameters(), self.max_grad_norm, self.max_grad_value)
+            self.last_grad_norm = clip_gradients(
+                self.parameters(), self.max_grad_norm, self.max_grad_value, norm_group=self.norm_group
+            )
         if scaler is not None:
             scaler.step(self.optimizer)
             scaler.update()

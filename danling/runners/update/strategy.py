@@ -140,6 +140,8 @@ class TorchUpdateStrategy(UpdateStrategy):
         max_grad_norm: Clip the global gradient norm to this value.
         max_grad_value: Clip each gradient element to this magnitude.
         skip_nonfinite_grad: Skip updates whose gradients hold inf/NaN (all ranks agree).
+        norm_group: Ranks holding disjoint parameters (pipeline stages) whose gradients are clipped
+            by one global norm (`None`: this rank's parameters only).
 
     Call [`bind`][danling.runners.update.strategy.TorchUpdateStrategy.bind] with the optimizer
     and scheduler before the first update.
@@ -156,9 +158,11 @@ class TorchUpdateStrategy(UpdateStrategy):
         max_grad_value: float | None = None,
         skip_nonfinite_grad: bool = False,
         skip_group: Any = None,
+        norm_group: Any = None,
     ) -> None:
         super().__init__(accum_steps)
         self.skip_group = skip_group
+        self.norm_group = norm_group
         self.precision = precision if precision is not None else Precision()
         self.gradient_sync = gradient_sync if gradient_sync is not None else GradientSync()
         self.group = group
@@ -195,6 +199,7 @@ class TorchUpdateStrategy(UpdateStrategy):
             skip_nonfinite_grad=self.skip_nonfinite_grad,
             scheduler_interval=interval,
             skip_group=self.skip_group,
+            norm_group=self.norm_group,
         )
         if previous is not None:
             self.container.skipped_steps = previous.skipped_steps

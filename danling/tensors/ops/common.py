@@ -62,8 +62,11 @@ def align(arg: Any, ref: NestedTensor) -> Any:
         arg = plain(arg)
         if arg.dim() == 0 or arg.dim() <= trailing_static(ref):
             return arg
-        if arg.dim() == ref.ndim:
-            dense = torch.broadcast_to(arg, ref.shape)
+        if arg.dim() <= ref.ndim:  # read like ``ref.tensor``: broadcast against the padded shape, keep real positions
+            try:
+                dense = torch.broadcast_to(arg, ref.shape)
+            except RuntimeError:
+                raise Misaligned from None
             return ref.nested_like(dense)._values
         raise Misaligned
     return arg
@@ -84,26 +87,63 @@ def element_arg(arg: Any, index: int, ref: NestedTensor) -> Any:
     return arg
 
 
-def per_element(func: Callable, args: Sequence[Any], kwargs: dict[str, Any], ref: NestedTensor | None = None) -> Any:
-    """Run ``func`` on every element and nest the results (the reference semantics of every op)."""
+def nested_arg(arg: Any, index: int, ref: NestedTensor) -> Any:
+    """Like `element_arg`, but dense tensors are shared by every element (weights, indices, tables)."""
+    if isinstance(arg, NestedTensor):
+        if len(arg) != len(ref):
+            raise ValueError(f"NestedTensor batch sizes differ: {len(ref)} and {len(arg)}")
+        return arg._elements()[index]
+    if isinstance(arg, Tensor):
+        return plain(arg)
+    if isinstance(arg, (list, tuple)) and any(isinstance(a, NestedTensor) for a in arg):
+        return type(arg)(nested_arg(a, index, ref) for a in arg)
+    return arg
+
+
+def per_element(
+    func: Callable,
+    args: Sequence[Any],
+    kwargs: dict[str, Any],
+    ref: NestedTensor | None = None,
+    split_dense: bool = True,
+) -> Any:
+    """Run ``func`` on every element and nest the results (the reference semantics of every op).
+
+    With ``split_dense`` a dense tensor that has the NestedTensor's number of dims is read like
+    ``ref.tensor`` (row ``i`` cropped to element ``i``); otherwise dense tensors go to every element whole.
+    """
     ref = ref if ref is not None else first_nested(args, kwargs)
+    pick = element_arg if split_dense else nested_arg
     results = []
     for i in range(len(ref)):
-        results.append(
-            func(*[element_arg(a, i, ref) for a in args], **{k: element_arg(v, i, ref) for k, v in kwargs.items()})
-        )
+        results.append(func(*[pick(a, i, ref) for a in args], **{k: pick(v, i, ref) for k, v in kwargs.items()}))
     return nest_results(results, ref)
+
+
+def rebuild(like: Any, items: Sequence[Any]) -> Any:
+    """A container of the kind of ``like`` (tuple, list, named tuple, torch.return_types) holding ``items``."""
+    if hasattr(like, "_fields"):
+        return type(like)(*items)
+    if isinstance(like, list):
+        return list(items)
+    if type(like).__module__ == "torch.return_types":
+        return type(like)(items)
+    return tuple(items)
 
 
 def nest_results(results: list[Any], ref: NestedTensor) -> Any:
     """Nest per-element results (tuples of results become tuples of NestedTensors)."""
-    if results and isinstance(results[0], tuple):
+    if results and isinstance(results[0], (tuple, list)) and not isinstance(results[0], Tensor):
+        if len({len(r) for r in results}) > 1:
+            raise ValueError(
+                f"the op gives elements different numbers of results ({sorted({len(r) for r in results})}), "
+                "so they cannot be nested; apply it to the elements (.unbind()) instead"
+            )
         columns = list(zip(*results))
-        nested = [nest_results(list(col), ref) for col in columns]
-        if hasattr(results[0], "_fields") or type(results[0]).__module__ == "torch.return_types":
-            return type(results[0])(nested)
-        return tuple(nested)
+        return rebuild(results[0], [nest_results(list(col), ref) for col in columns])
     if results and not isinstance(results[0], Tensor):
+        if all(r is None for r in results):
+            return None
         return results
     return ref._from_elements(results)
 

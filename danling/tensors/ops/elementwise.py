@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..nested_tensor import NestedTensor
-from .common import Misaligned, align, first_nested, per_element, plain
-from .registry import GETTERS, register, torch_variants
+from .common import Misaligned, align, first_nested, per_element, plain, rebuild
+from .registry import GETTERS, HANDLERS, register, torch_variants
 
 UNARY = [
     "abs",
@@ -90,6 +90,14 @@ UNARY = [
     "positive",
     "conj",
     "relu",
+    "conj_physical",
+    "resolve_conj",
+    "resolve_neg",
+    "mvlgamma",
+    "poisson",
+    "frexp",
+    "real",
+    "imag",
 ]
 BINARY = [
     "add",
@@ -139,6 +147,19 @@ BINARY = [
     "addcdiv",
     "masked_fill",
     "isclose",
+    "logaddexp",
+    "logaddexp2",
+    "gcd",
+    "lcm",
+    "ldexp",
+    "nextafter",
+    "igamma",
+    "igammac",
+    "rsub",
+    "polygamma",
+    "binomial",
+    "complex",
+    "polar",
 ]
 DUNDERS = [
     "add",
@@ -220,6 +241,8 @@ CONVERSIONS = [
     "retain_grad",
     "share_memory_",
     "record_stream",
+    "copy_",
+    "chalf",
 ]
 LIKE = ["zeros_like", "ones_like", "full_like", "empty_like", "rand_like", "randn_like", "randint_like"]
 ACTIVATIONS = [
@@ -305,6 +328,8 @@ def elementwise(func: Any, *args: Any, **kwargs: Any) -> Any:
         return args[0]
     if out is None:  # e.g. retain_grad
         return None
+    if isinstance(out, tuple):  # several element-wise results (frexp)
+        return rebuild(out, [ref._derive(plain(o)) for o in out])
     if isinstance(out, Tensor) and out.dim() == ref._values.dim() > 0 and out.shape[0] == ref._values.shape[0]:
         return ref._derive(plain(out))
     if out is NotImplemented:
@@ -324,7 +349,7 @@ def _allclose(func: Any, input: Any, other: Any, *args: Any, **kwargs: Any) -> b
     ref = first_nested((input, other))
     try:
         a, b = align(input, ref), align(other, ref)
-    except Misaligned:
+    except (Misaligned, ValueError):  # different batch sizes or shapes are simply not close
         return False
     if isinstance(input, NestedTensor) and isinstance(other, NestedTensor) and input._shapes != other._shapes:
         return False
@@ -383,6 +408,14 @@ def _register() -> None:
     GETTERS["is_nested"] = lambda nt: False
     GETTERS["names"] = lambda nt: (None,) * nt.ndim
     GETTERS["data"] = lambda nt: nt._derive(nt._values.data, nt._shapes)
+    GETTERS["real"] = lambda nt: nt._derive(nt._values.real, nt._shapes)
+    GETTERS["imag"] = lambda nt: nt._derive(nt._values.imag, nt._shapes)
+    GETTERS["mH"] = lambda nt: nt.mT.conj()
+    GETTERS["H"] = lambda nt: nt.T.conj()
+    for name in ("is_floating_point", "is_complex", "is_signed", "is_nonzero", "numel", "get_device", "is_conj"):
+        for func in (getattr(torch, name, None), getattr(torch.Tensor, name, None)):
+            if func is not None and func not in HANDLERS:
+                register(func, partial(_values_call, func))
     register((torch.allclose, torch.Tensor.allclose), partial(_allclose, torch.allclose))
     register((torch.equal, torch.Tensor.equal), _equal)
     register(torch.where, _where)

@@ -21,9 +21,15 @@ from .registry import register
 
 
 def linear(input: Any, weight: Tensor, bias: Tensor | None = None) -> Any:
-    if isinstance(input, NestedTensor) and trailing_static(input) >= 1 and not isinstance(weight, NestedTensor):
-        return input._derive(F.linear(input._values, plain(weight), None if bias is None else plain(bias)))
-    return per_element(F.linear, (input, weight, bias), {})
+    dense_weight = not isinstance(weight, NestedTensor) and not isinstance(bias, NestedTensor)
+    if isinstance(input, NestedTensor) and dense_weight:
+        bias = None if bias is None else plain(bias)
+        if trailing_static(input) >= 1:
+            return input._derive(F.linear(input._values, plain(weight), bias))
+        if input.ndim == 2 and len({s[0] for s in input._shapes}) == 1:  # 1-D elements of one size: one matmul
+            out = F.linear(input._values.view(len(input), -1), plain(weight), bias)
+            return input._derive(out.reshape(-1), tuple(torch.Size(out.shape[1:]) for _ in input._shapes))
+    return per_element(F.linear, (input, weight, bias), {}, split_dense=False)
 
 
 def embedding(input: NestedTensor, weight: Tensor, *args: Any, **kwargs: Any) -> NestedTensor:
@@ -92,37 +98,26 @@ def normalize(input: NestedTensor, p: float = 2.0, dim: int = 1, eps: float = 1e
     return input._from_elements([F.normalize(e, p, element_dim, eps) for e in input._elements()])
 
 
-def _packed(arg: Any, ref: NestedTensor) -> tuple[Tensor, NestedTensor]:
-    """Packed values of a loss operand; a dense operand is cut along ``ref``'s ragged dims."""
-    if isinstance(arg, NestedTensor):
-        return arg._values, arg
-    nested = ref.nested_like(plain(arg), strict=False)
-    return nested._values, nested
+def _attention_operand(x: Any, query: NestedTensor) -> tuple[Tensor, Tensor | None]:
+    """A batch-first padded key/value and its per-element key lengths (``None``: every key is real).
 
-
-def loss(func: Any, input: Any, target: Any, *args: Any, **kwargs: Any) -> Any:
-    """A loss over real positions only: operands are packed, padding never reaches ``func``."""
-    ref = first_nested((input, target))
-    input_values, _ = _packed(input, ref)
-    target_values, target_nested = _packed(target, ref)
-    out = func(input_values, target_values, *args, **kwargs)
-    if isinstance(out, Tensor) and out.dim() > 0 and out.shape[0] == target_values.shape[0]:
-        return target_nested._derive(out)
-    return out
-
-
-def _padded(x: Any, name: str) -> Tensor:
-    if not isinstance(x, NestedTensor):
-        raise TypeError(f"scaled_dot_product_attention: {name} must be a NestedTensor when the query is one")
-    if not x._batch_first:
-        raise ValueError("scaled_dot_product_attention needs batch_first NestedTensors")
-    return x.tensor
+    A dense operand with the query's number of dims carries the batch dim where the query has it;
+    one with fewer dims is shared by every element.
+    """
+    if isinstance(x, NestedTensor):
+        padded = layout.to_padded(x._values, x._shapes, x._permutation, x._ragged, 0, x._rmask())
+        lengths = torch.tensor([s[-2] for s in x._shapes], dtype=torch.long)
+        return padded, lengths.to(padded.device, non_blocking=True)
+    x = plain(x)
+    if x.dim() == query.ndim:
+        return (x if query._batch_first else x.movedim(1, 0)), None
+    return x.unsqueeze(0).expand(len(query), *x.shape), None
 
 
 def scaled_dot_product_attention(
     query: NestedTensor,
-    key: NestedTensor,
-    value: NestedTensor,
+    key: Any,
+    value: Any,
     attn_mask: Any = None,
     dropout_p: float = 0.0,
     is_causal: bool = False,
@@ -130,15 +125,22 @@ def scaled_dot_product_attention(
     **kwargs: Any,
 ) -> NestedTensor:
     """Attention per element: pad once, hide padded keys, keep only real query rows."""
-    q, k, v = _padded(query, "query"), _padded(key, "key"), _padded(value, "value")
-    lengths = torch.tensor([s[-2] for s in key._shapes], dtype=torch.long).to(k.device, non_blocking=True)
-    valid = torch.arange(k.shape[-2], device=k.device).view(1, -1) < lengths.view(-1, 1)
-    mask = valid.view(len(key), *[1] * (q.dim() - 3), 1, k.shape[-2])
+    if not isinstance(query, NestedTensor):
+        raise TypeError("scaled_dot_product_attention on NestedTensors needs the query to be a NestedTensor")
+    q = layout.to_padded(query._values, query._shapes, query._permutation, query._ragged, 0, query._rmask())
+    (k, lengths), (v, _) = _attention_operand(key, query), _attention_operand(value, query)
+    mask = None
+    if lengths is not None:
+        valid = torch.arange(k.shape[-2], device=k.device).view(1, -1) < lengths.view(-1, 1)
+        mask = valid.view(len(query), *[1] * (q.dim() - 3), 1, k.shape[-2])
     if is_causal:
-        mask = mask & torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+        causal = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+        mask = causal if mask is None else mask & causal
     if attn_mask is not None:
         attn_mask = attn_mask.tensor if isinstance(attn_mask, NestedTensor) else plain(attn_mask)
-        if attn_mask.dtype == torch.bool:
+        if mask is None:
+            mask = attn_mask
+        elif attn_mask.dtype == torch.bool:
             mask = mask & attn_mask
         else:
             mask = torch.zeros_like(attn_mask, dtype=q.dtype).masked_fill(~mask, float("-inf")) + attn_mask
@@ -157,18 +159,22 @@ def matmul(input: Any, other: Any) -> Any:
         if other.dim() == 2:
             return input._derive(out)
         return input._derive(out, tuple(torch.Size(s[:-1]) for s in input._shapes))
-    return per_element(torch.matmul, (input, other), {})
+    return per_element(torch.matmul, (input, other), {}, split_dense=_batched_dense(input, other))
+
+
+def _batched_dense(*operands: Any) -> bool:
+    """Whether a dense matmul operand carries the batch dim (3+ dims, as many as the NestedTensor)."""
+    ref = first_nested(operands)
+    return any(not isinstance(o, NestedTensor) and isinstance(o, Tensor) and o.dim() == ref.ndim > 2 for o in operands)
 
 
 def rmatmul(self: NestedTensor, other: Any) -> Any:
-    return per_element(torch.matmul, (other, self), {}, self)
+    return per_element(torch.matmul, (other, self), {}, self, split_dense=_batched_dense(other, self))
 
 
 def cat(tensors: Any, dim: int = 0) -> NestedTensor:
-    tensors = list(tensors)
-    ref = first_nested(tensors)
-    if not all(isinstance(t, NestedTensor) for t in tensors):
-        raise TypeError("torch.cat on NestedTensors needs every operand to be a NestedTensor")
+    ref = first_nested(list(tensors))
+    tensors = [t if isinstance(t, NestedTensor) else _as_nested(t, ref) for t in tensors]
     element_dim = ref._element_dim(dim)
     if element_dim is None:
         shapes = tuple(s for t in tensors for s in t._shapes)
@@ -179,18 +185,15 @@ def cat(tensors: Any, dim: int = 0) -> NestedTensor:
     return per_element(lambda *parts: torch.cat(parts, element_dim), tensors, {}, ref)
 
 
-LOSSES = [
-    "cross_entropy",
-    "nll_loss",
-    "mse_loss",
-    "l1_loss",
-    "smooth_l1_loss",
-    "huber_loss",
-    "binary_cross_entropy",
-    "binary_cross_entropy_with_logits",
-    "kl_div",
-    "soft_margin_loss",
-]
+def _as_nested(tensor: Any, ref: NestedTensor) -> NestedTensor:
+    """A dense ``torch.cat`` operand as a NestedTensor: its rows along ``ref``'s batch dim are whole elements."""
+    tensor = plain(torch.as_tensor(tensor))
+    if tensor.dim() != ref.ndim:
+        raise ValueError(
+            f"torch.cat: a dense operand needs {ref.ndim} dims like the NestedTensor, got shape {tuple(tensor.shape)}"
+        )
+    rows = tensor.movedim(1, 0) if not ref._batch_first and tensor.dim() > 1 else tensor
+    return ref._from_elements(list(rows.unbind(0)))
 
 
 def _register() -> None:
@@ -205,8 +208,6 @@ def _register() -> None:
     if hasattr(F, "rms_norm"):
         register((F.rms_norm,), partial(_trailing, F.rms_norm))
     register((F.normalize,), normalize)
-    for name in LOSSES:
-        register((getattr(F, name),), partial(loss, getattr(F, name)))
     register((F.scaled_dot_product_attention,), scaled_dot_product_attention)
     register((torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__), matmul)
     register((torch.Tensor.__rmatmul__,), rmatmul)

@@ -75,9 +75,7 @@ def reduce(name: str, input: Any, *args: Any, **kwargs: Any) -> Any:
         return elementwise(torch.maximum if name == "max" else torch.minimum, input, args[0])
     dim, keepdim, kwargs = _parse(args, kwargs)
     if dim is None or (isinstance(dim, (list, tuple)) and len(dim) == 0):
-        if name in NEEDS_DIM:
-            raise TypeError(f"NestedTensor.{name} needs an explicit dim: positions in the packed storage mean nothing")
-        return getattr(torch, name)(input._values, **kwargs)
+        return _reduce_all(name, input, keepdim, kwargs)
     edims = element_dims(input, dim)
     if None in edims:
         return _reduce_with_batch(name, input, sorted({d for d in edims if d is not None}), keepdim, kwargs)
@@ -99,6 +97,22 @@ def reduce(name: str, input: Any, *args: Any, **kwargs: Any) -> Any:
         columns = [[r[i] for r in results] for i in range(len(results[0]))]
         return type(results[0])([_stack(col, input, edims, keepdim) for col in columns])
     return _stack(results, input, edims, keepdim)
+
+
+def _reduce_all(name: str, nt: NestedTensor, keepdim: bool, kwargs: dict[str, Any]) -> Tensor:
+    """Reduce every real value; ``keepdim`` keeps all of the NestedTensor's dims with size 1."""
+    if name in {"argmax", "argmin"}:
+        # An index into the flattened padded tensor (as torch would give for ``nt.tensor``), padding never wins.
+        fill = _identity("max" if name == "argmax" else "min", nt.dtype)
+        padded = layout.to_padded(nt._values, nt._shapes, nt._permutation, nt._ragged, fill, nt._rmask())
+        if not nt._batch_first and padded.dim() > 1:
+            padded = padded.movedim(0, 1)
+        out = getattr(torch, name)(padded)
+    elif name == "logsumexp":
+        out = torch.logsumexp(nt._values.reshape(-1), 0)
+    else:
+        out = getattr(torch, name)(nt._values, **kwargs)
+    return out.reshape([1] * nt.ndim) if keepdim else out
 
 
 def _batch(nt: NestedTensor) -> int:

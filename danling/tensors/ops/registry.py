@@ -15,6 +15,9 @@ import torch
 HANDLERS: dict[Callable, Callable] = {}
 """Maps a torch callable (``torch.add``, ``torch.Tensor.add``, ``F.linear``...) to its handler."""
 
+UNDEFINED: dict[Callable, str] = {}
+"""Ops that have no meaning on a NestedTensor, mapped to the reason their error gives."""
+
 GETTERS: dict[str, Callable] = {}
 """Maps ``Tensor`` attribute names reached through ``__get__`` to a handler taking the NestedTensor."""
 
@@ -75,5 +78,5 @@ def dispatch(func: Callable, args: tuple, kwargs: dict[str, Any] | None) -> Any:
         if getter is not None:
             return getter(args[0])
     if handler is None:
-        raise unsupported(func)
+        raise unsupported(func, UNDEFINED.get(func, ""))
     return handler(*args, **(kwargs or {}))

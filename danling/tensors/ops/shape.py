@@ -8,6 +8,7 @@ ragged dims alone it runs once on the packed values; otherwise it runs element b
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from functools import partial
 from math import prod
 from typing import Any
 
@@ -63,6 +64,10 @@ def permute(input: NestedTensor, *dims: Any) -> NestedTensor:
 
 
 def transpose(input: NestedTensor, dim0: int, dim1: int) -> NestedTensor:
+    ndim = input.ndim
+    if ndim > 1 and {dim0 % ndim, dim1 % ndim} == {0, 1} and -ndim <= min(dim0, dim1) and max(dim0, dim1) < ndim:
+        # Swapping the batch dim with its neighbour only changes which of the two comes first.
+        return input._derive(input._values, input._shapes, batch_first=not input._batch_first)
     d0, d1 = _edim(input, dim0, "transpose"), _edim(input, dim1, "transpose")
     order = list(range(input.ndim - 1))
     order[d0], order[d1] = order[d1], order[d0]
@@ -87,10 +92,35 @@ def _target(shape: tuple) -> list[int]:
     return _dims_arg(shape)
 
 
+def _element_target(input: NestedTensor, target: list[int]) -> list[int] | list[list[int]]:
+    """Per-element target shapes when ``target`` is a full shape (batch first), else ``target`` itself.
+
+    A full shape starts with the batch size; a ragged dim may be given as its padded size (or -1)
+    and then keeps each element's own size.
+    """
+    if not (input._batch_first and len(target) >= 2 and target[0] == len(input)):
+        return target
+    rest, padded = target[1:], input.shape[1:]
+    ragged = set(input._permutation[: input._ragged]) if len({tuple(s) for s in input._shapes}) > 1 else set()
+    if rest == list(padded):
+        return [list(s) for s in input._shapes]
+    out = []
+    for shape in input._shapes:
+        own = [j in ragged and j < len(padded) and size in (padded[j], -1) for j, size in enumerate(rest)]
+        dims = [shape[j] if keep else size for j, (size, keep) in enumerate(zip(rest, own))]
+        if dims.count(-1) > 1:
+            raise ValueError(f"cannot infer more than one dim of {target} for an element of shape {tuple(shape)}")
+        out.append(dims)
+    return out
+
+
 def _reshape(input: NestedTensor, shape: tuple, method: str) -> NestedTensor:
     if method == "view" and len(shape) == 1 and isinstance(shape[0], torch.dtype):
         return input._derive(input._values.view(shape[0]))
-    target = _target(shape)
+    target = _element_target(input, _target(shape))
+    if target and isinstance(target[0], list):
+        per = target
+        return input._from_elements([getattr(e, method)(t) for e, t in zip(input._elements(), per)])
     if is_simple(input) and target and target[0] == -1 and -1 not in target[1:]:
         static = prod(input._values.shape[1:])
         rest = prod(target[1:])
@@ -110,9 +140,10 @@ def view(input: NestedTensor, *shape: Any) -> NestedTensor:
     return _reshape(input, shape, "view")
 
 
-def flatten(input: NestedTensor, start_dim: int = 0, end_dim: int = -1) -> NestedTensor:
+def flatten(input: NestedTensor, start_dim: int = 0, end_dim: int = -1) -> Tensor | NestedTensor:
     start = input._element_dim(start_dim)
-    start = 0 if start is None else start
+    if start is None or (not input._batch_first and input.ndim > 1 and input._element_dim(end_dim) is None):
+        return _flatten_batch(input, start_dim, end_dim)
     end = _edim(input, end_dim, "flatten")
     if end < start:
         raise ValueError(f"flatten: start_dim {start_dim} comes after end_dim {end_dim}")
@@ -123,6 +154,31 @@ def flatten(input: NestedTensor, start_dim: int = 0, end_dim: int = -1) -> Neste
         shapes = tuple(torch.Size((*s[:start], prod(s[start : end + 1]), *s[end + 1 :])) for s in input._shapes)
         return input._derive(values, shapes)
     return _each(input, lambda e: e.flatten(start, end))
+
+
+def _flatten_batch(input: NestedTensor, start_dim: int, end_dim: int) -> Tensor:
+    """Flatten a range of dims that includes the batch dim: the result has no batch, so it is dense.
+
+    Like ``input.tensor.flatten(start_dim, end_dim)`` with the padding left out: elements are
+    flattened over the covered element dims and concatenated (in batch order).
+    """
+    ndim = input.ndim
+    start, end = start_dim % ndim, end_dim % ndim
+    if end < start:
+        raise ValueError(f"flatten: start_dim {start_dim} comes after end_dim {end_dim}")
+    if ndim == 1:
+        return input._values
+    if start != 0:
+        raise ValueError(f"flatten({start_dim}, {end_dim}) would merge the batch dim with only some dims before it")
+    last = end - 1  # last element dim merged into the batch
+    parts = [e.flatten(0, last) if last >= 0 else e.unsqueeze(0) for e in input._elements()]
+    if len({p.shape[1:] for p in parts}) > 1:
+        raise ValueError(
+            f"flatten({start_dim}, {end_dim}) leaves dims whose sizes differ between elements: the result is ragged"
+        )
+    if is_simple(input) and last >= 0:
+        return input._values.flatten(0, last)
+    return torch.cat(parts)
 
 
 def unflatten(input: NestedTensor, dim: int, sizes: Sequence[int]) -> NestedTensor:
@@ -183,8 +239,10 @@ def unsqueeze(input: NestedTensor, dim: int) -> NestedTensor:
     return _each(input, lambda e: e.unsqueeze(element_dim))
 
 
-def flip(input: NestedTensor, *dims: Any) -> NestedTensor:
-    edims = [_edim(input, d, "flip") for d in _dims_arg(dims)]
+def flip(input: NestedTensor, *args: Any, dims: Any = None) -> NestedTensor:
+    if dims is not None and args:
+        raise TypeError("flip got dims both positionally and as a keyword")
+    edims = [_edim(input, d, "flip") for d in _dims_arg(args if dims is None else (dims,))]
     positions = [static_position(input, d) for d in edims]
     if None not in positions:
         return input._derive(input._values.flip(positions))
@@ -215,6 +273,60 @@ def rot90(input: NestedTensor, k: int = 1, dims: Sequence[int] | None = None) ->
     return _each(input, lambda e: e.rot90(k, edims))
 
 
+def _split_batch(input: NestedTensor, sizes: list[int], op: str, batch_ok: tuple[int, ...]) -> list[int]:
+    """The element part of a full-shape ``sizes`` (batch included); the batch entry must be one of ``batch_ok``."""
+    if len(sizes) != input.ndim:
+        raise ValueError(
+            f"NestedTensor.{op} needs one size per dim ({input.ndim}, batch included), got {sizes}: "
+            "new leading dims would come before the batch dim"
+        )
+    batch = 0 if input._batch_first or input.ndim == 1 else 1
+    if sizes[batch] not in batch_ok:
+        raise ValueError(
+            f"NestedTensor.{op} cannot change the batch dim: its size must be one of {batch_ok}, got {sizes[batch]}"
+        )
+    return sizes[:batch] + sizes[batch + 1 :]
+
+
+def expand(input: NestedTensor, *sizes: Any) -> NestedTensor:
+    """Expand size-1 dims of every element; -1 (or a ragged dim's padded size) keeps each element's own size."""
+    element = _split_batch(input, _dims_arg(sizes), "expand", (len(input), -1))
+    padded = input.shape[1:] if input._batch_first else (input.shape[0], *input.shape[2:])
+
+    ragged = {d for d in range(input.ndim - 1) if len({s[d] for s in input._shapes}) > 1}
+
+    def target(shape: torch.Size) -> list[int]:
+        keep = [size == -1 or (j in ragged and size == padded[j]) for j, size in enumerate(element)]
+        return [own if k else size for size, own, k in zip(element, shape, keep)]
+
+    return input._from_elements([e.expand(target(e.shape)) for e in input._elements()])
+
+
+def expand_as(input: NestedTensor, other: Any) -> NestedTensor:
+    if isinstance(other, NestedTensor):
+        return input._from_elements([e.expand_as(o) for e, o in zip(input._elements(), other._elements())])
+    return expand(input, *other.shape)
+
+
+def repeat(input: NestedTensor, *sizes: Any) -> NestedTensor:
+    """Repeat every element along its dims (sizes are NestedTensor dims; the batch entry must be 1)."""
+    element = _split_batch(input, _dims_arg(sizes), "repeat", (1,))
+    return _each(input, lambda e: e.repeat(element))
+
+
+def tile(input: NestedTensor, *dims: Any) -> NestedTensor:
+    sizes = _dims_arg(dims)
+    return repeat(input, *([1] * (input.ndim - len(sizes)) + sizes))
+
+
+def in_place(op: Callable, input: NestedTensor, *args: Any, **kwargs: Any) -> NestedTensor:
+    """In-place shape ops (``transpose_``, ``squeeze_``...): ``input`` takes the result's storage and layout."""
+    out = op(input, *args, **kwargs)
+    input._set_storage(out._values, out._shapes, out._permutation, out._ragged)
+    input._batch_first = out._batch_first
+    return input
+
+
 def _swap(shape: torch.Size, a: int, b: int) -> torch.Size:
     dims = list(shape)
     dims[a], dims[b] = dims[b], dims[a]
@@ -238,9 +350,17 @@ def _register() -> None:
         "flip": flip,
         "roll": roll,
         "rot90": rot90,
+        "expand": expand,
+        "expand_as": expand_as,
+        "broadcast_to": expand,
+        "repeat": repeat,
+        "tile": tile,
     }
     for name, handler in table.items():
         register((getattr(torch, name, None), getattr(torch.Tensor, name, None)), handler)
+    for name in ("transpose", "swapaxes", "swapdims", "squeeze", "unsqueeze"):
+        register(getattr(torch.Tensor, name + "_"), partial(in_place, table[name]))
+    register(torch.Tensor.t_, partial(in_place, lambda input: transpose(input, -2, -1)))
 
 
 _register()

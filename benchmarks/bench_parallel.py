@@ -1,0 +1,262 @@
+"""ParallelRunner with FSDP2 against a hand-written FSDP2 loop, and its DCP checkpoints against raw `dcp`.
+
+Two gloo ranks on CPU (spawned here, file-store rendezvous), one thread each. Both sides shard the
+same residual MLP (each block, then the root) over a 2-rank mesh and train it with SGD on the same
+sharded data:
+
+1. per-step overhead: one epoch of the hand loop, then one epoch of the runner, alternating; the
+   ratio of each round (runner / hand loop), median and interquartile range over the rounds;
+2. checkpoints: the runner's synchronous DCP save and load (manifest, pointers, loop state,
+   loaders, RNG) against `dcp.save` / `dcp.load` of the same model + optimizer state, in MB/s of
+   the global state.
+
+Run: ``OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_parallel.py [--repeats 15]``; rank 0
+prints Markdown tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import danling as dl
+
+# name: (width, depth, batch size per rank, samples)
+WORKLOADS = {"small MLP, batch 32": (128, 2, 32, 2048), "compute-bound MLP, batch 64": (1024, 4, 64, 1024)}
+
+
+class Block(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(width, 2 * width), nn.Linear(2 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(x)))
+
+
+class Net(nn.Module):
+    def __init__(self, width: int, depth: int) -> None:
+        super().__init__()
+        self.inp = nn.Linear(16, width)
+        self.layers = nn.ModuleList(Block(width) for _ in range(depth))
+        self.head = nn.Linear(width, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def dataset(samples: int) -> TensorDataset:
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(samples, 16, generator=generator)
+    return TensorDataset(x, x.sum(dim=1, keepdim=True))
+
+
+class BenchRunner(dl.ParallelRunner):
+    def __init__(self, config: Any) -> None:
+        super().__init__(config)
+        width, depth, _, samples = WORKLOADS[config.bench.workload]
+        torch.manual_seed(0)
+        self.model = Net(width, depth)
+        self.criterion = nn.MSELoss()
+        self.datasets.train = dataset(samples)
+
+
+def build_runner(root: str, workload: str, *, load_only: bool = True) -> BenchRunner:
+    config = dl.RunnerConfig(
+        stack="parallel",
+        workspace_root=root,
+        epochs=1,
+        seed=0,
+        log=False,
+        log_interval=10**9,
+        **{"parallel.axes.shard": 2, "fsdp.enabled": True},
+        **{"optim.type": "sgd", "optim.lr": 1e-3, "optim.momentum": 0.9},
+        **{"dataloader.batch_size": WORKLOADS[workload][2], "checkpoint.async_enabled": False},
+        **{"checkpoint.load_only": load_only},  # the step comparison leaves checkpoint I/O out (timed in part 2)
+    )
+    config.bench.workload = workload
+    return BenchRunner(config)
+
+
+class HandLoop:
+    """FSDP2 the way a tutorial writes it: shard blocks and root, a DataLoader with a DistributedSampler."""
+
+    def __init__(self, workload: str) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        width, depth, batch_size, samples = WORKLOADS[workload]
+        torch.manual_seed(0)
+        self.model = Net(width, depth)
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("shard",))
+        for block in self.model.layers:
+            fully_shard(block, mesh=mesh)
+        fully_shard(self.model, mesh=mesh)
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=1e-3, momentum=0.9)
+        self.sampler = DistributedSampler(dataset(samples), shuffle=True, seed=0, drop_last=True)
+        self.loader = DataLoader(self.sampler.dataset, batch_size=batch_size, sampler=self.sampler, drop_last=True)
+        self.criterion = nn.MSELoss()
+        self.epoch = 0
+
+    def train_epoch(self) -> float:
+        self.sampler.set_epoch(self.epoch)
+        self.epoch += 1
+        total = torch.zeros(())
+        for x, y in self.loader:
+            loss = self.criterion(self.model(x), y)
+            loss.backward()
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            total += loss.detach()
+        return float(total)  # one read per epoch, as the runner's one log line
+
+
+def runner_epoch(runner: BenchRunner) -> None:
+    runner.train_state.epoch = 0
+    runner.train()
+
+
+def timed(fn: Any) -> float:
+    dist.barrier()
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def quartiles(values: list[float]) -> tuple[float, float, float]:
+    q1, median, q3 = statistics.quantiles(values, n=4) if len(values) > 1 else (values[0],) * 3
+    return q1, median, q3
+
+
+def bench_steps(root: str, workload: str, repeats: int) -> str:
+    hand, runner = HandLoop(workload), build_runner(os.path.join(root, "steps"), workload)
+    runner.logger.setLevel("ERROR")
+    steps = len(hand.loader)
+    for _ in range(2):  # warm-up
+        hand.train_epoch()
+        runner_epoch(runner)
+    ratios, hand_times, runner_times = [], [], []
+    for round_index in range(repeats):
+        pair = [("hand", hand.train_epoch), ("runner", lambda: runner_epoch(runner))]
+        times = dict((name, timed(fn)) for name, fn in (pair if round_index % 2 else pair[::-1]))
+        hand_times.append(times["hand"])
+        runner_times.append(times["runner"])
+        ratios.append(times["runner"] / times["hand"])
+    runner.close()
+    q1, median, q3 = quartiles(ratios)
+    return (
+        f"| {workload} | {steps} | {statistics.median(hand_times) / steps * 1e3:.3f} | "
+        f"{statistics.median(runner_times) / steps * 1e3:.3f} | {median:.3f} | {q1:.3f} - {q3:.3f} |"
+    )
+
+
+def bench_checkpoints(root: str, workload: str, repeats: int) -> str:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    runner = build_runner(os.path.join(root, "ckpt"), workload, load_only=False)
+    runner.logger.setLevel("ERROR")
+    runner_epoch(runner)  # optimizer state exists
+    model, optimizer = runner.model, runner.optimizer
+    raw = Path(root) / "raw-dcp"
+
+    def raw_save() -> None:
+        if dist.get_rank() == 0:
+            shutil.rmtree(raw, ignore_errors=True)
+        dist.barrier()
+        model_state, optim_state = get_state_dict(model, optimizer)
+        dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=raw)
+
+    def raw_load() -> None:
+        model_state, optim_state = get_state_dict(model, optimizer)
+        state = {"model": model_state, "optimizer": optim_state}
+        dcp.load(state, checkpoint_id=raw)
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
+    paths: list[Any] = []
+    samples: dict[str, list[float]] = {"dcp.save": [], "runner save": [], "dcp.load": [], "runner load": []}
+    for _ in range(repeats):
+        samples["dcp.save"].append(timed(raw_save))
+        samples["runner save"].append(timed(lambda: paths.append(runner.save_checkpoint(force=True))))
+        samples["dcp.load"].append(timed(raw_load))
+        samples["runner load"].append(timed(lambda: runner.load_checkpoint(runner.checkpoint_manager.latest)))
+    local = sum(t.numel() * t.element_size() for t in _tensors(get_state_dict(model, optimizer)))
+    total = torch.tensor(float(local))
+    dist.all_reduce(total)
+    runner.close()
+    megabytes = float(total) / 2**20
+    medians = {name: statistics.median(values) for name, values in samples.items()}
+    cells = [f"{megabytes / medians[name]:.0f} MB/s ({medians[name] * 1e3:.0f} ms)" for name in samples]
+    save_ratio = medians["runner save"] / medians["dcp.save"]
+    load_ratio = medians["runner load"] / medians["dcp.load"]
+    return f"| {workload} | {megabytes:.1f} | " + " | ".join(cells) + f" | {save_ratio:.2f} | {load_ratio:.2f} |"
+
+
+def _tensors(state: Any) -> list[torch.Tensor]:
+    """Every tensor of a nested state, as this rank's local part (a DTensor's shard)."""
+    if isinstance(state, torch.Tensor):
+        return [state.to_local() if hasattr(state, "to_local") else state]
+    if isinstance(state, dict):
+        return [t for value in state.values() for t in _tensors(value)]
+    if isinstance(state, (list, tuple)):
+        return [t for value in state for t in _tensors(value)]
+    return []
+
+
+def worker(rank: int, root: str, repeats: int, workloads: list[str]) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore")
+    dist.init_process_group("gloo", store=dist.FileStore(os.path.join(root, "store"), 2), rank=rank, world_size=2)
+    try:
+        steps = [bench_steps(root, workload, repeats) for workload in workloads]
+        # checkpoint speed only means something for the larger state
+        checkpoints = [bench_checkpoints(root, workload, max(5, repeats // 3)) for workload in workloads[-1:]]
+        if rank == 0:
+            print("### ParallelRunner (FSDP2, shard=2) vs a hand-written FSDP2 loop, 2 gloo ranks\n")
+            print("| workload | steps/epoch | hand loop (ms/step) | runner (ms/step) | ratio: median | IQR |")
+            print("| --- | ---: | ---: | ---: | ---: | ---: |")
+            print("\n".join(steps))
+            print("\n### DCP checkpoints: runner vs raw dcp.save / dcp.load (model + SGD momentum, 2 ranks)\n")
+            print("| workload | MB | dcp.save | runner save | dcp.load | runner load | save ratio | load ratio |")
+            print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+            print("\n".join(checkpoints))
+    finally:
+        dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--workload", action="append", choices=list(WORKLOADS))
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="bench-parallel-") as root:  # shared: DCP files are written by both
+        mp.start_processes(
+            worker,
+            args=(root, args.repeats, args.workload or list(WORKLOADS)),
+            nprocs=2,
+            start_method="spawn",
+        )
+
+
+if __name__ == "__main__":
+    main()

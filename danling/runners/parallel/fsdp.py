@@ -1,0 +1,88 @@
+"""FSDP2 (`fully_shard`) over the data axes of a parallel run: units, policies, and the mesh it shards on."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from fnmatch import fnmatchcase
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["apply_fsdp", "block_modules", "fsdp_mixed_precision", "fsdp_offload"]
+
+
+def block_modules(model: nn.Module, patterns: Sequence[str] | None = None) -> list[nn.Module]:
+    """The modules of `model` that form units of their own (for sharding or activation checkpointing).
+
+    With `patterns`, every module whose qualified name matches one of them (`fnmatch`, e.g.
+    ``"layers.*"``); without, every member of an `nn.ModuleList` (the repeated blocks of most
+    models).
+
+    Raises:
+        ValueError: A pattern matches no module (the message lists some module names).
+    """
+    named = [(name, module) for name, module in model.named_modules() if name]
+    if patterns:
+        units = []
+        for pattern in patterns:
+            matched = [module for name, module in named if fnmatchcase(name, pattern)]
+            if not matched:
+                sample = ", ".join(name for name, _ in named[:8])
+                raise ValueError(f"module pattern {pattern!r} matches no module of the model; names include: {sample}")
+            units.extend(module for module in matched if all(module is not unit for unit in units))
+        return units
+    return [member for module in model.modules() if isinstance(module, nn.ModuleList) for member in module]
+
+
+def fsdp_mixed_precision(setting: Any, precision: str | None) -> Any:
+    """The `MixedPrecisionPolicy` of `fsdp.mp_policy` and `precision`, or `None` for full precision.
+
+    `None`/`True` follow `precision` (bf16/fp16 parameters in compute, fp32 gradient reduction);
+    `False` keeps fp32 throughout.
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16}
+    if setting is False or setting == 0 or precision not in dtypes:
+        return None
+    return MixedPrecisionPolicy(param_dtype=dtypes[precision], reduce_dtype=torch.float32)
+
+
+def fsdp_offload(setting: Any) -> Any:
+    """`CPUOffloadPolicy` when `fsdp.offload_policy` is set; pinned memory only with a GPU to copy to."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+
+    if not setting:
+        return OffloadPolicy()
+    return CPUOffloadPolicy(pin_memory=torch.cuda.is_available())  # pinning needs an accelerator
+
+
+def apply_fsdp(
+    model: nn.Module,
+    mesh: Any,
+    *,
+    units: Sequence[nn.Module] = (),
+    reshard_after_forward: bool | int | None = None,
+    mp_policy: Any = None,
+    offload_policy: Any = None,
+) -> nn.Module:
+    """Shard each of `units`, then the root, over `mesh` (1-D: FSDP; 2-D replicate x shard: HSDP).
+
+    Each unit gathers its parameters only for its own forward and backward, which is what bounds
+    peak memory; the root takes whatever parameters no unit holds.
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    options: dict[str, Any] = {
+        "mesh": mesh,
+        "mp_policy": mp_policy if mp_policy is not None else MixedPrecisionPolicy(),
+        "offload_policy": offload_policy if offload_policy is not None else OffloadPolicy(),
+    }
+    if reshard_after_forward is not None:
+        options["reshard_after_forward"] = reshard_after_forward
+    for unit in units:
+        if unit is not model:
+            fully_shard(unit, **options)
+    fully_shard(model, **options)
+    return model

@@ -1,0 +1,95 @@
+"""Child process of the parallel exact-resume test (one per rank).
+
+For each layout it forks, one after the other: `clean` (uninterrupted training), `killed` (the same
+run with `auto_resume`, saving after update `--save-at` and sending itself SIGKILL right after update
+`--kill-at`) and `resume` (the killed run restarted with the same config). Final full weights go to
+`<root>/<layout>/<scenario>.pt` (rank 0) and the exit status of every scenario to
+`<root>/status-rank<r>.json`. Every scenario rendezvouses through its own file store.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint.state_dict
+
+from tests.runners._parallel_toy import TENSOR_PLAN, ParallelRegression, full_weights, parallel_config
+
+LAYOUTS = {
+    "fsdp": {"parallel.axes.shard": 2, "fsdp.enabled": True},
+    "tensor": {"parallel.axes.tensor": 2, "parallel.tensor_plan": TENSOR_PLAN},
+}
+
+
+def _train(root: str, layout: str, scenario: str, save_at: int, kill_at: int) -> None:
+    class Child(ParallelRegression):
+        def optimizer_step(self) -> bool:
+            applied = super().optimizer_step()
+            if scenario == "killed" and applied and self.train_state.global_step == save_at:
+                self.save_checkpoint(force=True)
+            if scenario == "killed" and applied and self.train_state.global_step == kill_at:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return applied
+
+    name = "clean" if scenario == "clean" else "killed"
+    overrides = {"accum_steps": 2, "auto_resume": True, "dataloader.batch_size": 2, "dataloader.train.shuffle": True}
+    config = parallel_config(os.path.join(root, layout), name, **LAYOUTS[layout], **overrides)
+    with Child(config) as runner:
+        start = runner.train_state.global_step
+        runner.train()
+        weights = full_weights(runner)
+        if runner.rank == 0:
+            result = {"start": start, "global_step": runner.train_state.global_step, "weights": weights}
+            torch.save(result, os.path.join(root, layout, f"{scenario}.pt"))
+
+
+def _fork(root: str, layout: str, scenario: str, save_at: int, kill_at: int) -> str:
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+            log = os.open(f"{root}/{layout}-{scenario}-rank{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+            os.dup2(log, 1)
+            os.dup2(log, 2)
+            store = f"file://{root}/store-{layout}-{scenario}"
+            dist.init_process_group("gloo", init_method=store, rank=rank, world_size=world_size)
+            _train(root, layout, scenario, save_at, kill_at)
+            dist.destroy_process_group()
+            code = 0
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    return signal.Signals(os.WTERMSIG(status)).name if os.WIFSIGNALED(status) else f"exit {os.WEXITSTATUS(status)}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--root", required=True)
+    parser.add_argument("--layouts", default=",".join(LAYOUTS))
+    parser.add_argument("--save-at", type=int, default=2)
+    parser.add_argument("--kill-at", type=int, default=3)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    status = {}
+    for layout in args.layouts.split(","):
+        os.makedirs(os.path.join(args.root, layout), exist_ok=True)
+        for scenario in ("clean", "killed", "resume"):
+            status[f"{layout}-{scenario}"] = _fork(args.root, layout, scenario, args.save_at, args.kill_at)
+    with open(os.path.join(args.root, f"status-rank{os.environ['RANK']}.json"), "w") as file:
+        json.dump(status, file)
+
+
+if __name__ == "__main__":
+    main()
