@@ -1,9 +1,8 @@
-"""A real `TorchRunner` driving the pipeline mixin, until the parallel runner wires it itself.
+"""The real `ParallelRunner` driving the pipeline mixin, until the runner inherits it itself.
 
-`PipelinedRunner` overrides only what the parallel runner is to override for pipelining: the
-topology (from `parallel.axes`), model materialisation (split into parts, build the schedule),
-the loaders of data-free stages, and the three step hooks. Everything else (loops, accumulation,
-the update strategy, metrics, logging, evaluation and inference passes) is the torch runner's.
+`PipelinedRunner` adds the mixin to `ParallelRunner` and splits the model before the runner
+materializes the parts (its `model_parts` path); the runner then builds the schedule, the
+update strategy, the loaders of data-free stages and dispatches the three step hooks.
 """
 
 from __future__ import annotations
@@ -14,10 +13,9 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from danling.distributed import Topology
 from danling.metrics import regression_metrics
-from danling.runners import TorchRunner
-from danling.runners.parallel.pipeline import PipelineMixin, StepProxyLoader
+from danling.runners import ParallelRunner, TorchRunner
+from danling.runners.parallel.pipeline import PipelineMixin
 from tests.runners._pipeline_harness import IN, make_net
 
 
@@ -26,45 +24,34 @@ def _dataset(n: int, seed: int) -> TensorDataset:
     return TensorDataset(torch.randn(n, IN, generator=generator), torch.randn(n, 1, generator=generator))
 
 
+def _bind(runner: TorchRunner) -> None:
+    runner.model = make_net()
+    runner.criterion = nn.MSELoss()
+    runner.metrics = regression_metrics(num_outputs=1)
+    runner.datasets.train = _dataset(24, 0)
+    runner.datasets.val = _dataset(10, 1)
+    runner.datasets.infer = _dataset(6, 2)
+
+
 class PlainRunner(TorchRunner):
     """Regression on `Net`: 24 training, 10 validation (a short last batch) and 6 inference samples."""
 
     def __init__(self, config: Any) -> None:
         super().__init__(config)
-        self.model = make_net()
-        self.criterion = nn.MSELoss()
-        self.metrics = regression_metrics(num_outputs=1)
-        self.datasets.train = _dataset(24, 0)
-        self.datasets.val = _dataset(10, 1)
-        self.datasets.infer = _dataset(6, 2)
+        _bind(self)
 
 
-class PipelinedRunner(PipelineMixin, PlainRunner):
-    supported_features = ("parallel",)
+class PipelinedRunner(PipelineMixin, ParallelRunner):
+    """`ParallelRunner` with the pipeline mixin; the model is split before the runner materializes the parts."""
 
-    def build_topology(self) -> Topology:
-        return Topology.from_axes(self.config.parallel.axes.dict())
+    def __init__(self, config: Any) -> None:
+        super().__init__(config)
+        _bind(self)
 
     def materialize_model(self) -> None:
-        self._require_model()
-        parts = [part.to(self.device) for part in self.build_pipeline_model_parts(self.model)]
-        self.pipeline_schedule = self.build_pipeline_schedule(parts)
-        self.model_parts, self.model = parts, parts[0]
-
-    def build_dataloaders(self) -> None:
-        super().build_dataloaders()
-        for split, loader in list(self.dataloaders.items()):
-            if not isinstance(loader, StepProxyLoader):
-                self.dataloaders[split] = self.pipeline_loader(loader, needs_target=split != "infer")
-
-    def train_step(self, data: Any) -> Any:
-        return self.pipeline_train_step(data)
-
-    def evaluate_step(self, data: Any) -> Any:
-        return self.pipeline_evaluate_step(data)
-
-    def infer_step(self, data: Any) -> list[Any]:
-        return self.pipeline_infer_step(data)
+        if self.topology.size("pipeline") > 1 and not self.model_parts:
+            self.model_parts = self.build_pipeline_model_parts(self.model)
+        super().materialize_model()
 
 
 def runner_config(root: str, **overrides: Any) -> dict[str, Any]:
