@@ -213,6 +213,8 @@ def test_schedule_cache_picks_equal_microbatches_per_shape():
     assert built == [2, 4, 5] and len(cache.others) == 2  # the least recently used was dropped
     with pytest.raises(ValueError, match=r"no pipeline schedule accepts any microbatch count for a batch of 3"):
         cache.get(main, (1, 2, 3, 4))
+    fallback = ScheduleCache(build, lambda count: SimpleNamespace(_n_microbatches=count, simple=True))
+    assert fallback.get(main, (1, 2, 3, 4)).simple and fallback.others[1, 2, 3, 4]._n_microbatches == 3
 
 
 # ---------------------------------------------------------------------- distributed
@@ -314,7 +316,7 @@ def test_pipeline_schedules_match_single_process(tmp_path):
     assert runs[0]["keys"] == sorted(keys[0]) and runs[1]["keys"] == sorted(keys[2])
 
 
-def _four_rank_worker(rank, world_size):
+def _four_rank_worker(rank, world_size, root):
     out = {}
     # Four stages, one per rank: the middle ranks read no data and still take every step.
     model = make_net()
@@ -353,6 +355,14 @@ def _four_rank_worker(rank, world_size):
     for x, y in full:
         host.pipeline_train_step((x[8 * shard : 8 * shard + 8], y[8 * shard : 8 * shard + 8]))
     out["fsdp"] = max_weight_diff(host.state(), reference_training(model, full, accum_steps=2)[1])
+    # The runner over FSDP2 x pipeline: each shard rank reads half of every global batch.
+    options = {
+        "parallel.axes.shard": 2,
+        "parallel.axes.pipeline": 2,
+        "parallel.module_fqns_per_model_part": FQNS_2,
+        "fsdp.enabled": True,
+    }
+    out["runner"] = run(PipelinedRunner(runner_config(f"{root}/rank{rank}", **options)))
     return out
 
 
@@ -363,8 +373,10 @@ def _shard(part, topology):
 
 
 @pytest.mark.distributed
-def test_middle_stages_get_no_data_and_subgroups_and_fsdp_work():
-    results = run_distributed(_four_rank_worker, world_size=4)
+def test_middle_stages_get_no_data_and_subgroups_and_fsdp_work(tmp_path):
+    # Two shard ranks with batches of 4 see what one process sees with batches of 8.
+    expected = run(PlainRunner(runner_config(str(tmp_path / "plain"), **{"dataloader.batch_size": 8})))
+    results = run_distributed(_four_rank_worker, str(tmp_path), world_size=4)
     assert [result["proxied"] for result in results] == [False, True, True, False]
     assert [all(result["seen_none"]) for result in results] == [False, True, True, False]
     assert all(len(result["seen_none"]) == 3 for result in results)
@@ -373,3 +385,7 @@ def test_middle_stages_get_no_data_and_subgroups_and_fsdp_work():
         assert result["replica"]["loss"] < TOL and result["replica"]["weights"] < TOL, (rank, result)
         assert max(abs(a - b) for a, b in zip(result["replica_infer"], result["replica_expected"])) < TOL
         assert result["fsdp"] < TOL, (rank, result["fsdp"])
+        for epoch in (0, 1):
+            assert abs(result["runner"]["rows"][epoch, "train"][0] - expected["rows"][epoch, "train"][0]) < TOL, rank
+        assert max(abs(a - b) for a, b in zip(result["runner"]["predictions"], expected["predictions"])) < TOL
+        assert len(result["runner"]["predictions"]) == 6

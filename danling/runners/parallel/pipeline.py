@@ -249,29 +249,41 @@ class PipelineMixin:
         self._pipeline_num_stages, self._pipeline_n_microbatches = num_stages, count
         self.pipeline_has_first_stage, self.pipeline_has_last_stage = 0 in indices, num_stages - 1 in indices
 
-        def build(microbatches: int) -> Any:
-            return self._pipeline_build(parts, indices, microbatches)[0]
+        def build(microbatches: int, schedule_class: type | None = None) -> Any:
+            return self._pipeline_build(parts, indices, microbatches, schedule_class)[0]
 
-        self._pipeline_schedules = ScheduleCache(build)
+        self._pipeline_schedules = ScheduleCache(build, self._pipeline_fallback(build, style))
         schedule, stages = self._pipeline_build(parts, indices, count)
         self.pipeline_stages = tuple(stages)
         return schedule
 
-    def _pipeline_build(self, parts: list[nn.Module], indices: tuple[int, ...], microbatches: int) -> tuple[Any, list]:
+    def _pipeline_build(
+        self, parts: list[nn.Module], indices: tuple[int, ...], microbatches: int, schedule_class: type | None = None
+    ) -> tuple[Any, list]:
         """A schedule over fresh `PipelineStage`s of `parts` for `microbatches` microbatches."""
         from torch.distributed.pipelining import PipelineStage
+        from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
-        schedule_class, _ = self._pipeline_schedule_class()
+        schedule_class = schedule_class or self._pipeline_schedule_class()[0]
         group, num_stages = self.topology.group("pipeline"), self._pipeline_num_stages
         stages = [
             PipelineStage(part, index, num_stages, self.device, group=group)
             for part, index in zip(parts, indices, strict=True)
         ]
-        single = self._pipeline_single_stage()
+        single = issubclass(schedule_class, PipelineScheduleSingle)
         schedule = schedule_class(
             stages[0] if single else stages, n_microbatches=microbatches, loss_fn=self._pipeline_loss, scale_grads=False
         )
         return schedule, stages
+
+    def _pipeline_fallback(self, build: Any, style: str) -> Any:
+        """A builder of the simplest schedule of the same kind, for batches the configured one rejects."""
+        if style != "loop":
+            return None
+        from torch.distributed.pipelining.schedules import ScheduleGPipe, ScheduleLoopedBFS
+
+        simple = ScheduleGPipe if self._pipeline_single_stage() else ScheduleLoopedBFS
+        return lambda microbatches: build(microbatches, simple)
 
     def _pipeline_select(self, args: tuple[Any, ...]) -> Any:
         """The schedule for this batch's input shapes (shared by the first stage with every pipeline rank)."""

@@ -59,15 +59,21 @@ class ScheduleCache:
     batch its microbatch count divides. Any other shape gets a schedule of its own from `build`,
     with the largest microbatch count up to the main one that divides its batch (equal
     microbatches keep the mean of microbatch losses equal to the batch loss); when the schedule
-    class rejects all of those, the smallest larger divisor it accepts.
+    class rejects all of those, the smallest larger divisor it accepts; when it accepts none
+    (1F1B needs at least as many microbatches as stages, more than a tiny batch has), `fallback`
+    builds one with the first count, which computes the same losses and gradients in another order.
 
     Args:
         build: Builds a schedule over fresh stages for a microbatch count.
+        fallback: Builds a schedule of a less demanding class (GPipe, LoopedBFS) for a count.
         capacity: Schedules kept besides the main one; the least recently used is dropped.
     """
 
-    def __init__(self, build: Callable[[int], Any], capacity: int = 8) -> None:
+    def __init__(
+        self, build: Callable[[int], Any], fallback: Callable[[int], Any] | None = None, capacity: int = 8
+    ) -> None:
         self.build = build
+        self.fallback = fallback
         self.capacity = capacity
         self.main_key: tuple[int, ...] | None = None
         self.others: OrderedDict[tuple[int, ...], Any] = OrderedDict()
@@ -102,6 +108,8 @@ class ScheduleCache:
                 return self.build(count)
             except ValueError as rejected:
                 error = rejected
+        if self.fallback is not None:  # e.g. 1F1B on a batch smaller than the number of stages
+            return self.fallback(ordered[0])
         raise ValueError(f"no pipeline schedule accepts any microbatch count for a batch of {batch}") from error
 
 
