@@ -72,17 +72,22 @@ def runner_config(root: str, **overrides: Any) -> dict[str, Any]:
     return config
 
 
-def run(runner: TorchRunner) -> dict[str, Any]:
-    """Train, predict, close; the per-epoch losses and mse, the predictions and the local weights' keys."""
+def run(runner: TorchRunner, *, predict: bool = True) -> dict[str, Any]:
+    """Train, predict, close: per-epoch losses and mse, predictions, the local weights and the checkpoint directory."""
     rows = runner.train()
+    parts = getattr(runner, "model_parts", None) or [runner.model]
+    state = {key: value for part in parts for key, value in runner.unwrap(part).state_dict().items()}
+    weights = {key: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone() for key, v in state.items()}
     result = {
         "rows": {
             (epoch, split): (float(row["loss"]), float(row["mse"]))
             for epoch, r in rows.items()
             for split, row in r.items()
         },
-        "predictions": runner.infer(),
+        "predictions": runner.infer() if predict else None,
         "keys": sorted(runner.model.state_dict()),
+        "weights": weights,
+        "checkpoints": str(runner.workspace.checkpoint_dir),
     }
     runner.close()
     return result
