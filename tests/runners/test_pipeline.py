@@ -14,6 +14,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from danling.data import build_dataloader
 from danling.distributed import Topology
 from danling.runners.config import RunnerConfig
 from danling.runners.parallel.pipeline import PipelineMixin
@@ -170,6 +171,20 @@ def test_step_proxy_loader_counts_and_resumes():
     assert not hasattr(proxy, "sampler")  # no fingerprint against a sampler it does not advance
     with pytest.raises(ValueError, match=r"position 7 is outside a pass of 4 batches"):
         resumed.load_state_dict({"position": 7})
+    # The real loader's state (pipeline peers share a data rank's copy) gives the same position.
+    real = build_dataloader(TensorDataset(torch.arange(12.0)), split="train", config={"batch_size": 3}, seed=0)
+    workers = build_dataloader(
+        TensorDataset(torch.arange(12.0)), split="train", config={"batch_size": 3, "num_workers": 1}, seed=0
+    )
+    for source in (real, workers):
+        iterator = iter(source)
+        next(iterator), next(iterator), next(iterator)
+        resumed = StepProxyLoader(source)
+        resumed.load_state_dict(source.state_dict())
+        assert list(resumed) == [None]
+        list(iterator)
+        resumed.load_state_dict(source.state_dict())  # a finished pass: the next one is full
+        assert list(resumed) == [None] * 4
     with pytest.raises(TypeError, match=r"has no len\(\)"):
         StepProxyLoader(batch for batch in loader)
 

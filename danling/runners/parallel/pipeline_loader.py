@@ -72,11 +72,27 @@ class StepProxyLoader:
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Continue the saved pass at its position on the next `iter()`.
 
+        Accepts this class's own state and the state of the real loader it stands in for (a
+        torchdata `StatefulDataLoader`, single- or multi-process): pipeline peers share one copy
+        of their data rank's checkpoint entries, so a data-free rank may get the real loader's.
+
         Raises:
             ValueError: the position is negative or beyond the length of the loader.
         """
-        position = int(state_dict.get("position", 0))
+        position = _position_of(state_dict)
         if not 0 <= position <= len(self):
             raise ValueError(f"saved pipeline proxy position {position} is outside a pass of {len(self)} batches")
         self.position = position
         self._resume_from = position
+
+
+def _position_of(state: Mapping[str, Any]) -> int:
+    """Batches yielded in the saved pass (0 for a finished one) from either kind of loader state."""
+    if "position" in state:
+        return int(state["position"])
+    if state.get("_iterator_finished"):
+        return 0  # the saved pass ended: the next one is a full pass
+    snapshot = state.get("_snapshot")
+    if isinstance(snapshot, Mapping):  # multi-process layout: a snapshot plus the batches since
+        return int(snapshot.get("_snapshot_step", 0)) + int(state.get("_steps_since_snapshot", 0))
+    return int(state.get("_num_yielded", 0))
