@@ -91,3 +91,15 @@ def run(runner: TorchRunner, *, predict: bool = True) -> dict[str, Any]:
     }
     runner.close()
     return result
+
+
+class SavingRunner(PipelinedRunner):
+    """Saves a checkpoint right after optimizer step `save_at` (mid-epoch)."""
+
+    save_at = 4
+
+    def optimizer_step(self) -> bool:
+        applied = super().optimizer_step()
+        if applied and self.train_state.global_step == self.save_at:
+            self.save_checkpoint(force=True)
+        return applied

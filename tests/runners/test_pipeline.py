@@ -29,7 +29,7 @@ from tests.runners._pipeline_harness import (
     max_weight_diff,
     reference_training,
 )
-from tests.runners._pipeline_runner import PipelinedRunner, PlainRunner, run, runner_config
+from tests.runners._pipeline_runner import PipelinedRunner, PlainRunner, SavingRunner, run, runner_config
 
 FQNS_2 = [["inp", "layers.0", "layers.1"], ["layers.2", "layers.3", "head"]]
 FQNS_4 = [["inp", "layers.0"], ["layers.1"], ["layers.2"], ["layers.3", "head"]]
@@ -162,13 +162,14 @@ def test_step_proxy_loader_counts_and_resumes():
     assert len(proxy) == 4 and list(proxy) == [None] * 4 and list(proxy) == [None] * 4
     iterator = iter(proxy)
     next(iterator), next(iterator)
-    state = proxy.state_dict()
-    assert state == {"position": 2, "length": 4}
+    assert proxy.position == 2
+    # Nothing of its own is saved: the checkpoint's copy is the real loader's (pipeline peers share it).
+    assert not hasattr(proxy, "state_dict")
+    assert proxy.sampler is loader.sampler and proxy.batch_sampler is loader.batch_sampler
     resumed = StepProxyLoader(loader)
-    resumed.load_state_dict(state)
+    resumed.load_state_dict({"position": 2})
     assert list(resumed) == [None, None]  # the rest of the interrupted pass
-    assert list(resumed) == [None] * 4 and resumed.state_dict()["position"] == 0
-    assert not hasattr(proxy, "sampler")  # no fingerprint against a sampler it does not advance
+    assert list(resumed) == [None] * 4 and resumed.position == 0
     with pytest.raises(ValueError, match=r"position 7 is outside a pass of 4 batches"):
         resumed.load_state_dict({"position": 7})
     # The real loader's state (pipeline peers share a data rank's copy) gives the same position.
@@ -393,6 +394,15 @@ def _four_rank_worker(rank, world_size, root):
     for x, y in full:
         host.pipeline_train_step((x[8 * shard : 8 * shard + 8], y[8 * shard : 8 * shard + 8]))
     out["fsdp"] = max_weight_diff(host.state(), reference_training(model, full, accum_steps=2)[1])
+    # Resume mid-epoch (after update 4 of 6) on four stages: the middle ranks' StepProxyLoaders
+    # take the real loaders' position from the checkpoint, and the run ends bit for bit the same.
+    four = {"parallel.axes.pipeline": 4, "parallel.module_fqns_per_model_part": FQNS_4}
+    four["dataloader.train.shuffle"] = True
+    whole = run(SavingRunner(runner_config(f"{root}/whole", **four)), predict=False)
+    four["resume"] = f"{whole['checkpoints']}/step-000004"
+    four["checkpoint.exclude_from_loading"] = ["optimizer"]  # see _NO_OPTIMIZER
+    resumed = run(PipelinedRunner(runner_config(f"{root}/resumed", **four)), predict=False)
+    out["resume_equal"] = all(torch.equal(value, resumed["weights"][key]) for key, value in whole["weights"].items())
     # The runner over FSDP2 x pipeline: each shard rank reads half of every global batch.
     options = {
         "parallel.axes.shard": 2,
@@ -423,6 +433,7 @@ def test_middle_stages_get_no_data_and_subgroups_and_fsdp_work(tmp_path):
         assert result["replica"]["loss"] < TOL and result["replica"]["weights"] < TOL, (rank, result)
         assert max(abs(a - b) for a, b in zip(result["replica_infer"], result["replica_expected"])) < TOL
         assert result["fsdp"] < TOL, (rank, result["fsdp"])
+        assert result["resume_equal"], rank
         for epoch in (0, 1):
             assert abs(result["runner"]["rows"][epoch, "train"][0] - expected["rows"][epoch, "train"][0]) < TOL, rank
         assert max(abs(a - b) for a, b in zip(result["runner"]["predictions"], expected["predictions"])) < TOL

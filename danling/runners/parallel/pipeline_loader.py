@@ -17,16 +17,16 @@ class StepProxyLoader:
     yields `None` that many times per pass; the underlying loader is never iterated, so no
     batch is loaded or collated.
 
-    Its position within a pass is saved by `state_dict()`: after `load_state_dict()`, the next
-    pass yields only the batches that were left, exactly as a restored `StatefulDataLoader`
-    does, so a resumed run keeps every rank on the same step. The passes after that are full
-    again.
-
-    It deliberately exposes no `sampler`/`batch_sampler`: those belong to the real loader, whose
-    position this stand-in does not track.
+    Resuming: the checkpoint of a run stores one copy of each data rank's loader position, and
+    pipeline peers share a data rank, so this stand-in saves nothing of its own (it has no
+    `state_dict`) and the copy is the real loader's, written by the ranks that read data.
+    `load_state_dict` takes that state (or `{"position": n}`), and the next pass yields only the
+    batches that were left, as the restored real loader does; the passes after that are full.
+    `dataset`, `sampler` and `batch_sampler` are the real loader's, so the next-batch
+    fingerprint of a resumed run is checked against the real position too.
 
     Args:
-        loader: The loader the data-reading ranks use; only its length is read.
+        loader: The loader the data-reading ranks use; it is never iterated.
 
     Raises:
         TypeError: `loader` has no length (a data-free rank cannot know when the pass ends).
@@ -35,9 +35,8 @@ class StepProxyLoader:
         >>> proxy = StepProxyLoader(range(3))
         >>> list(proxy), len(proxy)
         ([None, None, None], 3)
-        >>> it = iter(proxy); _ = next(it); state = proxy.state_dict()
-        >>> resumed = StepProxyLoader(range(3)); resumed.load_state_dict(state)
-        >>> list(resumed), list(resumed)
+        >>> proxy.load_state_dict({"position": 1})
+        >>> list(proxy), list(proxy)
         ([None, None], [None, None, None])
     """
 
@@ -65,16 +64,26 @@ class StepProxyLoader:
             yield None
         self.position = 0  # a finished pass: the next one is full, as after a real loader's epoch
 
-    def state_dict(self) -> dict[str, Any]:
-        """Batches yielded so far in the pass under way (0 between passes)."""
-        return {"position": self.position, "length": len(self)}
+    @property
+    def dataset(self) -> Any:
+        """The real loader's dataset."""
+        return getattr(self.loader, "dataset", None)
+
+    @property
+    def sampler(self) -> Any:
+        """The real loader's sampler (read for next-batch fingerprints, never advanced here)."""
+        return getattr(self.loader, "sampler", None)
+
+    @property
+    def batch_sampler(self) -> Any:
+        """The real loader's batch sampler (read for next-batch fingerprints, never advanced here)."""
+        return getattr(self.loader, "batch_sampler", None)
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Continue the saved pass at its position on the next `iter()`.
 
-        Accepts this class's own state and the state of the real loader it stands in for (a
-        torchdata `StatefulDataLoader`, single- or multi-process): pipeline peers share one copy
-        of their data rank's checkpoint entries, so a data-free rank may get the real loader's.
+        Accepts the state of the real loader it stands in for (a torchdata `StatefulDataLoader`,
+        single- or multi-process) or `{"position": n}`.
 
         Raises:
             ValueError: the position is negative or beyond the length of the loader.
