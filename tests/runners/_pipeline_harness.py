@@ -106,6 +106,7 @@ class PipelineHost(PipelineMixin):
         self.device = torch.device("cpu")
         self.criterion = nn.MSELoss()
         self.metric_updates: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.metrics = self.metric_updates  # any metrics make the last stage keep its outputs
         self.model = model
         parts = self.build_pipeline_model_parts(model)
         if wrap is not None:  # as the runner shards or wraps each part before building the schedule

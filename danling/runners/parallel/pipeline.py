@@ -332,8 +332,8 @@ class PipelineMixin:
         losses: list[torch.Tensor] = []
         schedule = self._pipeline_select(args)
         with self.forward_context():
-            output = schedule.step(*args, target=target, losses=losses)
-        if self.pipeline_has_last_stage:
+            output = schedule.step(*args, target=target, losses=losses, return_outputs=self._pipeline_keeps_outputs())
+        if output is not None:
             self._update_metrics(output, target)
         loss = self._pipeline_mean_loss(losses)
         self.step()
@@ -356,8 +356,13 @@ class PipelineMixin:
         losses: list[torch.Tensor] = []
         schedule = self._pipeline_select(args)
         with no_grad_outside_inference(), self.forward_context(), without_loss(schedule, target is None):
-            output = schedule.eval(*args, target=target, losses=None if target is None else losses)
-        if self.pipeline_has_last_stage:
+            output = schedule.eval(
+                *args,
+                target=target,
+                losses=None if target is None else losses,
+                return_outputs=self._pipeline_keeps_outputs(),
+            )
+        if output is not None:
             self._update_metrics(output, target)
         return None, self._pipeline_mean_loss(losses, optional=True)
 
@@ -401,6 +406,11 @@ class PipelineMixin:
         return StepProxyLoader(loader)
 
     # ------------------------------------------------------------------ helpers
+    def _pipeline_keeps_outputs(self) -> bool:
+        """Whether the last stage merges its outputs: only for metrics (they may be large, e.g. logits)."""
+        names = ("metrics", "train_metrics", "evaluate_metrics")
+        return self.pipeline_has_last_stage and any(getattr(self, name, None) is not None for name in names)
+
     def _pipeline_check_forward_only(self) -> None:
         """Refuse evaluation under the V schedules, which torch (2.13) cannot run forward-only.
 
