@@ -20,6 +20,7 @@ from torch import nn
 from danling.distributed import Topology
 from danling.runners.parallel.pipeline import PipelineMixin
 from danling.runners.parallel.pipeline_parts import PipelineModelPart
+from danling.runners.update.precision import Precision
 from danling.runners.update.strategy import TorchUpdateStrategy
 
 IN, WIDTH = 4, 8
@@ -92,6 +93,7 @@ class PipelineHost(PipelineMixin):
         lr: float = 0.1,
         axes: dict[str, int] | None = None,
         wrap: Callable[[nn.Module, Topology], nn.Module] | None = None,
+        loss_scale: float | None = None,
     ) -> None:
         self.topology = Topology.from_axes(axes or {"pipeline": dist.get_world_size()})
         self.config = SimpleNamespace(
@@ -114,7 +116,10 @@ class PipelineHost(PipelineMixin):
         self.pipeline_schedule = self.build_pipeline_schedule(parts)
         self.model_parts, self.model = parts, parts[0]
         self.optimizer = torch.optim.SGD([p for part in parts for p in part.parameters()], lr=lr)
-        self.update = TorchUpdateStrategy(accum_steps)
+        precision = Precision()
+        if loss_scale is not None:  # fp16 loss scaling as on CUDA, here on CPU with an fp32 model
+            precision.scaler = torch.amp.GradScaler("cpu", init_scale=loss_scale)
+        self.update = TorchUpdateStrategy(accum_steps, precision=precision)
         self.update.bind(self.optimizer)
         self.update.start_pass(None)
 

@@ -34,6 +34,15 @@ from tests.runners._pipeline_runner import PipelinedRunner, PlainRunner, SavingR
 FQNS_2 = [["inp", "layers.0", "layers.1"], ["layers.2", "layers.3", "head"]]
 FQNS_4 = [["inp", "layers.0"], ["layers.1"], ["layers.2"], ["layers.3", "head"]]
 TOL = 1e-6
+SCHEDULE_CASES = {
+    "gpipe": dict(schedule="GPipe", fqns=FQNS_2, n_microbatches=4),
+    "1f1b": dict(schedule="1F1B", microbatch_size=2),  # stages from the model's hook
+    "interleaved": dict(schedule="Interleaved1F1B", fqns=FQNS_4, n_microbatches=4),
+    "zbv": dict(schedule="ZBVZeroBubble", fqns=FQNS_4, n_microbatches=4),  # V placement
+    "dualpipev": dict(schedule="DualPipeV", fqns=FQNS_4, n_microbatches=4),
+    "loopedbfs": dict(schedule="LoopedBFS", fqns=FQNS_4, n_microbatches=4),
+    "zero_bubble": dict(schedule="InterleavedZeroBubble", fqns=FQNS_4, n_microbatches=4),
+}
 
 
 # ---------------------------------------------------------------------- in-process
@@ -255,16 +264,7 @@ def _two_rank_worker(rank, world_size, root):
     results = {}
     batches = make_batches(4, 8)
     batches[3] = (batches[3][0][:6], batches[3][1][:6])  # a short last batch: microbatches of 2 x 3
-    cases = {
-        "gpipe": dict(schedule="GPipe", fqns=FQNS_2, n_microbatches=4),
-        "1f1b": dict(schedule="1F1B", microbatch_size=2),  # stages from the model's hook
-        "interleaved": dict(schedule="Interleaved1F1B", fqns=FQNS_4, n_microbatches=4),
-        "zbv": dict(schedule="ZBVZeroBubble", fqns=FQNS_4, n_microbatches=4),  # V placement
-        "dualpipev": dict(schedule="DualPipeV", fqns=FQNS_4, n_microbatches=4),
-        "loopedbfs": dict(schedule="LoopedBFS", fqns=FQNS_4, n_microbatches=4),
-        "zero_bubble": dict(schedule="InterleavedZeroBubble", fqns=FQNS_4, n_microbatches=4),
-    }
-    for name, options in cases.items():
+    for name, options in SCHEDULE_CASES.items():
         model = make_net(hooked=name == "1f1b")
         reference = copy.deepcopy(model)
         host = PipelineHost(model, **options)
@@ -274,6 +274,10 @@ def _two_rank_worker(rank, world_size, root):
     model = make_net()
     host = PipelineHost(copy.deepcopy(model), schedule="1F1B", fqns=FQNS_2, n_microbatches=2, accum_steps=2)
     results["accumulate"] = _train(host, model, batches, accum_steps=2)
+    # A loss scale (a power of two: exact) enters in the pipeline loss and leaves in the optimizer step.
+    model = make_net()
+    host = PipelineHost(copy.deepcopy(model), schedule="GPipe", fqns=FQNS_2, n_microbatches=4, loss_scale=1024.0)
+    results["scaled"] = _train(host, model, batches)
     results["evaluate"] = _evaluate_and_infer(make_net())
     # The real torch runner's loops, accumulation, metrics, evaluation and inference on top.
     options = {"parallel.axes.pipeline": 2, "parallel.module_fqns_per_model_part": FQNS_2}
@@ -282,6 +286,9 @@ def _two_rank_worker(rank, world_size, root):
     resume = {**options, "resume": f"{root}/plain-checkpoints/epoch-000000"}
     resume["checkpoint.exclude_from_loading"] = ["optimizer"]  # see _NO_OPTIMIZER
     results["resumed"] = run(PipelinedRunner(runner_config(f"{root}/resumed", **resume)), predict=False)
+    # fp16 autocast through the stages (no loss scaler on CPU).
+    half = {**options, "precision": "fp16"}
+    results["fp16"] = run(PipelinedRunner(runner_config(f"{root}/fp16", **half)), predict=False)["rows"]
     return results
 
 
@@ -315,7 +322,7 @@ def test_pipeline_schedules_match_single_process(tmp_path):
     (tmp_path / "plain-checkpoints").symlink_to(expected["checkpoints"])
     results = run_distributed(_two_rank_worker, str(tmp_path), world_size=2)
     for rank, result in enumerate(results):
-        for name in ("gpipe", "1f1b", "interleaved", "zbv", "dualpipev", "loopedbfs", "zero_bubble", "accumulate"):
+        for name in (*SCHEDULE_CASES, "accumulate", "scaled"):
             assert result[name]["loss"] < TOL, (rank, name, result[name])
             assert result[name]["weights"] < TOL, (rank, name, result[name])
             assert result[name]["stepped"] > 1e-3  # the weights did move
@@ -341,6 +348,8 @@ def test_pipeline_schedules_match_single_process(tmp_path):
         assert max(abs(a - b) for a, b in zip(run_["predictions"], expected["predictions"])) < TOL
         assert len(run_["predictions"]) == len(expected["predictions"]) == 6
     assert runs[0]["keys"] == sorted(keys[0]) and runs[1]["keys"] == sorted(keys[2])
+    for key, (loss, _) in expected["rows"].items():
+        assert abs(results[0]["fp16"][key][0] - loss) < 2e-3, (key, results[0]["fp16"][key])
     # DCP checkpoints reshard between the pipeline and the single-process layout, both ways.
     for result in results:
         assert abs(result["resumed"]["rows"][1, "train"][0] - expected["rows"][1, "train"][0]) < TOL

@@ -311,7 +311,7 @@ class PipelineMixin:
         raw = loss.detach()
         if torch.is_grad_enabled():  # training: scale what flows back; evaluation returns the raw loss
             loss = self.update.accumulator.normalize(loss) / self._pipeline_n_microbatches
-            scaler = getattr(getattr(self.update, "precision", None), "scaler", None)
+            scaler = self._pipeline_scaler()
             loss = loss if scaler is None else scaler.scale(loss)
         # The schedule also calls this once to infer shapes; only the losses it returns count,
         # so each carries its raw value.
@@ -329,6 +329,11 @@ class PipelineMixin:
         the end of the accumulation window.
         """
         args, target = self._pipeline_inputs(data)
+        scaler = self._pipeline_scaler()
+        if scaler is not None and not self.pipeline_has_last_stage:
+            # The loss scale is applied on the last stage only; this creates the (same initial)
+            # scale that the optimizer step of this rank divides its gradients by.
+            scaler.scale(torch.zeros((), device=self.device))
         losses: list[torch.Tensor] = []
         schedule = self._pipeline_select(args)
         with self.forward_context():
@@ -406,6 +411,10 @@ class PipelineMixin:
         return StepProxyLoader(loader)
 
     # ------------------------------------------------------------------ helpers
+    def _pipeline_scaler(self) -> Any:
+        """The fp16 gradient scaler of the update strategy, if any."""
+        return getattr(getattr(self.update, "precision", None), "scaler", None)
+
     def _pipeline_keeps_outputs(self) -> bool:
         """Whether the last stage merges its outputs: only for metrics (they may be large, e.g. logits)."""
         names = ("metrics", "train_metrics", "evaluate_metrics")
