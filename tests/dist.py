@@ -4,6 +4,12 @@ Rendezvous goes through a ``FileStore`` in a fresh temporary file, so concurrent
 race for a TCP port. The worker must be a module-level function (it is pickled by ``spawn``);
 it receives ``(rank, world_size, *args)`` and runs with the default process group initialised.
 Whatever each rank returns is sent back, so tests compare results across ranks in the parent.
+
+With ``init_process_group=False`` the worker starts without a group, as under torchrun: the
+environment holds ``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` and ``MASTER_ADDR``/``MASTER_PORT``, so a
+runner starts (and destroys) the group itself. Every group rendezvouses on a port of its own
+(see `rendezvous_ports`), so a worker may build one runner after another. Workers that also
+need a group outside their runners open one with `process_group()`.
 """
 
 from __future__ import annotations
@@ -11,22 +17,29 @@ from __future__ import annotations
 import os
 import pickle
 import queue as queue_module
+import socket
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _entry(rank: int, world_size: int, store_path: str, fn: Callable, args: tuple, queue) -> None:
+def _entry(
+    rank: int, world_size: int, store_path: str, fn: Callable, args: tuple, queue, ports: list[int] | None
+) -> None:
     os.environ.update(
         RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size)
     )
-    store = dist.FileStore(store_path, world_size)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
+    if ports is None:
+        store = dist.FileStore(store_path, world_size)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
+    else:
+        rendezvous_ports(ports)
     try:
         # Pickle by value here: torch's queue would otherwise share tensors through handles that
         # die with this process, and the parent reads after the worker has exited.
@@ -34,18 +47,73 @@ def _entry(rank: int, world_size: int, store_path: str, fn: Callable, args: tupl
     except BaseException:  # report every failure to the parent, including assertion errors
         queue.put((rank, False, traceback.format_exc()))
     finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def rendezvous_ports(ports: list[int]) -> None:
+    """Give each default group this process starts through ``env://`` the next of `ports`.
+
+    Sets ``MASTER_ADDR``/``MASTER_PORT`` to the first port and moves ``MASTER_PORT`` on each time
+    the default group is destroyed: a new rendezvous on the port of a group just destroyed can
+    hang (a rank may reach the old store). Every rank gets the same list and destroys as many
+    groups, so they stay on the same port.
+    """
+    remaining = iter(ports)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(next(remaining)))
+    destroy = dist.destroy_process_group
+
+    def destroy_then_move_on(group: Any = None) -> None:
+        destroy(group)
+        if group is None:
+            os.environ["MASTER_PORT"] = str(next(remaining))
+
+    dist.destroy_process_group = destroy_then_move_on
+
+
+def free_ports(count: int) -> list[int]:
+    """`count` distinct TCP ports that were free a moment ago."""
+    sockets = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(count)]
+    try:
+        for sock in sockets:  # held open together, so the ports differ
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+@contextmanager
+def process_group() -> Iterator[None]:
+    """The default gloo group, from the environment, for the duration of the block (then destroyed).
+
+    For workers launched with ``init_process_group=False`` that also run collectives outside a
+    runner (which owns, and destroys, the group it starts).
+    """
+    dist.init_process_group("gloo", init_method="env://")
+    try:
+        yield
+    finally:
         dist.destroy_process_group()
 
 
-def run_distributed(fn: Callable, *args: Any, world_size: int = 2, timeout: float = 240) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return results by rank."""
+def run_distributed(
+    fn: Callable, *args: Any, world_size: int = 2, timeout: float = 240, init_process_group: bool = True
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return results by rank.
+
+    Args:
+        init_process_group: Start the default group before calling ``fn``. Set it to ``False``
+            for workers whose runners start the group themselves (a runner refuses to adopt one).
+    """
     ctx = mp.get_context("spawn")
+    ports = None if init_process_group else free_ports(32)
     queue = ctx.Queue()
     results: dict[int, Any] = {}
     with tempfile.TemporaryDirectory() as tmp:
         store_path = os.path.join(tmp, "store")
         procs = [
-            ctx.Process(target=_entry, args=(rank, world_size, store_path, fn, args, queue))
+            ctx.Process(target=_entry, args=(rank, world_size, store_path, fn, args, queue, ports))
             for rank in range(world_size)
         ]
         for p in procs:

@@ -53,6 +53,7 @@ from .manifest import (
     write_manifest,
 )
 from .payload import capture_state, check_objects, drop_key, normalize_excludes, restore_objects, snapshot_state
+from .runner_saves import RunnerSaves
 
 __all__ = ["CheckpointManager"]
 
@@ -63,7 +64,7 @@ def _check_count(value: Any, label: str, minimum: int) -> None:
         raise ValueError(f"{label} must be {kind} integer or None, got {value!r}")
 
 
-class CheckpointManager:
+class CheckpointManager(RunnerSaves):
     r"""Save, find, verify and load checkpoints under one directory.
 
     This base class owns the policy shared by all backends; subclasses supply the payload I/O

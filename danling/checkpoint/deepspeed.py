@@ -18,8 +18,9 @@ publishes the directory like any other backend:
   latest.pointer                      written only after the tag is complete
 ```
 
-The collective choreography (rank 0 picks the directory, everyone writes, rank 0 hashes, renames
-into place, moves the pointers and prunes, then reports the outcome to the others) is the one of
+The collective choreography (rank 0 picks the directory, everyone writes and all ranks agree that
+every write succeeded, rank 0 hashes, renames into place, moves the pointers and prunes, then
+reports the outcome to the others) is the one of
 [`TorchDistributedCheckpointManager`][danling.checkpoint.dcp.TorchDistributedCheckpointManager]; only
 the payload I/O differs. A torn tag fails verification, so `latest_valid` (and `auto_resume`)
 falls back to the previous good one. The engine state itself is restored by the runner with
@@ -28,8 +29,12 @@ falls back to the previous good one. The engine state itself is restored by the 
 
 from __future__ import annotations
 
+import argparse
+import contextlib
+import io
 import os
-from collections.abc import Mapping
+import tempfile
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +45,13 @@ from .dcp import TorchDistributedCheckpointManager
 from .file import _torch_load
 from .manifest import CheckpointError
 
-__all__ = ["DeepSpeedCheckpointManager", "is_deepspeed_checkpoint"]
+__all__ = [
+    "DeepSpeedCheckpointManager",
+    "convert_to_universal",
+    "is_deepspeed_checkpoint",
+    "tag_view",
+    "zero_data_size",
+]
 
 GLOBAL_FILE = "danling.pt"
 CLIENT_STEP_KEY = "danling_global_step"
@@ -54,6 +65,67 @@ def is_deepspeed_checkpoint(path: Path) -> bool:
     """Whether `path` (a directory, or a file inside one) is a DeepSpeed tag directory."""
     directory = path if path.is_dir() else path.parent
     return (directory / "mp_rank_00_model_states.pt").is_file() or any(directory.glob("zero_pp_rank_*"))
+
+
+def zero_data_size(tag: Path) -> int | None:
+    """The data-parallel size a DeepSpeed tag was saved with: its number of ZeRO optimizer partitions.
+
+    `None` when the tag has no ZeRO partitions (stage 0), which load on any size.
+    """
+    return len(list(tag.glob("*zero_pp_rank_*_mp_rank_00_optim_states.pt"))) or None
+
+
+@contextlib.contextmanager
+def tag_view(tag: Path) -> Iterator[Path]:
+    """A private directory that holds only `tag` (a symlink) and a DeepSpeed `latest` file naming it.
+
+    DeepSpeed 0.19's ZeRO-3 loader reads the module weights of the directory's `latest` tag, not the
+    requested one, when optimizer states are not loaded. Loading from this view, `latest` is the
+    requested tag. The directory is local to the calling rank and removed on exit.
+    """
+    with tempfile.TemporaryDirectory(prefix="danling-deepspeed-") as root:
+        view = Path(root)
+        (view / tag.name).symlink_to(tag.resolve(), target_is_directory=True)
+        (view / "latest").write_text(tag.name)
+        yield view
+
+
+def convert_to_universal(tag: Path, directory: Path) -> Path:
+    """Convert the ZeRO tag `tag` into DeepSpeed's universal format at `directory/<tag name>`.
+
+    Universal checkpoints hold every parameter and optimizer state whole, so an engine of any
+    data-parallel size loads them (with `checkpoint.load_universal`); DeepSpeed's format holds
+    Adam-style optimizer states only (`exp_avg`, `exp_avg_sq`). Runs DeepSpeed's
+    `ds_to_universal` in this process (no worker pool), on one rank; its progress output is
+    discarded. Returns the converted tag directory.
+
+    Raises:
+        CheckpointError: the optimizer states are not Adam-style.
+    """
+    from deepspeed.checkpoint import ds_to_universal
+
+    output = directory / tag.name
+    args = argparse.Namespace(
+        input_folder=str(tag),
+        output_folder=str(output),
+        num_extract_workers=1,
+        num_merge_workers=1,
+        keep_temp_folder=False,
+        strict=True,
+        inject_missing_state=True,  # engines without a model-provided universal info block
+    )
+    directory.mkdir(parents=True, exist_ok=True)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            ds_to_universal.main(args)
+    except KeyError as error:
+        if error.args and error.args[0] in ("exp_avg", "exp_avg_sq"):
+            raise CheckpointError(
+                f"DeepSpeed's universal format holds Adam-style optimizer states (exp_avg, exp_avg_sq) only, and the "
+                f"optimizer states of {tag} have no {error.args[0]!r}"
+            ) from error
+        raise
+    return output
 
 
 class DeepSpeedCheckpointManager(TorchDistributedCheckpointManager):
@@ -93,13 +165,31 @@ class DeepSpeedCheckpointManager(TorchDistributedCheckpointManager):
         engine.save_checkpoint(
             str(directory.parent), tag=directory.name, client_state={CLIENT_STEP_KEY: step}, save_latest=False
         )
-        local = {key: value for key, value in state.items() if key in self.rank_local_keys}
-        _save_file(local, directory / _rank_file(self.data_rank))
-        if self.is_main_process:
-            shared = {key: value for key, value in state.items() if key not in self.rank_local_keys}
-            _save_file(shared, directory / GLOBAL_FILE)
-        if self.distributed:  # every rank's file exists before rank 0 hashes the directory
-            torch.distributed.barrier(group=self.process_group)
+        error: BaseException | None = None
+        try:
+            local = {key: value for key, value in state.items() if key in self.rank_local_keys}
+            _save_file(local, directory / _rank_file(self.data_rank))
+            if self.is_main_process:
+                shared = {key: value for key, value in state.items() if key not in self.rank_local_keys}
+                _save_file(shared, directory / GLOBAL_FILE)
+        except Exception as err:  # every rank must still reach the agreement below
+            error = err
+        # Every rank's files exist before rank 0 hashes the directory, or every rank learns that
+        # one of them failed: one all-reduce, which every rank enters whatever happened locally
+        # (a barrier skipped by a failed rank would leave the others waiting on a collective that
+        # never matches theirs).
+        failed = self._any_failed(error is not None)
+        if error is not None:
+            raise error
+        if failed:
+            raise CheckpointError("writing the DeepSpeed checkpoint failed on another rank; nothing was published")
+
+    def _any_failed(self, failed: bool) -> bool:
+        if not self.distributed:
+            return failed
+        flag = torch.tensor([int(failed)], device=getattr(self.engine, "device", None))
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=self.process_group)
+        return bool(flag.item())
 
     # loading ---------------------------------------------------------------------------------
 

@@ -71,17 +71,27 @@ class ModelState:
         return f"ModelState({type(self.model).__name__}, strict={self.strict})"
 
     def state_dict(self) -> dict[str, Any]:
-        """Weights keyed by parameter name; these are the live tensors, not copies."""
+        """Weights keyed by parameter name; these are the live tensors, not copies.
+
+        A model without parameters or buffers (an activation, a parameter-free head) has the
+        empty state, which DCP would refuse to export.
+        """
+        if self._stateless():
+            return {}
         return get_model_state_dict(self.model)
+
+    def _stateless(self) -> bool:
+        return next(self.model.parameters(), None) is None and next(self.model.buffers(), None) is None
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Copy `state_dict` into the model's parameters and buffers.
 
         Raises:
-            ValueError: `state_dict` is empty while `strict` is set (nothing would be loaded).
+            ValueError: `state_dict` is empty while `strict` is set and the model has weights
+                (nothing would be loaded).
         """
         if not state_dict:
-            if self.strict:
+            if self.strict and not self._stateless():
                 raise ValueError(f"ModelState(strict=True) got no weights to load into the {type(self.model).__name__}")
             return
         options = StateDictOptions(strict=self.strict)

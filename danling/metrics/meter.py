@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import math
 import struct
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -19,7 +18,16 @@ from torch import Tensor
 
 from danling.utils import RoundDict
 
-from .distributed import collective_device, gather_shapes, is_distributed, pack_group, sum_across_ranks, unpack_group
+from .distributed import is_distributed, pack_group, unpack_group
+from .meter_sync import (
+    SyncedValues,
+    _accumulation_dtype,
+    _restore_dtype,
+    _shape,
+    _to_python,
+    format_number,
+    sync_meters,
+)
 
 if TYPE_CHECKING:  # only for annotations: builds without distributed support lack the class
     from torch.distributed import ProcessGroup
@@ -29,23 +37,13 @@ try:  # Python 3.11+
 except ImportError:  # pragma: no cover - Python 3.10
     from typing_extensions import Self
 
-__all__ = ["AverageMeter", "AverageMeters", "MetersBase"]
+__all__ = ["AverageMeter", "AverageMeters", "MetersBase", "SyncedValues", "format_number", "sync_meters"]
 
 Number = int | float
 # 0-d tensor updates are summed in groups of this many (see AverageMeter): one stack and one
 # reduction per group instead of an addition per update.
 PENDING_VALUES = 64
 _FLOAT32 = struct.Struct("f")
-
-
-@dataclass
-class SyncedValues:
-    """Values of one meter after a read: the current step and the running average, with weights."""
-
-    bat: Any
-    bat_count: Number
-    avg: Any
-    count: Number
 
 
 class AverageMeter:
@@ -145,13 +143,17 @@ class AverageMeter:
     def update(self, value: float | int | Tensor, n: int = 1) -> None:
         """Add `value` with weight `n` (0-d tensors are added in groups: see the class docstring).
 
+        A value of weight `n=0` (the NaN mean of an empty batch, say) becomes `val` as given but
+        adds nothing to `sum`, `count` or `avg`.
+
         Args:
             value: A number or a tensor (detached; accumulated on its own device).
             n: Weight of the value, typically the number of samples it summarises.
 
         Raises:
             TypeError: If `value` is not a number or tensor, or `n` is not a number.
-            ValueError: If `n` is negative or a tensor's shape differs from earlier updates.
+            ValueError: If `n` is negative or the value's shape differs from earlier updates
+                (a number counts as shape `()`): adding would broadcast one into the other.
         """
         pending = self._pending
         if pending and type(value) is Tensor and type(n) is int and n == 1 and self._pending_n == 1:
@@ -171,11 +173,14 @@ class AverageMeter:
             raise TypeError(f"n must be a non-negative number, got {n!r}")
         if n < 0:
             raise ValueError(f"n must be a non-negative number, got {n!r}")
+        if self._updated and _shape(value) != _shape(self._val):
+            self._refuse_shape(value)
         if isinstance(value, Tensor):
             if value.requires_grad:
                 value = value.detach()
-            total = self._total
-            if value.ndim or (isinstance(total, Tensor) and total.ndim):
+            if not n:  # weightless (an empty batch, whose mean is NaN): shown as `val`, never summed
+                self._tensor_sum(value)
+            elif value.ndim or (isinstance(self._total, Tensor) and self._total.ndim):
                 self._add_tensor(value, n)
             else:  # the per-step loss: queue it, no tensor op now
                 pending = self._pending
@@ -189,13 +194,28 @@ class AverageMeter:
                 if len(pending) >= PENDING_VALUES:
                     self._commit()
         elif isinstance(value, (int, float)) and not isinstance(value, bool):
-            self._commit()
-            self._total = self._total + value * n
+            if n:
+                self._commit()
+                self._total = self._total + value * n
         else:
             raise TypeError(f"AverageMeter values must be numbers or tensors, got {type(value).__name__}")
         self._val, self._n = value, n
         self._count += n
         self._updated = True
+
+    def _refuse_shape(self, value: Any) -> None:
+        # Adding would broadcast one shape into the other and mix unrelated quantities.
+        raise ValueError(
+            f"AverageMeter got a value of shape {tuple(_shape(value))}, but earlier values had shape "
+            f"{tuple(_shape(self._val))}; reset the meter to change shapes"
+        )
+
+    def _tensor_sum(self, like: Tensor) -> None:
+        """Make the running sum a (float64) tensor shaped like `like`, as adding one would."""
+        if not isinstance(self._total, Tensor):
+            self._commit()
+            zeros = torch.zeros(like.shape, dtype=_accumulation_dtype(like), device=like.device)
+            self._total = zeros + self._total
 
     def _add_tensor(self, value: Tensor, n: Number) -> None:
         self._commit()
@@ -264,6 +284,9 @@ class AverageMeter:
 
     def _local_avg(self) -> Any:
         if not self._count:
+            like = self._val  # nothing weighs yet: NaN, shaped like the values seen
+            if isinstance(like, Tensor) and like.ndim:
+                return torch.full_like(like, math.nan, dtype=_nan_dtype(like))
             return math.nan
         total = self._sum
         if isinstance(total, Tensor) and not total.ndim and total.dtype == torch.float64:
@@ -472,105 +495,5 @@ class AverageMeters(MetersBase):
             meter.update(value)
 
 
-def sync_meters(
-    meters: Sequence[AverageMeter],
-    device: torch.device | str | None = None,
-    *,
-    names: Sequence[str] | None = None,
-    group: ProcessGroup | None = None,
-) -> list[SyncedValues]:
-    """Combine the current-step and running values of several meters over the ranks of `group`.
-
-    One shape exchange and one all-reduce serve all meters; `group=None` means every rank, and
-    a group of one rank gives the local values. A rank that never updated a meter contributes
-    nothing to it, so uneven data is fine.
-    """
-    if not is_distributed(group):
-        return [SyncedValues(m.val, m._n, m._local_avg(), m._count) for m in meters]
-    if not meters:
-        return []
-    device = device or next((m.device for m in meters if m.device is not None), None)
-    if device is None:
-        device = next((m._val.device for m in meters if isinstance(m._val, Tensor)), None)
-    local_shapes = [_shape(m._val) if m._updated else None for m in meters]
-    per_rank = gather_shapes(local_shapes, device, group)
-    shapes = []
-    names = names if names is not None else [str(i) for i in range(len(meters))]
-    for index, meter_name in enumerate(names):
-        seen = {s for rank_shapes in per_rank if (s := rank_shapes[index]) is not None}
-        if len(seen) > 1:
-            raise ValueError(f"meter {meter_name!r} has different shapes across ranks: {sorted(map(tuple, seen))}")
-        shapes.append(seen.pop() if seen else torch.Size())
-    pieces = []
-    for meter, shape in zip(meters, shapes):
-        numel = shape.numel()
-        if meter._updated:
-            weighted_val = _flat64(meter._val, numel) * meter._n
-            pieces += [weighted_val, _flat64(meter._n, 1), _flat64(meter._sum, numel), _flat64(meter._count, 1)]
-        else:
-            pieces.append(torch.zeros(2 * numel + 2, dtype=torch.float64))
-    wire = collective_device(device, group)
-    total = sum_across_ranks(torch.cat([p.to(wire) for p in pieces]), wire, group).cpu()
-    results, offset = [], 0
-    for meter, shape in zip(meters, shapes):
-        numel = shape.numel()
-        vn, n, s, c = torch.split(total[offset : offset + 2 * numel + 2], [numel, 1, numel, 1])
-        offset += 2 * numel + 2
-        n_total, c_total = _as_number(n.item()), _as_number(c.item())
-        bat = _shape_like(vn / n if n_total else vn * math.nan, shape, meter)
-        avg = _shape_like(s / c if c_total else s * math.nan, shape, meter)
-        results.append(SyncedValues(bat, n_total, avg, c_total))
-    return results
-
-
-def format_number(value: Any, format_spec: str) -> str:
-    """Format a number, or a tensor/list element by element, with `format_spec`."""
-    if isinstance(value, Tensor):
-        value = value.tolist()
-    if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(format_number(item, format_spec) for item in value) + "]"
-    if isinstance(value, Mapping):
-        return "{" + ", ".join(f"{k}: {format_number(v, format_spec)}" for k, v in value.items()) + "}"
-    return format(value, format_spec)
-
-
-def _accumulation_dtype(value: Tensor) -> torch.dtype:
-    # float64 keeps long runs of float32 updates exact enough; MPS has no float64.
-    return torch.float32 if value.device.type == "mps" else torch.float64
-
-
-def _restore_dtype(value: Any, like: Any) -> Any:
-    if isinstance(value, Tensor) and isinstance(like, Tensor) and like.is_floating_point():
-        return value.to(like.dtype)
-    if isinstance(value, Tensor) and value.dtype == torch.float64 and value.ndim:
-        return value.to(torch.get_default_dtype())
-    return value
-
-
-def _to_python(value: Any) -> Any:
-    """0-d tensors become Python numbers when read; tensors with dimensions stay tensors."""
-    if isinstance(value, Tensor) and value.ndim == 0:
-        return value.item()
-    return value
-
-
-def _shape(value: Any) -> torch.Size:
-    return value.shape if isinstance(value, Tensor) else torch.Size()
-
-
-def _flat64(value: Any, numel: int) -> Tensor:
-    if isinstance(value, Tensor):
-        flat = value.detach().to(torch.float64).reshape(-1)
-        return flat.expand(numel) if flat.numel() == 1 else flat
-    return torch.full((numel,), float(value), dtype=torch.float64)
-
-
-def _shape_like(flat: Tensor, shape: torch.Size, meter: AverageMeter) -> Any:
-    if not shape:
-        return flat.item()
-    device = meter._val.device if isinstance(meter._val, Tensor) else torch.device("cpu")
-    return _restore_dtype(flat.reshape(shape), meter._val).to(device)
-
-
-def _as_number(value: float) -> Number:
-    return int(value) if float(value).is_integer() else value
+def _nan_dtype(like: Tensor) -> torch.dtype:
+    return like.dtype if like.is_floating_point() else torch.get_default_dtype()

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Union
 
 import torch
 from torch import Tensor
@@ -12,7 +12,8 @@ from danling.utils import RoundDict
 
 from .distributed import pack_group, unpack_group
 from .global_metrics import GlobalMetrics
-from .meter import MetersBase
+from .meter import AverageMeter, MetersBase
+from .metric_meter import MetricMeter
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -26,15 +27,18 @@ __all__ = ["MultiTaskBase", "MultiTaskMetrics"]
 
 AGGREGATES = ("macro", "micro", "weighted", None)
 AGGREGATE_KEY = "aggregate"
-Container = MetersBase | GlobalMetrics
+Container = Union[MetersBase, GlobalMetrics, AverageMeter, "MultiTaskBase"]  # a forward reference
 
 
 class MultiTaskBase:
     """Named task containers with attribute and item access, in insertion order.
 
-    A container is a [`StreamMetrics`][danling.metrics.StreamMetrics],
+    A task is a [`StreamMetrics`][danling.metrics.StreamMetrics],
     [`AverageMeters`][danling.metrics.AverageMeters] or
-    [`GlobalMetrics`][danling.metrics.GlobalMetrics]; assigning one as an attribute adds a task.
+    [`GlobalMetrics`][danling.metrics.GlobalMetrics], a single meter
+    ([`MetricMeter`][danling.metrics.MetricMeter] or [`AverageMeter`][danling.metrics.AverageMeter]),
+    a nested `MultiTaskBase`, or a metric function of `(input, target)`, which is wrapped in a
+    `MetricMeter`. Assigning one as an attribute or item adds a task.
 
     `group` is the process group the tasks reduce over (`None`, the default, is every rank).
     Assigning it sets it on every task, and while it is set a task added later takes it over,
@@ -43,7 +47,7 @@ class MultiTaskBase:
 
     _group: ProcessGroup | None = None
 
-    def __init__(self, **tasks: Container) -> None:
+    def __init__(self, **tasks: Container | Callable) -> None:
         object.__setattr__(self, "_tasks", {})
         for name, container in tasks.items():
             self[name] = container
@@ -59,11 +63,16 @@ class MultiTaskBase:
         for container in self._tasks.values():
             container.group = group
 
-    def __setitem__(self, name: str, container: Container) -> None:
-        if not isinstance(container, (MetersBase, GlobalMetrics)):
-            raise TypeError(
-                f"task {name!r} must be a StreamMetrics, AverageMeters or GlobalMetrics, got {type(container).__name__}"
-            )
+    def __setitem__(self, name: str, container: Container | Callable) -> None:
+        if not isinstance(container, TASK_TYPES):
+            if not callable(container):
+                raise TypeError(
+                    f"task {name!r} must be a StreamMetrics, AverageMeters, GlobalMetrics, MetricMeter, "
+                    f"MultiTaskMetrics or a metric function, got {type(container).__name__}"
+                )
+            container = MetricMeter(container)
+        if container is self:
+            raise ValueError(f"task {name!r} cannot be the collection itself")
         if name == AGGREGATE_KEY:
             raise ValueError(f"{AGGREGATE_KEY!r} is reserved for the aggregate across tasks")
         if self._group is not None:
@@ -77,10 +86,12 @@ class MultiTaskBase:
         del self._tasks[name]
 
     def __setattr__(self, name: str, value: Any) -> None:
-        if isinstance(value, (MetersBase, GlobalMetrics)):
-            self[name] = value
-        else:
+        # Private names and class attributes (`group`, say) stay attributes; anything else that
+        # can be a task becomes one, as `self[name] = value` would.
+        if name.startswith("_") or hasattr(type(self), name) or not (isinstance(value, TASK_TYPES) or callable(value)):
             object.__setattr__(self, name, value)
+        else:
+            self[name] = value
 
     def __getattr__(self, name: str) -> Container:
         tasks = self.__dict__.get("_tasks", {})
@@ -118,6 +129,9 @@ class MultiTaskBase:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(unpack_group(state, "_group"))
+
+
+TASK_TYPES = (MetersBase, GlobalMetrics, AverageMeter, MultiTaskBase)
 
 
 class MultiTaskMetrics(MultiTaskBase):
@@ -190,10 +204,13 @@ class MultiTaskMetrics(MultiTaskBase):
             if name not in self._tasks:
                 raise ValueError(f"Task {name} not found in {self!r}; known tasks: {', '.join(self._tasks)}")
         for name, payload in values.items():
-            if isinstance(payload, Mapping):
-                self._tasks[name].update(**payload)
+            task = self._tasks[name]
+            if isinstance(task, MultiTaskBase):  # a nested collection takes its own mapping of tasks
+                task.update(payload)
+            elif isinstance(payload, Mapping):
+                task.update(**payload)
             elif isinstance(payload, Sequence) and not isinstance(payload, str):
-                self._tasks[name].update(*payload)
+                task.update(*payload)
             else:
                 raise TypeError(f"payload of task {name} must be a mapping or a sequence, got {type(payload).__name__}")
 
@@ -210,24 +227,36 @@ class MultiTaskMetrics(MultiTaskBase):
         return self.read("avg")
 
     def read(self, kind: str) -> RoundDict:
-        """Values of kind `"val"`, `"bat"` or `"avg"` for every task, plus the aggregate."""
+        """Values of kind `"val"`, `"bat"` or `"avg"` for every task, plus the aggregate.
+
+        A single-meter task reads as one value; it has no metric path and so takes no part in
+        the aggregate. A nested collection reads as its own mapping, aggregate included.
+        """
+        return self.read_with_counts(kind)[0]
+
+    def read_with_counts(self, kind: str) -> tuple[RoundDict, dict[str, Any]]:
+        """[`read`][danling.metrics.MultiTaskMetrics.read] with the weight behind each value."""
         results, counts = {}, {}
         for name, container in self._tasks.items():
-            results[name], counts[name] = container.read(kind)
+            results[name], counts[name] = _read_task(container, kind)
         output = RoundDict({name: values for name, values in results.items()})
         if self.aggregate is not None and results:
-            output[AGGREGATE_KEY] = RoundDict(self._aggregate(results, counts))
-        return output
+            output[AGGREGATE_KEY] = RoundDict.from_flat(self._aggregate(results, counts))
+        return output, counts
 
-    def _aggregate(self, results: Mapping[str, Mapping], counts: Mapping[str, Mapping]) -> dict[str, Any]:
+    def _aggregate(self, results: Mapping[str, Any], counts: Mapping[str, Any]) -> dict[str, Any]:
+        # Metrics are matched by their path below the task ("acc", "nested.acc"); a nested
+        # collection's own aggregate is not a task of it and is left out.
+        flat = {task: _flatten(values) for task, values in results.items() if isinstance(values, Mapping)}
+        flat_counts = {task: _flatten(counts[task]) for task in flat}
         combined: dict[str, Any] = {}
-        names = list(dict.fromkeys(key for values in results.values() for key in values))
+        names = list(dict.fromkeys(key for values in flat.values() for key in values))
         for key in names:
-            entries = [(task, values[key]) for task, values in results.items() if key in values]
+            entries = [(task, values[key]) for task, values in flat.items() if key in values]
             if self.aggregate == "macro":
                 weights = [1.0] * len(entries)
             elif self.aggregate == "micro":
-                weights = [float(counts[task][key]) for task, _ in entries]
+                weights = [float(flat_counts[task][key]) for task, _ in entries]
             else:
                 missing = [task for task, _ in entries if task not in self.aggregate_weights]
                 if missing:
@@ -238,6 +267,33 @@ class MultiTaskMetrics(MultiTaskBase):
 
     def __format__(self, format_spec: str) -> str:
         return "\n".join(f"{name}: {format(container, format_spec)}" for name, container in self._tasks.items())
+
+
+def _read_task(task: Container, kind: str) -> tuple[Any, Any]:
+    """One task's values of `kind` and their weights, whatever kind of container it is."""
+    if isinstance(task, MultiTaskMetrics):
+        return task.read_with_counts(kind)
+    if isinstance(task, AverageMeter):
+        if kind == "val":
+            return task.val, task._n
+        if kind not in ("bat", "avg"):
+            raise ValueError(f"kind must be 'val', 'bat' or 'avg', got {kind!r}")
+        synced = task.sync()
+        return (synced.bat, synced.bat_count) if kind == "bat" else (synced.avg, synced.count)
+    return task.read(kind)
+
+
+def _flatten(values: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in values.items():
+        if prefix == "" and key == AGGREGATE_KEY and isinstance(value, Mapping):
+            continue
+        path = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            flat.update(_flatten(value, f"{path}."))
+        else:
+            flat[path] = value
+    return flat
 
 
 def _weighted_mean(values: list[Any], weights: list[float]) -> Any:

@@ -24,7 +24,7 @@ _INT_RULES = {
     "steps": 0,
     "epochs": 0,
     "accum_steps": 1,
-    "log_interval": 1,
+    "log_interval": 0,  # 0: no step logs
     "checkpoint.interval": 1,
     "checkpoint.keep_latest_k": 0,
     "gc.interval": 1,
@@ -59,6 +59,8 @@ _CHOICES: dict[str, tuple] = {
     "gc.generation": (0, 1, 2),
     "parallel.activation_checkpointing": ("none", "block", "selective"),
 }
+# Choices read in any letter case ("DCP"); `RunnerConfig` stores them lower-cased.
+CASELESS_CHOICES = ("checkpoint.backend",)
 _EXCLUDE_ALIASES = {"data_loader": "dataloaders", "dataloader": "dataloaders", "lr_scheduler": "scheduler"}
 
 
@@ -115,6 +117,8 @@ def check_values(config: Mapping) -> None:
             raise ValueError(f"config.{key} must be a number in [0, 1], got {value!r}")
     for key, choices in _CHOICES.items():
         value = peek(config, key)
+        if key in CASELESS_CHOICES and isinstance(value, str):
+            value = value.lower()
         if value is not None and value not in choices:
             raise ValueError(
                 f"config.{key}={value!r} is not supported; expected None or one of: {', '.join(map(str, choices))}"
@@ -269,6 +273,14 @@ def unsupported(
 
 # ---------------------------------------------------------------------------------------------
 # identity
+
+
+def auto_stack(semantic_config: dict[str, Any], runners: Mapping[str, Any]) -> dict[str, Any]:
+    """`semantic_config` with a `stack` naming the runner `"auto"` resolves to written as `"auto"`."""
+    stack, default = semantic_config.get("stack"), runners.get("auto")
+    if isinstance(stack, str) and default is not None and runners.get(stack.strip().lower()) is default:
+        semantic_config["stack"] = "auto"
+    return semantic_config
 
 
 def semantic(obj: Any, path: tuple[str, ...], ignores: tuple[tuple[str, ...], ...]) -> Any:

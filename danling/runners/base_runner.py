@@ -14,6 +14,7 @@ import logging
 import os
 import random
 import time
+import warnings
 from collections.abc import Mapping
 from contextlib import suppress
 from typing import Any
@@ -77,11 +78,12 @@ class BaseRunner(CheckpointMixin, ResultsMixin, ObservabilityMixin, LoopMixin, P
     3. Early hooks: `init_distributed`, `init_checkpoint_manager`, `init_fault_tolerance`,
        `init_garbage_collection`.
     4. `set_seed`, then `set_deterministic` when `config.deterministic` is set.
-    5. `init_logging`, `init_tensorboard` / `init_wandb` (when enabled), stdout routing for
+    5. `init_logging`, `init_trackers` (TensorBoard, W&B, CSV, MLflow as configured), stdout routing for
        non-main ranks, `init_signal_handlers`, `init_heartbeat`.
     6. The subclass `__init__` finishes (it typically binds `model`, `datasets`, ...).
     7. [`MetaRunner`][danling.runners.base_runner.MetaRunner] calls `__post_init__`, which
-       restores a checkpoint if the config asks for one and records the run's metadata.
+       records the run's metadata; concrete runners restore a checkpoint there when the config
+       asks for one (see `__post_init__`).
 
     Attributes:
         config: The run's configuration.
@@ -125,6 +127,7 @@ class BaseRunner(CheckpointMixin, ResultsMixin, ObservabilityMixin, LoopMixin, P
     def __init__(self, config: RunnerConfig | Mapping[str, Any]) -> None:
         RunnerConfig.check_runner(config, type(self))  # refuse stacks/features this class does not implement
         self.config = self._normalize_config(config)
+        self._resolve_auto_stack()
         self.state = RunnerState(config=self.config)
         self.timestamp = time.strftime("%Y%m%d-%H%M%S")
         self._closed = False
@@ -138,10 +141,7 @@ class BaseRunner(CheckpointMixin, ResultsMixin, ObservabilityMixin, LoopMixin, P
         if self.config.get("deterministic"):
             self.set_deterministic()
         self.init_logging()
-        if self.config.get("tensorboard"):
-            self.init_tensorboard()
-        if self.config.get("wandb.enabled"):
-            self.init_wandb()
+        self.init_trackers()
         self.workspace.route_print()
         self.init_signal_handlers()
         self.init_heartbeat()
@@ -149,29 +149,49 @@ class BaseRunner(CheckpointMixin, ResultsMixin, ObservabilityMixin, LoopMixin, P
     def __post_init__(self) -> None:
         """Finish construction once the subclass `__init__` has returned.
 
-        Restores from `config.resume` / `config.auto_resume` / `config.pretrained` (see
-        [`auto_restore`][danling.runners.checkpointing.api.CheckpointMixin.auto_restore]) unless the
-        concrete runner did so already, then writes the run metadata on the main process.
-        Concrete runners build their model, optimizer and dataloaders first and then call
-        `super().__post_init__()`.
+        Subscribes `@on` handlers, builds the update strategy and writes the run metadata on the
+        main process. The backend-free runner restores nothing: it cannot know what a checkpoint's
+        components load into. Concrete runners build their model, optimizer and dataloaders, call
+        `super().__post_init__()` and then restore what `config.resume` / `config.auto_resume` /
+        `config.pretrained` ask for with
+        [`auto_restore`][danling.runners.checkpointing.api.CheckpointMixin.auto_restore]
+        (`TorchRunner` does); a `BaseRunner` subclass does the same in its own `__post_init__`,
+        or calls `auto_restore()` after construction.
         """
         self.events.subscribe_object(self)  # methods marked with @on(...)
         if "update" not in self.__dict__:
             self.update = self.build_update_strategy()
         self.loop_state.accumulator = self.update.accumulator
-        if not self.__dict__.get("_restored", False):
-            self.auto_restore()
         if self.is_main_process:
             self.workspace.write_metadata({"runner": type(self).__name__, "timestamp": self.timestamp})
 
     @staticmethod
     def _normalize_config(config: RunnerConfig | Mapping[str, Any]) -> RunnerConfig:
         if isinstance(config, RunnerConfig):
-            config.validate()  # a config the caller built: booting it again would rerun its post() hooks
+            config._normalize()  # spellings only ("DCP", "bfloat16"); booting again would rerun post() hooks
+            config.validate()
             return config
         if isinstance(config, Mapping):
             return RunnerConfig(**config).boot()
         raise TypeError(f"config must be a RunnerConfig or a mapping, got {type(config).__name__}: {config!r}")
+
+    def _resolve_auto_stack(self) -> None:
+        """Record the backend `stack: auto` ran on: `"ddp"` for a `TorchRunner`, say.
+
+        The name is the one registered for the most derived backend class this runner is an
+        instance of (`"ddp"` preferred among a class's aliases); a runner outside the registry
+        keeps `"auto"`.
+        """
+        if str(self.config.get("stack") or "auto").strip().lower() != "auto":
+            return
+        from .runner import RUNNERS  # runner.py imports this module
+
+        backends = {backend for name, backend in RUNNERS.items() if name != "auto" and isinstance(self, backend)}
+        derived = [b for b in backends if not any(o is not b and issubclass(o, b) for o in backends)]
+        if len(derived) != 1:
+            return
+        names = [name for name, backend in RUNNERS.items() if backend is derived[0] and name != "auto"]
+        self.config.stack = "ddp" if "ddp" in names else names[0]
 
     def _bind_components(self) -> None:
         """Step 2 of construction: workspace, containers, checkpoint manager, supervisor."""
@@ -394,15 +414,18 @@ class BaseRunner(CheckpointMixin, ResultsMixin, ObservabilityMixin, LoopMixin, P
         """Release everything the runner holds; safe to call more than once.
 
         Waits for pending checkpoint writes (up to `timeout`, default `checkpoint.wait_timeout`)
-        and result files, closes trackers, restores signal handlers, automatic GC and stdout, and closes the log
-        files.
+        and result files, closes trackers, restores signal handlers, automatic GC and stdout, and
+        closes the log files. A checkpoint write still running after `timeout` is left to finish
+        in the background with a `RuntimeWarning`; calling `close()` again waits for it (and for
+        anything else the first call could not close).
 
         Returns:
             `True` when no checkpoint write was left in flight.
         """
         if self.__dict__.get("_closed", True):
             return True
-        self._closed = True
+        first = not self.__dict__.get("_closing", False)
+        self._closing = True
         drained = True
         manager = self.__dict__.get("checkpoint_manager")
         writer = self.__dict__.get("_results_writer")
@@ -414,8 +437,18 @@ class BaseRunner(CheckpointMixin, ResultsMixin, ObservabilityMixin, LoopMixin, P
                 if writer is not None:
                     writer.close(timeout)
             finally:
-                self._release_components()
-        return drained
+                if first:  # trackers, handlers, stdout and logs: released once, on the first call
+                    self._release_components()
+        if not drained:
+            warnings.warn(
+                f"{type(self).__name__}.close(timeout={timeout}): a checkpoint write is still running and "
+                "finishes in the background; call close() again to wait for it",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            return False
+        self._closed = True
+        return True
 
     def _release_components(self) -> None:
         """Close trackers and supervisor (their errors must not stop the rest) and the workspace."""

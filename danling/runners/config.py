@@ -22,6 +22,8 @@ from chanfig import ConfigParser
 from typing_extensions import Self
 
 from ._config_utils import (
+    CASELESS_CHOICES,
+    auto_stack,
     check_annotations,
     check_values,
     feature_keys,
@@ -38,12 +40,14 @@ from .config_sections import (
     CheckpointConfig,
     CommConfig,
     CompileConfig,
+    CSVConfig,
     DataloaderConfig,
     EmaConfig,
     FaultToleranceConfig,
     FsdpConfig,
     GcConfig,
     HeartbeatConfig,
+    MLflowConfig,
     OptimConfig,
     ParallelConfig,
     ProfilingConfig,
@@ -117,8 +121,10 @@ class RunnerConfig(_TypedConfig):
         auto_resume: Resume from the run's latest checkpoint when one exists.
         pretrained: Model-only checkpoint to initialise from.
         log: Write a log file in the run directory (main process only).
-        log_interval: Steps between progress logs; None lets the runner choose.
+        log_interval: Steps between progress logs; 0 turns step logs off; None lets the runner choose.
         tensorboard: Write TensorBoard scalars.
+        csv: `metrics.csv` in the run directory (on by default); see `CSVConfig`.
+        mlflow: MLflow tracking (off by default); see `MLflowConfig`.
 
     Examples:
         >>> config = RunnerConfig()
@@ -159,6 +165,8 @@ class RunnerConfig(_TypedConfig):
         "log_interval",
         "tensorboard",
         "wandb",
+        "csv",
+        "mlflow",
         "checkpoint",
         "heartbeat",
         "profiling",
@@ -218,6 +226,8 @@ class RunnerConfig(_TypedConfig):
     checkpoint: CheckpointConfig = CheckpointConfig()
     dataloader: DataloaderConfig = DataloaderConfig()
     wandb: WandbConfig = WandbConfig()
+    csv: CSVConfig = CSVConfig()
+    mlflow: MLflowConfig = MLflowConfig()
     ft: FaultToleranceConfig = FaultToleranceConfig()
     parallel: ParallelConfig = ParallelConfig()
     fsdp: FsdpConfig = FsdpConfig()
@@ -460,6 +470,10 @@ class RunnerConfig(_TypedConfig):
         precision = peek(self, "precision")
         if isinstance(precision, str) and self.PRECISIONS.get(precision.lower(), precision) != precision:
             self.precision = self.PRECISIONS[precision.lower()]
+        for key in CASELESS_CHOICES:
+            value = peek(self, key)
+            if isinstance(value, str) and value != value.lower():
+                self[key] = value.lower()
         checkpoint = peek(self, "checkpoint")
         if isinstance(checkpoint, Mapping) and "exclude_from_loading" in checkpoint:
             exclude = normalize_exclude(checkpoint["exclude_from_loading"])
@@ -474,10 +488,13 @@ class RunnerConfig(_TypedConfig):
 
         Keys matching `CONFIG_ID_IGNORES` (paths, logging, checkpoint cadence, infrastructure),
         None values and empty sections are left out, so adding a new optional key or touching an
-        unset section does not change it.
+        unset section does not change it. `"ddp"`/`"torch"` (what a runner records for `"auto"`)
+        count as `"auto"`.
         """
+        from .runner import RUNNERS  # runner.py imports this module
+
         ignores = tuple(tuple(pattern.split(".")) for pattern in self.CONFIG_ID_IGNORES)
-        return semantic(self.dict(), (), ignores)
+        return auto_stack(semantic(self.dict(), (), ignores), RUNNERS)
 
     @property
     def config_id(self) -> str:

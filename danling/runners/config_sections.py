@@ -18,6 +18,8 @@ __all__ = [
     "CheckpointConfig",
     "DataloaderConfig",
     "WandbConfig",
+    "CSVConfig",
+    "MLflowConfig",
     "FaultToleranceConfig",
     "ParallelAxesConfig",
     "ParallelConfig",
@@ -157,6 +159,36 @@ class WandbConfig(_TypedConfig):
     tags: list[str] | str | None = None
     dir: str | None = None
     mode: str | None = None
+
+
+class CSVConfig(_TypedConfig):
+    """`metrics.csv` section (`csv.*`): every logged value, one row per step, in the run directory.
+
+    Attributes:
+        enabled: Write the file (on by default; it costs a buffered write per log step).
+        file_name: File name, relative to the run directory (or an absolute path).
+        flush_seconds: Longest time rows may sit in the write buffer.
+    """
+
+    enabled: bool = True
+    file_name: str = "metrics.csv"
+    flush_seconds: float = 5.0
+
+
+class MLflowConfig(_TypedConfig):
+    """MLflow section (`mlflow.*`); needs the `mlflow` extra.
+
+    Attributes:
+        enabled: Record the run in MLflow.
+        tracking_uri: Where to record it; None uses a file store at `<run dir>/mlruns`.
+        experiment: MLflow experiment name; None uses the lineage.
+        run_name: MLflow run name; None uses `<experiment>-<run id>`.
+    """
+
+    enabled: bool = False
+    tracking_uri: str | None = None
+    experiment: str | None = None
+    run_name: str | None = None
 
 
 class FaultToleranceConfig(_TypedConfig):

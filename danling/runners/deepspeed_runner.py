@@ -16,8 +16,8 @@ and a user's script does not change. It is a thin [`TorchRunner`][danling.runner
 
 from __future__ import annotations
 
-import copy
 import os
+import shutil
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -33,15 +33,14 @@ from danling.distributed import is_distributed
 from danling.utils.imports import optional_import
 
 from .checkpointing.api import OPTIONAL_RANK_LOCAL_KEYS, RANK_LOCAL_KEYS, CheckpointSource, _describe, _is_path
+from .deepspeed_config import build_deepspeed_config
 from .runner import register_runner
 from .torch_runner import TorchRunner
 from .update import EMA
-from .update.deepspeed import DeepSpeedUpdateStrategy
+from .update.deepspeed import DeepSpeedUpdateStrategy, gathered_parameters
 from .update.gradient_sync import OwnsAccumulationBoundary
 
 __all__ = ["DeepSpeedRunner"]
-
-_PRECISION_SECTIONS = {"bf16": "bf16", "fp16": "fp16"}
 
 
 class DeepSpeedRunner(TorchRunner):
@@ -61,13 +60,19 @@ class DeepSpeedRunner(TorchRunner):
 
     # ------------------------------------------------------------------ process and checkpoints
     def init_distributed(self) -> None:
-        """Start (or adopt) the default process group; a single process gets a one-rank gloo group,
-        because DeepSpeed always talks through `torch.distributed`."""
+        """Start (or adopt) the default process group; a single process gets a one-rank gloo group.
+
+        DeepSpeed always talks through `torch.distributed` and caches the groups it derives from
+        the default one for the life of the process, so the one-rank group is left in place when
+        the runner closes: a later runner in the same process adopts it.
+        """
         super().init_distributed()
         if not (dist.is_available() and dist.is_initialized()):
             store = dist.HashStore()
             dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-            self._owns_process_group = True
+            # DeepSpeed reads the launcher's variables even for one process.
+            for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_WORLD_SIZE", "1")):
+                os.environ.setdefault(key, value)
 
     @property
     def checkpoint_backend(self) -> str:
@@ -123,48 +128,15 @@ class DeepSpeedRunner(TorchRunner):
         `precision` (`bf16`/`fp16`) enables the matching DeepSpeed section; `max_grad_norm`
         becomes `gradient_clipping` (unset, clipping is off, where DeepSpeed's own default clips
         at 1.0). With a danling-built (client) optimizer,
-        `zero_allow_untested_optimizer` defaults to true.
+        `zero_allow_untested_optimizer` defaults to true. `skip_nonfinite_grad` keeps the ZeRO
+        optimizer's own agreed skip on (`bf16.check_grad_overflow`, `compute_grad_norm`).
 
         Raises:
             ValueError: `config.deepspeed` is not a mapping, a DeepSpeed setting conflicts with
                 the runner's (both values are named), or a runner setting has no DeepSpeed
-                counterpart (`max_grad_value`, `skip_nonfinite_grad`).
+                counterpart (`max_grad_value`; `skip_nonfinite_grad` in fp32 without ZeRO).
         """
-        section = self.config.get("deepspeed")
-        if section is None:
-            section = {}
-        if not isinstance(section, Mapping):
-            raise ValueError(f"config.deepspeed must be a mapping of DeepSpeed settings, got {type(section).__name__}")
-        config = copy.deepcopy(section.dict() if callable(getattr(section, "dict", None)) else dict(section))
-        _agree(config, "gradient_accumulation_steps", 1, f"accum_steps={self.accum_steps} (danling owns accumulation)")
-        config["gradient_accumulation_steps"] = 1
-        micro = self._micro_batch_size()
-        if micro is not None:
-            _agree(config, "train_micro_batch_size_per_gpu", micro, f"the loader's batch_size={micro}")
-            config["train_micro_batch_size_per_gpu"] = micro
-            _agree(
-                config,
-                "train_batch_size",
-                micro * self.world_size,
-                f"batch_size x world size = {micro}x{self.world_size}",
-            )
-        if self.precision in _PRECISION_SECTIONS:
-            key = _PRECISION_SECTIONS[self.precision]
-            sub = config.setdefault(key, {})
-            if sub.get("enabled") is False:
-                raise ValueError(f"config.deepspeed.{key}.enabled=False conflicts with precision={self.precision!r}")
-            sub["enabled"] = True
-        if self.max_grad_norm is not None:
-            _agree(config, "gradient_clipping", self.max_grad_norm, f"max_grad_norm={self.max_grad_norm}")
-            config["gradient_clipping"] = self.max_grad_norm
-        config.setdefault("gradient_clipping", 0.0)  # DeepSpeed clips at 1.0 unless told; danling does not
-        for name in ("max_grad_value", "skip_nonfinite_grad"):
-            if self.config.get(name):
-                raise ValueError(f"{name}={self.config.get(name)!r} is not supported by DeepSpeedRunner yet")
-        config.setdefault("steps_per_print", 2**31 - 1)  # the runner logs; keep DeepSpeed quiet
-        if self.optimizer is not None:  # the user chose it (config.optim): ZeRO may shard any torch optimizer
-            config.setdefault("zero_allow_untested_optimizer", True)
-        return config
+        return build_deepspeed_config(self)
 
     def _micro_batch_size(self) -> int | None:
         for split in self.train_splits:
@@ -185,6 +157,7 @@ class DeepSpeedRunner(TorchRunner):
         """
         deepspeed = optional_import("deepspeed", "deepspeed")
         deepspeed.init_distributed(dist_backend=dist.get_backend())  # adopts the running group
+        _forget_destroyed_world_group(deepspeed)
         self.deepspeed_config = self.get_deepspeed_config()
         scheduler = self.scheduler if self.scheduler_interval == "step" else None
         parameters = None if self.optimizer is not None else [p for p in self.model.parameters() if p.requires_grad]
@@ -196,6 +169,10 @@ class DeepSpeedRunner(TorchRunner):
             config=self.deepspeed_config,
         )
         self.model, self.optimizer = engine, optimizer
+        if isinstance(self.ema, EMA):  # start the average from the weights the engine broadcast, on every rank
+            module = self.unwrap(engine)
+            with gathered_parameters(engine, module.parameters()):
+                self.ema.module.load_state_dict(module.state_dict())
         if scheduler is not None:
             self.scheduler = engine_scheduler
         self.checkpoint_manager.bind(engine)
@@ -207,11 +184,16 @@ class DeepSpeedRunner(TorchRunner):
         return self.scheduler is not None and self.scheduler_interval == "step"
 
     def optimizer_step(self) -> bool:
-        """Step the engine at danling's window boundary; count the update and refresh the EMA copy."""
+        """Step the engine at danling's window boundary; count the update and refresh the EMA copy.
+
+        Under ZeRO-3 the EMA update gathers the partitioned parameters (a collective on every rank).
+        """
         applied = super(TorchRunner, self).optimizer_step()  # the engine, not an OptimizerContainer
         if applied:
             if isinstance(self.ema, EMA):
-                self.ema.update(self.unwrap(self.model))
+                module = self.unwrap(self.model)
+                with gathered_parameters(self.model, module.parameters()):
+                    self.ema.update(module)
             if not self._train_timeout_applied:
                 self._apply_train_timeout()
         return applied
@@ -222,10 +204,29 @@ class DeepSpeedRunner(TorchRunner):
             model = model.module
         return super().unwrap(model)
 
+    def model_state_dict(self) -> dict[str, torch.Tensor]:
+        """The module's whole state dict as detached CPU copies, on every rank.
+
+        Under ZeRO-3 the partitioned parameters are gathered first, so every rank must call it.
+        """
+        module = self.unwrap(self.model)
+        with gathered_parameters(self.model, module.parameters()):
+            return {key: value.detach().cpu().clone() for key, value in module.state_dict().items()}
+
     def load_model(self, state_dict: Mapping[str, Any], *args: Any, **kwargs: Any) -> None:
-        """Load a plain state dict into the engine's module (ZeRO stages 0-2)."""
+        """Load a whole (unpartitioned) state dict into the engine's module, on every rank.
+
+        Under ZeRO-3 the parameters are gathered, loaded and partitioned again; the ZeRO
+        optimizer's fp32 master copy is then refreshed from them, or its next step would write
+        the old weights back.
+        """
         strict = kwargs.pop("strict", args[0] if args else True)
-        self.unwrap(self.model).load_state_dict(state_dict, strict=strict)
+        module = self.unwrap(self.model)
+        with gathered_parameters(self.model, module.parameters(), modifier_rank=0):
+            module.load_state_dict(state_dict, strict=strict)
+        refresh = getattr(getattr(self.model, "optimizer", None), "refresh_fp32_params", None)
+        if callable(refresh):
+            refresh()
 
     # ------------------------------------------------------------------ checkpoints
     def checkpoint_payload(self, *, last_step: bool) -> Mapping[str, Any]:
@@ -274,15 +275,28 @@ class DeepSpeedRunner(TorchRunner):
         return path if path.is_dir() else path.parent
 
     def _engine_load(self, tag: Path, *, expected_step: int | None = None, **options: Any) -> None:
-        """`engine.load_checkpoint` of one tag directory, verifying that this tag is the one loaded.
+        """`engine.load_checkpoint` of one tag directory, making sure this tag is the one loaded.
+
+        A ZeRO-3 load without optimizer states goes through a [`tag_view`][danling.checkpoint.deepspeed.tag_view]
+        (DeepSpeed would read the weights of its directory's `latest` tag); optimizer partitions
+        of another data-parallel size go through DeepSpeed's universal format.
 
         Raises:
             CheckpointError: the engine loaded nothing, or another tag than `tag` (its recorded
                 step differs).
         """
-        from danling.checkpoint.deepspeed import CLIENT_STEP_KEY
+        from danling.checkpoint.deepspeed import CLIENT_STEP_KEY, tag_view, zero_data_size
 
-        load_path, client = self.model.load_checkpoint(str(tag.parent), tag=tag.name, **options)
+        engine = self.model
+        with_optimizer = options.get("load_optimizer_states", True) and not options.get("load_module_only", False)
+        saved = zero_data_size(tag)
+        if with_optimizer and saved is not None and saved != engine.dp_world_size:
+            load_path, client = self._load_resized(tag, saved, **options)
+        elif engine.zero_optimization_stage() >= 3 and not options.get("load_optimizer_states", True):
+            with tag_view(tag) as view:
+                load_path, client = engine.load_checkpoint(str(view), tag=tag.name, **options)
+        else:
+            load_path, client = engine.load_checkpoint(str(tag.parent), tag=tag.name, **options)
         if load_path is None:
             raise CheckpointError(f"DeepSpeed could not load checkpoint tag {tag}")
         loaded = (client or {}).get(CLIENT_STEP_KEY)
@@ -292,10 +306,60 @@ class DeepSpeedRunner(TorchRunner):
                 "was requested"
             )
 
+    def _load_resized(self, tag: Path, saved: int, **options: Any) -> tuple[Any, Any]:
+        """Load ZeRO partitions of `saved` data-parallel ranks on another number: through DeepSpeed's universal format.
+
+        The main process converts the tag (`ds_to_universal`) into `<checkpoint dir>/.universal/`;
+        every rank learns whether that worked (one broadcast) before any rank loads, so a failed
+        conversion is the same `CheckpointError` everywhere instead of a hang. The engine then
+        loads it with `load_universal` switched on for this one call, and the converted copy is
+        removed.
+        """
+        from danling.checkpoint.deepspeed import convert_to_universal
+
+        engine = self.model
+        root = self.checkpoint_manager.directory / ".universal"
+        error = None
+        if self.is_main_process:
+            try:
+                shutil.rmtree(root, ignore_errors=True)
+                convert_to_universal(tag, root)
+            except Exception as exc:  # reported to every rank below
+                error = f"{type(exc).__name__}: {exc}"
+        if is_distributed():
+            message = [error]
+            dist.broadcast_object_list(message, src=0)
+            error = message[0]
+        if error is not None:
+            raise CheckpointError(
+                f"checkpoint {tag} holds ZeRO partitions of {saved} data-parallel ranks and this run has "
+                f"{engine.dp_world_size}; converting it to DeepSpeed's universal format failed: {error}"
+            )
+        self.logger.info(
+            "checkpoint %s holds ZeRO partitions of %d data-parallel ranks and this run has %d: "
+            "converted it to DeepSpeed's universal format, loading it with load_universal",
+            tag,
+            saved,
+            engine.dp_world_size,
+        )
+        config = engine._config
+        previous, config.load_universal_checkpoint = config.load_universal_checkpoint, True
+        try:
+            result = engine.load_checkpoint(str(root), tag=tag.name, **options)
+        finally:
+            config.load_universal_checkpoint = previous
+        if is_distributed():
+            dist.barrier()
+        if self.is_main_process:
+            shutil.rmtree(root, ignore_errors=True)
+        return result
+
     def load_pretrained(self, checkpoint: CheckpointSource, *args: Any, **kwargs: Any) -> None:
         """Load model weights only: the EMA weights when danling's state has them, else the engine's module.
 
-        Optimizer, scheduler, counters and dataloaders stay as they are.
+        Optimizer state, scheduler, counters and dataloaders stay as they are; the ZeRO
+        optimizer's fp32 master weights follow the loaded weights. Works under ZeRO-3 and on
+        another data-parallel size.
         """
         if not self._is_deepspeed_source(checkpoint):
             return super().load_pretrained(checkpoint, *args, **kwargs)
@@ -304,7 +368,11 @@ class DeepSpeedRunner(TorchRunner):
             self.load_model(payload["ema"], *args, **kwargs)
             source = "ema"
         else:
-            self._engine_load(self._tag_directory(checkpoint), load_module_only=True)
+            tag = self._tag_directory(checkpoint)
+            # ZeRO-3's module file holds no weights: its fp32 partitions are merged instead.
+            self._engine_load(
+                tag, load_module_only=True, load_optimizer_states=self.model.zero_optimization_stage() < 3
+            )
             source = "model"
         self.config.pretrained = os.fspath(checkpoint)
         self.logger.info("loaded %s weights from %s", source, _describe(checkpoint))
@@ -328,13 +396,6 @@ class DeepSpeedRunner(TorchRunner):
         return target
 
 
-def _agree(config: dict[str, Any], key: str, value: Any, ours: str) -> None:
-    """Refuse a DeepSpeed setting that disagrees with the runner's (`"auto"` and unset agree)."""
-    given = config.get(key)
-    if given is not None and given != "auto" and given != value:
-        raise ValueError(f"config.deepspeed.{key}={given!r} conflicts with {ours}: the runner sets it to {value!r}")
-
-
 def _detect(path: Path) -> bool:
     from danling.checkpoint.deepspeed import is_deepspeed_checkpoint
 
@@ -348,4 +409,22 @@ def _manager(directory: Any, **options: Any) -> Any:
 
 
 register_format("deepspeed", detect=_detect, manager=_manager, replace=True)
+
+
+def _forget_destroyed_world_group(deepspeed: Any) -> None:
+    """Drop DeepSpeed's cached clone of the world group when that group was destroyed.
+
+    A runner destroys the process group it started when it closes; DeepSpeed keeps its clone of
+    the old world group, and every collective of the next engine on it fails ("not registered").
+    """
+    groups = deepspeed.utils.groups
+    cached = getattr(groups, "_WORLD_GROUP", None)
+    if cached is None:
+        return
+    try:
+        dist.get_process_group_ranks(cached)  # raises for a group the current world does not know
+    except (KeyError, RuntimeError, ValueError):
+        groups._WORLD_GROUP = None
+
+
 register_runner(("deepspeed", "ds"), DeepSpeedRunner)

@@ -121,6 +121,8 @@ class TorchRunner(TorchCheckpointMixin, TorchBatchMixin, TorchDataMixin, TorchIn
             self.build_dataloaders()
         self.init_profiler()
         super().__post_init__()
+        if not self.__dict__.get("_restored", False):  # resume / auto_resume / pretrained
+            self.auto_restore()
         if self.is_main_process:
             self.events.subscribe(Events.RUN_START, self._log_run_summary)
 
@@ -159,16 +161,16 @@ class TorchRunner(TorchCheckpointMixin, TorchBatchMixin, TorchDataMixin, TorchIn
         """Start the default process group from `WORLD_SIZE`/`RANK`/`LOCAL_RANK` when there are several processes.
 
         Called once during construction, before the checkpoint manager is chosen; no model exists yet.
-        A group that is already running (started by a launcher or a test harness) is adopted,
-        provided its size matches `WORLD_SIZE`; a group started here is destroyed by `close`. Rank 0's
+        The runner owns the group's lifecycle: it starts it here and `close` destroys it. Rank 0's
         timestamp is broadcast so every rank names the run alike, and `TORCHELASTIC_RESTART_COUNT`
         is recorded in `elastic_state`.
 
         Raises:
-            RuntimeError: a running group's size disagrees with `WORLD_SIZE`.
+            RuntimeError: `WORLD_SIZE` > 1 and a default process group is already running (started
+                outside the runner, which would then not own it).
         """
         timeout = self.config.comm.init_timeout_seconds
-        self._owns_process_group = init_process_group_from_env(timeout=timeout, allow_existing=True)
+        self._owns_process_group = init_process_group_from_env(timeout=timeout)
         if is_distributed():
             self.timestamp = broadcast_object(self.timestamp, group=None)  # the world: no topology yet
         self.elastic_state.restart_count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)

@@ -125,6 +125,12 @@ def _worker(rank, world_size):
         meters.vector.update(torch.tensor([1.0, 3.0]), n=2)
     out["meters"] = {"bat": numbers(meters.bat), "avg": numbers(meters.avg), "text": f"{meters:.2f}"}
     out["meter_alone"] = (meters.loss.bat, meters.loss.avg, meters.loss.val)
+    # An empty batch on rank 1 (NaN mean, weight 0) weighs nothing in `bat` or `avg`.
+    empty = AverageMeter()
+    empty.update(2.0 * (rank + 1))
+    if rank == 1:
+        empty.update(math.nan, n=0)
+    out["weightless"] = (empty.bat, empty.avg)
 
     tasks = MultiTaskMetrics(aggregate="micro", a=multiclass_metrics(4, ["acc"]), b=binary_metrics(["acc"]))
     for i in SHARDS[rank]:
@@ -179,6 +185,7 @@ def check_meters(results):
         assert out["meters"]["text"] == results[0]["meters"]["text"]
         assert out["meter_alone"][:2] == (pytest.approx(50 / 3), pytest.approx(53 / 5))
     assert [out["meter_alone"][2] for out in results] == [10.0, 20.0]  # val stays local
+    assert [out["weightless"] for out in results] == [(2.0, 3.0), (2.0, 3.0)]
 
 
 def check_multitask(results, batches):

@@ -67,3 +67,56 @@ def test_average_meters_create_on_update_and_expose_round_dicts():
         meters.missing  # noqa: B018
     with pytest.raises(TypeError, match="mappings"):
         meters.update([("loss", 1.0)])
+
+
+@pytest.mark.parametrize(
+    ("first", "second"),
+    [
+        (torch.tensor([1.0, 2.0]), 3.0),  # a number after vectors
+        (torch.tensor([1.0, 2.0]), torch.tensor(3.0)),  # a 0-d tensor after vectors
+        (1.0, torch.tensor([1.0, 2.0])),  # a vector after numbers
+        (torch.tensor(1.0), torch.tensor([1.0, 2.0])),  # a vector after 0-d tensors
+    ],
+)
+def test_an_update_of_another_shape_is_rejected_not_broadcast(first, second):
+    meter = AverageMeter()
+    meter.update(first)
+    with pytest.raises(ValueError, match=r"shape") as error:
+        meter.update(second)
+    shapes = {tuple(torch.as_tensor(v).shape) for v in (first, second)}
+    assert all(str(shape) in str(error.value) for shape in shapes)
+    assert meter.count == 1  # the rejected value was not counted
+    meter.reset()
+    meter.update(second)  # a reset meter takes any shape
+    assert meter.count == 1
+
+
+@pytest.mark.parametrize("empty", [math.nan, torch.tensor(math.nan), torch.tensor([math.nan, math.inf])])
+def test_zero_weight_update_keeps_the_average(empty):
+    # An empty batch: its mean loss is NaN, its weight 0; the running average must not change.
+    meter = AverageMeter()
+    full = torch.tensor([1.0, 3.0]) if isinstance(empty, torch.Tensor) and empty.ndim else 2.0
+    meter.update(full, n=2)
+    meter.update(empty, n=0)
+    expected = meter.avg
+    assert meter.count == 2
+    assert torch.equal(torch.as_tensor(meter.avg), torch.as_tensor(full))
+    assert torch.equal(torch.as_tensor(meter.sum), torch.as_tensor(full, dtype=torch.float64) * 2)
+    meter.update(full, n=2)
+    assert torch.equal(torch.as_tensor(meter.avg), torch.as_tensor(expected))
+
+
+@pytest.mark.parametrize(
+    ("value", "kind"), [(3, int), (torch.tensor(3), int), (torch.tensor([1, 2]), torch.Tensor), (2.5, float)]
+)
+def test_zero_weight_update_keeps_the_value_type(value, kind):
+    meter = AverageMeter()
+    meter.update(value, n=0)
+    assert type(meter.val) is kind or isinstance(meter.val, kind)
+    assert torch.equal(torch.as_tensor(meter.val), torch.as_tensor(value))
+    assert meter.count == 0 and meter._n == 0
+    # Nothing weighs yet: the average is NaN, shaped like the values.
+    if isinstance(value, torch.Tensor) and value.ndim:
+        assert isinstance(meter.avg, torch.Tensor) and meter.avg.shape == value.shape and meter.avg.isnan().all()
+    else:
+        assert math.isnan(meter.avg)

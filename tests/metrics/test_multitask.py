@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from danling.metrics import AverageMeters, MultiTaskMetrics, StreamMetrics, binary_metrics
+from danling.metrics import AverageMeters, MetricMeter, MultiTaskMetrics, StreamMetrics, binary_metrics
 from danling.metrics import functional as F
 
 
@@ -54,3 +54,65 @@ def test_errors():
         metrics["bad"] = object()
     with pytest.raises(ValueError, match="reserved"):
         metrics["aggregate"] = AverageMeters()
+
+
+def _batch(scores, labels):
+    return {"input": torch.tensor(scores), "target": torch.tensor(labels)}
+
+
+@pytest.mark.parametrize("by", ["attribute", "item"])
+def test_a_callable_assigned_as_a_task_is_registered_and_updated(by):
+    metrics = MultiTaskMetrics()
+    if by == "attribute":
+        metrics.acc_task = F.binary_accuracy
+    else:
+        metrics["acc_task"] = F.binary_accuracy
+    assert "acc_task" in metrics and list(metrics) == ["acc_task"]
+    metrics.update({"acc_task": _batch([0.9, 0.2, 0.8, 0.1], [1, 1, 1, 0])})
+    assert metrics.avg["acc_task"] == pytest.approx(0.75)
+    assert metrics.acc_task.count == 4
+
+
+@pytest.mark.parametrize("by", ["attribute", "item"])
+def test_a_metric_meter_assigned_as_a_task_is_registered_and_updated(by):
+    meter = MetricMeter(F.binary_accuracy)
+    metrics = MultiTaskMetrics()
+    if by == "attribute":
+        metrics.acc_task = meter
+    else:
+        metrics["acc_task"] = meter
+    assert metrics.acc_task is meter
+    metrics.update({"acc_task": ([0.9, 0.2], [1, 1])})
+    metrics.update({"acc_task": _batch([0.9, 0.8], [1, 1])})
+    assert meter.count == 4 and metrics.avg["acc_task"] == pytest.approx(0.75)
+    assert metrics.val["acc_task"] == pytest.approx(1.0)
+    assert f"{metrics:.2f}" == "acc_task: 1.00 (0.75)"
+
+
+@pytest.mark.parametrize("by", ["attribute", "item"])
+def test_a_nested_multitask_assigned_as_a_task_is_registered_and_updated(by):
+    inner = MultiTaskMetrics(aggregate="macro")
+    inner.a = StreamMetrics(acc=F.binary_accuracy)
+    inner.b = StreamMetrics(acc=F.binary_accuracy)
+    outer = MultiTaskMetrics(aggregate="macro")
+    outer.flat = StreamMetrics(acc=F.binary_accuracy)
+    if by == "attribute":
+        outer.nested = inner
+    else:
+        outer["nested"] = inner
+    assert outer.nested is inner
+    outer.update({"flat": ([0.9, 0.1], [1, 0]), "nested": {"a": ([0.9, 0.9], [1, 0]), "b": ([0.1, 0.1], [1, 1])}})
+    avg = outer.avg
+    assert avg["flat"]["acc"] == 1.0
+    assert avg["nested"]["a"]["acc"] == 0.5 and avg["nested"]["b"]["acc"] == 0.0
+    assert avg["nested"]["aggregate"]["acc"] == 0.25
+    # The outer aggregate matches metrics by their path below each task: "acc" only in `flat`.
+    assert avg["aggregate"]["acc"] == 1.0
+    outer.reset()
+    assert inner.a.count["acc"] == 0
+
+
+def test_setting_the_group_and_plain_attributes_is_not_a_task():
+    metrics = MultiTaskMetrics(aggregate="macro")
+    metrics.group = None
+    assert len(metrics) == 0 and metrics.aggregate == "macro"

@@ -4,7 +4,8 @@ For each layout it forks, one after the other: `clean` (uninterrupted training),
 run with `auto_resume`, saving after update `--save-at` and sending itself SIGKILL right after update
 `--kill-at`) and `resume` (the killed run restarted with the same config). Final full weights go to
 `<root>/<layout>/<scenario>.pt` (rank 0) and the exit status of every scenario to
-`<root>/status-rank<r>.json`. Every scenario rendezvouses through its own file store.
+`<root>/status-rank<r>.json`. The runner of each scenario starts the process group itself (a runner
+owns it), on that scenario's port of `--ports`.
 """
 
 from __future__ import annotations
@@ -17,9 +18,9 @@ import sys
 import traceback
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint.state_dict
 
+from tests.dist import rendezvous_ports
 from tests.runners._parallel_toy import TENSOR_PLAN, ParallelRegression, full_weights, parallel_config
 
 LAYOUTS = {
@@ -50,19 +51,17 @@ def _train(root: str, layout: str, scenario: str, save_at: int, kill_at: int) ->
             torch.save(result, os.path.join(root, layout, f"{scenario}.pt"))
 
 
-def _fork(root: str, layout: str, scenario: str, save_at: int, kill_at: int) -> str:
+def _fork(root: str, layout: str, scenario: str, save_at: int, kill_at: int, ports: list[int]) -> str:
     pid = os.fork()
     if pid == 0:
         code = 1
         try:
-            rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+            rank = int(os.environ["RANK"])
             log = os.open(f"{root}/{layout}-{scenario}-rank{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
             os.dup2(log, 1)
             os.dup2(log, 2)
-            store = f"file://{root}/store-{layout}-{scenario}"
-            dist.init_process_group("gloo", init_method=store, rank=rank, world_size=world_size)
+            rendezvous_ports(ports)
             _train(root, layout, scenario, save_at, kill_at)
-            dist.destroy_process_group()
             code = 0
         except BaseException:
             traceback.print_exc()
@@ -80,13 +79,16 @@ def main() -> None:
     parser.add_argument("--layouts", default=",".join(LAYOUTS))
     parser.add_argument("--save-at", type=int, default=2)
     parser.add_argument("--kill-at", type=int, default=3)
+    parser.add_argument("--ports", required=True, help="rendezvous ports, 2 per scenario, comma-separated")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    ports = iter(int(port) for port in args.ports.split(","))
     status = {}
     for layout in args.layouts.split(","):
         os.makedirs(os.path.join(args.root, layout), exist_ok=True)
         for scenario in ("clean", "killed", "resume"):
-            status[f"{layout}-{scenario}"] = _fork(args.root, layout, scenario, args.save_at, args.kill_at)
+            spare = [next(ports), next(ports)]
+            status[f"{layout}-{scenario}"] = _fork(args.root, layout, scenario, args.save_at, args.kill_at, spare)
     with open(os.path.join(args.root, f"status-rank{os.environ['RANK']}.json"), "w") as file:
         json.dump(status, file)
 

@@ -11,7 +11,9 @@ paid once) and runs them concurrently:
 then, once both were killed, `resume` restarts them with `auto_resume` and trains to the end.
 Each run writes its final weights to `<root>/{clean,killed}/<mode>/final-rank<r>.pt`, and the exit
 status of every scenario is written to `<root>/status-rank<r>.json`. For two processes the parent
-sets `RANK`/`WORLD_SIZE`; every scenario rendezvouses through its own file store under `<root>`.
+sets `RANK`/`WORLD_SIZE` and `--ports`; the runners of each scenario start the process group
+themselves (a runner owns it), rendezvousing on that scenario's port. With `--zero-stages E S` the
+runs use `DeepSpeedRunner` instead, ZeRO stage `E` in epoch mode and `S` in step mode.
 """
 
 from __future__ import annotations
@@ -24,14 +26,26 @@ import sys
 import traceback
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint.state_dict  # imported once, before forking
 
+from tests.dist import rendezvous_ports
 from tests.runners._torch_toy import TinyRunner, model_state, tiny_config
+
+ZERO_STAGES: dict[str, int] = {}  # mode -> ZeRO stage, set by --zero-stages before forking
+
+
+def _runner_class(stage: int | None) -> type:
+    if stage is None:
+        return TinyRunner
+    from danling.runners import DeepSpeedRunner
+
+    return type("TinyDeepSpeedRunner", (TinyRunner, DeepSpeedRunner), {})
 
 
 def _train(root: str, mode: str, world_size: int, kill_at: int, save_at: int) -> None:
-    class Child(TinyRunner):
+    stage = ZERO_STAGES.get(mode)
+
+    class Child(_runner_class(stage)):
         n_train = 20 * world_size  # 5 batches of 4 per rank and pass
 
         def optimizer_step(self) -> bool:
@@ -51,17 +65,22 @@ def _train(root: str, mode: str, world_size: int, kill_at: int, save_at: int) ->
         **budget,
         **{"ema.enabled": True, "ema.decay": 0.9, "scheduler.type": "cosine", "scheduler.warmup_steps": 2},
     )
+    if stage is not None:  # every parameter partitioned under ZeRO-3
+        config["deepspeed"] = {"zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}
     with Child(config) as runner:
         start = runner.train_state.global_step
         runner.train()
         final = {
             "start": start,
             "global_step": runner.train_state.global_step,
-            "model": model_state(runner),
+            "model": runner.model_state_dict() if stage is not None else model_state(runner),
             "ema": {k: v.clone() for k, v in runner.ema.module.state_dict().items()},
         }
         os.makedirs(os.path.join(root, mode), exist_ok=True)
         torch.save(final, os.path.join(root, mode, f"final-rank{runner.rank}.pt"))
+
+
+_PORTS: dict[str, list[int]] = {}
 
 
 def _fork(root: str, directory: str, tag: str, modes: list[str], *, kill_at: int = 0, save_at: int = 0) -> int:
@@ -75,13 +94,10 @@ def _fork(root: str, directory: str, tag: str, modes: list[str], *, kill_at: int
         log = os.open(f"{root}/{tag}-rank{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
         os.dup2(log, 1)
         os.dup2(log, 2)
-        if world_size > 1:
-            store = f"file://{root}/store-{tag}"
-            dist.init_process_group("gloo", init_method=store, rank=rank, world_size=world_size)
+        if world_size > 1:  # each runner starts (and destroys) the group, on a port of its own
+            rendezvous_ports(_PORTS[tag])
         for mode in modes:
             _train(os.path.join(root, directory), mode, world_size, kill_at, save_at)
-        if world_size > 1:
-            dist.destroy_process_group()
         code = 0
     except BaseException:
         traceback.print_exc()
@@ -104,8 +120,17 @@ def main() -> None:
     parser.add_argument("--epoch-kill-at", type=int, required=True)
     parser.add_argument("--epoch-save-at", type=int, default=0)
     parser.add_argument("--step-kill-at", type=int, required=True)
+    parser.add_argument("--zero-stages", type=int, nargs=2, metavar=("EPOCH", "STEP"))
+    parser.add_argument("--ports", default="", help="rendezvous ports, 4 per scenario, comma-separated")
     args = parser.parse_args()
+    ports = [int(port) for port in args.ports.split(",") if port]
+    for index, tag in enumerate(("clean", "kill-epoch", "kill-step", "resume")):
+        _PORTS[tag] = ports[4 * index : 4 * index + 4]
     torch.set_num_threads(1)
+    if args.zero_stages:
+        import deepspeed  # noqa: F401 - imported once, before forking
+
+        ZERO_STAGES.update(zip(("epoch", "step"), args.zero_stages))
     os.makedirs(args.root, exist_ok=True)
     pids = {
         "clean": _fork(args.root, "clean", "clean", ["epoch", "step"]),

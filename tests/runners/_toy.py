@@ -39,6 +39,10 @@ class ToyRunner(BaseRunner):
         self.dataloaders["val"] = list(VAL)
         self.dataloaders["infer"] = [0.5, 1.5, 2.5]
 
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.auto_restore()  # restore at construction, as the backend runners do
+
     def train_step(self, data: float) -> tuple[float, float]:
         error = self.model.weight - data
         self.grad += 2 * error / self.accum_steps

@@ -286,7 +286,7 @@ def test_after_boot_missing_keys_raise_and_get_returns_default():
         ({"accum_steps": 0}, r"config.accum_steps must be an integer >= 1, got 0"),
         ({"precision": "fp4"}, r"config.precision='fp4' is not supported; expected None or one of: fp32"),
         ({"max_grad_norm": 0}, r"config.max_grad_norm must be a number > 0 or None, got 0"),
-        ({"log_interval": 0}, r"config.log_interval must be an integer >= 1 or None"),
+        ({"log_interval": -1}, r"config.log_interval must be an integer >= 0 or None"),
         ({"scheduler.interval": "batch"}, r"config.scheduler.interval='batch' is not supported"),
         ({"checkpoint.backend": "s3"}, r"config.checkpoint.backend='s3' is not supported.*dcp"),
         ({"dataloader.val.batch_size": 0}, r"config.dataloader.val.batch_size must be an integer >= 1"),

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.dist import run_distributed
+from tests.dist import free_ports, run_distributed
 from tests.runners._parallel_toy import TENSOR_PLAN, ParallelRegression, full_weights, parallel_config
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
@@ -103,7 +103,7 @@ def _reference(tmp_path, name: str) -> dict:
 
 
 def test_fsdp_tensor_and_ddp_layouts_train_like_one_process(tmp_path):
-    results = run_distributed(_train_layouts, str(tmp_path / "dist"))
+    results = run_distributed(_train_layouts, str(tmp_path / "dist"), init_process_group=False)
     for name, (_, kind, pattern) in BAD_LAYOUTS.items():
         for rank in (0, 1):  # refused on every rank alike, before any training
             error = results[rank]["errors"][name]
@@ -124,12 +124,13 @@ def test_fsdp_tensor_and_ddp_layouts_train_like_one_process(tmp_path):
 
 
 def test_exact_resume_after_sigkill_fsdp_and_tensor_parallel(tmp_path):
-    procs = []
+    procs, ports = [], free_ports(12)  # the same list on both ranks: 2 per scenario
     for rank in range(2):
         env = {key: value for key, value in os.environ.items() if key not in ("MASTER_ADDR", "MASTER_PORT")}
         env.update(PYTHONPATH=str(_REPO), OMP_NUM_THREADS="1", RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2")
         command = [sys.executable, "-X", "faulthandler", "-m", "tests.runners._parallel_resume_child"]
-        procs.append(subprocess.Popen([*command, "--root", str(tmp_path)], cwd=_REPO, env=env))
+        command += ["--root", str(tmp_path), "--ports", ",".join(map(str, ports))]
+        procs.append(subprocess.Popen(command, cwd=_REPO, env=env))
     for proc in procs:
         assert proc.wait(timeout=300) == 0, f"the resume child failed; logs are in {tmp_path}"
     for rank in range(2):
@@ -182,7 +183,7 @@ def test_dcp_checkpoints_reshard_between_layouts_and_training_continues(tmp_path
     # one process writes a DCP checkpoint ...
     single_weights, single = _first_epoch(str(tmp_path), "single-save", 8, **{"checkpoint.backend": "dcp"})
     # ... two ranks save FSDP shards and load on other layouts (shard=2 -> tensor=2, 1 process -> shard=2)
-    results = run_distributed(_reshard_layouts, str(tmp_path), single)
+    results = run_distributed(_reshard_layouts, str(tmp_path), single, init_process_group=False)
     for rank in (0, 1):
         got = results[rank]
         for key, value in got["saved"].items():
@@ -218,7 +219,7 @@ def _train_four_rank_layouts(rank: int, world_size: int, root: str) -> dict:
 
 
 def test_two_dimensional_meshes_on_four_ranks_train_like_one_process(tmp_path):
-    results = run_distributed(_train_four_rank_layouts, str(tmp_path / "dist"), world_size=4)
+    results = run_distributed(_train_four_rank_layouts, str(tmp_path / "dist"), world_size=4, init_process_group=False)
     references = {  # 2 data-parallel ranks of 4 (fsdp+tensor), 4 of 4 (hsdp)
         "fsdp+tensor": {"dataloader.batch_size": 8, "max_grad_norm": 0.5},
         "hsdp": {"dataloader.batch_size": 16},

@@ -51,8 +51,11 @@ def _resume_on_three(rank: int, world_size: int, root: str, checkpoint: str) -> 
 
 @pytest.mark.distributed
 def test_resume_on_another_data_parallel_size_restores_or_refuses_everywhere(tmp_path):
-    checkpoint = run_distributed(_train_on_two, str(tmp_path / "two"), world_size=2)[0]
-    for out in run_distributed(_resume_on_three, str(tmp_path / "three"), checkpoint, world_size=3):
+    checkpoint = run_distributed(_train_on_two, str(tmp_path / "two"), world_size=2, init_process_group=False)[0]
+    three = run_distributed(
+        _resume_on_three, str(tmp_path / "three"), checkpoint, world_size=3, init_process_group=False
+    )
+    for out in three:
         error = out["refused"]["error"]
         assert "written by 2 data-parallel ranks, but this run has 3" in error
         assert out["excluded"] == {"restored": 12, "final": 20}  # every rank, rank 2 included

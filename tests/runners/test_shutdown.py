@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from danling.checkpoint import read_checkpoint
+from tests.runners._torch_toy import TinyRunner, tiny_config
 from tests.runners._toy import ToyRunner, toy_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -49,3 +50,55 @@ def test_signal_saves_a_shutdown_checkpoint_and_exits(tmp_path, signum):
     with ToyRunner(toy_config(tmp_path, epochs=100, resume=str(checkpoints / "shutdown.pointer"))) as resumed:
         assert resumed.train_state.global_step == 8
         assert resumed.model.weight == payload["model"]["weight"]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.distributed
+def test_sigterm_stops_both_ddp_ranks_with_a_shutdown_checkpoint(tmp_path):
+    import os
+
+    env = dict(os.environ, WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "tests.runners._ddp_shutdown_child", str(tmp_path)],
+            cwd=REPO,
+            env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2"),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    try:
+        reports = [proc.stdout.readline().split() for proc in procs]  # both ranks inside a step
+        assert all(report[:1] == ["inside-loop"] for report in reports), [p.stderr.read() for p in procs]
+        for proc in procs:
+            proc.send_signal(signal.SIGTERM)
+        for proc in procs:
+            proc.stdin.write("continue\n")
+            proc.stdin.flush()
+        errors = [proc.communicate(timeout=180)[1] for proc in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert [proc.returncode for proc in procs] == [128 + signal.SIGTERM] * 2, errors[0][-3000:] + errors[1][-3000:]
+    checkpoints = Path(reports[0][1])
+    assert (checkpoints / "shutdown.pointer").read_text() == (checkpoints / "latest.pointer").read_text()
+    # Read back in one process: the per-rank loader positions cannot follow, the rest does.
+    resume = {"resume": str(checkpoints / "shutdown.pointer"), "checkpoint.exclude_from_loading": "dataloaders"}
+    with TinyRunner(tiny_config(tmp_path, epochs=2, **resume)) as resumed:
+        # Stopped after the last batch of the interrupted pass (step 1 -> 2 finished), before
+        # its evaluation: the resumed run has nothing left of that pass to train.
+        assert resumed.train_state.epoch == 0 and resumed.train_state.global_step == 2
+        assert (resumed.loop_state.split, resumed.loop_state.batch) == ("train", 2) and not resumed.results

@@ -20,6 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.dist import free_ports
+
 pytestmark = pytest.mark.slow
 
 _REPO = Path(__file__).resolve().parents[2]
@@ -28,6 +30,7 @@ _REPO = Path(__file__).resolve().parents[2]
 def _run_child(root: Path, world_size: int, *args: str) -> list[dict]:
     """Run the child on `world_size` ranks and return each rank's scenario statuses."""
     procs = []
+    args = (*args, "--ports", ",".join(map(str, free_ports(16))))
     for rank in range(world_size):
         env = {key: value for key, value in os.environ.items() if key not in ("MASTER_ADDR", "MASTER_PORT")}
         env.update(PYTHONPATH=str(_REPO), OMP_NUM_THREADS="1", RANK=str(rank), LOCAL_RANK=str(rank))

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -10,7 +12,10 @@ import numpy as np
 import pytest
 import torch
 
+from danling.runners.services.csv_tracker import CSVTracker, read_metrics_csv
+from danling.runners.services.mlflow_tracker import MLflowTracker
 from danling.runners.services.trackers import TensorBoardTracker, Tracker, Trackers, WandbTracker, flatten_result
+from tests.runners._torch_toy import TinyRunner, tiny_config
 
 RESULTS = [
     (1, {"train": {"loss": torch.tensor(0.75), "lr": 0.1}}),
@@ -145,3 +150,123 @@ def test_missing_optional_package_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", None)
     with pytest.raises(ImportError, match=r"danling\[wandb\]"):
         WandbTracker(mode="offline")
+
+
+# ------------------------------------------------------------------------------------ CSV
+
+
+def test_csv_file_holds_every_result_and_grows_its_header(tmp_path):
+    path = tmp_path / "run" / "metrics.csv"
+    with CSVTracker(path) as tracker:
+        for step, result in RESULTS:
+            tracker.log(result, step)
+    lines = path.read_text().splitlines()
+    # `val/acc` first appears at step 2: the rows written before it were rewritten under the wider header
+    assert lines[0] == "step,train/loss,train/lr,val/acc,epoch"
+    assert lines[1] == "1,0.75,0.1,,"
+    assert_series(read_metrics_csv(path), expected_series())
+
+
+def test_csv_merges_a_step_and_continues_an_existing_file(tmp_path):
+    path = tmp_path / "metrics.csv"
+    tracker = CSVTracker(path, flush_seconds=0)
+    tracker.log({"train_step": {"loss": 1.0}}, 5)
+    tracker.log({"train": {"loss": 0.9}, "val": {"loss": 1.5}}, 5)  # the epoch row at the same step
+    tracker.log({"train_step": {"loss": 0.8}}, 6)
+    assert path.read_text().splitlines() == ["step,train_step/loss,train/loss,val/loss", "5,1,0.9,1.5"]
+    tracker.close()
+    resumed = CSVTracker(path)  # a resumed run appends under the same columns
+    resumed.log({"val": {"loss": 1.25}, "lr": 0.5}, 6)
+    resumed.close()
+    assert read_metrics_csv(path) == {
+        "train_step/loss": [(5, 1.0), (6, 0.8)],
+        "train/loss": [(5, 0.9)],
+        "val/loss": [(5, 1.5), (6, 1.25)],
+        "lr": [(6, 0.5)],
+    }
+    with pytest.raises(ValueError, match="flush_seconds"):
+        CSVTracker(path, flush_seconds=-1)
+
+
+def val_loss(runner, epoch: int):
+    return pytest.approx(runner.results[epoch]["val"]["loss"])
+
+
+def test_csv_keeps_the_last_row_when_nobody_closes_the_tracker(tmp_path):
+    # Scripts often end without runner.close(): the pending row is written when Python exits.
+    path = tmp_path / "metrics.csv"
+    code = (
+        "import sys; from danling.runners.services.csv_tracker import CSVTracker; "
+        "tracker = CSVTracker(sys.argv[1]); tracker.log({'loss': 1.0}, 1); tracker.log({'loss': 0.5}, 2)"
+    )
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    subprocess.run([sys.executable, "-c", code, str(path)], check=True, env=env, timeout=120)
+    assert read_metrics_csv(path) == {"loss": [(1, 1.0), (2, 0.5)]}
+
+
+def test_a_run_writes_metrics_csv_with_learning_rate_and_throughput(tmp_path):
+    runner = TinyRunner(tiny_config(tmp_path, log_interval=2))
+    runner.train()
+    runner.close()
+    series = read_metrics_csv(runner.workspace.path / "metrics.csv")
+    # step logs every 2 batches plus the last of each 5-batch epoch, and the epoch rows at steps 5 and 10
+    assert [step for step, _ in series["train_step/loss"]] == [2, 4, 5, 7, 9, 10]
+    assert series["lr"] == [(step, 0.01) for step in (2, 4, 5, 7, 9, 10)]
+    rates = dict(series["throughput/steps_per_second"])
+    samples = dict(series["throughput/samples_per_second"])
+    assert set(rates) == {2, 4, 5, 7, 9, 10} and all(rate > 0 for rate in rates.values())
+    assert all(samples[step] == pytest.approx(4 * rates[step]) for step in rates)  # batch size 4
+    assert series["val/loss"] == [(5, val_loss(runner, 0)), (10, val_loss(runner, 1))]
+    assert series["epoch"] == [(5, 0.0), (10, 1.0)]
+    status = json.loads((runner.workspace.path / "status.json").read_text())
+    assert status["status"] == "finished" and status["global_step"] == 10
+    off = TinyRunner(tiny_config(tmp_path / "off", **{"csv.enabled": False}))
+    assert not any(isinstance(tracker, CSVTracker) for tracker in off.trackers)
+    off.close()
+
+
+# ------------------------------------------------------------------------------------ MLflow
+
+
+def read_mlflow(uri: str, run_id: str) -> tuple[dict, dict, str]:
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=uri)
+    run = client.get_run(run_id)
+    history = {
+        key: [(metric.step, metric.value) for metric in client.get_metric_history(run_id, key)]
+        for key in run.data.metrics
+    }
+    return history, run.data.params, run.info.status
+
+
+def test_mlflow_local_store_records_every_result(tmp_path):
+    tracker = MLflowTracker(tmp_path, experiment="danling-test", run_name="r", params={"optim": {"lr": 0.1}})
+    with tracker:
+        for step, result in RESULTS:
+            tracker.log(result, step)
+    history, params, status = read_mlflow(tracker.tracking_uri, tracker.run_id)
+    assert tracker.tracking_uri == (tmp_path / "mlruns").resolve().as_uri()
+    assert_series(history, expected_series())
+    assert params == {"optim.lr": "0.1"} and status == "FINISHED"
+    with pytest.raises(ValueError, match="tracking_uri"):
+        MLflowTracker()
+
+
+def test_a_run_with_mlflow_enabled_records_config_and_results(tmp_path):
+    runner = TinyRunner(tiny_config(tmp_path, **{"mlflow.enabled": True}))
+    runner.train()
+    runner.close()
+    (tracker,) = [tracker for tracker in runner.trackers if isinstance(tracker, MLflowTracker)]
+    history, params, _ = read_mlflow(tracker.tracking_uri, tracker.run_id)
+    assert tracker.tracking_uri.endswith(f"{runner.id}/mlruns")
+    assert params["optim.lr"] == "0.01" and params["epochs"] == "2"
+    assert history["val/loss"] == [(5, val_loss(runner, 0)), (10, val_loss(runner, 1))]
+    assert [step for step, _ in history["train_step/loss"]] == list(range(1, 11))
+
+
+def test_missing_mlflow_names_the_extra(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "mlflow.tracking", None)
+    with pytest.raises(ImportError, match=r"danling\[mlflow\]"):
+        MLflowTracker(tmp_path)

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 from danling.runners.update import TorchUpdateStrategy, UpdateStrategy, gradient_sync_for
-from tests.dist import run_distributed
+from tests.dist import process_group, run_distributed
 from tests.metrics.test_no_host_sync import ForbidHostSync
 from tests.runners._torch_toy import TinyRunner, tiny_config
 
@@ -167,6 +167,13 @@ def _distributed_updates(rank: int, world_size: int, root: str) -> dict:
         runner.model.register_comm_hook(counter, _count_allreduces)
         runner.train()
         out["ddp"] = (len(runner.dataloaders["train"]), counter["allreduce"], runner.train_state.global_step)
+    with process_group():  # the runner destroyed the group it started
+        out.update(_raw_updates(rank, world_size))
+    return out
+
+
+def _raw_updates(rank: int, world_size: int) -> dict:
+    out = {}
     # Token-weighted windows under DDP: every rank holds different padding; the update must equal
     # one SGD step on all real tokens of all ranks together.
     torch.manual_seed(0)
@@ -184,7 +191,7 @@ def _distributed_updates(rank: int, world_size: int, root: str) -> dict:
 
 @pytest.mark.distributed
 def test_gradient_sync_is_suppressed_inside_windows_and_weights_span_ranks(tmp_path):
-    for out in run_distributed(_distributed_updates, str(tmp_path), world_size=2):
+    for out in run_distributed(_distributed_updates, str(tmp_path), world_size=2, init_process_group=False):
         batches, allreduces, steps = out["ddp"]
         assert batches == 8 and steps == 2
         assert allreduces == 2  # one bucket per window boundary; none inside a window

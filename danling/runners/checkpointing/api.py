@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from contextvars import ContextVar
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -19,6 +20,8 @@ from danling.utils import RoundDict
 
 from ..config import RunnerConfig
 from ..loop.events import CheckpointContext, Events
+from ._keys import flatten as _flatten
+from ._keys import without as _without
 
 if TYPE_CHECKING:
     from ..base_runner import BaseRunner
@@ -139,15 +142,17 @@ class CheckpointMixin:
         last_step: bool = False,
         force: bool = False,
     ) -> Path | None:
-        """Save a checkpoint through `self.checkpoint_manager` when the cadence says so.
+        """Save a checkpoint through `self.checkpoint_manager.save_checkpoint(self, ...)` when due.
 
-        The checkpoint directory is named `epoch-<epochs>` when `epochs` is given (epoch loops pass
-        the index of the epoch just finished) and `step-<global_step>` otherwise. The `name` alias
-        and `latest` are pointed at it, plus `best` when `save_best` is set, the newest result
-        row is the best one and no training happened since that row was stored (so a mid-epoch
-        save never inherits the score of the weights evaluated before it). Call it on every
-        rank: collective backends need all of them, and the file backend writes on the main
-        process only.
+        The manager decides
+        ([`CheckpointManager.save_checkpoint`][danling.checkpoint.CheckpointManager.save_checkpoint]).
+        By default the checkpoint directory is named `epoch-<epochs>` when `epochs` is given
+        (epoch loops pass the index of the epoch just finished) and `step-<global_step>`
+        otherwise, and the `name` alias and `latest` are pointed at it, plus `best` when
+        `save_best` is set and
+        [`publishes_best`][danling.runners.checkpointing.api.CheckpointMixin.publishes_best] holds.
+        A `CHECKPOINT_SAVED` event follows a write. Call it on every rank: collective backends
+        need all of them, and the file backend writes on the main process only.
 
         Args:
             name: Alias to publish (`"latest"`, `"shutdown"`, any valid name).
@@ -159,25 +164,20 @@ class CheckpointMixin:
         Returns:
             The checkpoint directory, or `None` when nothing was written by this process.
         """
-        state = self.train_state
-        if epochs is not None:
-            index, checkpoint_name = epochs + 1, f"epoch-{epochs:06d}"
-        else:
-            index = state.global_step if self.is_step_mode else state.epoch
-            checkpoint_name = f"step-{state.global_step:06d}"
-        if not self.checkpoint_manager.should_save(index, last=last_step, force=force):
-            return None
-        aliases = [name, "latest"]
-        if save_best and self.results and self.is_best and self._scored_progress == self._progress_marker():
-            aliases.append("best")
-        metadata = {"epoch": state.epoch, "global_step": state.global_step, "run_id": self.id}
-        payload = self.checkpoint_payload(last_step=last_step)
-        path = self.checkpoint_manager.save(
-            payload, checkpoint_name, aliases=tuple(dict.fromkeys(aliases)), metadata=metadata
+        path = self.checkpoint_manager.save_checkpoint(
+            self, name=name, epochs=epochs, save_best=save_best, last_step=last_step, force=force
         )
         if path is not None:
             self.events.emit(Events.CHECKPOINT_SAVED, CheckpointContext(self, path, name))
         return path
+
+    def publishes_best(self) -> bool:
+        """Whether a checkpoint saved now may be published as `best`.
+
+        True when the newest result row is the best one and no training happened since it was
+        stored, so a mid-epoch save never inherits the score of the weights evaluated before it.
+        """
+        return bool(self.results) and self.is_best and self._scored_progress == self._progress_marker()
 
     def save_seed_checkpoint(self, name: str = "seed") -> Path | None:
         """Save the initial state as checkpoint `name` (alias `name`, never pruned).
@@ -204,17 +204,20 @@ class CheckpointMixin:
     def read_checkpoint(self, checkpoint: CheckpointSource, *args: Any, **kwargs: Any) -> Mapping[str, Any]:
         """Turn a checkpoint source into a payload mapping.
 
-        Mappings are returned as they are, bytes are unpickled, and strings or paths go through
-        `self.checkpoint_manager.load`, so aliases (`"latest"`, `"best"`), checkpoint names,
-        directories and files all work and are verified against their manifest. `map_location`
-        is honoured; other arguments are accepted for backend overrides.
+        Strings or paths go through `self.checkpoint_manager.load`, so aliases (`"latest"`,
+        `"best"`), checkpoint names, directories and files all work and are verified against their
+        manifest. Bytes are unpickled and mappings used as they are, except that the keys of
+        `checkpoint.exclude_from_loading` (dotted ones too: `"state.train"`) are left out of them
+        as the manager leaves them out of what it loads; the caller's mapping is not changed.
+        `map_location` is honoured; other arguments are accepted for backend overrides.
         """
         map_location = kwargs.get("map_location", "cpu")
-        if isinstance(checkpoint, Mapping):
-            return checkpoint
         if _is_path(checkpoint):
             return self.checkpoint_manager.load(checkpoint, map_location=map_location)
-        return read_checkpoint_source(checkpoint, map_location=map_location)
+        if not isinstance(checkpoint, Mapping):
+            checkpoint = read_checkpoint_source(checkpoint, map_location=map_location)
+        excludes = self.checkpoint_manager.exclude_from_loading
+        return _without(checkpoint, excludes) if excludes else checkpoint
 
     def load_checkpoint(self, checkpoint: CheckpointSource, *args: Any, **kwargs: Any) -> None:
         """Restore a full checkpoint: runner state, RNG, results, model/EMA, optimizer, scheduler, dataloaders.
@@ -387,24 +390,34 @@ class CheckpointMixin:
 
         With `auto_resume`, the newest checkpoint in this run's checkpoint directory that passes
         verification is loaded; when that is not the one `latest` points to, the fallback is
-        logged as a warning. Without any checkpoint the run starts fresh.
+        logged as a warning. Without any checkpoint the run starts fresh, from the `pretrained`
+        weights when they are set (the first launch of a fine-tuning job that is resubmitted
+        with `auto_resume`). Inside
+        [`from_checkpoint`][danling.runners.checkpointing.api.CheckpointMixin.from_checkpoint],
+        which restores the full state right after construction, it does nothing.
         """
         self._restored = True
+        if _RESTORING.get():
+            return
         config = self.config
         if config.get("resume"):
             self.load_checkpoint(config.resume)
-        elif config.get("auto_resume"):
+            return
+        if config.get("auto_resume"):
             manager = self.checkpoint_manager
             path = manager.latest_valid()
-            if path is None:
-                self.logger.info("auto_resume: no checkpoint in %s, starting from scratch", manager.directory)
+            if path is not None:
+                latest = manager.latest
+                if latest is not None and latest != path:
+                    self.logger.warning(
+                        "auto_resume: latest checkpoint %s is not usable; resuming from %s", latest, path
+                    )
+                    self.events.emit(Events.CHECKPOINT_FALLBACK, CheckpointContext(self, path, requested=latest))
+                self.load_checkpoint(path)
                 return
-            latest = manager.latest
-            if latest is not None and latest != path:
-                self.logger.warning("auto_resume: latest checkpoint %s is not usable; resuming from %s", latest, path)
-                self.events.emit(Events.CHECKPOINT_FALLBACK, CheckpointContext(self, path, requested=latest))
-            self.load_checkpoint(path)
-        elif config.get("pretrained"):
+            start = "the pretrained weights" if config.get("pretrained") else "scratch"
+            self.logger.info("auto_resume: no checkpoint in %s, starting from %s", manager.directory, start)
+        if config.get("pretrained"):
             self.load_pretrained(config.pretrained)
 
     # ------------------------------------------------------------------ constructors
@@ -426,12 +439,18 @@ class CheckpointMixin:
     def from_checkpoint(cls, checkpoint: CheckpointSource, *args: Any, **kwargs: Any) -> BaseRunner:
         """Build a runner from the config stored in `checkpoint`, then restore its full state.
 
-        `*args` and `**kwargs` are forwarded to `load_checkpoint`.
+        The config is used as saved (`pretrained` included, so it matches the checkpoint); no
+        `resume`, `auto_resume` or `pretrained` restore runs during construction. `*args` and
+        `**kwargs` are forwarded to `load_checkpoint`.
         """
         payload = cls._read_source(checkpoint, map_location=kwargs.get("map_location", "cpu"))
         config = cls.read_config(payload)
-        config.resume, config.auto_resume, config.pretrained = None, False, None
-        runner = cls(config)
+        config.resume, config.auto_resume = None, False
+        token = _RESTORING.set(True)
+        try:
+            runner = cls(config)
+        finally:
+            _RESTORING.reset(token)
         runner.load_checkpoint(payload, *args, **kwargs)
         if _is_path(checkpoint):
             runner.config.resume = os.fspath(checkpoint)
@@ -448,16 +467,8 @@ class CheckpointMixin:
 
 
 _MISSING = object()
-
-
-def _flatten(mapping: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    flat = {}
-    for key, value in mapping.items():
-        if isinstance(value, Mapping):
-            flat.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
+# Set while `from_checkpoint` constructs its runner: the full restore follows construction.
+_RESTORING: ContextVar[bool] = ContextVar("danling_restoring_from_checkpoint", default=False)
 
 
 def _describe(checkpoint: Any) -> str:

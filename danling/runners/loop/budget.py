@@ -131,15 +131,18 @@ class ProgressMixin:
 
     @property
     def log_interval(self) -> int:
-        """Iterations between step logs: `config.log_interval`, else a tenth of the first train loader."""
+        """Iterations between step logs: `config.log_interval`, else a tenth of the first train loader.
+
+        `0` (configured) turns step logs off; results of each round are still logged.
+        """
         loader = next((self.dataloaders[s] for s in self.train_splits if s in self.dataloaders), None)
         return self._log_interval_for(length_of(loader))
 
     def _log_interval_for(self, length: int | None) -> int:
         configured = self.config.get("log_interval")
-        if configured:
-            if isinstance(configured, bool) or not isinstance(configured, int) or configured < 1:
-                raise ValueError(f"log_interval must be a positive int, got {configured!r}")
+        if configured is not None:
+            if isinstance(configured, bool) or not isinstance(configured, int) or configured < 0:
+                raise ValueError(f"log_interval must be an int >= 0 (0: no step logs) or None, got {configured!r}")
             return configured
         if length:
             return max(length // 10, 1)
@@ -165,7 +168,7 @@ class ProgressMixin:
         """Splits trained on: `config.train_splits`, else every split whose name starts with `train`."""
         configured = self.config.get("train_splits")
         if configured:
-            return [configured] if isinstance(configured, str) else list(configured)
+            return [configured] if isinstance(configured, str) else list(dict.fromkeys(configured))
         return [split for split in self._known_splits() if split.startswith("train")]
 
     @property
@@ -173,7 +176,7 @@ class ProgressMixin:
         """Splits evaluated: `config.evaluate_splits`, else every split that is not trained or inferred."""
         configured = self.config.get("evaluate_splits")
         if configured:
-            return [configured] if isinstance(configured, str) else list(configured)
+            return [configured] if isinstance(configured, str) else list(dict.fromkeys(configured))
         train = set(self.train_splits)
         return [s for s in self._known_splits() if s not in train and not s.startswith(_INFER_PREFIXES)]
 
@@ -181,7 +184,7 @@ class ProgressMixin:
         if requested is None:
             splits = default
         else:
-            splits = [requested] if isinstance(requested, str) else list(requested)
+            splits = [requested] if isinstance(requested, str) else list(dict.fromkeys(requested))
         missing = [split for split in splits if split not in self.dataloaders]
         if missing:
             raise ValueError(f"{kind} split(s) {missing} have no dataloader; available: {list(self.dataloaders)}")

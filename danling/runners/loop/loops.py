@@ -134,8 +134,12 @@ class LoopMixin(PassMixin):
                 for split in self.loop_state.splits_from_cursor(list(train_splits)):
                     result[split] = self._run_split(split, RunnerMode.train, budget=budget)[0]
                     if self.train_state.global_step >= budget:
+                        # A budget met on the last batch of the round still completes the round.
+                        completed = split == train_splits[-1] and self._pass_completed(split)
                         break
                 else:
+                    completed = True
+                if completed:
                     self.train_state.epoch += 1
                     self.advance_schedulers(result)  # an epoch-interval scheduler steps once per round
                 if self.train_state.global_step == start:
@@ -154,6 +158,14 @@ class LoopMixin(PassMixin):
             self.loop_state.end_round()
             self.save_checkpoint(last_step=True)
         return self.results
+
+    def _pass_completed(self, split: str) -> bool:
+        """Whether the training pass over `split` that just stopped reached the end of its loader."""
+        position = self.loop_state
+        if position.split is None:
+            return True
+        length = length_of(self.dataloaders[split])
+        return position.split == split and length is not None and position.batch >= length
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self, evaluate_splits: Sequence[str] | None = None) -> RoundDict:

@@ -9,7 +9,7 @@ services cost nothing per batch when they are off: the pass looks them up once w
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager, nullcontext
 from itertools import islice
 from typing import Any, NoReturn
@@ -127,9 +127,9 @@ class PassMixin(StepHooks):
                     position.batch += 1
                     if track_progress and state.global_step != self._seen_step:
                         self._after_optimizer_progress(budget)
-                if batches % interval == 0 or batches == length:
+                if interval and (batches % interval == 0 or batches == length):
                     self._log_step(split, batches, length, training)
-                if self._stop_latched or (supervisor.stop_requested if stop_poll is None else stop_poll()):
+                if self._stop_latched or self._stop_now(stop_poll, agree and batches == length):
                     # Stop only at a window boundary: applying a partial window (or dropping its
                     # gradients) would make the resumed run diverge from an uninterrupted one.
                     self._stop_latched = True
@@ -138,8 +138,7 @@ class PassMixin(StepHooks):
                 if budget is not None and state.global_step >= budget:
                     break
             else:
-                if training:
-                    position.split, position.batch = None, 0  # the pass ran to its end
+                self._pass_ran_out(agree and length is None, training)
         if training and self._close_window():
             self._after_optimizer_progress(budget)
         if self._stop_latched:  # at a window boundary (the break above) or at the end of the pass
@@ -193,12 +192,35 @@ class PassMixin(StepHooks):
         synchronisations; outside training (evaluation or inference possibly run on one rank
         only) the local flag is used.
         """
-        local = self.supervisor.stop_requested
         if not (self._training and is_distributed()):
-            return local
+            return self.supervisor.stop_requested
         self._stop_polls += 1
         if self._stop_polls % _STOP_POLL_EVERY:
             return False
+        return self._agree_on_stop()
+
+    def _pass_ran_out(self, ask: bool, training: bool) -> None:
+        """The loader is exhausted: latch a stop the ranks agree on (`ask`: an unsized pass, whose
+        end is only known here), else record that the training pass ran to its end."""
+        if ask and not self._stop_latched and self._agree_on_stop():
+            self._stop_latched = True
+        elif training:
+            self.loop_state.split, self.loop_state.batch = None, 0
+
+    def _stop_now(self, stop_poll: Callable[[], bool] | None, at_end: bool) -> bool:
+        """Whether a stop is requested after this batch (agreed across ranks while training).
+
+        The last batch of a pass (`at_end`) always asks every rank, so a stop requested fewer
+        than `_STOP_POLL_EVERY` batches before the end of a short pass is neither carried past
+        it nor lost when the run ends first.
+        """
+        if stop_poll is None:
+            return self.supervisor.stop_requested
+        return stop_poll() or (at_end and self._agree_on_stop())
+
+    def _agree_on_stop(self) -> bool:
+        """Whether any rank has a stop request: a collective every rank of the world enters."""
+        local = self.supervisor.stop_requested
         return bool(all_reduce_any(torch.tensor(local), group=self.topology.group("world")))
 
     def prepare_for_shutdown_checkpoint(self) -> None:

@@ -1,7 +1,9 @@
 """Services a runner is built from, each usable on its own: run directory and logging, signals and
-heartbeats, trackers, result bookkeeping and `torch.compile` settings."""
+heartbeats, trackers (CSV, TensorBoard, W&B, MLflow), result bookkeeping and `torch.compile` settings."""
 
 from .compiler import Compiler
+from .csv_tracker import CSVTracker, read_metrics_csv
+from .mlflow_tracker import MLflowTracker
 from .observability import ObservabilityMixin
 from .progress_bar import ProgressBar
 from .results import ResultsMixin
@@ -10,7 +12,9 @@ from .trackers import TensorBoardTracker, Tracker, Trackers, WandbTracker, flatt
 from .workspace import RunnerWorkspace
 
 __all__ = [
+    "CSVTracker",
     "Compiler",
+    "MLflowTracker",
     "ObservabilityMixin",
     "ProgressBar",
     "ResultsMixin",
@@ -21,4 +25,5 @@ __all__ = [
     "Trackers",
     "WandbTracker",
     "flatten_result",
+    "read_metrics_csv",
 ]

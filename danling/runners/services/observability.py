@@ -8,11 +8,18 @@ setting, never as a branch in the loop.
 
 from __future__ import annotations
 
+import json
 import os
+import socket
 import sys
+import time
 from typing import Any
 
-from ..loop.events import Events, LogContext, StepContext
+from danling.checkpoint.manifest import atomic_write_text
+
+from ..loop.events import Events, LogContext, PassContext, RunContext, StepContext, StopContext
+from .csv_tracker import CSVTracker
+from .mlflow_tracker import MLflowTracker
 from .progress_bar import ProgressBar
 from .trackers import TensorBoardTracker, WandbTracker
 
@@ -50,7 +57,35 @@ class ObservabilityMixin:
 
     def _forward_to_trackers(self, context: LogContext) -> None:
         if len(self.trackers):
-            self.trackers.log(dict(context.values), step=context.step)
+            values = dict(context.values)
+            if _is_train_step_log(values):
+                values.update(self._training_rates(context.step))
+            self.trackers.log(values, step=context.step)
+
+    def _training_rates(self, step: int) -> dict[str, Any]:
+        """Learning rates and throughput since the previous training step log, added to step logs."""
+        rates: dict[str, Any] = {}
+        groups = getattr(getattr(self, "optimizer", None), "param_groups", None) or []
+        lrs = [group["lr"] for group in groups if "lr" in group]
+        if len(lrs) == 1:
+            rates["lr"] = lrs[0]
+        elif lrs:
+            rates["lr"] = {str(index): lr for index, lr in enumerate(lrs)}
+        now = time.perf_counter()
+        mark = self.__dict__.get("_rate_mark")
+        self._rate_mark = (now, step)
+        if mark is not None and step > mark[1] and now > mark[0]:
+            steps_per_second = (step - mark[1]) / (now - mark[0])
+            rates["throughput"] = {"steps_per_second": steps_per_second}
+            batch = self.config.get("dataloader.batch_size")
+            if batch:
+                rates["throughput"]["samples_per_second"] = steps_per_second * batch * self.accum_steps
+        return rates
+
+    def _mark_training_pass(self, context: PassContext) -> None:
+        # Throughput is measured within training passes: evaluation time between them is not counted.
+        if context.mode == "train":
+            self._rate_mark = (time.perf_counter(), self.train_state.global_step)
 
     def init_signal_handlers(self) -> None:
         """Turn SIGTERM/SIGINT into a graceful stop request.
@@ -68,6 +103,87 @@ class ObservabilityMixin:
         self.checkpoint_manager.logger = self.logger
         if self.is_main_process and sys.stdout.isatty():
             ProgressBar().attach(self.events)
+
+    def init_trackers(self) -> None:
+        """Build the trackers the config asks for, in this order: TensorBoard (`tensorboard`), W&B
+        (`wandb.enabled`), `metrics.csv` (`csv.enabled`, on by default) and MLflow (`mlflow.enabled`).
+
+        Also records the run's status in `<run dir>/status.json` (main process only), which
+        `danling runs` reads. Override to add your own [`Tracker`][danling.runners.services.trackers.Tracker]s
+        (call `super().init_trackers()` and `self.trackers.append(...)`).
+        """
+        if self.config.get("tensorboard"):
+            self.init_tensorboard()
+        if self.config.get("wandb.enabled"):
+            self.init_wandb()
+        if self.config.get("csv.enabled"):
+            self.init_csv()
+        if self.config.get("mlflow.enabled"):
+            self.init_mlflow()
+        self.events.subscribe(Events.PASS_START, self._mark_training_pass)
+        if self.is_main_process:
+            self.events.subscribe(Events.RUN_START, self._status_running)
+            self.events.subscribe(Events.RUN_END, self._status_ended)
+            self.events.subscribe(Events.STOP_REQUESTED, self._status_stopping)
+
+    def init_csv(self) -> None:
+        """Append every logged value to `<run dir>/<csv.file_name>` (main process only)."""
+        if self.is_main_process:
+            path = self.workspace.resolve(self.config.csv.file_name)
+            self.trackers.append(CSVTracker(path, flush_seconds=self.config.csv.flush_seconds))
+
+    def init_mlflow(self) -> None:
+        """Record the run in MLflow (main process only): `<run dir>/mlruns` unless `mlflow.tracking_uri` is set.
+
+        The experiment defaults to the lineage and the run name to `<experiment>-<run id>`;
+        the config is recorded as parameters.
+        """
+        if not self.is_main_process:
+            return
+        mlflow = self.config.mlflow
+        self.trackers.append(
+            MLflowTracker(
+                self.dir,
+                tracking_uri=mlflow.tracking_uri,
+                experiment=mlflow.experiment or self.workspace.lineage,
+                run_name=mlflow.run_name or f"{self.workspace.experiment}-{self.id}",
+                params=self.config.dict(),
+                tags={"danling.run_id": self.id, "danling.run_dir": os.fspath(self.workspace.path)},
+            )
+        )
+
+    # ------------------------------------------------------------------ run status
+    def _write_status(self, status: str, **extra: Any) -> None:
+        record = {
+            "status": status,
+            "time": time.time(),
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "global_step": self.train_state.global_step,
+            "epoch": self.train_state.epoch,
+            **extra,
+        }
+        path = self.workspace.path / "status.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(path, json.dumps(record, sort_keys=True) + "\n")
+
+    def _status_running(self, context: RunContext) -> None:
+        if context.mode == "train":
+            self.__dict__["_stop_seen"] = False
+            self._write_status("running")
+
+    def _status_stopping(self, context: StopContext) -> None:
+        self.__dict__["_stop_seen"] = True
+        self._write_status("preempted", reason=context.reason)
+
+    def _status_ended(self, context: RunContext) -> None:
+        if context.mode != "train" or self.__dict__.pop("_stop_seen", False):
+            return  # a stop request already recorded `preempted`
+        error = context.error
+        if error is None:
+            self._write_status("finished")
+        else:
+            self._write_status("failed", error=f"{type(error).__name__}: {error}"[:500])
 
     def init_tensorboard(self, *args: Any, **kwargs: Any) -> None:
         """Send every written result to TensorBoard under `<run dir>/tensorboard` (main process only)."""
@@ -98,3 +214,8 @@ class ObservabilityMixin:
         options = {key: value for key, value in options.items() if value is not None}
         options.update(kwargs)
         self.trackers.append(WandbTracker(*args, **options))
+
+
+def _is_train_step_log(values: dict[str, Any]) -> bool:
+    """A training step log is `{"<split>_step": {...}}` (see `LoopMixin._log_step`)."""
+    return len(values) == 1 and next(iter(values)).endswith("_step")

@@ -31,7 +31,10 @@ class StepProfiler:
         warmup: Steps recorded and discarded before each cycle's active steps.
         active: Steps recorded per cycle.
         repeat: Number of cycles (`None` or 0: one).
-        record_shapes / profile_memory / with_stack / with_flops: passed to `torch.profiler.profile`.
+        record_shapes: Passed to `torch.profiler.profile` (input shapes of each op).
+        profile_memory: Passed to `torch.profiler.profile` (tensor allocations).
+        with_stack: Passed to `torch.profiler.profile` (Python stacks of each op).
+        with_flops: Passed to `torch.profiler.profile` (estimated FLOPs of matrix products).
         logger: Where to say where the traces went.
     """
 

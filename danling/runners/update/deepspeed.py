@@ -14,22 +14,27 @@ the engine:
 - `apply` calls `engine.step()`, which clips, steps the optimizer and the step-interval
   scheduler it was given, and zeroes the gradients.
 
-Nothing here imports DeepSpeed: the engine is duck-typed.
+Nothing here imports DeepSpeed at import time: the engine is duck-typed, and
+[`gathered_parameters`][danling.runners.update.deepspeed.gathered_parameters] imports it only under ZeRO-3.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
+import torch.distributed as dist
+
+from danling.distributed import is_distributed
 
 from .gradient_sync import OwnsAccumulationBoundary, gradient_sync_for
 from .precision import Precision
 from .strategy import TorchUpdateStrategy
 
-__all__ = ["DeepSpeedUpdateStrategy"]
+__all__ = ["DeepSpeedUpdateStrategy", "gathered_parameters"]
 
 _logger = logging.getLogger("danling.runners")
 
@@ -43,18 +48,22 @@ class DeepSpeedUpdateStrategy(TorchUpdateStrategy):
         accum_steps: Micro-steps per window (the engine's own `gradient_accumulation_steps` must be 1).
         precision: The runner's [`Precision`][danling.runners.update.precision.Precision]; only its
             autocast is used (the engine owns loss scaling).
+        group: Process group of the gradient domain, over which window weights are summed
+            (`None`: the default group).
 
     Raises:
         TypeError: `engine` cannot be told where a window ends.
     """
 
-    def __init__(self, engine: Any, accum_steps: int = 1, *, precision: Precision | None = None) -> None:
+    def __init__(
+        self, engine: Any, accum_steps: int = 1, *, precision: Precision | None = None, group: Any = None
+    ) -> None:
         if not isinstance(engine, OwnsAccumulationBoundary):
             raise TypeError(
                 f"DeepSpeedUpdateStrategy needs an engine with set_gradient_accumulation_boundary(), "
                 f"got {type(engine).__name__}"
             )
-        super().__init__(accum_steps, precision=precision, gradient_sync=gradient_sync_for(engine))
+        super().__init__(accum_steps, precision=precision, gradient_sync=gradient_sync_for(engine), group=group)
         self.engine = engine
         self._warned_partial = False
 
@@ -73,14 +82,28 @@ class DeepSpeedUpdateStrategy(TorchUpdateStrategy):
         return int(getattr(self.engine, "skipped_steps", 0))
 
     def backward(self, loss: torch.Tensor, weight: Any = None) -> None:
-        """Back-propagate one micro-step loss through `engine.backward`, divided by its window size.
+        """Back-propagate one micro-step loss through `engine.backward`: divided by its window size, or times `weight`.
+
+        A weighted window's gradient is divided by its total weight (summed over the window and
+        the ranks of the gradient group) when it is applied, as in
+        [`TorchUpdateStrategy`][danling.runners.update.strategy.TorchUpdateStrategy].
 
         Raises:
-            ValueError: `weight` is given (token-weighted windows are not supported with DeepSpeed yet).
+            ValueError: a window mixes weighted and unweighted micro-steps, or `weight` is given
+                with fp16 (the engine's dynamic loss scale cannot carry the window's weight).
         """
         if weight is not None:
-            raise ValueError(f"DeepSpeedUpdateStrategy does not support weighted micro-steps (weight={weight!r})")
-        self.engine.backward(self.accumulator.normalize(loss), scale_wrt_gas=False)
+            if self._weight is None and self.accumulator.pending:
+                raise ValueError("a window mixes weighted and unweighted micro-steps; pass weight= to every backward")
+            if _call(self.engine, "fp16_enabled"):
+                raise ValueError(f"weighted micro-steps (weight={weight!r}) are not supported with DeepSpeed fp16")
+            self._weight = weight if self._weight is None else self._weight + weight
+            loss = loss * weight
+        elif self._weight is not None:
+            raise ValueError("a window mixes weighted and unweighted micro-steps; pass weight= to every backward")
+        else:
+            loss = self.accumulator.normalize(loss)
+        self.engine.backward(loss, scale_wrt_gas=False)
 
     def close_window(self) -> bool:
         """Close a window the pass left open: mark the boundary and let ZeRO 0/1 reduce what they kept local.
@@ -97,7 +120,7 @@ class DeepSpeedUpdateStrategy(TorchUpdateStrategy):
         self.gradient_sync.context(True)  # the engine's boundary flag: the next step() applies
         if self.zero_stage < 2:
             self.engine.allreduce_gradients()
-        if window != pending and not self._warned_partial:
+        if window != pending and self._weight is None and not self._warned_partial:
             self._warned_partial = True
             _logger.warning(
                 "applying a partial accumulation window of %d of %d micro-steps with DeepSpeed: its gradient "
@@ -110,12 +133,52 @@ class DeepSpeedUpdateStrategy(TorchUpdateStrategy):
         return True
 
     def apply(self) -> bool:
-        """Step the engine at danling's window boundary; `True` when the engine applied the update."""
+        """Step the engine at danling's window boundary; `True` when the engine applied the update.
+
+        The engine skips a step whose gradients are not finite (every rank agrees, through its
+        reduced gradient norm); such a step returns `False`.
+        """
         engine = self.engine
         self.gradient_sync.context(True)
-        engine.step()
+        weight, self._weight = self._weight, None
+        if weight is None:
+            engine.step()
+        else:
+            self._step_weighted(weight)
         applied = getattr(engine, "was_step_applied", None)
         return bool(applied()) if callable(applied) else True
+
+    def _step_weighted(self, weight: Any) -> None:
+        """`engine.step()` with the window's gradient divided by `total weight / ranks`.
+
+        The engine averages gradients over the ranks, so the reduced gradient of `weight`-scaled
+        losses is `sum(w * g) / ranks`. A ZeRO optimizer divides its gradients by its loss scale
+        when it steps, so the divisor goes there for this one step (bf16/fp32 keep a static scale
+        of 1 otherwise); without ZeRO the reduced `.grad` tensors are divided directly.
+        """
+        engine = self.engine
+        divisor = self._total_weight(weight) / _group_size(self.group)
+        optimizer = getattr(engine, "optimizer", None)
+        if _call(engine, "zero_optimization") and hasattr(optimizer, "loss_scale"):
+            previous = optimizer.loss_scale
+            optimizer.loss_scale = previous * divisor
+            try:
+                engine.step()
+            finally:
+                optimizer.loss_scale = previous
+            return
+        grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
+        if grads:
+            torch._foreach_div_(grads, divisor)
+        engine.step()
+
+    def _total_weight(self, weight: Any) -> float:
+        """The window's weight summed over the ranks of the gradient group (one all-reduce)."""
+        device = getattr(self.engine, "device", None) or "cpu"
+        total = torch.as_tensor(weight, dtype=torch.float64, device=device).detach().clone()
+        if is_distributed():
+            dist.all_reduce(total, group=self.group)
+        return float(total)
 
     def state_dict(self) -> dict[str, Any]:
         """Nothing: the engine's checkpoint holds its optimizer, scaler and skip counter."""
@@ -123,3 +186,28 @@ class DeepSpeedUpdateStrategy(TorchUpdateStrategy):
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Nothing to restore (see `state_dict`)."""
+
+
+def _call(obj: Any, name: str) -> Any:
+    method = getattr(obj, name, None)
+    return method() if callable(method) else None
+
+
+def _group_size(group: Any) -> int:
+    return dist.get_world_size(group) if is_distributed() else 1
+
+
+def gathered_parameters(
+    engine: Any, parameters: Iterable[Any], modifier_rank: int | None = None
+) -> AbstractContextManager:
+    """A block in which ZeRO-3's partitioned `parameters` are whole on every rank; a no-op below stage 3.
+
+    Under ZeRO-3 every rank must enter it (it all-gathers). With `modifier_rank`, what that rank
+    writes into the parameters is partitioned back to all ranks on exit.
+    """
+    stage = getattr(engine, "zero_optimization_stage", None)
+    if not callable(stage) or int(stage()) < 3:
+        return nullcontext()
+    from deepspeed.runtime.zero import GatheredParameters
+
+    return GatheredParameters(list(parameters), modifier_rank=modifier_rank)
