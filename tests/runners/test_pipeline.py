@@ -21,7 +21,7 @@ from danling.runners.parallel.pipeline import PipelineMixin
 from danling.runners.parallel.pipeline_loader import StepProxyLoader
 from danling.runners.parallel.pipeline_parts import PipelineModelPart, stage_placement, validate_module_fqns
 from danling.runners.parallel.pipeline_runtime import ScheduleCache
-from tests.dist import run_distributed
+from tests.dist import process_group, run_distributed
 from tests.runners._pipeline_harness import (
     PipelineHost,
     make_batches,
@@ -260,7 +260,7 @@ def _train(host, reference, batches, accum_steps=1):
 # refuses the group. Plain SGD has no per-parameter state, so the weights tell the whole story.
 
 
-def _two_rank_worker(rank, world_size, root):
+def _two_rank_hosts():
     results = {}
     batches = make_batches(4, 8)
     batches[3] = (batches[3][0][:6], batches[3][1][:6])  # a short last batch: microbatches of 2 x 3
@@ -279,6 +279,12 @@ def _two_rank_worker(rank, world_size, root):
     host = PipelineHost(copy.deepcopy(model), schedule="GPipe", fqns=FQNS_2, n_microbatches=4, loss_scale=1024.0)
     results["scaled"] = _train(host, model, batches)
     results["evaluate"] = _evaluate_and_infer(make_net())
+    return results
+
+
+def _two_rank_worker(rank, world_size, root):
+    with process_group():  # the hosts' collectives; each runner below starts and ends its own group
+        results = _two_rank_hosts()
     # The real torch runner's loops, accumulation, metrics, evaluation and inference on top.
     options = {"parallel.axes.pipeline": 2, "parallel.module_fqns_per_model_part": FQNS_2}
     results["runner"] = run(PipelinedRunner(runner_config(f"{root}/pipelined", **options)))
@@ -320,7 +326,7 @@ def _evaluate_and_infer(model):
 def test_pipeline_schedules_match_single_process(tmp_path):
     expected = run(PlainRunner(runner_config(str(tmp_path / "plain"), **{"checkpoint.backend": "dcp"})))
     (tmp_path / "plain-checkpoints").symlink_to(expected["checkpoints"])
-    results = run_distributed(_two_rank_worker, str(tmp_path), world_size=2)
+    results = run_distributed(_two_rank_worker, str(tmp_path), world_size=2, init_process_group=False)
     for rank, result in enumerate(results):
         for name in (*SCHEDULE_CASES, "accumulate", "scaled"):
             assert result[name]["loss"] < TOL, (rank, name, result[name])
@@ -364,7 +370,7 @@ def test_pipeline_schedules_match_single_process(tmp_path):
     back.close()
 
 
-def _four_rank_worker(rank, world_size, root):
+def _four_rank_hosts():
     out = {}
     # Four stages, one per rank: the middle ranks read no data and still take every step.
     model = make_net()
@@ -403,6 +409,11 @@ def _four_rank_worker(rank, world_size, root):
     for x, y in full:
         host.pipeline_train_step((x[8 * shard : 8 * shard + 8], y[8 * shard : 8 * shard + 8]))
     out["fsdp"] = max_weight_diff(host.state(), reference_training(model, full, accum_steps=2)[1])
+    return out
+
+
+def _four_rank_worker(rank, world_size, root):
+    out = {}
     # Resume mid-epoch (after update 4 of 6) on four stages: the middle ranks' StepProxyLoaders
     # take the real loaders' position from the checkpoint, and the run ends bit for bit the same.
     four = {"parallel.axes.pipeline": 4, "parallel.module_fqns_per_model_part": FQNS_4}
@@ -419,7 +430,9 @@ def _four_rank_worker(rank, world_size, root):
         "parallel.module_fqns_per_model_part": FQNS_2,
         "fsdp.enabled": True,
     }
-    out["runner"] = run(PipelinedRunner(runner_config(f"{root}/rank{rank}", **options)))
+    out["runner"] = run(PipelinedRunner(runner_config(f"{root}/fsdp", **options)))
+    with process_group():  # the hosts' collectives, after the runners (each starts and ends its own group)
+        out.update(_four_rank_hosts())
     return out
 
 
@@ -433,7 +446,7 @@ def _shard(part, topology):
 def test_middle_stages_get_no_data_and_subgroups_and_fsdp_work(tmp_path):
     # Two shard ranks with batches of 4 see what one process sees with batches of 8.
     expected = run(PlainRunner(runner_config(str(tmp_path / "plain"), **{"dataloader.batch_size": 8})))
-    results = run_distributed(_four_rank_worker, str(tmp_path), world_size=4)
+    results = run_distributed(_four_rank_worker, str(tmp_path), world_size=4, init_process_group=False)
     assert [result["proxied"] for result in results] == [False, True, True, False]
     assert [all(result["seen_none"]) for result in results] == [False, True, True, False]
     assert all(len(result["seen_none"]) == 3 for result in results)
