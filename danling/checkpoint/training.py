@@ -130,16 +130,23 @@ class OptimizerState:
         """State and parameter groups keyed by parameter name (live tensors, not copies)."""
         if self.optimizer.state:
             return get_optimizer_state_dict(self.model, self.optimizer)
+        groups = []
+        for group, names in zip(self.optimizer.param_groups, self._group_names()):
+            hyper = {key: value for key, value in group.items() if key != "params"}
+            groups.append({**hyper, "params": names})
+        return {"state": {}, "param_groups": groups}
+
+    def _group_names(self) -> list[list[str]]:
+        """The parameter names of each live parameter group."""
         names = {}
         for name, param in self.model.named_parameters():
             names[id(param)] = next(iter(_get_fqns(self.model, name)))
         groups = []
         for group in self.optimizer.param_groups:
-            hyper = {key: value for key, value in group.items() if key != "params"}
             if any(id(param) not in names for param in group["params"]):
                 raise ValueError(f"the {type(self.optimizer).__name__} updates parameters that are not in the model")
-            groups.append({**hyper, "params": [names[id(param)] for param in group["params"]]})
-        return {"state": {}, "param_groups": groups}
+            groups.append([names[id(param)] for param in group["params"]])
+        return groups
 
     def state_dict_to_load(self) -> dict[str, Any]:
         """The structure a checkpoint is loaded into: every parameter's state, created if it does not exist yet.
@@ -164,7 +171,24 @@ class OptimizerState:
         """Replace the optimizer's state and hyperparameters with `state_dict` (keyed by parameter name)."""
         state = dict(state_dict)
         state.setdefault("state", {})  # DCP stores no empty mappings: a never-stepped optimizer comes back without it
-        set_optimizer_state_dict(self.model, self.optimizer, _containers_copy(state))
+        set_optimizer_state_dict(self.model, self.optimizer, _containers_copy(self._own_groups(state)))
+
+    def _own_groups(self, state: dict[str, Any]) -> dict[str, Any]:
+        """`state` with each group listing this optimizer's own parameters, when the checkpoint's list others.
+
+        DCP keeps one copy of the parameter groups (they are not tensors): the saving
+        coordinator's. Ranks that own other parameters (pipeline stages) read the hyperparameters
+        from it and their own names from the live optimizer; per-parameter state is keyed by name,
+        so each rank keeps exactly the entries of its parameters.
+        """
+        groups, live = state.get("param_groups"), self._group_names()
+        if not isinstance(groups, list) or len(groups) != len(live):
+            return state
+        if all(list(group.get("params", [])) == names for group, names in zip(groups, live)):
+            return state
+        owned = {name for names in live for name in names}
+        groups = [{**group, "params": names} for group, names in zip(groups, live)]
+        return {**state, "param_groups": groups, "state": {k: v for k, v in state["state"].items() if k in owned}}
 
 
 class TrainingState:

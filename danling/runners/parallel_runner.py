@@ -29,6 +29,7 @@ from .parallel import (
     fsdp_offload,
     merge_parts,
 )
+from .parallel.pipeline import PipelineMixin
 from .runner import register_runner
 from .torch_runner import TorchRunner
 from .update import GradientSync, TorchUpdateStrategy, gradient_sync_for
@@ -36,7 +37,7 @@ from .update import GradientSync, TorchUpdateStrategy, gradient_sync_for
 __all__ = ["ParallelRunner"]
 
 
-class ParallelRunner(TorchRunner):
+class ParallelRunner(PipelineMixin, TorchRunner):
     """Torch runner for explicit parallel layouts: FSDP2/HSDP, tensor parallel and pipeline parallel.
 
     Configure the layout with `parallel.axes` (`replicate`, `shard`, `context`, `pipeline`,
@@ -160,7 +161,7 @@ class ParallelRunner(TorchRunner):
         if self.model_parts:
             parts = list(self.model_parts)
         elif pipelined:
-            raise NotImplementedError("pipeline parallelism: wired in the next change")
+            parts = self.build_pipeline_model_parts(self.model)
         else:
             parts = [self.model]
         parts = [self._materialize_part(part, strict=not pipelined) for part in parts]
@@ -308,7 +309,7 @@ class ParallelRunner(TorchRunner):
     def build_dataloaders(self) -> None:
         """TorchRunner's loaders; ranks whose stages neither feed inputs nor compute the loss get placeholders."""
         super().build_dataloaders()
-        if self.pipeline_schedule is not None and not (self.pipeline_has_first_stage or self.pipeline_has_last_stage):
+        if self.pipeline_schedule is not None:
             for split, loader in list(self.dataloaders.items()):
                 self.dataloaders[split] = self.pipeline_loader(loader)
 

@@ -1,9 +1,5 @@
-"""The real `ParallelRunner` driving the pipeline mixin, until the runner inherits it itself.
-
-`PipelinedRunner` adds the mixin to `ParallelRunner` and splits the model before the runner
-materializes the parts (its `model_parts` path); the runner then builds the schedule, the
-update strategy, the loaders of data-free stages and dispatches the three step hooks.
-"""
+"""The real `ParallelRunner` on the pipeline test model: it splits the model into stages, builds the
+schedule, the update strategy and the loaders of data-free stages, and dispatches the three step hooks."""
 
 from __future__ import annotations
 
@@ -15,7 +11,6 @@ from torch.utils.data import TensorDataset
 
 from danling.metrics import regression_metrics
 from danling.runners import ParallelRunner, TorchRunner
-from danling.runners.parallel.pipeline import PipelineMixin
 from tests.runners._pipeline_harness import IN, make_net
 
 
@@ -41,21 +36,12 @@ class PlainRunner(TorchRunner):
         _bind(self)
 
 
-# Until ParallelRunner inherits the mixin itself, add it here (either way the tests run unchanged).
-_BASES = (ParallelRunner,) if issubclass(ParallelRunner, PipelineMixin) else (PipelineMixin, ParallelRunner)
-
-
-class PipelinedRunner(*_BASES):  # type: ignore[misc]
-    """`ParallelRunner` with the pipeline mixin; the model is split before the runner materializes the parts."""
+class PipelinedRunner(ParallelRunner):
+    """`ParallelRunner` on `Net`; with `pipeline > 1` the runner splits it into stages itself."""
 
     def __init__(self, config: Any) -> None:
         super().__init__(config)
         _bind(self)
-
-    def materialize_model(self) -> None:
-        if self.topology.size("pipeline") > 1 and not self.model_parts:
-            self.model_parts = self.build_pipeline_model_parts(self.model)
-        super().materialize_model()
 
 
 def runner_config(root: str, **overrides: Any) -> dict[str, Any]:
