@@ -45,7 +45,8 @@ class PipelinedRunner(ParallelRunner):
 
 
 def runner_config(root: str, **overrides: Any) -> dict[str, Any]:
-    """2 epochs of SGD, batch size 4, 2 batches per update, unshuffled training data."""
+    """2 epochs of SGD with momentum (per-parameter state to checkpoint), batch size 4, 2 batches per update,
+    unshuffled training data."""
     config = {
         "workspace_root": root,
         "epochs": 2,
@@ -53,6 +54,7 @@ def runner_config(root: str, **overrides: Any) -> dict[str, Any]:
         "log": False,
         "optim.type": "sgd",
         "optim.lr": 0.1,
+        "optim.momentum": 0.5,
         "accum_steps": 2,
         "dataloader.batch_size": 4,
         "dataloader.train.shuffle": False,

@@ -254,12 +254,6 @@ def _train(host, reference, batches, accum_steps=1):
     }
 
 
-# _NO_OPTIMIZER: the optimizer state does not reshard across pipeline layouts yet. DCP keeps one
-# copy of its non-tensor entries, so the parameter names listed in `param_groups` are those of
-# the rank that saved them, and a rank holding other stages (or one process holding all of them)
-# refuses the group. Plain SGD has no per-parameter state, so the weights tell the whole story.
-
-
 def _two_rank_hosts():
     results = {}
     batches = make_batches(4, 8)
@@ -290,7 +284,6 @@ def _two_rank_worker(rank, world_size, root):
     results["runner"] = run(PipelinedRunner(runner_config(f"{root}/pipelined", **options)))
     # Resume the single-process DCP checkpoint of the first epoch on the pipeline layout.
     resume = {**options, "resume": f"{root}/plain-checkpoints/epoch-000000"}
-    resume["checkpoint.exclude_from_loading"] = ["optimizer"]  # see _NO_OPTIMIZER
     results["resumed"] = run(PipelinedRunner(runner_config(f"{root}/resumed", **resume)), predict=False)
     # fp16 autocast through the stages (no loss scaler on CPU).
     half = {**options, "precision": "fp16"}
@@ -362,7 +355,6 @@ def test_pipeline_schedules_match_single_process(tmp_path):
         for key, value in result["resumed"]["weights"].items():
             torch.testing.assert_close(value, expected["weights"][key], rtol=0, atol=TOL)
     config = runner_config(str(tmp_path / "back"), **{"checkpoint.backend": "dcp", "epochs": 2})
-    config["checkpoint.exclude_from_loading"] = ["optimizer"]  # see _NO_OPTIMIZER
     config["resume"] = f"{runs[0]['checkpoints']}/epoch-000001"
     back = PlainRunner(config)
     for key, value in back.model.state_dict().items():
@@ -420,7 +412,6 @@ def _four_rank_worker(rank, world_size, root):
     four["dataloader.train.shuffle"] = True
     whole = run(SavingRunner(runner_config(f"{root}/whole", **four)), predict=False)
     four["resume"] = f"{whole['checkpoints']}/step-000004"
-    four["checkpoint.exclude_from_loading"] = ["optimizer"]  # see _NO_OPTIMIZER
     resumed = run(PipelinedRunner(runner_config(f"{root}/resumed", **four)), predict=False)
     out["resume_equal"] = all(torch.equal(value, resumed["weights"][key]) for key, value in whole["weights"].items())
     # The runner over FSDP2 x pipeline: each shard rank reads half of every global batch.
