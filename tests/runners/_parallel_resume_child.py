@@ -26,6 +26,10 @@ from tests.runners._parallel_toy import TENSOR_PLAN, ParallelRegression, full_we
 LAYOUTS = {
     "fsdp": {"parallel.axes.shard": 2, "fsdp.enabled": True},
     "tensor": {"parallel.axes.tensor": 2, "parallel.tensor_plan": TENSOR_PLAN},
+    "pipeline": {
+        "parallel.axes.pipeline": 2,
+        "parallel.module_fqns_per_model_part": [["inp", "layers.0"], ["layers.1", "head"]],
+    },
 }
 
 

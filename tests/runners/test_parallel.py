@@ -123,8 +123,8 @@ def test_fsdp_tensor_and_ddp_layouts_train_like_one_process(tmp_path):
     assert all(math.isfinite(loss) for loss in bf16["losses"]) and len(bf16["losses"]) == 8
 
 
-def test_exact_resume_after_sigkill_fsdp_and_tensor_parallel(tmp_path):
-    procs, ports = [], free_ports(12)  # the same list on both ranks: 2 per scenario
+def test_exact_resume_after_sigkill_fsdp_tensor_and_pipeline_parallel(tmp_path):
+    procs, ports = [], free_ports(18)  # the same list on both ranks: 2 per scenario
     for rank in range(2):
         env = {key: value for key, value in os.environ.items() if key not in ("MASTER_ADDR", "MASTER_PORT")}
         env.update(PYTHONPATH=str(_REPO), OMP_NUM_THREADS="1", RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2")
@@ -135,11 +135,11 @@ def test_exact_resume_after_sigkill_fsdp_and_tensor_parallel(tmp_path):
         assert proc.wait(timeout=300) == 0, f"the resume child failed; logs are in {tmp_path}"
     for rank in range(2):
         status = json.loads((tmp_path / f"status-rank{rank}.json").read_text())
-        for layout in ("fsdp", "tensor"):
+        for layout in ("fsdp", "tensor", "pipeline"):
             assert status[f"{layout}-clean"] == "exit 0", (layout, status)
             assert status[f"{layout}-killed"] == "SIGKILL", (layout, status)
             assert status[f"{layout}-resume"] == "exit 0", (layout, status)
-    for layout in ("fsdp", "tensor"):
+    for layout in ("fsdp", "tensor", "pipeline"):
         clean = torch.load(tmp_path / layout / "clean.pt", weights_only=False)
         resumed = torch.load(tmp_path / layout / "resume.pt", weights_only=False)
         assert resumed["start"] == 2 and resumed["global_step"] == clean["global_step"]  # resumed mid-epoch
