@@ -17,7 +17,9 @@ from __future__ import annotations
 import os
 import pickle
 import queue as queue_module
+import signal
 import socket
+import sys
 import tempfile
 import time
 import traceback
@@ -144,3 +146,39 @@ def run_distributed(
                     p.kill()
                     p.join()
     return [results[r] for r in range(world_size)]
+
+
+def fork_scenario(log_path: str, ports: list[int] | None, body: Callable[[], Any]) -> int:
+    """Run `body()` in a forked child whose output goes to `log_path`; return the child's pid.
+
+    For the exact-resume children: the slow imports are paid once, before forking. With `ports`,
+    every default group a runner in the child starts gets the next of them (see
+    `rendezvous_ports`). The child exits 0 when `body` returns, 1 on an exception (its traceback
+    in the log), or dies of whatever signal kills it; `scenario_status` reads which.
+    """
+    pid = os.fork()
+    if pid:
+        return pid
+    code = 1
+    try:
+        log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        if ports:
+            rendezvous_ports(ports)
+        body()
+        code = 0
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def scenario_status(pid: int) -> str:
+    """Wait for a forked scenario: ``"exit <code>"`` or the name of the signal that killed it."""
+    _, status = os.waitpid(pid, 0)
+    if os.WIFSIGNALED(status):
+        return signal.Signals(os.WTERMSIG(status)).name
+    return f"exit {os.WEXITSTATUS(status)}"

@@ -14,13 +14,11 @@ import argparse
 import json
 import os
 import signal
-import sys
-import traceback
 
 import torch
 import torch.distributed.checkpoint.state_dict
 
-from tests.dist import rendezvous_ports
+from tests.dist import fork_scenario, scenario_status
 from tests.runners._parallel_toy import TENSOR_PLAN, ParallelRegression, full_weights, parallel_config
 
 LAYOUTS = {
@@ -56,25 +54,8 @@ def _train(root: str, layout: str, scenario: str, save_at: int, kill_at: int) ->
 
 
 def _fork(root: str, layout: str, scenario: str, save_at: int, kill_at: int, ports: list[int]) -> str:
-    pid = os.fork()
-    if pid == 0:
-        code = 1
-        try:
-            rank = int(os.environ["RANK"])
-            log = os.open(f"{root}/{layout}-{scenario}-rank{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-            os.dup2(log, 1)
-            os.dup2(log, 2)
-            rendezvous_ports(ports)
-            _train(root, layout, scenario, save_at, kill_at)
-            code = 0
-        except BaseException:
-            traceback.print_exc()
-        finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(code)
-    _, status = os.waitpid(pid, 0)
-    return signal.Signals(os.WTERMSIG(status)).name if os.WIFSIGNALED(status) else f"exit {os.WEXITSTATUS(status)}"
+    log = f"{root}/{layout}-{scenario}-rank{os.environ['RANK']}.log"
+    return scenario_status(fork_scenario(log, ports, lambda: _train(root, layout, scenario, save_at, kill_at)))
 
 
 def main() -> None:

@@ -22,13 +22,11 @@ import argparse
 import json
 import os
 import signal
-import sys
-import traceback
 
 import torch
 import torch.distributed.checkpoint.state_dict  # imported once, before forking
 
-from tests.dist import rendezvous_ports
+from tests.dist import fork_scenario, scenario_status
 from tests.runners._torch_toy import TinyRunner, model_state, tiny_config
 
 ZERO_STAGES: dict[str, int] = {}  # mode -> ZeRO stage, set by --zero-stages before forking
@@ -85,33 +83,14 @@ _PORTS: dict[str, list[int]] = {}
 
 def _fork(root: str, directory: str, tag: str, modes: list[str], *, kill_at: int = 0, save_at: int = 0) -> int:
     """Run one scenario in a forked subprocess (logs and rendezvous named by `tag`); return its pid."""
-    pid = os.fork()
-    if pid:
-        return pid
-    code = 1
-    try:
-        rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-        log = os.open(f"{root}/{tag}-rank{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-        os.dup2(log, 1)
-        os.dup2(log, 2)
-        if world_size > 1:  # each runner starts (and destroys) the group, on a port of its own
-            rendezvous_ports(_PORTS[tag])
+    rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+
+    def body() -> None:
         for mode in modes:
             _train(os.path.join(root, directory), mode, world_size, kill_at, save_at)
-        code = 0
-    except BaseException:
-        traceback.print_exc()
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
 
-
-def _status(pid: int) -> str:
-    _, status = os.waitpid(pid, 0)
-    if os.WIFSIGNALED(status):
-        return signal.Signals(os.WTERMSIG(status)).name
-    return f"exit {os.WEXITSTATUS(status)}"
+    # each runner starts (and destroys) the group, on a port of its own
+    return fork_scenario(f"{root}/{tag}-rank{rank}.log", _PORTS[tag] if world_size > 1 else None, body)
 
 
 def main() -> None:
@@ -139,8 +118,8 @@ def main() -> None:
         ),
         "kill-step": _fork(args.root, "killed", "kill-step", ["step"], kill_at=args.step_kill_at),
     }
-    status = {name: _status(pid) for name, pid in pids.items()}
-    status["resume"] = _status(_fork(args.root, "killed", "resume", ["epoch", "step"]))
+    status = {name: scenario_status(pid) for name, pid in pids.items()}
+    status["resume"] = scenario_status(_fork(args.root, "killed", "resume", ["epoch", "step"]))
     rank = int(os.environ.get("RANK", 0))
     with open(os.path.join(args.root, f"status-rank{rank}.json"), "w") as file:
         json.dump(status, file)
