@@ -14,8 +14,9 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,7 @@ __all__ = [
     "atomic_write_text",
     "write_manifest",
     "read_manifest",
+    "verification_scope",
     "verify_directory",
 ]
 
@@ -234,7 +236,12 @@ def verify_directory(directory: str | os.PathLike, files: list[str] | None = Non
     directory = Path(directory)
     manifest = read_manifest(directory)
     entries = manifest["files"]
-    for key in entries if files is None else files:
+    names = sorted(entries if files is None else files)
+    cache = getattr(_scope, "verified", None)
+    signature = _signature(directory, names) if cache is not None else None
+    if signature is not None and cache.get(directory) == signature:
+        return manifest  # verified earlier in this scope and untouched since
+    for key in names:
         if key not in entries:
             raise CheckpointError(f"{directory / key} is not listed in {directory / MANIFEST_NAME}")
         path = directory / key
@@ -248,4 +255,39 @@ def verify_directory(directory: str | os.PathLike, files: list[str] | None = Non
             )
         if file_record(path)["sha256"] != expected["sha256"]:
             raise CheckpointError(f"checkpoint file {path} is corrupt: its SHA-256 does not match the manifest")
+    if signature is not None:
+        cache[directory] = signature
     return manifest
+
+
+_scope = threading.local()
+
+
+@contextmanager
+def verification_scope() -> Iterator[None]:
+    """Within the block, a directory that verified is not hashed again while its files stay as they were.
+
+    One restore reads a checkpoint directory more than once (the runner state, then the model and
+    optimizer in place); hashing it once is enough as long as no file changed in between (same
+    names, sizes, modification times and inodes). The memory lasts only for the block, so every
+    new load verifies again. Scopes nest; threads have their own.
+
+    Examples:
+        >>> with verification_scope():
+        ...     pass
+    """
+    previous = getattr(_scope, "verified", None)
+    _scope.verified = {} if previous is None else previous
+    try:
+        yield
+    finally:
+        _scope.verified = previous
+
+
+def _signature(directory: Path, names: list[str]) -> tuple | None:
+    """What identifies the checked files' contents cheaply: name, size, mtime and inode of each."""
+    try:
+        stats = [(name, os.stat(directory / name)) for name in names]
+    except OSError:
+        return None  # a missing file: let the check name it
+    return tuple((name, st.st_size, st.st_mtime_ns, st.st_ino) for name, st in stats)

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from danling.checkpoint.manifest import verification_scope
 from danling.distributed import (
     broadcast_object,
     init_process_group_from_env,
@@ -122,7 +123,8 @@ class TorchRunner(TorchCheckpointMixin, TorchBatchMixin, TorchDataMixin, TorchIn
         self.init_profiler()
         super().__post_init__()
         if not self.__dict__.get("_restored", False):  # resume / auto_resume / pretrained
-            self.auto_restore()
+            with verification_scope():  # finding, checking and reading a checkpoint hash its files once
+                self.auto_restore()
         if self.is_main_process:
             self.events.subscribe(Events.RUN_START, self._log_run_summary)
 

@@ -171,3 +171,27 @@ def test_new_manager_leaves_an_in_flight_write_alone(tmp_path):
     release.set()
     assert writer.close()
     assert FileCheckpointManager(tmp_path).load("latest")["step"] == 1
+
+
+def test_a_runner_restore_hashes_each_file_once_and_a_scope_still_sees_changes(tmp_path, monkeypatch):
+    from danling.checkpoint import manifest as manifest_module
+    from danling.checkpoint.manifest import CheckpointError, verification_scope, verify_directory
+    from tests.runners._torch_toy import TinyRunner, tiny_config
+
+    config = tiny_config(tmp_path, epochs=1, **{"checkpoint.backend": "dcp"})
+    with TinyRunner(config) as runner:
+        runner.train()
+        path = runner.checkpoint_manager.latest
+    hashed = []
+    real = manifest_module.file_record
+    monkeypatch.setattr(manifest_module, "file_record", lambda p: (hashed.append(Path(p).name), real(p))[1])
+    with TinyRunner(tiny_config(tmp_path, epochs=1, resume=str(path), **{"checkpoint.backend": "dcp"})) as runner:
+        assert runner.train_state.global_step == 5
+    assert hashed and len(hashed) == len(set(hashed))  # the state and the in-place load share one verification
+    # inside a scope, a file that changed after it verified is checked again (and refused)
+    with verification_scope():
+        verify_directory(path)
+        victim = next(p for p in sorted(path.iterdir()) if p.suffix == ".distcp")
+        victim.write_bytes(victim.read_bytes()[:-1])
+        with pytest.raises(CheckpointError, match="torn"):
+            verify_directory(path)

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from danling.checkpoint import detect_format, open_checkpoint_reader
+from danling.checkpoint.manifest import verification_scope
 from danling.data import DataResumeError, ResumableSampler, batch_fingerprint, check_batch_fingerprint
 
 from .api import OPTIONAL_RANK_LOCAL_KEYS, RANK_LOCAL_KEYS, CheckpointSource, _is_path
@@ -161,7 +162,8 @@ class TorchCheckpointMixin:
         """
         self._restored_fingerprints = None
         try:
-            super().load_checkpoint(checkpoint, *args, **kwargs)
+            with verification_scope():  # the state and the in-place components read one directory: hash it once
+                super().load_checkpoint(checkpoint, *args, **kwargs)
         finally:
             update_state = self.__dict__.pop("_restored_update_state", None)
             self._restored_fingerprints = None
