@@ -178,3 +178,23 @@ def test_fan_out_drops_repeated_and_pre_resume_points_and_csv_drops_later_rows(t
         trackers.log({"train": {"loss": 4.0}}, 2)
     assert csv_steps(path) == [1, 2]
     assert read_metrics_csv(path) == {"train/loss": [(1, 1.0), (2, 4.0)]}
+
+
+def _window_worker(rank: int, world_size: int) -> list[float]:
+    from danling.metrics import AverageMeters
+    from danling.runners.services.step_window import StepWindow
+
+    meters, window, reads = AverageMeters(), StepWindow(), []
+    for step in range(1, 7):
+        meters.update(loss=torch.tensor(float(step * (rank + 1))))  # rank 1 sees twice rank 0's values
+        if step % 3 == 0:
+            reads.append(window.read(meters)["loss"])
+    return reads
+
+
+@pytest.mark.distributed
+def test_window_mean_is_combined_over_ranks():
+    from tests.dist import run_distributed
+
+    # steps 1-3 then 4-6, over both ranks: mean of (1+2+3)*(1+2)/6 = 3.0, then (4+5+6)*3/6 = 7.5
+    assert run_distributed(_window_worker, world_size=2) == [[3.0, 7.5], [3.0, 7.5]]
