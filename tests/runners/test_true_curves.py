@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +43,16 @@ def scalars(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
     return {tag: [(e.step, e.value) for e in accumulator.Scalars(tag)] for tag in accumulator.Tags()["scalars"]}
 
 
+def config_texts(log_dir: Path) -> int:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    accumulator = EventAccumulator(str(log_dir))
+    accumulator.Reload()
+    texts = accumulator.Tensors("config/text_summary")
+    assert all(b"optim" in text.tensor_proto.string_val[0] for text in texts)
+    return len(texts)
+
+
 def csv_steps(path: Path) -> list[int]:
     with open(path, newline="") as file:
         return [int(float(row[0])) for row in list(csv.reader(file))[1:]]
@@ -53,10 +64,11 @@ def assert_forward(series: dict[str, list[tuple[int, float]]]) -> None:
         assert steps == sorted(set(steps)), f"{tag} goes back or repeats a step: {steps}"
 
 
-def test_step_log_is_the_mean_since_the_previous_log(tmp_path):
+def test_step_log_is_the_mean_since_the_previous_log(tmp_path, caplog):
     config = tiny_config(tmp_path, log_interval=2, tensorboard=True, max_grad_norm=100.0)
     runner = RecordingRunner(config)
-    runner.train()
+    with caplog.at_level(logging.INFO, logger="danling"):
+        runner.train()
     runner.close()
     losses = runner.step_losses
     # 5 batches an epoch, logged after batches 2, 4 and 5; a window never spans two passes
@@ -67,6 +79,10 @@ def test_step_log_is_the_mean_since_the_previous_log(tmp_path):
     for got in (series["train_step/loss"], board["train_step/loss"]):
         assert [step for step, _ in got] == [step for step, _ in expected]
         assert [value for _, value in got] == pytest.approx([value for _, value in expected], rel=1e-5)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("train [")]
+    assert [float(line.rsplit("loss: ", 1)[1]) for line in lines] == pytest.approx(
+        [value for _, value in expected], abs=1e-4
+    )  # the terminal shows what the trackers get
     assert [step for step, _ in series["grad_norm"]] == list(windows) and all(v > 0 for _, v in series["grad_norm"])
     assert [step for step, _ in series["lr"]] == list(windows)
     assert all(value > 0 for _, value in series["memory/peak_rss_mib"])
@@ -107,6 +123,7 @@ def test_resumed_run_continues_the_same_tensorboard_and_csv_curves(tmp_path):
     second.close()
     board = scalars(run_dir / "tensorboard")
     assert_forward(board)
+    assert config_texts(run_dir / "tensorboard") == 1  # written by the first run only
     assert [step for step, _ in board["train_step/loss"]] == [2, 4, 5, 7, 9, 10]
     assert [step for step, _ in board["val/loss"]] == [5, 10]
     resumed = dict(board["train_step/loss"])
