@@ -19,6 +19,7 @@ import torch
 from danling.distributed import all_reduce_any, is_distributed
 from danling.utils import RoundDict
 
+from ..services.step_window import StepWindow
 from .budget import length_of
 from .events import (
     EvaluationContext,
@@ -49,6 +50,7 @@ class PassMixin(StepHooks):
     _stop_latched: bool = False
     _stop_polls: int = 0
     _seen_step: int = 0
+    _step_window: StepWindow
 
     def _run_split(
         self, split: str, mode: RunnerMode, *, budget: int | None = None, max_batches: int | None = None
@@ -80,6 +82,7 @@ class PassMixin(StepHooks):
         loader = self.dataloaders[split]
         self.mode, self.split = mode, split
         self.meters.reset()
+        self._step_window = StepWindow()  # step logs average the steps since the previous log of this pass
         length = length_of(loader)
         training = mode is RunnerMode.train
         position = self.loop_state
@@ -170,7 +173,9 @@ class PassMixin(StepHooks):
             # Nobody reads the values: skip the read, which synchronises with the device. Under
             # several processes the read is a collective every rank joins, whatever it logs.
             return
-        values = self.meters.avg  # the one place step values are read back
+        # The one place step values are read back: the mean over the steps since the previous log,
+        # shown on the terminal and sent to the trackers alike.
+        values = self._step_window.read(self.meters)
         if to_log:
             self.logger.info(self.format_step_result(values, split, iteration, length))
         if to_track and values:

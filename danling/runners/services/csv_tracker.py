@@ -36,7 +36,9 @@ class CSVTracker(Tracker):
     buffered write, not a disk round trip.
 
     An existing file is continued (a resumed run appends to its own history); its header is
-    read back first so columns keep their order. A script that never closes its runner still
+    read back first so columns keep their order, and
+    [`resume_at`][danling.runners.services.csv_tracker.CSVTracker.resume_at] drops the rows the
+    earlier run wrote after the checkpoint it resumes from. A script that never closes its runner still
     gets the last row: the tracker closes itself when the interpreter exits.
 
     Args:
@@ -85,6 +87,29 @@ class CSVTracker(Tracker):
         self._pending = {"step": step, **flat}
         if time.monotonic() - self._last_flush >= self.flush_seconds:
             self.flush()
+
+    def resume_at(self, step: int) -> None:
+        """Drop the rows after `step` (written by the run before it resumed from that step's checkpoint).
+
+        The resumed run writes those steps again, so the file keeps one row per step in step order.
+        """
+        pending = self._pending
+        if pending is not None and pending["step"] > step:
+            self._pending = None
+        if self._file is not None:
+            self._file.close()
+            self._file = self._writer = None
+        if not self.path.is_file() or self.path.stat().st_size == 0:
+            return
+        with open(self.path, newline="", encoding="utf-8") as file:
+            rows = list(csv.reader(file))
+        kept = [row for row in rows[1:] if row and row[0] and float(row[0]) <= step]
+        if len(kept) == len(rows) - 1:
+            return
+        temporary = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+        with open(temporary, "w", newline="", encoding="utf-8") as file:
+            csv.writer(file).writerows([rows[0], *kept])
+        os.replace(temporary, self.path)
 
     def flush(self) -> None:
         """Push written rows to the OS (the row of the newest step stays pending until the next step)."""

@@ -10,14 +10,22 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import socket
 import sys
 import time
 from typing import Any
 
+import torch
+
 from danling.checkpoint.manifest import atomic_write_text
 
-from ..loop.events import Events, LogContext, PassContext, RunContext, StepContext, StopContext
+try:
+    import resource
+except ImportError:  # pragma: no cover - Windows has no getrusage
+    resource = None  # type: ignore[assignment]
+
+from ..loop.events import CheckpointContext, Events, LogContext, PassContext, RunContext, StepContext, StopContext
 from .csv_tracker import CSVTracker
 from .mlflow_tracker import MLflowTracker
 from .progress_bar import ProgressBar
@@ -63,29 +71,62 @@ class ObservabilityMixin:
             self.trackers.log(values, step=context.step)
 
     def _training_rates(self, step: int) -> dict[str, Any]:
-        """Learning rates and throughput since the previous training step log, added to step logs."""
+        """What a training step log adds to the step losses: learning rates, gradient norm,
+        throughput and peak memory (read here, at log steps only)."""
         rates: dict[str, Any] = {}
         groups = getattr(getattr(self, "optimizer", None), "param_groups", None) or []
-        lrs = [group["lr"] for group in groups if "lr" in group]
+        lrs = {
+            str(group.get("name", f"group{index}")): group["lr"] for index, group in enumerate(groups) if "lr" in group
+        }
         if len(lrs) == 1:
-            rates["lr"] = lrs[0]
+            rates["lr"] = next(iter(lrs.values()))
         elif lrs:
-            rates["lr"] = {str(index): lr for index, lr in enumerate(lrs)}
+            rates["lr"] = lrs
+        container = getattr(getattr(self, "update", None), "container", None)
+        grad_norm = getattr(container, "last_grad_norm", None)  # measured by clipping only
+        if grad_norm is not None:
+            rates["grad_norm"] = grad_norm
         now = time.perf_counter()
         mark = self.__dict__.get("_rate_mark")
-        self._rate_mark = (now, step)
+        tokens = self.__dict__.get("_tokens_seen")
+        tokens = None if tokens is None else float(tokens)
+        self._rate_mark = (now, step, tokens)
         if mark is not None and step > mark[1] and now > mark[0]:
-            steps_per_second = (step - mark[1]) / (now - mark[0])
+            seconds = now - mark[0]
+            steps_per_second = (step - mark[1]) / seconds
             rates["throughput"] = {"steps_per_second": steps_per_second}
             batch = self.config.get("dataloader.batch_size")
             if batch:
                 rates["throughput"]["samples_per_second"] = steps_per_second * batch * self.accum_steps
+            if tokens is not None:
+                rates["throughput"]["tokens_per_second"] = (tokens - (mark[2] or 0.0)) / seconds
+        rates["memory"] = _peak_memory()
         return rates
+
+    def count_tokens(self, tokens: int | Any) -> None:
+        """Add the tokens one training step processed; step logs then report `throughput/tokens_per_second`.
+
+        Call it from `train_step` with a number or a 0-d tensor (for instance `mask.sum()`): a
+        tensor stays on its device and is read only at log steps, so counting costs no host
+        synchronisation per step. The count is of this process; multiply by the data-parallel
+        size for the whole job.
+        """
+        seen = self.__dict__.get("_tokens_seen")
+        self._tokens_seen = tokens if seen is None else seen + tokens
 
     def _mark_training_pass(self, context: PassContext) -> None:
         # Throughput is measured within training passes: evaluation time between them is not counted.
         if context.mode == "train":
-            self._rate_mark = (time.perf_counter(), self.train_state.global_step)
+            tokens = self.__dict__.get("_tokens_seen")
+            self._rate_mark = (
+                time.perf_counter(),
+                self.train_state.global_step,
+                None if tokens is None else float(tokens),
+            )
+
+    def _resume_trackers(self, context: CheckpointContext) -> None:
+        # The curves continue from the checkpoint's step: later points of the earlier run are dropped.
+        self.trackers.resume_at(self.train_state.global_step)
 
     def init_signal_handlers(self) -> None:
         """Turn SIGTERM/SIGINT into a graceful stop request.
@@ -121,6 +162,7 @@ class ObservabilityMixin:
         if self.config.get("mlflow.enabled"):
             self.init_mlflow()
         self.events.subscribe(Events.PASS_START, self._mark_training_pass)
+        self.events.subscribe(Events.CHECKPOINT_LOADED, self._resume_trackers)
         if self.is_main_process:
             self.events.subscribe(Events.RUN_START, self._status_running)
             self.events.subscribe(Events.RUN_END, self._status_ended)
@@ -189,13 +231,15 @@ class ObservabilityMixin:
         """Send every written result to TensorBoard under `<run dir>/tensorboard` (main process only)."""
         if self.is_main_process:
             log_dir = kwargs.pop("log_dir", os.path.join(self.dir, "tensorboard"))
+            kwargs.setdefault("config", self.config.dict())
             self.trackers.append(TensorBoardTracker(log_dir, *args, **kwargs))
 
     def init_wandb(self, *args: Any, **kwargs: Any) -> None:
         """Send every written result to a W&B run (main process only).
 
         Project, group and name default to the lineage, experiment and run id; `wandb.*` config
-        keys and keyword arguments override them.
+        keys and keyword arguments override them. The W&B run id is kept in `<run dir>/wandb-run-id`,
+        so a run resumed in its directory (`auto_resume`) continues the same W&B run.
         """
         if not self.is_main_process:
             return
@@ -213,9 +257,33 @@ class ObservabilityMixin:
         }
         options = {key: value for key, value in options.items() if value is not None}
         options.update(kwargs)
+        if "id" not in options:
+            options["id"], options["resume"] = self._wandb_run_id(), "allow"
         self.trackers.append(WandbTracker(*args, **options))
+
+    def _wandb_run_id(self) -> str:
+        """The W&B run id of this run directory, chosen (and written) the first time."""
+        path = self.workspace.path / "wandb-run-id"
+        if path.is_file():
+            return path.read_text().strip()
+        run_id = f"{self.id}-{secrets.token_hex(4)}"  # unique even when run directories share an id
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(path, run_id + "\n")
+        return run_id
 
 
 def _is_train_step_log(values: dict[str, Any]) -> bool:
     """A training step log is `{"<split>_step": {...}}` (see `LoopMixin._log_step`)."""
     return len(values) == 1 and next(iter(values)).endswith("_step")
+
+
+def _peak_memory() -> dict[str, float]:
+    """Peak memory of this process so far, in MiB: the accelerator's allocations (CUDA) and the host's RSS."""
+    peak: dict[str, float] = {}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        peak["peak_allocated_mib"] = torch.cuda.max_memory_allocated() / 2**20
+    if resource is None:  # pragma: no cover
+        return peak
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    peak["peak_rss_mib"] = rss / 2**20 if sys.platform == "darwin" else rss / 2**10
+    return peak

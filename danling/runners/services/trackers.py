@@ -8,6 +8,7 @@ all configured backends. TensorBoard and W&B are imported only when their tracke
 
 from __future__ import annotations
 
+import json
 import numbers
 import os
 from collections.abc import Iterable, Iterator, Mapping
@@ -73,6 +74,9 @@ class Tracker:
     def log(self, result: Mapping[str, Any], step: int) -> None:
         """Record `result` at `step`."""
 
+    def resume_at(self, step: int) -> None:
+        """A run resumed from a checkpoint taken at `step`: forget what was recorded after it, where possible."""
+
     def close(self) -> None:
         """Flush and release resources."""
 
@@ -87,13 +91,32 @@ class TensorBoardTracker(Tracker):
     """Write each flattened result as TensorBoard scalars in `log_dir`.
 
     Requires the `tensorboard` extra. Events are flushed after every `log`, so a crash loses at
-    most the result being written.
+    most the result being written. `config`, when given, is written once as a `config` text entry
+    (a fresh log directory only: a resumed run already has it).
+
+    A resumed run keeps writing to the same directory:
+    [`resume_at`][danling.runners.services.trackers.TensorBoardTracker.resume_at] marks the restart,
+    and TensorBoard then hides every point the earlier run wrote after the checkpoint's step, so
+    the curve continues from the checkpoint instead of doubling back.
     """
 
-    def __init__(self, log_dir: str | os.PathLike, **kwargs: Any) -> None:
+    def __init__(self, log_dir: str | os.PathLike, config: Mapping[str, Any] | None = None, **kwargs: Any) -> None:
         module = optional_import("torch.utils.tensorboard", "tensorboard")
         self.log_dir = os.fspath(log_dir)
+        fresh = not os.path.isdir(self.log_dir) or not any("tfevents" in name for name in os.listdir(self.log_dir))
         self.writer = module.SummaryWriter(log_dir=self.log_dir, **kwargs)
+        if config is not None and fresh:
+            text = json.dumps(config, indent=2, sort_keys=True, default=str)
+            # Indented by four spaces: TensorBoard renders text entries as Markdown, this keeps it a code block.
+            self.writer.add_text("config", "    " + text.replace("\n", "\n    "), global_step=0)
+            self.writer.flush()
+
+    def resume_at(self, step: int) -> None:
+        """Write a restart marker at `step + 1`: TensorBoard drops the earlier points at steps after `step`."""
+        from tensorboard.compat.proto.event_pb2 import Event, SessionLog
+
+        self.writer._get_file_writer().add_event(Event(step=step + 1, session_log=SessionLog(status=SessionLog.START)))
+        self.writer.flush()
 
     def log(self, result: Mapping[str, Any], step: int) -> None:
         for tag, value in flatten_result(result).items():
@@ -176,6 +199,8 @@ class Trackers(Tracker):
 
     def __init__(self, trackers: Iterable[Tracker] = ()) -> None:
         self.trackers: list[Tracker] = []
+        self._last_step: dict[str, int] = {}  # the latest step each name was recorded at
+        self._floor = -(2**63)  # no step at or below it is recorded: the resumed checkpoint's step
         for tracker in trackers:
             self.append(tracker)
 
@@ -186,11 +211,29 @@ class Trackers(Tracker):
         self.trackers.append(tracker)
 
     def log(self, result: Mapping[str, Any], step: int) -> None:
+        """Send `result` to every tracker, leaving out the values of a name already recorded at `step` or later.
+
+        So no curve gets two points at one step (`evaluate()` right after `train()` repeats the
+        last evaluation's step) or steps going backwards, and after
+        [`resume_at`][danling.runners.services.trackers.Trackers.resume_at] nothing at or before
+        the checkpoint's step is recorded again.
+        """
         if not self.trackers:
             return
-        flat = flatten_result(result)
+        last, floor = self._last_step, self._floor
+        flat = {name: value for name, value in flatten_result(result).items() if step > last.get(name, floor)}
+        if not flat:
+            return
+        for name in flat:
+            last[name] = step
         for tracker in self.trackers:
             tracker.log(flat, step)
+
+    def resume_at(self, step: int) -> None:
+        """The run resumed from a checkpoint taken at `step`: record only later steps, and tell every tracker."""
+        self._floor, self._last_step = step, {}
+        for tracker in self.trackers:
+            tracker.resume_at(step)
 
     def close(self) -> None:
         """Close every tracker, even if one of them fails; the first error is re-raised."""
