@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import socket
 import statistics
 import sys
 import tempfile
@@ -148,7 +149,8 @@ def quartiles(values: list[float]) -> tuple[float, float, float]:
 
 
 def bench_steps(root: str, workload: str, repeats: int) -> str:
-    hand, runner = HandLoop(workload), build_runner(os.path.join(root, "steps"), workload)
+    runner = build_runner(os.path.join(root, "steps"), workload)  # starts the process group
+    hand = HandLoop(workload)  # on the runner's group
     runner.logger.setLevel("ERROR")
     steps = len(hand.loader)
     for _ in range(2):  # warm-up
@@ -222,11 +224,21 @@ def _tensors(state: Any) -> list[torch.Tensor]:
     return []
 
 
-def worker(rank: int, root: str, repeats: int, workloads: list[str]) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank))
+def worker(rank: int, root: str, ports: list[int], repeats: int, workloads: list[str]) -> None:
+    # Each runner starts (and ends) the process group itself; every one rendezvouses on a fresh port.
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1")
+    next_port = iter(ports)
+    os.environ["MASTER_PORT"] = str(next(next_port))
+    destroy = dist.destroy_process_group
+
+    def destroy_and_move_on(group: Any = None) -> None:
+        destroy(group)
+        if group is None:
+            os.environ["MASTER_PORT"] = str(next(next_port))
+
+    dist.destroy_process_group = destroy_and_move_on
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
-    dist.init_process_group("gloo", store=dist.FileStore(os.path.join(root, "store"), 2), rank=rank, world_size=2)
     try:
         steps = [bench_steps(root, workload, repeats) for workload in workloads]
         # checkpoint speed only means something for the larger state
@@ -241,7 +253,18 @@ def worker(rank: int, root: str, repeats: int, workloads: list[str]) -> None:
             print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
             print("\n".join(checkpoints))
     finally:
-        dist.destroy_process_group()
+        dist.destroy_process_group = destroy
+
+
+def _free_ports(count: int) -> list[int]:
+    sockets = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(count)]
+    try:
+        for sock in sockets:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
 
 
 def main() -> None:
@@ -252,7 +275,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench-parallel-") as root:  # shared: DCP files are written by both
         mp.start_processes(
             worker,
-            args=(root, args.repeats, args.workload or list(WORKLOADS)),
+            args=(root, _free_ports(8), args.repeats, args.workload or list(WORKLOADS)),
             nprocs=2,
             start_method="spawn",
         )
