@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from danling.utils import RoundDict
 
 from .budget import length_of
-from .evaluation import EvaluationMixin
+from .dry_run import DryRunMixin
 from .events import EpochContext, Events, StopContext
 from .hooks import RunnerMode
 
@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 __all__ = ["LoopMixin", "RunnerMode"]
 
 
-class LoopMixin(EvaluationMixin):
+class LoopMixin(DryRunMixin):
     """Training, evaluation and inference loops; mixed into `BaseRunner`."""
 
     config: RunnerConfig
@@ -37,6 +37,9 @@ class LoopMixin(EvaluationMixin):
         self, train_splits: Sequence[str] | None = None, evaluate_splits: Sequence[str] | None = None
     ) -> RoundDict:
         """Train until the budget is spent: epoch mode when `epochs` is set, step mode otherwise.
+
+        With `config.dry_run` set, run [`dry_run`][danling.runners.loop.dry_run.DryRunMixin.dry_run]
+        instead: a few batches of every split and one checkpoint round trip.
 
         Args:
             train_splits: Splits to train on; defaults to `self.train_splits`.
@@ -57,6 +60,8 @@ class LoopMixin(EvaluationMixin):
             )
         evaluate_splits = self._resolve_splits(evaluate_splits, self.evaluate_splits, "evaluate")
         self.check_training_budget(train_splits)
+        if self.dry_run_batches:
+            return self.dry_run(train_splits, evaluate_splits)
         self.logger.info("training on %s; evaluating on %s", train_splits, evaluate_splits or "nothing")
         if self.is_step_mode:
             return self.train_steps(train_splits, evaluate_splits)
