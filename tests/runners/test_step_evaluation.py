@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 
+import pytest
 import torch
 
 from tests.runners._torch_toy import TinyRunner, model_state, tiny_config
@@ -81,3 +82,30 @@ def test_torch_runner_returns_to_training_mode_after_an_evaluation(tmp_path):
         assert list(periodic.results) == [2, 4, 6, 8, 10]
         for name, value in model_state(periodic).items():
             torch.testing.assert_close(value, expected[name])
+
+
+class StopAtStep6(TinyRunner):
+    def train_step(self, data):
+        out = super().train_step(data)
+        if self.train_state.global_step == 6 and not self.config.auto_resume:
+            self.supervisor.request_stop()
+        return out
+
+
+def test_a_run_stopped_between_evaluations_resumes_to_the_same_weights_and_rows(tmp_path):
+    overrides = {"epochs": None, "steps": 12, "evaluate_interval": 4, "deterministic": True}
+    with TinyRunner(tiny_config(tmp_path / "clean", **overrides)) as clean:
+        clean.train()
+        expected = model_state(clean)
+    config = tiny_config(tmp_path / "run", **overrides)
+    with pytest.raises(SystemExit), StopAtStep6(config) as stopped:
+        stopped.train()
+    assert list(stopped.results) == [4]
+    with StopAtStep6({**config, "auto_resume": True}) as resumed:
+        assert resumed.train_state.global_step == 6
+        resumed.train()
+        assert list(resumed.results) == [4, 8, 12] == list(clean.results)
+        for name, value in model_state(resumed).items():
+            torch.testing.assert_close(value, expected[name])
+        for index in (4, 8, 12):
+            assert resumed.results[index]["val"]["loss"] == pytest.approx(clean.results[index]["val"]["loss"])
