@@ -109,3 +109,9 @@ def test_a_run_stopped_between_evaluations_resumes_to_the_same_weights_and_rows(
             torch.testing.assert_close(value, expected[name])
         for index in (4, 8, 12):
             assert resumed.results[index]["val"]["loss"] == pytest.approx(clean.results[index]["val"]["loss"])
+
+
+def test_evaluate_batches_limits_epoch_mode_evaluations_too(tmp_path):
+    with CountingRunner(toy_config(tmp_path, epochs=2, evaluate_batches=3)) as runner:
+        runner.train()
+        assert runner.evaluated == [5, 5, 5, 10, 10, 10]  # 3 of the 10 batches after each 5-step epoch
