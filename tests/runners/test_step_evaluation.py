@@ -115,3 +115,12 @@ def test_evaluate_batches_limits_epoch_mode_evaluations_too(tmp_path):
     with CountingRunner(toy_config(tmp_path, epochs=2, evaluate_batches=3)) as runner:
         runner.train()
         assert runner.evaluated == [5, 5, 5, 10, 10, 10]  # 3 of the 10 batches after each 5-step epoch
+
+
+def test_a_metric_scheduler_steps_per_round_when_every_pass_ends_at_an_evaluation(tmp_path):
+    # 5 batches per pass and an evaluation every 5 steps: each round's values are in the row
+    scheduler = {"scheduler.type": "ReduceLROnPlateau", "scheduler.patience": 0}
+    config = tiny_config(tmp_path, epochs=None, steps=15, evaluate_interval=5, **scheduler)
+    with TinyRunner(config) as runner:
+        runner.train()
+        assert list(runner.results) == [5, 10, 15] and runner.train_state.epoch == 3

@@ -166,7 +166,9 @@ class LoopMixin(DryRunMixin):
             completed = True
         if completed:
             self.train_state.epoch += 1
-            self.advance_schedulers(result)  # an epoch-interval scheduler steps once per round
+            # An epoch-interval scheduler steps once per round; a round whose values all went into a
+            # periodic evaluation's row gives a metric scheduler that row instead.
+            self.advance_schedulers(result or self._latest_row() or result)
         if self.train_state.global_step == start:
             raise RuntimeError(
                 f"a full round over {train_splits} applied no optimizer step: the loaders are empty "
