@@ -2,12 +2,11 @@
 
 Every backend shares one layout under `directory`: one directory per checkpoint (payload files
 plus `manifest.json`, the size and SHA-256 of each) and one-line `<alias>.pointer` files naming
-the checkpoint an alias points at (see [`danling.checkpoint.layout`][]). A save first fills
-`.tmp-<name>-<uuid>/`, fsyncs it, renames it into place, then rewrites the alias pointers, and
-only then prunes old history. Backends implement the private payload hooks (`_write_payload`,
-`_read_payload`, `_read_file`) and, when several ranks write, the `_temp_dir`, `_gather_records`
-and `_barrier` seams; everything else lives here, so a distributed backend only changes where
-bytes come from and which ranks take part.
+the checkpoint an alias points at (see [`danling.checkpoint.layout`][]). A save fills `.tmp-<name>-<uuid>/`,
+fsyncs it, renames it into place, rewrites the alias pointers, and only then prunes old history.
+Backends implement the private payload hooks (`_write_payload`, `_read_payload`, `_read_file`) and,
+when several ranks write, the `_temp_dir`, `_gather_records` and `_barrier` seams; everything else
+lives here, so a distributed backend only changes where bytes come from and which ranks take part.
 """
 
 from __future__ import annotations
@@ -47,6 +46,7 @@ from .manifest import (
     write_manifest,
 )
 from .payload import capture_state, check_objects, drop_key, normalize_excludes, restore_objects, snapshot_state
+from .retention import prunable
 from .runner_saves import RunnerSaves
 
 __all__ = ["CheckpointManager"]
@@ -62,7 +62,9 @@ class CheckpointManager(RunnerSaves):
         directory: Where checkpoints, manifests and alias pointers live.
         interval: Save cadence used by [`should_save`][danling.checkpoint.CheckpointManager.should_save]
             (epochs or steps, whichever the caller counts). `None` saves at every index.
-        keep_latest_k: History checkpoints to keep (`None`/`0`: all); aliased ones are never pruned.
+        keep_latest_k: Newest history checkpoints to keep; aliased ones are never pruned.
+        save_top_k: Best scored history checkpoints to keep ([`retention`][danling.checkpoint.retention]);
+            with neither count set (`None`/`0`) every checkpoint is kept.
         async_save: Write on a background thread, from a CPU copy of the state: the caller may
             change its tensors as soon as `save` returns.
         load_only: Never write; `save` becomes a no-op while loading keeps working.
@@ -87,6 +89,7 @@ class CheckpointManager(RunnerSaves):
         *,
         interval: int | None = None,
         keep_latest_k: int | None = None,
+        save_top_k: int | None = None,
         async_save: bool = False,
         load_only: bool = False,
         exclude_from_loading: Sequence[str] | str | None = (),
@@ -96,12 +99,13 @@ class CheckpointManager(RunnerSaves):
         trusted: bool = False,
     ) -> None:
         check_count(interval, "interval", 1)
-        check_count(keep_latest_k, "keep_latest_k", 0)
+        for count, label in ((keep_latest_k, "keep_latest_k"), (save_top_k, "save_top_k")):
+            check_count(count, label, 0)
         if timeout is not None and (not isinstance(timeout, (int, float)) or timeout < 0):
             raise ValueError(f"timeout must be a non-negative number of seconds or None, got {timeout!r}")
         self.directory = Path(directory)
         self.interval = interval
-        self.keep_latest_k = keep_latest_k
+        self.keep_latest_k, self.save_top_k = keep_latest_k, save_top_k
         self.async_save = bool(async_save)
         self.load_only = bool(load_only)
         self.exclude_from_loading = normalize_excludes(exclude_from_loading)
@@ -309,17 +313,13 @@ class CheckpointManager(RunnerSaves):
         return publish(tmp, self.directory / name)
 
     def _prune(self) -> None:
-        if not self.keep_latest_k:
-            return
-        protected = set(self.aliases(wait=False).values())
-        history = [path for path, manifest in self._scan() if manifest.get("history")]
-        for path in history[self.keep_latest_k :]:
-            if path in protected:
-                continue
+        history = [(path, manifest) for path, manifest in self._scan() if manifest.get("history")]
+        keep = {"keep_latest_k": self.keep_latest_k, "save_top_k": self.save_top_k}
+        for path in prunable(history, protected=set(self.aliases(wait=False).values()), **keep):
             trash = self.directory / f".trash-{path.name}-{uuid.uuid4().hex}"
             os.rename(path, trash)
             shutil.rmtree(trash, ignore_errors=True)
-            self.logger.info("pruned checkpoint %s (keep_latest_k=%d)", path, self.keep_latest_k)
+            self.logger.info("pruned checkpoint %s (keep_latest_k=%s, save_top_k=%s)", path, *keep.values())
 
     def _recover(self) -> None:
         """Undo what a killed writer left behind: partial temp dirs, half-finished replacements."""

@@ -25,6 +25,10 @@ _INT_RULES = {
     "log_interval": 0,  # 0: no step logs
     "checkpoint.interval": 1,
     "checkpoint.keep_latest_k": 0,
+    "checkpoint.save_top_k": 0,
+    "evaluate_interval": 0,  # 0: evaluate only after the last step
+    "evaluate_batches": 1,
+    "dry_run": 1,
     "gc.interval": 1,
     "profiling.wait": 0,
     "profiling.warmup": 0,

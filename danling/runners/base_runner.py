@@ -232,6 +232,7 @@ class BaseRunner(CheckpointMixin, ResultsMixin, ObservabilityMixin, LoopMixin, P
         return {
             "interval": self.checkpoint_interval,
             "keep_latest_k": checkpoint.keep_latest_k or None,
+            "save_top_k": checkpoint.save_top_k or None,
             # An explicit async_mode wins; unset, it follows async_enabled.
             "async_save": checkpoint.async_enabled
             if checkpoint.async_mode is None

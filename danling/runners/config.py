@@ -106,6 +106,9 @@ class RunnerConfig(_TypedConfig):
         max_grad_value: Clip each gradient element to this magnitude; None disables.
         skip_nonfinite_grad: Skip the optimizer update when a gradient is NaN/inf.
         patience: Epochs without improvement before early stopping; None never stops early.
+        evaluate_interval: Step mode: optimizer steps between evaluations (0: after the last only; None: steps // 10).
+        evaluate_batches: Batches of each evaluation split per evaluation while training; None: whole splits.
+        dry_run: Batches per split of a dry run (one checkpoint round trip, own run directory); None is off.
         train_splits: Dataset splits to train on; None infers them.
         evaluate_splits: Dataset splits to evaluate; None infers them.
         score_split: Split whose metric selects the best checkpoint; None infers it.
@@ -161,6 +164,8 @@ class RunnerConfig(_TypedConfig):
         "auto_resume",
         "log",
         "log_interval",
+        "evaluate_interval",
+        "evaluate_batches",
         "tensorboard",
         "wandb",
         "csv",
@@ -205,6 +210,9 @@ class RunnerConfig(_TypedConfig):
     max_grad_value: float | None = None
     skip_nonfinite_grad: bool = False
     patience: int | float | None = None
+    evaluate_interval: int | None = None
+    evaluate_batches: int | None = None
+    dry_run: int | None = None
     train_splits: list[str] | None = None
     evaluate_splits: list[str] | None = None
     score_split: str | None = None

@@ -94,6 +94,7 @@ class CheckpointConfig(_TypedConfig):
     backend: str = "auto"
     interval: int | None = None
     keep_latest_k: int = 0
+    save_top_k: int | None = None
     load_only: bool = False
     async_enabled: bool = True
     async_mode: str | None = None

@@ -307,7 +307,7 @@ def test_gradient_accumulation_flushes_partial_window(make_runner):
 
 
 def test_step_mode(make_runner):
-    runner = make_runner(epochs=None, steps=7)
+    runner = make_runner(epochs=None, steps=7, evaluate_interval=0)  # 0: evaluate after the last step only
     results = runner.train()
     assert runner.train_state.global_step == 7
     assert runner.train_state.epoch == 1  # one full round over the 5-batch train split

@@ -245,9 +245,10 @@ def test_metrics_reach_the_results(tmp_path):
 
 
 def test_step_mode_evaluation_and_inference(tmp_path):
-    with TinyRunner(tiny_config(tmp_path, epochs=None, steps=7, **{"checkpoint.interval": 3})) as runner:
+    config = tiny_config(tmp_path, epochs=None, steps=7, evaluate_interval=3, **{"checkpoint.interval": 3})
+    with TinyRunner(config) as runner:
         runner.train()
-        assert runner.train_state.global_step == 7 and list(runner.results) == [7]
+        assert runner.train_state.global_step == 7 and list(runner.results) == [3, 6, 7]
         assert set(runner.latest_result) == {"train", "val", "index"}
         names = sorted(path.name for path in runner.checkpoint_manager.checkpoints())
         assert names == ["step-000003", "step-000006", "step-000007"]

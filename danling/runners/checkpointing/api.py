@@ -178,12 +178,17 @@ class CheckpointMixin:
         return path
 
     def publishes_best(self) -> bool:
-        """Whether a checkpoint saved now may be published as `best`.
-
-        True when the newest result row is the best one and no training happened since it was
-        stored, so a mid-epoch save never inherits the score of the weights evaluated before it.
-        """
+        """Whether a checkpoint saved now may be published as `best`: the newest result row is the best
+        one (`is_best`) and no training happened since it was stored, so a mid-epoch save never
+        inherits the score of the weights evaluated before it."""
         return bool(self.results) and self.is_best and self._scored_progress == self._progress_marker()
+
+    def checkpoint_score(self) -> float | None:
+        """Score of the weights a checkpoint saved now holds (the newest row's, when `publishes_best`'s
+        condition on progress holds), else `None`; `checkpoint.save_top_k` ranks checkpoints by it."""
+        scored = bool(self.results) and self._scored_progress == self._progress_marker()
+        score = self.latest_score if scored else None
+        return None if score is None or score != score else score  # NaN ranks nowhere
 
     def save_seed_checkpoint(self, name: str = "seed") -> Path | None:
         """Save the initial state as checkpoint `name` (alias `name`, never pruned).
@@ -280,10 +285,9 @@ class CheckpointMixin:
     def in_place_components(self, checkpoint: CheckpointSource, excluded: set[str]) -> tuple[str, ...]:
         """Components restored in place from `checkpoint` rather than from a payload read into memory.
 
-        Called first by `load_checkpoint`, on every rank. None by default; backends whose
-        checkpoint format reads straight into live tensors (DCP, an engine's own loader) list the
-        keys here, and `read_restore_payload` / `restore_in_place` then split the restore in two.
-        """
+        Called first by `load_checkpoint`, on every rank. None by default; backends whose checkpoint
+        format reads into live tensors (DCP, an engine's loader) list the keys here, and
+        `read_restore_payload` / `restore_in_place` then split the restore in two."""
         return ()
 
     def read_restore_payload(self, checkpoint: CheckpointSource, in_place: tuple[str, ...], map_location: Any) -> Any:

@@ -184,6 +184,36 @@ class ProgressMixin:
         return max(self.steps // 10, 1) if self.steps else 100
 
     @property
+    def evaluate_interval(self) -> int:
+        """Optimizer steps between evaluations in step mode.
+
+        `config.evaluate_interval` when set (`0`: only the evaluation after the last step);
+        otherwise a tenth of the step budget, at least 1, which is also the default checkpoint
+        cadence, so every default checkpoint holds evaluated weights. Epoch mode evaluates after
+        every epoch and does not read it.
+        """
+        configured = self.config.get("evaluate_interval")
+        if configured is not None:
+            if isinstance(configured, bool) or not isinstance(configured, int) or configured < 0:
+                raise ValueError(f"evaluate_interval must be an int >= 0 (0: after the last step), got {configured!r}")
+            return configured
+        steps = self.steps
+        return max(steps // 10, 1) if steps else 0
+
+    @property
+    def evaluate_batches(self) -> int | None:
+        """Batches of each evaluation split in an evaluation run while training (`None`: the whole split).
+
+        `config.evaluate_batches`; a dry run (`config.dry_run`) caps it at its batch count.
+        """
+        limits = [self.config.get("evaluate_batches"), self.config.get("dry_run")]
+        for value in limits:
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"evaluate_batches and dry_run must be positive ints or None, got {value!r}")
+        given = [value for value in limits if value is not None]
+        return min(given) if given else None
+
+    @property
     def checkpoint_interval(self) -> int:
         """Checkpoint cadence: `checkpoint.interval`, else every epoch (epoch mode) or a tenth of `steps`."""
         configured = self.config.get("checkpoint.interval")

@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING, Any
 from danling.utils import RoundDict
 
 from .budget import length_of
+from .dry_run import DryRunMixin
 from .events import EpochContext, Events, StopContext
 from .hooks import RunnerMode
-from .passes import PassMixin
 
 if TYPE_CHECKING:
     from ..config import RunnerConfig
@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 __all__ = ["LoopMixin", "RunnerMode"]
 
 
-class LoopMixin(PassMixin):
+class LoopMixin(DryRunMixin):
     """Training, evaluation and inference loops; mixed into `BaseRunner`."""
 
     config: RunnerConfig
@@ -37,6 +37,9 @@ class LoopMixin(PassMixin):
         self, train_splits: Sequence[str] | None = None, evaluate_splits: Sequence[str] | None = None
     ) -> RoundDict:
         """Train until the budget is spent: epoch mode when `epochs` is set, step mode otherwise.
+
+        With `config.dry_run` set, run [`dry_run`][danling.runners.loop.dry_run.DryRunMixin.dry_run]
+        instead: a few batches of every split and one checkpoint round trip.
 
         Args:
             train_splits: Splits to train on; defaults to `self.train_splits`.
@@ -57,6 +60,8 @@ class LoopMixin(PassMixin):
             )
         evaluate_splits = self._resolve_splits(evaluate_splits, self.evaluate_splits, "evaluate")
         self.check_training_budget(train_splits)
+        if self.dry_run_batches:
+            return self.dry_run(train_splits, evaluate_splits)
         self.logger.info("training on %s; evaluating on %s", train_splits, evaluate_splits or "nothing")
         if self.is_step_mode:
             return self.train_steps(train_splits, evaluate_splits)
@@ -88,8 +93,7 @@ class LoopMixin(PassMixin):
                         for split in self.loop_state.splits_from_cursor(list(train_splits)):
                             result[split] = self.train_epoch(split)
                         self.loop_state.trained = True
-                    for split in evaluate_splits:
-                        result[split] = self.evaluate_epoch(split)
+                    result.update(self.evaluate_for_row(evaluate_splits))
                     self.advance_schedulers(result)
                     self.append_result(result, index=epoch)
                     if self.logger.isEnabledFor(logging.INFO):  # formatting a row costs more than the check
@@ -113,12 +117,15 @@ class LoopMixin(PassMixin):
     def train_steps(
         self, train_splits: Sequence[str] | None = None, evaluate_splits: Sequence[str] | None = None
     ) -> RoundDict:
-        """Train until `train_state.global_step` reaches `steps`, then evaluate briefly.
+        """Train until `train_state.global_step` reaches `steps`, evaluating along the way and at the end.
 
         Train splits are consumed in sorted order, round after round (`train_state.epoch` counts
         full rounds, and `advance_schedulers` is called after each with the round's training
-        results); step-cadence checkpoints are saved along the way. At the end one row
-        indexed by the global step is stored and written, and a final checkpoint is saved.
+        results). Every `evaluate_interval` optimizer steps the evaluation splits are evaluated
+        from inside the training pass (whole, or `evaluate_batches` of each) and one row indexed
+        by the global step is stored and written; the step-cadence checkpoint of that step follows
+        it. After the last step a final evaluation stores the last row and a final checkpoint is
+        saved. Each row's training values cover the batches since the previous row.
 
         Raises:
             ValueError: No step budget can be resolved.
@@ -129,37 +136,44 @@ class LoopMixin(PassMixin):
             raise ValueError("train_steps() needs config.steps, or config.epochs with sized train dataloaders")
         train_splits = sorted(self._resolve_splits(train_splits, self.train_splits, "train"))
         evaluate_splits = self._resolve_splits(evaluate_splits, self.evaluate_splits, "evaluate")
-        with self._loop_scope(training=True):
-            result = self.loop_state.begin_round()
-            while self.train_state.global_step < budget:
-                start = self.train_state.global_step
-                for split in self.loop_state.splits_from_cursor(list(train_splits)):
-                    result[split] = self._run_split(split, RunnerMode.train, budget=budget)[0]
-                    if self.train_state.global_step >= budget:
-                        # A budget met on the last batch of the round still completes the round.
-                        completed = split == train_splits[-1] and self._pass_completed(split)
-                        break
-                else:
-                    completed = True
-                if completed:
-                    self.train_state.epoch += 1
-                    self.advance_schedulers(result)  # an epoch-interval scheduler steps once per round
-                if self.train_state.global_step == start:
-                    raise RuntimeError(
-                        f"a full round over {train_splits} applied no optimizer step: the loaders are empty "
-                        "or train_step does not call self.step()"
-                    )
-            for split in evaluate_splits:
-                length = length_of(self.dataloaders[split])
-                steps = max(budget // 20, 1) if length is None else min(max(budget // 20, 1), length)
-                result[split] = self.evaluate_steps(split, steps)
-            self.append_result(result, index=self.train_state.global_step)
-            if self.logger.isEnabledFor(logging.INFO):
-                self.logger.info(self.format_result(result))
-            self.save_result()
-            self.loop_state.end_round()
-            self.save_checkpoint(last_step=True)
+        self._plan_periodic_evaluation(evaluate_splits, budget)
+        try:
+            with self._loop_scope(training=True):
+                result = self.loop_state.begin_round()
+                while self.train_state.global_step < budget:
+                    self._train_round(train_splits, result, budget)
+                self._periodic_splits = None
+                result.update(self.evaluate_for_row(evaluate_splits))
+                self._store_row(result, self.train_state.global_step)
+                self.loop_state.end_round()
+                self.save_checkpoint(last_step=True)
+        finally:
+            self._periodic_splits = None
         return self.results
+
+    def _train_round(self, train_splits: list[str], result: RoundDict, budget: int) -> None:
+        """One round over the train splits in step mode, stopping at the budget."""
+        start = self.train_state.global_step
+        for split in self.loop_state.splits_from_cursor(list(train_splits)):
+            split_result = self._run_split(split, RunnerMode.train, budget=budget)[0]
+            if self._evaluated_step != self.train_state.global_step:  # else no batch since that row
+                result[split] = split_result
+            if self.train_state.global_step >= budget:
+                # A budget met on the last batch of the round still completes the round.
+                completed = split == train_splits[-1] and self._pass_completed(split)
+                break
+        else:
+            completed = True
+        if completed:
+            self.train_state.epoch += 1
+            # An epoch-interval scheduler steps once per round; a round whose values all went into a
+            # periodic evaluation's row gives a metric scheduler that row instead.
+            self.advance_schedulers(result or self._latest_row() or result)
+        if self.train_state.global_step == start:
+            raise RuntimeError(
+                f"a full round over {train_splits} applied no optimizer step: the loaders are empty "
+                "or train_step does not call self.step()"
+            )
 
     def _pass_completed(self, split: str) -> bool:
         """Whether the training pass over `split` that just stopped reached the end of its loader."""

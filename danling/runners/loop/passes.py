@@ -126,12 +126,12 @@ class PassMixin(StepHooks):
                         loss_meter = meters["loss"]  # then updated directly: this runs every batch
                     else:
                         loss_meter.update(loss)
+                if interval and (batches % interval == 0 or batches == length):
+                    self._log_step(split, batches, length, training)
                 if training:
                     position.batch += 1
                     if track_progress and state.global_step != self._seen_step:
-                        self._after_optimizer_progress(budget)
-                if interval and (batches % interval == 0 or batches == length):
-                    self._log_step(split, batches, length, training)
+                        self._after_optimizer_progress(budget)  # may evaluate: after the step log
                 if self._stop_latched or self._stop_now(stop_poll, agree and batches == length):
                     # Stop only at a window boundary: applying a partial window (or dropping its
                     # gradients) would make the resumed run diverge from an uninterrupted one.
@@ -163,9 +163,14 @@ class PassMixin(StepHooks):
             return
         self._seen_step = global_step
         self.supervisor.gc_step(global_step)
-        # The final step-mode checkpoint is saved by train_steps itself.
+        # The final step-mode evaluation and checkpoint are train_steps' own. An evaluation due
+        # now runs first, so this step's checkpoint holds the weights its row scores.
         if budget is not None and global_step < budget:
+            self._evaluate_if_due(global_step)
             self.save_checkpoint()
+
+    def _evaluate_if_due(self, global_step: int) -> None:
+        """Run a periodic evaluation when one is due at `global_step` (see `EvaluationMixin`)."""
 
     def _log_step(self, split: str, iteration: int, length: int | None, training: bool) -> None:
         to_log, to_track = self.logger.isEnabledFor(logging.INFO), training and self._log_listened()

@@ -70,6 +70,7 @@ class StepProfiler:
         self.traces: list[Path] = []
         self._profiler: Any = None
         self._training = False
+        self._modes: list[bool] = []
         self._done = False
 
     @property
@@ -86,12 +87,13 @@ class StepProfiler:
         return self
 
     def _pass_start(self, context: PassContext) -> None:
+        self._modes.append(self._training)  # a pass may run inside a training pass (step-mode evaluation)
         self._training = context.mode == "train"
         if self._training and self._profiler is None and not self._done:
             self._start()
 
     def _pass_end(self, context: PassContext) -> None:
-        self._training = False
+        self._training = self._modes.pop() if self._modes else False
 
     def _step(self, context: StepContext) -> None:
         if not self._training or self._profiler is None:

@@ -61,6 +61,8 @@ class ProgressBar:
     def __init__(self, **options: Any) -> None:
         self.options = {"leave": False, "dynamic_ncols": True, **options}
         self.bar: Any = None
+        self._mode: str | None = None  # mode of the pass the bar shows
+        self._outer: list[tuple[Any, str | None]] = []  # training bars a nested evaluation pass interrupted
 
     def attach(self, bus: EventBus) -> ProgressBar:
         """Subscribe to `bus`; returns self."""
@@ -70,7 +72,11 @@ class ProgressBar:
         return self
 
     def open(self, context: PassContext) -> None:
-        self.close()
+        if self.bar is not None and self._mode == "train" and context.mode != "train":
+            self._outer.append((self.bar, self._mode))  # an evaluation inside a training pass (step mode)
+        else:
+            self.close()
+        self._mode = context.mode
         self.bar = tqdm(total=context.length, desc=describe(context), **self.options)
 
     def advance(self, context: StepContext) -> None:
@@ -79,6 +85,7 @@ class ProgressBar:
             bar.set_postfix(postfix(context), refresh=False)
 
     def close(self, context: PassContext | None = None) -> None:
-        bar, self.bar = self.bar, None
+        bar = self.bar
+        self.bar, self._mode = self._outer.pop() if self._outer else (None, None)
         if bar is not None:
             bar.close()

@@ -163,21 +163,23 @@ class ResultsMixin:
 
     @property
     def is_best(self) -> bool:
-        """Whether the newest row holds the best score.
+        """Whether the newest row is the best one, by the one tie rule of `best_index`.
 
         `True` before any row exists, `False` when no score can be read from the newest row (so a
         run without a usable score never publishes a "best" checkpoint), otherwise whether the
-        newest score equals the best one up to floating-point tolerance.
+        newest row is the row `best_index` picks. Ties go to the earliest row: a later row must
+        be strictly better to become the best, so `best_index`, `best.json` and the `best`
+        checkpoint alias always name the same row.
         """
         if not self.results:
             return True
         scores = self._score_map()  # read once: every row is scanned to build it
         if not scores:
             return False
-        latest, best = scores.get(next(reversed(self.results))), scores[self._best_index(scores)]
-        if latest is None or math.isnan(latest):
+        latest = next(reversed(self.results))
+        if latest not in scores or math.isnan(scores[latest]):
             return False
-        return math.isclose(latest, best, rel_tol=1e-9, abs_tol=1e-12)
+        return self._best_index(scores) == latest
 
     @property
     def patience(self) -> int | float:
@@ -348,8 +350,9 @@ class ResultsMixin:
         if not scores:
             return 0
         lower = self.lower_is_better
-        pick = min if lower else max
-        return pick(scores, key=lambda index: _comparable(scores[index], lower))
+        sign = 1.0 if lower else -1.0
+        # The one tie rule: the best score wins, and among equal scores the earliest row.
+        return min(scores, key=lambda index: (sign * _comparable(scores[index], lower), index))
 
     def _row_index(self) -> int:
         """Row index for the current progress: the global step in step mode, else the epoch."""

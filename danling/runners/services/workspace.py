@@ -212,7 +212,8 @@ class RunnerWorkspace:
     def path(self) -> Path:
         """The run directory's path, without creating it."""
         lineage = f"{self.lineage}-{self.code_id}" if self.code_id else self.lineage
-        return self.root / lineage / f"{self.experiment}-{self.id}"
+        suffix = "-dry-run" if _get(self.config, "dry_run") else ""  # never the real run's history
+        return self.root / lineage / f"{self.experiment}-{self.id}{suffix}"
 
     @property
     def dir(self) -> Path:
