@@ -2,7 +2,7 @@
 
 A checkpoint saved at a scored state carries `score` and `score_mode` (`"min"` or `"max"`) in its
 manifest metadata. The top k of those are ranked by the same rule as the runner's best row: the
-better score first and, among equal scores, the earliest checkpoint (lowest epoch, then step).
+better score first and, among equal scores, the latest checkpoint (highest epoch, then step).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ def _rank(metadata: Mapping[str, Any]) -> tuple[float, int, int] | None:
     if math.isnan(score):
         return None
     signed = float(score) if mode == "min" else -float(score)
-    return signed, int(metadata.get("epoch") or 0), int(metadata.get("global_step") or 0)
+    return signed, -int(metadata.get("epoch") or 0), -int(metadata.get("global_step") or 0)
 
 
 def top_k(history: Iterable[tuple[Path, Mapping[str, Any]]], k: int) -> list[Path]:
@@ -36,7 +36,7 @@ def top_k(history: Iterable[tuple[Path, Mapping[str, Any]]], k: int) -> list[Pat
         ...     (Path("epoch-000000"), {"metadata": {}}),
         ... ]
         >>> [path.name for path in top_k(history, 2)]
-        ['epoch-000002', 'epoch-000001']
+        ['epoch-000002', 'epoch-000003']
     """
     ranked = []
     for path, manifest in history:

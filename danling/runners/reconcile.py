@@ -14,7 +14,7 @@ The rules:
   its manifest;
 - `best` names the checkpoint of the best result row among all rows stored in that checkpoint,
   scored as the run scores them (`score_split`, `score_name`, `score_mode`); on ties the
-  earliest row wins, as in [`best_index`][danling.runners.services.results.ResultsMixin.best_index].
+  latest row wins, as in [`best_index`][danling.runners.services.results.ResultsMixin.best_index].
   When that row's checkpoint does not exist (cadence, retention) `best` is left as it is;
 - the result files are rewritten from those rows when they are missing, unreadable or differ;
 - hidden `*.tmp` files of interrupted writes in the run directory and the staging directories

@@ -28,19 +28,19 @@ def kept(runner) -> list[int]:
     return sorted(int(path.name.split("-")[1]) for path in runner.checkpoint_manager.checkpoints())
 
 
-def test_tied_scores_pick_the_earliest_row_everywhere(tmp_path):
+def test_tied_scores_pick_the_latest_row_everywhere(tmp_path):
     losses = [5.0, 4.0, 3.0, 1.0, 2.0, 2.0, 2.0, 2.0, 2.0, 2.0, 2.0, 1.0, 3.0]  # epochs 3 and 11 tie
     runner = scripted(tmp_path, losses)
     try:
         runner.train()
         runner.flush_results()
         best_file = json.loads((runner.workspace.path / "best.json").read_text())
-        assert runner.best_index == 3 and runner.best_result["index"] == 3
-        assert best_file["index"] == 3
-        assert runner.checkpoint_manager.best.name == "epoch-000003"
+        assert runner.best_index == 11 and runner.best_result["index"] == 11
+        assert best_file["index"] == 11
+        assert runner.checkpoint_manager.best.name == "epoch-000011"
         # Reconciling the run directory on a restart applies the same rule and changes nothing.
         report = reconcile_run(runner.workspace.path, config=runner.config)
-        assert report["best"] is None and runner.checkpoint_manager.best.name == "epoch-000003"
+        assert report["best"] is None and runner.checkpoint_manager.best.name == "epoch-000011"
     finally:
         runner.close()
 
@@ -62,9 +62,9 @@ def test_save_top_k_alone_breaks_ties_like_best_and_keeps_alias_targets(tmp_path
     runner = scripted(tmp_path, [3.0, 1.0, 2.0, 1.0, 4.0], **{"checkpoint.save_top_k": 1})
     try:
         runner.train()
-        # Epochs 1 and 3 tie: the earlier one is the top 1 and the best; the latest is kept as `latest`.
-        assert kept(runner) == [1, 4]
-        assert runner.best_index == 1 and runner.checkpoint_manager.best.name == "epoch-000001"
+        # Epochs 1 and 3 tie: the later one is the top 1 and the best; the latest is kept as `latest`.
+        assert kept(runner) == [3, 4]
+        assert runner.best_index == 3 and runner.checkpoint_manager.best.name == "epoch-000003"
     finally:
         runner.close()
 

@@ -91,8 +91,8 @@ def test_reconcile_command(finished_run):
     )
 
 
-def test_best_ties_go_to_the_earliest_row():
-    rows = {0: {"val": {"loss": 2.0}}, 1: {"val": {"loss": 1.0}}, 2: {"val": {"loss": 1.0}}}
-    assert _Rows(RunnerConfig(), rows).best_index == 1
+def test_best_ties_go_to_the_latest_row():
+    rows = {0: {"val": {"loss": 2.0}}, 1: {"val": {"loss": 1.0}}, 2: {"val": {"loss": 1.0}}, 3: {"val": {"loss": 1.5}}}
+    assert _Rows(RunnerConfig(), rows).best_index == 2
     scored = {0: {"val": {"acc": 0.5}}, 1: {"val": {"acc": 0.9}}, 2: {"val": {"acc": 0.9}}}
-    assert _Rows(RunnerConfig(score_name="acc"), scored).best_index == 1
+    assert _Rows(RunnerConfig(score_name="acc"), scored).best_index == 2

@@ -123,7 +123,7 @@ class ResultsMixin:
 
     @property
     def best_index(self) -> int:
-        """Index of the best row (the earliest one on ties); 0 when nothing is scored yet."""
+        """Index of the best row (the latest one on ties); 0 when nothing is scored yet."""
         return self._best_index(self._score_map())
 
     @property
@@ -167,9 +167,9 @@ class ResultsMixin:
 
         `True` before any row exists, `False` when no score can be read from the newest row (so a
         run without a usable score never publishes a "best" checkpoint), otherwise whether the
-        newest row is the row `best_index` picks. Ties go to the earliest row: a later row must
-        be strictly better to become the best, so `best_index`, `best.json` and the `best`
-        checkpoint alias always name the same row.
+        newest row is the row `best_index` picks. Ties go to the latest row: a newest score equal
+        to the best one (up to floating-point tolerance) makes the newest row the best, so
+        `best_index`, `best.json` and the `best` checkpoint alias always name the same row.
         """
         if not self.results:
             return True
@@ -351,8 +351,10 @@ class ResultsMixin:
             return 0
         lower = self.lower_is_better
         sign = 1.0 if lower else -1.0
-        # The one tie rule: the best score wins, and among equal scores the earliest row.
-        return min(scores, key=lambda index: (sign * _comparable(scores[index], lower), index))
+        # The one tie rule: the best score wins, and among scores equal to it (up to floating-point
+        # tolerance, as `is_best` compares) the latest row: the most trained weights of that score.
+        best = min(sign * _comparable(score, lower) for score in scores.values())
+        return max(index for index, score in scores.items() if _ties(sign * _comparable(score, lower), best))
 
     def _row_index(self) -> int:
         """Row index for the current progress: the global step in step mode, else the epoch."""
@@ -364,6 +366,10 @@ class ResultsMixin:
 
 def _plain_mapping(row: Mapping[str, Any]) -> dict[str, Any]:
     return {key: _plain_mapping(value) if isinstance(value, Mapping) else value for key, value in row.items()}
+
+
+def _ties(score: float, best: float) -> bool:
+    return score == best or math.isclose(score, best, rel_tol=1e-9, abs_tol=1e-12)
 
 
 def _comparable(score: float, lower_is_better: bool) -> float:
