@@ -18,12 +18,13 @@ import warnings
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any
 
-from chanfig import ConfigParser
 from typing_extensions import Self
 
-from ._config_cli import register_free_form_arguments, register_typed_arguments, split_file_options
+from ._config_cli import CommandLineError, StrictParser, fail, prepare_arguments, wants
+from ._config_help import help_text
 from ._config_refs import merge_config_files
 from ._config_utils import (
+    CONFIG_ID_IGNORES,
     auto_stack,
     check_annotations,
     check_values,
@@ -56,9 +57,6 @@ from .config_sections import (
 
 # Section classes are importable from this module (and config_sections) but kept out of the package namespace.
 __all__ = ["RunnerConfig"]
-
-# dataloader keys that change throughput, not results; left out of config_id
-_LOADER_RUNTIME_KEYS = ("num_workers", "persistent_workers", "prefetch_factor", "pin_memory", "snapshot_every_n_steps")
 
 
 @functools.cache
@@ -152,32 +150,7 @@ class RunnerConfig(_TypedConfig):
         "bf16": "bf16",
         "bfloat16": "bf16",
     }
-    CONFIG_ID_IGNORES = (
-        "config",
-        "workspace_root",
-        "lineage",
-        "experiment",
-        "resume",
-        "auto_resume",
-        "log",
-        "log_interval",
-        "tensorboard",
-        "wandb",
-        "csv",
-        "mlflow",
-        "checkpoint",
-        "heartbeat",
-        "profiling",
-        "gc",
-        "comm",
-        "ft",
-        "compile",
-        # how the work is laid out over the ranks, not what is trained: a run may resume on another layout
-        "stack",
-        "parallel",
-        "fsdp",
-        *(f"dataloader.{split}{key}" for split in ("", "*.") for key in _LOADER_RUNTIME_KEYS),
-    )
+    CONFIG_ID_IGNORES = CONFIG_ID_IGNORES
     # Features no runner of this version implements; a backend lifts one by naming it in its
     # `supported_features` (and the entry is dropped once every runner reads those keys).
     FEATURES = {
@@ -192,7 +165,8 @@ class RunnerConfig(_TypedConfig):
         ),
         "graph": ("compile.precompile_artifact_dir", "compile.memory_policy"),
     }
-    STRICT = False  # the top level takes free-form user keys (`config.network.type = ...`)
+    # Read by runners but not declared: aliases of `optim`/`scheduler` and DeepSpeed's own JSON config.
+    EXTRA_KEYS = frozenset({"optimizer", "sched", "deepspeed"})
 
     stack: str = "auto"
     seed: int | None = None
@@ -318,25 +292,30 @@ class RunnerConfig(_TypedConfig):
                 f"no_default_config_action must be 'ignore', 'warn' or 'raise', got {no_default_config_action!r}"
             )
         args = list(sys.argv[1:] if args is None else args)
-        files: list[str] = []
-        if default_config is not None:
-            args, files = split_file_options(args, default_config)
-            if not files and no_default_config_action != "ignore":
-                message = f"no --{default_config} file was given on the command line"
-                if no_default_config_action == "raise":
-                    raise ValueError(message)
-                warnings.warn(message, RuntimeWarning, stacklevel=2)
-        merge_config_files(self, files)  # remembers !env/!include values, recorded as references
-        parser = self.getattr("parser", None) or ConfigParser()  # typed options first, then free-form keys
+        parser = self.getattr("parser", None) or StrictParser()  # typed options first, then free-form keys
+        if wants(args, "-h", "--help"):
+            sys.stdout.write(help_text(self, parser.prog, default_config))
+            raise SystemExit(0)
+        print_config = wants(args, "--print-config", "--print_config")
+        args = [arg for arg in args if arg not in ("--print-config", "--print_config")]
         self.setattr("parser", parser)
-        split_keys = register_typed_arguments(parser, self, args) + register_free_form_arguments(parser, self, args)
-        with warnings.catch_warnings():
-            # per-split dataloader overrides are legitimate; chanfig would flag them as typos
-            for key in split_keys:
-                warnings.filterwarnings("ignore", message=re.escape(f"Unrecognized argument '--{key}'"))
-            super().parse(args, default_config=None, boot=boot, strict=strict)
-        # the parser holds argparse state; dropping it keeps the config light and picklable
-        self.popattr("parser", None)
+        try:
+            args, split_keys = prepare_arguments(self, parser, args, default_config, no_default_config_action)
+            with warnings.catch_warnings():
+                # per-split dataloader overrides are legitimate; chanfig would flag them as typos
+                for key in split_keys:
+                    warnings.filterwarnings("ignore", message=re.escape(f"Unrecognized argument '--{key}'"))
+                super().parse(args, default_config=None, boot=boot, strict=strict)
+        except CommandLineError:
+            raise
+        except (ValueError, TypeError) as exc:  # a bad value from a file or the command line: a usage error
+            raise fail(parser.prog, str(exc)) from exc
+        finally:
+            # the parser holds argparse state; dropping it keeps the config light and picklable
+            self.popattr("parser", None)
+        if print_config:
+            sys.stdout.write(self.yamls())
+            raise SystemExit(0)
         return self
 
     def post(self) -> None:
@@ -489,3 +468,18 @@ class RunnerConfig(_TypedConfig):
         """
         payload = json.dumps(self.semantic_dict(), sort_keys=True, separators=(",", ":"), default=str)
         return hashlib.sha256(payload.encode("utf-8")).hexdigest()[:12]
+
+
+class _RecordedConfig(RunnerConfig):
+    """A config read back from a run's records (checkpoint, `config.yaml`), whose class is not at hand.
+
+    The user's subclass declared the extra top-level keys the record holds; without that class
+    they are kept as they are instead of rejected. Sections are still checked.
+    """
+
+    STRICT = False
+
+
+def recorded_config(saved: Mapping[str, Any]) -> RunnerConfig:
+    """`RunnerConfig` of a saved mapping, keeping the top-level keys a user's subclass declared."""
+    return _RecordedConfig(**saved)
