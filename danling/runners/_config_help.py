@@ -45,7 +45,8 @@ def _type_name(annotation: Any) -> str:
 
 def _section_lines(node: Mapping, prefix: str, out: dict[str, list[str]]) -> None:
     descriptions = key_descriptions(type(node))
-    lines = out.setdefault(prefix.rstrip(".") or "top level", [])
+    group = prefix.rstrip(".") or "top level"
+    lines = out.setdefault(group, [])
     doc = (inspect.getdoc(type(node)) or "").split("\n", 1)[0] if prefix else ""
     if doc and not lines:
         lines.append(f"  {doc}")
@@ -55,16 +56,20 @@ def _section_lines(node: Mapping, prefix: str, out: dict[str, list[str]]) -> Non
         if isinstance(value, Mapping) and strict is not None:
             _section_lines(value, f"{prefix}{key}.", out)
             continue
-        text = f"  --{prefix}{key} {_type_name(annotation)} (default: {value!r})"
+        shown = value.dict() if isinstance(value, Mapping) and hasattr(value, "dict") else value
+        text = f"  --{prefix}{key} {_type_name(annotation)} (default: {shown!r})"
         if isinstance(value, Mapping):
             text += " [free-form: any key below it]"
         description = descriptions.get(key)
-        out[prefix.rstrip(".") or "top level"].append(f"{text}\n      {description}" if description else text)
-    extra = sorted(getattr(type(node), "EXTRA_KEYS", ()))
+        lines.append(f"{text}\n      {description}" if description else text)
+    extra = sorted(set(getattr(type(node), "EXTRA_KEYS", ())) - set(get_cached_annotations(node)))
     if extra:
-        out[prefix.rstrip(".")].append(f"  also accepted: {', '.join(prefix + key for key in extra)}")
+        free = " (free-form)" if not prefix else ""
+        lines.append(f"  also accepted{free}: {', '.join(prefix + key for key in extra)}")
+    if getattr(type(node), "NAMED_SUBSECTIONS", False):
+        lines.append(f"  --{prefix}<split>.<key> VALUE overrides one of the keys above for one split")
     if prefix and not getattr(type(node), "STRICT", True):
-        out[prefix.rstrip(".")].append(f"  any other --{prefix}<key> VALUE is passed on as an option")
+        lines.append(f"  any other --{prefix}<key> VALUE is passed on as an option")
 
 
 def help_text(config: Mapping, prog: str, config_option: str | None) -> str:
