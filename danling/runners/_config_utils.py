@@ -199,13 +199,24 @@ def unknown_keys(node: Mapping, prefix: str = "") -> list[str]:
         elif isinstance(value, Mapping) and getattr(kind, "NAMED_SUBSECTIONS", False):
             problems += [_unknown(f"{name}.{sub}", name, accepted) for sub in value if sub not in accepted]
         else:
-            problems.append(_unknown(name, prefix.rstrip("."), accepted))
+            problems.append(_unknown(name, prefix.rstrip("."), accepted, node if not prefix else None))
     return problems
 
 
-def _unknown(dotted: str, section: str, accepted: set[str]) -> str:
+def _section_keys(node: Mapping, prefix: str = "") -> Iterable[str]:
+    """Dotted keys declared inside the typed sections of `node`."""
+    for key in get_cached_annotations(node):
+        value = dict.get(node, key) if isinstance(node, dict) else None
+        if isinstance(value, Mapping) and getattr(type(value), "STRICT", False):
+            yield from (f"{prefix}{key}.{sub}" for sub in get_cached_annotations(value))
+            yield from _section_keys(value, f"{prefix}{key}.")
+
+
+def _unknown(dotted: str, section: str, accepted: set[str], root: Mapping | None = None) -> str:
     leaf = dotted.rsplit(".", 1)[-1]
     close = difflib.get_close_matches(str(leaf), sorted(accepted), n=3, cutoff=0.6)
+    if not close and root is not None:  # a section key given at the top level: `batch_size`
+        close = [key for key in dict.fromkeys(_section_keys(root)) if key.rsplit(".", 1)[-1] == leaf][:3]
     dot = "." if section else ""
     if close:
         hint = "did you mean " + " or ".join(f"{section}{dot}{key}" for key in close) + "?"
@@ -236,7 +247,7 @@ def unknown_dotted_key(config: Mapping, dotted: str) -> str | None:
             rest = parts[index + 1 :]
             if getattr(type(node), "NAMED_SUBSECTIONS", False) and len(rest) == 1:  # dataloader.<split>.<key>
                 return None if rest[0] in accepted else _unknown(dotted, f"{section}.{part}", accepted)
-            return _unknown(".".join(parts[: index + 1]), section, accepted)
+            return _unknown(".".join(parts[: index + 1]), section, accepted, node if not index else None)
         if part not in get_cached_annotations(node):
             return None  # an `EXTRA_KEYS` entry: free-form
         value = dict.get(node, part) if isinstance(node, dict) else None

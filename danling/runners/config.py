@@ -12,7 +12,6 @@ import functools
 import hashlib
 import json
 import os
-import re
 import sys
 import warnings
 from collections.abc import Collection, Iterable, Mapping, Sequence
@@ -300,11 +299,10 @@ class RunnerConfig(_TypedConfig):
         args = [arg for arg in args if arg not in ("--print-config", "--print_config")]
         self.setattr("parser", parser)
         try:
-            args, split_keys = prepare_arguments(self, parser, args, default_config, no_default_config_action)
+            args, _ = prepare_arguments(self, parser, args, default_config, no_default_config_action)
             with warnings.catch_warnings():
-                # per-split dataloader overrides are legitimate; chanfig would flag them as typos
-                for key in split_keys:
-                    warnings.filterwarnings("ignore", message=re.escape(f"Unrecognized argument '--{key}'"))
+                # every key was checked above (split overrides, free-form sections); chanfig would flag them as typos
+                warnings.filterwarnings("ignore", message="Unrecognized argument", category=RuntimeWarning)
                 super().parse(args, default_config=None, boot=boot, strict=strict)
         except CommandLineError:
             raise

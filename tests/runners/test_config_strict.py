@@ -41,8 +41,10 @@ def test_unknown_top_level_key_from_python_raises_with_suggestion():
 
 def test_unknown_key_assigned_in_python_fails_validation():
     config = RunnerConfig()
-    config.batch_size = 32  # meant dataloader.batch_size
-    with pytest.raises(ValueError, match=r"config\.batch_size is not a key of the config"):
+    config.batch_size = 32  # meant dataloader.batch_size, the one the loaders read
+    with pytest.raises(
+        ValueError, match=r"config\.batch_size is not a key of the config; did you mean dataloader\.batch_size\?"
+    ):
         config.validate()
 
 
@@ -63,6 +65,14 @@ def test_cli_typo_exits_2_naming_the_command_line(capsys):
     assert error.code == 2 and "did you mean checkpoint.interval?" in streams.err
     error, streams = _exit(capsys, RunnerConfig(), ["--dataloader.val.batchsize", "2"])
     assert error.code == 2 and "dataloader.val.batch_size" in streams.err
+    error, streams = _exit(capsys, RunnerConfig(), ["--batch_size", "2"])
+    assert error.code == 2 and "did you mean dataloader.batch_size?" in streams.err
+
+
+def test_free_form_keys_parse_without_typo_warnings(recwarn):
+    config = UserConfig().parse(["--network.depth", "3", "--dataloader.val.batch_size", "4"])
+    assert config.network.depth == 3 and config.dataloader.val.batch_size == 4
+    assert not [warning for warning in recwarn if "Unrecognized argument" in str(warning.message)]
 
 
 @pytest.mark.parametrize(
