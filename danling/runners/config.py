@@ -69,8 +69,8 @@ class RunnerConfig(_TypedConfig):
 
     Keys are annotated class attributes, so subclasses add typed keys the same way and values
     from files or the command line are converted to the annotated type. Sub-sections
-    (`checkpoint`, `dataloader`, `wandb`, ...) are typed too; any other attribute path is
-    created on first assignment (`config.network.type = "resnet50"`).
+    (`checkpoint`, `dataloader`, `wandb`, ...) are typed too. A key annotated as `Config` or `dict`
+    (`network: Config = Config()`) is a free-form section: any key below it is accepted.
 
     Lifecycle: construct (defaults, then keyword overrides) → `parse`
     (`--config FILE`, then dotted CLI overrides) → `boot()` runs every `post()` hook, normalises
@@ -85,10 +85,11 @@ class RunnerConfig(_TypedConfig):
             a section). A runner lists the features it implements in `supported_features`; for
             any other feature, a key set to a non-default value fails `check_supported`.
 
-    Keys inside the typed sections (`checkpoint`, `dataloader`, ...) must be declared ones: an
-    unknown key fails construction, `merge` and `validate` with a `ValueError` that suggests the
-    closest known keys. `optim.*` and `scheduler.*` hold optimizer/scheduler options and stay open,
-    as does the top level.
+    Every key must be a declared one, at the top level (`RunnerConfig`'s keys, your subclass's and
+    `EXTRA_KEYS`) and in the typed sections: an unknown key fails construction, `merge` and
+    `validate` with a `ValueError` that suggests the closest known keys (`parse` exits with status
+    2 instead). `optim.*`, `scheduler.*` and free-form sections take any key. `--help` lists every
+    key with the description from the `Attributes:` docstring section of the class declaring it.
 
     Attributes:
         stack: Runner stack picked by `Runner`: `"auto"`, `"ddp"`/`"torch"`, `"graph"`, `"deepspeed"`/`"ds"`
@@ -272,8 +273,10 @@ class RunnerConfig(_TypedConfig):
         Precedence, lowest first: class defaults and values set in `__init__`, each config file in
         the order given, then the remaining `--key value` arguments. Unset keys can be given as
         `none`/`null`; list-typed keys take several values (`--train_splits train extra`); values of
-        free-form keys (`optim.*`, `scheduler.*`, undeclared ones) are read as numbers, booleans or
-        strings, several of them as a list (`--optim.betas 0.9 0.99`). Returns this config.
+        keys in free-form sections (`optim.*`, `scheduler.*`, `dict`/`Config` keys) are read as numbers,
+        booleans or strings, several of them as a list (`--optim.betas 0.9 0.99`). Returns this config.
+        `--help` prints every key (type, default, description) and `--print-config` the merged
+        config as YAML; both then exit with status 0.
 
         Args:
             args: Arguments to parse; defaults to `sys.argv[1:]`.
@@ -284,7 +287,8 @@ class RunnerConfig(_TypedConfig):
 
         Raises:
             FileNotFoundError: A config file does not exist.
-            ValueError: A config file has an unsupported suffix or content, or validation fails.
+            SystemExit: Status 2 for an unknown key, a bad value or a bad config file, after one
+                `prog: error: message` line on stderr; the exception is also a `ValueError`.
         """
         if no_default_config_action not in ("ignore", "warn", "raise"):
             raise ValueError(

@@ -1,8 +1,9 @@
 """The typed sections of [`RunnerConfig`][danling.runners.config.RunnerConfig], one class per component.
 
-Each section declares its keys as annotated class attributes, with their defaults; values from
-files or the command line are converted to the declared types. A section rejects keys it does
-not declare unless it is open (`optim`, `scheduler`); see `RunnerConfig` for the checks.
+Each section declares its keys as annotated class attributes, with their defaults, and describes
+them in the `Attributes:` section of its docstring (which `--help` prints); values from files or
+the command line are converted to the declared types. A section rejects keys it does not declare
+unless it is open (`optim`, `scheduler`); see `RunnerConfig` for the checks.
 """
 
 from typing import Any
