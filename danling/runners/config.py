@@ -21,7 +21,7 @@ from typing_extensions import Self
 
 from ._config_cli import CommandLineError, StrictParser, fail, prepare_arguments, wants
 from ._config_help import help_text
-from ._config_refs import merge_config_files
+from ._config_refs import merge_config_files, references_yaml
 from ._config_utils import (
     CONFIG_ID_IGNORES,
     auto_stack,
@@ -316,7 +316,8 @@ class RunnerConfig(_TypedConfig):
             # the parser holds argparse state; dropping it keeps the config light and picklable
             self.popattr("parser", None)
         if print_config:
-            sys.stdout.write(self.yamls())
+            # `!env`/`!include` values are printed as their tags, as the run's own config.yaml records them
+            sys.stdout.write(references_yaml(self, self.dict()) or self.yamls())
             raise SystemExit(0)
         return self
 

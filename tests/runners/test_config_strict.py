@@ -1,5 +1,6 @@
 """Strict keys, `--help`, `--print-config` and exit status 2 for bad command lines."""
 
+import re
 import subprocess
 import sys
 import textwrap
@@ -156,3 +157,14 @@ def test_script_with_bad_value_exits_2_without_traceback(tmp_path):
     )
     assert done.returncode == 2 and "parsed" not in done.stdout
     assert done.stderr == "train.py: error: argument --epochs: invalid int value: 'x'\n"
+
+
+def test_print_config_keeps_env_references_unresolved(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("DANLING_STRICT_SECRET", "s3cr3t")
+    path = tmp_path / "exp.yaml"
+    path.write_text("wandb:\n  entity: !env DANLING_STRICT_SECRET\n")
+    with pytest.raises(SystemExit) as info:
+        RunnerConfig().parse(["--config", str(path), "--print-config"])
+    out = capsys.readouterr().out
+    assert info.value.code == 0 and "s3cr3t" not in out
+    assert re.search(r"^  entity: !env '?DANLING_STRICT_SECRET'?$", out, re.MULTILINE)
