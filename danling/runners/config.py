@@ -313,10 +313,8 @@ class RunnerConfig(_TypedConfig):
         except (ValueError, TypeError) as exc:  # a bad value from a file or the command line: a usage error
             raise fail(parser.prog, str(exc)) from exc
         finally:
-            # the parser holds argparse state; dropping it keeps the config light and picklable
-            self.popattr("parser", None)
-        if print_config:
-            # `!env`/`!include` values are printed as their tags, as the run's own config.yaml records them
+            self.popattr("parser", None)  # argparse state; dropping it keeps the config light and picklable
+        if print_config:  # `!env`/`!include` values as their tags, like the run's own config.yaml
             sys.stdout.write(references_yaml(self, self.dict()) or self.yamls())
             raise SystemExit(0)
         return self
