@@ -48,6 +48,7 @@ from torch import nn  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_runner import make_model, make_splits, torch_loaders  # noqa: E402
+from chanfig import Config  # noqa: E402
 from common import ratio_table  # noqa: E402
 
 import danling as dl  # noqa: E402
@@ -62,6 +63,12 @@ HANDWRITTEN = ("hand-written DeepSpeed loop", "hand-written DeepSpeed loop, seco
 RUNNER = "DeepSpeedRunner"
 RUNNER_TORCH_LOADERS = "DeepSpeedRunner, torch loaders"
 RUNNERS = (RUNNER, RUNNER_TORCH_LOADERS)
+
+
+class BenchConfig(dl.RunnerConfig):
+    """The runner config plus `bench.*`, the workload this run measures (a free-form section)."""
+
+    bench: Config = Config()
 
 
 class BenchRunner(DeepSpeedRunner):
@@ -80,7 +87,7 @@ class BenchRunner(DeepSpeedRunner):
 
 
 def build_runner(root: str, workload: str, torch_loaders: bool = False) -> BenchRunner:
-    config = dl.RunnerConfig(
+    config = BenchConfig(
         stack="deepspeed",
         workspace_root=root,
         epochs=1,

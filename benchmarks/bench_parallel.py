@@ -31,6 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from chanfig import Config
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
@@ -71,6 +72,12 @@ def dataset(samples: int) -> TensorDataset:
     return TensorDataset(x, x.sum(dim=1, keepdim=True))
 
 
+class BenchConfig(dl.RunnerConfig):
+    """The runner config plus `bench.*`, the workload this run measures (a free-form section)."""
+
+    bench: Config = Config()
+
+
 class BenchRunner(dl.ParallelRunner):
     def __init__(self, config: Any) -> None:
         super().__init__(config)
@@ -82,7 +89,7 @@ class BenchRunner(dl.ParallelRunner):
 
 
 def build_runner(root: str, workload: str, *, load_only: bool = True) -> BenchRunner:
-    config = dl.RunnerConfig(
+    config = BenchConfig(
         stack="parallel",
         workspace_root=root,
         epochs=1,

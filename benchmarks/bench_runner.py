@@ -61,6 +61,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from chanfig import Config
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -130,6 +131,12 @@ def handwritten_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, loader
 
 
 # --------------------------------------------------------------------------- runner
+class BenchConfig(dl.RunnerConfig):
+    """The runner config plus `bench.*`, the workload this run measures (a free-form section)."""
+
+    bench: Config = Config()
+
+
 class BenchRunner(dl.TorchRunner):
     """The same training problem through the runner; `config.bench` names the workload."""
 
@@ -147,7 +154,7 @@ class BenchRunner(dl.TorchRunner):
 
 def runner_config(root: str, workload: str, *, torch_loaders: bool = False, **overrides: Any) -> dl.RunnerConfig:
     batch_size, epochs = WORKLOADS[workload][3], WORKLOADS[workload][6]
-    config = dl.RunnerConfig(
+    config = BenchConfig(
         workspace_root=root,
         epochs=epochs,
         seed=0,

@@ -2,14 +2,16 @@
 
 import ast
 import os
+import sys
+import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from types import UnionType
-from typing import Any, Union, get_args, get_origin
+from typing import Any, NoReturn, Union, get_args, get_origin
 
-from chanfig import Config, NestedDict
+from chanfig import Config, ConfigParser, NestedDict
 from chanfig.utils import get_cached_annotations, parse_bool
 
-from ._config_utils import peek
+from ._config_utils import peek, unknown_dotted_key
 
 _NoneType = type(None)
 
@@ -70,6 +72,13 @@ class _Nullable:
         return None if token.strip().lower() in ("none", "null") else self.convert(token)
 
 
+def _bool(token: str) -> bool:
+    return parse_bool(token)
+
+
+_bool.__name__ = "bool"  # argparse names the type in its "invalid <type> value" message
+
+
 def _literal(token: str) -> Any:
     try:
         return ast.literal_eval(token)
@@ -90,13 +99,13 @@ def _argument_kwargs(annotation: Any) -> dict[str, Any] | None:
     for member in members:
         if (get_origin(member) or member) in (list, tuple, set):
             item = (get_args(member) or (None,))[0]
-            item_type = parse_bool if item is bool else item if item in (int, float, str) else _literal
+            item_type = _bool if item is bool else item if item in (int, float, str) else _literal
             return {"nargs": "+", "type": item_type}
     if len(members) != 1:
         return None
     member = members[0]
     if member is bool:
-        return {"type": _Nullable(parse_bool) if nullable else parse_bool}
+        return {"type": _Nullable(_bool) if nullable else _bool}
     if member in (int, float, str):
         return {"type": _Nullable(member) if nullable else member}
     if (get_origin(member) or member) is dict:
@@ -142,6 +151,9 @@ def register_typed_arguments(parser: Any, config: Mapping, args: Sequence[str]) 
     return split_keys
 
 
+# Options `RunnerConfig.parse` handles itself.
+_OWN_OPTIONS = ("help", "h", "print_config")
+
 # Sections whose keys are free-form options of a user-chosen class (optimizer, scheduler).
 _OPEN_SECTIONS = ("optim", "scheduler")
 
@@ -176,10 +188,69 @@ def register_free_form_arguments(parser: Any, config: Mapping, args: Sequence[st
             counts[key] += 1
     open_keys = []
     for key, count in counts.items():
-        free = key.split(".")[0] in _OPEN_SECTIONS or peek(config, key.split(".")[0]) is None
-        if not free or f"--{key}" in parser:
+        if f"--{key}" in parser or key in _OWN_OPTIONS:
             continue
+        problem = unknown_dotted_key(config, key)
+        if problem:
+            parser.error(f"unknown option --{key} on the command line: {problem}")
         parser.add_argument(f"--{key}", dest=key, type=_scalar, nargs="+" if count > 1 else None)
         if key.split(".")[0] in _OPEN_SECTIONS:
             open_keys.append(key)
     return open_keys
+
+
+class CommandLineError(SystemExit, ValueError):
+    """A bad command line or config file given to `parse`: exits with status 2 when not caught.
+
+    It is a `ValueError` too, so code that catches the errors of `parse` keeps working; the
+    message is written to stderr when raised, since an uncaught `SystemExit` prints nothing.
+    """
+
+    def __init__(self, message: str) -> None:
+        super().__init__(2)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def fail(prog: str, message: str) -> CommandLineError:
+    """Write `prog: error: message` to stderr (argparse's style, without the usage) and return the error to raise."""
+    sys.stderr.write(f"{prog}: error: {message}\n")
+    return CommandLineError(message)
+
+
+class StrictParser(ConfigParser):
+    """chanfig's parser, with errors that name the key and value and leave the usage out."""
+
+    def error(self, message: str) -> NoReturn:  # type: ignore[override]
+        raise fail(self.prog, message)
+
+
+def wants(args: Sequence[str], *flags: str) -> bool:
+    """Whether one of `flags` is among `args` before a `--` separator."""
+    head = args[: args.index("--")] if "--" in args else args
+    return any(flag in head for flag in flags)
+
+
+def prepare_arguments(
+    config: Any, parser: Any, args: list[str], default_config: str | None, no_default_config_action: str
+) -> tuple[list[str], list[str]]:
+    """Merge the `--<default_config>` files into `config` and declare an option for every key in `args`.
+
+    Returns the remaining arguments and the per-split dataloader / open-section keys, which chanfig
+    would report as unrecognized. An unknown key stops at `parser.error`.
+    """
+    from ._config_refs import merge_config_files
+
+    files: list[str] = []
+    if default_config is not None:
+        args, files = split_file_options(args, default_config)
+        if not files and no_default_config_action != "ignore":
+            message = f"no --{default_config} file was given on the command line"
+            if no_default_config_action == "raise":
+                raise ValueError(message)
+            warnings.warn(message, RuntimeWarning, stacklevel=3)
+    merge_config_files(config, files)  # remembers !env/!include values, recorded as references
+    split_keys = register_typed_arguments(parser, config, args) + register_free_form_arguments(parser, config, args)
+    return args, split_keys

@@ -81,7 +81,10 @@ def merge_config_files(config: Any, files: list[str]) -> tuple:
     references = dict(config.getattr("references", None) or {})
     for path in files:
         data = read_config_file(path)
-        config.merge(data)
+        try:
+            config.merge(data)
+        except (ValueError, TypeError) as exc:  # name the file the bad key or value came from
+            raise type(exc)(f"in config file {os.fspath(path)!r}: {exc}") from exc
         references.update(file_references(path, data))
     if references:
         config.setattr("references", references)

@@ -203,18 +203,66 @@ def unknown_keys(node: Mapping, prefix: str = "") -> list[str]:
         elif isinstance(value, Mapping) and getattr(kind, "NAMED_SUBSECTIONS", False):
             problems += [_unknown(f"{name}.{sub}", name, accepted) for sub in value if sub not in accepted]
         else:
-            problems.append(_unknown(name, prefix.rstrip("."), accepted))
+            problems.append(_unknown(name, prefix.rstrip("."), accepted, node if not prefix else None))
     return problems
 
 
-def _unknown(dotted: str, section: str, accepted: set[str]) -> str:
+def _section_keys(node: Mapping, prefix: str = "") -> Iterable[str]:
+    """Dotted keys declared inside the typed sections of `node`."""
+    for key in get_cached_annotations(node):
+        value = dict.get(node, key) if isinstance(node, dict) else None
+        if isinstance(value, Mapping) and getattr(type(value), "STRICT", False):
+            yield from (f"{prefix}{key}.{sub}" for sub in get_cached_annotations(value))
+            yield from _section_keys(value, f"{prefix}{key}.")
+
+
+def _unknown(dotted: str, section: str, accepted: set[str], root: Mapping | None = None) -> str:
     leaf = dotted.rsplit(".", 1)[-1]
     close = difflib.get_close_matches(str(leaf), sorted(accepted), n=3, cutoff=0.6)
+    if not close and root is not None:  # a section key given at the top level: `batch_size`
+        close = [key for key in dict.fromkeys(_section_keys(root)) if key.rsplit(".", 1)[-1] == leaf][:3]
+    dot = "." if section else ""
     if close:
-        hint = "did you mean " + " or ".join(f"{section}.{key}" for key in close) + "?"
-    else:
+        hint = "did you mean " + " or ".join(f"{section}{dot}{key}" for key in close) + "?"
+    elif section:
         hint = "known keys: " + ", ".join(sorted(accepted))
-    return f"config.{dotted} is not a key of config.{section}; {hint}"
+    else:
+        hint = "declare it as an annotated attribute of your RunnerConfig subclass (--help lists the known keys)"
+    where = f"config.{section}" if section else "the config"
+    return f"config.{dotted} is not a key of {where}; {hint}"
+
+
+def _accepted(node: Mapping) -> set[str]:
+    return set(get_cached_annotations(node)) | set(getattr(type(node), "EXTRA_KEYS", ()))
+
+
+def unknown_dotted_key(config: Mapping, dotted: str) -> str | None:
+    """Why `dotted` (a command-line key) is not a key of `config`, or None when it is accepted.
+
+    Walks the typed sections; below a section that is not strict (`optim`, `scheduler`, or a
+    user section annotated as `dict`/`Config`) and below a `dict`-annotated value anything goes.
+    """
+    node, parts = config, dotted.split(".")
+    for index, part in enumerate(parts):
+        if not getattr(type(node), "STRICT", False):
+            return None
+        accepted, section = _accepted(node), ".".join(parts[:index])
+        if part not in accepted:
+            rest = parts[index + 1 :]
+            if getattr(type(node), "NAMED_SUBSECTIONS", False) and len(rest) == 1:  # dataloader.<split>.<key>
+                return None if rest[0] in accepted else _unknown(dotted, f"{section}.{part}", accepted)
+            return _unknown(".".join(parts[: index + 1]), section, accepted, node if not index else None)
+        if part not in get_cached_annotations(node):
+            return None  # an `EXTRA_KEYS` entry: free-form
+        value = dict.get(node, part) if isinstance(node, dict) else None
+        if not isinstance(value, Mapping):
+            annotation = get_cached_annotations(node).get(part)
+            if index + 1 < len(parts) and "dict" not in str(annotation):
+                name = ".".join(parts[: index + 1])
+                return f"config.{name} is a value, not a section; it has no key {parts[index + 1]!r}"
+            return None
+        node = value
+    return None
 
 
 _MISSING = object()
@@ -275,6 +323,39 @@ def unsupported(
 
 # ---------------------------------------------------------------------------------------------
 # identity
+
+# dataloader keys that change throughput, not results; left out of config_id
+_LOADER_RUNTIME_KEYS = ("num_workers", "persistent_workers", "prefetch_factor", "pin_memory", "snapshot_every_n_steps")
+
+# Keys left out of `config_id` by default: paths, logging, checkpoint cadence, infrastructure.
+CONFIG_ID_IGNORES = (
+    "config",
+    "workspace_root",
+    "lineage",
+    "experiment",
+    "resume",
+    "auto_resume",
+    "log",
+    "log_interval",
+    "evaluate_interval",
+    "evaluate_batches",
+    "tensorboard",
+    "wandb",
+    "csv",
+    "mlflow",
+    "checkpoint",
+    "heartbeat",
+    "profiling",
+    "gc",
+    "comm",
+    "ft",
+    "compile",
+    # how the work is laid out over the ranks, not what is trained: a run may resume on another layout
+    "stack",
+    "parallel",
+    "fsdp",
+    *(f"dataloader.{split}{key}" for split in ("", "*.") for key in _LOADER_RUNTIME_KEYS),
+)
 
 
 def auto_stack(semantic_config: dict[str, Any], runners: Mapping[str, Any]) -> dict[str, Any]:

@@ -12,18 +12,18 @@ import functools
 import hashlib
 import json
 import os
-import re
 import sys
 import warnings
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any
 
-from chanfig import ConfigParser
 from typing_extensions import Self
 
-from ._config_cli import register_free_form_arguments, register_typed_arguments, split_file_options
-from ._config_refs import merge_config_files
+from ._config_cli import CommandLineError, StrictParser, fail, prepare_arguments, wants
+from ._config_help import help_text
+from ._config_refs import merge_config_files, references_yaml
 from ._config_utils import (
+    CONFIG_ID_IGNORES,
     auto_stack,
     check_annotations,
     check_values,
@@ -57,9 +57,6 @@ from .config_sections import (
 # Section classes are importable from this module (and config_sections) but kept out of the package namespace.
 __all__ = ["RunnerConfig"]
 
-# dataloader keys that change throughput, not results; left out of config_id
-_LOADER_RUNTIME_KEYS = ("num_workers", "persistent_workers", "prefetch_factor", "pin_memory", "snapshot_every_n_steps")
-
 
 @functools.cache
 def _base_defaults() -> dict[str, Any]:
@@ -72,8 +69,8 @@ class RunnerConfig(_TypedConfig):
 
     Keys are annotated class attributes, so subclasses add typed keys the same way and values
     from files or the command line are converted to the annotated type. Sub-sections
-    (`checkpoint`, `dataloader`, `wandb`, ...) are typed too; any other attribute path is
-    created on first assignment (`config.network.type = "resnet50"`).
+    (`checkpoint`, `dataloader`, `wandb`, ...) are typed too. A key annotated as `Config` or `dict`
+    (`network: Config = Config()`) is a free-form section: any key below it is accepted.
 
     Lifecycle: construct (defaults, then keyword overrides) → `parse`
     (`--config FILE`, then dotted CLI overrides) → `boot()` runs every `post()` hook, normalises
@@ -88,10 +85,11 @@ class RunnerConfig(_TypedConfig):
             a section). A runner lists the features it implements in `supported_features`; for
             any other feature, a key set to a non-default value fails `check_supported`.
 
-    Keys inside the typed sections (`checkpoint`, `dataloader`, ...) must be declared ones: an
-    unknown key fails construction, `merge` and `validate` with a `ValueError` that suggests the
-    closest known keys. `optim.*` and `scheduler.*` hold optimizer/scheduler options and stay open,
-    as does the top level.
+    Every key must be a declared one, at the top level (`RunnerConfig`'s keys, your subclass's and
+    `EXTRA_KEYS`) and in the typed sections: an unknown key fails construction, `merge` and
+    `validate` with a `ValueError` that suggests the closest known keys (`parse` exits with status
+    2 instead). `optim.*`, `scheduler.*` and free-form sections take any key. `--help` lists every
+    key with the description from the `Attributes:` docstring section of the class declaring it.
 
     Attributes:
         stack: Runner stack picked by `Runner`: `"auto"`, `"ddp"`/`"torch"`, `"graph"`, `"deepspeed"`/`"ds"`
@@ -155,34 +153,7 @@ class RunnerConfig(_TypedConfig):
         "bf16": "bf16",
         "bfloat16": "bf16",
     }
-    CONFIG_ID_IGNORES = (
-        "config",
-        "workspace_root",
-        "lineage",
-        "experiment",
-        "resume",
-        "auto_resume",
-        "log",
-        "log_interval",
-        "evaluate_interval",
-        "evaluate_batches",
-        "tensorboard",
-        "wandb",
-        "csv",
-        "mlflow",
-        "checkpoint",
-        "heartbeat",
-        "profiling",
-        "gc",
-        "comm",
-        "ft",
-        "compile",
-        # how the work is laid out over the ranks, not what is trained: a run may resume on another layout
-        "stack",
-        "parallel",
-        "fsdp",
-        *(f"dataloader.{split}{key}" for split in ("", "*.") for key in _LOADER_RUNTIME_KEYS),
-    )
+    CONFIG_ID_IGNORES = CONFIG_ID_IGNORES
     # Features no runner of this version implements; a backend lifts one by naming it in its
     # `supported_features` (and the entry is dropped once every runner reads those keys).
     FEATURES = {
@@ -197,7 +168,8 @@ class RunnerConfig(_TypedConfig):
         ),
         "graph": ("compile.precompile_artifact_dir", "compile.memory_policy"),
     }
-    STRICT = False  # the top level takes free-form user keys (`config.network.type = ...`)
+    # Read by runners but not declared: aliases of `optim`/`scheduler` and DeepSpeed's own JSON config.
+    EXTRA_KEYS = frozenset({"optimizer", "sched", "deepspeed"})
 
     stack: str = "auto"
     seed: int | None = None
@@ -307,8 +279,10 @@ class RunnerConfig(_TypedConfig):
         Precedence, lowest first: class defaults and values set in `__init__`, each config file in
         the order given, then the remaining `--key value` arguments. Unset keys can be given as
         `none`/`null`; list-typed keys take several values (`--train_splits train extra`); values of
-        free-form keys (`optim.*`, `scheduler.*`, undeclared ones) are read as numbers, booleans or
-        strings, several of them as a list (`--optim.betas 0.9 0.99`). Returns this config.
+        keys in free-form sections (`optim.*`, `scheduler.*`, `dict`/`Config` keys) are read as numbers,
+        booleans or strings, several of them as a list (`--optim.betas 0.9 0.99`). Returns this config.
+        `--help` prints every key (type, default, description) and `--print-config` the merged
+        config as YAML; both then exit with status 0.
 
         Args:
             args: Arguments to parse; defaults to `sys.argv[1:]`.
@@ -319,32 +293,36 @@ class RunnerConfig(_TypedConfig):
 
         Raises:
             FileNotFoundError: A config file does not exist.
-            ValueError: A config file has an unsupported suffix or content, or validation fails.
+            SystemExit: Status 2 for an unknown key, a bad value or a bad config file, after one
+                `prog: error: message` line on stderr; the exception is also a `ValueError`.
         """
         if no_default_config_action not in ("ignore", "warn", "raise"):
             raise ValueError(
                 f"no_default_config_action must be 'ignore', 'warn' or 'raise', got {no_default_config_action!r}"
             )
         args = list(sys.argv[1:] if args is None else args)
-        files: list[str] = []
-        if default_config is not None:
-            args, files = split_file_options(args, default_config)
-            if not files and no_default_config_action != "ignore":
-                message = f"no --{default_config} file was given on the command line"
-                if no_default_config_action == "raise":
-                    raise ValueError(message)
-                warnings.warn(message, RuntimeWarning, stacklevel=2)
-        merge_config_files(self, files)  # remembers !env/!include values, recorded as references
-        parser = self.getattr("parser", None) or ConfigParser()  # typed options first, then free-form keys
+        parser = self.getattr("parser", None) or StrictParser()  # typed options first, then free-form keys
+        if wants(args, "-h", "--help"):
+            sys.stdout.write(help_text(self, parser.prog, default_config))
+            raise SystemExit(0)
+        print_config = wants(args, "--print-config", "--print_config")
+        args = [arg for arg in args if arg not in ("--print-config", "--print_config")]
         self.setattr("parser", parser)
-        split_keys = register_typed_arguments(parser, self, args) + register_free_form_arguments(parser, self, args)
-        with warnings.catch_warnings():
-            # per-split dataloader overrides are legitimate; chanfig would flag them as typos
-            for key in split_keys:
-                warnings.filterwarnings("ignore", message=re.escape(f"Unrecognized argument '--{key}'"))
-            super().parse(args, default_config=None, boot=boot, strict=strict)
-        # the parser holds argparse state; dropping it keeps the config light and picklable
-        self.popattr("parser", None)
+        try:
+            args, _ = prepare_arguments(self, parser, args, default_config, no_default_config_action)
+            with warnings.catch_warnings():
+                # every key was checked above (split overrides, free-form sections); chanfig would flag them as typos
+                warnings.filterwarnings("ignore", message="Unrecognized argument", category=RuntimeWarning)
+                super().parse(args, default_config=None, boot=boot, strict=strict)
+        except CommandLineError:
+            raise
+        except (ValueError, TypeError) as exc:  # a bad value from a file or the command line: a usage error
+            raise fail(parser.prog, str(exc)) from exc
+        finally:
+            self.popattr("parser", None)  # argparse state; dropping it keeps the config light and picklable
+        if print_config:  # `!env`/`!include` values as their tags, like the run's own config.yaml
+            sys.stdout.write(references_yaml(self, self.dict()) or self.yamls())
+            raise SystemExit(0)
         return self
 
     def post(self) -> None:
@@ -497,3 +475,18 @@ class RunnerConfig(_TypedConfig):
         """
         payload = json.dumps(self.semantic_dict(), sort_keys=True, separators=(",", ":"), default=str)
         return hashlib.sha256(payload.encode("utf-8")).hexdigest()[:12]
+
+
+class _RecordedConfig(RunnerConfig):
+    """A config read back from a run's records (checkpoint, `config.yaml`), whose class is not at hand.
+
+    The user's subclass declared the extra top-level keys the record holds; without that class
+    they are kept as they are instead of rejected. Sections are still checked.
+    """
+
+    STRICT = False
+
+
+def recorded_config(saved: Mapping[str, Any]) -> RunnerConfig:
+    """`RunnerConfig` of a saved mapping, keeping the top-level keys a user's subclass declared."""
+    return _RecordedConfig(**saved)

@@ -1,8 +1,9 @@
 """The typed sections of [`RunnerConfig`][danling.runners.config.RunnerConfig], one class per component.
 
-Each section declares its keys as annotated class attributes, with their defaults; values from
-files or the command line are converted to the declared types. A section rejects keys it does
-not declare unless it is open (`optim`, `scheduler`); see `RunnerConfig` for the checks.
+Each section declares its keys as annotated class attributes, with their defaults, and describes
+them in the `Attributes:` section of its docstring (which `--help` prints); values from files or
+the command line are converted to the declared types. A section rejects keys it does not declare
+unless it is open (`optim`, `scheduler`); see `RunnerConfig` for the checks.
 """
 
 from typing import Any
@@ -88,7 +89,28 @@ class SchedulerConfig(_TypedConfig):
 
 
 class CheckpointConfig(_TypedConfig):
-    """Checkpoint section (`checkpoint.*`). Keys and defaults follow the reference table."""
+    """Checkpoint section (`checkpoint.*`). Keys and defaults follow the reference table.
+
+    Attributes:
+        dir_name: Checkpoint directory, relative to the run directory.
+        backend: `auto`, `file` (one torch file), `dcp` (sharded torch.distributed.checkpoint) or `deepspeed`.
+        interval: Epochs (steps in step mode) between periodic checkpoints; None: every epoch, or a tenth of `steps`.
+        keep_latest_k: Keep only the k newest periodic checkpoints; 0 keeps them all.
+        load_only: Never save; checkpoints are only read (resume, pretrained).
+        async_enabled: Write checkpoints in the background while training goes on.
+        async_mode: `disabled`, `async` or `async_with_pinned_mem`; None follows `async_enabled`.
+        dedicated_async_process_group: Give background saves their own process group.
+        async_process_group_backend: Backend of that process group (`gloo` or `nccl`).
+        wait_timeout: Seconds to wait for a pending background save; None waits forever.
+        enable_ft_dataloader_checkpoints: Per-replica dataloader checkpoints for TorchFT (not built yet).
+        ft_replica_id: Replica id used in TorchFT checkpoint names (not built yet).
+        ft_dataloader_checkpoint_prefix: Name prefix of TorchFT dataloader checkpoints (not built yet).
+        exclude_from_loading: State parts not restored on resume (`optimizer`, `scheduler`, `dataloaders`, ...).
+        last_save_model_only: Make the final checkpoint hold the model weights only.
+        export_dtype: Cast the weights of a model-only final checkpoint to this dtype.
+        trust_pickle: Load checkpoints with the full unpickler (only for files you trust).
+        continue_on_save_error: Log a failed save and retry at the next one instead of stopping the run.
+    """
 
     dir_name: str = "checkpoints"
     backend: str = "auto"
@@ -117,6 +139,17 @@ class DataloaderConfig(_TypedConfig):
     `dataloader.train.shuffle=False` changes only the `train` loader. Use
     `kwargs` to get the merged arguments. Besides the declared keys, every option the loader
     builder passes on (`danling.data.LOADER_OPTIONS`, e.g. `timeout`) is accepted.
+
+    Attributes:
+        batch_size: Samples per batch; None keeps the loader's default of 1.
+        shuffle: Shuffle each epoch; None shuffles training splits only.
+        drop_last: Drop the last incomplete batch; None drops it for training splits only.
+        num_workers: Worker processes loading batches; 0 loads in the main process.
+        persistent_workers: Keep workers alive between epochs.
+        prefetch_factor: Batches each worker loads ahead; None keeps torch's default.
+        pin_memory: Copy batches into pinned memory for faster transfer to the GPU.
+        in_order: Yield batches in sampler order even when workers finish out of order.
+        snapshot_every_n_steps: Steps between snapshots of the loader state used to resume mid-epoch.
     """
 
     EXTRA_KEYS = LOADER_OPTIONS
@@ -151,7 +184,19 @@ class DataloaderConfig(_TypedConfig):
 
 
 class WandbConfig(_TypedConfig):
-    """Weights & Biases section (`wandb.*`); unset names fall back to lineage/experiment/run id."""
+    """Weights & Biases section (`wandb.*`); unset names fall back to lineage/experiment/run id.
+
+    Attributes:
+        enabled: Log the run to Weights & Biases (needs the `wandb` package).
+        project: W&B project; None uses the lineage.
+        entity: W&B user or team; None uses your default entity.
+        group: Run group; None uses the experiment.
+        name: Run name; None uses the run id.
+        job_type: Job type shown in the W&B UI.
+        tags: Tags of the run.
+        dir: Directory of W&B's local files; None uses the run directory.
+        mode: `online`, `offline` or `disabled`; None uses W&B's default.
+    """
 
     enabled: bool = False
     project: str | None = None
@@ -195,7 +240,16 @@ class MLflowConfig(_TypedConfig):
 
 
 class FaultToleranceConfig(_TypedConfig):
-    """TorchFT section (`ft.*`)."""
+    """TorchFT section (`ft.*`); not built yet, so every key must keep its default.
+
+    Attributes:
+        enabled: Run with TorchFT replica groups.
+        process_group: Backend of the fault-tolerant process group (`gloo` or `nccl`).
+        process_group_timeout_ms: Timeout of that process group, in milliseconds.
+        replica_id: Id of this replica group.
+        group_size: Number of replica groups.
+        min_replica_size: Fewest healthy replicas a step needs.
+    """
 
     enabled: bool = False
     process_group: str = "gloo"
@@ -206,7 +260,17 @@ class FaultToleranceConfig(_TypedConfig):
 
 
 class ParallelAxesConfig(_TypedConfig):
-    """Parallel degrees (`parallel.axes.*`); one axis may be -1 to absorb the rest of the world size."""
+    """Parallel degrees (`parallel.axes.*`); one axis may be -1 to absorb the rest of the world size.
+
+    Attributes:
+        replicate: Data-parallel replicas (DDP-style, full copies).
+        shard: Data-parallel shards (FSDP2).
+        context: Context (sequence) parallel degree.
+        pipeline: Pipeline stages.
+        tensor: Tensor-parallel degree.
+        expert: Expert-parallel degree.
+        expert_tensor: Tensor-parallel degree inside each expert.
+    """
 
     replicate: int = 1
     shard: int = 1
@@ -261,7 +325,19 @@ class FsdpConfig(_TypedConfig):
 
 
 class CompileConfig(_TypedConfig):
-    """`torch.compile` section (`compile.*`); None leaves torch's own default in place."""
+    """`torch.compile` section (`compile.*`); None leaves torch's own default in place.
+
+    Attributes:
+        enable: Compile the model with `torch.compile`.
+        backend: Compiler backend (`inductor`, `aot_eager`, ...).
+        fullgraph: Require one graph without breaks.
+        dynamic: Compile for dynamic shapes; None lets torch decide.
+        mode: Compile mode (`default`, `reduce-overhead`, `max-autotune`, ...).
+        options: Backend options, as a mapping.
+        optimize_ddp: How dynamo splits graphs at DDP bucket boundaries.
+        precompile_artifact_dir: Directory of precompiled artifacts (not built yet).
+        memory_policy: Memory policy of graph runs (not built yet).
+    """
 
     enable: bool = False
     backend: str | None = None
@@ -275,14 +351,25 @@ class CompileConfig(_TypedConfig):
 
 
 class CommConfig(_TypedConfig):
-    """Process-group timeouts (`comm.*`), in seconds."""
+    """Process-group timeouts (`comm.*`), in seconds.
+
+    Attributes:
+        init_timeout_seconds: Timeout while the process group starts; None keeps torch's default.
+        train_timeout_seconds: Timeout of collectives, applied once training has started; None leaves it unchanged.
+    """
 
     init_timeout_seconds: int | None = None
     train_timeout_seconds: int | None = None
 
 
 class GcConfig(_TypedConfig):
-    """Runner-paced garbage collection (`gc.*`); disabled while `interval` is None."""
+    """Runner-paced garbage collection (`gc.*`); disabled while `interval` is None.
+
+    Attributes:
+        interval: Steps between collections run by the runner; None leaves collection to Python.
+        generation: Generation collected (0, 1 or 2).
+        disable_automatic: Turn Python's automatic collection off while the runner paces it.
+    """
 
     interval: int | None = None
     generation: int = 1
@@ -290,7 +377,20 @@ class GcConfig(_TypedConfig):
 
 
 class ProfilingConfig(_TypedConfig):
-    """Bounded `torch.profiler` tracing (`profiling.*`); `trace_dir` is relative to the run directory."""
+    """Bounded `torch.profiler` tracing (`profiling.*`); `trace_dir` is relative to the run directory.
+
+    Attributes:
+        enabled: Profile a window of training steps.
+        wait: Steps skipped before the window.
+        warmup: Steps traced but discarded, so the window starts warm.
+        active: Steps recorded.
+        repeat: How many windows; None repeats while training.
+        record_shapes: Record the input shapes of operators.
+        profile_memory: Record tensor allocations.
+        with_stack: Record Python stacks of operators.
+        with_flops: Estimate FLOPs of matrix products and convolutions.
+        trace_dir: Directory of the traces.
+    """
 
     enabled: bool = False
     wait: int = 1
@@ -320,7 +420,13 @@ class EmaConfig(_TypedConfig):
 
 
 class HeartbeatConfig(_TypedConfig):
-    """Per-rank heartbeat files (`heartbeat.*`) under `<run dir>/<dir_name>`."""
+    """Per-rank heartbeat files (`heartbeat.*`) under `<run dir>/<dir_name>`.
+
+    Attributes:
+        enabled: Each rank rewrites its heartbeat file while it runs.
+        interval_seconds: Seconds between writes.
+        dir_name: Directory of the files, relative to the run directory.
+    """
 
     enabled: bool = False
     interval_seconds: float = 60.0

@@ -36,7 +36,7 @@ from danling.checkpoint.layout import POINTER_SUFFIX, follow_pointer, recover_di
 from danling.checkpoint.manifest import CheckpointError, verify_directory
 from danling.utils import RoundDict, save
 
-from .config import RunnerConfig
+from .config import RunnerConfig, recorded_config
 from .services.results import ResultsMixin
 
 __all__ = ["reconcile_run", "reconcile_on_start", "newest_valid_checkpoint"]
@@ -209,7 +209,7 @@ def reconcile_run(
     if not results:
         return report
     if not isinstance(config, RunnerConfig):
-        config = RunnerConfig(**(config if config is not None else saved_config or stored_config or {}))
+        config = recorded_config(config if config is not None else saved_config or stored_config or {})
     rows = _Rows(config, results)
     best = rows.best_index if rows.scores else None
     if best is not None:

@@ -6,6 +6,7 @@ import textwrap
 
 import pytest
 import yaml
+from chanfig import Config
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -132,6 +133,8 @@ SCRIPT = textwrap.dedent(
     import json
     import sys
 
+    from chanfig import Config
+
     from danling.runners.config import RunnerConfig
 
 
@@ -140,6 +143,7 @@ SCRIPT = textwrap.dedent(
         batch_size: int = 32
         learning_rate: float = 0.001
         dropout: float = 0.1
+        network: Config = Config()  # a free-form section: any key below it
 
         def __init__(self):
             super().__init__()
@@ -199,8 +203,15 @@ def test_parse_yaml_file_and_cli_overrides_in_a_subprocess(tmp_path):
     assert "config" not in config  # the file path is not a config key
     assert output["types"] == {"epochs": "int", "batch_size": "int", "learning_rate": "float", "steps": "int"}
     assert output["section_type"] == "CheckpointConfig"
+
     # the id is a content hash: the same config built in this process hashes identically
-    assert RunnerConfig(config).config_id == output["config_id"]
+    class Same(RunnerConfig):  # the script's keys, declared here too
+        batch_size: int = 32
+        learning_rate: float = 0.001
+        dropout: float = 0.1
+        network: Config = Config()
+
+    assert Same(config).config_id == output["config_id"]
 
 
 def test_parse_json_file_equals_form_and_file_order(tmp_path):
@@ -375,8 +386,11 @@ def test_config_id_ignores_paths_and_runtime_noise_but_not_semantics():
     )
 )
 def test_config_id_does_not_depend_on_insertion_order(values):
-    forward = RunnerConfig(model=dict(values))
-    backward = RunnerConfig(model=dict(reversed(list(values.items()))))
+    class ModelConfig(RunnerConfig):
+        model: dict = {}  # a free-form section
+
+    forward = ModelConfig(model=dict(values))
+    backward = ModelConfig(model=dict(reversed(list(values.items()))))
     assert forward.config_id == backward.config_id
 
 

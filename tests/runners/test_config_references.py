@@ -6,11 +6,19 @@ import json
 import re
 
 import yaml
+from chanfig import Config
 
 from danling.runners import RunnerConfig
 from tests.runners._toy import ToyRunner, toy_config
 
 SECRET = "s3cr3t-token-value"
+
+
+class SecretConfig(RunnerConfig):
+    """The keys of the test's config file, declared (unknown top-level keys are errors)."""
+
+    api_token: str | None = None
+    extra: Config = Config()
 
 
 def _write_config(tmp_path):
@@ -22,7 +30,7 @@ def _write_config(tmp_path):
 
 def test_env_and_include_values_are_recorded_as_references(tmp_path, monkeypatch):
     monkeypatch.setenv("DANLING_TEST_SECRET", SECRET)
-    config = RunnerConfig().parse(["--config", str(_write_config(tmp_path))], boot=False)
+    config = SecretConfig().parse(["--config", str(_write_config(tmp_path))], boot=False)
     config.merge(toy_config(tmp_path / "ws", epochs=1))
     assert config.api_token == SECRET and config.extra.layers == 3  # the run sees the values
     with ToyRunner(config) as runner:
@@ -35,13 +43,13 @@ def test_env_and_include_values_are_recorded_as_references(tmp_path, monkeypatch
     assert json.loads(metadata_text)["config"]["extra"] == f"!include {tmp_path / 'extra.yaml'}"
     assert re.search(r"^api_token: !env '?DANLING_TEST_SECRET'?$", config_text, re.MULTILINE)
     # config.yaml stays a loadable config: reading it back resolves the references again
-    assert RunnerConfig(str(run_dir / "config.yaml")).api_token == SECRET
+    assert SecretConfig(str(run_dir / "config.yaml")).api_token == SECRET
 
 
 def test_overridden_reference_is_recorded_as_its_value(tmp_path, monkeypatch):
     monkeypatch.setenv("DANLING_TEST_SECRET", SECRET)
     path = _write_config(tmp_path)
-    config = RunnerConfig().parse(["--config", str(path), "--api_token", "plain"], boot=False)
+    config = SecretConfig().parse(["--config", str(path), "--api_token", "plain"], boot=False)
     config.merge(toy_config(tmp_path / "ws", epochs=1))
     with ToyRunner(config) as runner:
         run_dir = runner.workspace.path

@@ -10,6 +10,7 @@ from typing import Any, Union, get_args, get_origin
 
 import pytest
 import yaml
+from chanfig import Config
 from chanfig.utils import get_cached_annotations
 
 from danling.runners import RUNNERS, BaseRunner, Runner, RunnerConfig, TorchRunner, register_runner
@@ -142,7 +143,14 @@ def test_assigned_unknown_key_fails_validation_and_runner_construction(tmp_path)
         ToyRunner(config)
 
 
-def test_open_sections_free_top_level_and_loader_options_stay_accepted():
+class _UserConfig(RunnerConfig):
+    """Top-level keys are declared: `network` is a free-form section, `my_setting` a typed key."""
+
+    network: Config = Config()
+    my_setting: int | None = None
+
+
+def test_open_sections_declared_top_level_and_loader_options_stay_accepted():
     overrides = {
         "optim.lr": 0.1,
         "optim.betas": [0.9, 0.99],
@@ -153,9 +161,9 @@ def test_open_sections_free_top_level_and_loader_options_stay_accepted():
         "dataloader.train.shuffle": False,
         "dataloader.val.batch_size": 4,
     }
-    config = RunnerConfig(**overrides).boot()
+    config = _UserConfig(**overrides).boot()
     assert config.optim.lr == 0.1 and config.network.type == "mlp" and config.dataloader.val.batch_size == 4
-    parsed = RunnerConfig().parse(["--optim.momentum", "0.9", "--my_setting", "3", "--dataloader.val.num_workers", "0"])
+    parsed = _UserConfig().parse(["--optim.momentum", "0.9", "--my_setting", "3", "--dataloader.val.num_workers", "0"])
     assert parsed.optim.momentum == 0.9 and parsed.my_setting == 3
 
 

@@ -19,7 +19,7 @@ from danling.checkpoint import read_checkpoint as read_checkpoint_source
 from danling.checkpoint.failures import CheckpointSaveError
 from danling.utils import RoundDict
 
-from ..config import RunnerConfig
+from ..config import RunnerConfig, recorded_config
 from ..loop.events import CheckpointContext, Events
 from ..reconcile import newest_valid_checkpoint, reconcile_on_start
 from ._keys import flatten as _flatten
@@ -122,7 +122,7 @@ class CheckpointMixin:
         if self.__dict__.pop("_seed_was_drawn", False) and saved.get("seed") is not None:
             # Neither run chose a seed: continue with the one the checkpointed run drew.
             self.config.seed = saved["seed"]
-        saved_config = RunnerConfig(**saved)
+        saved_config = recorded_config(saved)
         if saved_config.config_id == self.config.config_id:
             return
         before, after = _flatten(saved_config.semantic_dict()), _flatten(self.config.semantic_dict())
@@ -452,7 +452,7 @@ class CheckpointMixin:
         saved = payload.get("runner")
         if not isinstance(saved, Mapping):
             raise ValueError(f"checkpoint {_describe(checkpoint)} has no runner config; keys: {sorted(payload)}")
-        return RunnerConfig(**saved)
+        return recorded_config(saved)
 
     @classmethod
     def from_checkpoint(cls, checkpoint: CheckpointSource, *args: Any, **kwargs: Any) -> BaseRunner:

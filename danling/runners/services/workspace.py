@@ -397,9 +397,9 @@ def _config_id(config: Any) -> str:
         return config_id
     if not isinstance(config, Mapping):
         raise TypeError(f"config must be a RunnerConfig or a mapping, got {type(config).__name__}")
-    from ..config import RunnerConfig
+    from ..config import recorded_config
 
-    return RunnerConfig(config).config_id
+    return recorded_config(config).config_id
 
 
 def _plain(config: Any) -> Any:
