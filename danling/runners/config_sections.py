@@ -96,6 +96,7 @@ class CheckpointConfig(_TypedConfig):
         backend: `auto`, `file` (one torch file), `dcp` (sharded torch.distributed.checkpoint) or `deepspeed`.
         interval: Epochs (steps in step mode) between periodic checkpoints; None: every epoch, or a tenth of `steps`.
         keep_latest_k: Keep only the k newest periodic checkpoints; 0 keeps them all.
+        save_top_k: Also keep the k best checkpoints by the monitored score (None or 0: off).
         load_only: Never save; checkpoints are only read (resume, pretrained).
         async_enabled: Write checkpoints in the background while training goes on.
         async_mode: `disabled`, `async` or `async_with_pinned_mem`; None follows `async_enabled`.
