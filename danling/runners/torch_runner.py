@@ -434,8 +434,25 @@ class TorchRunner(TorchCheckpointMixin, TorchBatchMixin, TorchDataMixin, TorchIn
                 torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = before[2], before[3]
                 self._deterministic_before = None
             if self._owns_process_group and dist.is_initialized():
+                _leave_together()
                 dist.destroy_process_group()
                 self._owns_process_group = False
+
+
+def _leave_together(timeout: float = 30.0) -> None:
+    """Wait (briefly) for every rank before the group is torn down.
+
+    A rank that destroys the group and exits while a peer still talks to it (rank 0 hosts the
+    rendezvous store) can abort that peer's process at exit instead of letting it leave with its
+    own status. A peer that is gone already only costs the timeout.
+    """
+    try:
+        if dist.get_backend() == "gloo":
+            dist.monitored_barrier(timeout=timedelta(seconds=timeout), wait_all_ranks=True)
+        else:  # GPU-only branch: NCCL has no monitored barrier
+            dist.barrier()
+    except RuntimeError:
+        pass  # a peer failed or left: nothing to wait for
 
 
 register_runner(("auto", "torch", "ddp"), TorchRunner)
