@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
@@ -38,6 +37,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import danling as dl
+from tests.dist import free_ports, rendezvous_ports  # the test suite's rendezvous helpers
 
 # name: (width, depth, batch size per rank, samples)
 WORKLOADS = {"small MLP, batch 32": (128, 2, 32, 2048), "compute-bound MLP, batch 64": (1024, 4, 64, 1024)}
@@ -233,45 +233,22 @@ def _tensors(state: Any) -> list[torch.Tensor]:
 
 def worker(rank: int, root: str, ports: list[int], repeats: int, workloads: list[str]) -> None:
     # Each runner starts (and ends) the process group itself; every one rendezvouses on a fresh port.
-    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1")
-    next_port = iter(ports)
-    os.environ["MASTER_PORT"] = str(next(next_port))
-    destroy = dist.destroy_process_group
-
-    def destroy_and_move_on(group: Any = None) -> None:
-        destroy(group)
-        if group is None:
-            os.environ["MASTER_PORT"] = str(next(next_port))
-
-    dist.destroy_process_group = destroy_and_move_on
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank))
+    rendezvous_ports(ports)
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
-    try:
-        steps = [bench_steps(root, workload, repeats) for workload in workloads]
-        # checkpoint speed only means something for the larger state
-        checkpoints = [bench_checkpoints(root, workload, max(5, repeats // 3)) for workload in workloads[-1:]]
-        if rank == 0:
-            print("### ParallelRunner (FSDP2, shard=2) vs a hand-written FSDP2 loop, 2 gloo ranks\n")
-            print("| workload | steps/epoch | hand loop (ms/step) | runner (ms/step) | ratio: median | IQR |")
-            print("| --- | ---: | ---: | ---: | ---: | ---: |")
-            print("\n".join(steps))
-            print("\n### DCP checkpoints: runner vs raw dcp.save / dcp.load (model + SGD momentum, 2 ranks)\n")
-            print("| workload | MB | dcp.save | runner save | dcp.load | runner load | save ratio | load ratio |")
-            print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-            print("\n".join(checkpoints))
-    finally:
-        dist.destroy_process_group = destroy
-
-
-def _free_ports(count: int) -> list[int]:
-    sockets = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(count)]
-    try:
-        for sock in sockets:
-            sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
+    steps = [bench_steps(root, workload, repeats) for workload in workloads]
+    # checkpoint speed only means something for the larger state
+    checkpoints = [bench_checkpoints(root, workload, max(5, repeats // 3)) for workload in workloads[-1:]]
+    if rank == 0:
+        print("### ParallelRunner (FSDP2, shard=2) vs a hand-written FSDP2 loop, 2 gloo ranks\n")
+        print("| workload | steps/epoch | hand loop (ms/step) | runner (ms/step) | ratio: median | IQR |")
+        print("| --- | ---: | ---: | ---: | ---: | ---: |")
+        print("\n".join(steps))
+        print("\n### DCP checkpoints: runner vs raw dcp.save / dcp.load (model + SGD momentum, 2 ranks)\n")
+        print("| workload | MB | dcp.save | runner save | dcp.load | runner load | save ratio | load ratio |")
+        print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+        print("\n".join(checkpoints))
 
 
 def main() -> None:
@@ -282,7 +259,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench-parallel-") as root:  # shared: DCP files are written by both
         mp.start_processes(
             worker,
-            args=(root, _free_ports(8), args.repeats, args.workload or list(WORKLOADS)),
+            args=(root, free_ports(8), args.repeats, args.workload or list(WORKLOADS)),
             nprocs=2,
             start_method="spawn",
         )

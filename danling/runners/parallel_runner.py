@@ -169,10 +169,7 @@ class ParallelRunner(PipelineMixin, TorchRunner):
         self.model = parts[0]
         if pipelined and self.pipeline_schedule is None:
             self.pipeline_schedule = self.build_pipeline_schedule(parts if len(parts) > 1 else parts[0])
-        if self.ema is None and self.config.ema.enabled:
-            from .update import EMA
-
-            self.ema = EMA(self.model, decay=self.config.ema.decay)
+        self._materialize_ema()
 
     def _materialize_part(self, part: nn.Module, *, strict: bool) -> nn.Module:
         part = part.to(self.device)
@@ -184,7 +181,7 @@ class ParallelRunner(PipelineMixin, TorchRunner):
             apply_fsdp(
                 part,
                 self._fsdp_mesh(),
-                units=block_modules(part, fsdp.modules) if strict or not fsdp.modules else _units(part, fsdp.modules),
+                units=(block_modules if strict else _units)(part, fsdp.modules),
                 reshard_after_forward=fsdp.reshard_after_forward,
                 mp_policy=fsdp_mixed_precision(fsdp.mp_policy, self.precision),
                 offload_policy=fsdp_offload(fsdp.offload_policy),

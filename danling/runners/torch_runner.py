@@ -256,6 +256,10 @@ class TorchRunner(TorchCheckpointMixin, TorchBatchMixin, TorchDataMixin, TorchIn
         trainable = any(param.requires_grad for param in self.model.parameters())
         if self.distributed and trainable:
             self.model = wrap_ddp(self.model, self.device)  # also broadcasts rank 0's weights
+        self._materialize_ema()
+
+    def _materialize_ema(self) -> None:
+        """The EMA copy of the materialized model (`ema.enabled`), or a user's own EMA module moved and synced."""
         if self.ema is None and self.config.ema.enabled:
             # Copied after the DDP broadcast, so every rank starts from the same average.
             self.ema = EMA(self.model, decay=self.config.ema.decay)
