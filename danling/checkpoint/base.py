@@ -2,7 +2,7 @@
 
 Every backend shares one layout under `directory`: one directory per checkpoint (payload files
 plus `manifest.json`, the size and SHA-256 of each) and one-line `<alias>.pointer` files naming
-the checkpoint an alias points at (see [`danling.checkpoint.layout`][]). A save fills `.tmp-<name>-<uuid>/`,
+the checkpoint an alias points at (see [`danling.checkpoint.layout`][]). A save fills `.tmp-<name>-<token>/`,
 fsyncs it, renames it into place, rewrites the alias pointers, and only then prunes old history.
 Backends implement the private payload hooks (`_write_payload`, `_read_payload`, `_read_file`) and,
 when several ranks write, the `_temp_dir`, `_gather_records` and `_barrier` seams; everything else
@@ -16,7 +16,6 @@ import logging
 import os
 import re
 import shutil
-import uuid
 from collections.abc import Mapping, MutableMapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeoutError
@@ -34,6 +33,7 @@ from .layout import (
     publish,
     recover_directory,
     scan_checkpoints,
+    temp_token,
     write_pointer,
 )
 from .manifest import (
@@ -300,7 +300,7 @@ class CheckpointManager(RunnerSaves):
 
     def _temp_dir(self, name: str) -> Path:
         """Private directory the payload is written into before publication (ranks must agree on it)."""
-        return self.directory / f".tmp-{name}-{uuid.uuid4().hex}"
+        return self.directory / f".tmp-{name}-{temp_token()}"  # names the writer: recovery spares live ones
 
     def _gather_records(self, records: dict[str, Any]) -> dict[str, Any]:
         """Merge the manifest records written by every rank (single-writer backends: unchanged)."""
@@ -316,7 +316,7 @@ class CheckpointManager(RunnerSaves):
         history = [(path, manifest) for path, manifest in self._scan() if manifest.get("history")]
         keep = {"keep_latest_k": self.keep_latest_k, "save_top_k": self.save_top_k}
         for path in prunable(history, protected=set(self.aliases(wait=False).values()), **keep):
-            trash = self.directory / f".trash-{path.name}-{uuid.uuid4().hex}"
+            trash = self.directory / f".trash-{path.name}-{temp_token()}"
             os.rename(path, trash)
             shutil.rmtree(trash, ignore_errors=True)
             self.logger.info("pruned checkpoint %s (keep_latest_k=%s, save_top_k=%s)", path, *keep.values())

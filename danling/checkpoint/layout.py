@@ -1,16 +1,20 @@
 """Directory layout shared by the checkpoint backends: names, pointers, publication, recovery.
 
-Hidden entries in a checkpoint directory are transient: `.tmp-<name>-<hex>/` (a payload being
-written), `.old-<name>-<hex>/` (a checkpoint being replaced), `.trash-<name>-<hex>/` (one being
-pruned) and `.<alias>.pointer.tmp-<hex>` (a pointer being rewritten). A process that dies leaves
-them behind; [`recover_directory`][danling.checkpoint.layout.recover_directory] cleans them up
-and puts back a checkpoint whose replacement was interrupted.
+Hidden entries in a checkpoint directory are transient: `.tmp-<name>-<token>/` (a payload being
+written), `.old-<name>-<token>/` (a checkpoint being replaced), `.trash-<name>-<token>/` (one being
+pruned) and `.<alias>.pointer.tmp-<token>` (a pointer being rewritten). The token,
+`p<pid>.<host>.<hex>`, names the writing process. A process that dies leaves them behind;
+[`recover_directory`][danling.checkpoint.layout.recover_directory] cleans them up and puts back a
+checkpoint whose replacement was interrupted, but leaves alone the entries of a writer that still
+runs (another process saving into the same directory) and of writers on other hosts.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
+import platform
 import re
 import shutil
 import threading
@@ -27,6 +31,7 @@ __all__ = [
     "check_name",
     "in_flight",
     "publish",
+    "temp_token",
     "write_pointer",
     "follow_pointer",
     "recover_directory",
@@ -84,6 +89,38 @@ def _is_in_flight(path: Path) -> bool:
         return path.absolute() in _IN_FLIGHT
 
 
+_HOST_TAG = hashlib.sha256(platform.node().encode()).hexdigest()[:8]
+_TOKEN = re.compile(r"^p(?P<pid>\d+)\.(?P<host>[0-9a-f]{8})\.[0-9a-f]+$")
+
+
+def temp_token() -> str:
+    """Unique suffix of a transient entry that names the writer: `p<pid>.<host hash>.<random hex>`."""
+    return f"p{os.getpid()}.{_HOST_TAG}.{uuid.uuid4().hex}"
+
+
+def _writer_alive(name: str) -> bool:
+    """Whether the process that made the transient entry `name` may still be writing it.
+
+    Entries without a token (older versions) and entries of this process that are not in flight
+    are leftovers. A writer on another host cannot be checked, so it counts as alive.
+    """
+    match = _TOKEN.match(name.rsplit("-", 1)[-1])
+    if match is None:
+        return False
+    pid = int(match["pid"])
+    if match["host"] != _HOST_TAG:
+        return True
+    if pid == os.getpid():
+        return False  # this process's live entries are in _IN_FLIGHT
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # exists, owned by someone else
+        return True
+    return True
+
+
 def publish(tmp: Path, final: Path) -> Path:
     """Rename the finished directory `tmp` to `final`, replacing an existing checkpoint safely.
 
@@ -92,7 +129,7 @@ def publish(tmp: Path, final: Path) -> Path:
     """
     directory = final.parent
     if final.exists():
-        with in_flight(directory / f".old-{final.name}-{uuid.uuid4().hex}") as old:
+        with in_flight(directory / f".old-{final.name}-{temp_token()}") as old:
             os.rename(final, old)
             os.rename(tmp, final)
             fsync_dir(directory)
@@ -106,7 +143,7 @@ def publish(tmp: Path, final: Path) -> Path:
 def write_pointer(directory: Path, alias: str, target: str) -> Path:
     """Atomically point `alias` at checkpoint `target` (a one-line `<alias>.pointer` file)."""
     pointer = directory / f"{alias}{POINTER_SUFFIX}"
-    with in_flight(directory / f".{pointer.name}.tmp-{uuid.uuid4().hex}") as tmp:
+    with in_flight(directory / f".{pointer.name}.tmp-{temp_token()}") as tmp:
         atomic_write_text(pointer, target + "\n", tmp=tmp)
     return pointer
 
@@ -121,9 +158,13 @@ def follow_pointer(pointer: Path) -> Path:
 
 
 def recover_directory(directory: Path, logger: logging.Logger) -> None:
-    """Remove what killed writers left in `directory` and restore interrupted replacements."""
+    """Remove what dead writers left in `directory` and restore interrupted replacements.
+
+    Entries of a writer that still runs (this process's in-flight saves, or another live process
+    on this host) and of writers on other hosts are left alone.
+    """
     for entry in sorted(directory.iterdir()):
-        if not entry.name.startswith(".") or _is_in_flight(entry):
+        if not entry.name.startswith(".") or _is_in_flight(entry) or _writer_alive(entry.name):
             continue
         if entry.is_file() and f"{POINTER_SUFFIX}.tmp-" in entry.name:
             entry.unlink(missing_ok=True)

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from math import cos, exp, pi
+import logging
+from math import cos, exp, isclose, pi
 from numbers import Integral
 from typing import Any
 
@@ -24,6 +25,9 @@ also available by name in [`SCHEDULERS`][danling.optim.SCHEDULERS].
 """
 
 SCALINGS = ("percentile", "numerical")
+# The shape of a schedule: set by construction from the run's budget, never taken from a saved state.
+_SHAPE = ("total_steps", "warmup_steps", "cooldown_steps")
+logger = logging.getLogger(__name__)
 
 
 @LR_METHODS.register
@@ -85,6 +89,12 @@ class LRScheduler(_LRScheduler):
     4. the result is clamped below at `min_lr`. Groups whose initial learning rate is `0` stay at `0`.
 
     Steps past `total_steps` keep the learning rate at `min_lr`.
+
+    Resuming on another budget: `load_state_dict` takes the progress (the step index and the
+    initial learning rates) from the saved state and keeps the shape this scheduler was built with
+    (`total_steps`, `warmup_steps`, `cooldown_steps`). A run whose budget was raised from 2 to 3
+    epochs therefore continues from its saved step on the schedule of the 3-epoch run; when the
+    learning rate at that step differs from the one the saved run used, a warning names both.
 
     Args:
         optimizer: Wrapped optimizer.
@@ -212,10 +222,29 @@ class LRScheduler(_LRScheduler):
         """Restore the schedule and put the restored learning rates back into the optimizer.
 
         Re-applying the rates makes resumption exact whether the optimizer state is loaded before or
-        after the scheduler was constructed.
+        after the scheduler was constructed. The schedule's shape (`total_steps`, `warmup_steps`,
+        `cooldown_steps`) stays the constructed one: on a changed budget the schedule is the new
+        one, continued from the saved step (see the class docstring).
         """
+        shape = {key: getattr(self, key) for key in _SHAPE}
+        saved = {key: state_dict.get(key, shape[key]) for key in _SHAPE}
         super().load_state_dict(state_dict)
+        self.__dict__.update(shape)
+        if saved != shape:
+            self._last_lr = self.get_lr()
         apply_last_lr(self)
+        saved_lrs = list(state_dict.get("_last_lr") or [])
+        jumps = [(a, b) for a, b in zip(saved_lrs, self._last_lr) if not isclose(float(a), float(b), rel_tol=1e-6)]
+        if jumps:
+            logger.warning(
+                "learning-rate schedule rebuilt for total_steps=%d (the saved run had %d): at step %d the "
+                "learning rate moves from %g to %g",
+                shape["total_steps"],
+                saved["total_steps"],
+                self.last_epoch,
+                float(jumps[0][0]),
+                jumps[0][1],
+            )
 
     def __repr__(self) -> str:
         final = f"final_lr={self.final_lr}" if self.final_lr is not None else f"final_lr_ratio={self.final_lr_ratio}"

@@ -327,14 +327,20 @@ def unsupported(
 # dataloader keys that change throughput, not results; left out of config_id
 _LOADER_RUNTIME_KEYS = ("num_workers", "persistent_workers", "prefetch_factor", "pin_memory", "snapshot_every_n_steps")
 
-# Keys left out of `config_id` by default: paths, logging, checkpoint cadence, infrastructure.
+# Keys left out of `config_id` by default: the budget (how long: a run continues when it is
+# raised), paths, logging, evaluation and checkpoint cadence, infrastructure.
 CONFIG_ID_IGNORES = (
     "config",
+    "epochs",
+    "steps",
+    "patience",
+    "dry_run",
     "workspace_root",
     "lineage",
     "experiment",
     "resume",
     "auto_resume",
+    "resume_allow_changes",
     "log",
     "log_interval",
     "evaluate_interval",

@@ -118,6 +118,8 @@ class RunnerConfig(_TypedConfig):
         experiment: Experiment namespace, the prefix of the run directory name (`"exp"` when None).
         resume: Full-state checkpoint to resume from.
         auto_resume: Resume from the run's latest checkpoint when one exists.
+        resume_allow_changes: Let `resume` load a checkpoint whose run trained a different config
+            (identity keys differ); each difference is logged as a warning instead of refusing.
         pretrained: Model-only checkpoint to initialise from.
         log: Write a log file in the run directory (main process only).
         log_interval: Steps between progress logs; 0 turns step logs off; None lets the runner choose.
@@ -195,6 +197,7 @@ class RunnerConfig(_TypedConfig):
     experiment: str | None = "exp"
     resume: str | None = None
     auto_resume: bool = False
+    resume_allow_changes: bool = False
     pretrained: str | None = None
     log: bool = True
     log_interval: int | None = None
@@ -451,7 +454,7 @@ class RunnerConfig(_TypedConfig):
     def semantic_dict(self) -> dict[str, Any]:
         """The part of the config that defines the experiment, as plain nested dicts.
 
-        Keys matching `CONFIG_ID_IGNORES` (paths, logging, checkpoint cadence, infrastructure),
+        Keys matching `CONFIG_ID_IGNORES` (budget, paths, logging, cadences, infrastructure),
         None values and empty sections are left out, so adding a new optional key or touching an
         unset section does not change it. `"ddp"`/`"torch"` (what a runner records for `"auto"`)
         count as `"auto"`.
@@ -469,7 +472,9 @@ class RunnerConfig(_TypedConfig):
             >>> a = RunnerConfig(epochs=3, workspace_root="/tmp/a", experiment="x")
             >>> b = RunnerConfig(epochs=3, workspace_root="/tmp/b", experiment="y")
             >>> a.config_id == b.config_id, a.config_id == RunnerConfig(epochs=4).config_id
-            (True, False)
+            (True, True)
+            >>> a.config_id == RunnerConfig(epochs=3, seed=1).config_id
+            False
             >>> len(a.config_id)
             12
         """

@@ -70,8 +70,7 @@ def _remove_leftovers(run_dir: Path, checkpoint_dir: Path, logger: logging.Logge
     """Hidden `*.tmp` files of interrupted writes in `run_dir`, and staging entries of checkpoint saves."""
     removed = []
     for entry in sorted(run_dir.iterdir()):
-        mine = entry.name.endswith(f".{os.getpid()}.tmp")  # a write of this very process, in flight
-        if entry.is_file() and entry.name.startswith(".") and entry.name.endswith(".tmp") and not mine:
+        if entry.is_file() and entry.name.startswith(".") and entry.name.endswith(".tmp") and not _writing(entry.name):
             entry.unlink(missing_ok=True)
             removed.append(entry.name)
     if checkpoint_dir.is_dir():
@@ -82,6 +81,20 @@ def _remove_leftovers(run_dir: Path, checkpoint_dir: Path, logger: logging.Logge
     for name in removed:
         logger.info("reconcile: removed %s, left by an interrupted write", name)
     return removed
+
+
+def _writing(name: str) -> bool:
+    """Whether the `.<file>.<pid>.tmp` file `name` belongs to a process that still runs (this one included)."""
+    pid = name[: -len(".tmp")].rsplit(".", 1)[-1]
+    if not pid.isdigit():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True
+    return True
 
 
 def newest_valid_checkpoint(checkpoint_dir: Path, logger: logging.Logger | None = None) -> Path | None:

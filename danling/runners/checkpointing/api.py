@@ -22,8 +22,9 @@ from danling.utils import RoundDict
 from ..config import RunnerConfig, recorded_config
 from ..loop.events import CheckpointContext, Events
 from ..reconcile import newest_valid_checkpoint, reconcile_on_start
-from ._keys import flatten as _flatten
 from ._keys import without as _without
+from .resume import check_identity, report_code_change, report_other_runs, resolve_resume_path
+from .resume import describe_source as _describe
 
 if TYPE_CHECKING:
     from ..base_runner import BaseRunner
@@ -100,7 +101,8 @@ class CheckpointMixin:
 
         Raises:
             ValueError: The checkpoint's config differs from the current one in a key that
-                changes the experiment (any key `RunnerConfig.config_id` covers).
+                changes the experiment (any key `RunnerConfig.config_id` covers) and
+                `resume_allow_changes` is not set.
         """
         if not isinstance(checkpoint, Mapping):
             raise TypeError(f"load_state_dict() expects a mapping, got {type(checkpoint).__name__}")
@@ -122,18 +124,7 @@ class CheckpointMixin:
         if self.__dict__.pop("_seed_was_drawn", False) and saved.get("seed") is not None:
             # Neither run chose a seed: continue with the one the checkpointed run drew.
             self.config.seed = saved["seed"]
-        saved_config = recorded_config(saved)
-        if saved_config.config_id == self.config.config_id:
-            return
-        before, after = _flatten(saved_config.semantic_dict()), _flatten(self.config.semantic_dict())
-        changed = sorted(
-            key for key in before.keys() | after.keys() if before.get(key, _MISSING) != after.get(key, _MISSING)
-        )
-        raise ValueError(
-            "the checkpoint was written by a run with a different config "
-            f"(config_id {saved_config.config_id} vs {self.config.config_id}); keys that differ: {changed}. "
-            "Resume with the original config, or use load_pretrained() to start a new run from its weights."
-        )
+        check_identity(self, recorded_config(saved))  # budget keys may differ; identity keys only when allowed
 
     # ------------------------------------------------------------------ saving
     def save_checkpoint(
@@ -245,6 +236,9 @@ class CheckpointMixin:
                 checkpoint's config differs semantically.
         """
         map_location = kwargs.pop("map_location", "cpu")
+        source = self.__dict__.pop("_restore_source", checkpoint)  # what from_checkpoint read the payload from
+        if _is_path(checkpoint):
+            checkpoint = resolve_resume_path(checkpoint, self.config.checkpoint.dir_name)
         excluded = self._excluded_components()
         in_place = self.in_place_components(checkpoint, excluded)
         payload = self.read_restore_payload(checkpoint, in_place, map_location)
@@ -271,13 +265,12 @@ class CheckpointMixin:
         for key, load in loaders.items():
             if key not in excluded:
                 load(payload.get(key))
-        if _is_path(checkpoint):
-            self.config.resume = os.fspath(checkpoint)
-        source = os.fspath(checkpoint) if _is_path(checkpoint) else _describe(checkpoint)
-        self.events.emit(Events.CHECKPOINT_LOADED, CheckpointContext(self, source))
+        if _is_path(source):
+            self.config.resume = os.fspath(source)
+        self.events.emit(Events.CHECKPOINT_LOADED, CheckpointContext(self, _name(source)))
         self.logger.info(
             "restored checkpoint %s at epoch %d, global step %d",
-            _describe(checkpoint),
+            _describe(source),
             self.train_state.epoch,
             self.train_state.global_step,
         )
@@ -384,6 +377,8 @@ class CheckpointMixin:
         """
         if self.model is None:
             raise ValueError("load_pretrained() needs self.model to be set first")
+        if _is_path(checkpoint):
+            checkpoint = resolve_resume_path(checkpoint, self.config.checkpoint.dir_name)
         payload = self.read_checkpoint(checkpoint, map_location=kwargs.pop("map_location", "cpu"))
         key = next((key for key in ("ema", "model", "model_parts") if payload.get(key) is not None), None)
         if key is None:
@@ -413,10 +408,13 @@ class CheckpointMixin:
         if _RESTORING.get():
             return
         config, manager = self.config, self.checkpoint_manager
+        if not config.checkpoint.load_only:
+            self.workspace.lock(self.logger)  # before reconciling: never repair a directory another run writes
         latest = manager.latest  # as the last run left it, before reconciling corrects a lagging pointer
         reconcile_on_start(self)
         if config.get("resume"):
             self.load_checkpoint(config.resume)
+            report_code_change(self)
             return
         if config.get("auto_resume"):
             path = newest_valid_checkpoint(manager.directory, self.logger) or manager.latest_valid()
@@ -427,9 +425,11 @@ class CheckpointMixin:
                     )
                     self.events.emit(Events.CHECKPOINT_FALLBACK, CheckpointContext(self, path, requested=latest))
                 self.load_checkpoint(path)
+                report_code_change(self)
                 return
             start = "the pretrained weights" if config.get("pretrained") else "scratch"
             self.logger.info("auto_resume: no checkpoint in %s, starting from %s", manager.directory, start)
+            report_other_runs(self)
         if config.get("pretrained"):
             self.load_pretrained(config.pretrained)
 
@@ -464,6 +464,8 @@ class CheckpointMixin:
         checkpoint you trust with the full unpickler (and sets `checkpoint.trust_pickle`).
         """
         trusted = bool(kwargs.pop("trusted", False))
+        if _is_path(checkpoint):
+            checkpoint = resolve_resume_path(checkpoint)
         payload = cls._read_source(checkpoint, kwargs.get("map_location", "cpu"), trusted)
         config = cls.read_config(payload)
         config.resume, config.auto_resume = None, False
@@ -474,9 +476,8 @@ class CheckpointMixin:
             runner = cls(config)
         finally:
             _RESTORING.reset(token)
+        runner._restore_source = checkpoint  # logged and recorded instead of the in-memory payload
         runner.load_checkpoint(payload, *args, **kwargs)
-        if _is_path(checkpoint):
-            runner.config.resume = os.fspath(checkpoint)
         return runner
 
     @classmethod
@@ -489,12 +490,9 @@ class CheckpointMixin:
         return runner
 
 
-_MISSING = object()
 # Set while `from_checkpoint` constructs its runner: the full restore follows construction.
 _RESTORING: ContextVar[bool] = ContextVar("danling_restoring_from_checkpoint", default=False)
 
 
-def _describe(checkpoint: Any) -> str:
-    if _is_path(checkpoint):
-        return repr(os.fspath(checkpoint))
-    return f"<{type(checkpoint).__name__}>"
+def _name(checkpoint: Any) -> str:
+    return os.fspath(checkpoint) if _is_path(checkpoint) else _describe(checkpoint)

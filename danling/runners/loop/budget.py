@@ -68,6 +68,37 @@ class ProgressMixin:
             if length_of(self.dataloaders[split]) == 0:
                 raise ValueError(f"training split {split!r} yields no batch: {_why_empty(self.dataloaders[split])}")
 
+    def budget_spent(self) -> bool:
+        """Whether a resumed run has already trained its whole budget; if so, say so in the log.
+
+        The budget (`epochs`, `steps`) is not part of the run's identity: raising it continues the
+        run for what is new, and lowering it to or below what is done finishes at once. Epoch mode
+        compares the finished epochs with `epochs`; step mode compares `global_step` with the step
+        budget and also needs the final row of that step stored (a run killed between its last
+        step and its final evaluation still evaluates).
+        """
+        state = self.train_state
+        if self.epochs is not None:
+            key, budget, done, finished = "epochs", self.epochs, state.epoch, state.epoch
+        else:
+            budget = self.steps
+            key, done, finished = "steps", state.global_step, state.global_step in self.results
+        if budget is None or done == 0 or done < budget or not finished:
+            return False
+        unit = "epochs" if key == "epochs" else "optimizer steps"
+        log = self.logger.warning if done > budget else self.logger.info
+        log(
+            "training budget already spent: %d %s are done and %s=%d, so there is nothing to train; "
+            "raise %s above %d to train more (the run continues where it stopped)",
+            done,
+            unit,
+            key,
+            budget,
+            key,
+            done,
+        )
+        return True
+
     # ------------------------------------------------------------------ budgets and cadence
     @property
     def epochs(self) -> int | None:

@@ -62,6 +62,8 @@ class LoopMixin(DryRunMixin):
         self.check_training_budget(train_splits)
         if self.dry_run_batches:
             return self.dry_run(train_splits, evaluate_splits)
+        if self.budget_spent():  # a resumed run whose budget was not raised
+            return self.results
         self.logger.info("training on %s; evaluating on %s", train_splits, evaluate_splits or "nothing")
         if self.is_step_mode:
             return self.train_steps(train_splits, evaluate_splits)

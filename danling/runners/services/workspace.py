@@ -1,8 +1,10 @@
 """Run identity, run directory, metadata, logging and print routing for one runner process.
 
-Layout: `<workspace_root>/<lineage>[-<code_id>]/<experiment>-<id>/`, holding `metadata.json`,
-`config.yaml`, `run.log`, the checkpoint directory and whatever trackers write. Only the main
-process (rank 0) creates directories or files, and only when they are first needed.
+Layout: `<workspace_root>/<lineage>/<experiment>-<id>[-v<N>]/`, holding `metadata.json`,
+`config.yaml`, `run.log`, the checkpoint directory and whatever trackers write. `id` hashes what
+is trained, never the budget or the code version; a new run never shares a directory holding
+another run's checkpoints, it gets the next version (see `danling.runners.services.run_dirs`).
+Only the main process (rank 0) creates directories or files, and only when they are first needed.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from typing import Any
 
 from .._config_refs import references_yaml, with_references
 from .git_info import git_info, git_short_hash
+from .run_dirs import choose_run_dir, launch_record, read_json
+from .run_lock import RunLock
 
 __all__ = ["RunnerWorkspace"]
 
@@ -121,8 +125,9 @@ class RunnerWorkspace:
     """Where a run lives and how it reports: identity, directories, metadata, logs and stdout.
 
     Identity is fixed when the workspace is created: `config_id` is computed from the config at
-    that moment (later edits, such as a seed drawn by the runner, do not move the run directory)
-    and `code_id` is read from git once.
+    that moment (later edits, such as a seed drawn by the runner, do not move the run directory),
+    and so is the version of the directory the run writes into. `code_id` is read from git once;
+    it is recorded in the metadata of every launch, not in the directory name.
 
     Args:
         config: A `RunnerConfig` or a mapping of its keys.
@@ -170,6 +175,9 @@ class RunnerWorkspace:
         self._stdout: Any = None
         self._devnull: Any = None
         self._metadata_written = False
+        self.previous_launch: dict[str, Any] | None = None  # the launch before this one, when continuing
+        self._lock: RunLock | None = None
+        self._path = self._choose_path()
 
     # -------------------------------------------------------------------------------- identity
     @property
@@ -204,16 +212,36 @@ class RunnerWorkspace:
 
     @cached_property
     def id(self) -> str:
-        """Run id: 12 hex digits derived from `config_id` and `code_id`; equal on every rank."""
-        return hashlib.sha256(f"{self.config_id}:{self.code_id or ''}".encode()).hexdigest()[:12]
+        """Experiment id: 12 hex digits derived from `config_id` alone (not the code); equal on every rank."""
+        return hashlib.sha256(self.config_id.encode()).hexdigest()[:12]
 
     # ----------------------------------------------------------------------------------- paths
     @property
-    def path(self) -> Path:
-        """The run directory's path, without creating it."""
-        lineage = f"{self.lineage}-{self.code_id}" if self.code_id else self.lineage
+    def base_path(self) -> Path:
+        """`<root>/<lineage>/<experiment>-<id>`: the first version of this experiment's run directory."""
         suffix = "-dry-run" if _get(self.config, "dry_run") else ""  # never the real run's history
-        return self.root / lineage / f"{self.experiment}-{self.id}{suffix}"
+        return self.root / self.lineage / f"{self.experiment}-{self.id}{suffix}"
+
+    def _choose_path(self) -> Path:
+        base = self.base_path
+        if _get(self.config, "dry_run"):
+            return base  # a dry run replaces the previous dry run
+        return choose_run_dir(
+            base,
+            dir_name=str(_get(self.config, "checkpoint.dir_name", "checkpoints")),
+            auto_resume=bool(_get(self.config, "auto_resume")),
+            resume=_get(self.config, "resume"),
+        )
+
+    @property
+    def path(self) -> Path:
+        """The run directory's path (`base_path`, or its version `-v<N>`), without creating it."""
+        return self._path
+
+    @property
+    def version(self) -> int:
+        """Version of the run directory: 1 for `base_path`, N for `<base_path>-v<N>`."""
+        return 1 if self._path == self.base_path else int(self._path.name.rsplit("-v", 1)[1])
 
     @property
     def dir(self) -> Path:
@@ -258,6 +286,7 @@ class RunnerWorkspace:
             "lineage": self.lineage,
             "experiment": self.experiment,
             "dir": os.fspath(self.path),
+            "version": self.version,
             "start_time": self.start_time.isoformat(),
             "world_size": self.world_size,
             "argv": list(sys.argv),
@@ -268,12 +297,17 @@ class RunnerWorkspace:
             "config": with_references(self.config, _plain(self.config)),  # !env values as references
         }
 
-    def write_metadata(self, extra: Mapping[str, Any] | None = None) -> Path:
-        """Write `metadata.json` and `config.yaml` into the run directory, once per run.
+    def launch(self) -> dict[str, Any]:
+        """What one launch of the run records in `metadata.json["launches"]`: time, code, budget, seed."""
+        return launch_record(self.config, self.start_time, self.code_id, git_info(self._code_dir), self.world_size)
 
-        Only the main process writes. Existing files (a resumed run) are kept as they are, so
-        the recorded start time and config are those of the first launch. Each file is written
-        to a temporary name, flushed to disk and renamed into place.
+    def write_metadata(self, extra: Mapping[str, Any] | None = None) -> Path:
+        """Write `metadata.json` and `config.yaml` into the run directory, once per launch.
+
+        Only the main process writes. The first launch writes both files; a later launch of the
+        same run (a resume, possibly with new code or a larger budget) keeps them and appends its
+        own record to `launches`, remembering the launch before it in `previous_launch`. Each
+        file is written to a temporary name, flushed to disk and renamed into place.
 
         Args:
             extra: Additional top-level entries (for example the runner class and timestamp).
@@ -285,10 +319,14 @@ class RunnerWorkspace:
         if not self.is_main_process or self._metadata_written:
             return path
         self.dir  # noqa: B018 - creates the run directory
-        if not path.exists():
+        payload = read_json(path)
+        if payload is None:
             payload = self.metadata()
             payload.update(extra or {})
-            _atomic_write(path, json.dumps(payload, indent=2, default=str) + "\n")
+        launches = payload.setdefault("launches", [])
+        self.previous_launch = launches[-1] if launches else None
+        launches.append(self.launch())
+        _atomic_write(path, json.dumps(payload, indent=2, default=str) + "\n")
         config_file = path.with_name("config.yaml")
         if not config_file.exists():
             _atomic_write(config_file, _config_yaml(self.config))
@@ -367,8 +405,24 @@ class RunnerWorkspace:
         self._devnull = None
         self._stdout = None
 
+    # ------------------------------------------------------------------------------------ lock
+    def lock(self, logger: logging.Logger | None = None) -> None:
+        """Hold the run directory's lock (main process only) until `close`; see `RunLock`.
+
+        Raises:
+            RunDirectoryLockedError: Another live process trains in this directory.
+        """
+        if not self.is_main_process or self._lock is not None:
+            return
+        lock = RunLock(self.path)
+        lock.acquire(logger)
+        self._lock = lock
+
     def close(self) -> None:
-        """Restore stdout and detach and close the log handlers this workspace added; idempotent."""
+        """Release the run lock, restore stdout, detach and close the log handlers this workspace added; idempotent."""
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
         self.restore_print()
         logger = logging.getLogger(LOGGER_NAME)
         for handler in self._handlers:

@@ -1,0 +1,172 @@
+"""Which directory a run writes into, and how the other runs of its experiment differ from it.
+
+One identity (`<experiment>-<id>`) may hold several runs: a run that does not resume never
+writes into a directory holding another run's checkpoints, so it gets the next version,
+`<experiment>-<id>-v2`, `-v3`, ... The rule, applied by every rank alike from the files alone:
+
+- `resume` pointing inside one of the versions continues that version;
+- `auto_resume` (or `resume` naming an alias such as `latest`) continues the newest version that
+  holds a checkpoint;
+- otherwise the first version without a checkpoint is used (the plain name when it has none).
+
+Every rank decides before any of them can write a checkpoint (the process group forms after the
+workspace, and the first save needs every rank), so all ranks pick the same directory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import re
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "choose_run_dir",
+    "has_checkpoints",
+    "identity_differences",
+    "launch_record",
+    "run_versions",
+    "sibling_runs",
+]
+
+_VERSION = re.compile(r"^(?P<base>.+)-v(?P<number>[2-9]|[1-9]\d+)$")
+_MISSING = object()
+
+
+def has_checkpoints(run_dir: Path, dir_name: str = "checkpoints") -> bool:
+    """Whether `run_dir/<dir_name>` holds a published checkpoint or alias (hidden temporary entries do not count)."""
+    directory = run_dir / dir_name
+    try:
+        return any(not entry.name.startswith(".") for entry in directory.iterdir())
+    except OSError:
+        return False
+
+
+def version_dir(base: Path, number: int) -> Path:
+    """Directory of version `number` of `base` (`base` itself for 1)."""
+    return base if number == 1 else base.with_name(f"{base.name}-v{number}")
+
+
+def run_versions(base: Path) -> list[Path]:
+    """Existing versions of the run directory `base`, oldest first (`base`, `base-v2`, ...)."""
+    numbered = []
+    if base.parent.is_dir():
+        for entry in base.parent.iterdir():
+            match = _VERSION.match(entry.name)
+            if match and match["base"] == base.name and entry.is_dir():
+                numbered.append((int(match["number"]), entry))
+    return ([base] if base.is_dir() else []) + [path for _, path in sorted(numbered)]
+
+
+def _inside(path: Path, directory: Path) -> bool:
+    try:
+        path.resolve().relative_to(directory.resolve())
+    except ValueError:
+        return False
+    return True
+
+
+def choose_run_dir(base: Path, *, dir_name: str, auto_resume: bool, resume: str | None) -> Path:
+    """The version of `base` this run writes into (see the module docstring for the rule)."""
+    versions = run_versions(base)
+    continuing = bool(auto_resume)
+    if resume:
+        target = Path(os.path.expanduser(resume))
+        if target.is_absolute() or target.exists() or os.sep in resume:
+            for version in versions:
+                if _inside(target, version):
+                    return version
+        else:  # an alias or checkpoint name: one of this experiment's own checkpoints
+            continuing = True
+    if continuing:
+        for version in reversed(versions):
+            if has_checkpoints(version, dir_name):
+                return version
+    number = 1
+    while has_checkpoints(version_dir(base, number), dir_name):
+        number += 1
+    return version_dir(base, number)
+
+
+def sibling_runs(base: Path, experiment: str) -> list[Path]:
+    """Run directories of `experiment` beside `base` that are not versions of `base`, newest first."""
+    parent, own = base.parent, set(run_versions(base))
+    if not parent.is_dir():
+        return []
+    found = []
+    for entry in parent.iterdir():
+        if entry.name.startswith(f"{experiment}-") and entry not in own and (entry / "metadata.json").is_file():
+            found.append((entry.stat().st_mtime_ns, entry))
+    return [entry for _, entry in sorted(found, reverse=True)]
+
+
+def recorded_run_config(run_dir: Path) -> Mapping[str, Any] | None:
+    """The config a run recorded in its `metadata.json`, or None when unreadable."""
+    metadata = read_json(run_dir / "metadata.json")
+    config = metadata.get("config") if metadata is not None else None
+    return config if isinstance(config, Mapping) else None
+
+
+def _flatten(mapping: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in mapping.items():
+        if isinstance(value, Mapping) and value:
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def identity_differences(before: Mapping[str, Any], after: Mapping[str, Any]) -> list[tuple[str, Any, Any]]:
+    """`(key, before, after)` for each dotted key whose value differs between two semantic configs.
+
+    A key missing on one side is reported as `None` there (unset and None mean the same in an identity).
+
+    Examples:
+        >>> identity_differences({"optim": {"lr": 0.1}, "seed": 1}, {"optim": {"lr": 0.2}, "seed": 1})
+        [('optim.lr', 0.1, 0.2)]
+    """
+    old, new = _flatten(before), _flatten(after)
+    changed = []
+    for key in sorted(old.keys() | new.keys()):
+        a, b = old.get(key, _MISSING), new.get(key, _MISSING)
+        if a != b:
+            changed.append((key, None if a is _MISSING else a, None if b is _MISSING else b))
+    return changed
+
+
+def format_differences(differences: list[tuple[str, Any, Any]]) -> str:
+    """`key: old -> new` for each difference, separated by `; `."""
+    return "; ".join(f"{key}: {old!r} -> {new!r}" for key, old, new in differences)
+
+
+def read_json(path: Path) -> dict[str, Any] | None:
+    """The JSON object in `path`, or None when missing, unreadable or not an object."""
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def launch_record(config: Any, start_time: Any, code_id: str | None, git: Any, world_size: int) -> dict[str, Any]:
+    """One entry of `metadata.json["launches"]`: when, which code (commit, dirty flag), budget and seed."""
+
+    def get(key: str) -> Any:
+        return config.get(key) if isinstance(config, Mapping) else None
+
+    return {
+        "start_time": start_time.isoformat(),
+        "code_id": code_id,
+        "git": git,
+        "argv": list(sys.argv),
+        "world_size": world_size,
+        "hostname": platform.node(),
+        "seed": get("seed"),
+        "epochs": get("epochs"),
+        "steps": get("steps"),
+    }
