@@ -142,11 +142,11 @@ def test_load_checkpoint_requires_bound_components(make_runner):
 
 def test_load_state_dict_refuses_a_different_experiment(make_runner):
     runner = make_runner()
-    other = make_runner(epochs=7, experiment="other")
-    with pytest.raises(ValueError, match="epochs"):
+    other = make_runner(accum_steps=2, experiment="other")
+    with pytest.raises(ValueError, match=r"accum_steps: 2 -> 1"):
         runner.load_state_dict(other.state_dict())
-    # paths and logging settings are not part of the experiment
-    same = make_runner(experiment="renamed", log_interval=3)
+    # paths, logging settings and the budget are not part of the experiment
+    same = make_runner(experiment="renamed", log_interval=3, epochs=7)
     runner.load_state_dict(same.state_dict())
 
 

@@ -53,18 +53,21 @@ def test_construction_is_lazy_and_dir_is_created_on_main_only(tmp_path):
     assert workspace.dir == path and path.is_dir()
 
 
-def test_code_id_comes_from_git_and_is_part_of_the_lineage(tmp_path, git_repo):
+def test_code_id_comes_from_git_and_is_recorded_not_part_of_the_path(tmp_path, git_repo):
     repo, short = git_repo
     workspace = make(tmp_path, code_dir=repo, lineage="proj")
     assert workspace.code_id == short
-    assert workspace.path.parent.name == f"proj-{short}"
+    assert workspace.path.parent.name == "proj"  # a commit does not move the run
     info = git_info(repo)
     assert info["short"] == short and len(info["commit"]) == 40 and info["dirty"] is False
     (repo / "train.py").write_text("print('changed')\n")
     assert git_info(repo)["dirty"] is True
+    metadata = json.loads(workspace.write_metadata().read_text())
+    assert metadata["code_id"] == short and metadata["launches"][0]["code_id"] == short
+    assert metadata["launches"][0]["git"]["dirty"] is True
     without_git = make(tmp_path, lineage="proj")
-    assert without_git.code_id is None and without_git.path.parent.name == "proj"
-    assert without_git.config_id == workspace.config_id and without_git.id != workspace.id
+    assert without_git.code_id is None and without_git.path == workspace.path
+    assert without_git.config_id == workspace.config_id and without_git.id == workspace.id
 
 
 def test_missing_git_binary_is_not_an_error(tmp_path, git_repo, monkeypatch):
@@ -80,7 +83,8 @@ def test_identity_is_stable_across_instances_ranks_and_paths(tmp_path):
     assert make(tmp_path, rank=1, world_size=4, epochs=3).id == first.id
     moved = RunnerWorkspace(RunnerConfig(epochs=3, workspace_root=str(tmp_path / "else")), code_dir=tmp_path)
     assert moved.id == first.id and moved.path != first.path
-    assert make(tmp_path, epochs=4).id != first.id
+    assert make(tmp_path, epochs=4).id == first.id  # the budget is not part of the identity
+    assert make(tmp_path, epochs=3, seed=7).id != first.id
     assert RunnerWorkspace({"epochs": 3, "workspace_root": "x"}, code_dir=tmp_path).id == first.id
 
 

@@ -377,6 +377,7 @@ class CheckpointMixin:
         """
         if self.model is None:
             raise ValueError("load_pretrained() needs self.model to be set first")
+        given = checkpoint
         if _is_path(checkpoint):
             checkpoint = resolve_resume_path(checkpoint, self.config.checkpoint.dir_name)
         payload = self.read_checkpoint(checkpoint, map_location=kwargs.pop("map_location", "cpu"))
@@ -387,9 +388,9 @@ class CheckpointMixin:
                 f"keys: {sorted(payload)}"
             )
         self.load_model(payload[key], *args, **kwargs)
-        if _is_path(checkpoint):
-            self.config.pretrained = os.fspath(checkpoint)
-        self.logger.info("loaded %s weights from %s", key, _describe(checkpoint))
+        if _is_path(given):
+            self.config.pretrained = os.fspath(given)
+        self.logger.info("loaded %s weights from %s", key, _describe(given))
 
     def auto_restore(self) -> None:
         """Restore what the config asks for: `resume`, else `auto_resume`, else `pretrained`.
@@ -464,9 +465,8 @@ class CheckpointMixin:
         checkpoint you trust with the full unpickler (and sets `checkpoint.trust_pickle`).
         """
         trusted = bool(kwargs.pop("trusted", False))
-        if _is_path(checkpoint):
-            checkpoint = resolve_resume_path(checkpoint)
-        payload = cls._read_source(checkpoint, kwargs.get("map_location", "cpu"), trusted)
+        source = resolve_resume_path(checkpoint) if _is_path(checkpoint) else checkpoint
+        payload = cls._read_source(source, kwargs.get("map_location", "cpu"), trusted)
         config = cls.read_config(payload)
         config.resume, config.auto_resume = None, False
         if trusted:
