@@ -250,3 +250,31 @@ def test_repr_and_state_dict_is_plain():
     state = scheduler.state_dict()
     assert state["method"] == "polynomial" and state["method_options"] == {"power": 3}
     assert not any(callable(value) for value in state.values())
+
+
+def test_a_longer_budget_keeps_the_new_shape_and_continues_from_the_saved_step(caplog):
+    optimizer = make_optimizer()
+    scheduler = LRScheduler(optimizer, total_steps=10, method="linear", warmup_steps=0, cooldown_steps=0)
+    run_lrs(scheduler, optimizer, 4)
+    state = pickle.loads(pickle.dumps(scheduler.state_dict()))
+    optimizer = make_optimizer()
+    extended = LRScheduler(optimizer, total_steps=20, method="linear", warmup_steps=2, cooldown_steps=4)
+    with caplog.at_level("WARNING", logger="danling"):
+        extended.load_state_dict(state)
+    assert (extended.total_steps, extended.warmup_steps, extended.cooldown_steps) == (20, 2, 4)
+    assert extended.last_epoch == 4
+    reference = LRScheduler(make_optimizer(), total_steps=20, method="linear", warmup_steps=2, cooldown_steps=4)
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(reference.lr_at(1.0, 5))
+    message = caplog.records[-1].getMessage()
+    assert "rebuilt for total_steps=20 (the saved run had 10)" in message and "at step 4" in message
+    assert run_lrs(extended, optimizer, 16)[-1][0] == pytest.approx(reference.lr_at(1.0, 20))
+
+
+def test_the_same_budget_resumes_without_a_warning(caplog):
+    optimizer = make_optimizer()
+    scheduler = LRScheduler(optimizer, total_steps=10)
+    run_lrs(scheduler, optimizer, 4)
+    state = scheduler.state_dict()
+    with caplog.at_level("WARNING"):
+        LRScheduler(make_optimizer(), total_steps=10).load_state_dict(state)
+    assert not caplog.records
