@@ -288,7 +288,7 @@ class BaseRunner(CheckpointMixin, ResultsMixin, ObservabilityMixin, LoopMixin, P
 
     @property
     def id(self) -> str:
-        """Stable run id derived from `config_id` and `code_id`."""
+        """Stable experiment id derived from `config_id` (not the code version; see `workspace.version` for reruns)."""
         return self.workspace.id
 
     @property

@@ -1,4 +1,4 @@
-"""The git commit a run's code comes from: short hash (part of the run directory) and details (in metadata)."""
+"""The git commit a run's code comes from: short hash and details, recorded in the metadata of every launch."""
 
 from __future__ import annotations
 
