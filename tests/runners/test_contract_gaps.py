@@ -121,11 +121,12 @@ def test_exclude_from_loading_honours_dotted_keys_and_runner(tmp_path, source):
         assert runner.model.weight == done.model.weight and list(runner.results) == [0, 1, 2]
     assert payload["state"]["train"]["epoch"] == 3  # the caller's payload is left as it was
     # Excluding the saved config skips the check that it describes the same experiment.
-    other = {"checkpoint.exclude_from_loading": "runner", "epochs": 9}
+    other = {"checkpoint.exclude_from_loading": "runner", "max_grad_norm": 1.0}
     with ToyRunner(toy_config(tmp_path / "other", **other)) as runner:
         runner.load_checkpoint(checkpoint)
-        assert runner.train_state.epoch == 3 and runner.config.epochs == 9
-    with ToyRunner(toy_config(tmp_path / "checked", epochs=9)) as runner, pytest.raises(ValueError, match="epochs"):
+        assert runner.train_state.epoch == 3 and runner.config.max_grad_norm == 1.0
+    checked = toy_config(tmp_path / "checked", max_grad_norm=1.0)
+    with ToyRunner(checked) as runner, pytest.raises(ValueError, match="max_grad_norm: None -> 1.0"):
         runner.load_checkpoint(checkpoint)
 
 
