@@ -64,7 +64,8 @@ def test_code_id_comes_from_git_and_is_recorded_not_part_of_the_path(tmp_path, g
     assert git_info(repo)["dirty"] is True
     metadata = json.loads(workspace.write_metadata().read_text())
     assert metadata["code_id"] == short and metadata["launches"][0]["code_id"] == short
-    assert metadata["launches"][0]["git"]["dirty"] is True
+    assert metadata["launches"][0]["git"]["dirty"] is True and metadata["launches"][0]["diff"] == "code/launch-0.diff"
+    assert "+print('changed')" in (workspace.path / "code" / "launch-0.diff").read_text()
     without_git = make(tmp_path, lineage="proj")
     assert without_git.code_id is None and without_git.path == workspace.path
     assert without_git.config_id == workspace.config_id and without_git.id == workspace.id

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from typing import Any
 
-__all__ = ["git_info", "git_short_hash"]
+__all__ = ["git_diff", "git_info", "git_short_hash"]
 
 
 def _git(cwd: str, *args: str) -> str | None:
@@ -86,3 +86,12 @@ def git_info(path: str | os.PathLike | None = None) -> dict[str, Any] | None:
             "root": root,
         }
     return None
+
+
+def git_diff(root: str | os.PathLike) -> str | None:
+    """`git diff HEAD` of the repository at `root`: the uncommitted changes to tracked files, or None.
+
+    Never raises; returns None when git is missing or there is nothing to show.
+    """
+    output = _git(os.fspath(root), "diff", "HEAD", "--no-color", "--no-ext-diff")
+    return output + "\n" if output else None

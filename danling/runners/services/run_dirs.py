@@ -29,6 +29,7 @@ __all__ = [
     "has_checkpoints",
     "identity_differences",
     "launch_record",
+    "save_code_diff",
     "run_versions",
     "sibling_runs",
 ]
@@ -170,3 +171,22 @@ def launch_record(config: Any, start_time: Any, code_id: str | None, git: Any, w
         "epochs": get("epochs"),
         "steps": get("steps"),
     }
+
+
+def save_code_diff(run_dir: Path, index: int, git: Mapping[str, Any] | None) -> str | None:
+    """Write the uncommitted changes of a dirty checkout to `<run_dir>/code/launch-<index>.diff`.
+
+    Returns the file's path relative to `run_dir` (recorded in the launch), or None when the
+    checkout is clean, not a repository, or the diff cannot be read.
+    """
+    from .git_info import git_diff
+
+    if not git or not git.get("dirty") or not git.get("root"):
+        return None
+    diff = git_diff(git["root"])
+    if diff is None:
+        return None
+    name = f"code/launch-{index}.diff"
+    (run_dir / "code").mkdir(parents=True, exist_ok=True)
+    (run_dir / name).write_text(diff, encoding="utf-8")
+    return name

@@ -24,7 +24,7 @@ from typing import Any
 
 from .._config_refs import references_yaml, with_references
 from .git_info import git_info, git_short_hash
-from .run_dirs import choose_run_dir, launch_record, read_json
+from .run_dirs import choose_run_dir, launch_record, read_json, save_code_diff
 from .run_lock import RunLock
 
 __all__ = ["RunnerWorkspace"]
@@ -325,7 +325,9 @@ class RunnerWorkspace:
             payload.update(extra or {})
         launches = payload.setdefault("launches", [])
         self.previous_launch = launches[-1] if launches else None
-        launches.append(self.launch())
+        record = self.launch()
+        record["diff"] = save_code_diff(self.path, len(launches), record["git"])  # uncommitted changes, if any
+        launches.append(record)
         _atomic_write(path, json.dumps(payload, indent=2, default=str) + "\n")
         config_file = path.with_name("config.yaml")
         if not config_file.exists():
