@@ -143,6 +143,8 @@ def report_other_runs(runner: BaseRunner, limit: int = 3) -> None:
             differences = identity_differences(recorded_config(saved).semantic_dict(), current)
         except (TypeError, ValueError):  # a record this version cannot read as a config
             continue
+        if "_seed_was_drawn" in runner.__dict__:  # neither seed was chosen: drawn seeds always differ
+            differences = [item for item in differences if item[0] != "seed"]
         if differences:
             runner.logger.warning(
                 "auto_resume: run %s of experiment %r trained a different config, so it is not continued; "

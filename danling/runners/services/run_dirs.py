@@ -98,9 +98,10 @@ def sibling_runs(base: Path, experiment: str) -> list[Path]:
     parent, own = base.parent, set(run_versions(base))
     if not parent.is_dir():
         return []
+    pattern = re.compile(rf"^{re.escape(experiment)}-[0-9a-f]{{12}}(-v\d+)?$")  # not `<experiment>-other-<id>`
     found = []
     for entry in parent.iterdir():
-        if entry.name.startswith(f"{experiment}-") and entry not in own and (entry / "metadata.json").is_file():
+        if pattern.match(entry.name) and entry not in own and (entry / "metadata.json").is_file():
             found.append((entry.stat().st_mtime_ns, entry))
     return [entry for _, entry in sorted(found, reverse=True)]
 

@@ -241,7 +241,8 @@ class RunnerWorkspace:
     @property
     def version(self) -> int:
         """Version of the run directory: 1 for `base_path`, N for `<base_path>-v<N>`."""
-        return 1 if self._path == self.base_path else int(self._path.name.rsplit("-v", 1)[1])
+        suffix = self._path.name.rsplit("-", 1)[-1]
+        return int(suffix[1:]) if suffix[:1] == "v" and suffix[1:].isdigit() else 1
 
     @property
     def dir(self) -> Path:
@@ -325,9 +326,8 @@ class RunnerWorkspace:
             payload.update(extra or {})
         launches = payload.setdefault("launches", [])
         self.previous_launch = launches[-1] if launches else None
-        record = self.launch()
-        record["diff"] = save_code_diff(self.path, len(launches), record["git"])  # uncommitted changes, if any
-        launches.append(record)
+        launches.append(self.launch())
+        launches[-1]["diff"] = save_code_diff(self.path, len(launches) - 1, launches[-1]["git"])  # if dirty
         _atomic_write(path, json.dumps(payload, indent=2, default=str) + "\n")
         config_file = path.with_name("config.yaml")
         if not config_file.exists():
