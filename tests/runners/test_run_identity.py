@@ -132,8 +132,10 @@ def test_a_live_lock_refuses_a_second_process_and_a_dead_ones_lock_is_taken_over
     assert read_lock_holder(run_dir) is None  # released on close
     proc, _ = _child("lock", run_dir)
     try:
+        before = _snapshot(run_dir)
         with pytest.raises(RunDirectoryLockedError, match=rf"in use by pid {proc.pid} on host"):
             TinyRunner(config)
+        assert _snapshot(run_dir) == before  # the refused process wrote nothing into the live run
         with pytest.raises(RunDirectoryLockedError, match=str(proc.pid)):
             RunLock(run_dir).acquire()
     finally:

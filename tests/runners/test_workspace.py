@@ -62,7 +62,9 @@ def test_code_id_comes_from_git_and_is_recorded_not_part_of_the_path(tmp_path, g
     assert info["short"] == short and len(info["commit"]) == 40 and info["dirty"] is False
     (repo / "train.py").write_text("print('changed')\n")
     assert git_info(repo)["dirty"] is True
-    metadata = json.loads(workspace.write_metadata().read_text())
+    workspace.write_metadata()
+    workspace.lock()  # a launch that trains records itself
+    metadata = json.loads(workspace.metadata_file.read_text())
     assert metadata["code_id"] == short and metadata["launches"][0]["code_id"] == short
     assert metadata["launches"][0]["git"]["dirty"] is True and metadata["launches"][0]["diff"] == "code/launch-0.diff"
     assert "+print('changed')" in (workspace.path / "code" / "launch-0.diff").read_text()

@@ -20,15 +20,17 @@ import os
 import platform
 import re
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 __all__ = [
+    "atomic_write",
     "choose_run_dir",
     "has_checkpoints",
     "identity_differences",
     "launch_record",
+    "record_launch",
     "save_code_diff",
     "run_versions",
     "sibling_runs",
@@ -191,3 +193,34 @@ def save_code_diff(run_dir: Path, index: int, git: Mapping[str, Any] | None) -> 
     (run_dir / "code").mkdir(parents=True, exist_ok=True)
     (run_dir / name).write_text(diff, encoding="utf-8")
     return name
+
+
+def record_launch(
+    metadata_file: Path, launch: dict[str, Any], initial: Callable[[], dict[str, Any]]
+) -> dict[str, Any] | None:
+    """Append `launch` to `metadata.json["launches"]` (starting from `initial()` when the file is missing).
+
+    The diff of a dirty checkout is saved beside it (`save_code_diff`). Returns the launch before
+    this one, or None for the first.
+    """
+    payload = read_json(metadata_file) or initial()
+    launches = payload.setdefault("launches", [])
+    previous = launches[-1] if launches else None
+    launch["diff"] = save_code_diff(metadata_file.parent, len(launches), launch.get("git"))
+    launches.append(launch)
+    atomic_write(metadata_file, json.dumps(payload, indent=2, default=str) + "\n")
+    return previous
+
+
+def atomic_write(path: Path, text: str) -> None:
+    """Write `text` to a temporary sibling, fsync it, then rename it over `path`."""
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(temporary, "w", encoding="utf-8") as file:
+            file.write(text)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temporary, path)
+    finally:
+        if temporary.exists():
+            temporary.unlink()

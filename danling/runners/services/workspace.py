@@ -24,7 +24,8 @@ from typing import Any
 
 from .._config_refs import references_yaml, with_references
 from .git_info import git_info, git_short_hash
-from .run_dirs import choose_run_dir, launch_record, read_json, save_code_diff
+from .run_dirs import atomic_write as _atomic_write
+from .run_dirs import choose_run_dir, launch_record, record_launch
 from .run_lock import RunLock
 
 __all__ = ["RunnerWorkspace"]
@@ -303,11 +304,11 @@ class RunnerWorkspace:
         return launch_record(self.config, self.start_time, self.code_id, git_info(self._code_dir), self.world_size)
 
     def write_metadata(self, extra: Mapping[str, Any] | None = None) -> Path:
-        """Write `metadata.json` and `config.yaml` into the run directory, once per launch.
+        """Write `metadata.json` and `config.yaml` into the run directory, once per run.
 
-        Only the main process writes. The first launch writes both files; a later launch of the
-        same run (a resume, possibly with new code or a larger budget) keeps them and appends its
-        own record to `launches`, remembering the launch before it in `previous_launch`. Each
+        Only the main process writes. Existing files (a resumed run) are kept as they are, so
+        the recorded start time and config are those of the first launch; each launch that
+        trains appends its own record to `launches` when it takes the lock (see `lock`). Each
         file is written to a temporary name, flushed to disk and renamed into place.
 
         Args:
@@ -320,15 +321,10 @@ class RunnerWorkspace:
         if not self.is_main_process or self._metadata_written:
             return path
         self.dir  # noqa: B018 - creates the run directory
-        payload = read_json(path)
-        if payload is None:
+        if not path.exists():
             payload = self.metadata()
             payload.update(extra or {})
-        launches = payload.setdefault("launches", [])
-        self.previous_launch = launches[-1] if launches else None
-        launches.append(self.launch())
-        launches[-1]["diff"] = save_code_diff(self.path, len(launches) - 1, launches[-1]["git"])  # if dirty
-        _atomic_write(path, json.dumps(payload, indent=2, default=str) + "\n")
+            _atomic_write(path, json.dumps(payload, indent=2, default=str) + "\n")
         config_file = path.with_name("config.yaml")
         if not config_file.exists():
             _atomic_write(config_file, _config_yaml(self.config))
@@ -409,7 +405,10 @@ class RunnerWorkspace:
 
     # ------------------------------------------------------------------------------------ lock
     def lock(self, logger: logging.Logger | None = None) -> None:
-        """Hold the run directory's lock (main process only) until `close`; see `RunLock`.
+        """Hold the run directory's lock (main process only) until `close`, and record this launch.
+
+        Once the lock is held, the launch (time, code, budget, seed; the diff of a dirty checkout
+        in `code/launch-<N>.diff`) is appended to `metadata.json["launches"]`. See `RunLock`.
 
         Raises:
             RunDirectoryLockedError: Another live process trains in this directory.
@@ -419,6 +418,7 @@ class RunnerWorkspace:
         lock = RunLock(self.path)
         lock.acquire(logger)
         self._lock = lock
+        self.previous_launch = record_launch(self.metadata_file, self.launch(), self.metadata)
 
     def close(self) -> None:
         """Release the run lock, restore stdout, detach and close the log handlers this workspace added; idempotent."""
@@ -484,17 +484,3 @@ def _versions() -> dict[str, str | None]:
     torch = sys.modules.get("torch")
     versions["cuda"] = getattr(getattr(torch, "version", None), "cuda", None)
     return versions
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    """Write `text` to a temporary sibling, fsync it, then rename it over `path`."""
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(temporary, "w", encoding="utf-8") as file:
-            file.write(text)
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(temporary, path)
-    finally:
-        if temporary.exists():
-            temporary.unlink()
