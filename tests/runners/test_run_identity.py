@@ -95,11 +95,14 @@ def test_an_extended_schedule_is_rebuilt_for_the_new_total_and_continued_from_th
 # ------------------------------------------------------------------------------------ never overwrite
 
 
-def test_a_new_run_never_writes_into_another_runs_directory(tmp_path):
+def test_a_new_run_never_writes_into_another_runs_directory(tmp_path, caplog):
     first, _ = _train(tmp_path)
     before = _snapshot(first)
-    second, runner = _train(tmp_path)  # same config, no auto_resume: a new run
+    with caplog.at_level(logging.WARNING, logger="danling"):
+        second, runner = _train(tmp_path)  # same config, no auto_resume: a new run
     assert second == first.with_name(first.name + "-v2") and runner.workspace.version == 2
+    assert f"{first} already holds the checkpoints of an earlier run" in _messages(caplog)
+    assert "set auto_resume: true" in _messages(caplog)
     assert _snapshot(first) == before
     third, _ = _train(tmp_path)
     assert third.name.endswith("-v3")

@@ -23,7 +23,7 @@ from ..config import RunnerConfig, recorded_config
 from ..loop.events import CheckpointContext, Events
 from ..reconcile import newest_valid_checkpoint, reconcile_on_start
 from ._keys import without as _without
-from .resume import check_identity, report_code_change, report_other_runs, resolve_resume_path
+from .resume import check_identity, report_code_change, report_other_runs, resolve_resume_path, take_run_dir
 from .resume import describe_source as _describe
 
 if TYPE_CHECKING:
@@ -410,7 +410,7 @@ class CheckpointMixin:
             return
         config, manager = self.config, self.checkpoint_manager
         if not config.checkpoint.load_only:
-            self.workspace.lock(self.logger)  # before reconciling: never repair a directory another run writes
+            take_run_dir(self)  # the lock, before reconciling: never repair a directory another run writes
         latest = manager.latest  # as the last run left it, before reconciling corrects a lagging pointer
         reconcile_on_start(self)
         if config.get("resume"):

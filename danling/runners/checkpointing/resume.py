@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from ..base_runner import BaseRunner
     from ..config import RunnerConfig
 
-__all__ = ["check_identity", "report_code_change", "report_other_runs", "resolve_resume_path"]
+__all__ = ["check_identity", "report_code_change", "report_other_runs", "resolve_resume_path", "take_run_dir"]
 
 
 def _checkpoint_in(directory: Path) -> Path | None:
@@ -102,6 +102,24 @@ def check_identity(runner: BaseRunner, saved: RunnerConfig) -> None:
         )
     for key, old, new in differences:
         runner.logger.warning("resume_allow_changes: %s was %r in the checkpoint's run, now %r", key, old, new)
+
+
+def take_run_dir(runner: BaseRunner) -> None:
+    """Lock the run directory for this run and say when it is a new version beside an earlier run.
+
+    Raises:
+        RunDirectoryLockedError: Another live process trains in the directory.
+    """
+    workspace = runner.workspace
+    workspace.lock(runner.logger)
+    if runner.is_main_process and workspace.version > 1:
+        earlier = workspace.base_path if workspace.version == 2 else f"{workspace.base_path}-v{workspace.version - 1}"
+        runner.logger.warning(
+            "%s already holds the checkpoints of an earlier run of this config, so this run writes into %s; "
+            "to continue that run instead, set auto_resume: true or resume: <its run directory>",
+            earlier,
+            workspace.path,
+        )
 
 
 def report_code_change(runner: BaseRunner) -> None:
