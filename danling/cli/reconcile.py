@@ -21,6 +21,7 @@ def reconcile_command(run: str, as_json: bool, out: TextIO) -> int:
     """Reconcile the run directory `run` and print the report; exit status 0."""
     from danling.checkpoint.unpickling import UnsafePickleError
     from danling.runners.reconcile import reconcile_run
+    from danling.runners.services.run_lock import RunDirectoryLockedError
 
     path = Path(run)
     if not path.is_dir() or not is_run_dir(path):
@@ -29,7 +30,7 @@ def reconcile_command(run: str, as_json: bool, out: TextIO) -> int:
     logger.addHandler(logging.NullHandler())  # the report below says it all
     try:
         report = reconcile_run(path, logger=logger)
-    except UnsafePickleError as err:
+    except (UnsafePickleError, RunDirectoryLockedError) as err:  # a refused file, or a run still training
         raise CLIError(str(err)) from None
     if as_json:
         out.write(json.dumps(report, indent=2) + "\n")

@@ -38,6 +38,7 @@ from danling.utils import RoundDict, save
 
 from .config import RunnerConfig, recorded_config
 from .services.results import ResultsMixin
+from .services.run_lock import RunDirectoryLockedError, live_lock_holder
 
 __all__ = ["reconcile_run", "reconcile_on_start", "newest_valid_checkpoint"]
 
@@ -203,10 +204,17 @@ def reconcile_run(
 
     Raises:
         FileNotFoundError: `run_dir` is not a directory.
+        RunDirectoryLockedError: Another live process trains in `run_dir` (it holds the run lock).
     """
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise FileNotFoundError(f"run directory {os.fspath(run_dir)!r} does not exist")
+    holder = live_lock_holder(run_dir)
+    if holder is not None:
+        raise RunDirectoryLockedError(
+            f"cannot reconcile {os.fspath(run_dir)!r}: pid {holder.get('pid')} on host {holder.get('host')!r} "
+            "trains there now; reconcile it once that run has stopped"
+        )
     logger = logger or logging.getLogger("danling.reconcile")
     metadata = _read_json(run_dir / "metadata.json") or {}
     stored_config = config if config is not None else metadata.get("config")

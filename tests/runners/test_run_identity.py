@@ -269,3 +269,17 @@ def test_from_checkpoint_and_load_pretrained_leave_the_source_run_untouched(tmp_
     assert (Path(runner.dir) / "run.log").is_file()  # the outputs went to a new run directory
     assert f"restored checkpoint '{run_dir / 'checkpoints' / 'latest'}'" in _messages(caplog)
     assert "<dict>" not in _messages(caplog)
+
+
+def test_reconcile_refuses_a_run_that_another_process_trains_in(tmp_path):
+    from danling.runners.reconcile import reconcile_run
+
+    run_dir, _ = _train(tmp_path)
+    assert reconcile_run(run_dir)["checkpoint"] is not None  # a stopped run: repaired as usual
+    proc, _ = _child("lock", run_dir)
+    try:
+        with pytest.raises(RunDirectoryLockedError, match=rf"cannot reconcile .*pid {proc.pid}"):
+            reconcile_run(run_dir)
+    finally:
+        _kill(proc)
+    assert reconcile_run(run_dir)["checkpoint"] is not None

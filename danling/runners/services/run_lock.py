@@ -24,7 +24,7 @@ try:
 except ImportError:  # pragma: no cover - Windows: no advisory locks, runs are not locked
     fcntl = None  # type: ignore[assignment]
 
-__all__ = ["LOCK_NAME", "RunDirectoryLockedError", "RunLock", "read_lock_holder"]
+__all__ = ["LOCK_NAME", "RunDirectoryLockedError", "RunLock", "live_lock_holder", "read_lock_holder"]
 
 LOCK_NAME = ".lock"
 
@@ -46,6 +46,33 @@ def read_lock_holder(directory: str | os.PathLike) -> dict[str, Any] | None:
     except (OSError, ValueError):
         return None
     return holder if isinstance(holder, dict) else None
+
+
+def live_lock_holder(directory: str | os.PathLike) -> dict[str, Any] | None:
+    """The record of another live process holding the lock of `directory`, else None.
+
+    Only looks: the lock file is neither created nor written. The lock of this very process
+    counts as free.
+    """
+    path = Path(directory) / LOCK_NAME
+    if fcntl is None or not path.is_file():
+        return None
+    with _HELD_LOCK:
+        if os.fspath(path.absolute()) in _HELD:
+            return None
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return _read_fd(fd) or {}
+    else:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    finally:
+        os.close(fd)
 
 
 def _describe(holder: dict[str, Any] | None) -> str:
