@@ -226,25 +226,7 @@ class LRScheduler(_LRScheduler):
         `cooldown_steps`) stays the constructed one: on a changed budget the schedule is the new
         one, continued from the saved step (see the class docstring).
         """
-        shape = {key: getattr(self, key) for key in _SHAPE}
-        saved = {key: state_dict.get(key, shape[key]) for key in _SHAPE}
-        super().load_state_dict(state_dict)
-        self.__dict__.update(shape)
-        if saved != shape:
-            self._last_lr = self.get_lr()
-        apply_last_lr(self)
-        saved_lrs = list(state_dict.get("_last_lr") or [])
-        jumps = [(a, b) for a, b in zip(saved_lrs, self._last_lr) if not isclose(float(a), float(b), rel_tol=1e-6)]
-        if jumps:
-            logger.warning(
-                "learning-rate schedule rebuilt for total_steps=%d (the saved run had %d): at step %d the "
-                "learning rate moves from %g to %g",
-                shape["total_steps"],
-                saved["total_steps"],
-                self.last_epoch,
-                float(jumps[0][0]),
-                jumps[0][1],
-            )
+        load_keeping_shape(self, state_dict, _SHAPE)
 
     def __repr__(self) -> str:
         final = f"final_lr={self.final_lr}" if self.final_lr is not None else f"final_lr_ratio={self.final_lr_ratio}"
@@ -291,6 +273,36 @@ def check_learning_rates(optimizer: Optimizer, last_epoch: int = -1) -> None:
         value = group.get(key)
         if value is not None and float(value) < 0:
             raise ValueError(f"learning rate must be non-negative, got {key}={float(value)} in param_groups[{index}]")
+
+
+def load_keeping_shape(scheduler: _LRScheduler, state_dict: dict[str, Any], shape_keys: tuple[str, ...]) -> None:
+    """Load a scheduler's saved progress, keep the shape it was built with, and apply its learning rates.
+
+    The attributes named by `shape_keys` (the run length and what is derived from it) keep their
+    constructed values; everything else (the step index, the initial learning rates) comes from
+    `state_dict`. When the saved and current learning rates at the saved step differ, a warning
+    names both: the schedule was rebuilt for another budget.
+    """
+    shape = {key: getattr(scheduler, key) for key in shape_keys}
+    saved = {key: state_dict.get(key, shape[key]) for key in shape_keys}
+    _LRScheduler.load_state_dict(scheduler, state_dict)
+    scheduler.__dict__.update(shape)
+    if saved != shape:
+        scheduler._last_lr = scheduler.get_lr()
+    apply_last_lr(scheduler)
+    saved_lrs = list(state_dict.get("_last_lr") or [])
+    current = scheduler.get_last_lr()
+    jumps = [(a, b) for a, b in zip(saved_lrs, current) if not isclose(float(a), float(b), rel_tol=1e-6)]
+    if jumps:
+        logger.warning(
+            "learning-rate schedule rebuilt for total_steps=%s (the saved run had %s): at step %d the "
+            "learning rate moves from %g to %g",
+            shape.get("total_steps"),
+            saved.get("total_steps"),
+            scheduler.last_epoch,
+            float(jumps[0][0]),
+            float(jumps[0][1]),
+        )
 
 
 def apply_last_lr(scheduler: _LRScheduler) -> None:

@@ -12,7 +12,7 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler as TorchLRScheduler
 
 from ..utils.registry import Registry
-from .lr_scheduler import apply_last_lr, check_learning_rates
+from .lr_scheduler import check_learning_rates, load_keeping_shape
 
 __all__ = ["PHASE_CURVES", "Phase", "PhaseScheduler"]
 
@@ -182,9 +182,13 @@ class PhaseScheduler(TorchLRScheduler):
         return [float(base_lr) * factor for base_lr in self.base_lrs]
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore the schedule and put the restored learning rates back into the optimizer."""
-        super().load_state_dict(state_dict)
-        apply_last_lr(self)
+        """Restore the schedule's progress and put the restored learning rates back into the optimizer.
+
+        As for [`LRScheduler`][danling.optim.LRScheduler], the phases and `total_steps` stay the
+        constructed ones: on a changed budget the schedule is the new one, continued from the saved
+        step, with a warning when the learning rate at that step differs.
+        """
+        load_keeping_shape(self, state_dict, ("total_steps", "phases", "segments", "final_multiplier"))
 
     def __repr__(self) -> str:
         return (

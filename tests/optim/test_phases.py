@@ -107,3 +107,19 @@ def test_resume():
 def test_bad_phases(phases, kwargs, message):
     with pytest.raises(ValueError, match=message):
         PhaseScheduler(make_optimizer(), phases, **kwargs)
+
+
+def test_a_longer_budget_stretches_the_rest_phase_and_continues_from_the_saved_step(caplog):
+    config = yaml.safe_load(YAML)["sched"]
+    optimizer = make_optimizer()
+    scheduler = build_scheduler(optimizer, config, total_steps=10)
+    used_lrs(scheduler, optimizer, 8)
+    state = scheduler.state_dict()
+    optimizer = make_optimizer()
+    extended = build_scheduler(optimizer, config, total_steps=20)
+    with caplog.at_level("WARNING", logger="danling"):
+        extended.load_state_dict(state)
+    assert extended.total_steps == 20 and extended.last_epoch == 8
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(2.0 * extended.multiplier(8))
+    assert "rebuilt for total_steps=20 (the saved run had 10)" in caplog.records[-1].getMessage()
+    assert used_lrs(extended, optimizer, 13)[-1] == pytest.approx(2.0 * extended.multiplier(20))
