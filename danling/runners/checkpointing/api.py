@@ -462,7 +462,8 @@ class CheckpointMixin:
         The config is used as saved (`pretrained` included, so it matches the checkpoint); no
         `resume`, `auto_resume` or `pretrained` restore runs during construction. `*args` and
         `**kwargs` are forwarded to `load_checkpoint`, except `trusted=True`, which reads a
-        checkpoint you trust with the full unpickler (and sets `checkpoint.trust_pickle`).
+        checkpoint you trust with the full unpickler (and sets `checkpoint.trust_pickle`). The source
+        run is only read: the new runner writes into a new version of the run directory.
         """
         trusted = bool(kwargs.pop("trusted", False))
         source = resolve_resume_path(checkpoint) if _is_path(checkpoint) else checkpoint
