@@ -80,15 +80,15 @@ def test_lowering_the_budget_below_what_is_done_finishes_at_once(tmp_path, caplo
 def test_an_extended_schedule_is_rebuilt_for_the_new_total_and_continued_from_the_saved_step(tmp_path, caplog):
     schedule = {"scheduler.type": "linear", "scheduler.warmup_steps": 0, "scheduler.cooldown_steps": 0}
     _train(tmp_path, auto_resume=True, **schedule)
-    with caplog.at_level(logging.WARNING):
+    with caplog.at_level(logging.WARNING, logger="danling"):
         runner = TinyRunner(tiny_config(tmp_path, auto_resume=True, epochs=4, **schedule))
-    scheduler = runner.scheduler
-    assert scheduler.total_steps == 4 * STEPS_PER_EPOCH and scheduler.last_epoch == 2 * STEPS_PER_EPOCH
-    expected = scheduler.lr_at(scheduler.base_lrs[0], 2 * STEPS_PER_EPOCH + 1)
-    assert runner.optimizer.param_groups[0]["lr"] == pytest.approx(expected)
+        scheduler = runner.scheduler
+        assert scheduler.total_steps == 4 * STEPS_PER_EPOCH and scheduler.last_epoch == 2 * STEPS_PER_EPOCH
+        expected = scheduler.lr_at(scheduler.base_lrs[0], 2 * STEPS_PER_EPOCH + 1)
+        assert runner.optimizer.param_groups[0]["lr"] == pytest.approx(expected)
+        runner.train()
+        runner.close()
     assert "schedule rebuilt for total_steps=20 (the saved run had 10)" in _messages(caplog)
-    runner.train()
-    runner.close()
     assert scheduler.last_epoch == 4 * STEPS_PER_EPOCH
 
 
@@ -144,12 +144,12 @@ def test_a_live_lock_refuses_a_second_process_and_a_dead_ones_lock_is_taken_over
     finally:
         _kill(proc)
     assert read_lock_holder(run_dir)["pid"] == proc.pid  # a killed holder leaves its record behind
-    with caplog.at_level(logging.WARNING, logger="danling"):
+    with caplog.at_level(logging.WARNING, logger="danling"):  # runners close inside: they restore log levels
         runner = TinyRunner(config)
+        assert read_lock_holder(run_dir)["pid"] == os.getpid()
+        runner.train()
+        runner.close()
     assert f"taking over the lock of pid {proc.pid}" in _messages(caplog)
-    assert read_lock_holder(run_dir)["pid"] == os.getpid()
-    runner.train()
-    runner.close()
     assert read_lock_holder(run_dir) is None
 
 
@@ -173,8 +173,8 @@ def test_auto_resume_names_runs_of_the_experiment_whose_identity_differs(tmp_pat
     first, _ = _train(tmp_path, auto_resume=True)
     with caplog.at_level(logging.WARNING, logger="danling"):
         runner = TinyRunner(tiny_config(tmp_path, auto_resume=True, **{"optim.lr": 0.02}))
+        runner.close()
     assert runner.train_state.epoch == 0 and Path(runner.dir) != first
-    runner.close()
     assert f"run {first} of experiment 'exp' trained a different config" in _messages(caplog)
     assert "optim.lr: 0.01 -> 0.02" in _messages(caplog)
 
@@ -186,9 +186,9 @@ def test_explicit_resume_of_another_identity_raises_unless_changes_are_allowed(t
         TinyRunner(tiny_config(tmp_path, **changed))
     with caplog.at_level(logging.WARNING, logger="danling"):
         runner = TinyRunner(tiny_config(tmp_path, resume_allow_changes=True, epochs=3, **changed))
+        runner.close()
     assert runner.train_state.epoch == 2
     assert "optim.lr was 0.01 in the checkpoint's run, now 0.02" in _messages(caplog)
-    runner.close()
 
 
 def test_continuing_across_a_commit_warns_with_both_commits(tmp_path, caplog, monkeypatch):
@@ -211,8 +211,8 @@ def test_continuing_across_a_commit_warns_with_both_commits(tmp_path, caplog, mo
     monkeypatch.setattr(main, "__file__", str(clone / "train.py"), raising=False)
     with caplog.at_level(logging.WARNING, logger="danling"):
         resumed = TinyRunner(tiny_config(tmp_path / "runs", auto_resume=True, epochs=3))
+        resumed.close()
     new = resumed.code_id
-    resumed.close()
     assert old and new and old != new and Path(resumed.dir) == first and resumed.train_state.epoch == 2
     assert head == old
     assert f"previous launch ran commit {old}, this one runs commit {new}" in _messages(caplog)
