@@ -283,3 +283,28 @@ def test_reconcile_refuses_a_run_that_another_process_trains_in(tmp_path):
     finally:
         _kill(proc)
     assert reconcile_run(run_dir)["checkpoint"] is not None
+
+
+def test_the_version_rule(tmp_path):
+    from danling.runners.services.run_dirs import choose_run_dir
+
+    base = tmp_path / "lin" / "exp-0123456789ab"
+
+    def choose(auto_resume=False, resume=None):
+        return choose_run_dir(base, dir_name="checkpoints", auto_resume=auto_resume, resume=resume)
+
+    def checkpoint(run_dir):
+        (run_dir / "checkpoints" / "epoch-000000").mkdir(parents=True)
+
+    assert choose() == base and choose(auto_resume=True) == base
+    checkpoint(base)
+    v2 = base.with_name(base.name + "-v2")
+    assert choose() == v2 and choose(auto_resume=True) == base and choose(resume="latest") == base
+    checkpoint(v2)
+    v3 = base.with_name(base.name + "-v3")
+    assert choose() == v3 and choose(auto_resume=True) == v2 and choose(resume="best") == v2
+    assert choose(resume=os.fspath(base / "checkpoints" / "latest")) == base  # the run a path lies in
+    elsewhere = os.fspath(tmp_path / "other" / "checkpoints" / "latest")
+    assert choose(resume=elsewhere, auto_resume=True) == v3  # resume wins: another run's checkpoint
+    (base / "checkpoints" / ".tmp-epoch-000001-x").mkdir()  # hidden entries are not checkpoints
+    assert choose() == v3

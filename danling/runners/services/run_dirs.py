@@ -4,7 +4,8 @@ One identity (`<experiment>-<id>`) may hold several runs: a run that does not re
 writes into a directory holding another run's checkpoints, so it gets the next version,
 `<experiment>-<id>-v2`, `-v3`, ... The rule, applied by every rank alike from the files alone:
 
-- `resume` pointing inside one of the versions continues that version;
+- `resume` pointing inside one of the versions continues that version (a `resume` path
+  elsewhere starts a new version, even with `auto_resume`);
 - `auto_resume` (or `resume` naming an alias such as `latest`) continues the newest version that
   holds a checkpoint;
 - otherwise the first version without a checkpoint is used (the plain name when it has none).
@@ -83,6 +84,7 @@ def choose_run_dir(base: Path, *, dir_name: str, auto_resume: bool, resume: str 
             for version in versions:
                 if _inside(target, version):
                     return version
+            continuing = False  # `resume` wins over `auto_resume`: a checkpoint from elsewhere starts a new run
         else:  # an alias or checkpoint name: one of this experiment's own checkpoints
             continuing = True
     if continuing:
