@@ -308,3 +308,18 @@ def test_the_version_rule(tmp_path):
     assert choose(resume=elsewhere, auto_resume=True) == v3  # resume wins: another run's checkpoint
     (base / "checkpoints" / ".tmp-epoch-000001-x").mkdir()  # hidden entries are not checkpoints
     assert choose() == v3
+
+
+def test_a_step_budget_extends_and_lowers_the_same_way(tmp_path, caplog):
+    run_dir, _ = _train(tmp_path, auto_resume=True, epochs=None, steps=6)
+    with caplog.at_level(logging.INFO, logger="danling"):
+        runner = TinyRunner(tiny_config(tmp_path, auto_resume=True, epochs=None, steps=9))
+        assert Path(runner.dir) == run_dir and runner.train_state.global_step == 6
+        runner.train()
+        runner.close()
+        assert runner.train_state.global_step == 9
+        lowered = TinyRunner(tiny_config(tmp_path, auto_resume=True, epochs=None, steps=4))
+        lowered.train()
+        lowered.close()
+    assert lowered.train_state.global_step == 9
+    assert "9 optimizer steps are done and steps=4" in _messages(caplog)
