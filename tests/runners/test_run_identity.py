@@ -248,6 +248,7 @@ def test_a_bad_resume_path_lists_what_was_looked_for(tmp_path):
     empty.mkdir()
     with pytest.raises(CheckpointNotFoundError, match=r"looked for: .*manifest\.json.*checkpoints/latest\.pointer"):
         TinyRunner(tiny_config(tmp_path, resume=os.fspath(empty)))
+    assert sorted(path.name for path in run_dir.parent.iterdir()) == [run_dir.name]  # refused before writing
 
 
 # ------------------------------------------------------------------------------------ read-only
@@ -295,6 +296,7 @@ def test_the_version_rule(tmp_path):
 
     def checkpoint(run_dir):
         (run_dir / "checkpoints" / "epoch-000000").mkdir(parents=True)
+        (run_dir / "checkpoints" / "latest.pointer").write_text("epoch-000000\n")
 
     assert choose() == base and choose(auto_resume=True) == base
     checkpoint(base)
@@ -304,6 +306,7 @@ def test_the_version_rule(tmp_path):
     v3 = base.with_name(base.name + "-v3")
     assert choose() == v3 and choose(auto_resume=True) == v2 and choose(resume="best") == v2
     assert choose(resume=os.fspath(base / "checkpoints" / "latest")) == base  # the run a path lies in
+    checkpoint(tmp_path / "other")
     elsewhere = os.fspath(tmp_path / "other" / "checkpoints" / "latest")
     assert choose(resume=elsewhere, auto_resume=True) == v3  # resume wins: another run's checkpoint
     (base / "checkpoints" / ".tmp-epoch-000001-x").mkdir()  # hidden entries are not checkpoints

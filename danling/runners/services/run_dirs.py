@@ -75,12 +75,19 @@ def _inside(path: Path, directory: Path) -> bool:
 
 
 def choose_run_dir(base: Path, *, dir_name: str, auto_resume: bool, resume: str | None) -> Path:
-    """The version of `base` this run writes into (see the module docstring for the rule)."""
+    """The version of `base` this run writes into (see the module docstring for the rule).
+
+    Raises:
+        CheckpointNotFoundError: `resume` is a path where no checkpoint can be found.
+    """
     versions = run_versions(base)
     continuing = bool(auto_resume)
     if resume:
         target = Path(os.path.expanduser(resume))
         if target.is_absolute() or target.exists() or os.sep in resume:
+            from ..checkpointing.resume import resolve_resume_path  # the runner's checkpointing imports this module
+
+            resolve_resume_path(resume, dir_name)  # a bad path fails now, before anything is written
             for version in versions:
                 if _inside(target, version):
                     return version
