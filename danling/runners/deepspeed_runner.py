@@ -33,6 +33,7 @@ from danling.distributed import is_distributed
 from danling.utils.imports import optional_import
 
 from .checkpointing.api import OPTIONAL_RANK_LOCAL_KEYS, RANK_LOCAL_KEYS, CheckpointSource, _describe, _is_path
+from .checkpointing.resume import resolve_resume_path
 from .deepspeed_config import build_deepspeed_config
 from .runner import register_runner
 from .torch_runner import TorchRunner
@@ -361,6 +362,9 @@ class DeepSpeedRunner(TorchRunner):
         optimizer's fp32 master weights follow the loaded weights. Works under ZeRO-3 and on
         another data-parallel size.
         """
+        given = checkpoint
+        if _is_path(checkpoint):  # a run directory, its checkpoints/ or an alias path: see resolve_resume_path
+            checkpoint = resolve_resume_path(checkpoint, self.config.checkpoint.dir_name)
         if not self._is_deepspeed_source(checkpoint):
             return super().load_pretrained(checkpoint, *args, **kwargs)
         payload = self.read_checkpoint(checkpoint, map_location=kwargs.pop("map_location", "cpu"))
@@ -374,8 +378,8 @@ class DeepSpeedRunner(TorchRunner):
                 tag, load_module_only=True, load_optimizer_states=self.model.zero_optimization_stage() < 3
             )
             source = "model"
-        self.config.pretrained = os.fspath(checkpoint)
-        self.logger.info("loaded %s weights from %s", source, _describe(checkpoint))
+        self.config.pretrained = os.fspath(given)
+        self.logger.info("loaded %s weights from %s", source, _describe(given))
 
     def export_consolidated(self, checkpoint: CheckpointSource, file: str | os.PathLike) -> Path:
         """Write the fp32 weights of a DeepSpeed checkpoint as one `torch.save` state dict, usable without DeepSpeed.

@@ -200,7 +200,11 @@ def _checkpoint_scenarios(rank, world_size, root):
             }
     out["older_tag"] = _older_tag(root, rank, out[3]["first"])
     out["pretrained3"] = _pretrained(
-        root, "pre3", 3, os.path.dirname(out[3]["first"]) + "/latest.pointer", **{"ema.enabled": True}
+        root,
+        "pre3",
+        3,
+        os.path.dirname(os.path.dirname(out[3]["first"])),
+        **{"ema.enabled": True},  # the run directory
     )
     out["pretrained2"] = _pretrained(root, "pre2", 2, out[2]["first"].replace("000000", "000001"))
     # The consolidated export loads into a plain module; then a torn newest tag makes
