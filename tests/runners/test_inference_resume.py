@@ -1,0 +1,132 @@
+"""Inference into files survives SIGKILL: a restarted `infer(split, output=...)` ends byte-identical to a clean run.
+
+`_infer_child.py` writes every sink's output and SIGKILLs itself at a batch the test picks from a
+seed; the test then calls `infer` again with the same paths and compares the files byte for byte
+with an uninterrupted run's. The dataset (37 examples) is not divisible by the 2 DDP ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from danling.runners import Events
+from tests.dist import free_ports, run_distributed
+from tests.runners._infer_child import LENGTH, InferRunner, infer_config, outputs
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[2]
+BATCHES = 10  # per rank and pass, at most (19 examples on a rank of 2, 2 per batch)
+
+
+def _infer_all(root: Path, events: list | None = None, **overrides) -> None:
+    with InferRunner(infer_config(root / "workspace", **overrides)) as runner:
+        if events is not None:
+            runner.events.subscribe(Events.INFERENCE_RESUMED, lambda context: events.append(context.batches))
+        for output in outputs(root):
+            assert runner.infer("infer", output=output) == output
+
+
+def _kill_plan(seed: int) -> tuple[int, int]:
+    rng = random.Random(seed)
+    return seed % len(outputs(Path("."))), rng.randint(1, BATCHES)
+
+
+def _child_env(**extra: str) -> dict[str, str]:
+    env = {key: value for key, value in os.environ.items() if key not in ("MASTER_ADDR", "MASTER_PORT", "RANK")}
+    env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", **extra)
+    return env
+
+
+def _assert_same_files(reference: Path, resumed: Path) -> None:
+    for ref, out in zip(outputs(reference), outputs(resumed)):
+        assert out.read_bytes() == ref.read_bytes(), f"{out.name} differs from the uninterrupted run"
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_sigkilled_inference_resumes_byte_identical(tmp_path, seed):
+    target, kill_at = _kill_plan(seed)
+    reference, killed = tmp_path / "reference", tmp_path / "killed"
+    _infer_all(reference)
+    command = [sys.executable, "-m", "tests.runners._infer_child", str(killed), str(target), str(kill_at)]
+    proc = subprocess.run(command, cwd=REPO, env=_child_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+    events: list[int] = []
+    _infer_all(killed, events)
+    _assert_same_files(reference, killed)
+    committed = (kill_at - 1) // 3 * 3  # batches covered by the last record before the kill
+    assert events == ([committed] if committed else [])
+    lines = outputs(killed)[0].read_text().splitlines()
+    assert len(lines) == LENGTH and np.allclose(np.load(outputs(killed)[1]), [json.loads(x) for x in lines])
+
+
+def test_changed_model_or_data_is_refused_on_resume(tmp_path):
+    command = [sys.executable, "-m", "tests.runners._infer_child", str(tmp_path), "0", "5"]
+    proc = subprocess.run(command, cwd=REPO, env=_child_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+    output = outputs(tmp_path)[0]
+    partial = output.read_bytes()
+    with InferRunner(infer_config(tmp_path / "workspace")) as runner:
+        runner.model[0].weight.data.add_(1e-3)
+        with pytest.raises(ValueError, match="model weights changed.*resume=False"):
+            runner.infer("infer", output=output)
+    assert output.read_bytes() == partial  # refused before touching anything
+
+    class Longer(InferRunner):
+        length = LENGTH + 1
+
+    with Longer(infer_config(tmp_path / "workspace")) as runner:
+        with pytest.raises(ValueError, match="dataset length changed from 37 to 38"):
+            runner.infer("infer", output=output)
+        runner.infer("infer", output=output, resume=False)  # starting over is allowed
+    assert len(output.read_text().splitlines()) == LENGTH + 1
+
+
+def _ddp_resume_worker(rank: int, world_size: int, roots: list[str]) -> None:
+    for root in roots:
+        _infer_all(Path(root))
+
+
+@pytest.mark.distributed
+def test_sigkilled_two_rank_ddp_inference_resumes_byte_identical(tmp_path):
+    seeds = [3, 4]
+    for seed in seeds:
+        target, kill_at = _kill_plan(seed)
+        port = free_ports(1)[0]
+        env = _child_env(WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_WORLD_SIZE="2")
+        command = [sys.executable, "-m", "tests.runners._infer_child", str(tmp_path / f"s{seed}"), str(target)]
+        procs = [
+            subprocess.Popen(
+                [*command, str(kill_at)],
+                cwd=REPO,
+                env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank)),
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for rank in range(2)
+        ]
+        errors = [proc.communicate(timeout=180)[1] for proc in procs]
+        assert [proc.returncode for proc in procs] == [-signal.SIGKILL] * 2, errors[0][-2000:] + errors[1][-2000:]
+    roots = [str(tmp_path / "reference"), *(str(tmp_path / f"s{seed}") for seed in seeds)]
+    run_distributed(_ddp_resume_worker, roots, world_size=2, init_process_group=False)
+    for seed in seeds:
+        _assert_same_files(tmp_path / "reference", tmp_path / f"s{seed}")
+    # the shards were merged into dataset order, the padding dropped: the single-process values
+    single = tmp_path / "single"
+    _infer_all(single)
+    merged = [json.loads(line) for line in outputs(tmp_path / "reference")[0].read_text().splitlines()]
+    alone = [json.loads(line) for line in outputs(single)[0].read_text().splitlines()]
+    assert len(merged) == LENGTH and np.allclose(merged, alone)
+    assert np.allclose(np.load(outputs(tmp_path / "reference")[1]), alone)
+    leftovers = sorted(p.name for p in (tmp_path / "reference" / "out.jsonl.progress").iterdir())
+    assert leftovers == ["complete.json", "rank-0.json", "rank-1.json"]
