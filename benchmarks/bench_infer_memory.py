@@ -71,7 +71,9 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=2000)
     args = parser.parse_args()
     suffixes = [".jsonl", ".npy"] + ([".parquet"] if importlib.util.find_spec("pyarrow") else [])
-    print(f"| sink | peak RSS, {args.examples} examples | peak RSS, {10 * args.examples} | difference | output at 10x |")
+    print(
+        f"| sink | peak RSS, {args.examples} examples | peak RSS, {10 * args.examples} | difference | output at 10x |"
+    )
     print("| --- | --- | --- | --- | --- |")
     for suffix in suffixes:
         small = measure(args.examples, args.batch_size, suffix)

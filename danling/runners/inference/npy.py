@@ -63,9 +63,7 @@ class _Field:
                 f"{self.path.name}: outputs of shape {values.shape[1:]} after earlier ones of shape {self.shape}; "
                 "every example must give the same shape"
             )
-        window = np.memmap(
-            self.path, self.dtype, "r+", offset=self.offset + start * self.row_bytes, shape=values.shape
-        )
+        window = np.memmap(self.path, self.dtype, "r+", offset=self.offset + start * self.row_bytes, shape=values.shape)
         window[...] = values
         del window  # unmapped now: the written pages stay in the page cache, not in this process
 

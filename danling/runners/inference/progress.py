@@ -10,6 +10,7 @@ its own write, so the others must be able to step back to the commit before.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -114,7 +115,9 @@ class ProgressRecord:
         if self.dataset_length != dataset_length:
             return f"the dataset length changed from {self.dataset_length} to {dataset_length} since {self.path}"
         if self.digest != digest:
-            return f"the model weights changed since {self.path} was written (digest {self.digest[:12]} != {digest[:12]})"
+            return (
+                f"the model weights changed since {self.path} was written (digest {self.digest[:12]} != {digest[:12]})"
+            )
         return None
 
 
@@ -170,7 +173,5 @@ def write_complete(output: Path, rows: int) -> None:
 
 def remove(path: Path) -> None:
     """Delete a file if present."""
-    try:
+    with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
-    except FileNotFoundError:
-        pass

@@ -211,7 +211,7 @@ class _replacing:
         self.tmp = target.with_name(f".{target.name}.merging")
 
     def __enter__(self) -> IO[bytes]:
-        self.handle = open(self.tmp, "wb")  # noqa: SIM115
+        self.handle = open(self.tmp, "wb")
         return self.handle
 
     def __exit__(self, exc_type: object, error: object, tb: object) -> None:
