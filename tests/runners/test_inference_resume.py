@@ -52,7 +52,8 @@ def _assert_same_files(reference: Path, resumed: Path) -> None:
         assert out.read_bytes() == ref.read_bytes(), f"{out.name} differs from the uninterrupted run"
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
+# Seeds 0, 4 and 5 kill JSON Lines, NumPy and Parquet after a few commits; 1 before the first commit.
+@pytest.mark.parametrize("seed", [0, 1, 4, 5])
 def test_sigkilled_inference_resumes_byte_identical(tmp_path, seed):
     target, kill_at = _kill_plan(seed)
     reference, killed = tmp_path / "reference", tmp_path / "killed"
@@ -91,14 +92,16 @@ def test_changed_model_or_data_is_refused_on_resume(tmp_path):
     assert len(output.read_text().splitlines()) == LENGTH + 1
 
 
-def _ddp_resume_worker(rank: int, world_size: int, roots: list[str]) -> None:
+def _ddp_resume_worker(rank: int, world_size: int, roots: list[str]) -> dict[str, list[int]]:
+    resumed: dict[str, list[int]] = {}
     for root in roots:
-        _infer_all(Path(root))
+        _infer_all(Path(root), resumed.setdefault(root, []))
+    return resumed
 
 
 @pytest.mark.distributed
 def test_sigkilled_two_rank_ddp_inference_resumes_byte_identical(tmp_path):
-    seeds = [3, 4]
+    seeds = [3, 4, 5]  # one per sink; on rank 1 the kill lands inside a commit (see _infer_child)
     for seed in seeds:
         target, kill_at = _kill_plan(seed)
         port = free_ports(1)[0]
@@ -118,7 +121,11 @@ def test_sigkilled_two_rank_ddp_inference_resumes_byte_identical(tmp_path):
         errors = [proc.communicate(timeout=180)[1] for proc in procs]
         assert [proc.returncode for proc in procs] == [-signal.SIGKILL] * 2, errors[0][-2000:] + errors[1][-2000:]
     roots = [str(tmp_path / "reference"), *(str(tmp_path / f"s{seed}") for seed in seeds)]
-    run_distributed(_ddp_resume_worker, roots, world_size=2, init_process_group=False)
+    resumed = run_distributed(_ddp_resume_worker, roots, world_size=2, init_process_group=False)
+    # seed 5: rank 0 committed batch 9, rank 1 died inside that commit (holding 6): both go back to 6
+    assert [by_rank[str(tmp_path / "s5")] for by_rank in resumed] == [[6], [6]]
+    # seeds 3 and 4: rank 1 died inside the first commit, so both start over (no resume event)
+    assert all(by_rank[str(tmp_path / f"s{seed}")] == [] for seed in (3, 4) for by_rank in resumed)
     for seed in seeds:
         _assert_same_files(tmp_path / "reference", tmp_path / f"s{seed}")
     # the shards were merged into dataset order, the padding dropped: the single-process values
@@ -130,3 +137,37 @@ def test_sigkilled_two_rank_ddp_inference_resumes_byte_identical(tmp_path):
     assert np.allclose(np.load(outputs(tmp_path / "reference")[1]), alone)
     leftovers = sorted(p.name for p in (tmp_path / "reference" / "out.jsonl.progress").iterdir())
     assert leftovers == ["complete.json", "rank-0.json", "rank-1.json"]
+
+
+def _pipeline_worker(rank: int, world_size: int, root: str) -> dict:
+    from tests.runners._pipeline_runner import PipelinedRunner, runner_config
+
+    options = {
+        "parallel.axes.pipeline": 2,
+        "parallel.module_fqns_per_model_part": [["inp", "layers.0", "layers.1"], ["layers.2", "layers.3", "head"]],
+        "inference.progress_interval": 1,
+    }
+    with PipelinedRunner(runner_config(root, **options)) as runner:
+        expected = runner.infer("infer")  # in memory, the same list on both stages
+        path = runner.infer("infer", output=Path(root) / "pipeline.jsonl")
+        record = json.loads((Path(root) / "pipeline.jsonl.progress" / f"rank-{rank}.json").read_text())
+        return {
+            "path": str(path),
+            "expected": expected,
+            "writes": record["writes"],
+            "last": runner.pipeline_has_last_stage,
+        }
+
+
+@pytest.mark.distributed
+def test_pipeline_inference_is_written_by_the_last_stage_only(tmp_path):
+    results = run_distributed(_pipeline_worker, str(tmp_path), world_size=2, init_process_group=False)
+    assert [(r["writes"], r["last"]) for r in results] == [(False, False), (True, True)]
+    assert results[0]["path"] == results[1]["path"] == str(tmp_path / "pipeline.jsonl")
+    written = [json.loads(line) for line in (tmp_path / "pipeline.jsonl").read_text().splitlines()]
+    assert len(written) == 6 and np.allclose(written, results[1]["expected"])
+    assert sorted(p.name for p in (tmp_path / "pipeline.jsonl.progress").iterdir()) == [
+        "complete.json",
+        "rank-0.json",
+        "rank-1.json",
+    ]
