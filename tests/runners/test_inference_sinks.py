@@ -129,3 +129,41 @@ def test_parquet_mapping_outputs_become_columns(tmp_path):
     sink.close()
     assert pq.read_table(tmp_path / "o.parquet").to_pydict() == {"id": [1, 2], "score": [0.5, 0.25]}
     assert not (tmp_path / "o.parquet.staging").exists()
+
+
+def test_shards_of_a_sink_without_merge_are_indexed_in_place(tmp_path):
+    from danling.runners.inference.progress import Commit, ProgressRecord, progress_dir
+    from danling.runners.inference.writer import InferencePlan, _merge
+
+    class Unmergeable(JsonLinesSink):
+        merge = Sink.merge
+
+    output = tmp_path / "out.jsonl"
+    progress_dir(output).mkdir()
+    for rank, rows in enumerate(([0, 2, 4], [1, 3])):
+        plan = InferencePlan(output, Unmergeable, rank, 2, True, len(rows), 5)
+        sink = Unmergeable(plan.target)
+        sink.open()
+        sink.write(rows)
+        state = sink.state()
+        sink.close()
+        record = ProgressRecord(
+            progress_dir(output) / f"rank-{rank}.json",
+            "infer",
+            rank,
+            2,
+            rank,
+            2,
+            True,
+            "d",
+            5,
+            Commit(1, len(rows), state),
+        )
+        record.done = True
+        record.save()
+    # a record left by an earlier run on 4 ranks does not count
+    ProgressRecord(progress_dir(output) / "rank-3.json", "infer", 3, 4, 3, 4, True, "d", 5, Commit(0, 0, {})).save()
+    assert _merge(InferencePlan(output, Unmergeable, 0, 2, True, 3, 5)) == 5
+    index = json.loads((tmp_path / "out.jsonl.index.json").read_text())
+    assert index["rows"] == [3, 2] and all(Path(shard).exists() for shard in index["shards"])
+    assert not output.exists()

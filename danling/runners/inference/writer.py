@@ -305,7 +305,8 @@ class _Session:
 def _merge(plan: InferencePlan) -> int:
     """Interleave the writers' shards into `plan.output` (or index them) and remove them; the row count."""
     records = [ProgressRecord.read(path) for path in sorted(progress_dir(plan.output).glob("rank-*.json"))]
-    shards = {record.shard: record for record in records if record is not None and record.writes}
+    # a record of an earlier run on more ranks may linger beside this run's: only this run's shards count
+    shards = {r.shard: r for r in records if r is not None and r.writes and r.shards == plan.shards and r.done}
     if sorted(shards) != list(range(plan.shards)):
         raise RuntimeError(f"expected shards 0..{plan.shards - 1} of {plan.output}, found {sorted(shards)}")
     ordered = [shards[index] for index in range(plan.shards)]
