@@ -171,3 +171,22 @@ def test_pipeline_inference_is_written_by_the_last_stage_only(tmp_path):
         "rank-0.json",
         "rank-1.json",
     ]
+
+
+def _deepspeed_worker(rank: int, world_size: int, root: str) -> str:
+    from tests.runners._deepspeed_toy import Regression, ds_config
+
+    for stage in (2, 3):
+        with Regression(ds_config(root, f"s{stage}", stage=stage, **{"inference.progress_interval": 1})) as runner:
+            expected = runner.infer("val")
+            output = runner.infer("val", output=Path(root) / f"zero{stage}.jsonl")
+            written = [json.loads(line) for line in output.read_text().splitlines()]
+            assert len(written) == 8 and np.allclose(written, expected, rtol=1e-6), (written, expected)
+    return "ok"
+
+
+@pytest.mark.distributed
+def test_deepspeed_inference_writes_the_merged_file(tmp_path):
+    pytest.importorskip("deepspeed")
+    results = run_distributed(_deepspeed_worker, str(tmp_path), world_size=2, init_process_group=False)
+    assert results == ["ok", "ok"]
