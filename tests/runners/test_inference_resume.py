@@ -190,3 +190,29 @@ def test_deepspeed_inference_writes_the_merged_file(tmp_path):
     pytest.importorskip("deepspeed")
     results = run_distributed(_deepspeed_worker, str(tmp_path), world_size=2, init_process_group=False)
     assert results == ["ok", "ok"]
+
+
+def test_a_stop_request_commits_then_exits_and_the_rerun_completes(tmp_path):
+    reference, stopped = tmp_path / "reference", tmp_path / "stopped"
+    _infer_all(reference)
+    output = outputs(stopped)[0]
+    with InferRunner(infer_config(stopped / "workspace")) as runner:
+        original = runner.infer_step
+
+        def stop_at_five(data):
+            if runner.calls == 4:
+                runner.supervisor.request_stop()  # as SIGTERM's handler does; batch 5 still completes
+            runner.calls += 1
+            return original(data)
+
+        runner.calls = 0
+        runner.infer_step = stop_at_five
+        with pytest.raises(SystemExit) as stop:
+            runner.infer("infer", output=output)
+    assert stop.value.code == 0
+    record = json.loads((stopped / "out.jsonl.progress" / "rank-0.json").read_text())
+    assert (record["current"]["batches"], record["current"]["rows"], record["done"]) == (5, 10, False)
+    events: list[int] = []
+    _infer_all(stopped, events)
+    assert events == [5]
+    _assert_same_files(reference, stopped)

@@ -267,8 +267,11 @@ class _Session:
             batches += 1
             if batches % self.interval == 0:
                 self._commit(loader, batches, rows)
-            if runner._stop_requested():
-                runner._shutdown()  # the last commit is where a restart continues
+                if self.ranks.reduce(int(runner._stop_requested()), "MAX"):
+                    runner._shutdown()  # every rank stops at this commit, where a restart continues
+            elif self.ranks.size == 1 and runner._stop_requested():
+                self._commit(loader, batches, rows)  # alone, stop at once and lose nothing
+                runner._shutdown()
         if batches != self.record.current.batches:
             self._commit(loader, batches, rows)
 
