@@ -1,10 +1,11 @@
 """Drive `runner.infer(split, output=PATH)`: sinks, progress records, resume and the distributed merge.
 
 [`run_inference`][danling.runners.inference.writer.run_inference] is what `infer` calls when an
-output path is given. Every `progress_interval` batches the ranks flush their sinks, agree (a
-barrier) and then each replaces its progress record; so the ranks' records are never more than one
-commit apart, and a restart steps every rank back to the oldest commit any rank holds. Outputs past
-a rank's share of the dataset (the sampler's padding) are dropped before they reach the sink.
+output path is given. Every `progress_interval` batches the ranks flush their sinks, agree (one
+all-reduce, which also carries any stop request) and then each replaces its progress record; so the
+ranks' records are never more than one commit apart, and a restart steps every rank back to the
+oldest commit any rank holds. Outputs past a rank's share of the dataset (the sampler's padding)
+are dropped before they reach the sink.
 """
 
 from __future__ import annotations
@@ -266,8 +267,7 @@ class _Session:
             rows += len(outputs)
             batches += 1
             if batches % self.interval == 0:
-                self._commit(loader, batches, rows)
-                if self.ranks.reduce(int(runner._stop_requested()), "MAX"):
+                if self._commit(loader, batches, rows):
                     runner._shutdown()  # every rank stops at this commit, where a restart continues
             elif self.ranks.size == 1 and runner._stop_requested():
                 self._commit(loader, batches, rows)  # alone, stop at once and lose nothing
@@ -284,13 +284,17 @@ class _Session:
         skipped: Iterator[Any] = islice(iter(loader), commit.batches, None)
         return islice(skipped, remaining)
 
-    def _commit(self, loader: Any, batches: int, rows: int) -> None:
+    def _commit(self, loader: Any, batches: int, rows: int) -> bool:
+        """Commit `batches`; whether any rank asked to stop (agreed in the same collective)."""
         state = self.sink.state()
         position = jsonable(loader.state_dict()) if hasattr(loader, "state_dict") else None
-        self.ranks.barrier()  # every rank's outputs up to `batches` are durable before any record says so
+        # The all-reduce is the agreement: every rank's outputs up to `batches` are durable before
+        # any record says so, and the ranks learn together whether one of them was asked to stop.
+        stop = self.ranks.reduce(int(self.runner._stop_requested()), "MAX")
         self.record.commit(Commit(batches, rows, state, position))
         self.context.batches, self.context.rows = batches, rows
         self.runner.events.emit(Events.INFERENCE_PROGRESS, self.context)
+        return bool(stop)
 
     def _finish(self) -> None:
         """Merge the shards into the output (the writer of shard 0), mark it complete, then wait for it."""
