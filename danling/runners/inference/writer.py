@@ -201,7 +201,7 @@ class _Session:
             commit, done = self.record.current, False
         else:
             self.record = record
-            commit = record.at(start)
+            commit = self._agreed_commit(record, start)
             self.context.resumed = True
             self.context.batches, self.context.rows = commit.batches, commit.rows
             self.runner.events.emit(Events.INFERENCE_RESUMED, self.context)
@@ -231,6 +231,16 @@ class _Session:
                 "pass resume=False (or set inference.resume=False) to start over"
             )
         return record
+
+    def _agreed_commit(self, record: ProgressRecord, start: int) -> Commit:
+        """This rank's commit at `start`; if any rank lacks one, every rank raises (none waits for the others)."""
+        try:
+            commit, message = record.at(start), None
+        except ValueError as error:
+            commit, message = None, str(error)
+        if self.ranks.reduce(int(message is not None), "MAX"):
+            raise ValueError(message or f"another rank holds no commit at batch {start}; start over with resume=False")
+        return commit
 
     def _start_fresh(self) -> None:
         remove(self.record_path)
