@@ -45,6 +45,7 @@ from .config_sections import (
     FsdpConfig,
     GcConfig,
     HeartbeatConfig,
+    InferenceConfig,
     MLflowConfig,
     OptimConfig,
     ParallelConfig,
@@ -155,7 +156,7 @@ class RunnerConfig(_TypedConfig):
         "bf16": "bf16",
         "bfloat16": "bf16",
     }
-    CONFIG_ID_IGNORES = CONFIG_ID_IGNORES
+    CONFIG_ID_IGNORES = (*CONFIG_ID_IGNORES, "inference")  # where predictions go does not define the experiment
     # Features no runner of this version implements; a backend lifts one by naming it in its
     # `supported_features` (and the entry is dropped once every runner reads those keys).
     FEATURES = {
@@ -218,6 +219,7 @@ class RunnerConfig(_TypedConfig):
     profiling: ProfilingConfig = ProfilingConfig()
     heartbeat: HeartbeatConfig = HeartbeatConfig()
     ema: EmaConfig = EmaConfig()
+    inference: InferenceConfig = InferenceConfig()
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__()

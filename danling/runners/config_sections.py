@@ -31,6 +31,7 @@ __all__ = [
     "ProfilingConfig",
     "EmaConfig",
     "HeartbeatConfig",
+    "InferenceConfig",
 ]
 
 
@@ -432,3 +433,18 @@ class HeartbeatConfig(_TypedConfig):
     enabled: bool = False
     interval_seconds: float = 60.0
     dir_name: str = "heartbeats"
+
+
+class InferenceConfig(_TypedConfig):
+    """Inference into files (`inference.*`): what `runner.infer(split)` does when no `output` is passed.
+
+    Attributes:
+        output: File the outputs are streamed into (`.jsonl`, `.npy`, `.parquet` or a registered
+            suffix); None keeps `infer()` returning its outputs in memory.
+        progress_interval: Batches between two progress records (the points a killed run resumes from).
+        resume: Continue from the progress record of an earlier run into the same output; False starts over.
+    """
+
+    output: str | None = None
+    progress_interval: int = 100
+    resume: bool = True

@@ -10,8 +10,10 @@ host: losses and metrics stay on the device until a log step or the end of a spl
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -140,8 +142,14 @@ class TorchBatchMixin:
         return values if isinstance(values, list) else [values]
 
     def infer(
-        self, split: str = "infer", *, steps: int | None = None, stream: bool | None = None
-    ) -> list[Any] | Iterator[list[Any]]:
+        self,
+        split: str = "infer",
+        *,
+        steps: int | None = None,
+        stream: bool | None = None,
+        output: str | os.PathLike[str] | None = None,
+        resume: bool | None = None,
+    ) -> list[Any] | Iterator[list[Any]] | Path:
         """Predict on `split` like [`LoopMixin.infer`][danling.runners.loop.loops.LoopMixin.infer]; under DDP a
         list result covers the whole split, in dataset order, on every rank.
 
@@ -149,9 +157,10 @@ class TorchBatchMixin:
         when it does not shuffle), so each rank predicts its shard and the lists are then merged
         back in order and cut to the dataset's length (dropping the sampler's padding). This is
         a collective: call it on every rank. Streams, and loaders whose sampler shuffles or is not
-        a `DistributedSampler`, return this rank's own predictions.
+        a `DistributedSampler`, return this rank's own predictions. With `output`, the file is
+        written and merged as described in the Inference guide, and its path returned on every rank.
         """
-        outputs = super().infer(split, steps=steps, stream=stream)
+        outputs = super().infer(split, steps=steps, stream=stream, output=output, resume=resume)
         if not isinstance(outputs, list) or not is_distributed():
             return outputs
         sampler = getattr(self.dataloaders[split], "sampler", None)

@@ -30,6 +30,7 @@ __all__ = [
     "EventBus",
     "Events",
     "FailureContext",
+    "InferenceContext",
     "LogContext",
     "PassContext",
     "RunContext",
@@ -156,6 +157,25 @@ class StopContext:
 
 
 @dataclass(slots=True)
+class InferenceContext:
+    """An `infer(split, output=...)` run writing `output`; `record` is this rank's progress record.
+
+    `batches` and `rows` are the batches consumed and outputs kept so far (as of the latest commit
+    for `INFERENCE_PROGRESS` and `INFERENCE_RESUMED`); `resumed` says whether the run continued an
+    earlier one. The start/end pair shares one context.
+    """
+
+    runner: Any
+    split: str
+    output: str
+    record: str | None = None
+    batches: int = 0
+    rows: int = 0
+    resumed: bool = False
+    error: BaseException | None = None
+
+
+@dataclass(slots=True)
 class FailureContext:
     """The run is failing with `error`, before the error leaves the runner."""
 
@@ -179,6 +199,9 @@ class Events:
     | `CHECKPOINT_FALLBACK` | `CheckpointContext` | when resuming skips `requested` for an older one |
     | `STOP_REQUESTED` | `StopContext` | when a signal, early stopping or a budget stops the loop |
     | `FAILURE` | `FailureContext` | when an exception is about to leave the runner |
+    | `INFERENCE_START`, `INFERENCE_END` | `InferenceContext` | around `infer(split, output=...)` |
+    | `INFERENCE_PROGRESS` | `InferenceContext` | after each committed inference progress record |
+    | `INFERENCE_RESUMED` | `InferenceContext` | when `infer(split, output=...)` continues an earlier run |
     """
 
     RUN_START = Event("run_start", RunContext)
@@ -198,6 +221,10 @@ class Events:
     STOP_REQUESTED = Event("stop_requested", StopContext)
     FAILURE = Event("failure", FailureContext)
     LOG = Event("log", LogContext)
+    INFERENCE_START = Event("inference_start", InferenceContext)
+    INFERENCE_END = Event("inference_end", InferenceContext)
+    INFERENCE_PROGRESS = Event("inference_progress", InferenceContext)
+    INFERENCE_RESUMED = Event("inference_resumed", InferenceContext)
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,8 +10,10 @@ honours early stop and graceful-stop requests, and leaves the per-batch work to 
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Iterable, Iterator, Sequence
 from itertools import islice
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from danling.utils import RoundDict
@@ -226,24 +228,48 @@ class LoopMixin(DryRunMixin):
 
     # ------------------------------------------------------------------ inference
     def infer(
-        self, split: str = "infer", *, steps: int | None = None, stream: bool | None = None
-    ) -> list[Any] | Iterator[list[Any]]:
-        """Predict on `split`: a flat list of outputs, or an iterator of per-batch lists.
+        self,
+        split: str = "infer",
+        *,
+        steps: int | None = None,
+        stream: bool | None = None,
+        output: str | os.PathLike[str] | None = None,
+        resume: bool | None = None,
+    ) -> list[Any] | Iterator[list[Any]] | Path:
+        """Predict on `split`: a flat list of outputs, an iterator of per-batch lists, or a file.
+
+        With `output` (or `config.inference.output`), every batch's outputs are streamed into that
+        file, through the sink its suffix selects (see [`sink_for`][danling.runners.inference.sinks.sink_for]),
+        and a progress record is committed every `config.inference.progress_interval` batches. Calling
+        `infer` again with the same `output` after a crash continues from the last record and ends
+        with the same bytes as an uninterrupted run; under data parallelism each rank writes its
+        shard and the shards are merged into dataset order. See the Inference guide.
 
         Args:
             split: Split to read.
             steps: Stop after this many batches.
             stream: Return a lazy iterator of batch outputs. By default only loaders without a
-                length (and no `steps`) are streamed.
+                length (and no `steps`) are streamed. Not used with `output`.
+            output: File to write the outputs into; the path is returned once it is complete.
+            resume: With `output`: continue an earlier run into the same file (default
+                `config.inference.resume`, True), or start over when False.
 
         Raises:
             ValueError: `steps` is negative, or a flat list is requested from an unsized loader
-                without `steps`.
+                without `steps`; with `output`, see
+                [`run_inference`][danling.runners.inference.writer.run_inference].
         """
         if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 0):
             raise ValueError(f"steps must be a non-negative int or None, got {steps!r}")
         if split not in self.dataloaders:
             raise ValueError(f"infer split {split!r} has no dataloader; available: {list(self.dataloaders)}")
+        section = self.config.get("inference") or {}
+        output = output if output is not None else section.get("output")
+        if output is not None:
+            if stream:
+                raise ValueError("infer(output=...) writes a file; stream=True cannot be combined with it")
+            resume = section.get("resume", True) if resume is None else resume
+            return self._infer_to_output(split, output, steps=steps, resume=bool(resume))
         loader = self.dataloaders[split]
         sized = length_of(loader) is not None
         if stream is None:
@@ -255,6 +281,12 @@ class LoopMixin(DryRunMixin):
             return batches
         with self._loop_scope(training=False, mode=RunnerMode.infer):
             return [item for batch in batches for item in batch]
+
+    def _infer_to_output(self, split: str, output: str | os.PathLike[str], *, steps: int | None, resume: bool) -> Path:
+        from ..inference import run_inference  # imports torch and numpy, which this module stays free of
+
+        with self._loop_scope(training=False, mode=RunnerMode.infer):
+            return run_inference(self, split, output, steps=steps, resume=resume)
 
     def _iter_infer_batches(self, loader: Iterable, split: str, steps: int | None) -> Iterator[list[Any]]:
         self.mode = RunnerMode.infer

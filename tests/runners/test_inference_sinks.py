@@ -1,0 +1,169 @@
+"""The inference sinks on their own: suffix registry, committed states, truncation and shard merges."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from danling.runners.inference import JsonLinesSink, NumpySink, Sink, register_sink, registered_suffixes, sink_for
+
+SINKS = [(JsonLinesSink, ".jsonl"), (NumpySink, ".npy")]
+if importlib.util.find_spec("pyarrow"):
+    from danling.runners.inference import ParquetSink
+
+    SINKS.append((ParquetSink, ".parquet"))
+
+
+def _read(path: Path) -> list:
+    if path.suffix == ".jsonl":
+        return [json.loads(line) for line in path.read_text().splitlines()]
+    if path.suffix == ".npy":
+        return np.load(path).tolist()
+    import pyarrow.parquet as pq
+
+    return pq.read_table(path).column("output").to_pylist()
+
+
+@pytest.mark.parametrize(("sink_type", "suffix"), SINKS)
+def test_truncate_to_a_committed_state_then_continue_gives_the_uninterrupted_bytes(tmp_path, sink_type, suffix):
+    clean = sink_type(tmp_path / f"clean{suffix}", 7)
+    clean.open()
+    for batch in ([1.0, 2.0], [3.0, 4.0], [5.0, 6.0], [7.0]):
+        clean.write(batch)
+    clean.close()
+
+    crashed = sink_type(tmp_path / f"crashed{suffix}", 7)
+    crashed.open()
+    crashed.write([1.0, 2.0])
+    committed = crashed.state()
+    crashed.write([30.0, 40.0])  # written after the commit, then the process "dies"
+    crashed.state()
+    resumed = sink_type(tmp_path / f"crashed{suffix}", 7)
+    resumed.truncate(committed)
+    for batch in ([3.0, 4.0], [5.0, 6.0], [7.0]):
+        resumed.write(batch)
+    resumed.close()
+    assert _read(tmp_path / f"crashed{suffix}") == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0]
+    assert (tmp_path / f"crashed{suffix}").read_bytes() == (tmp_path / f"clean{suffix}").read_bytes()
+
+
+@pytest.mark.parametrize(("sink_type", "suffix"), SINKS)
+def test_merge_interleaves_strided_shards_in_dataset_order(tmp_path, sink_type, suffix):
+    paths, states = [], []
+    for rank, rows in enumerate(([0.0, 2.0, 4.0], [1.0, 3.0])):  # 5 rows over 2 ranks
+        sink = sink_type(tmp_path / f"shard{rank}{suffix}", 3)
+        sink.open()
+        sink.write(rows)
+        states.append(sink.state())
+        sink.close()
+        paths.append(sink.path)
+    sink_type.merge(tmp_path / f"all{suffix}", paths, states)
+    assert _read(tmp_path / f"all{suffix}") == [0.0, 1.0, 2.0, 3.0, 4.0]
+
+
+def test_npy_writes_one_file_per_field_and_trims_to_the_rows_written(tmp_path):
+    sink = NumpySink(tmp_path / "scores.npy", 10)
+    sink.open()
+    sink.write([{"logits": [1, 2], "label": 0}, {"logits": [3, 4], "label": 1}])
+    sink.close()
+    assert np.load(tmp_path / "scores.logits.npy").tolist() == [[1, 2], [3, 4]]
+    assert np.load(tmp_path / "scores.label.npy").tolist() == [0, 1]
+    with pytest.raises(ValueError, match="needs a dataset with a length"):
+        NumpySink(tmp_path / "x.npy", None)
+    sink = NumpySink(tmp_path / "small.npy", 1)
+    sink.open()
+    with pytest.raises(ValueError, match="preallocated for 1"):
+        sink.write([1.0, 2.0])
+
+
+def test_suffix_registry_and_errors(tmp_path):
+    assert sink_for("a/b.JSONL") is JsonLinesSink and sink_for("x.npy") is NumpySink
+    with pytest.raises(ValueError, match=r"'out\.csv'.*\.jsonl, \.ndjson, \.npy, \.parquet"):
+        sink_for("out.csv")
+
+    class CsvSink(JsonLinesSink):
+        pass
+
+    register_sink(".csv", CsvSink)
+    try:
+        assert sink_for("out.csv") is CsvSink and ".csv" in registered_suffixes()
+    finally:
+        from danling.runners.inference import sinks
+
+        sinks._SINKS.pop(".csv")
+    with pytest.raises(ValueError, match="starts with a dot"):
+        register_sink("csv", CsvSink)
+    with pytest.raises(TypeError, match="Sink subclass"):
+        register_sink(".csv", dict)
+    assert issubclass(CsvSink, Sink)
+
+
+def test_parquet_without_pyarrow_names_the_extra(tmp_path, monkeypatch):
+    import builtins
+
+    from danling.runners.inference import parquet
+
+    real_import = builtins.__import__
+
+    def no_pyarrow(name, *args, **kwargs):
+        if name.startswith("pyarrow"):
+            raise ImportError("No module named 'pyarrow'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_pyarrow)
+    with pytest.raises(ImportError, match=r"danling\[parquet\]"):
+        parquet.ParquetSink(tmp_path / "out.parquet", 3)
+
+
+@pytest.mark.skipif(not importlib.util.find_spec("pyarrow"), reason="pyarrow is not installed")
+def test_parquet_mapping_outputs_become_columns(tmp_path):
+    import pyarrow.parquet as pq
+
+    sink = ParquetSink(tmp_path / "o.parquet", 2)
+    sink.open()
+    sink.write([{"id": 1, "score": 0.5}, {"id": 2, "score": 0.25}])
+    sink.close()
+    assert pq.read_table(tmp_path / "o.parquet").to_pydict() == {"id": [1, 2], "score": [0.5, 0.25]}
+    assert not (tmp_path / "o.parquet.staging").exists()
+
+
+def test_shards_of_a_sink_without_merge_are_indexed_in_place(tmp_path):
+    from danling.runners.inference.progress import Commit, ProgressRecord, progress_dir
+    from danling.runners.inference.writer import InferencePlan, _merge
+
+    class Unmergeable(JsonLinesSink):
+        merge = Sink.merge
+
+    output = tmp_path / "out.jsonl"
+    progress_dir(output).mkdir()
+    for rank, rows in enumerate(([0, 2, 4], [1, 3])):
+        plan = InferencePlan(output, Unmergeable, rank, 2, True, len(rows), 5)
+        sink = Unmergeable(plan.target)
+        sink.open()
+        sink.write(rows)
+        state = sink.state()
+        sink.close()
+        record = ProgressRecord(
+            progress_dir(output) / f"rank-{rank}.json",
+            "infer",
+            rank,
+            2,
+            rank,
+            2,
+            True,
+            "d",
+            5,
+            Commit(1, len(rows), state),
+        )
+        record.done = True
+        record.save()
+    # a record left by an earlier run on 4 ranks does not count
+    ProgressRecord(progress_dir(output) / "rank-3.json", "infer", 3, 4, 3, 4, True, "d", 5, Commit(0, 0, {})).save()
+    assert _merge(InferencePlan(output, Unmergeable, 0, 2, True, 3, 5)) == 5
+    index = json.loads((tmp_path / "out.jsonl.index.json").read_text())
+    assert index["rows"] == [3, 2] and all(Path(shard).exists() for shard in index["shards"])
+    assert not output.exists()
