@@ -13,7 +13,7 @@
 
 from .batch import split_batch
 from .fingerprint import DataResumeError, batch_fingerprint, check_batch_fingerprint, indices_fingerprint
-from .loader import LOADER_OPTIONS, build_dataloader, resolve_loader_options, set_epoch
+from .loader import LOADER_OPTIONS, build_dataloader, loader_global_state, resolve_loader_options, set_epoch
 from .sampler import ResumableBatchSampler, ResumableSampler, derive_seed
 
 __all__ = [
@@ -26,6 +26,7 @@ __all__ = [
     "check_batch_fingerprint",
     "derive_seed",
     "indices_fingerprint",
+    "loader_global_state",
     "resolve_loader_options",
     "set_epoch",
     "split_batch",
