@@ -18,9 +18,10 @@ class ResizeRunner(TinyRunner):
 
 
 def _config(root: str, **overrides) -> dict:
-    # Step mode with a checkpoint every 6 updates: step 12 is in the middle of a pass on 2 ranks.
+    # Step mode with a checkpoint every 4 updates: step 8 is in the middle of the second pass on 2
+    # ranks (6 updates per pass of 24 samples).
     return tiny_config(
-        root, epochs=None, steps=20, **{"dataloader.batch_size": 2, "checkpoint.interval": 6}, **overrides
+        root, epochs=None, steps=20, **{"dataloader.batch_size": 2, "checkpoint.interval": 4}, **overrides
     )
 
 
@@ -28,7 +29,7 @@ def _train_on_two(rank: int, world_size: int, root: str) -> str:
     torch.set_num_threads(1)
     with ResizeRunner(_config(root)) as runner:
         runner.train()
-        return str(runner.checkpoint_manager.directory / "step-000012")
+        return str(runner.checkpoint_manager.directory / "step-000008")
 
 
 def _resume(root: str, checkpoint: str, exclude: bool) -> dict:
@@ -60,7 +61,7 @@ def test_resume_on_another_data_parallel_size_restores_everywhere(tmp_path):
         _resume_on_three, str(tmp_path / "three"), checkpoint, world_size=3, init_process_group=False
     )
     for out in three:  # every rank, rank 2 included
-        assert out["elastic"] == {"restored": 12, "final": 20}
-        assert out["excluded"] == {"restored": 12, "final": 20}
-    assert _resume(str(tmp_path / "one"), checkpoint, False) == {"restored": 12, "final": 20}
-    assert _resume(str(tmp_path / "one-ok"), checkpoint, True) == {"restored": 12, "final": 20}
+        assert out["elastic"] == {"restored": 8, "final": 20}
+        assert out["excluded"] == {"restored": 8, "final": 20}
+    assert _resume(str(tmp_path / "one"), checkpoint, False) == {"restored": 8, "final": 20}
+    assert _resume(str(tmp_path / "one-ok"), checkpoint, True) == {"restored": 8, "final": 20}

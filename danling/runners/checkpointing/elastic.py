@@ -71,6 +71,11 @@ def restore_positions(
         if seed is not None:
             sampler.seed = int(seed)  # a seed adopted from the checkpoint (see set_seed)
         sampler.load_global_state(position)
+        if len(loader) == 0:
+            # Nothing of the pass is left for this layout (fewer samples than a batch on every rank):
+            # the pass is over, as when the checkpoint was written after its last batch.
+            sampler.origin = None
+            sampler.load_state_dict({"epoch": int(position["epoch"]), "yielded": len(sampler)})
 
 
 def elastic_accum_steps(

@@ -184,8 +184,9 @@ class TorchCheckpointMixin:
         self._restored_fingerprints = dict(checkpoint.get("fingerprints") or {})
         self._restored_update_state = loop.get("update")
         self._keep_global_batch(checkpoint)
-        if self._elastic_positions is not None:
-            # The remainder is dealt anew: the pass restarts its batch count and accumulation windows.
+        if self._resized(checkpoint):
+            # The per-rank positions are not restored: the rest of the pass is dealt anew (or the pass
+            # restarts, with `dataloaders` excluded), so its batch count and windows start over too.
             self.loop_state.batch = 0
             if self.loop_state.accumulator is not None:
                 self.loop_state.accumulator.load_state_dict({"total": None, "position": 0})
