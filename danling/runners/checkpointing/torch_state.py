@@ -60,6 +60,8 @@ _EXPORT_DTYPES = {
 # Read on another data-parallel size, the per-rank loader states are left out too: the global
 # position in `loop.data` continues the pass instead.
 _ELASTIC_OPTIONAL_KEYS = (*OPTIONAL_RANK_LOCAL_KEYS, "dataloaders")
+# Checkpoint backends whose runs keep the global batch on another data-parallel size.
+_ELASTIC_BACKENDS = ("file", "dcp")
 
 
 class TorchCheckpointMixin:
@@ -193,6 +195,8 @@ class TorchCheckpointMixin:
 
     def _keep_global_batch(self, checkpoint: Mapping[str, Any]) -> None:
         """Set `accum_steps` so that an update covers as many micro-batches as in the run that wrote `checkpoint`."""
+        if getattr(self.checkpoint_manager, "backend", None) not in _ELASTIC_BACKENDS:
+            return  # an engine's own checkpoints (DeepSpeed) keep their own resize rules
         loop, topology = checkpoint.get("loop") or {}, checkpoint.get("topology") or {}
         reference = loop.get("micro_batches_per_update")
         if reference is None:  # written before the global batch was recorded
@@ -222,7 +226,8 @@ class TorchCheckpointMixin:
         """
         self._elastic_positions = None
         positions = (payload.get("loop") or {}).get("data")
-        if not self._resized(payload) or "dataloaders" in excluded or positions is None:
+        elastic = getattr(self.checkpoint_manager, "backend", None) in _ELASTIC_BACKENDS
+        if not (elastic and self._resized(payload)) or "dataloaders" in excluded or positions is None:
             super()._check_resumable_layout(payload, excluded, source)
             return
         self._elastic_positions = dict(positions)
