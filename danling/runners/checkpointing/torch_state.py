@@ -188,10 +188,11 @@ class TorchCheckpointMixin:
         self._keep_global_batch(checkpoint)
         if self._resized(checkpoint):
             # The per-rank positions are not restored: the rest of the pass is dealt anew (or the pass
-            # restarts, with `dataloaders` excluded), so its batch count and windows start over too.
-            self.loop_state.batch = 0
+            # restarts, with `dataloaders` excluded), so its accumulation windows start over too.
             if self.loop_state.accumulator is not None:
                 self.loop_state.accumulator.load_state_dict({"total": None, "position": 0})
+            if self._elastic_positions is not None:
+                self.loop_state.batch = 0  # batches of the dealt remainder, which is a pass of its own
 
     def _keep_global_batch(self, checkpoint: Mapping[str, Any]) -> None:
         """Set `accum_steps` so that an update covers as many micro-batches as in the run that wrote `checkpoint`."""
