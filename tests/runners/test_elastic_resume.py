@@ -23,7 +23,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from danling.data import ResumableSampler, build_dataloader, loader_global_state
+from danling.data import DataResumeError, ResumableSampler, build_dataloader, loader_global_state
 from tests.dist import free_ports
 from tests.runners._torch_toy import TinyRunner, tiny_config
 
@@ -185,3 +185,19 @@ def test_a_checkpoint_without_global_positions_resumes_at_its_size_and_is_refuse
         loop = dict(payload["loop"], micro_batches_per_update=2)  # as 2 ranks x accum_steps 1 record it
         runner.load_checkpoint(dict(payload, loop=loop, topology=dict(old["topology"], data_size=2)))
         assert runner.accum_steps == 2 and runner.micro_batches_per_update == 2
+
+
+def test_a_pass_with_nothing_left_for_the_new_layout_ends():
+    from danling.runners.checkpointing.elastic import restore_positions
+
+    loaders = _loaders(10, 3, {"batch_size": 2})  # training defaults: shuffle, drop_last
+    for loader in loaders:  # 4 samples left: 1 per rank after cutting 1, less than a batch
+        restore_positions({"train": loader}, {"train": {"epoch": 0, "samples_consumed": 6}}, "train", 7)
+    assert [len(loader) for loader in loaders] == [1, 1, 1]  # the ordinary length: the pass just ends
+    assert [[b.tolist() for b in loader] for loader in loaders] == [[], [], []]
+    fresh = _loaders(10, 3, {"batch_size": 2})
+    for loader in fresh:
+        loader.sampler.set_epoch(1)
+    assert [[b.tolist() for b in loader] for loader in loaders] == [[b.tolist() for b in loader] for loader in fresh]
+    with pytest.raises(DataResumeError, match="cannot continue split 'train' mid-pass"):
+        restore_positions({"train": loaders[0]}, {}, "train", 7)
