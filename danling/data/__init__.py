@@ -7,6 +7,9 @@
 - [`batch_fingerprint`][danling.data.batch_fingerprint] /
   [`check_batch_fingerprint`][danling.data.check_batch_fingerprint] verify on resume that the
   rebuilt loader continues the saved data stream.
+- [`loader_global_state`][danling.data.loader_global_state] gives a loader's position as samples
+  consumed over all ranks, which a [`ResumableSampler`][danling.data.ResumableSampler] continues on
+  any number of ranks (elastic resume).
 - [`split_batch`][danling.data.split_batch] is the ``(input, target)`` contract of the default
   runner steps (moving a batch to a device is [`danling.utils.to_device`][danling.utils.to_device]).
 """
