@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -11,9 +12,10 @@ from torch.utils.data import IterableDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from .fetch import tensor_batch_fetcher
+from .fingerprint import _MP, _restore
 from .sampler import ResumableBatchSampler, ResumableSampler
 
-__all__ = ["LOADER_OPTIONS", "build_dataloader", "resolve_loader_options", "set_epoch"]
+__all__ = ["LOADER_OPTIONS", "build_dataloader", "loader_global_state", "resolve_loader_options", "set_epoch"]
 
 # Keys a `dataloader` config section may hold (besides per-split sub-sections).
 LOADER_OPTIONS = frozenset(
@@ -221,3 +223,37 @@ def set_epoch(loader: Any, epoch: int) -> None:
         if hasattr(obj, "set_epoch"):
             obj.set_epoch(epoch)
             return
+
+
+def loader_global_state(loader: Any, state: Mapping[str, Any] | None = None) -> dict[str, int] | None:
+    """Where a loader's pass stands globally: its sampler's ``{"epoch", "samples_consumed"}``.
+
+    The position is the one a loader restored from `state` (default: ``loader.state_dict()``)
+    would continue from, so with worker processes it counts the batches training received, not
+    the ones prefetched. It is the same on every data-parallel rank and can be continued on any
+    number of them with [`ResumableSampler.load_global_state`][danling.data.ResumableSampler.load_global_state].
+
+    Returns:
+        The global state, or ``None`` when the loader is not batched by a
+        [`ResumableBatchSampler`][danling.data.ResumableBatchSampler].
+
+    Examples:
+        >>> loader = build_dataloader(list(range(10)), split="train", config={"batch_size": 2})
+        >>> it = iter(loader); _ = next(it); _ = next(it)
+        >>> loader_global_state(loader)
+        {'epoch': 0, 'samples_consumed': 4}
+    """
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    if not isinstance(batch_sampler, ResumableBatchSampler):
+        return None
+    state = loader.state_dict() if state is None else state
+    # A copy restored from the state, as torchdata restores the real one (the dataset is shared).
+    probe = copy.deepcopy(batch_sampler, memo={id(loader.dataset): loader.dataset})
+    if _MP._SNAPSHOT in state:  # worker processes: a main-process snapshot plus the batches yielded since
+        main, skip = state[_MP._SNAPSHOT][_MP._MAIN_SNAPSHOT], state[_MP._STEPS_SINCE_SNAPSHOT]
+    else:
+        main, skip = state, 0
+    iterator = _restore(probe, main) if main else iter(probe)
+    for _ in range(skip):
+        next(iterator, None)
+    return probe.sampler.global_state()

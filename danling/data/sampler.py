@@ -48,6 +48,15 @@ class ResumableSampler(DistributedSampler):
     sequential (``shuffle=False``) sampler. ``seed`` must be the same on every rank, otherwise the
     ranks shard different permutations and overlap.
 
+    Elastic resume (another number of ranks): the order of a pass is one global permutation of the
+    dataset that depends on ``(seed, epoch)`` only, and rank ``r`` of ``N`` takes its positions
+    ``r, r + N, ...``. After every rank has handed out ``k`` indices, the first ``N * k`` positions of
+    that permutation are used up whatever ``N`` is: `global_state` reports them as
+    ``samples_consumed``. `load_global_state` continues the pass on this sampler's layout: the
+    positions from ``samples_consumed`` on are dealt round-robin over the ``M`` ranks of the new
+    layout, after cutting the fewer than ``M`` left over at the end (so every rank gets as many and
+    the ranks stay in lockstep); no position is repeated and none of the used-up ones comes back.
+
     Examples:
         >>> sampler = ResumableSampler(range(6), num_replicas=1, rank=0, shuffle=False)
         >>> it = iter(sampler); [next(it), next(it)]
@@ -75,7 +84,15 @@ class ResumableSampler(DistributedSampler):
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=drop_last)  # type: ignore[arg-type]
         self.generator = generator
         self.yielded = 0
+        # Global position the current pass was dealt from, for a pass continued on another layout
+        # (`load_global_state`); `None` for an ordinary full pass.
+        self.origin: int | None = None
         self._skip: int | None = None
+
+    def __len__(self) -> int:
+        if self.origin is None:
+            return super().__len__()
+        return max(0, len(self.dataset) - self.origin) // self.num_replicas  # type: ignore[arg-type]
 
     def __iter__(self) -> Iterator[int]:
         indices, start = self._start_pass()
@@ -88,7 +105,7 @@ class ResumableSampler(DistributedSampler):
         start, self._skip = self._skip or 0, None
         if self.generator is not None:
             self.generator.manual_seed(derive_seed(self.seed, self.epoch, self.rank))
-        indices = list(super().__iter__())
+        indices = list(super().__iter__()) if self.origin is None else self._dealt(self.origin)
         if start > len(indices):
             raise ValueError(f"cannot resume at index {start}: this pass only has {len(indices)} indices")
         self.yielded = start
@@ -99,6 +116,22 @@ class ResumableSampler(DistributedSampler):
         # not "epoch + 1 with this pass's count already handed out" (which skipped indices).
         self.epoch += 1
         self.yielded = 0
+        self.origin = None
+
+    def _global_order(self) -> list[int]:
+        """The pass's permutation of the whole dataset: the same as `DistributedSampler` draws, for any world size."""
+        size = len(self.dataset)  # type: ignore[arg-type]
+        if not self.shuffle:
+            return list(range(size))
+        generator = torch.Generator()
+        generator.manual_seed(self.seed + self.epoch)
+        return torch.randperm(size, generator=generator).tolist()
+
+    def _dealt(self, origin: int) -> list[int]:
+        """This rank's share of the global order from `origin` on: round-robin, an equal count per rank."""
+        rest = self._global_order()[origin:]
+        usable = len(rest) - len(rest) % self.num_replicas
+        return rest[self.rank : usable : self.num_replicas]
 
     def _iterate(self, indices: list[int], start: int) -> Iterator[int]:
         for position in range(start, len(indices)):
@@ -107,8 +140,62 @@ class ResumableSampler(DistributedSampler):
         self._end_pass()
 
     def state_dict(self) -> dict[str, int]:
-        """Return the epoch and the number of indices handed out in the current pass."""
-        return {"epoch": self.epoch, "yielded": self.yielded}
+        """Return the epoch and the number of indices handed out in the current pass.
+
+        A pass continued on another layout also records the global position it was dealt from
+        (``origin``), so that it resumes on this layout as the same pass.
+        """
+        state = {"epoch": self.epoch, "yielded": self.yielded}
+        if self.origin is not None:
+            state["origin"] = self.origin
+        return state
+
+    @property
+    def samples_consumed(self) -> int:
+        """Positions of the pass's global order used up so far, over all ranks."""
+        if self.origin is None:  # an ordinary pass: rank r took positions r, r + N, ...
+            return min(self.num_replicas * self.yielded, len(self.dataset))  # type: ignore[arg-type]
+        return self.origin + self.num_replicas * self.yielded
+
+    def global_state(self) -> dict[str, int]:
+        """The position of the pass independent of the layout: ``{"epoch", "samples_consumed"}``.
+
+        It is the same on every rank; [`load_global_state`][danling.data.ResumableSampler.load_global_state]
+        continues it on any number of ranks.
+
+        Examples:
+            >>> two = [ResumableSampler(range(10), num_replicas=2, rank=r, seed=3) for r in (0, 1)]
+            >>> seen = [next(it) for it in map(iter, two) for _ in range(2)]
+            >>> state = two[0].global_state(); state
+            {'epoch': 0, 'samples_consumed': 4}
+            >>> three = [ResumableSampler(range(10), num_replicas=3, rank=r, seed=3) for r in range(3)]
+            >>> for sampler in three:
+            ...     sampler.load_global_state(state)
+            >>> rest = [i for sampler in three for i in sampler]
+            >>> len(rest), sorted(seen + rest) == list(range(10))  # 6 left: 2 each, nothing seen twice
+            (6, True)
+        """
+        return {"epoch": self.epoch, "samples_consumed": self.samples_consumed}
+
+    def load_global_state(self, state: Mapping[str, Any]) -> None:
+        """Continue the pass `state` describes on this sampler's layout (see the class docstring).
+
+        The next pass deals the positions from ``samples_consumed`` on over ``num_replicas`` ranks;
+        its length (``len(self)``) is this rank's share. The pass after it is an ordinary one.
+
+        Raises:
+            ValueError: `state` lacks a key, or holds a negative or too large position.
+        """
+        missing = {"epoch", "samples_consumed"} - set(state)
+        if missing:
+            raise ValueError(f"global sampler state is missing {sorted(missing)}; got keys {sorted(state)}")
+        consumed, size = int(state["samples_consumed"]), len(self.dataset)  # type: ignore[arg-type]
+        if not 0 <= consumed <= size:
+            raise ValueError(f"samples_consumed must be between 0 and the dataset size {size}, got {consumed}")
+        self.epoch = int(state["epoch"])
+        self.origin = consumed if consumed else None
+        self.yielded = 0
+        self._skip = 0
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Restore a state from `state_dict`; the next pass resumes after the recorded position."""
@@ -118,7 +205,11 @@ class ResumableSampler(DistributedSampler):
         yielded = int(state_dict["yielded"])
         if yielded < 0:
             raise ValueError(f"sampler state has a negative position: yielded={yielded}")
+        origin = state_dict.get("origin")
+        if origin is not None and not 0 <= int(origin) <= len(self.dataset):  # type: ignore[arg-type]
+            raise ValueError(f"sampler state has an origin outside the dataset: origin={origin}")
         self.epoch = int(state_dict["epoch"])
+        self.origin = None if origin is None else int(origin)
         self.yielded = yielded
         self._skip = yielded
 

@@ -18,6 +18,11 @@ the torch components and everything an exact resume needs:
   `DataLoader`); a position that can be restored but not fingerprinted (iterable datasets,
   samplers that cannot be copied) is logged as a warning.
 
+A checkpoint can also be resumed on another number of data-parallel ranks: the `loop` entry
+carries the layout-free data position and global batch that
+[`danling.runners.checkpointing.elastic`][] continues from (see "Resuming on a different number
+of ranks" in the docs).
+
 Checkpoints written by either backend can be read back whatever backend the runner uses now.
 """
 
@@ -33,7 +38,8 @@ from danling.checkpoint import detect_format, open_checkpoint_reader
 from danling.checkpoint.manifest import verification_scope
 from danling.data import DataResumeError, ResumableSampler, batch_fingerprint, check_batch_fingerprint
 
-from .api import OPTIONAL_RANK_LOCAL_KEYS, RANK_LOCAL_KEYS, CheckpointSource, _is_path
+from .api import OPTIONAL_RANK_LOCAL_KEYS, RANK_LOCAL_KEYS, CheckpointSource, _describe, _is_path
+from .elastic import data_positions, elastic_accum_steps, restore_positions
 
 __all__ = ["RANK_LOCAL_KEYS", "TorchCheckpointMixin"]
 
@@ -51,10 +57,21 @@ _EXPORT_DTYPES = {
 }
 
 
+# Read on another data-parallel size, the per-rank loader states are left out too: the global
+# position in `loop.data` continues the pass instead.
+_ELASTIC_OPTIONAL_KEYS = (*OPTIONAL_RANK_LOCAL_KEYS, "dataloaders")
+# Checkpoint backends whose runs keep the global batch on another data-parallel size.
+_ELASTIC_BACKENDS = ("file", "dcp")
+
+
 class TorchCheckpointMixin:
     """Torch checkpoint payload, exact-resume state and backend-agnostic reading; mixed into `TorchRunner`."""
 
     _restored_fingerprints: dict[str, Any] | None = None
+    # Global data positions to continue from, set while a checkpoint of another data-parallel size loads.
+    _elastic_positions: dict[str, Any] | None = None
+    # Per-rank micro-batches summed over the data-parallel ranks that one update covers (None: this run's own).
+    _micro_batches_per_update: int | None = None
 
     @property
     def checkpoint_model(self) -> Any:
@@ -84,7 +101,12 @@ class TorchCheckpointMixin:
         keep = {*self.train_splits, self.loop_state.split}
         loaders = cls((split, state) for split, state in payload["dataloaders"].items() if split in keep)
         payload["dataloaders"] = loaders
-        payload["loop"] = cls(**self.loop_state.state_dict(), update=self.update.state_dict())
+        payload["loop"] = cls(
+            **self.loop_state.state_dict(),
+            update=self.update.state_dict(),
+            data=cls(data_positions(self.dataloaders, loaders)),
+            micro_batches_per_update=self.micro_batches_per_update,
+        )
         # Per rank, like the loader positions they check.
         payload["fingerprints"] = cls((split, self._fingerprint(split, state)) for split, state in loaders.items())
         payload["backend"] = cls(stack="torch", world_size=self.world_size, checkpoint=self.checkpoint_manager.backend)
@@ -139,17 +161,85 @@ class TorchCheckpointMixin:
             payload["ema"] = export(self.unwrap(self.ema).state_dict())
         return payload
 
+    @property
+    def micro_batches_per_update(self) -> int:
+        """Per-rank micro-batches, summed over the data-parallel ranks, that one optimizer update covers.
+
+        It is data-parallel size x `accum_steps` of the run that started training, and stays so
+        when the run is resumed on another number of ranks (elastic resume adjusts `accum_steps`).
+        """
+        if self._micro_batches_per_update is not None:
+            return self._micro_batches_per_update
+        return self.topology.size("data") * self.accum_steps
+
     # ------------------------------------------------------------------ restoring
     def load_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         """Restore the runner state (counters, RNG, results) and the loop position of an exact resume.
 
-        Model, optimizer, scheduler and dataloaders are restored by `load_checkpoint`.
+        Model, optimizer, scheduler and dataloaders are restored by `load_checkpoint`. On another
+        data-parallel size the interrupted pass continues as a new pass over its remaining samples,
+        and `accum_steps` is set to keep the global batch (see `_keep_global_batch`).
         """
         super().load_state_dict(checkpoint)
         loop = checkpoint.get("loop") or {}
         self.loop_state.load_state_dict(loop)
         self._restored_fingerprints = dict(checkpoint.get("fingerprints") or {})
         self._restored_update_state = loop.get("update")
+        self._keep_global_batch(checkpoint)
+        if self._resized(checkpoint):
+            # The per-rank positions are not restored: the rest of the pass is dealt anew (or the pass
+            # restarts, with `dataloaders` excluded), so its accumulation windows start over too.
+            if self.loop_state.accumulator is not None:
+                self.loop_state.accumulator.load_state_dict({"total": None, "position": 0})
+            if self._elastic_positions is not None:
+                self.loop_state.batch = 0  # batches of the dealt remainder, which is a pass of its own
+
+    def _keep_global_batch(self, checkpoint: Mapping[str, Any]) -> None:
+        """Set `accum_steps` so that an update covers as many micro-batches as in the run that wrote `checkpoint`."""
+        if getattr(self.checkpoint_manager, "backend", None) not in _ELASTIC_BACKENDS:
+            return  # an engine's own checkpoints (DeepSpeed) keep their own resize rules
+        loop, topology = checkpoint.get("loop") or {}, checkpoint.get("topology") or {}
+        reference = loop.get("micro_batches_per_update")
+        if reference is None:  # written before the global batch was recorded
+            saved_accum = (loop.get("accumulator") or {}).get("accum_steps")
+            if topology.get("data_size") is None or saved_accum is None:
+                return
+            reference = int(topology["data_size"]) * int(saved_accum)
+        self._micro_batches_per_update = int(reference)
+        loaders = [self.dataloaders[split] for split in self.train_splits if split in self.dataloaders]
+        batch_size = getattr(loaders[0], "batch_size", None) if loaders else None
+        configured = int(self.config.get("accum_steps") or 1)
+        accum = elastic_accum_steps(int(reference), self.topology.size("data"), configured, batch_size, self.logger)
+        if accum == self.accum_steps:
+            return
+        self.__dict__["accum_steps"] = accum  # the runner's cached value: budgets count updates with it
+        self.update.set_accum_steps(accum)
+        if self.scheduler is not None and self._merged_section("sched", "scheduler").get("type"):
+            self.scheduler = None  # built for the old number of updates per epoch: build it for the new one
+            self.build_scheduler()
+
+    def _check_resumable_layout(self, payload: Mapping[str, Any], excluded: set[str], source: Any) -> None:
+        """Accept a checkpoint of another data-parallel size that records global data positions.
+
+        Its interrupted pass then continues from the global sample count (see
+        [`danling.runners.checkpointing.elastic`][]). A checkpoint without them (written before
+        elastic resume) is refused as before unless `dataloaders` is excluded from loading.
+        """
+        self._elastic_positions = None
+        positions = (payload.get("loop") or {}).get("data")
+        elastic = getattr(self.checkpoint_manager, "backend", None) in _ELASTIC_BACKENDS
+        if not (elastic and self._resized(payload)) or "dataloaders" in excluded or positions is None:
+            super()._check_resumable_layout(payload, excluded, source)
+            return
+        self._elastic_positions = dict(positions)
+        self.logger.warning(
+            "resuming checkpoint %s of %s data-parallel ranks on %d: each training pass continues from the "
+            "samples consumed over all ranks %s; per-rank RNG state is re-seeded",
+            _describe(source),
+            payload["topology"].get("data_size"),
+            self.topology.size("data"),
+            {split: position.get("samples_consumed") for split, position in positions.items()},
+        )
 
     def load_checkpoint(self, checkpoint: CheckpointSource, *args: Any, **kwargs: Any) -> None:
         """Restore a full checkpoint, then rebind the optimizer container to the restored optimizer and scheduler.
@@ -166,7 +256,7 @@ class TorchCheckpointMixin:
                 super().load_checkpoint(checkpoint, *args, **kwargs)
         finally:
             update_state = self.__dict__.pop("_restored_update_state", None)
-            self._restored_fingerprints = None
+            self._restored_fingerprints = self._elastic_positions = None
         self.update.bind(self.optimizer, self.scheduler, self.scheduler_interval)
         if update_state:
             self.update.load_state_dict(update_state)
@@ -201,9 +291,13 @@ class TorchCheckpointMixin:
         Raises:
             DataResumeError: a rebuilt loader would yield a different next batch than the saved one.
         """
+        cursor = self.loop_state.split
+        if self._elastic_positions is not None:  # another data-parallel size: per-rank states describe old shards
+            train = {split: self.dataloaders[split] for split in self.train_splits if split in self.dataloaders}
+            restore_positions(train, self._elastic_positions, cursor, self.config.get("seed"))
+            return
         fingerprints = self._restored_fingerprints or {}
         states = dict(state_dict or {})
-        cursor = self.loop_state.split
         if cursor is not None:
             self._check_resumable(cursor, states)
         for split, state in states.items():
@@ -298,7 +392,7 @@ class TorchCheckpointMixin:
             return trusted
         return trusted | {
             "rank_local_keys": RANK_LOCAL_KEYS,
-            "optional_rank_local_keys": OPTIONAL_RANK_LOCAL_KEYS,
+            "optional_rank_local_keys": _ELASTIC_OPTIONAL_KEYS,
             "data_rank": self.topology.rank("data"),
             "data_size": self.topology.size("data"),
         }

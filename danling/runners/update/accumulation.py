@@ -54,6 +54,18 @@ class GradientAccumulator:
         self._pending = 0  # micro-steps since the last closed window
         self._resumed = False
 
+    def set_accum_steps(self, accum_steps: int) -> None:
+        """Change the window size between windows; the pass position is kept.
+
+        Raises:
+            ValueError: `accum_steps` is not a positive integer, or a window is open.
+        """
+        if isinstance(accum_steps, bool) or not isinstance(accum_steps, int) or accum_steps < 1:
+            raise ValueError(f"accum_steps must be a positive integer, got {accum_steps!r}")
+        if self._pending:
+            raise ValueError(f"cannot change accum_steps to {accum_steps} with {self._pending} micro-step(s) pending")
+        self.accum_steps = accum_steps
+
     def start(self, total: int | None = None) -> None:
         """Open a pass of `total` micro-batches (``None`` when unknown), or continue a restored one.
 

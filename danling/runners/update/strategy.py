@@ -85,6 +85,17 @@ class UpdateStrategy:
         """Updates dropped because their gradients were not finite."""
         return 0
 
+    def set_accum_steps(self, accum_steps: int) -> None:
+        """Use windows of `accum_steps` micro-steps from the next pass on.
+
+        An elastic resume calls it to keep the global batch on another number of ranks; it must
+        happen between windows (no gradients pending).
+
+        Raises:
+            ValueError: `accum_steps` is not a positive integer, or a window is open.
+        """
+        self.accumulator.set_accum_steps(accum_steps)
+
     def start_pass(self, total: int | None) -> None:
         """Open a training pass of `total` micro-batches (`None` when unknown), or continue a restored one."""
         self.accumulator.start(total)
@@ -172,7 +183,10 @@ class TorchUpdateStrategy(UpdateStrategy):
         self.container: OptimizerContainer | None = None
         self._multiplier: float | None = None  # rescales a window a pass left open
         self._weight: Any = None  # sum of the open window's micro-step weights, when weighted
-        # Settled at construction (window size, wrapper and precision do not change), so the
+        self._settle_fast_paths()
+
+    def _settle_fast_paths(self) -> None:
+        # Settled once (window size, wrapper and precision do not change during a pass), so the
         # per-micro-step calls skip what cannot apply.
         self._sync_free = self.accumulator.accum_steps == 1 or not self.gradient_sync.suppresses
         # A subclass with its own backward (an engine's) is never bypassed.
@@ -183,6 +197,11 @@ class TorchUpdateStrategy(UpdateStrategy):
         own_contexts = type(self).train_context is TorchUpdateStrategy.train_context
         plain = own_contexts and self._sync_free and self.precision.dtype is None
         self.fixed_context = _NO_CONTEXT if plain else None
+
+    def set_accum_steps(self, accum_steps: int) -> None:
+        """Use windows of `accum_steps` micro-steps from the next pass on (see `UpdateStrategy.set_accum_steps`)."""
+        super().set_accum_steps(accum_steps)
+        self._settle_fast_paths()
 
     def bind(self, optimizer: torch.optim.Optimizer | None, scheduler: Any = None, interval: str = "step") -> None:
         """Step `optimizer` (and `scheduler` when `interval == "step"`) from now on; counters carry over."""
