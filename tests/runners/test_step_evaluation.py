@@ -124,3 +124,20 @@ def test_a_metric_scheduler_steps_per_round_when_every_pass_ends_at_an_evaluatio
     with TinyRunner(config) as runner:
         runner.train()
         assert list(runner.results) == [5, 10, 15] and runner.train_state.epoch == 3
+
+
+def test_a_checkpoint_written_on_the_last_batch_of_a_pass_resumes(tmp_path):
+    # 20 samples at batch 4: a pass is 5 updates, so the step-5 checkpoint is written after the
+    # pass's last batch but before its round ended; resuming it used to raise "a full round
+    # ... applied no optimizer step" because the rest of that round had no batches.
+    overrides = {"epochs": None, "steps": 10, "checkpoint.interval": 5, "deterministic": True}
+    with TinyRunner(tiny_config(tmp_path / "clean", **overrides)) as clean:
+        clean.train()
+        expected = model_state(clean)
+        checkpoint = clean.checkpoint_manager.directory / "step-000005"
+    with TinyRunner(tiny_config(tmp_path / "resumed", **overrides, resume=str(checkpoint))) as resumed:
+        assert resumed.train_state.global_step == 5
+        resumed.train()
+        assert resumed.train_state.global_step == 10 and resumed.train_state.epoch == clean.train_state.epoch
+        for name, value in model_state(resumed).items():
+            torch.testing.assert_close(value, expected[name])

@@ -158,6 +158,9 @@ class LoopMixin(DryRunMixin):
     def _train_round(self, train_splits: list[str], result: RoundDict, budget: int) -> None:
         """One round over the train splits in step mode, stopping at the budget."""
         start = self.train_state.global_step
+        # A checkpoint written after a pass's last batch resumes into a round with nothing left to
+        # train: its steps were applied before the checkpoint, so an empty remainder is no error.
+        continuing = self.loop_state.split in train_splits and self.loop_state.batch > 0
         for split in self.loop_state.splits_from_cursor(list(train_splits)):
             split_result = self._run_split(split, RunnerMode.train, budget=budget)[0]
             if self._evaluated_step != self.train_state.global_step:  # else no batch since that row
@@ -173,7 +176,7 @@ class LoopMixin(DryRunMixin):
             # An epoch-interval scheduler steps once per round; a round whose values all went into a
             # periodic evaluation's row gives a metric scheduler that row instead.
             self.advance_schedulers(result or self._latest_row() or result)
-        if self.train_state.global_step == start:
+        if self.train_state.global_step == start and not continuing:
             raise RuntimeError(
                 f"a full round over {train_splits} applied no optimizer step: the loaders are empty "
                 "or train_step does not call self.step()"
