@@ -46,6 +46,7 @@ from .services import (
     WandbTracker,
     flatten_result,
 )
+from .services.run_lock import RunDirectoryLockedError
 from .state import RunnerElasticState, RunnerRNGState, RunnerState, RunnerTrainState
 from .torch_runner import TorchRunner
 from .update import EMA, GradientAccumulator, OptimizerContainer, Precision, TorchUpdateStrategy, UpdateStrategy
@@ -84,4 +85,5 @@ __all__ = [
     "WandbTracker",
     "flatten_result",
     "reconcile_run",
+    "RunDirectoryLockedError",
 ]
