@@ -46,10 +46,12 @@ from .config_sections import (
     GcConfig,
     HeartbeatConfig,
     MLflowConfig,
+    NonFiniteConfig,
     OptimConfig,
     ParallelConfig,
     ProfilingConfig,
     SchedulerConfig,
+    SpikeConfig,
     WandbConfig,
     _TypedConfig,
 )
@@ -124,6 +126,8 @@ class RunnerConfig(_TypedConfig):
         tensorboard: Write TensorBoard scalars.
         csv: `metrics.csv` in the run directory (on by default); see `CSVConfig`.
         mlflow: MLflow tracking (off by default); see `MLflowConfig`.
+        nonfinite: What NaN/inf updates do; see `NonFiniteConfig`.
+        spikes: Loss-spike detection and recovery (off by default); see `SpikeConfig`.
 
     Examples:
         >>> config = RunnerConfig()
@@ -215,6 +219,8 @@ class RunnerConfig(_TypedConfig):
     profiling: ProfilingConfig = ProfilingConfig()
     heartbeat: HeartbeatConfig = HeartbeatConfig()
     ema: EmaConfig = EmaConfig()
+    nonfinite: NonFiniteConfig = NonFiniteConfig()
+    spikes: SpikeConfig = SpikeConfig()
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__()

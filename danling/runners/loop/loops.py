@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from danling.utils import RoundDict
 
+from ..update.spikes import LossSpike
 from .budget import length_of
 from .dry_run import DryRunMixin
 from .events import EpochContext, Events, StopContext
@@ -48,9 +49,14 @@ class LoopMixin(DryRunMixin):
         Returns:
             All result rows (`self.results`).
 
+        With `spikes.policy` set to `"rollback"`, a loss spike reloads the newest checkpoint that
+        verifies and training goes on from there (see
+        [`roll_back`][danling.runners.loop.passes.PassMixin.roll_back]).
+
         Raises:
             ValueError: A requested split has no dataloader, there is no training split, or the
                 budget or data would train nothing (see `check_training_budget`).
+            TrainingDivergedError: Non-finite updates or loss spikes came too often (`nonfinite.*`, `spikes.*`).
         """
         train_splits = self._resolve_splits(train_splits, self.train_splits, "train")
         if not train_splits:
@@ -63,9 +69,13 @@ class LoopMixin(DryRunMixin):
         if self.dry_run_batches:
             return self.dry_run(train_splits, evaluate_splits)
         self.logger.info("training on %s; evaluating on %s", train_splits, evaluate_splits or "nothing")
-        if self.is_step_mode:
-            return self.train_steps(train_splits, evaluate_splits)
-        return self.train_epochs(train_splits, evaluate_splits)
+        while True:
+            try:
+                if self.is_step_mode:
+                    return self.train_steps(train_splits, evaluate_splits)
+                return self.train_epochs(train_splits, evaluate_splits)
+            except LossSpike as spike:  # spikes.policy=rollback: reload, then carry on from there
+                self.roll_back(spike)
 
     def train_epochs(
         self, train_splits: Sequence[str] | None = None, evaluate_splits: Sequence[str] | None = None

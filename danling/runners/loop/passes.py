@@ -16,10 +16,11 @@ from typing import Any, NoReturn
 
 import torch
 
-from danling.distributed import all_reduce_any, is_distributed
+from danling.distributed import all_reduce_any, barrier, is_distributed
 from danling.utils import RoundDict
 
 from ..services.step_window import StepWindow
+from ..update.spikes import LossSpike, TrainingDivergedError
 from .budget import length_of
 from .events import (
     EvaluationContext,
@@ -111,11 +112,15 @@ class PassMixin(StepHooks):
         overridden = type(self)._stop_requested is not PassMixin._stop_requested
         stop_poll = self._stop_requested if agree or overridden else None
         batches, loss_meter = 0, None
+        # Batches that spiked before a rollback (empty and falsy without a spike guard).
+        skipped = self._spiked_batches() if training else None
         # An evaluation pass runs in one inference context (entering it per batch costs more than
         # some small models' forward passes); it is left before a stop saves its checkpoint.
-        with nullcontext() if training else self.inference_context():
+        with nullcontext() if training else self.inference_context(), self._spike_scope(split):
             for data in islice(loader, max_batches):
-                if observed:
+                if skipped and (split, state.epoch, position.batch) in skipped:
+                    loss = self._skip_spiked_batch(split, position.batch)
+                elif observed:
                     loss = self._observed_step(step, data, split, batches)
                 else:
                     _, loss = step(data)
@@ -146,7 +151,89 @@ class PassMixin(StepHooks):
             self._after_optimizer_progress(budget)
         if self._stop_latched:  # at a window boundary (the break above) or at the end of the pass
             self._shutdown()
+        if training and update.watch_nonfinite_loss:
+            self._check_pass_loss()  # before the pass's result (and the epoch's checkpoint) is kept
         return self.collect_result(split), batches
+
+    def _check_pass_loss(self) -> None:
+        """Stop the run when the pass's loss so far is not finite (`nonfinite.check=log`), agreed across ranks.
+
+        Made at the end of a training pass and before a mid-pass checkpoint (one read of the running
+        sum; the steps between stay free of host synchronisations). Weights that took a NaN update
+        keep producing NaN losses, so a later check catches an earlier NaN too.
+        """
+        if "loss" not in self.meters:
+            return
+        meter = self.meters["loss"]
+        bad = ~torch.isfinite(torch.as_tensor(meter._sum, dtype=torch.float32)).all()
+        if self._training and is_distributed():
+            bad = all_reduce_any(bad, group=self.topology.group("world"))
+        if not bool(bad):
+            return
+        step = self.train_state.global_step
+        raise TrainingDivergedError(
+            f"the training loss of the {self.split} pass is not finite (global step {step}): updates "
+            "with non-finite gradients reached the weights; stopping. Set skip_nonfinite_grad=True to skip such "
+            "updates, or nonfinite.check=update to drop every non-finite update before it is applied"
+        )
+
+    def _spiked_batches(self) -> set[tuple[str, int, int]] | None:
+        guard = getattr(self.update, "spike_guard", None)
+        return None if guard is None else guard.skipped_batches
+
+    def _skip_spiked_batch(self, split: str, index: int) -> None:
+        """Leave out a batch that spiked before a rollback: its micro-step adds no gradient."""
+        epoch = self.train_state.epoch
+        self.logger.warning("skipping batch %d of %s in epoch %d: it spiked before a rollback", index, split, epoch)
+        self.step()  # the window closes (and the schedule advances) where it would have
+
+    @contextmanager
+    def _spike_scope(self, split: str) -> Iterator[None]:
+        """Name the batches of a spiking window on the [`LossSpike`][danling.runners.update.spikes.LossSpike]
+        that leaves the pass (the current batch and those before it in the window)."""
+        try:
+            yield
+        except LossSpike as spike:
+            last, epoch = self.loop_state.batch, self.train_state.epoch
+            spike.batches = [(split, epoch, index) for index in range(last - spike.micro_steps + 1, last + 1)]
+            spike.step = self.train_state.global_step
+            raise
+
+    def roll_back(self, spike: LossSpike) -> None:
+        """Recover from a loss spike: reload the newest checkpoint that verifies, skip the spiked batches
+        from now on and lower the learning rates for a cooldown (see `spikes.*`).
+
+        Raises:
+            TrainingDivergedError: there is no checkpoint to roll back to.
+        """
+        guard = self.update.spike_guard
+        manager = self.checkpoint_manager
+        manager.wait()  # a save still being written may be the one to return to
+        if is_distributed():
+            barrier()  # the main process's save is on disk before any rank looks for it
+        path = manager.latest_valid()
+        if path is None:
+            raise TrainingDivergedError(
+                f"loss spike at global step {spike.step} ({spike}) and no checkpoint in {manager.directory} "
+                "to roll back to; save earlier (checkpoint.interval) or use spikes.policy=skip"
+            ) from spike
+        seen = guard.state_dict()
+        self.load_checkpoint(path)
+        guard.skipped_batches.update((s, e, b) for s, e, b in seen["skipped_batches"])
+        guard.rollbacks, guard.spikes = seen["rollbacks"], seen["spikes"]
+        guard.start_cooldown(spike.batches)
+        self.logger.warning(
+            "%s at global step %s; rolled back to %s (rollback %d of at most %d), skipping batches %s, "
+            "learning rates x%g for %d steps",
+            spike,
+            spike.step,
+            path,
+            guard.rollbacks,
+            guard.max_rollbacks,
+            spike.batches,
+            guard.lr_factor,
+            guard.cooldown_steps,
+        )
 
     def _observed_step(self, step: Any, data: Any, split: str, index: int) -> Any:
         """Run one step between `STEP_START` and `STEP_END` (which fires with the error if the step fails)."""
@@ -166,6 +253,8 @@ class PassMixin(StepHooks):
         # The final step-mode evaluation and checkpoint are train_steps' own. An evaluation due
         # now runs first, so this step's checkpoint holds the weights its row scores.
         if budget is not None and global_step < budget:
+            if self.update.watch_nonfinite_loss and self.checkpoint_manager.should_save(global_step):
+                self._check_pass_loss()  # a checkpoint never holds weights a NaN loss went into
             self._evaluate_if_due(global_step)
             self.save_checkpoint()
 
@@ -181,6 +270,8 @@ class PassMixin(StepHooks):
         # The one place step values are read back: the mean over the steps since the previous log,
         # shown on the terminal and sent to the trackers alike.
         values = self._step_window.read(self.meters)
+        if training and self.update.skipped_steps:  # every update dropped so far, NaN/inf or spike
+            values["skipped"] = self.update.skipped_steps
         if to_log:
             self.logger.info(self.format_step_result(values, split, iteration, length))
         if to_track and values:
@@ -263,6 +354,8 @@ class PassMixin(StepHooks):
                         self._shutdown()
                     yield
                     self.flush_results()  # a finished loop leaves its result files complete on disk
+                except LossSpike:
+                    raise  # not a failure: `train` rolls back and goes on
                 except Exception as error:
                     self.events.emit(Events.FAILURE, FailureContext(self, error))
                     raise
