@@ -53,6 +53,7 @@ from .config_sections import (
     SchedulerConfig,
     SpikeConfig,
     WandbConfig,
+    WatchdogConfig,
     _TypedConfig,
 )
 
@@ -128,6 +129,7 @@ class RunnerConfig(_TypedConfig):
         mlflow: MLflow tracking (off by default); see `MLflowConfig`.
         nonfinite: What NaN/inf updates do; see `NonFiniteConfig`.
         spikes: Loss-spike detection and recovery (off by default); see `SpikeConfig`.
+        watchdog: Hang watchdog of multi-process runs (on by default); see `WatchdogConfig`.
 
     Examples:
         >>> config = RunnerConfig()
@@ -221,6 +223,7 @@ class RunnerConfig(_TypedConfig):
     ema: EmaConfig = EmaConfig()
     nonfinite: NonFiniteConfig = NonFiniteConfig()
     spikes: SpikeConfig = SpikeConfig()
+    watchdog: WatchdogConfig = WatchdogConfig()
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__()

@@ -113,6 +113,7 @@ class LoopMixin(DryRunMixin):
                     self.loop_state.end_round()
                     context.result = result
                 stop_early = self.should_stop_early()
+                self._watch_phase("checkpoint save")
                 self.save_checkpoint(epochs=epoch, last_step=stop_early or epoch + 1 == self.epochs)
                 if stop_early:
                     self.logger.info("early stop: no better %s in %s epochs", self.score_name, self.patience)
@@ -156,6 +157,7 @@ class LoopMixin(DryRunMixin):
                 result.update(self.evaluate_for_row(evaluate_splits))
                 self._store_row(result, self.train_state.global_step)
                 self.loop_state.end_round()
+                self._watch_phase("checkpoint save")
                 self.save_checkpoint(last_step=True)
         finally:
             self._periodic_splits = None

@@ -15,11 +15,14 @@ from itertools import islice
 from typing import Any, NoReturn
 
 import torch
+import torch.distributed as dist
 
 from danling.distributed import all_reduce_any, barrier, is_distributed
+from danling.distributed.collectives import _on_backend_device
 from danling.utils import RoundDict
 
 from ..services.step_window import StepWindow
+from ..services.watchdog import watch_runner
 from ..update.spikes import LossSpike, TrainingDivergedError
 from .budget import length_of
 from .events import (
@@ -114,10 +117,16 @@ class PassMixin(StepHooks):
         batches, loss_meter = 0, None
         # Batches that spiked before a rollback (empty and falsy without a spike guard).
         skipped = self._spiked_batches() if training else None
+        watchdog = supervisor.watchdog  # told the phase of every batch (multi-process runs)
+        phase = "forward" if training else "evaluation"
+        if watchdog is not None:
+            watchdog.enter("data loading", state.global_step)
         # An evaluation pass runs in one inference context (entering it per batch costs more than
         # some small models' forward passes); it is left before a stop saves its checkpoint.
         with nullcontext() if training else self.inference_context(), self._spike_scope(split):
             for data in islice(loader, max_batches):
+                if watchdog is not None:
+                    watchdog.enter(phase, state.global_step)
                 if skipped and (split, state.epoch, position.batch) in skipped:
                     loss = self._skip_spiked_batch(split, position.batch)
                 elif observed:
@@ -125,6 +134,8 @@ class PassMixin(StepHooks):
                 else:
                     _, loss = step(data)
                 batches += 1
+                if watchdog is not None:
+                    watchdog.enter("data loading", state.global_step)  # until the next batch arrives
                 if loss is not None:
                     if loss_meter is None:
                         meters.update(loss=loss)
@@ -176,6 +187,12 @@ class PassMixin(StepHooks):
             "with non-finite gradients reached the weights; stopping. Set skip_nonfinite_grad=True to skip such "
             "updates, or nonfinite.check=update to drop every non-finite update before it is applied"
         )
+
+    def _watch_phase(self, phase: str) -> None:
+        """Tell the watchdog (when there is one) that this rank enters `phase`."""
+        watchdog = self.supervisor.watchdog
+        if watchdog is not None:
+            watchdog.enter(phase, self.train_state.global_step)
 
     def _spiked_batches(self) -> set[tuple[str, int, int]] | None:
         guard = getattr(self.update, "spike_guard", None)
@@ -256,6 +273,7 @@ class PassMixin(StepHooks):
             if self.update.watch_nonfinite_loss and self.checkpoint_manager.should_save(global_step):
                 self._check_pass_loss()  # a checkpoint never holds weights a NaN loss went into
             self._evaluate_if_due(global_step)
+            self._watch_phase("checkpoint save")
             self.save_checkpoint()
 
     def _evaluate_if_due(self, global_step: int) -> None:
@@ -320,9 +338,18 @@ class PassMixin(StepHooks):
         return stop_poll() or (at_end and self._agree_on_stop())
 
     def _agree_on_stop(self) -> bool:
-        """Whether any rank has a stop request: a collective every rank of the world enters."""
-        local = self.supervisor.stop_requested
-        return bool(all_reduce_any(torch.tensor(local), group=self.topology.group("world")))
+        """Whether any rank has a stop request: a collective every rank of the world enters.
+
+        A signal one rank received is adopted by the others, so every rank saves the same
+        shutdown checkpoint and exits with the same status (143 after a SIGTERM to any of them).
+        """
+        supervisor = self.supervisor
+        local = supervisor.exit_code if supervisor.signum is not None else int(supervisor.stop_requested)
+        code = _max_across_ranks(local, self.topology.group("world"))
+        if code and not supervisor.stop_requested:
+            supervisor.request_stop(code - 128 if code > 128 else None)
+            self.logger.warning("another rank asked to stop (exit code %d); stopping at the same step", code)
+        return code > 0
 
     def prepare_for_shutdown_checkpoint(self) -> None:
         """Bring the state to a consistent point before the shutdown checkpoint is written.
@@ -346,6 +373,10 @@ class PassMixin(StepHooks):
         self._loop_depth = 1
         self._training = training
         self.supervisor.install_signal_handlers()
+        watchdog = watch_runner(self) if training else self.supervisor.watchdog
+        if watchdog is not None:
+            watchdog.active = True
+            self.update.watch(watchdog)
         mode = mode or (RunnerMode.train if training else RunnerMode.evaluate)
         try:
             with self.events.pair(Events.RUN_START, Events.RUN_END, RunContext(self, mode.value)):
@@ -362,6 +393,9 @@ class PassMixin(StepHooks):
         finally:
             self._loop_depth = 0
             self._training = False
+            if watchdog is not None:
+                watchdog.active = False  # outside loops a rank is never judged stalled
+                watchdog.enter("idle", self.train_state.global_step)
             if not self.__dict__.get("_closed", False):
                 self.supervisor.restore_signal_handlers()
 
@@ -383,6 +417,16 @@ class PassMixin(StepHooks):
         )
         if self._training:
             self.prepare_for_shutdown_checkpoint()
+            self._watch_phase("checkpoint save")
             self.save_checkpoint(name="shutdown", force=True, save_best=False)
         self.close()
         raise SystemExit(code)
+
+
+def _max_across_ranks(value: int, group: Any) -> int:
+    """The largest `value` of the ranks of `group` (a collective when distributed)."""
+    if not is_distributed(group):
+        return value
+    reduced = _on_backend_device(torch.tensor(value, dtype=torch.int32), group)
+    dist.all_reduce(reduced, op=dist.ReduceOp.MAX, group=group)
+    return int(reduced)

@@ -69,6 +69,8 @@ class UpdateStrategy:
     # Whether the loops stop the run on a non-finite training loss they read (see TorchUpdateStrategy).
     watch_nonfinite_loss: bool = False
     spike_guard: SpikeGuard | None = None
+    # The hang watchdog, told when backward and the optimizer step start (see `watch`).
+    watchdog: Any = None
 
     def __init__(self, accum_steps: int = 1) -> None:
         self.accumulator = GradientAccumulator(accum_steps)
@@ -89,6 +91,11 @@ class UpdateStrategy:
     def skipped_steps(self) -> int:
         """Updates dropped because their gradients were not finite."""
         return 0
+
+    def watch(self, watchdog: Any) -> None:
+        """Report backward passes and optimizer steps to `watchdog` (its `enter(phase, step)`) from now on."""
+        self.watchdog = watchdog
+        self.plain_backward = False  # backward goes through `backward`, which reports it
 
     def start_pass(self, total: int | None) -> None:
         """Open a training pass of `total` micro-batches (`None` when unknown), or continue a restored one."""
@@ -271,6 +278,8 @@ class TorchUpdateStrategy(UpdateStrategy):
         if weight is None and self.plain_backward:  # false while a weighted window is open
             loss.backward()  # nothing to divide or scale
             return
+        if self.watchdog is not None:
+            self.watchdog.enter("backward", self.watchdog.step)
         scaler = self.precision.scaler
         if self.spike_guard is not None:
             detached = loss.detach().float()
@@ -311,10 +320,12 @@ class TorchUpdateStrategy(UpdateStrategy):
         container = self.container
         if container is None:
             raise RuntimeError("no optimizer to step: set config.optim.type or assign runner.optimizer")
+        if self.watchdog is not None:
+            self.watchdog.enter("optimizer step", self.watchdog.step)
         multiplier, self._multiplier = self._multiplier, None
         if self._weight is not None:
             multiplier, self._weight = self._weight_factor(self._weight), None
-            self.plain_backward = self._plain_backward
+            self.plain_backward = self._plain_backward and self.watchdog is None
         guard = self.spike_guard
         if guard is None:
             return container.step(multiplier)
