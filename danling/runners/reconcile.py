@@ -71,7 +71,9 @@ def _remove_leftovers(run_dir: Path, checkpoint_dir: Path, logger: logging.Logge
     removed = []
     for entry in sorted(run_dir.iterdir()):
         mine = entry.name.endswith(f".{os.getpid()}.tmp")  # a write of this very process, in flight
-        if entry.is_file() and entry.name.startswith(".") and entry.name.endswith(".tmp") and not mine:
+        # `.<name>.<pid>.tmp` and `.<name>.tmp-<hex>` (atomic_write_text's) alike
+        temporary = entry.name.endswith(".tmp") or ".tmp-" in entry.name
+        if entry.is_file() and entry.name.startswith(".") and temporary and not mine:
             entry.unlink(missing_ok=True)
             removed.append(entry.name)
     if checkpoint_dir.is_dir():

@@ -147,9 +147,15 @@ class LoopMixin(DryRunMixin):
             raise ValueError("train_steps() needs config.steps, or config.epochs with sized train dataloaders")
         train_splits = sorted(self._resolve_splits(train_splits, self.train_splits, "train"))
         evaluate_splits = self._resolve_splits(evaluate_splits, self.evaluate_splits, "evaluate")
+        step = self.train_state.global_step
+        # Resumed from the final checkpoint, the run is complete: evaluating again would replace its
+        # last row with one that lacks the training values of its last steps.
+        finished = step >= budget and any(int(index) == step for index in self.results)
         self._plan_periodic_evaluation(evaluate_splits, budget)
         try:
             with self._loop_scope(training=True):
+                if finished:
+                    return self.results
                 result = self.loop_state.begin_round()
                 while self.train_state.global_step < budget:
                     self._train_round(train_splits, result, budget)
@@ -166,6 +172,8 @@ class LoopMixin(DryRunMixin):
     def _train_round(self, train_splits: list[str], result: RoundDict, budget: int) -> None:
         """One round over the train splits in step mode, stopping at the budget."""
         start = self.train_state.global_step
+        # A checkpoint taken after the last batch of a pass resumes at its end: no step is left in it.
+        resumed = self.loop_state.split is not None
         for split in self.loop_state.splits_from_cursor(list(train_splits)):
             split_result = self._run_split(split, RunnerMode.train, budget=budget)[0]
             if self._evaluated_step != self.train_state.global_step:  # else no batch since that row
@@ -181,7 +189,7 @@ class LoopMixin(DryRunMixin):
             # An epoch-interval scheduler steps once per round; a round whose values all went into a
             # periodic evaluation's row gives a metric scheduler that row instead.
             self.advance_schedulers(result or self._latest_row() or result)
-        if self.train_state.global_step == start:
+        if self.train_state.global_step == start and not resumed:
             raise RuntimeError(
                 f"a full round over {train_splits} applied no optimizer step: the loaders are empty "
                 "or train_step does not call self.step()"
