@@ -84,18 +84,10 @@ class PassMixin(StepHooks):
         self, split: str, mode: RunnerMode, *, budget: int | None = None, max_batches: int | None = None
     ) -> tuple[RoundDict, int]:
         loader = self.dataloaders[split]
-        self.mode, self.split = mode, split
-        self.meters.reset()
-        self._step_window = StepWindow()  # step logs average the steps since the previous log of this pass
         length = length_of(loader)
         training = mode is RunnerMode.train
+        self._open_pass(split, mode, training, length)
         position = self.loop_state
-        if training:
-            if position.split != split:
-                position.batch = 0
-            position.split = split
-            self.update.start_pass(length)
-        self._start_metrics(mode)
         if max_batches is not None:
             length = max_batches if length is None else min(length, max_batches)
         interval = self._log_interval_for(length)
@@ -115,12 +107,10 @@ class PassMixin(StepHooks):
         overridden = type(self)._stop_requested is not PassMixin._stop_requested
         stop_poll = self._stop_requested if agree or overridden else None
         batches, loss_meter = 0, None
-        # Batches that spiked before a rollback (empty and falsy without a spike guard).
-        skipped = self._spiked_batches() if training else None
-        watchdog = supervisor.watchdog  # told the phase of every batch (multi-process runs)
+        # Batches that spiked before a rollback (empty and falsy without a spike guard), and the
+        # watchdog (multi-process runs), told the phase of every batch.
+        skipped, watchdog = self._spiked_batches() if training else None, supervisor.watchdog
         phase = "forward" if training else "evaluation"
-        if watchdog is not None:
-            watchdog.enter("data loading", state.global_step)
         # An evaluation pass runs in one inference context (entering it per batch costs more than
         # some small models' forward passes); it is left before a stop saves its checkpoint.
         with nullcontext() if training else self.inference_context(), self._spike_scope(split):
@@ -158,13 +148,33 @@ class PassMixin(StepHooks):
                     break
             else:
                 self._pass_ran_out(agree and length is None, training)
+        self._close_pass(training, budget)
+        return self.collect_result(split), batches
+
+    def _open_pass(self, split: str, mode: RunnerMode, training: bool, length: int | None) -> None:
+        """Reset the pass's meters and metrics; a training pass also sets the loop position and the windows."""
+        self.mode, self.split = mode, split
+        self.meters.reset()
+        self._step_window = StepWindow()  # step logs average the steps since the previous log of this pass
+        if training:
+            position = self.loop_state
+            if position.split != split:
+                position.batch = 0
+            position.split = split
+            self.update.start_pass(length)
+        self._start_metrics(mode)
+        watchdog = self.supervisor.watchdog
+        if watchdog is not None:
+            watchdog.enter("data loading", self.train_state.global_step)
+
+    def _close_pass(self, training: bool, budget: int | None) -> None:
+        """Apply a window the pass left open, shut down on a latched stop, check the loss (`nonfinite.check`)."""
         if training and self._close_window():
             self._after_optimizer_progress(budget)
         if self._stop_latched:  # at a window boundary (the break above) or at the end of the pass
             self._shutdown()
-        if training and update.watch_nonfinite_loss:
+        if training and self.update.watch_nonfinite_loss:
             self._check_pass_loss()  # before the pass's result (and the epoch's checkpoint) is kept
-        return self.collect_result(split), batches
 
     def _check_pass_loss(self) -> None:
         """Stop the run when the pass's loss so far is not finite (`nonfinite.check=log`), agreed across ranks.

@@ -115,7 +115,9 @@ class SpikeGuard:
 
     Args:
         policy: `"skip"` or `"rollback"`.
-        factor, window, min_history: See `SpikeDetector`.
+        factor: Threshold multiplier of the running median (see `SpikeDetector`).
+        window: Losses the median is taken over.
+        min_history: Losses seen before detection starts (default: `window`).
         max_rollbacks: Rollbacks allowed; the next spike after them stops the run.
         lr_factor: Multiplier of the learning rates during a cooldown, in `(0, 1]`.
         cooldown_steps: Optimizer steps a cooldown lasts.
