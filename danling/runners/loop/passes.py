@@ -183,10 +183,11 @@ class PassMixin(StepHooks):
         sum; the steps between stay free of host synchronisations). Weights that took a NaN update
         keep producing NaN losses, so a later check catches an earlier NaN too.
         """
-        if "loss" not in self.meters:
-            return
-        meter = self.meters["loss"]
-        bad = ~torch.isfinite(torch.as_tensor(meter._sum, dtype=torch.float32)).all()
+        # Every rank takes part in the agreement, with or without a loss (a pipeline's first stages have none).
+        meter = self.meters["loss"] if "loss" in self.meters else None  # noqa: SIM401 (no dict get)
+        bad = torch.tensor(False)
+        if meter is not None:
+            bad = ~torch.isfinite(torch.as_tensor(meter._sum, dtype=torch.float32)).all()
         if self._training and is_distributed():
             bad = all_reduce_any(bad, group=self.topology.group("world"))
         if not bool(bad):
