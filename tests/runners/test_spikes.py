@@ -155,8 +155,9 @@ def test_spike_rollback_without_a_checkpoint_says_so(tmp_path):
 
 def _spike_on_one_rank(rank, world_size, root):
     # rank 1 alone spikes: the window loss is averaged over the ranks, so both roll back together
-    inject = {(1, 2): 1e4} if rank == 1 else {}
-    overrides = {**SPIKES, "spikes.policy": "rollback", "spikes.cooldown_steps": 2, "spikes.factor": 3.0}
+    # (2 batches per rank and pass)
+    inject = {(1, 1): 1e4} if rank == 1 else {}
+    overrides = {**SPIKES, "spikes.policy": "rollback", "spikes.cooldown_steps": 2, "spikes.min_history": 2}
     with _runner(root, inject, **overrides) as runner:
         runner.train()
         guard = runner.update.spike_guard
@@ -174,6 +175,6 @@ def test_ranks_agree_on_a_spike_one_of_them_saw(tmp_path):
 
     first, second = run_distributed(_spike_on_one_rank, str(tmp_path), init_process_group=False)
     assert first["rollbacks"] == second["rollbacks"] == 1
-    assert first["skipped"] == second["skipped"] == [("train", 1, 2)]
+    assert first["skipped"] == second["skipped"] == [("train", 1, 1)]
     assert first["step"] == second["step"]
     assert all(torch.equal(a, b) and torch.isfinite(a).all() for a, b in zip(first["weights"], second["weights"]))
