@@ -1,11 +1,8 @@
 """Runner configuration: a typed, parseable `chanfig.Config` with every runner key.
 
-`RunnerConfig` composes one small section class per component (checkpointing, data loading,
-tracking, parallelism, ...), defined in [`config_sections`][danling.runners.config_sections]. Each
-section declares its keys as annotated class attributes, so values coming from YAML files or the
-command line are converted to the declared type and checked. `RunnerConfig.validate` adds the
-cross-field checks (valid stack, budgets, precision, ...) and raises `ValueError` with the
-offending value.
+`RunnerConfig` composes one section class per component ([`config_sections`][danling.runners.config_sections],
+[`config_operations`][danling.runners.config_operations]), whose annotated keys convert and check values from
+YAML files and the command line; `RunnerConfig.validate` adds the cross-field checks and names the offending value.
 """
 
 import functools
@@ -34,6 +31,7 @@ from ._config_utils import (
     unknown_keys,
     unsupported,
 )
+from .config_operations import HeartbeatConfig, InferenceConfig, NonFiniteConfig, SpikeConfig, WatchdogConfig
 from .config_sections import (
     CheckpointConfig,
     CommConfig,
@@ -44,8 +42,6 @@ from .config_sections import (
     FaultToleranceConfig,
     FsdpConfig,
     GcConfig,
-    HeartbeatConfig,
-    InferenceConfig,
     MLflowConfig,
     OptimConfig,
     ParallelConfig,
@@ -127,6 +123,9 @@ class RunnerConfig(_TypedConfig):
         tensorboard: Write TensorBoard scalars.
         csv: `metrics.csv` in the run directory (on by default); see `CSVConfig`.
         mlflow: MLflow tracking (off by default); see `MLflowConfig`.
+        nonfinite: What NaN/inf updates do; see `NonFiniteConfig`.
+        spikes: Loss-spike detection and recovery (off by default); see `SpikeConfig`.
+        watchdog: Hang watchdog of multi-process runs (on by default); see `WatchdogConfig`.
 
     Examples:
         >>> config = RunnerConfig()
@@ -220,6 +219,9 @@ class RunnerConfig(_TypedConfig):
     heartbeat: HeartbeatConfig = HeartbeatConfig()
     ema: EmaConfig = EmaConfig()
     inference: InferenceConfig = InferenceConfig()
+    nonfinite: NonFiniteConfig = NonFiniteConfig()
+    spikes: SpikeConfig = SpikeConfig()
+    watchdog: WatchdogConfig = WatchdogConfig()
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__()

@@ -30,8 +30,6 @@ __all__ = [
     "GcConfig",
     "ProfilingConfig",
     "EmaConfig",
-    "HeartbeatConfig",
-    "InferenceConfig",
 ]
 
 
@@ -419,32 +417,3 @@ class EmaConfig(_TypedConfig):
 
     enabled: bool = False
     decay: float = 0.999
-
-
-class HeartbeatConfig(_TypedConfig):
-    """Per-rank heartbeat files (`heartbeat.*`) under `<run dir>/<dir_name>`.
-
-    Attributes:
-        enabled: Each rank rewrites its heartbeat file while it runs.
-        interval_seconds: Seconds between writes.
-        dir_name: Directory of the files, relative to the run directory.
-    """
-
-    enabled: bool = False
-    interval_seconds: float = 60.0
-    dir_name: str = "heartbeats"
-
-
-class InferenceConfig(_TypedConfig):
-    """Inference into files (`inference.*`): what `runner.infer(split)` does when no `output` is passed.
-
-    Attributes:
-        output: File the outputs are streamed into (`.jsonl`, `.npy`, `.parquet` or a registered
-            suffix); None keeps `infer()` returning its outputs in memory.
-        progress_interval: Batches between two progress records (the points a killed run resumes from).
-        resume: Continue from the progress record of an earlier run into the same output; False starts over.
-    """
-
-    output: str | None = None
-    progress_interval: int = 100
-    resume: bool = True

@@ -33,6 +33,7 @@ from .parallel.pipeline import PipelineMixin
 from .runner import register_runner
 from .torch_runner import TorchRunner
 from .update import GradientSync, TorchUpdateStrategy, gradient_sync_for
+from .update.spikes import guard_options
 
 __all__ = ["ParallelRunner"]
 
@@ -282,6 +283,7 @@ class ParallelRunner(PipelineMixin, TorchRunner):
             skip_nonfinite_grad=self.skip_nonfinite_grad,
             skip_group=topology.group("world"),
             norm_group=norm_group,
+            **guard_options(self.config, self.logger, spikes_supported=not pipelined),
         )
 
     # ------------------------------------------------------------------ steps

@@ -71,7 +71,10 @@ def _remove_leftovers(run_dir: Path, checkpoint_dir: Path, logger: logging.Logge
     """Hidden `*.tmp` files of interrupted writes in `run_dir`, and staging entries of checkpoint saves."""
     removed = []
     for entry in sorted(run_dir.iterdir()):
-        if entry.is_file() and entry.name.startswith(".") and entry.name.endswith(".tmp") and not _writing(entry.name):
+        # `.<name>.<pid>.tmp` (skipped while its writer lives) and atomic_write_text's `.<name>.tmp-<hex>`
+        pid_named = entry.name.endswith(".tmp")
+        temporary = pid_named or ".tmp-" in entry.name
+        if entry.is_file() and entry.name.startswith(".") and temporary and not (pid_named and _writing(entry.name)):
             entry.unlink(missing_ok=True)
             removed.append(entry.name)
     if checkpoint_dir.is_dir():

@@ -40,6 +40,7 @@ from .torch_data import TorchDataMixin
 from .torch_insight import TorchInsightMixin
 from .update import EMA, GradientAccumulator, OptimizerContainer, Precision, TorchUpdateStrategy, gradient_sync_for
 from .update.scheduling import advance_round_scheduler
+from .update.spikes import guard_options
 
 __all__ = ["TorchRunner"]
 
@@ -352,6 +353,7 @@ class TorchRunner(TorchCheckpointMixin, TorchBatchMixin, TorchDataMixin, TorchIn
             max_grad_value=self.max_grad_value,
             skip_nonfinite_grad=self.skip_nonfinite_grad,
             skip_group=self.topology.group("world"),
+            **guard_options(self.config, self.logger),
         )
 
     @property

@@ -35,6 +35,7 @@ def _break(run_dir, best):
     results["results"].pop("3")
     (run_dir / "results.json").write_text(json.dumps(results))
     leftovers = [run_dir / ".config.yaml.4242.tmp", run_dir / ".results.json.1a2b3c4d.tmp"]
+    leftovers.append(run_dir / ".status.json.tmp-3ecabb2a0b3240dd91a9f5cbc94d092f")  # atomic_write_text's
     for path in leftovers:
         path.write_text("partial")
     staging = checkpoints / ".tmp-epoch-000004-0123456789abcdef"
@@ -60,7 +61,7 @@ def test_reconcile_run_repairs_a_killed_run(finished_run, caplog):
     assert report["latest"] == ["epoch-000001", "epoch-000003"]
     assert report["best"] == [f"epoch-{(best + 1) % 4:06d}", f"epoch-{best:06d}"]
     assert sorted(report["rebuilt"]) == ["best.json", "results.json"]
-    assert len(report["removed"]) == 3
+    assert len(report["removed"]) == 4
     assert any("'latest' pointed to epoch-000001" in r.getMessage() for r in caplog.records)
     _assert_healed(run_dir, best, files, leftovers)
     assert reconcile_run(run_dir) == {**report, "latest": None, "best": None, "rebuilt": [], "removed": []}

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from danling.utils import RoundDict
 
+from ..update.spikes import LossSpike
 from .budget import length_of
 from .dry_run import DryRunMixin
 from .events import EpochContext, Events, StopContext
@@ -50,9 +51,14 @@ class LoopMixin(DryRunMixin):
         Returns:
             All result rows (`self.results`).
 
+        With `spikes.policy` set to `"rollback"`, a loss spike reloads the newest checkpoint that
+        verifies and training goes on from there (see
+        [`roll_back`][danling.runners.loop.passes.PassMixin.roll_back]).
+
         Raises:
             ValueError: A requested split has no dataloader, there is no training split, or the
                 budget or data would train nothing (see `check_training_budget`).
+            TrainingDivergedError: Non-finite updates or loss spikes came too often (`nonfinite.*`, `spikes.*`).
         """
         train_splits = self._resolve_splits(train_splits, self.train_splits, "train")
         if not train_splits:
@@ -67,9 +73,13 @@ class LoopMixin(DryRunMixin):
         if self.budget_spent():  # a resumed run whose budget was not raised
             return self.results
         self.logger.info("training on %s; evaluating on %s", train_splits, evaluate_splits or "nothing")
-        if self.is_step_mode:
-            return self.train_steps(train_splits, evaluate_splits)
-        return self.train_epochs(train_splits, evaluate_splits)
+        while True:
+            try:
+                if self.is_step_mode:
+                    return self.train_steps(train_splits, evaluate_splits)
+                return self.train_epochs(train_splits, evaluate_splits)
+            except LossSpike as spike:  # spikes.policy=rollback: reload, then carry on from there
+                self.roll_back(spike)
 
     def train_epochs(
         self, train_splits: Sequence[str] | None = None, evaluate_splits: Sequence[str] | None = None
@@ -107,6 +117,7 @@ class LoopMixin(DryRunMixin):
                     self.loop_state.end_round()
                     context.result = result
                 stop_early = self.should_stop_early()
+                self._watch_phase("checkpoint save")
                 self.save_checkpoint(epochs=epoch, last_step=stop_early or epoch + 1 == self.epochs)
                 if stop_early:
                     self.logger.info("early stop: no better %s in %s epochs", self.score_name, self.patience)
@@ -140,9 +151,15 @@ class LoopMixin(DryRunMixin):
             raise ValueError("train_steps() needs config.steps, or config.epochs with sized train dataloaders")
         train_splits = sorted(self._resolve_splits(train_splits, self.train_splits, "train"))
         evaluate_splits = self._resolve_splits(evaluate_splits, self.evaluate_splits, "evaluate")
+        step = self.train_state.global_step
+        # Resumed from the final checkpoint, the run is complete: evaluating again would replace its
+        # last row with one that lacks the training values of its last steps.
+        finished = step >= budget and any(int(index) == step for index in self.results)
         self._plan_periodic_evaluation(evaluate_splits, budget)
         try:
             with self._loop_scope(training=True):
+                if finished:
+                    return self.results
                 result = self.loop_state.begin_round()
                 while self.train_state.global_step < budget:
                     self._train_round(train_splits, result, budget)
@@ -150,6 +167,7 @@ class LoopMixin(DryRunMixin):
                 result.update(self.evaluate_for_row(evaluate_splits))
                 self._store_row(result, self.train_state.global_step)
                 self.loop_state.end_round()
+                self._watch_phase("checkpoint save")
                 self.save_checkpoint(last_step=True)
         finally:
             self._periodic_splits = None

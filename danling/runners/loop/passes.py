@@ -15,11 +15,15 @@ from itertools import islice
 from typing import Any, NoReturn
 
 import torch
+import torch.distributed as dist
 
-from danling.distributed import all_reduce_any, is_distributed
+from danling.distributed import all_reduce_any, barrier, is_distributed
+from danling.distributed.collectives import _on_backend_device
 from danling.utils import RoundDict
 
 from ..services.step_window import StepWindow
+from ..services.watchdog import watch_runner
+from ..update.spikes import LossSpike, TrainingDivergedError
 from .budget import length_of
 from .events import (
     EvaluationContext,
@@ -80,18 +84,10 @@ class PassMixin(StepHooks):
         self, split: str, mode: RunnerMode, *, budget: int | None = None, max_batches: int | None = None
     ) -> tuple[RoundDict, int]:
         loader = self.dataloaders[split]
-        self.mode, self.split = mode, split
-        self.meters.reset()
-        self._step_window = StepWindow()  # step logs average the steps since the previous log of this pass
         length = length_of(loader)
         training = mode is RunnerMode.train
+        self._open_pass(split, mode, training, length)
         position = self.loop_state
-        if training:
-            if position.split != split:
-                position.batch = 0
-            position.split = split
-            self.update.start_pass(length)
-        self._start_metrics(mode)
         if max_batches is not None:
             length = max_batches if length is None else min(length, max_batches)
         interval = self._log_interval_for(length)
@@ -111,15 +107,25 @@ class PassMixin(StepHooks):
         overridden = type(self)._stop_requested is not PassMixin._stop_requested
         stop_poll = self._stop_requested if agree or overridden else None
         batches, loss_meter = 0, None
+        # Batches that spiked before a rollback (empty and falsy without a spike guard), and the
+        # watchdog (multi-process runs), told the phase of every batch.
+        skipped, watchdog = self._spiked_batches() if training else None, supervisor.watchdog
+        phase = "forward" if training else "evaluation"
         # An evaluation pass runs in one inference context (entering it per batch costs more than
         # some small models' forward passes); it is left before a stop saves its checkpoint.
-        with nullcontext() if training else self.inference_context():
+        with nullcontext() if training else self.inference_context(), self._spike_scope(split):
             for data in islice(loader, max_batches):
-                if observed:
+                if watchdog is not None:
+                    watchdog.enter(phase, state.global_step)
+                if skipped and (split, state.epoch, position.batch) in skipped:
+                    loss = self._skip_spiked_batch(split, position.batch)
+                elif observed:
                     loss = self._observed_step(step, data, split, batches)
                 else:
                     _, loss = step(data)
                 batches += 1
+                if watchdog is not None:
+                    watchdog.enter("data loading", state.global_step)  # until the next batch arrives
                 if loss is not None:
                     if loss_meter is None:
                         meters.update(loss=loss)
@@ -142,11 +148,120 @@ class PassMixin(StepHooks):
                     break
             else:
                 self._pass_ran_out(agree and length is None, training)
+        self._close_pass(training, budget)
+        return self.collect_result(split), batches
+
+    def _open_pass(self, split: str, mode: RunnerMode, training: bool, length: int | None) -> None:
+        """Reset the pass's meters and metrics; a training pass also sets the loop position and the windows."""
+        self.mode, self.split = mode, split
+        self.meters.reset()
+        self._step_window = StepWindow()  # step logs average the steps since the previous log of this pass
+        if training:
+            position = self.loop_state
+            if position.split != split:
+                position.batch = 0
+            position.split = split
+            self.update.start_pass(length)
+        self._start_metrics(mode)
+        watchdog = self.supervisor.watchdog
+        if watchdog is not None:
+            watchdog.enter("data loading", self.train_state.global_step)
+
+    def _close_pass(self, training: bool, budget: int | None) -> None:
+        """Apply a window the pass left open, shut down on a latched stop, check the loss (`nonfinite.check`)."""
         if training and self._close_window():
             self._after_optimizer_progress(budget)
         if self._stop_latched:  # at a window boundary (the break above) or at the end of the pass
             self._shutdown()
-        return self.collect_result(split), batches
+        if training and self.update.watch_nonfinite_loss:
+            self._check_pass_loss()  # before the pass's result (and the epoch's checkpoint) is kept
+
+    def _check_pass_loss(self) -> None:
+        """Stop the run when the pass's loss so far is not finite (`nonfinite.check=log`), agreed across ranks.
+
+        Made at the end of a training pass and before a mid-pass checkpoint (one read of the running
+        sum; the steps between stay free of host synchronisations). Weights that took a NaN update
+        keep producing NaN losses, so a later check catches an earlier NaN too.
+        """
+        # Every rank takes part in the agreement, with or without a loss (a pipeline's first stages have none).
+        meter = self.meters["loss"] if "loss" in self.meters else None  # noqa: SIM401 (no dict get)
+        bad = torch.tensor(False)
+        if meter is not None:
+            bad = ~torch.isfinite(torch.as_tensor(meter._sum, dtype=torch.float32)).all()
+        if self._training and is_distributed():
+            bad = all_reduce_any(bad, group=self.topology.group("world"))
+        if not bool(bad):
+            return
+        step = self.train_state.global_step
+        raise TrainingDivergedError(
+            f"the training loss of the {self.split} pass is not finite (global step {step}): updates "
+            "with non-finite gradients reached the weights; stopping. Set skip_nonfinite_grad=True to skip such "
+            "updates, or nonfinite.check=update to drop every non-finite update before it is applied"
+        )
+
+    def _watch_phase(self, phase: str) -> None:
+        """Tell the watchdog (when there is one) that this rank enters `phase`."""
+        watchdog = self.supervisor.watchdog
+        if watchdog is not None:
+            watchdog.enter(phase, self.train_state.global_step)
+
+    def _spiked_batches(self) -> set[tuple[str, int, int]] | None:
+        guard = getattr(self.update, "spike_guard", None)
+        return None if guard is None else guard.skipped_batches
+
+    def _skip_spiked_batch(self, split: str, index: int) -> None:
+        """Leave out a batch that spiked before a rollback: its micro-step adds no gradient."""
+        epoch = self.train_state.epoch
+        self.logger.warning("skipping batch %d of %s in epoch %d: it spiked before a rollback", index, split, epoch)
+        self.step()  # the window closes (and the schedule advances) where it would have
+
+    @contextmanager
+    def _spike_scope(self, split: str) -> Iterator[None]:
+        """Name the batches of a spiking window on the [`LossSpike`][danling.runners.update.spikes.LossSpike]
+        that leaves the pass (the current batch and those before it in the window)."""
+        try:
+            yield
+        except LossSpike as spike:
+            last, epoch = self.loop_state.batch, self.train_state.epoch
+            spike.batches = [(split, epoch, index) for index in range(last - spike.micro_steps + 1, last + 1)]
+            spike.step = self.train_state.global_step
+            raise
+
+    def roll_back(self, spike: LossSpike) -> None:
+        """Recover from a loss spike: reload the newest checkpoint that verifies, skip the spiked batches
+        from now on and lower the learning rates for a cooldown (see `spikes.*`).
+
+        Raises:
+            TrainingDivergedError: there is no checkpoint to roll back to.
+        """
+        guard = self.update.spike_guard
+        manager = self.checkpoint_manager
+        manager.wait()  # a save still being written may be the one to return to
+        if is_distributed():
+            barrier()  # the main process's save is on disk before any rank looks for it
+        path = manager.latest_valid()
+        if path is None:
+            raise TrainingDivergedError(
+                f"loss spike at global step {spike.step} ({spike}) and no checkpoint in {manager.directory} "
+                "to roll back to; save earlier (checkpoint.interval) or use spikes.policy=skip"
+            ) from spike
+        seen = guard.state_dict()
+        self.load_checkpoint(path)
+        guard.skipped_batches.update((s, e, b) for s, e, b in seen["skipped_batches"])
+        guard.rollbacks, guard.spikes = seen["rollbacks"], seen["spikes"]
+        guard.start_cooldown(spike.batches)
+        self.logger.warning(
+            "%s at global step %s; rolled back to %s (rollback %d of at most %d), skipping batches %s, "
+            "learning rates x%g for %d steps",
+            spike,
+            spike.step,
+            path,
+            guard.rollbacks,
+            guard.max_rollbacks,
+            spike.batches,
+            guard.lr_factor,
+            guard.cooldown_steps,
+        )
 
     def _observed_step(self, step: Any, data: Any, split: str, index: int) -> Any:
         """Run one step between `STEP_START` and `STEP_END` (which fires with the error if the step fails)."""
@@ -166,7 +281,10 @@ class PassMixin(StepHooks):
         # The final step-mode evaluation and checkpoint are train_steps' own. An evaluation due
         # now runs first, so this step's checkpoint holds the weights its row scores.
         if budget is not None and global_step < budget:
+            if self.update.watch_nonfinite_loss and self.checkpoint_manager.should_save(global_step):
+                self._check_pass_loss()  # a checkpoint never holds weights a NaN loss went into
             self._evaluate_if_due(global_step)
+            self._watch_phase("checkpoint save")
             self.save_checkpoint()
 
     def _evaluate_if_due(self, global_step: int) -> None:
@@ -181,6 +299,8 @@ class PassMixin(StepHooks):
         # The one place step values are read back: the mean over the steps since the previous log,
         # shown on the terminal and sent to the trackers alike.
         values = self._step_window.read(self.meters)
+        if training and self.update.skipped_steps:  # every update dropped so far, NaN/inf or spike
+            values["skipped"] = self.update.skipped_steps
         if to_log:
             self.logger.info(self.format_step_result(values, split, iteration, length))
         if to_track and values:
@@ -229,9 +349,18 @@ class PassMixin(StepHooks):
         return stop_poll() or (at_end and self._agree_on_stop())
 
     def _agree_on_stop(self) -> bool:
-        """Whether any rank has a stop request: a collective every rank of the world enters."""
-        local = self.supervisor.stop_requested
-        return bool(all_reduce_any(torch.tensor(local), group=self.topology.group("world")))
+        """Whether any rank has a stop request: a collective every rank of the world enters.
+
+        A signal one rank received is adopted by the others, so every rank saves the same
+        shutdown checkpoint and exits with the same status (143 after a SIGTERM to any of them).
+        """
+        supervisor = self.supervisor
+        local = supervisor.exit_code if supervisor.signum is not None else int(supervisor.stop_requested)
+        code = _max_across_ranks(local, self.topology.group("world"))
+        if code and not supervisor.stop_requested:
+            supervisor.request_stop(code - 128 if code > 128 else None)
+            self.logger.warning("another rank asked to stop (exit code %d); stopping at the same step", code)
+        return code > 0
 
     def prepare_for_shutdown_checkpoint(self) -> None:
         """Bring the state to a consistent point before the shutdown checkpoint is written.
@@ -255,6 +384,10 @@ class PassMixin(StepHooks):
         self._loop_depth = 1
         self._training = training
         self.supervisor.install_signal_handlers()
+        watchdog = watch_runner(self) if training else self.supervisor.watchdog
+        if watchdog is not None:
+            watchdog.active = True
+            self.update.watch(watchdog)
         mode = mode or (RunnerMode.train if training else RunnerMode.evaluate)
         try:
             with self.events.pair(Events.RUN_START, Events.RUN_END, RunContext(self, mode.value)):
@@ -263,12 +396,17 @@ class PassMixin(StepHooks):
                         self._shutdown()
                     yield
                     self.flush_results()  # a finished loop leaves its result files complete on disk
+                except LossSpike:
+                    raise  # not a failure: `train` rolls back and goes on
                 except Exception as error:
                     self.events.emit(Events.FAILURE, FailureContext(self, error))
                     raise
         finally:
             self._loop_depth = 0
             self._training = False
+            if watchdog is not None:
+                watchdog.active = False  # outside loops a rank is never judged stalled
+                watchdog.enter("idle", self.train_state.global_step)
             if not self.__dict__.get("_closed", False):
                 self.supervisor.restore_signal_handlers()
 
@@ -290,6 +428,16 @@ class PassMixin(StepHooks):
         )
         if self._training:
             self.prepare_for_shutdown_checkpoint()
+            self._watch_phase("checkpoint save")
             self.save_checkpoint(name="shutdown", force=True, save_best=False)
         self.close()
         raise SystemExit(code)
+
+
+def _max_across_ranks(value: int, group: Any) -> int:
+    """The largest `value` of the ranks of `group` (a collective when distributed)."""
+    if not is_distributed(group):
+        return value
+    reduced = _on_backend_device(torch.tensor(value, dtype=torch.int32), group)
+    dist.all_reduce(reduced, op=dist.ReduceOp.MAX, group=group)
+    return int(reduced)

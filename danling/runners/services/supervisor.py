@@ -90,6 +90,8 @@ class RunnerSupervisor:
         self._last_progress: dict[str, Any] = {}
         self._last_gc_step: int | None = None
         self._gc_was_enabled: bool | None = None
+        # The hang watchdog of a multi-process run (see `watchdog.py`), started by the training loop.
+        self.watchdog: Any = None
         if gc_interval is not None and self.gc_disable_automatic:
             self._gc_was_enabled = gc.isenabled()
             gc.disable()
@@ -201,7 +203,10 @@ class RunnerSupervisor:
         return True
 
     def close(self) -> None:
-        """Write a final heartbeat, restore signal handlers and automatic GC."""
+        """Stop the watchdog, write a final heartbeat, restore signal handlers and automatic GC."""
+        if self.watchdog is not None:
+            self.watchdog.close()
+            self.watchdog = None
         if self.heartbeat_dir is not None and self._last_progress:
             self._last_progress["phase"] = "closed"
             self._write_heartbeat()

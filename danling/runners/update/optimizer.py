@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
@@ -11,6 +12,7 @@ import torch.distributed as dist
 from danling.distributed import all_reduce_any, is_distributed
 
 from .precision import Precision
+from .spikes import TrainingDivergedError
 
 __all__ = ["OptimizerContainer", "clip_gradients", "has_nonfinite_gradients", "scale_gradients"]
 
@@ -137,11 +139,16 @@ class OptimizerContainer:
     """One optimizer update: unscale, non-finite check, clipping, step, scheduler, zeroing.
 
     `step` is what a runner calls at the end of an accumulation window. An update is skipped
-    (gradients zeroed, scheduler not advanced, ``False`` returned, `skipped_steps` incremented)
-    when the gradients are non-finite and either ``skip_nonfinite_grad`` is on or a
-    ``GradScaler`` is in use (the scaler would skip the step anyway; it then lowers its scale). The
-    non-finite decision is all-reduced, so every rank skips together; it costs one host
-    synchronisation per update and is only made when one of those two options applies.
+    (gradients zeroed, scheduler not advanced, ``False`` returned, `skipped_steps` incremented, a
+    warning logged) when the gradients are non-finite and ``skip_nonfinite_grad``,
+    ``check_nonfinite`` or a ``GradScaler`` is in use (the scaler would skip the step anyway; it
+    then lowers its scale). The non-finite decision is all-reduced, so every rank skips together;
+    it costs one host synchronisation per update and is only made when one of those options applies.
+
+    After ``max_nonfinite_updates`` non-finite updates in a row, `step` raises
+    [`TrainingDivergedError`][danling.runners.update.spikes.TrainingDivergedError] instead: by
+    default the first one when only ``check_nonfinite`` asked for the check (NaN never reaches the
+    weights, and the run does not go on silently), no limit when skipping was asked for.
 
     Args:
         optimizer: The optimizer to step.
@@ -157,6 +164,10 @@ class OptimizerContainer:
         skip_group: Process group whose ranks agree on a non-finite skip (``None``: every rank).
         norm_group: Process group of ranks holding disjoint parameters (pipeline stages) whose
             gradients share one global norm for clipping (``None``: the local parameters only).
+        check_nonfinite: Check for (and drop) non-finite updates even without ``skip_nonfinite_grad``.
+        max_nonfinite_updates: Non-finite updates in a row that stop the run (``None``: 1 when only
+            ``check_nonfinite`` is on, no limit with ``skip_nonfinite_grad`` or a scaler).
+        logger: Where skipped updates are reported (default: ``danling.runners``).
 
     Examples:
         >>> model = torch.nn.Linear(2, 1)
@@ -181,10 +192,16 @@ class OptimizerContainer:
         scheduler_interval: str = "step",
         skip_group: Any = None,
         norm_group: Any = None,
+        check_nonfinite: bool = False,
+        max_nonfinite_updates: int | None = None,
+        logger: logging.Logger | None = None,
     ) -> None:
         for name, value in (("max_grad_norm", max_grad_norm), ("max_grad_value", max_grad_value)):
             if value is not None and value <= 0:
                 raise ValueError(f"{name} must be positive or None, got {value!r}")
+        limit = max_nonfinite_updates
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+            raise ValueError(f"nonfinite.max_consecutive must be a positive integer or None, got {limit!r}")
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.precision = precision
@@ -194,7 +211,12 @@ class OptimizerContainer:
         self.scheduler_interval = scheduler_interval
         self.skip_group = skip_group  # ranks that agree on skipping (None: all of them)
         self.norm_group = norm_group  # ranks whose disjoint parameters share one gradient norm
+        self.check_nonfinite = check_nonfinite
+        self.max_nonfinite_updates = max_nonfinite_updates
+        self.logger = logger or logging.getLogger("danling.runners")
         self.skipped_steps = 0
+        self.consecutive_nonfinite = 0
+        self.lr_scale = 1.0  # a spike cooldown lowers the learning rates of the updates it covers
         self.last_grad_norm: torch.Tensor | None = None
 
     @property
@@ -219,37 +241,76 @@ class OptimizerContainer:
             scaler.unscale_(self.optimizer)
         if grad_multiplier is not None:
             scale_gradients(self.parameters(), grad_multiplier)
-        skip_check = self.skip_nonfinite_grad or scaler is not None
+        skip_check = self.skip_nonfinite_grad or self.check_nonfinite or scaler is not None
         if skip_check and has_nonfinite_gradients(self.parameters(), group=self.skip_group):
-            self.skipped_steps += 1
             if scaler is not None:
                 scaler.update()  # unscale_ recorded the overflow: back off the scale
             self.optimizer.zero_grad(set_to_none=True)
+            self._nonfinite_skipped()
             return False
+        self.consecutive_nonfinite = 0
         if self.max_grad_norm is None and self.max_grad_value is None:
             self.last_grad_norm = None  # clipping off: skip collecting the gradients
         else:
             self.last_grad_norm = clip_gradients(
                 self.parameters(), self.max_grad_norm, self.max_grad_value, norm_group=self.norm_group
             )
+        lowered = self._lower_lr() if self.lr_scale != 1.0 else None
         if scaler is not None:
             scaler.step(self.optimizer)
             scaler.update()
         else:
             self.optimizer.step()
+        if lowered is not None:  # the scheduler carries on from the rates it set
+            for group, lr in zip(self.optimizer.param_groups, lowered):
+                group["lr"] = lr
         if self.scheduler is not None and self.scheduler_interval == "step":
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return True
 
+    def drop(self) -> None:
+        """Drop the window's gradients without an update (a skipped loss spike)."""
+        self.optimizer.zero_grad(set_to_none=True)
+        self.skipped_steps += 1
+
+    def _lower_lr(self) -> list[Any]:
+        """Multiply every group's learning rate by `lr_scale`; return the rates to put back."""
+        saved = [group["lr"] for group in self.optimizer.param_groups]
+        for group in self.optimizer.param_groups:
+            group["lr"] = group["lr"] * self.lr_scale
+        return saved
+
+    def _nonfinite_skipped(self) -> None:
+        """Count a dropped non-finite update, report it, and stop once too many came in a row."""
+        self.skipped_steps += 1
+        self.consecutive_nonfinite += 1
+        limit = self.max_nonfinite_updates
+        if limit is None and not (self.skip_nonfinite_grad or self.scaler is not None):
+            limit = 1
+        if limit is not None and self.consecutive_nonfinite >= limit:
+            raise TrainingDivergedError(
+                f"{self.consecutive_nonfinite} update(s) in a row had non-finite (NaN/inf) gradients; stopping "
+                f"(nonfinite.max_consecutive={limit}). The weights were not updated with them. Set "
+                "skip_nonfinite_grad=True to skip such updates, or raise nonfinite.max_consecutive"
+            )
+        if self.scaler is None:  # a scaler's overflow skips are routine while it settles its scale
+            self.logger.warning(
+                "skipped an update with non-finite (NaN/inf) gradients (%d skipped so far, %d in a row)",
+                self.skipped_steps,
+                self.consecutive_nonfinite,
+            )
+
     def state_dict(self) -> dict[str, Any]:
         """Skip counter and scaler state (optimizer and scheduler are checkpointed on their own)."""
         return {
             "skipped_steps": self.skipped_steps,
+            "consecutive_nonfinite": self.consecutive_nonfinite,
             "scaler": {} if self.precision is None else self.precision.state_dict(),
         }
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         self.skipped_steps = int(state_dict.get("skipped_steps", 0))
+        self.consecutive_nonfinite = int(state_dict.get("consecutive_nonfinite", 0))
         if self.precision is not None:
             self.precision.load_state_dict(state_dict.get("scaler") or {})

@@ -26,6 +26,7 @@ all-reduced once per update; nothing is read back on the host.
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
@@ -39,6 +40,7 @@ from .accumulation import GradientAccumulator
 from .gradient_sync import GradientSync
 from .optimizer import OptimizerContainer
 from .precision import Precision
+from .spikes import LossSpike, SpikeGuard, TrainingDivergedError
 
 __all__ = ["TorchUpdateStrategy", "UpdateStrategy"]
 
@@ -64,6 +66,11 @@ class UpdateStrategy:
     # True while `loss.backward()` alone is the whole of `backward(loss)` (nothing to divide,
     # scale or weigh): the runner's `backward` hook then calls it without going through here.
     plain_backward: bool = False
+    # Whether the loops stop the run on a non-finite training loss they read (see TorchUpdateStrategy).
+    watch_nonfinite_loss: bool = False
+    spike_guard: SpikeGuard | None = None
+    # The hang watchdog, told when backward and the optimizer step start (see `watch`).
+    watchdog: Any = None
 
     def __init__(self, accum_steps: int = 1) -> None:
         self.accumulator = GradientAccumulator(accum_steps)
@@ -95,6 +102,11 @@ class UpdateStrategy:
             ValueError: `accum_steps` is not a positive integer, or a window is open.
         """
         self.accumulator.set_accum_steps(accum_steps)
+
+    def watch(self, watchdog: Any) -> None:
+        """Report backward passes and optimizer steps to `watchdog` (its `enter(phase, step)`) from now on."""
+        self.watchdog = watchdog
+        self.plain_backward = False  # backward goes through `backward`, which reports it
 
     def start_pass(self, total: int | None) -> None:
         """Open a training pass of `total` micro-batches (`None` when unknown), or continue a restored one."""
@@ -153,6 +165,16 @@ class TorchUpdateStrategy(UpdateStrategy):
         skip_nonfinite_grad: Skip updates whose gradients hold inf/NaN (all ranks agree).
         norm_group: Ranks holding disjoint parameters (pipeline stages) whose gradients are clipped
             by one global norm (`None`: this rank's parameters only).
+        check_nonfinite: Check every update for inf/NaN gradients even with the skip off, and drop
+            such an update instead of writing NaN into the weights.
+        max_nonfinite_updates: Non-finite updates in a row that stop the run with
+            [`TrainingDivergedError`][danling.runners.update.spikes.TrainingDivergedError] (see
+            [`OptimizerContainer`][danling.runners.update.optimizer.OptimizerContainer]).
+        watch_nonfinite_loss: Ask the loops to stop the run when the training loss they read (step
+            logs, pass ends, before mid-pass checkpoints) is not finite; costs nothing per update.
+        spike_guard: Loss-spike detection and its policy
+            ([`SpikeGuard`][danling.runners.update.spikes.SpikeGuard]); `None` is off.
+        logger: Where skipped updates and spikes are reported.
 
     Call [`bind`][danling.runners.update.strategy.TorchUpdateStrategy.bind] with the optimizer
     and scheduler before the first update.
@@ -170,8 +192,20 @@ class TorchUpdateStrategy(UpdateStrategy):
         skip_nonfinite_grad: bool = False,
         skip_group: Any = None,
         norm_group: Any = None,
+        check_nonfinite: bool = False,
+        max_nonfinite_updates: int | None = None,
+        spike_guard: SpikeGuard | None = None,
+        logger: logging.Logger | None = None,
+        watch_nonfinite_loss: bool = False,
     ) -> None:
         super().__init__(accum_steps)
+        self.check_nonfinite = check_nonfinite
+        self.watch_nonfinite_loss = watch_nonfinite_loss
+        self.max_nonfinite_updates = max_nonfinite_updates
+        self.spike_guard = spike_guard
+        self.logger = logger or logging.getLogger("danling.runners")
+        self._window_loss: Any = None  # sum of the open window's losses, kept while a spike guard watches
+        self._window_count = 0
         self.skip_group = skip_group
         self.norm_group = norm_group
         self.precision = precision if precision is not None else Precision()
@@ -191,8 +225,13 @@ class TorchUpdateStrategy(UpdateStrategy):
         self._sync_free = self.accumulator.accum_steps == 1 or not self.gradient_sync.suppresses
         # A subclass with its own backward (an engine's) is never bypassed.
         own_backward = type(self).backward is TorchUpdateStrategy.backward
-        self._plain_backward = own_backward and self.accumulator.accum_steps == 1 and self.precision.scaler is None
-        self.plain_backward = self._plain_backward
+        self._plain_backward = (
+            own_backward
+            and self.accumulator.accum_steps == 1
+            and self.precision.scaler is None
+            and self.spike_guard is None
+        )
+        self.plain_backward = self._plain_backward and self.watchdog is None
         # Full precision without sync suppression: every forward pass runs in the same no-op context.
         own_contexts = type(self).train_context is TorchUpdateStrategy.train_context
         plain = own_contexts and self._sync_free and self.precision.dtype is None
@@ -219,9 +258,13 @@ class TorchUpdateStrategy(UpdateStrategy):
             scheduler_interval=interval,
             skip_group=self.skip_group,
             norm_group=self.norm_group,
+            check_nonfinite=self.check_nonfinite,
+            max_nonfinite_updates=self.max_nonfinite_updates,
+            logger=self.logger,
         )
         if previous is not None:
             self.container.skipped_steps = previous.skipped_steps
+            self.container.consecutive_nonfinite = previous.consecutive_nonfinite
 
     @property
     def skipped_steps(self) -> int:
@@ -257,7 +300,13 @@ class TorchUpdateStrategy(UpdateStrategy):
         if weight is None and self.plain_backward:  # false while a weighted window is open
             loss.backward()  # nothing to divide or scale
             return
+        if self.watchdog is not None:
+            self.watchdog.enter("backward", self.watchdog.step)
         scaler = self.precision.scaler
+        if self.spike_guard is not None:
+            detached = loss.detach().float()
+            self._window_loss = detached if self._window_loss is None else self._window_loss + detached
+            self._window_count += 1
         if weight is not None:
             if self._weight is None and self.accumulator.pending:
                 raise ValueError("a window mixes weighted and unweighted micro-steps; pass weight= to every backward")
@@ -293,11 +342,56 @@ class TorchUpdateStrategy(UpdateStrategy):
         container = self.container
         if container is None:
             raise RuntimeError("no optimizer to step: set config.optim.type or assign runner.optimizer")
+        if self.watchdog is not None:
+            self.watchdog.enter("optimizer step", self.watchdog.step)
         multiplier, self._multiplier = self._multiplier, None
         if self._weight is not None:
             multiplier, self._weight = self._weight_factor(self._weight), None
-            self.plain_backward = self._plain_backward
-        return container.step(multiplier)
+            self.plain_backward = self._plain_backward and self.watchdog is None
+        guard = self.spike_guard
+        if guard is None:
+            return container.step(multiplier)
+        if self._window_loss is not None and self._spiked(guard, container):
+            return False
+        container.lr_scale = guard.lr_scale
+        applied = container.step(multiplier)
+        if applied:
+            guard.applied()
+        return applied
+
+    def _spiked(self, guard: SpikeGuard, container: OptimizerContainer) -> bool:
+        """Check the window loss (mean over its micro-steps and the ranks); handle a spike by the policy.
+
+        Raises:
+            LossSpike: policy `rollback`, for the training loop to roll back.
+            TrainingDivergedError: a spike after `max_rollbacks` rollbacks.
+        """
+        total, count = self._window_loss, self._window_count
+        self._window_loss, self._window_count = None, 0
+        value = total / count
+        if is_distributed(self.skip_group):
+            dist.all_reduce(value, group=self.skip_group)  # every rank takes the same decision
+            value = value / dist.get_world_size(self.skip_group)
+        loss, median = float(value), guard.detector.median
+        if not guard.detector.observe(loss):
+            return False
+        guard.spikes += 1
+        container.drop()
+        if guard.policy == "skip":
+            self.logger.warning(
+                "loss spike: %.6g > %g x running median %.6g; update skipped (%d spikes so far)",
+                loss,
+                guard.detector.factor,
+                median,
+                guard.spikes,
+            )
+            return True
+        if guard.rollbacks >= guard.max_rollbacks:
+            raise TrainingDivergedError(
+                f"loss spike ({loss:.6g} > {guard.detector.factor:g} x running median {median:.6g}) after "
+                f"{guard.rollbacks} rollback(s), the most spikes.max_rollbacks={guard.max_rollbacks} allows; stopping"
+            )
+        raise LossSpike(loss, median, micro_steps=count)
 
     def _weight_factor(self, weight: Any) -> Any:
         """`ranks / total weight`: turns rank-averaged weighted sums into the weighted mean."""
@@ -309,13 +403,18 @@ class TorchUpdateStrategy(UpdateStrategy):
         return dist.get_world_size(self.group) / total
 
     def state_dict(self) -> dict[str, Any]:
-        """Skipped updates and gradient-scaler state."""
-        return {"optimizer_container": None if self.container is None else self.container.state_dict()}
+        """Skipped updates, gradient-scaler state and the spike guard's state (batches to skip included)."""
+        state: dict[str, Any] = {"optimizer_container": None if self.container is None else self.container.state_dict()}
+        if self.spike_guard is not None:
+            state["spikes"] = self.spike_guard.state_dict()
+        return state
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         container_state = state_dict.get("optimizer_container")
         if container_state and self.container is not None:
             self.container.load_state_dict(container_state)
+        if self.spike_guard is not None and state_dict.get("spikes"):
+            self.spike_guard.load_state_dict(state_dict["spikes"])
 
 
 @contextlib.contextmanager

@@ -1,0 +1,100 @@
+"""Sections of [`RunnerConfig`][danling.runners.config.RunnerConfig] about how a run is operated and
+protected rather than what it trains: heartbeats, the hang watchdog, non-finite checks, loss-spike
+recovery and inference into files. None of them is part of the experiment's identity.
+"""
+
+from .config_sections import _TypedConfig
+
+__all__ = ["HeartbeatConfig", "InferenceConfig", "NonFiniteConfig", "SpikeConfig", "WatchdogConfig"]
+
+
+class HeartbeatConfig(_TypedConfig):
+    """Per-rank heartbeat files (`heartbeat.*`) under `<run dir>/<dir_name>`.
+
+    Attributes:
+        enabled: Each rank rewrites its heartbeat file while it runs.
+        interval_seconds: Seconds between writes.
+        dir_name: Directory of the files, relative to the run directory.
+    """
+
+    enabled: bool = False
+    interval_seconds: float = 60.0
+    dir_name: str = "heartbeats"
+
+
+class InferenceConfig(_TypedConfig):
+    """Inference into files (`inference.*`): what `runner.infer(split)` does when no `output` is passed.
+
+    Attributes:
+        output: File the outputs are streamed into (`.jsonl`, `.npy`, `.parquet` or a registered
+            suffix); None keeps `infer()` returning its outputs in memory.
+        progress_interval: Batches between two progress records (the points a killed run resumes from).
+        resume: Continue from the progress record of an earlier run into the same output; False starts over.
+    """
+
+    output: str | None = None
+    progress_interval: int = 100
+    resume: bool = True
+
+
+class NonFiniteConfig(_TypedConfig):
+    """Updates with NaN/inf losses or gradients (`nonfinite.*`) while `skip_nonfinite_grad` is off.
+
+    Attributes:
+        check: `log` (default): the training loss is checked where the loop reads it anyway (step
+            logs, the end of a pass, before a mid-pass checkpoint) and a non-finite one stops the
+            run with an error, at no extra cost; `update`: every update's gradients are checked
+            (one host synchronisation per update) and a non-finite update is dropped, never
+            applied; `off`: no check.
+        max_consecutive: Non-finite updates in a row that stop the run with an error (`check=update`,
+            or `skip_nonfinite_grad` on); None: 1 with `check=update` (the first one), no limit
+            with `skip_nonfinite_grad`.
+    """
+
+    check: str = "log"
+    max_consecutive: int | None = None
+
+
+class SpikeConfig(_TypedConfig):
+    """Loss-spike detection and recovery (`spikes.*`); off while `policy` is None.
+
+    A window loss above `factor` x the running median of the last `window` losses is a spike.
+
+    Attributes:
+        policy: None (off), `skip` (drop the update) or `rollback` (reload the newest checkpoint that
+            verifies, lower the learning rates for a cooldown and skip the batches that spiked).
+        factor: Threshold, as a multiple of the running median (> 1).
+        window: Number of recent update losses the median is taken over.
+        min_history: Losses seen before detection starts; None: `window`.
+        max_rollbacks: Rollbacks allowed; the next spike stops the run with an error.
+        lr_factor: Learning rates are multiplied by this during a cooldown, in (0, 1].
+        cooldown_steps: Optimizer steps a cooldown after a rollback lasts.
+    """
+
+    policy: str | None = None
+    factor: float = 3.0
+    window: int = 50
+    min_history: int | None = None
+    max_rollbacks: int = 3
+    lr_factor: float = 0.5
+    cooldown_steps: int = 100
+
+
+class WatchdogConfig(_TypedConfig):
+    """Hang watchdog of multi-process runs (`watchdog.*`): a silent rank or a stuck collective ends the run.
+
+    Every rank writes a heartbeat (its phase and step) to a file in the run directory; a rank whose
+    peers have been silent for `timeout_seconds` logs which ranks are stuck, in which phase and at
+    which step, and exits.
+
+    Attributes:
+        enabled: Run the watchdog in multi-process runs (single-process runs never start it).
+        timeout_seconds: Seconds without a heartbeat from a rank before the run is ended.
+        interval_seconds: Seconds between heartbeats; None: a tenth of the timeout (at most 5 s).
+        exit_code: Exit status of a rank the watchdog ends.
+    """
+
+    enabled: bool = True
+    timeout_seconds: float = 600.0
+    interval_seconds: float | None = None
+    exit_code: int = 124

@@ -1,0 +1,284 @@
+"""A hang watchdog for multi-process runs: a silent rank or a stuck collective ends the run with a message.
+
+Every rank runs a [`Watchdog`][danling.runners.services.watchdog.Watchdog] thread. The training
+loops tell it, with plain attribute writes, which phase the rank is in (data loading, forward,
+backward, optimizer step, checkpoint save, evaluation) and at which step; the thread publishes
+that, with a beat counter of its own, to `<dir>/rank-<N>.json` every `interval` seconds and reads
+the files of the other ranks. It judges by what it sees change, on its own monotonic clock, so
+clocks that differ between hosts do not matter:
+
+- a rank whose beat counter has not moved for `timeout` seconds is *silent*: its process is
+  frozen (SIGSTOP, a debugger, swapping) or gone;
+- a rank inside a loop whose progress has not moved for `timeout` seconds is *stalled*: stuck in a
+  collective, in a data loader, in a save.
+
+When any rank is silent or stalled, every live rank logs one message naming the stuck ranks
+(the silent ones, else the stalled ones furthest behind), the phase each was last in and its
+last step, flushes its logs and leaves with `os._exit(exit_code)`: a process blocked inside a
+collective cannot be unwound, and `destroy_process_group` could block as well.
+
+Files rather than the rendezvous store: the store is served by one rank, and a frozen rank 0
+would freeze every store call of the others. The run directory must be visible to every rank
+(as checkpoints already require); ranks whose file was never seen are not judged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import shutil
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from danling.checkpoint.manifest import atomic_write_text
+
+__all__ = ["PHASES", "Watchdog"]
+
+PHASES = ("data loading", "forward", "backward", "optimizer step", "checkpoint save", "evaluation", "idle")
+
+
+class Watchdog:
+    """Heartbeat thread of one rank that ends the run when a rank stops making progress.
+
+    Args:
+        directory: Directory of the per-rank files, shared by every rank.
+        rank: This process's global rank.
+        world_size: Number of ranks.
+        timeout: Seconds without progress (or without a heartbeat) before the run is ended.
+        interval: Seconds between heartbeats (default: a tenth of `timeout`, at most 5 s).
+        exit_code: Status this process exits with when the watchdog fires.
+        logger: Where the message goes (it is also written to stderr).
+        on_timeout: Called with the message instead of exiting (tests, embedding); the thread then stops.
+
+    Attributes:
+        phase: The phase this rank is in (set by the loops).
+        step: The global step of that phase.
+        active: Whether the rank is inside a loop (a rank outside loops is never "stalled").
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        rank: int,
+        world_size: int,
+        timeout: float,
+        *,
+        interval: float | None = None,
+        exit_code: int = 124,
+        logger: logging.Logger | None = None,
+        on_timeout: Callable[[str], Any] | None = None,
+    ) -> None:
+        if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0:
+            raise ValueError(f"watchdog.timeout_seconds must be a positive number, got {timeout!r}")
+        if interval is not None and (not isinstance(interval, (int, float)) or interval <= 0 or interval >= timeout):
+            raise ValueError(f"watchdog.interval_seconds must be positive and below the timeout, got {interval!r}")
+        self.directory = Path(directory)
+        self.rank, self.world_size = rank, world_size
+        self.timeout = float(timeout)
+        self.interval = float(interval) if interval is not None else min(self.timeout / 10, 5.0)
+        self.exit_code = exit_code
+        self.logger = logger or logging.getLogger("danling.runners")
+        self.on_timeout = on_timeout
+        self.phase, self.step, self.progress, self.active = "idle", 0, 0, False
+        self._beat = 0
+        self._seen: dict[int, _Seen] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # main thread ------------------------------------------------------------------------------
+
+    def enter(self, phase: str, step: int) -> None:
+        """Record that this rank entered `phase` at global step `step` (cheap: attribute writes only)."""
+        self.phase, self.step = phase, step
+        self.progress += 1
+
+    def start(self) -> None:
+        """Start the heartbeat thread (idempotent)."""
+        if self._thread is not None:
+            return
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self._publish()
+        self._thread = threading.Thread(target=self._run, name=f"danling-watchdog-{self.rank}", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stop the thread and remove this rank's file, so peers do not take its silence for a hang."""
+        self._stop.set()
+        thread, self._thread = self._thread, None
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(self.interval + 1.0)
+        with contextlib.suppress(OSError):
+            self.file.unlink(missing_ok=True)  # peers take a vanished file for a closed rank
+            self.directory.rmdir()  # the last rank to leave removes the launch's directory
+            self.directory.parent.rmdir()
+            self.directory.parent.parent.rmdir()  # the heartbeat directory, unless heartbeats use it
+
+    @property
+    def file(self) -> Path:
+        return self.directory / f"rank-{self.rank}.json"
+
+    # watchdog thread --------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self._publish()
+                message = self.check(time.monotonic())
+            except OSError as error:  # a full or vanished directory must not kill the run
+                self.logger.debug("watchdog: %s", error)
+                continue
+            if message is not None and not self._stop.is_set():
+                self._fire(message)
+                return
+
+    def _publish(self) -> None:
+        self._beat += 1
+        record = {
+            "rank": self.rank,
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "beat": self._beat,
+            "progress": self.progress,
+            "phase": self.phase,
+            "step": self.step,
+            "active": self.active,
+        }
+        atomic_write_text(self.file, json.dumps(record) + "\n")
+
+    def _read(self, rank: int) -> dict[str, Any] | None:
+        try:
+            return json.loads((self.directory / f"rank-{rank}.json").read_text())
+        except (OSError, ValueError):  # not written yet, or replaced mid-read
+            return None
+
+    def check(self, now: float) -> str | None:
+        """Read every rank's file; return the message to end the run with, or `None` while all is well."""
+        silent, stalled = [], []
+        for rank in range(self.world_size):
+            record = self._read(rank)
+            if record is None or record.get("closed"):  # not started yet, or closed (its file removed)
+                self._seen.pop(rank, None)
+                continue
+            seen = self._observe(rank, record, now)
+            if rank != self.rank and now - seen.beat_at >= self.timeout:  # (its own thread is running)
+                silent.append(seen.record)
+            elif seen.record.get("active") and now - seen.progress_at >= self.timeout:
+                stalled.append(seen.record)
+        return _verdict(silent, stalled, self.timeout, self.rank, self.exit_code)
+
+    def _observe(self, rank: int, record: dict[str, Any], now: float) -> _Seen:
+        """Update when `rank`'s beat and progress were last seen moving."""
+        seen = self._seen.get(rank)
+        if seen is None:
+            seen = self._seen[rank] = _Seen(record, now, now)
+            return seen
+        if record["beat"] != seen.record["beat"]:
+            seen.beat_at = now
+        if record["progress"] != seen.record["progress"] or record.get("active") != seen.record.get("active"):
+            seen.progress_at = now
+        seen.record = record
+        return seen
+
+    def _fire(self, message: str) -> None:
+        self.logger.error(message)
+        if self.on_timeout is not None:
+            self.on_timeout(message)
+            return
+        handlers = _handlers(self.logger)
+        if not any(_is_console(handler) for handler in handlers):
+            sys.__stderr__.write(message + "\n")  # a rank whose log goes to files only still says it on stderr
+        for handler in handlers:
+            with contextlib.suppress(Exception):  # a broken handler must not keep a hung process alive
+                handler.flush()
+        sys.stdout.flush()
+        sys.__stderr__.flush()
+        os._exit(self.exit_code)
+
+
+def _handlers(logger: logging.Logger) -> list[logging.Handler]:
+    """The handlers a record sent to `logger` reaches (its own and its ancestors' while propagating)."""
+    handlers: list[logging.Handler] = []
+    current: logging.Logger | None = logger
+    while current is not None:
+        handlers.extend(current.handlers)
+        current = current.parent if current.propagate else None
+    return handlers
+
+
+def _is_console(handler: logging.Handler) -> bool:
+    stream = getattr(handler, "stream", None)
+    return not isinstance(handler, logging.FileHandler) and stream in (
+        sys.stderr,
+        sys.stdout,
+        sys.__stderr__,
+        sys.__stdout__,
+    )
+
+
+class _Seen:
+    """The last record read from one rank, and when (monotonic) its beat and its progress last moved."""
+
+    __slots__ = ("beat_at", "progress_at", "record")
+
+    def __init__(self, record: dict[str, Any], beat_at: float, progress_at: float) -> None:
+        self.record, self.beat_at, self.progress_at = record, beat_at, progress_at
+
+
+def _verdict(silent: list[dict], stalled: list[dict], timeout: float, rank: int, code: int) -> str | None:
+    """The message naming the stuck ranks: the silent ones, else the stalled ones furthest behind."""
+    if silent:
+        stuck, how = silent, "no heartbeat"
+    elif stalled:
+        behind = min(int(record["step"]) for record in stalled)
+        stuck, how = [record for record in stalled if int(record["step"]) == behind], "no progress"
+    else:
+        return None
+    names = "; ".join(
+        f"rank {r['rank']} ({r.get('host', '?')} pid {r.get('pid', '?')}): last in {r['phase']} at step {r['step']}"
+        for r in stuck
+    )
+    return (
+        f"watchdog (rank {rank}): {how} for {timeout:g} s from {len(stuck)} rank(s): {names}. "
+        f"Ending this rank with exit code {code} (watchdog.timeout_seconds)"
+    )
+
+
+def watch_runner(runner: Any) -> Watchdog | None:
+    """Start the watchdog of a multi-process runner once, as `watchdog.*` says; `None` when off.
+
+    Called by the training loop on every rank when it starts (a collective: the ranks agree on a
+    token naming this launch's directory, so files left by an earlier launch are never read).
+    """
+    supervisor = runner.supervisor
+    if supervisor.watchdog is not None:
+        return supervisor.watchdog
+    section = runner.config.get("watchdog")
+    if section is None or not section.enabled or not runner.distributed:
+        return None
+    import torch.distributed as dist
+
+    root = runner.workspace.heartbeat_dir / "watchdog"
+    token = [f"{os.getpid()}-{time.time_ns()}"]
+    if runner.rank == 0 and root.is_dir():  # left by launches that were killed
+        for stale in root.iterdir():
+            shutil.rmtree(stale, ignore_errors=True)
+    dist.broadcast_object_list(token, src=0)
+    watchdog = Watchdog(
+        root / token[0],
+        runner.rank,
+        runner.world_size,
+        section.timeout_seconds,
+        interval=section.interval_seconds,
+        exit_code=section.exit_code,
+        logger=runner.logger,
+    )
+    watchdog.start()
+    supervisor.watchdog = watchdog
+    return watchdog
