@@ -286,8 +286,10 @@ def _check_resume(root: Path, report: ChaosReport, expected: int | None) -> None
 
 
 def _listing(run_dir: Path) -> set[str]:
-    """Every path in the run directory but the log files (a rank that warned has one, the reference may not)."""
-    return {str(path.relative_to(run_dir)) for path in run_dir.rglob("*") if path.suffix != ".log"}
+    """Every path in the run directory but the log files (a rank that warned has one, the reference may not)
+    and the per-launch records (`code/launch-<N>.diff` of a dirty checkout: one per launch, by design)."""
+    paths = (path.relative_to(run_dir) for path in run_dir.rglob("*") if path.suffix != ".log")
+    return {str(path) for path in paths if path.parts[0] != "code"}
 
 
 def _first_difference(ref: Any, got: Any, where: str = "") -> str:

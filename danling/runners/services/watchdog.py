@@ -113,7 +113,9 @@ class Watchdog:
         self._stop.set()
         thread, self._thread = self._thread, None
         if thread is not None and thread is not threading.current_thread():
-            thread.join(self.interval + 1.0)
+            # A beat being written when the stop came must land before the file is removed, or
+            # it would recreate it; on a loaded machine that can take longer than one interval.
+            thread.join(self.interval + 10.0)
         with contextlib.suppress(OSError):
             self.file.unlink(missing_ok=True)  # peers take a vanished file for a closed rank
             self.directory.rmdir()  # the last rank to leave removes the launch's directory
@@ -139,6 +141,8 @@ class Watchdog:
                 return
 
     def _publish(self) -> None:
+        if self._stop.is_set() and self._thread is None:  # closed: its file is gone for good
+            return
         self._beat += 1
         record = {
             "rank": self.rank,
@@ -265,13 +269,15 @@ def watch_runner(runner: Any) -> Watchdog | None:
     import torch.distributed as dist
 
     root = runner.workspace.heartbeat_dir / "watchdog"
-    token = [f"{os.getpid()}-{time.time_ns()}"]
+    # Rank 0's run directory names the launch's directory for every rank: other ranks never
+    # derive a run directory of their own to write into.
+    launch = [str(root / f"{os.getpid()}-{time.time_ns()}")]
     if runner.rank == 0 and root.is_dir():  # left by launches that were killed
         for stale in root.iterdir():
             shutil.rmtree(stale, ignore_errors=True)
-    dist.broadcast_object_list(token, src=0)
+    dist.broadcast_object_list(launch, src=0)
     watchdog = Watchdog(
-        root / token[0],
+        Path(launch[0]),
         runner.rank,
         runner.world_size,
         section.timeout_seconds,
