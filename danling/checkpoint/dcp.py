@@ -32,7 +32,7 @@ from danling.utils import to_device
 
 from ._dcp_io import CheckpointException, SafePlanner, SafeReader
 from .base import CheckpointManager
-from .manifest import CheckpointError, verify_directory
+from .manifest import DEFAULT_CHECKSUM, CheckpointError, check_checksum, directory_records, verify_directory
 from .payload import check_objects, drop_key
 from .ranks import RANK_LAYOUT_KEY, RankLayout, layout_record, plan_rank_entries, rank_entry, read_layout
 from .training import ModelState, OptimizerState, TrainingState, get_training_state, set_training_state
@@ -193,8 +193,10 @@ class TorchDistributedCheckpointManager(CheckpointManager):
         optional_rank_local_keys: Sequence[str] = (),
         data_rank: int | None = None,
         data_size: int | None = None,
+        checksum: str = DEFAULT_CHECKSUM,
         **kwargs: Any,
     ) -> None:
+        self.checksum = check_checksum(checksum)
         self.distributed = dist.is_available() and dist.is_initialized()
         if not self.distributed:
             process_group = None
@@ -302,8 +304,8 @@ class TorchDistributedCheckpointManager(CheckpointManager):
         # Runs on the coordinator inside the base class's write: tell the followers where to write.
         self._exchange(str(directory))
         self._announced = True
-        self._save(state, directory)
-        return {}  # the base class hashes and fsyncs every file DCP produced
+        self._save(state, directory)  # collective: when it returns, every rank's files are written and synced
+        return directory_records(directory, checksum=self.checksum)
 
     def _save(self, state: Mapping[str, Any], directory: Path) -> None:
         local = dict(state)

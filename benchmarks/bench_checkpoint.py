@@ -1,0 +1,195 @@
+"""Checkpoint managers against the raw calls they wrap, on one state, in one process.
+
+Question: how much does a verified, durable checkpoint cost over `torch.save` / `torch.load`
+and `dcp.save` / `dcp.load` of the same state?
+
+- file: `FileCheckpointManager.save` / `.load_into` against `torch.save` + fsync /
+  `torch.load` + `load_state_dict`;
+- dcp: `TorchDistributedCheckpointManager.save` / `.load_into` against `dcp.save` (which fsyncs
+  its files) / `dcp.load` + `set_state_dict`;
+- async: the time `save` takes to return to the caller with ``async_save=True`` against
+  `dcp.async_save` of the same state.
+
+Every candidate writes the same model + AdamW state (sized by ``--mib``); runs alternate and the
+table reports medians and the ratio to the raw call. ``--profile`` prints a cProfile of one
+manager save and one load of each backend instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import os
+import pstats
+import shutil
+import sys
+import tempfile
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(__file__))
+from common import alternate  # noqa: E402
+
+from danling.checkpoint import FileCheckpointManager  # noqa: E402
+from danling.checkpoint.dcp import ModelState, OptimizerState, TorchDistributedCheckpointManager  # noqa: E402
+
+
+def build(mib: int) -> tuple[nn.Module, torch.optim.Optimizer, int]:
+    """A stack of square linear layers whose weights + AdamW moments total about `mib` MiB."""
+    width = 1024
+    layers = max(1, round(mib * 2**20 / (3 * 4 * width * width)))
+    model = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(2, width)).sum().backward()
+    optimizer.step()
+    size = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    size += sum(
+        value.numel() * value.element_size()
+        for state in optimizer.state.values()
+        for value in state.values()
+        if isinstance(value, torch.Tensor)
+    )
+    return model, optimizer, size
+
+
+def fsync_file(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def file_candidates(model: nn.Module, optimizer: torch.optim.Optimizer, root: Path) -> dict[str, Callable]:
+    raw_path = os.fspath(root / "raw.pt")
+    manager = FileCheckpointManager(root / "file", keep_latest_k=1)
+    objects = {"model": model, "optimizer": optimizer}
+
+    def raw_save() -> None:
+        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, raw_path)
+        fsync_file(raw_path)
+
+    def raw_load() -> None:
+        payload = torch.load(raw_path, weights_only=True)
+        model.load_state_dict(payload["model"])
+        optimizer.load_state_dict(payload["optimizer"])
+
+    return {
+        "torch.save + fsync": raw_save,
+        "FileCheckpointManager.save": lambda: manager.save(objects, "ckpt"),
+        "torch.load + load_state_dict": raw_load,
+        "FileCheckpointManager.load_into": lambda: manager.load_into("latest", objects),
+    }
+
+
+def dcp_candidates(model: nn.Module, optimizer: torch.optim.Optimizer, root: Path) -> dict[str, Callable]:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    raw_dir = root / "raw-dcp"
+    manager = TorchDistributedCheckpointManager(root / "dcp", keep_latest_k=1)
+
+    def raw_save() -> None:
+        shutil.rmtree(raw_dir, ignore_errors=True)
+        model_state, optim_state = get_state_dict(model, optimizer)
+        dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=raw_dir, no_dist=True)
+
+    def raw_load() -> None:
+        model_state, optim_state = get_state_dict(model, optimizer)
+        state = {"model": model_state, "optimizer": optim_state}
+        dcp.load(state, checkpoint_id=raw_dir, no_dist=True)
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
+    def objects() -> dict:
+        return {"model": ModelState(model), "optimizer": OptimizerState(model, optimizer)}
+
+    return {
+        "dcp.save": raw_save,
+        "DCP manager save": lambda: manager.save(objects(), "ckpt"),
+        "dcp.load + set_state_dict": raw_load,
+        "DCP manager load_into": lambda: manager.load_into("latest", objects()),
+    }
+
+
+def async_candidates(model: nn.Module, optimizer: torch.optim.Optimizer, root: Path) -> dict[str, Callable]:
+    """Time until control returns to training; each candidate waits for its previous write first."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    manager = TorchDistributedCheckpointManager(root / "async", keep_latest_k=1, async_save=True)
+    pending: list = []
+
+    def raw_async() -> None:
+        if pending:
+            pending.pop().result()
+        model_state, optim_state = get_state_dict(model, optimizer)
+        state = {"model": model_state, "optimizer": optim_state}
+        pending.append(dcp.async_save(state, checkpoint_id=root / "raw-async", no_dist=True))
+
+    def mine() -> None:
+        manager.wait()
+        manager.save({"model": ModelState(model), "optimizer": OptimizerState(model, optimizer)}, "ckpt")
+
+    return {"dcp.async_save (returns)": raw_async, "DCP manager async save (returns)": mine}
+
+
+def report(title: str, medians: dict[str, float], size: int) -> str:
+    names = list(medians)
+    rows = [f"### {title}: {size / 2**20:.0f} MiB of model + AdamW state", ""]
+    rows += ["| operation | raw (ms) | danling (ms) | ratio |", "| --- | ---: | ---: | ---: |"]
+    for raw, mine in zip(names[::2], names[1::2]):
+        rows.append(f"| {mine} vs {raw} | {medians[raw] * 1e3:.0f} | {medians[mine] * 1e3:.0f} | "
+                    f"{medians[mine] / medians[raw]:.2f} |")
+    return "\n".join(rows)
+
+
+def profile(candidates: dict[str, Callable], names: list[str], lines: int) -> str:
+    out = io.StringIO()
+    for name in names:
+        candidates[name]()  # warm up
+        prof = cProfile.Profile()
+        prof.enable()
+        candidates[name]()
+        prof.disable()
+        out.write(f"\n## {name}\n")
+        pstats.Stats(prof, stream=out).sort_stats("cumulative").print_stats(lines)
+    return out.getvalue()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mib", type=int, default=170, help="size of model + optimizer state")
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--quick", action="store_true", help="48 MiB, 3 repeats")
+    parser.add_argument("--only", choices=("file", "dcp", "async"), action="append")
+    parser.add_argument("--profile", action="store_true", help="cProfile one manager save and load instead")
+    args = parser.parse_args(argv)
+    mib, repeats = (48, 3) if args.quick else (args.mib, args.repeats)
+    torch.manual_seed(0)
+    model, optimizer, size = build(mib)
+    parts = args.only or ["file", "dcp", "async"]
+    warnings.simplefilter("ignore")  # DCP warns that it runs without a process group: intended
+    with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_DIR")) as tmp:
+        for part in parts:
+            root = Path(tmp) / part
+            root.mkdir()
+            candidates = {"file": file_candidates, "dcp": dcp_candidates, "async": async_candidates}[part](
+                model, optimizer, root
+            )
+            if args.profile:
+                print(profile(candidates, [n for n in candidates if "manager" in n.lower() or "Manager" in n], 25))
+                continue
+            names = list(candidates)
+            medians: dict[str, float] = {}
+            for pair in zip(names[::2], names[1::2]):
+                medians.update(alternate({name: candidates[name] for name in pair}, repeats=repeats))
+            print(report(f"Checkpoint, {part}", medians, size), "\n", flush=True)
+
+
+if __name__ == "__main__":
+    main()
