@@ -298,8 +298,6 @@ class TorchDistributedCheckpointManager(CheckpointManager):
             raise CheckpointError(f"saving checkpoint {name!r} failed on rank 0: {outcome}")
         return self.directory / name
 
-    # backend hooks ---------------------------------------------------------------------------
-
     def _write_payload(self, state: Mapping[str, Any], directory: Path) -> Mapping[str, Mapping[str, Any]]:
         # Runs on the coordinator inside the base class's write: tell the followers where to write.
         self._exchange(str(directory))
@@ -320,8 +318,6 @@ class TorchDistributedCheckpointManager(CheckpointManager):
                 process_group=self.process_group,
                 no_dist=not self.distributed,
             )
-
-    # loading ---------------------------------------------------------------------------------
 
     def load_into(
         self, checkpoint: str | os.PathLike, objects: Mapping[str, Any], *, map_location: Any = "cpu"

@@ -174,7 +174,7 @@ def test_new_manager_leaves_an_in_flight_write_alone(tmp_path):
 
 
 def test_a_runner_restore_hashes_each_file_once_and_a_scope_still_sees_changes(tmp_path, monkeypatch):
-    from danling.checkpoint import manifest as manifest_module
+    from danling.checkpoint import checksums as manifest_module
     from danling.checkpoint.manifest import CheckpointError, verification_scope, verify_directory
     from tests.runners._torch_toy import TinyRunner, tiny_config
 
