@@ -30,6 +30,7 @@ Examples:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -48,6 +49,7 @@ from ._common import (
     curves_from_scores,
     guard,
     reduce_average,
+    result_dtype,
 )
 from ._common import auprc_from_curves as columns_auprc
 from ._common import auroc_from_curves as columns_auroc
@@ -165,7 +167,29 @@ def multiclass_accuracy(
     ignore_index: int | None = None,
 ) -> Tensor:
     """Fraction of correct top-1 predictions; `"macro"` gives the mean per-class recall."""
+    average = check_average(average)
+    if average in ("micro", "weighted"):  # one comparison per sample: no confusion matrix needed
+        scores, target = preprocess_multiclass(input, target, num_classes)
+        return _top1_accuracy(scores.argmax(-1), target, scores.shape[-1], ignore_index)
     return accuracy_from_confusion(_confusion(input, target, num_classes, ignore_index), average)
+
+
+def _top1_accuracy(pred: Tensor, target: Tensor, num_classes: int, ignore_index: int | float | None) -> Tensor:
+    """The value `accuracy_from_confusion` gives for micro averaging, without building the matrix.
+
+    Targets outside `[0, num_classes)` that are not `ignore_index` make the result `nan`, as do
+    batches where nothing is counted; the dtype is that of every metric result.
+    """
+    valid = (target >= 0) & (target < num_classes)
+    if ignore_index is None:
+        counted, invalid = valid, (~valid).sum()
+    else:
+        kept = target != ignore_index
+        counted, invalid = valid & kept, (kept & ~valid).sum()
+    dtype = result_dtype(target.device)
+    total = counted.sum().to(dtype)
+    correct = ((pred == target) & counted).sum().to(dtype)
+    return torch.where((total > 0) & (invalid == 0), correct / total, math.nan)
 
 
 def multiclass_balanced_accuracy(
