@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
+import itertools
 import os
 import pstats
 import shutil
@@ -68,22 +69,28 @@ def fsync_file(path: str) -> None:
 
 
 def file_candidates(model: nn.Module, optimizer: torch.optim.Optimizer, root: Path) -> dict[str, Callable]:
-    raw_path = os.fspath(root / "raw.pt")
+    # Like the managers (keep_latest_k=1), the raw side writes a new file and then deletes the
+    # previous one, so both pay for fresh page-cache pages and for the deletion.
+    paths = [os.fspath(root / "raw-a.pt"), os.fspath(root / "raw-b.pt")]
     manager = FileCheckpointManager(root / "file", keep_latest_k=1)
     objects = {"model": model, "optimizer": optimizer}
+    counter = itertools.count()
 
     def raw_save() -> None:
-        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, raw_path)
-        fsync_file(raw_path)
+        paths.reverse()
+        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, paths[0])
+        fsync_file(paths[0])
+        if os.path.exists(paths[1]):
+            os.unlink(paths[1])
 
     def raw_load() -> None:
-        payload = torch.load(raw_path, weights_only=True)
+        payload = torch.load(paths[0], weights_only=True)
         model.load_state_dict(payload["model"])
         optimizer.load_state_dict(payload["optimizer"])
 
     return {
         "torch.save + fsync": raw_save,
-        "FileCheckpointManager.save": lambda: manager.save(objects, "ckpt"),
+        "FileCheckpointManager.save": lambda: manager.save(objects, f"step-{next(counter)}"),
         "torch.load + load_state_dict": raw_load,
         "FileCheckpointManager.load_into": lambda: manager.load_into("latest", objects),
     }
@@ -93,18 +100,20 @@ def dcp_candidates(model: nn.Module, optimizer: torch.optim.Optimizer, root: Pat
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    raw_dir = root / "raw-dcp"
+    dirs = [root / "raw-a", root / "raw-b"]
     manager = TorchDistributedCheckpointManager(root / "dcp", keep_latest_k=1)
+    counter = itertools.count()
 
     def raw_save() -> None:
-        shutil.rmtree(raw_dir, ignore_errors=True)
+        dirs.reverse()
         model_state, optim_state = get_state_dict(model, optimizer)
-        dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=raw_dir, no_dist=True)
+        dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=dirs[0], no_dist=True)
+        shutil.rmtree(dirs[1], ignore_errors=True)
 
     def raw_load() -> None:
         model_state, optim_state = get_state_dict(model, optimizer)
         state = {"model": model_state, "optimizer": optim_state}
-        dcp.load(state, checkpoint_id=raw_dir, no_dist=True)
+        dcp.load(state, checkpoint_id=dirs[0], no_dist=True)
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
 
     def objects() -> dict:
@@ -112,7 +121,7 @@ def dcp_candidates(model: nn.Module, optimizer: torch.optim.Optimizer, root: Pat
 
     return {
         "dcp.save": raw_save,
-        "DCP manager save": lambda: manager.save(objects(), "ckpt"),
+        "DCP manager save": lambda: manager.save(objects(), f"step-{next(counter)}"),
         "dcp.load + set_state_dict": raw_load,
         "DCP manager load_into": lambda: manager.load_into("latest", objects()),
     }

@@ -29,6 +29,8 @@ CASES = {
     "ignore -100": (SCORES, torch.where(TARGET == 1, -100, TARGET), {"ignore_index": -100}),
     "ignore as float": (SCORES, torch.where(TARGET == 1, -100, TARGET), {"ignore_index": -100.0}),
     "fractional ignore never matches": (SCORES, TARGET, {"ignore_index": 1.5}),
+    "ignore a class, one invalid target": (SCORES, torch.cat([TARGET[:-1], torch.tensor([9])]), {"ignore_index": 2}),
+    "ignore a class, all targets ignored": (SCORES, torch.full((64,), 2), {"ignore_index": 2}),
     "invalid target": (SCORES, torch.cat([TARGET[:-1], torch.tensor([7])]), {}),
     "negative target not ignored": (SCORES, torch.cat([TARGET[:-1], torch.tensor([-1])]), {"ignore_index": -100}),
     "everything ignored": (SCORES, torch.full((64,), -100), {"ignore_index": -100}),

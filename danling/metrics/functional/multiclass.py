@@ -178,18 +178,21 @@ def _top1_accuracy(pred: Tensor, target: Tensor, num_classes: int, ignore_index:
     """The value `accuracy_from_confusion` gives for micro averaging, without building the matrix.
 
     Targets outside `[0, num_classes)` that are not `ignore_index` make the result `nan`, as do
-    batches where nothing is counted; the dtype is that of every metric result.
+    batches where nothing is counted; the dtype is that of every metric result. A prediction
+    always is a class, so it can only equal a valid target: hits need no validity mask.
     """
     valid = (target >= 0) & (target < num_classes)
+    hits = pred == target
     if ignore_index is None:
-        counted, invalid = valid, (~valid).sum()
-    else:
+        total, expected = valid.sum(), target.numel()  # every target must be a class
+    elif 0 <= ignore_index < num_classes:  # the ignored value is a class: mask it out
         kept = target != ignore_index
-        counted, invalid = valid & kept, (kept & ~valid).sum()
-    dtype = result_dtype(target.device)
-    total = counted.sum().to(dtype)
-    correct = ((pred == target) & counted).sum().to(dtype)
-    return torch.where((total > 0) & (invalid == 0), correct / total, math.nan)
+        hits = hits & kept
+        total, expected = (valid & kept).sum(), target.numel() - (~kept).sum()
+    else:  # the ignored value is never a class: every kept target must be one
+        total, expected = valid.sum(), (target != ignore_index).sum()
+    value = hits.sum().to(result_dtype(target.device)) / total
+    return torch.where(total == expected, value, math.nan)
 
 
 def multiclass_balanced_accuracy(
