@@ -41,7 +41,7 @@ test: lint docs base-install
 # `make bench` runs every benchmark of docs/benchmarks.md with its defaults (about an hour);
 # `make bench-quick` (or `make bench QUICK=1`) runs a short version of each in under 2 minutes.
 BENCH := OMP_NUM_THREADS=1 $(PY)
-BENCH_PAGE := runner metrics metric_inloop metric_overhead loader tensors checkpoint parallel deepspeed
+BENCH_PAGE := runner metrics metric_inloop metric_overhead metric_containers loader tensors checkpoint parallel deepspeed
 
 bench: $(STAMP)
 ifeq ($(QUICK),1)
@@ -54,6 +54,7 @@ endif
 bench-quick: $(STAMP)
 	$(BENCH) benchmarks/bench_checkpoint.py --quick
 	$(BENCH) benchmarks/bench_metric_overhead.py --number 300 --repeats 3
+	$(BENCH) benchmarks/bench_metric_containers.py --quick
 	$(BENCH) benchmarks/bench_loader.py --quick
 	$(BENCH) benchmarks/bench_runner.py --quick --only first-step
 	$(BENCH) benchmarks/bench_runner.py --quick --only training --method lockstep --workload "small MLP, batch 32"
