@@ -40,6 +40,11 @@ CASES = {
     "predicted labels": (torch.tensor([0, 2, 9, -1, 4]), torch.tensor([0, 2, 3, 0, 1]), {"num_classes": 5}),
     "nan scores": (torch.where(SCORES > 1, math.nan, SCORES), TARGET, {}),
     "ties": (torch.zeros(64, 5), TARGET, {}),
+    "uint8 targets, more classes than uint8 holds": (
+        torch.randn(8, 300, generator=generator),
+        torch.randint(0, 255, (8,), generator=generator).to(torch.uint8),
+        {},
+    ),
     "int32 targets": (SCORES, TARGET.int(), {"ignore_index": 3}),
 }
 

@@ -191,7 +191,7 @@ def _top1_accuracy(pred: Tensor, target: Tensor, num_classes: int, ignore_index:
         total, expected = (valid & kept).sum(), target.numel() - (~kept).sum()
     else:  # the ignored value is never a class: every kept target must be one
         total, expected = valid.sum(), (target != ignore_index).sum()
-    value = hits.sum().to(result_dtype(target.device)) / total
+    value = hits.sum(dtype=result_dtype(target.device)) / total
     return torch.where(total == expected, value, math.nan)
 
 
