@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint docs bench clean base-install
+.PHONY: demo test lint docs bench bench-quick clean base-install
 
 $(STAMP): pyproject.toml requirements/ci.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -38,9 +38,26 @@ base-install: $(STAMP)
 test: lint docs base-install
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist loadfile; rc=$$?; if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 1; fi; exit $$rc
 
+# `make bench` runs every benchmark of docs/benchmarks.md with its defaults (about an hour);
+# `make bench-quick` (or `make bench QUICK=1`) runs a short version of each in under 2 minutes.
+BENCH := OMP_NUM_THREADS=1 $(PY)
+BENCH_PAGE := runner metrics metric_inloop metric_overhead metric_containers loader tensors checkpoint parallel deepspeed
+
 bench: $(STAMP)
+ifeq ($(QUICK),1)
+	$(MAKE) bench-quick
+else
 	$(PY) -m pip install --quiet -c requirements/ci.txt -e ".[bench]"
-	for f in benchmarks/bench_*.py; do $(PY) $$f || exit 1; done
+	for name in $(BENCH_PAGE); do $(BENCH) benchmarks/bench_$$name.py || exit 1; done
+endif
+
+bench-quick: $(STAMP)
+	$(BENCH) benchmarks/bench_checkpoint.py --quick
+	$(BENCH) benchmarks/bench_metric_overhead.py --number 300 --repeats 3
+	$(BENCH) benchmarks/bench_metric_containers.py --quick
+	$(BENCH) benchmarks/bench_loader.py --quick
+	$(BENCH) benchmarks/bench_runner.py --quick --only first-step
+	$(BENCH) benchmarks/bench_runner.py --quick --only training --method lockstep --workload "small MLP, batch 32"
 
 clean:
 	rm -rf site build *.egg-info

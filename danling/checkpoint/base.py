@@ -1,7 +1,7 @@
 """Backend-neutral checkpoint manager: layout, aliases, retention, cadence and async writes.
 
 Every backend shares one layout under `directory`: one directory per checkpoint (payload files
-plus `manifest.json`, the size and SHA-256 of each) and one-line `<alias>.pointer` files naming
+plus `manifest.json`, the size and checksum of each) and one-line `<alias>.pointer` files naming
 the checkpoint an alias points at (see [`danling.checkpoint.layout`][]). A save fills `.tmp-<name>-<token>/`,
 fsyncs it, renames it into place, rewrites the alias pointers, and only then prunes old history.
 Backends implement the private payload hooks (`_write_payload`, `_read_payload`, `_read_file`) and,
@@ -338,7 +338,7 @@ class CheckpointManager(RunnerSaves):
     def _write_payload(self, state: Mapping[str, Any], directory: Path) -> Mapping[str, Mapping[str, Any]]:
         """Write the payload files of `state` into the empty `directory` and fsync them.
 
-        Return manifest records (`size`, `sha256`) for files hashed while writing; any file left
+        Return manifest records (`size` and a checksum) for files hashed while writing; any file left
         out is hashed and fsynced afterwards by the base class.
         """
         raise NotImplementedError(f"{type(self).__name__} does not implement checkpoint writing")

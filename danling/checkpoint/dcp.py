@@ -32,7 +32,7 @@ from danling.utils import to_device
 
 from ._dcp_io import CheckpointException, SafePlanner, SafeReader
 from .base import CheckpointManager
-from .manifest import CheckpointError, verify_directory
+from .manifest import DEFAULT_CHECKSUM, CheckpointError, check_checksum, directory_records, verify_directory
 from .payload import check_objects, drop_key
 from .ranks import RANK_LAYOUT_KEY, RankLayout, layout_record, plan_rank_entries, rank_entry, read_layout
 from .training import ModelState, OptimizerState, TrainingState, get_training_state, set_training_state
@@ -193,8 +193,10 @@ class TorchDistributedCheckpointManager(CheckpointManager):
         optional_rank_local_keys: Sequence[str] = (),
         data_rank: int | None = None,
         data_size: int | None = None,
+        checksum: str = DEFAULT_CHECKSUM,
         **kwargs: Any,
     ) -> None:
+        self.checksum = check_checksum(checksum)
         self.distributed = dist.is_available() and dist.is_initialized()
         if not self.distributed:
             process_group = None
@@ -296,14 +298,12 @@ class TorchDistributedCheckpointManager(CheckpointManager):
             raise CheckpointError(f"saving checkpoint {name!r} failed on rank 0: {outcome}")
         return self.directory / name
 
-    # backend hooks ---------------------------------------------------------------------------
-
     def _write_payload(self, state: Mapping[str, Any], directory: Path) -> Mapping[str, Mapping[str, Any]]:
         # Runs on the coordinator inside the base class's write: tell the followers where to write.
         self._exchange(str(directory))
         self._announced = True
-        self._save(state, directory)
-        return {}  # the base class hashes and fsyncs every file DCP produced
+        self._save(state, directory)  # collective: when it returns, every rank's files are written and synced
+        return directory_records(directory, checksum=self.checksum)
 
     def _save(self, state: Mapping[str, Any], directory: Path) -> None:
         local = dict(state)
@@ -318,8 +318,6 @@ class TorchDistributedCheckpointManager(CheckpointManager):
                 process_group=self.process_group,
                 no_dist=not self.distributed,
             )
-
-    # loading ---------------------------------------------------------------------------------
 
     def load_into(
         self, checkpoint: str | os.PathLike, objects: Mapping[str, Any], *, map_location: Any = "cpu"

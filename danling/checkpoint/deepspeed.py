@@ -14,7 +14,7 @@ publishes the directory like any other backend:
     zero_pp_rank_0_mp_rank_00_optim_states.pt
     danling.pt                        runner state, results, loop position, EMA, runner-owned scheduler
     danling-rank0.pt                  per-rank entries (RNG, loader positions), one file per data rank
-    manifest.json                     size + SHA-256 of every file above
+    manifest.json                     size + checksum (XXH3-128) of every file above
   latest.pointer                      written only after the tag is complete
 ```
 

@@ -10,7 +10,16 @@ from typing import Any, BinaryIO
 import torch
 
 from .base import CheckpointManager
-from .manifest import CheckpointError, HashingWriter
+from .manifest import (
+    DEFAULT_CHECKSUM,
+    CheckpointError,
+    HashingReader,
+    HashingWriter,
+    check_checksum,
+    mark_verified,
+    streamed_verification,
+    take_streamed,
+)
 from .unpickling import torch_load
 
 __all__ = ["FileCheckpointManager", "read_checkpoint"]
@@ -30,6 +39,16 @@ class FileCheckpointManager(CheckpointManager):
     with torch's weights-only unpickler, so a planted payload cannot run code; `trusted=True`
     (see [`CheckpointManager`][danling.checkpoint.CheckpointManager]) lifts that for files you trust.
 
+    The payload is checksummed while `torch.save` writes it and while `torch.load` reads it, so
+    verification costs no extra pass over the file. `checksum` picks the algorithm recorded for
+    new checkpoints (``"xxh3_128"``, fast, the default; or ``"sha256"``); checkpoints recording
+    either verify.
+
+    Args:
+        directory: Where checkpoints live.
+        checksum: Checksum algorithm for new checkpoints.
+        **kwargs: The options of [`CheckpointManager`][danling.checkpoint.CheckpointManager].
+
     Examples:
         >>> import tempfile, torch
         >>> tmp = tempfile.TemporaryDirectory()
@@ -48,9 +67,18 @@ class FileCheckpointManager(CheckpointManager):
     backend = "file"
     payload_name = "state.pt"
 
+    def __init__(self, directory: str | os.PathLike, *, checksum: str = DEFAULT_CHECKSUM, **kwargs: Any) -> None:
+        self.checksum = check_checksum(checksum)
+        super().__init__(directory, **kwargs)
+
     def _payload_stream(self, raw: BinaryIO) -> HashingWriter:
         """Wrap the open payload file; the writer hashes bytes as `torch.save` emits them."""
-        return HashingWriter(raw)
+        return HashingWriter(raw, getattr(self, "checksum", DEFAULT_CHECKSUM))
+
+    def load(self, checkpoint: str | os.PathLike, *, map_location: Any = "cpu") -> dict[str, Any]:
+        # the payload file is checksummed while torch.load reads it (see _read_file), not in a pass before
+        with streamed_verification(self.payload_name):
+            return super().load(checkpoint, map_location=map_location)
 
     def _write_payload(self, state: Mapping[str, Any], directory: Path) -> dict[str, dict[str, Any]]:
         with open(directory / self.payload_name, "wb") as raw:
@@ -71,7 +99,18 @@ class FileCheckpointManager(CheckpointManager):
         return self._read_file(directory / self.payload_name, map_location)
 
     def _read_file(self, path: Path, map_location: Any) -> dict[str, Any]:
-        return _torch_load(path, map_location, path, self.trusted)
+        entry = take_streamed(path)
+        if entry is None:
+            return _torch_load(path, map_location, path, self.trusted)
+        with HashingReader(path, entry) as stream:
+            try:
+                payload = _torch_load(stream, map_location, path, self.trusted)
+            except BaseException:
+                stream.finish()  # a damaged file explains a failed read better than the unpickler does
+                raise
+            stream.finish()
+        mark_verified(path, entry)
+        return payload
 
 
 def read_checkpoint(

@@ -1,37 +1,62 @@
 """On-disk integrity primitives shared by every checkpoint backend.
 
 A checkpoint is a directory holding payload files plus `manifest.json`, which records the size
-and SHA-256 of each payload file. This module writes and checks those manifests, publishes
+and a checksum of each payload file. This module writes and checks those manifests, publishes
 files atomically (temporary name, `fsync`, `rename`) and defines the errors raised when a
 checkpoint cannot be trusted.
+
+The checksums themselves (XXH3-128 by default, SHA-256 optional) are computed by
+[`danling.checkpoint.checksums`][].
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import threading
 import time
 import uuid
 from collections.abc import Iterator, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from .checksums import (
+    CHECKSUMS,
+    DEFAULT_CHECKSUM,
+    HashingReader,
+    HashingWriter,
+    _corrupt,
+    _digests,
+    _entry_checksum,
+    _torn,
+    check_checksum,
+    directory_records,
+    file_record,
+    new_digest,
+)
+
 __all__ = [
     "MANIFEST_NAME",
     "MANIFEST_FORMAT",
+    "CHECKSUMS",
+    "DEFAULT_CHECKSUM",
     "CheckpointError",
     "CheckpointNotFoundError",
     "CheckpointResizeError",
     "HashingWriter",
+    "HashingReader",
+    "check_checksum",
+    "new_digest",
     "file_record",
+    "directory_records",
     "fsync_dir",
     "atomic_write_text",
     "write_manifest",
     "read_manifest",
+    "mark_verified",
+    "streamed_verification",
+    "take_streamed",
     "verification_scope",
     "verify_directory",
 ]
@@ -39,7 +64,6 @@ __all__ = [
 MANIFEST_NAME = "manifest.json"
 MANIFEST_FORMAT = "danling-checkpoint"
 MANIFEST_VERSION = 1
-_CHUNK = 8 * 1024 * 1024
 
 
 class CheckpointError(ValueError):
@@ -56,85 +80,6 @@ class CheckpointResizeError(CheckpointError):
     Raised on every rank alike (the decision only reads checkpoint metadata), so no rank is left
     waiting in a collective for ranks that failed.
     """
-
-
-class HashingWriter:
-    """File-like wrapper that hashes and counts bytes on their way to `raw`.
-
-    `torch.save` writes its archive strictly sequentially, so the digest of everything passed
-    to `write` equals the digest of the finished file; that spares a second read at save time.
-    Large chunks are hashed on a helper thread while the caller's thread writes them (both
-    release the GIL), so hashing adds little to the save time.
-
-    Examples:
-        >>> import io
-        >>> sink = HashingWriter(io.BytesIO())
-        >>> sink.write(b"abc")
-        3
-        >>> sink.record()["size"], sink.record()["sha256"][:12]
-        (3, 'ba7816bf8f01')
-    """
-
-    parallel_threshold = 1 << 20
-
-    def __init__(self, raw: Any) -> None:
-        self.raw = raw
-        self.size = 0
-        self.error: OSError | None = None  # torch.save reports a failed write without its cause
-        self._hash = hashlib.sha256()
-
-    def write(self, data: bytes | bytearray | memoryview) -> int:
-        view = memoryview(data)
-        if view.ndim != 1 or view.format != "B":
-            view = view.cast("B")
-        try:
-            if view.nbytes >= self.parallel_threshold:
-                # the buffer stays alive and unchanged until both the hash and the write finish
-                hashed = _hash_pool().submit(self._hash.update, view)
-                try:
-                    self.raw.write(view)
-                finally:
-                    hashed.result()
-            else:
-                self._hash.update(view)
-                self.raw.write(view)
-        except OSError as err:
-            self.error = err
-            raise
-        self.size += view.nbytes
-        return view.nbytes
-
-    def flush(self) -> None:
-        self.raw.flush()
-
-    def record(self) -> dict[str, Any]:
-        """Return the manifest entry (`size`, `sha256`) for the bytes written so far."""
-        return {"size": self.size, "sha256": self._hash.hexdigest()}
-
-
-_HASH_POOL: ThreadPoolExecutor | None = None
-_HASH_POOL_LOCK = threading.Lock()
-
-
-def _hash_pool() -> ThreadPoolExecutor:
-    global _HASH_POOL
-    with _HASH_POOL_LOCK:
-        if _HASH_POOL is None:
-            _HASH_POOL = ThreadPoolExecutor(max_workers=2, thread_name_prefix="danling-hash")
-        return _HASH_POOL
-
-
-def file_record(path: str | os.PathLike, *, fsync: bool = False) -> dict[str, Any]:
-    """Hash `path` in chunks and return its manifest entry; optionally `fsync` it as well."""
-    digest = hashlib.sha256()
-    size = 0
-    with open(path, "rb") as handle:
-        while chunk := handle.read(_CHUNK):
-            digest.update(chunk)
-            size += len(chunk)
-        if fsync:
-            os.fsync(handle.fileno())
-    return {"size": size, "sha256": digest.hexdigest()}
 
 
 def fsync_dir(path: str | os.PathLike) -> None:
@@ -214,18 +159,23 @@ def read_manifest(directory: str | os.PathLike) -> dict[str, Any]:
             or ".." in Path(key).parts
             or not isinstance(entry, dict)
             or not isinstance(entry.get("size"), int)
-            or not isinstance(entry.get("sha256"), str)
+            or not any(isinstance(entry.get(name), str) for name in CHECKSUMS)
         ):
             raise CheckpointError(f"manifest {path} has a malformed entry for {key!r}")
     return manifest
 
 
-def verify_directory(directory: str | os.PathLike, files: list[str] | None = None) -> dict[str, Any]:
-    """Check sizes and SHA-256 digests of a checkpoint directory against its manifest.
+def verify_directory(
+    directory: str | os.PathLike, files: list[str] | None = None, *, streamed: tuple[str, ...] = ()
+) -> dict[str, Any]:
+    """Check sizes and checksums of a checkpoint directory against its manifest.
 
     Args:
         directory: The checkpoint directory.
         files: Only check these manifest entries (default: all of them).
+        streamed: Entries whose checksum the caller verifies while reading them (with a
+            [`HashingReader`][danling.checkpoint.checksums.HashingReader]): only their presence and
+            size are checked here.
 
     Returns:
         The parsed manifest.
@@ -236,41 +186,85 @@ def verify_directory(directory: str | os.PathLike, files: list[str] | None = Non
     directory = Path(directory)
     manifest = read_manifest(directory)
     entries = manifest["files"]
-    names = sorted(entries if files is None else files)
     cache = getattr(_scope, "verified", None)
-    signature = _signature(directory, names) if cache is not None else None
-    if signature is not None and cache.get(directory) == signature:
-        return manifest  # verified earlier in this scope and untouched since
-    for key in names:
+    pending: list[tuple[Path, str, str, tuple]] = []
+    for key in sorted(entries if files is None else files):
         if key not in entries:
             raise CheckpointError(f"{directory / key} is not listed in {directory / MANIFEST_NAME}")
-        path = directory / key
-        expected = entries[key]
-        if not path.is_file():
+        path, expected = directory / key, entries[key]
+        try:
+            stat = os.stat(path)
+        except FileNotFoundError:
+            raise CheckpointError(f"checkpoint file {path} is missing") from None
+        if not os.path.isfile(path):
             raise CheckpointError(f"checkpoint file {path} is missing")
-        actual_size = path.stat().st_size
-        if actual_size != expected["size"]:
-            raise CheckpointError(
-                f"checkpoint file {path} is torn: {actual_size} bytes on disk, manifest records {expected['size']}"
-            )
-        if file_record(path)["sha256"] != expected["sha256"]:
-            raise CheckpointError(f"checkpoint file {path} is corrupt: its SHA-256 does not match the manifest")
-    if signature is not None:
-        cache[directory] = signature
+        if stat.st_size != expected["size"]:
+            raise _torn(path, stat.st_size, expected["size"])
+        checksum = _entry_checksum(expected, path)
+        signature = (stat.st_size, stat.st_mtime_ns, stat.st_ino, checksum)
+        if cache is not None and cache.get(path) == signature:
+            continue  # verified earlier in this scope and untouched since
+        if key in streamed or key in getattr(_scope, "streamed", ()):
+            _owed()[path] = expected  # the reader checks it (see take_streamed)
+            continue
+        pending.append((path, checksum, expected[checksum], signature))
+    digests = _digests([(path, checksum) for path, checksum, _, _ in pending])
+    for (path, checksum, wanted, _), actual in zip(pending, digests):
+        if actual != wanted:
+            raise _corrupt(path, checksum)
+    if cache is not None:
+        cache.update({path: signature for path, _, _, signature in pending})
     return manifest
+
+
+def mark_verified(path: str | os.PathLike, entry: Mapping[str, Any]) -> None:
+    """Record in the current verification scope that `path` was checked (by a streaming read)."""
+    cache = getattr(_scope, "verified", None)
+    if cache is None:
+        return
+    with_stat = os.stat(path)
+    cache[Path(path)] = (with_stat.st_size, with_stat.st_mtime_ns, with_stat.st_ino, _entry_checksum(entry, path))
 
 
 _scope = threading.local()
 
 
+def _owed() -> dict[Path, Mapping[str, Any]]:
+    if getattr(_scope, "owed", None) is None:
+        _scope.owed = {}
+    return _scope.owed
+
+
+@contextmanager
+def streamed_verification(*names: str) -> Iterator[None]:
+    """Within the block, `verify_directory` leaves the checksum of the entries `names` to the reader.
+
+    It still checks that they exist with the recorded size; the reader claims each owed entry
+    with `take_streamed` and checks it with a
+    [`HashingReader`][danling.checkpoint.checksums.HashingReader]. Threads have their own.
+    """
+    previous, owed = getattr(_scope, "streamed", ()), dict(_owed())
+    _scope.streamed = (*previous, *names)
+    try:
+        yield
+    finally:
+        _scope.streamed = previous
+        _scope.owed = owed
+
+
+def take_streamed(path: str | os.PathLike) -> Mapping[str, Any] | None:
+    """The manifest entry `verify_directory` left to the reader of `path` (once), or `None`."""
+    return _owed().pop(Path(path), None)
+
+
 @contextmanager
 def verification_scope() -> Iterator[None]:
-    """Within the block, a directory that verified is not hashed again while its files stay as they were.
+    """Within the block, a file that verified is not hashed again while it stays as it was.
 
     One restore reads a checkpoint directory more than once (the runner state, then the model and
     optimizer in place); hashing it once is enough as long as no file changed in between (same
-    names, sizes, modification times and inodes). The memory lasts only for the block, so every
-    new load verifies again. Scopes nest; threads have their own.
+    size, modification time and inode). The memory lasts only for the block, so every new load
+    verifies again. Scopes nest; threads have their own.
 
     Examples:
         >>> with verification_scope():
@@ -282,12 +276,3 @@ def verification_scope() -> Iterator[None]:
         yield
     finally:
         _scope.verified = previous
-
-
-def _signature(directory: Path, names: list[str]) -> tuple | None:
-    """What identifies the checked files' contents cheaply: name, size, mtime and inode of each."""
-    try:
-        stats = [(name, os.stat(directory / name)) for name in names]
-    except OSError:
-        return None  # a missing file: let the check name it
-    return tuple((name, st.st_size, st.st_mtime_ns, st.st_ino) for name, st in stats)

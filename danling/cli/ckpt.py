@@ -119,7 +119,7 @@ def _verify(directory: Path) -> dict[str, Any]:
         return {"ok": False, "message": str(err)}
     files = manifest["files"]
     size = sum(entry["size"] for entry in files.values())
-    return {"ok": True, "message": f"{len(files)} file(s), {size} bytes: sizes and SHA-256 match the manifest"}
+    return {"ok": True, "message": f"{len(files)} file(s), {size} bytes: sizes and checksums match the manifest"}
 
 
 def _progress(manifest_meta: Mapping[str, Any], payload: Mapping[str, Any] | None) -> tuple[Any, Any]:

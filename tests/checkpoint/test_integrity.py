@@ -174,7 +174,7 @@ def test_new_manager_leaves_an_in_flight_write_alone(tmp_path):
 
 
 def test_a_runner_restore_hashes_each_file_once_and_a_scope_still_sees_changes(tmp_path, monkeypatch):
-    from danling.checkpoint import manifest as manifest_module
+    from danling.checkpoint import checksums as manifest_module
     from danling.checkpoint.manifest import CheckpointError, verification_scope, verify_directory
     from tests.runners._torch_toy import TinyRunner, tiny_config
 
@@ -183,8 +183,8 @@ def test_a_runner_restore_hashes_each_file_once_and_a_scope_still_sees_changes(t
         runner.train()
         path = runner.checkpoint_manager.latest
     hashed = []
-    real = manifest_module.file_record
-    monkeypatch.setattr(manifest_module, "file_record", lambda p: (hashed.append(Path(p).name), real(p))[1])
+    real = manifest_module._digest_file
+    monkeypatch.setattr(manifest_module, "_digest_file", lambda p, c: (hashed.append(Path(p).name), real(p, c))[1])
     with TinyRunner(tiny_config(tmp_path, epochs=1, resume=str(path), **{"checkpoint.backend": "dcp"})) as runner:
         assert runner.train_state.global_step == 5
     assert hashed and len(hashed) == len(set(hashed))  # the state and the in-place load share one verification

@@ -30,6 +30,7 @@ Examples:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -48,6 +49,7 @@ from ._common import (
     curves_from_scores,
     guard,
     reduce_average,
+    result_dtype,
 )
 from ._common import auprc_from_curves as columns_auprc
 from ._common import auroc_from_curves as columns_auroc
@@ -165,7 +167,32 @@ def multiclass_accuracy(
     ignore_index: int | None = None,
 ) -> Tensor:
     """Fraction of correct top-1 predictions; `"macro"` gives the mean per-class recall."""
+    average = check_average(average)
+    if average in ("micro", "weighted"):  # one comparison per sample: no confusion matrix needed
+        scores, target = preprocess_multiclass(input, target, num_classes)
+        return _top1_accuracy(scores.argmax(-1), target, scores.shape[-1], ignore_index)
     return accuracy_from_confusion(_confusion(input, target, num_classes, ignore_index), average)
+
+
+def _top1_accuracy(pred: Tensor, target: Tensor, num_classes: int, ignore_index: int | float | None) -> Tensor:
+    """The value `accuracy_from_confusion` gives for micro averaging, without building the matrix.
+
+    Targets outside `[0, num_classes)` that are not `ignore_index` make the result `nan`, as do
+    batches where nothing is counted; the dtype is that of every metric result. A prediction
+    always is a class, so it can only equal a valid target: hits need no validity mask.
+    """
+    valid = (target >= 0) & (target < num_classes)
+    hits = pred == target
+    if ignore_index is None:
+        total, expected = valid.sum(), target.numel()  # every target must be a class
+    elif 0 <= ignore_index < num_classes:  # the ignored value is a class: mask it out
+        kept = target != ignore_index
+        hits = hits & kept
+        total, expected = (valid & kept).sum(), target.numel() - (~kept).sum()
+    else:  # the ignored value is never a class: every kept target must be one
+        total, expected = valid.sum(), (target != ignore_index).sum()
+    value = hits.sum(dtype=result_dtype(target.device)) / total
+    return torch.where(total == expected, value, math.nan)
 
 
 def multiclass_balanced_accuracy(

@@ -1,0 +1,315 @@
+"""Checksums of checkpoint files: computed while files are written or read, or in one pass over them.
+
+Checksums guard against torn and damaged files, not against tampering (the restricted unpickler
+covers planted code). The default is XXH3-128 (the `xxhash` package), which hashes at memory
+speed; SHA-256 stays available (``checksum="sha256"``), and a manifest entry recording either
+verifies. Files are hashed through a memory map, so a check copies nothing out of the page cache.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import mmap
+import os
+import threading
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+try:  # a small C extension; without it checkpoints fall back to SHA-256
+    import xxhash
+except ImportError:  # pragma: no cover - xxhash is a dependency
+    xxhash = None
+
+__all__ = [
+    "CHECKSUMS",
+    "DEFAULT_CHECKSUM",
+    "HashingWriter",
+    "HashingReader",
+    "check_checksum",
+    "new_digest",
+    "file_record",
+    "directory_records",
+]
+
+_CHUNK = 8 * 1024 * 1024
+CHECKSUMS = ("xxh3_128", "sha256")
+"""Checksum algorithms a manifest entry may record, fastest first (verification uses the first present)."""
+DEFAULT_CHECKSUM = "xxh3_128" if xxhash is not None else "sha256"
+
+
+def check_checksum(name: Any) -> str:
+    """Validate a checksum algorithm name (one of `CHECKSUMS`)."""
+    if name not in CHECKSUMS:
+        raise ValueError(f"checksum must be one of {CHECKSUMS}, got {name!r}")
+    if name == "xxh3_128" and xxhash is None:
+        raise ValueError("checksum 'xxh3_128' needs the xxhash package (pip install xxhash), or use 'sha256'")
+    return name
+
+
+def new_digest(name: str) -> Any:
+    """A fresh incremental hash object for checksum algorithm `name`."""
+    if name == "xxh3_128":
+        if xxhash is None:
+            from .manifest import CheckpointError
+
+            raise CheckpointError("this checkpoint records XXH3-128 checksums; install xxhash to verify it")
+        return xxhash.xxh3_128()
+    return hashlib.sha256()
+
+
+class HashingWriter:
+    """File-like wrapper that checksums and counts bytes on their way to `raw`.
+
+    `torch.save` writes its archive strictly sequentially, so the digest of everything passed
+    to `write` equals the digest of the finished file; that spares a second read at save time.
+    XXH3 keeps up with memory, so it runs inline; SHA-256 chunks are hashed on a helper thread
+    while the caller's thread writes them (both release the GIL).
+
+    Examples:
+        >>> import io
+        >>> sink = HashingWriter(io.BytesIO(), checksum="sha256")
+        >>> sink.write(b"abc")
+        3
+        >>> sink.record()["size"], sink.record()["sha256"][:12]
+        (3, 'ba7816bf8f01')
+    """
+
+    parallel_threshold = 1 << 20
+
+    def __init__(self, raw: Any, checksum: str = DEFAULT_CHECKSUM) -> None:
+        self.raw = raw
+        self.size = 0
+        self.error: OSError | None = None  # torch.save reports a failed write without its cause
+        self.checksum = check_checksum(checksum)
+        self._hash = new_digest(checksum)
+        self._parallel = checksum == "sha256"
+
+    def write(self, data: bytes | bytearray | memoryview) -> int:
+        view = memoryview(data)
+        if view.ndim != 1 or view.format != "B":
+            view = view.cast("B")
+        try:
+            if self._parallel and view.nbytes >= self.parallel_threshold:
+                # the buffer stays alive and unchanged until both the hash and the write finish
+                hashed = _hash_pool().submit(self._hash.update, view)
+                try:
+                    self.raw.write(view)
+                finally:
+                    hashed.result()
+            else:
+                self._hash.update(view)
+                self.raw.write(view)
+        except OSError as err:
+            self.error = err
+            raise
+        self.size += view.nbytes
+        return view.nbytes
+
+    def flush(self) -> None:
+        self.raw.flush()
+
+    def record(self) -> dict[str, Any]:
+        """Return the manifest entry (`size` and the checksum) for the bytes written so far."""
+        return {"size": self.size, self.checksum: self._hash.hexdigest()}
+
+
+class HashingReader:
+    """Read-only, seekable view of a file that checksums the whole file while a reader consumes it.
+
+    `torch.load` reads a zip archive in place (`readinto` straight into tensor memory), mostly
+    front to back, after a glance at the index at the end. Bytes are hashed as they arrive while
+    they continue the hashed prefix; small skipped spans (zip headers) are read to fill the gap,
+    larger jumps are left for `finish`, which hashes whatever is left. So the file is read about
+    once, and `finish` proves the bytes match the manifest `entry` (raising
+    [`CheckpointError`][danling.checkpoint.CheckpointError] otherwise).
+
+    Examples:
+        >>> import tempfile, torch
+        >>> path = Path(tempfile.mkdtemp()) / "t.pt"
+        >>> torch.save({"x": torch.arange(3)}, path)
+        >>> entry = file_record(path)
+        >>> with HashingReader(path, entry) as stream:
+        ...     torch.load(stream)["x"]
+        tensor([0, 1, 2])
+    """
+
+    gap_limit = 1 << 16
+
+    def __init__(self, path: str | os.PathLike, entry: Mapping[str, Any]) -> None:
+        self.path = Path(path)
+        self.entry = entry
+        self.checksum = _entry_checksum(entry, self.path)
+        self._hash = new_digest(self.checksum)
+        self._file = open(self.path, "rb", buffering=0)  # noqa: SIM115 - closed by close()
+        self._size = os.fstat(self._file.fileno()).st_size
+        self._hashed = 0  # bytes [0, _hashed) went into the digest
+
+    def __enter__(self) -> HashingReader:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        return self._file.seek(offset, whence)
+
+    def tell(self) -> int:
+        return self._file.tell()
+
+    def readinto(self, buffer: Any) -> int:
+        start = self._file.tell()
+        count = self._file.readinto(buffer)
+        if count:
+            self._absorb(start, memoryview(buffer).cast("B")[:count])
+        return count
+
+    def read(self, size: int = -1) -> bytes:
+        size = self._size - self._file.tell() if size is None or size < 0 else size
+        buffer = bytearray(max(size, 0))
+        return bytes(buffer[: self.readinto(buffer)])
+
+    def _absorb(self, start: int, view: memoryview) -> None:
+        end = start + view.nbytes
+        if start > self._hashed:
+            if start - self._hashed > self.gap_limit:
+                return  # a jump ahead (the index at the end): hashed later, in order
+            self._hash_span(self._hashed, start)
+        if start <= self._hashed < end:
+            self._hash.update(view[self._hashed - start :])
+            self._hashed = end
+
+    def _hash_span(self, start: int, stop: int) -> None:
+        while start < stop:
+            chunk = os.pread(self._file.fileno(), min(_CHUNK, stop - start), start)
+            if not chunk:
+                break
+            self._hash.update(chunk)
+            start += len(chunk)
+        self._hashed = start
+
+    def finish(self) -> None:
+        """Hash what the reader skipped and compare size and digest with the manifest entry."""
+        if self._size != self.entry["size"]:
+            raise _torn(self.path, self._size, self.entry["size"])
+        self._hash_span(self._hashed, self._size)
+        if self._hash.hexdigest() != self.entry[self.checksum]:
+            raise _corrupt(self.path, self.checksum)
+
+    def close(self) -> None:
+        self._file.close()
+
+
+_HASH_POOL: ThreadPoolExecutor | None = None
+_HASH_POOL_LOCK = threading.Lock()
+
+
+def _hash_pool() -> ThreadPoolExecutor:
+    global _HASH_POOL
+    with _HASH_POOL_LOCK:
+        if _HASH_POOL is None:
+            _HASH_POOL = ThreadPoolExecutor(max_workers=2, thread_name_prefix="danling-hash")
+        return _HASH_POOL
+
+
+def _entry_checksum(entry: Mapping[str, Any], path: Any) -> str:
+    for name in CHECKSUMS:
+        if isinstance(entry.get(name), str):
+            return name
+    from .manifest import CheckpointError
+
+    raise CheckpointError(f"manifest entry of {path} records no checksum this version knows ({', '.join(CHECKSUMS)})")
+
+
+def _torn(path: Path, actual: int, expected: int) -> Exception:
+    from .manifest import CheckpointError  # the errors live with the manifest, which imports this module
+
+    return CheckpointError(f"checkpoint file {path} is torn: {actual} bytes on disk, manifest records {expected}")
+
+
+def _corrupt(path: Path, checksum: str) -> Exception:
+    from .manifest import CheckpointError
+
+    label = {"xxh3_128": "XXH3-128", "sha256": "SHA-256"}[checksum]
+    return CheckpointError(f"checkpoint file {path} is corrupt: its {label} does not match the manifest")
+
+
+def _digest_file(path: str | os.PathLike, checksum: str) -> tuple[int, str]:
+    """Size and hex digest of a file, hashed through a memory map (no copy out of the page cache)."""
+    digest = new_digest(checksum)
+    with open(path, "rb") as handle:
+        size = os.fstat(handle.fileno()).st_size
+        if size:
+            with mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+                view = memoryview(mapped)
+                try:
+                    for start in range(0, size, 16 * _CHUNK):  # bounded chunks: SHA-256 holds the GIL less long
+                        digest.update(view[start : start + 16 * _CHUNK])
+                finally:
+                    view.release()
+    return size, digest.hexdigest()
+
+
+def file_record(path: str | os.PathLike, *, fsync: bool = False, checksum: str = DEFAULT_CHECKSUM) -> dict[str, Any]:
+    """Checksum `path` and return its manifest entry; optionally `fsync` it as well.
+
+    The fsync runs on a helper thread while the file is hashed: the disk flush and the hashing
+    overlap instead of adding up.
+    """
+    check_checksum(checksum)
+    if not fsync:
+        size, digest = _digest_file(path, checksum)
+        return {"size": size, checksum: digest}
+    flushed = _hash_pool().submit(_fsync_path, path)
+    try:
+        size, digest = _digest_file(path, checksum)
+    finally:
+        flushed.result()
+    return {"size": size, checksum: digest}
+
+
+def directory_records(
+    directory: str | os.PathLike, *, checksum: str = DEFAULT_CHECKSUM, fsync: bool = True
+) -> dict[str, dict[str, Any]]:
+    """Manifest entries of every file under `directory` (keys relative to it), hashed two files at a time."""
+    directory = Path(directory)
+    paths = sorted(path for path in directory.rglob("*") if path.is_file())
+    if len(paths) < 2:
+        records = [file_record(path, fsync=fsync, checksum=checksum) for path in paths]
+    else:
+        records = list(_record_pool().map(lambda path: file_record(path, fsync=fsync, checksum=checksum), paths))
+    return {path.relative_to(directory).as_posix(): record for path, record in zip(paths, records)}
+
+
+_RECORD_POOL: ThreadPoolExecutor | None = None
+
+
+def _record_pool() -> ThreadPoolExecutor:
+    # separate from the hash pool: each record job submits its fsync there
+    global _RECORD_POOL
+    with _HASH_POOL_LOCK:
+        if _RECORD_POOL is None:
+            _RECORD_POOL = ThreadPoolExecutor(max_workers=2, thread_name_prefix="danling-record")
+        return _RECORD_POOL
+
+
+def _fsync_path(path: str | os.PathLike) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _digests(jobs: list[tuple[Path, str]]) -> list[str]:
+    """Hex digests of several files, two at a time when there are several (the hashes release the GIL)."""
+    if len(jobs) < 2:
+        return [_digest_file(path, checksum)[1] for path, checksum in jobs]
+    return list(_hash_pool().map(lambda job: _digest_file(*job)[1], jobs))
