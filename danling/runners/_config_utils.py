@@ -57,6 +57,7 @@ _CHOICES: dict[str, tuple] = {
     "checkpoint.async_mode": ("disabled", "async", "async_with_pinned_mem"),
     "checkpoint.async_process_group_backend": ("gloo", "nccl"),
     "checkpoint.export_dtype": _DTYPES,
+    "checkpoint.checksum": ("xxh3_128", "sha256"),
     "ft.process_group": ("gloo", "nccl"),
     "gc.generation": (0, 1, 2),
     "parallel.activation_checkpointing": ("none", "block", "selective"),

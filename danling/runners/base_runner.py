@@ -243,6 +243,7 @@ class BaseRunner(CheckpointMixin, ResultsMixin, ObservabilityMixin, LoopMixin, P
             "timeout": checkpoint.wait_timeout,
             "logger": logging.getLogger("danling.checkpoint"),
             "trusted": checkpoint.trust_pickle,
+            "checksum": checkpoint.checksum,
         }
 
     # ------------------------------------------------------------------ process facts

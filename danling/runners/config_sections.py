@@ -110,6 +110,8 @@ class CheckpointConfig(_TypedConfig):
         export_dtype: Cast the weights of a model-only final checkpoint to this dtype.
         trust_pickle: Load checkpoints with the full unpickler (only for files you trust).
         continue_on_save_error: Log a failed save and retry at the next one instead of stopping the run.
+        checksum: Integrity checksum recorded for every checkpoint file: `xxh3_128` (fast, against torn
+            writes) or `sha256` (cryptographic); either verifies on load, whatever a checkpoint recorded.
     """
 
     dir_name: str = "checkpoints"
@@ -131,6 +133,7 @@ class CheckpointConfig(_TypedConfig):
     export_dtype: str | None = None
     trust_pickle: bool = False
     continue_on_save_error: bool = False
+    checksum: str = "xxh3_128"
 
 
 class DataloaderConfig(_TypedConfig):

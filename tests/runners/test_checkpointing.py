@@ -215,3 +215,24 @@ def test_resuming_adopts_the_seed_the_first_run_drew(tmp_path):
         drawn = first.config.seed
     with ToyRunner(toy_config(tmp_path, seed=None, auto_resume=True)) as resumed:
         assert resumed.train_state.epoch == 3 and resumed.config.seed == drawn
+
+
+@pytest.mark.parametrize("checksum", ["xxh3_128", "sha256"])
+def test_checkpoint_checksum_is_configurable_and_verifies(make_runner, checksum):
+    import json
+
+    runner = make_runner(**{"checkpoint.checksum": checksum})
+    runner.train()
+    latest = runner.checkpoint_manager.latest
+    entries = json.loads((latest / "manifest.json").read_text())["files"].values()
+    assert entries and all(set(entry) == {"size", checksum} for entry in entries)
+    restored = ToyRunner.from_checkpoint(latest)
+    try:
+        assert fingerprint(restored) == fingerprint(runner)
+    finally:
+        restored.close()
+
+
+def test_an_unknown_checkpoint_checksum_is_refused(make_runner):
+    with pytest.raises(ValueError, match="checkpoint.checksum"):
+        make_runner(**{"checkpoint.checksum": "md5"})
