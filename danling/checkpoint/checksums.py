@@ -300,6 +300,17 @@ def _record_pool() -> ThreadPoolExecutor:
         return _RECORD_POOL
 
 
+def _forget_pools() -> None:
+    # A forked child inherits the pools but not their threads: work submitted there would wait
+    # forever (a run forked after its parent saved a checkpoint hung in its first save).
+    global _HASH_POOL, _RECORD_POOL, _HASH_POOL_LOCK
+    _HASH_POOL = _RECORD_POOL = None
+    _HASH_POOL_LOCK = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_pools)
+
+
 def _fsync_path(path: str | os.PathLike) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:

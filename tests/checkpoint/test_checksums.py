@@ -169,3 +169,31 @@ def test_a_file_checkpoint_is_read_once_its_checksum_computed_on_the_way(tmp_pat
     assert passes == []  # no separate hashing pass: HashingReader checked the bytes torch.load read
     verify_directory(path)  # an explicit verification still hashes the file
     assert [p.name for p in passes] == ["state.pt"]
+
+
+def _records_in_child(directory, queue):
+    from danling.checkpoint.checksums import directory_records
+
+    queue.put(sorted(directory_records(directory, checksum="xxh3_128")))
+
+
+def test_a_forked_child_hashes_with_pools_of_its_own(tmp_path):
+    # The parent's hashing pools exist (two files are hashed two at a time); a child forked now
+    # inherits them without their threads, and used to wait forever in its first save.
+    import multiprocessing
+
+    from danling.checkpoint.checksums import directory_records
+
+    for name in ("a.bin", "b.bin", "c.bin"):
+        (tmp_path / name).write_bytes(random.randbytes(1 << 16))
+    expected = sorted(directory_records(tmp_path, checksum="xxh3_128"))
+    context = multiprocessing.get_context("fork")
+    queue = context.Queue()
+    child = context.Process(target=_records_in_child, args=(tmp_path, queue))
+    child.start()
+    child.join(60)
+    alive = child.is_alive()
+    if alive:
+        child.kill()
+    assert not alive, "the forked child hung in directory_records"
+    assert queue.get(timeout=5) == expected
