@@ -88,6 +88,26 @@ def test_rows_after_a_mid_pass_resume_of_the_dcp_backend(tmp_path):
     assert resumed == rows
 
 
+class OldWriter(MetricRunner):
+    """Writes checkpoints as before `pass_meters` existed."""
+
+    def _payload(self, cls: type = dict) -> Any:
+        payload = super()._payload(cls)
+        del payload["pass_meters"]
+        return payload
+
+
+def test_an_old_dcp_checkpoint_without_the_meters_loads_as_before(tmp_path):
+    config = tiny_config(tmp_path, **STEP_MODE, **{"checkpoint.backend": "dcp"})
+    with OldWriter(config) as old:
+        old.train()
+        checkpoint = old.checkpoint_manager.directory / "step-000003"
+    with MetricRunner(dict(config, resume=str(checkpoint))) as resumed:
+        assert resumed._restored_pass_meters is None and resumed.loop_state.batch == 3
+        resumed.train()
+        assert resumed.train_state.global_step == 10
+
+
 def test_a_metric_container_without_state_restarts_with_a_warning(tmp_path, caplog):
     with caplog.at_level(logging.WARNING):
         rows, resumed = _uninterrupted_and_resumed(tmp_path, PlainRunner)

@@ -198,7 +198,7 @@ class StepHooks:
         position = self.loop_state
         if self.mode is not RunnerMode.train or position.split is None or position.split != self.split:
             return {"split": None}
-        if not position.batch:
+        if not position.batch:  # nothing trained in this pass yet
             return {"split": None}
         state: dict[str, Any] = {"split": position.split, "batch": position.batch, "meters": self.meters.state_dict()}
         metrics, saved = self._active_metrics, None
