@@ -21,6 +21,7 @@ from danling.utils import RoundDict
 from .distributed import gather_across_ranks, is_distributed, pack_group, sum_across_ranks, unpack_group
 from .functional._common import Confusion, LabelCounter
 from .functional.regression import merge_moments
+from .global_state import GlobalMetricsState, TaskStoreState
 from .meter import format_number
 from .metric_meter import Preprocess, batch_size, metric_name
 from .preprocess import _plain_multiclass, base_preprocess
@@ -39,7 +40,7 @@ PENDING_BATCHES = 64
 PENDING_BYTES = 1 << 20
 
 
-class _TaskStore:
+class _TaskStore(TaskStoreState):
     """Accumulated artifacts of one task (or raw data for plain metric functions: `task=None`).
 
     Confusion counts are integers, so counting many batches at once gives exactly the counts of
@@ -226,7 +227,7 @@ class _TaskStore:
         return merged.to(moments.device)
 
 
-class GlobalMetrics:
+class GlobalMetrics(GlobalMetricsState):
     r"""Exact metrics over everything passed to `update`, across all ranks.
 
     Metrics are [`MetricFunc`][danling.metrics.MetricFunc]s (their task says what to store;

@@ -19,6 +19,7 @@ from torch import Tensor
 from danling.utils import RoundDict
 
 from .distributed import is_distributed, pack_group, unpack_group
+from .meter_state import MetersState, MeterState
 from .meter_sync import (
     SyncedValues,
     _accumulation_dtype,
@@ -46,7 +47,7 @@ PENDING_VALUES = 64
 _FLOAT32 = struct.Struct("f")
 
 
-class AverageMeter:
+class AverageMeter(MeterState):
     r"""Keep the latest value, the weighted sum, the count and the running average of a quantity.
 
     Python numbers stay Python numbers. Tensors stay on their device while updating (no host
@@ -319,7 +320,7 @@ class AverageMeter:
         self.__dict__.update(unpack_group(state))
 
 
-class MetersBase:
+class MetersBase(MetersState):
     """Named collection of meters with dictionary and attribute access.
 
     `val`, `sum` and `count` are local; `bat` and `avg` are synchronised for all meters at

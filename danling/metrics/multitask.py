@@ -120,6 +120,22 @@ class MultiTaskBase:
             container.reset()
         return self
 
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's state of every task container, by task name (see their `state_dict`)."""
+        return {name: container.state_dict() for name, container in self._tasks.items()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue every task from `state`, written by a collection of the same tasks.
+
+        Raises:
+            ValueError: `state` names other tasks than this collection holds.
+        """
+        if not isinstance(state, Mapping) or set(state) != set(self._tasks):
+            found = sorted(state) if isinstance(state, Mapping) else type(state).__name__
+            raise ValueError(f"the state holds tasks {found}, but {type(self).__name__} has {sorted(self._tasks)}")
+        for name, container in self._tasks.items():
+            container.load_state_dict(state[name])
+
     def __repr__(self) -> str:
         inner = ", ".join(f"{name}={container!r}" for name, container in self._tasks.items())
         return f"{type(self).__name__}({inner})"

@@ -64,6 +64,8 @@ class StreamMetrics(AverageMeters):
         [`AverageMeters`][danling.metrics.AverageMeters]: named meters of values you compute.
     """
 
+    _creates_meters = False  # a state cannot rebuild a metric function: it names the metrics built here
+
     def __init__(
         self,
         *args: Callable | MetricFunc,

@@ -35,10 +35,11 @@ CheckpointSource = Mapping[str, Any] | bytes | str | os.PathLike
 # Components whose state a full checkpoint must carry when the runner has them bound.
 _REQUIRED_COMPONENTS = ("model", "optimizer", "scheduler")
 # Payload entries that differ between ranks; everything else is written once and read by every rank.
-RANK_LOCAL_KEYS = ("rng", "dataloaders", "fingerprints")
-# Per-rank entries a resume on another data-parallel size may drop: the RNG re-seeds, and the
-# fingerprints only check loader positions, which such a resume never restores.
-OPTIONAL_RANK_LOCAL_KEYS = ("rng", "fingerprints")
+RANK_LOCAL_KEYS = ("rng", "dataloaders", "fingerprints", "pass_meters")
+# Per-rank entries a resume on another data-parallel size may drop: the RNG re-seeds, the
+# fingerprints only check loader positions, which such a resume never restores, and the running
+# meters of an interrupted pass restart (the rows of such a resume cover the batches after it).
+OPTIONAL_RANK_LOCAL_KEYS = ("rng", "fingerprints", "pass_meters")
 
 
 def _is_path(checkpoint: Any) -> bool:

@@ -109,6 +109,8 @@ class TorchCheckpointMixin:
         )
         # Per rank, like the loader positions they check.
         payload["fingerprints"] = cls((split, self._fingerprint(split, state)) for split, state in loaders.items())
+        # Per rank: the running loss meters and train metrics of a pass this checkpoint interrupts.
+        payload["pass_meters"] = self._pass_meters_state()
         payload["backend"] = cls(stack="torch", world_size=self.world_size, checkpoint=self.checkpoint_manager.backend)
         return payload
 
@@ -185,6 +187,7 @@ class TorchCheckpointMixin:
         self.loop_state.load_state_dict(loop)
         self._restored_fingerprints = dict(checkpoint.get("fingerprints") or {})
         self._restored_update_state = loop.get("update")
+        self._keep_pass_meters(checkpoint, loop)
         self._keep_global_batch(checkpoint)
         if self._resized(checkpoint):
             # The per-rank positions are not restored: the rest of the pass is dealt anew (or the pass
@@ -193,6 +196,28 @@ class TorchCheckpointMixin:
                 self.loop_state.accumulator.load_state_dict({"total": None, "position": 0})
             if self._elastic_positions is not None:
                 self.loop_state.batch = 0  # batches of the dealt remainder, which is a pass of its own
+
+    def _keep_pass_meters(self, checkpoint: Mapping[str, Any], loop: Mapping[str, Any]) -> None:
+        """Keep the running meters of the interrupted training pass for `_open_pass` to continue.
+
+        Only for the same data-parallel layout with one state per rank: on another number of ranks
+        (or from a single-file checkpoint, which holds the main process's state only) the pass's
+        meters restart, and the row of the interrupted pass averages the batches after the resume.
+        """
+        self._restored_pass_meters = None
+        split, saved = loop.get("split"), checkpoint.get("pass_meters")
+        if split is None or not int(loop.get("batch") or 0):
+            return  # not a mid-pass checkpoint (old checkpoints have no `pass_meters` either)
+        single_copy = getattr(self.checkpoint_manager, "backend", None) == "file" and self.topology.size("data") > 1
+        if self._resized(checkpoint) or single_copy:
+            self.logger.info(
+                "the interrupted %s pass restarts its loss meters and train metrics (%s): its row's training values "
+                "cover the batches after the resume",
+                split,
+                "one file for several ranks" if single_copy else "another number of data-parallel ranks",
+            )
+        elif saved is not None and saved.get("split") == split:
+            self._restored_pass_meters = saved
 
     def _keep_global_batch(self, checkpoint: Mapping[str, Any]) -> None:
         """Set `accum_steps` so that an update covers as many micro-batches as in the run that wrote `checkpoint`."""

@@ -152,7 +152,11 @@ class PassMixin(StepHooks):
         return self.collect_result(split), batches
 
     def _open_pass(self, split: str, mode: RunnerMode, training: bool, length: int | None) -> None:
-        """Reset the pass's meters and metrics; a training pass also sets the loop position and the windows."""
+        """Reset the pass's meters and metrics; a training pass also sets the loop position and the windows.
+
+        A training pass that continues a restored position (`loop_state.batch > 0`) takes back the
+        running meters and train metrics its mid-pass checkpoint saved.
+        """
         self.mode, self.split = mode, split
         self.meters.reset()
         self._step_window = StepWindow()  # step logs average the steps since the previous log of this pass
@@ -163,6 +167,8 @@ class PassMixin(StepHooks):
             position.split = split
             self.update.start_pass(length)
         self._start_metrics(mode)
+        if training:  # a pass a mid-pass checkpoint interrupted continues its averages; the rest start afresh
+            self._continue_pass_meters(split)
         watchdog = self.supervisor.watchdog
         if watchdog is not None:
             watchdog.enter("data loading", self.train_state.global_step)

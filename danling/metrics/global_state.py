@@ -1,0 +1,76 @@
+"""Checkpointable local state of [`GlobalMetrics`][danling.metrics.GlobalMetrics].
+
+What a `GlobalMetrics` keeps per task (confusion counts, regression moments, the predictions and
+targets themselves, the latest batch) is saved as it is on this rank, with tensors as tensors.
+Loading it and then feeding the same further batches gives the same values as the container
+that wrote it: counts are integers (whatever groups they were counted in) and moments are
+merged batch by batch, in the same order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+__all__ = ["GlobalMetricsState", "TaskStoreState"]
+
+_STORE_KEYS = frozenset({"counts", "moments", "inputs", "targets", "last_input", "last_target"})
+
+
+class TaskStoreState:
+    """`state_dict` / `load_state_dict` of the artifacts of one task; mixed into `_TaskStore`."""
+
+    def state_dict(self) -> dict[str, Any]:
+        counts = self.counts  # type: ignore[attr-defined]  # the queued batches are counted first
+        data = self.local_data()  # type: ignore[attr-defined]
+        last = self.last  # type: ignore[attr-defined]
+        return {
+            "counts": None if counts is None else counts.clone(),  # updated in place by later batches
+            "moments": self.moments,  # type: ignore[attr-defined]
+            "inputs": None if data is None else data[0],
+            "targets": None if data is None else data[1],
+            "last_input": None if last is None else last[0],
+            "last_target": None if last is None else last[1],
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        if not isinstance(state, Mapping) or set(state) != _STORE_KEYS:
+            found = sorted(state) if isinstance(state, Mapping) else type(state).__name__
+            raise ValueError(f"not the state of a GlobalMetrics task: expected keys {sorted(_STORE_KEYS)}, got {found}")
+        self.reset()  # type: ignore[attr-defined]
+        self._counts, self.moments = state["counts"], state["moments"]
+        if state["inputs"] is not None:
+            self.inputs, self.targets = [state["inputs"]], [state["targets"]]
+        if state["last_input"] is not None:
+            self.last = (state["last_input"], state["last_target"])
+
+
+class GlobalMetricsState:
+    """`state_dict` / `load_state_dict` of a `GlobalMetrics`; mixed into it."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's stored artifacts and sample counts (tensors stay tensors; nothing is synchronised)."""
+        stores = self._stores.values()  # type: ignore[attr-defined]
+        return {
+            "metrics": list(self.metrics),  # type: ignore[attr-defined]
+            "count": self._count,  # type: ignore[attr-defined]
+            "last_count": self._last_count,  # type: ignore[attr-defined]
+            "tasks": {str(index): store.state_dict() for index, store in enumerate(stores)},
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from a `state_dict` of this rank, written by a `GlobalMetrics` of the same metrics.
+
+        Raises:
+            ValueError: `state` was written for other metrics, or is not a `GlobalMetrics` state.
+        """
+        names = list(self.metrics)  # type: ignore[attr-defined]
+        if not isinstance(state, Mapping) or "tasks" not in state:
+            raise ValueError(f"not the state of a GlobalMetrics: {state!r}")
+        stores = list(self._stores.values())  # type: ignore[attr-defined]
+        if list(state.get("metrics") or ()) != names or len(state["tasks"]) != len(stores):
+            raise ValueError(f"the state holds metrics {state.get('metrics')}, but this GlobalMetrics has {names}")
+        for index, store in enumerate(stores):
+            store.load_state_dict(state["tasks"][str(index)])
+        self._cache.clear()  # type: ignore[attr-defined]
+        self._count, self._last_count = int(state["count"]), int(state["last_count"])
