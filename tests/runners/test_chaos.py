@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -17,16 +18,24 @@ def _chaos(tmp_path: Path, kills: int, world_size: int, seed: int) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     args = ["--kills", str(kills), "--world-size", str(world_size), "--seed", str(seed), "--root", str(tmp_path)]
-    done = subprocess.run(
+    # Its own session, so a timeout ends the launches it forked too (they would hold on otherwise).
+    harness = subprocess.Popen(
         [sys.executable, str(REPO / "benchmarks" / "chaos.py"), *args],
         cwd=REPO,
         env=env,
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=240,
+        start_new_session=True,
     )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout)
+    try:
+        stdout, stderr = harness.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        os.killpg(harness.pid, signal.SIGKILL)
+        stdout, stderr = harness.communicate()
+        pytest.fail(f"the chaos harness did not finish in 240 s: {stderr[-3000:]}")
+    assert harness.returncode == 0, stderr[-3000:]
+    return json.loads(stdout)
 
 
 def _assert_clean(report: dict, kills: int) -> None:
