@@ -287,9 +287,10 @@ def _check_resume(root: Path, report: ChaosReport, expected: int | None) -> None
 
 def _listing(run_dir: Path) -> set[str]:
     """Every path in the run directory but the log files (a rank that warned has one, the reference may not)
-    and the per-launch records (`code/launch-<N>.diff` of a dirty checkout: one per launch, by design)."""
+    and the per-launch records: `code/launch-<N>.diff` of a dirty checkout, and the heartbeats a launch
+    killed after its last save leaves (what `danling runs` reads to say where a dead launch was)."""
     paths = (path.relative_to(run_dir) for path in run_dir.rglob("*") if path.suffix != ".log")
-    return {str(path) for path in paths if path.parts[0] != "code"}
+    return {str(path) for path in paths if path.parts[0] not in ("code", "heartbeats")}
 
 
 def _first_difference(ref: Any, got: Any, where: str = "") -> str:
