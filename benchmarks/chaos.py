@@ -233,7 +233,7 @@ class ChaosReport:
 
 def _run_dir(root: Path) -> Path | None:
     found = sorted(root.glob("*/*/checkpoints"))
-    if len(found) > 1:  # the run directory names the code's git commit: do not commit during a campaign
+    if len(found) > 1:  # a launch that did not continue the run (a new version): the harness would compare nothing
         raise RuntimeError(f"launches used different run directories: {[str(p.parent) for p in found]}")
     return found[0].parent if found else None
 
