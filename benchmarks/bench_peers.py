@@ -203,9 +203,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     rounds = 3 if args.quick else args.rounds
     warnings.filterwarnings("ignore")  # peers' advice about workers and logging, once per fit
-    for name in ("lightning", "lightning.pytorch", "lightning.fabric", "accelerate"):
-        logging.getLogger(name).setLevel(logging.ERROR)
     loops, notes = candidates(args.only)
+    for name in ("lightning.pytorch", "lightning.fabric", "accelerate"):  # set after their import sets them
+        logging.getLogger(name).setLevel(logging.ERROR)
     names = list(loops)
     for name in names:  # warm-up
         loops[name]()

@@ -53,6 +53,7 @@ CASES = {
     "non-contiguous scores": (torch.randn(10, 32, generator=g).T, TARGET),
     "many classes": (torch.randn(32, 1000, generator=g), torch.randint(0, 1000, (32,), generator=g)),
     "probabilities": (SCORES.softmax(-1), TARGET),
+    "large batch": (torch.randn(300_007, 3, generator=g), torch.randint(0, 3, (300_007,), generator=g)),
 }
 
 

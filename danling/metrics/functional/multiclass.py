@@ -204,11 +204,14 @@ def _top1_accuracy_all_counted(pred: Tensor, target: Tensor, num_classes: int) -
     Every target counts, so the value is hits over the batch size (the same float as hits over
     the count of valid targets, which must equal it), or `nan` if some target is not a class.
     """
-    value = (pred == target).sum(dtype=result_dtype(target.device)).div_(target.numel())
+    hits = pred == target
     if target.device.type in _common.HOST_READ_DEVICES:  # reading two numbers on the host costs nothing here
+        # On CPU `mean` is that same sum divided by the count, in one call.
+        value = hits.mean(dtype=result_dtype(target.device))
         low, high = torch.aminmax(target)
         return value if low.item() >= 0 and high.item() < num_classes else value.fill_(math.nan)
     # On an accelerator the check stays on the device: the clamp moves exactly the invalid targets.
+    value = hits.sum(dtype=result_dtype(target.device)).div_(target.numel())
     return torch.where((target.clamp(0, num_classes - 1) == target).all(), value, math.nan)
 
 
