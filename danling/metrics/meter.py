@@ -157,16 +157,17 @@ class AverageMeter(MeterState):
                 (a number counts as shape `()`): adding would broadcast one into the other.
         """
         pending = self._pending
-        if pending and type(value) is Tensor and type(n) is int and n == 1 and self._pending_n == 1:
-            # The per-step loss joining the queue of its kind: what the branches below do for it.
+        if pending and type(value) is Tensor and type(n) is int and n == self._pending_n and n > 0:
+            # The per-step loss (or per-batch metric of a fixed batch size) joining the queue of
+            # its kind: what the branches below do for it.
             first = pending[0]
             same_kind = value.dtype is first.dtype and value.device == first.device
             if same_kind and not value.ndim and not value.requires_grad:
                 pending.append(value)
                 if len(pending) >= PENDING_VALUES:
                     self._commit()
-                self._val, self._n = value, 1
-                self._count += 1
+                self._val, self._n = value, n
+                self._count += n
                 self._updated = True
                 return
         # The per-step call passes a plain int, which skips the full check.

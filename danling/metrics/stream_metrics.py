@@ -96,7 +96,8 @@ class StreamMetrics(AverageMeters):
         """
         if self.preprocess is not None:
             input, target = self.preprocess(input, target)
-        n = batch_size(target) if n is None else n
+        if n is None:  # a plain tensor (the per-batch case) is counted without the general helper
+            n = (target.shape[0] if target.ndim else 1) if type(target) is torch.Tensor else batch_size(target)
         states: dict[MetricTask, MetricState] = {}
         for meter in self._meters.values():
             if isinstance(meter, MetricMeter):

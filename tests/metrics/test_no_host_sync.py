@@ -72,6 +72,8 @@ def containers():
 def _accelerator_bincount(monkeypatch):
     # torch.bincount syncs on CUDA; take the scatter path that accelerators use, on CPU tensors.
     monkeypatch.setattr(_common, "HOST_BINCOUNT_DEVICES", ())
+    # Likewise the device-side target check of micro accuracy rather than its CPU host read.
+    monkeypatch.setattr(_common, "HOST_READ_DEVICES", ())
 
 
 def test_container_updates_do_not_synchronise():
@@ -97,6 +99,8 @@ def test_functional_metrics_do_not_synchronise():
             fn(x, y, ignore_index=-100)
         for fn in (F.multiclass_accuracy, F.multiclass_f1_score, F.multiclass_auroc, F.multiclass_auprc):
             fn(mx, my, ignore_index=-100)
+        F.accuracy(mx, my.clamp(min=0))  # the per-batch call without options
+        F.multiclass_accuracy(mx, my)
         for fn in (F.multilabel_accuracy, F.multilabel_precision, F.multilabel_auroc, F.multilabel_auprc):
             fn(lx, ly, ignore_index=-100)
         for fn in (F.pearson, F.r2_score, F.mse, F.rmse, F.mae, F.spearman):

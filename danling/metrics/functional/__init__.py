@@ -30,7 +30,7 @@ from typing import Any
 
 from torch import Tensor
 
-from ..preprocess import base_preprocess
+from ..preprocess import _plain_multiclass, base_preprocess
 from . import binary as _binary
 from . import multiclass as _multiclass
 from . import multilabel as _multilabel
@@ -163,6 +163,16 @@ def accuracy(
     ignore_index: int | None = None,
 ) -> Tensor:
     """Accuracy of the inferred task (see `binary_accuracy`, `multiclass_accuracy`, `multilabel_accuracy`)."""
+    if (
+        task is None
+        and num_classes is None
+        and num_labels is None
+        and ignore_index is None
+        and average == "default"
+        and _plain_multiclass(input, target, None)
+        and input.shape[1] > 1
+    ):  # the per-batch call of a training loop: class scores (N, C) and labels (N,), no options
+        return _multiclass._top1_accuracy(input.argmax(-1), target, input.shape[1], None)
     return _dispatch("accuracy", input, target, dict(locals_without(locals())))
 
 

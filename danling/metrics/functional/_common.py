@@ -36,6 +36,9 @@ __all__ = [
 AVERAGES = ("micro", "macro", "weighted", None)
 # Devices where torch.bincount is both fast and free of synchronisation (it reads the maximum).
 HOST_BINCOUNT_DEVICES = ("cpu",)
+# Devices whose tensors live in host memory: reading a value there (`.item()`) waits for nothing,
+# so a per-batch check may branch in Python instead of adding device ops.
+HOST_READ_DEVICES = ("cpu",)
 
 
 class ConfusionStats(NamedTuple):
