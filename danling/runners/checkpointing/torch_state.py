@@ -209,12 +209,17 @@ class TorchCheckpointMixin:
         if split is None or not int(loop.get("batch") or 0):
             return  # not a mid-pass checkpoint (old checkpoints have no `pass_meters` either)
         single_copy = getattr(self.checkpoint_manager, "backend", None) == "file" and self.topology.size("data") > 1
-        if self._resized(checkpoint) or single_copy:
+        shared = self.topology.size("data") < self.world_size  # see loop.hooks._shares_data_rank
+        if self._resized(checkpoint) or single_copy or shared:
             self.logger.info(
                 "the interrupted %s pass restarts its loss meters and train metrics (%s): its row's training values "
                 "cover the batches after the resume",
                 split,
-                "one file for several ranks" if single_copy else "another number of data-parallel ranks",
+                "one file for several ranks"
+                if single_copy
+                else "processes sharing a data-parallel rank"
+                if shared
+                else "another number of data-parallel ranks",
             )
         elif saved is not None and saved.get("split") == split:
             self._restored_pass_meters = saved

@@ -198,6 +198,8 @@ class StepHooks:
         position = self.loop_state
         if self.mode is not RunnerMode.train or position.split is None or position.split != self.split:
             return {"split": None}
+        if _shares_data_rank(self):  # per-rank entries are per data rank: its ranks' meters would collide
+            return {"split": None}
         if not position.batch:  # nothing trained in this pass yet
             return {"split": None}
         state: dict[str, Any] = {"split": position.split, "batch": position.batch, "meters": self.meters.state_dict()}
@@ -265,3 +267,13 @@ def _to_device(state: Any, device: Any) -> Any:
     if isinstance(state, (list, tuple)):
         return type(state)(_to_device(value, device) for value in state)
     return state
+
+
+def _shares_data_rank(runner: Any) -> bool:
+    """Whether several processes share this data-parallel rank (pipeline stages, tensor shards).
+
+    Checkpoints keep one entry per data rank, and the stages of a pipeline keep different meters
+    (only the last one has a loss), so such runs do not checkpoint the running meters of a pass.
+    """
+    topology = getattr(runner, "topology", None)
+    return topology is not None and topology.size("data") < runner.world_size
