@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -148,3 +149,23 @@ def test_sigterm_to_one_rank_stops_every_rank_at_the_same_step_with_143(tmp_path
     assert "another rank asked to stop (exit code 143)" in errors[0]
     checkpoints = next(tmp_path.glob("*/*/checkpoints"))
     assert (checkpoints / "shutdown.pointer").read_text() == (checkpoints / "latest.pointer").read_text()
+
+
+@pytest.mark.distributed
+def test_torchrun_reports_143_for_every_rank_after_a_sigterm_to_one(tmp_path):
+    # The first rank to exit makes torchrun's agent SIGTERM the others; a rank still closing
+    # used to die by that signal (exitcode -15) instead of leaving with 143.
+    child = Path(__file__).with_name("_torchrun_sigterm_child.py")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    done = subprocess.run(
+        [*command, str(child), str(tmp_path)],
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    report = done.stdout + done.stderr
+    codes = re.findall(r"exitcode\s*:\s*(-?\d+)", report)
+    assert done.returncode != 0 and codes and set(codes) == {"143"}, report[-3000:]
+    # No worker traceback (the agent's own ChildFailedError is torchrun reporting the exit codes).
+    assert not re.search(r'File ".*(/danling/|_torchrun_sigterm_child)', report), report[-3000:]

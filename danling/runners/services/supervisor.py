@@ -8,12 +8,14 @@ and exits with `exit_code` (128 + signal number, the shell convention).
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import logging
 import os
 import signal
 import socket
+import sys
 import threading
 import time
 from collections.abc import Iterable
@@ -86,6 +88,7 @@ class RunnerSupervisor:
         self.stop_requested = False
         self.signum: int | None = None
         self._previous_handlers: dict[int, Any] = {}
+        self.exiting_code: int | None = None  # set by the loops once a stop's checkpoint is saved
         self._last_beat: float | None = None
         self._last_progress: dict[str, Any] = {}
         self._last_gc_step: int | None = None
@@ -127,10 +130,17 @@ class RunnerSupervisor:
         return True
 
     def restore_signal_handlers(self) -> None:
-        """Put back the handlers that were active before `install_signal_handlers`."""
+        """Put back the handlers that were active before `install_signal_handlers`.
+
+        A process that is exiting after a graceful stop (`exiting_code` set) instead ends with
+        that status on any later signal: under torchrun the first rank to exit makes the agent
+        SIGTERM the others, which would otherwise die by the signal (-15) instead of reporting 143.
+        """
         if threading.current_thread() is not threading.main_thread():
             return
         for sig, handler in self._previous_handlers.items():
+            if self.exiting_code is not None:
+                handler = _exit_with(self.exiting_code)
             signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
         self._previous_handlers.clear()
 
@@ -214,3 +224,13 @@ class RunnerSupervisor:
         if self._gc_was_enabled:
             gc.enable()
         self._gc_was_enabled = None
+
+
+def _exit_with(code: int) -> Any:
+    def handler(signum: int, frame: FrameType | None) -> None:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(code)  # the state is saved; the process was leaving with this status anyway
+
+    return handler
