@@ -155,7 +155,8 @@ class RunnerConfig(_TypedConfig):
         "bf16": "bf16",
         "bfloat16": "bf16",
     }
-    CONFIG_ID_IGNORES = (*CONFIG_ID_IGNORES, "inference")  # where predictions go does not define the experiment
+    # Where predictions go and how a hang is caught do not define the experiment.
+    CONFIG_ID_IGNORES = (*CONFIG_ID_IGNORES, "inference", "watchdog")
     # Features no runner of this version implements; a backend lifts one by naming it in its
     # `supported_features` (and the entry is dropped once every runner reads those keys).
     FEATURES = {

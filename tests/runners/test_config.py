@@ -367,6 +367,7 @@ def test_config_id_ignores_paths_and_runtime_noise_but_not_semantics():
         auto_resume=True,
         log_interval=7,
         **{"optim.lr": 0.1, "checkpoint.interval": 3, "wandb.enabled": True, "dataloader.num_workers": 8},
+        **{"watchdog.timeout_seconds": 30.0, "inference.output": "scores.jsonl", "heartbeat.interval_seconds": 5.0},
     )
     assert base.config_id == noisy.config_id
     assert base.config_id != RunnerConfig(epochs=5, **{"optim.lr": 0.2}).config_id
