@@ -436,7 +436,7 @@ class PassMixin(StepHooks):
             self.prepare_for_shutdown_checkpoint()
             self._watch_phase("checkpoint save")
             self.save_checkpoint(name="shutdown", force=True, save_best=False)
-        self.supervisor.exiting_code = code  # a signal from here on ends the process with `code`
+        self.supervisor.exiting_code = code  # from here on signals are ignored while it leaves with `code`
         self.close()
         raise SystemExit(code)
 

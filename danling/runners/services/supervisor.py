@@ -8,14 +8,12 @@ and exits with `exit_code` (128 + signal number, the shell convention).
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import json
 import logging
 import os
 import signal
 import socket
-import sys
 import threading
 import time
 from collections.abc import Iterable
@@ -132,15 +130,17 @@ class RunnerSupervisor:
     def restore_signal_handlers(self) -> None:
         """Put back the handlers that were active before `install_signal_handlers`.
 
-        A process that is exiting after a graceful stop (`exiting_code` set) instead ends with
-        that status on any later signal: under torchrun the first rank to exit makes the agent
+        A process that is exiting after a graceful stop (`exiting_code` set) ignores them instead,
+        until it has left with that status: under torchrun the first rank to exit makes the agent
         SIGTERM the others, which would otherwise die by the signal (-15) instead of reporting 143.
+        An ignored signal, unlike a Python handler, stays in place while the interpreter shuts
+        down; a process that hangs there is still ended by the agent's SIGKILL.
         """
         if threading.current_thread() is not threading.main_thread():
             return
         for sig, handler in self._previous_handlers.items():
             if self.exiting_code is not None:
-                handler = _exit_with(self.exiting_code)
+                handler = signal.SIG_IGN
             signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
         self._previous_handlers.clear()
 
@@ -224,13 +224,3 @@ class RunnerSupervisor:
         if self._gc_was_enabled:
             gc.enable()
         self._gc_was_enabled = None
-
-
-def _exit_with(code: int) -> Any:
-    def handler(signum: int, frame: FrameType | None) -> None:
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(Exception):
-                stream.flush()
-        os._exit(code)  # the state is saved; the process was leaving with this status anyway
-
-    return handler
