@@ -45,12 +45,13 @@ import os
 import random
 import shutil
 import signal
-import socket
 import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 from torch import nn
@@ -58,6 +59,7 @@ from torch.utils.data import TensorDataset
 
 from danling.checkpoint.manifest import CheckpointError, verify_directory
 from danling.runners import TorchRunner
+from tests.dist import fork_scenario, free_ports  # the test suite's launch helpers
 
 INJECTED_CALLS = ("replace", "rename", "fsync")
 RESULT_FILES = ("results.json", "latest.json", "best.json")
@@ -147,33 +149,13 @@ def _train(root: Path, rank: int, inject: tuple[str, int] | None) -> None:
 
 
 def _fork(root: Path, rank: int, world_size: int, port: int, inject: tuple[str, int] | None) -> int:
-    pid = os.fork()
-    if pid:
-        return pid
-    code = 1
-    try:
-        log = os.open(root / f"launch-rank{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND)
-        os.dup2(log, 1)
-        os.dup2(log, 2)
+    def body() -> None:
         if world_size > 1:
             os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
             os.environ.update(LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         _train(root, rank, inject)
-        code = 0
-    except BaseException:
-        import traceback
 
-        traceback.print_exc()
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    return fork_scenario(str(root / f"launch-rank{rank}.log"), None, body, append=True)
 
 
 def launch(
@@ -184,7 +166,7 @@ def launch(
     With `kill_after`, every rank is SIGKILLed after that many seconds unless it finished first;
     when a rank dies (an injected kill), the others are SIGKILLed at once.
     """
-    port = _free_port()
+    port = free_ports(1)[0]
     pids = {_fork(root, rank, world_size, port, inject): rank for rank in range(world_size)}
     deadline = None if kill_after is None else time.monotonic() + kill_after
     statuses: dict[int, int] = {}

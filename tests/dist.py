@@ -148,20 +148,21 @@ def run_distributed(
     return [results[r] for r in range(world_size)]
 
 
-def fork_scenario(log_path: str, ports: list[int] | None, body: Callable[[], Any]) -> int:
+def fork_scenario(log_path: str, ports: list[int] | None, body: Callable[[], Any], *, append: bool = False) -> int:
     """Run `body()` in a forked child whose output goes to `log_path`; return the child's pid.
 
     For the exact-resume children: the slow imports are paid once, before forking. With `ports`,
     every default group a runner in the child starts gets the next of them (see
     `rendezvous_ports`). The child exits 0 when `body` returns, 1 on an exception (its traceback
-    in the log), or dies of whatever signal kills it; `scenario_status` reads which.
+    in the log), or dies of whatever signal kills it; `scenario_status` reads which. With `append`
+    the log keeps what earlier children wrote to it (one log across restarts).
     """
     pid = os.fork()
     if pid:
         return pid
     code = 1
     try:
-        log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        log = os.open(log_path, os.O_WRONLY | os.O_CREAT | (os.O_APPEND if append else os.O_TRUNC))
         os.dup2(log, 1)
         os.dup2(log, 2)
         if ports:
