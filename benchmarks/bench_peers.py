@@ -11,7 +11,17 @@ one epoch of 128 steps from torch's own `DataLoader` and counts top-1 accuracy:
 - `Lightning Trainer`: a `LightningModule` whose `training_step` counts the same accuracy, one
   `fit` of one epoch per round (the epoch is timed from its start to its end hook, so the
   trainer's set-up is excluded);
-- `Accelerate`: `accelerator.prepare` / `accelerator.backward`.
+- `Accelerate`: `accelerator.prepare` / `accelerator.backward`;
+- `danling TorchRunner, <container>`: a `TorchRunner` given the same model, the same `DataLoader`
+  and one of the three containers as its metrics, training one epoch per round with its default
+  step (forward, loss, metrics, backward, optimizer step). Like the Trainer's, the epoch is timed
+  from its start event to its end event, so the `train()` call's set-up and the runner's
+  construction are excluded; what the runner does every epoch is counted: its per-step
+  bookkeeping (running loss, loop position, pacing of logs and garbage collection), the metric
+  read at the pass's end, the result row and `results.json` (written by a helper thread). Like
+  the other candidates it writes no checkpoint (`checkpoint.load_only`), no log file, no
+  `metrics.csv` and no console log (its logger at ERROR, as the Trainer runs without a logger or
+  progress bar).
 
 Peers that are not installed are skipped with a note (`pip install -e ".[bench]"` installs them).
 Rounds alternate the candidates (reversing the order every other round); the table gives the
@@ -21,21 +31,30 @@ median epoch time and the median of per-round ratios to the hand-written loop.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import importlib.util
 import logging
+import random
+import shutil
 import statistics
+import tempfile
 import time
 import warnings
 from collections.abc import Callable
+from functools import partial
 
 import torch
 from bench_metric_containers import epoch as container_epoch  # the same hand loop, one copy
+from bench_runner import quiet
+from common import build_shuffled
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+import danling as dl
 from danling.metrics import GlobalMetrics, StreamMetrics, multiclass_metrics
 from danling.metrics.functional import accuracy
+from danling.runners import Events
 
 Epoch = Callable[[], float]
 
@@ -147,34 +166,103 @@ def accelerate_loop(model: nn.Module, loader: DataLoader) -> Epoch:
     return epoch
 
 
-DANLING = {
-    "danling StreamMetrics(acc=accuracy)": lambda: StreamMetrics(acc=accuracy),
-    "danling GlobalMetrics(acc=accuracy)": lambda: GlobalMetrics(acc=accuracy),
-    "danling multiclass_metrics(acc)": lambda: multiclass_metrics(num_classes=10, metrics=["acc"]),
+def runner_loop(
+    model: nn.Module, loader: DataLoader, cleanup: contextlib.ExitStack, metrics_factory: Callable[[], object]
+) -> Epoch:
+    """A `TorchRunner` training `model` on `loader` one epoch per call, timed from `EPOCH_START` to `EPOCH_END`."""
+
+    class PeerRunner(dl.TorchRunner):
+        def __init__(self, config: dl.RunnerConfig) -> None:
+            super().__init__(config)
+            self.model, self.metrics = model, metrics_factory()
+            self.criterion = nn.functional.cross_entropy  # the loss function every other candidate calls
+            self.dataloaders.train = loader  # torch's own loader, as every other candidate uses
+
+    root = tempfile.mkdtemp(prefix="bench-peers-")
+    cleanup.callback(shutil.rmtree, root, ignore_errors=True)
+    config = dl.RunnerConfig(
+        workspace_root=root,
+        epochs=1,
+        seed=0,
+        log=False,  # no log file
+        **{"csv.enabled": False, "checkpoint.load_only": True},  # no metrics.csv, no checkpoint
+        **{"optim.type": "adamw", "optim.lr": 1e-3, "optim.weight_decay": 1e-2},  # torch's AdamW defaults
+    )
+    runner = quiet(PeerRunner(config))
+    cleanup.callback(runner.close)
+    marks: dict[str, float] = {}
+    runner.events.subscribe(Events.EPOCH_START, lambda _: marks.__setitem__("start", time.perf_counter()))
+    runner.events.subscribe(Events.EPOCH_END, lambda _: marks.__setitem__("end", time.perf_counter()))
+
+    def epoch() -> float:
+        runner.train_state.epoch = 0  # one more epoch of the same model
+        runner.train()
+        return marks["end"] - marks["start"]
+
+    return epoch
+
+
+Build = Callable[[nn.Module, DataLoader, contextlib.ExitStack], Epoch]
+CONTAINERS = {
+    "StreamMetrics(acc=accuracy)": lambda: StreamMetrics(acc=accuracy),
+    "GlobalMetrics(acc=accuracy)": lambda: GlobalMetrics(acc=accuracy),
+    "multiclass_metrics(acc)": lambda: multiclass_metrics(num_classes=10, metrics=["acc"]),
 }
-PEERS = {
-    "Lightning Fabric": ("lightning", fabric_loop),
-    "Lightning Trainer": ("lightning", trainer_loop),
-    "Accelerate": ("accelerate", accelerate_loop),
+BASELINE = "hand-written"
+# name -> (the package it needs, or None, and how to build it on a fresh model)
+CANDIDATES: dict[str, tuple[str | None, Build]] = {
+    BASELINE: (None, lambda model, loader, _: plain_loop(model, loader, None)),
+    "hand-written, second copy (A/A control)": (None, lambda model, loader, _: plain_loop(model, loader, None)),
+    **{
+        f"danling {name}": (None, lambda model, loader, _, factory=factory: plain_loop(model, loader, factory))
+        for name, factory in CONTAINERS.items()
+    },
+    **{
+        f"danling TorchRunner, {name}": (None, partial(runner_loop, metrics_factory=factory))
+        for name, factory in CONTAINERS.items()
+    },
+    "Lightning Fabric": ("lightning", lambda model, loader, _: fabric_loop(model, loader)),
+    "Lightning Trainer": ("lightning", lambda model, loader, _: trainer_loop(model, loader)),
+    "Accelerate": ("accelerate", lambda model, loader, _: accelerate_loop(model, loader)),
 }
 
 
-def candidates(only: list[str] | None) -> tuple[dict[str, Epoch], list[str]]:
-    """Every candidate on its own copy of the same initial model; notes for skipped peers."""
-    model, loader = workload()
-    loops: dict[str, Epoch] = {"hand-written": plain_loop(copy.deepcopy(model), loader, None)}
-    for name, factory in DANLING.items():
-        if not only or name in only:
-            loops[name] = plain_loop(copy.deepcopy(model), loader, factory)
-    notes = []
-    for name, (package, build) in PEERS.items():
-        if only and name not in only:
+def candidates(only: list[str] | None) -> tuple[dict[str, Build], list[str]]:
+    """The candidates to time (the hand-written loop always); notes for peers that are not installed."""
+    chosen, notes = {}, []
+    for name, (package, build) in CANDIDATES.items():
+        if only and name != BASELINE and name not in only:
             continue
-        if importlib.util.find_spec(package) is None:
+        if package is not None and importlib.util.find_spec(package) is None:
             notes.append(f"{name} skipped: `{package}` is not installed (pip install -e '.[bench]')")
             continue
-        loops[name] = build(copy.deepcopy(model), loader)
-    return loops, notes
+        chosen[name] = build
+    return chosen, notes
+
+
+def run_rounds(builds: dict[str, Build], rounds: int, seed: int = 0) -> dict[str, list[float]]:
+    """Each candidate's epoch time in each of `rounds` rounds.
+
+    Every round builds every candidate afresh on a copy of the same initial model (in a shuffled
+    order, see `common.build_shuffled`), warms each up with one untimed epoch, then times one
+    epoch of each in a random order: a loop runs faster right after its twin (its code is still
+    cached), so no candidate may always follow the same other one.
+    """
+    rng = random.Random(seed)
+    model, loader = workload()
+    samples: dict[str, list[float]] = {name: [] for name in builds}
+    for _ in range(rounds):
+        with contextlib.ExitStack() as cleanup:
+            builders = {name: partial(build, copy.deepcopy(model), loader, cleanup) for name, build in builds.items()}
+            loops, padding = build_shuffled(builders, rng)
+            for name in ("lightning.pytorch", "lightning.fabric", "accelerate"):  # set after their import sets them
+                logging.getLogger(name).setLevel(logging.ERROR)
+            for loop in loops.values():  # warm-up: first-touch allocations, the optimizer's lazy state
+                loop()
+            for name in rng.sample(list(loops), len(loops)):
+                samples[name].append(loops[name]())
+            del padding
+    return samples
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -184,22 +272,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--only", action="append", help="candidate to time besides the hand-written loop")
     args = parser.parse_args(argv)
     rounds = 3 if args.quick else args.rounds
+    torch.set_num_threads(1)
     warnings.filterwarnings("ignore")  # peers' advice about workers and logging, once per fit
-    loops, notes = candidates(args.only)
-    for name in ("lightning.pytorch", "lightning.fabric", "accelerate"):  # set after their import sets them
-        logging.getLogger(name).setLevel(logging.ERROR)
-    names = list(loops)
-    for name in names:  # warm-up
-        loops[name]()
-    samples: dict[str, list[float]] = {name: [] for name in names}
-    for round_ in range(rounds):
-        for name in names if round_ % 2 == 0 else names[::-1]:
-            samples[name].append(loops[name]())
-    print("### Per-step cost on one workload (small MLP, batch 32, 128 steps, torch DataLoader)\n")
-    print("| candidate | epoch (ms) | ratio to hand-written |\n| --- | ---: | ---: |")
-    for name in names:
-        ratios = [mine / base for mine, base in zip(samples[name], samples["hand-written"])]
-        print(f"| {name} | {statistics.median(samples[name]) * 1e3:.1f} | {statistics.median(ratios):.3f} |")
+    builds, notes = candidates(args.only)
+    samples = run_rounds(builds, rounds)
+    print(f"### Per-step cost on one workload (small MLP, batch 32, 128 steps, torch DataLoader, {rounds} rounds)\n")
+    print("| candidate | epoch (ms) | ratio to hand-written: median | interquartile range |")
+    print("| --- | ---: | ---: | ---: |")
+    for name, times in samples.items():
+        ratios = [mine / base for mine, base in zip(times, samples[BASELINE])]
+        q1, median, q3 = statistics.quantiles(ratios, n=4) if rounds > 1 else ratios * 3
+        print(f"| {name} | {statistics.median(times) * 1e3:.1f} | {median:.3f} | {q1:.3f} - {q3:.3f} |")
     for note in notes:
         print(f"\n{note}")
 

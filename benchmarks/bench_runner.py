@@ -66,7 +66,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import Lockstep, alternate, ratio_table, table
+from common import Lockstep, alternate, build_shuffled, ratio_table, table
 
 import danling as dl
 
@@ -254,28 +254,26 @@ def runner_variant(root: str, workload: str, options: dict[str, bool]) -> dl.Tor
 def build_round(
     root: str, workload: str, ablate: bool, rng: random.Random
 ) -> tuple[dict[str, Callable[[Callable], None]], list[dl.TorchRunner], list[torch.Tensor]]:
-    """Every candidate built afresh, in a shuffled order, each after an allocation of random size.
+    """Every candidate built afresh, in a shuffled order, each after an allocation of random size
+    (see `common.build_shuffled`, which says why).
 
-    Where a model's weights and optimizer state land in memory shifts a loop's speed by a percent
-    or more: two hand-written loops built one after the other measured 1.5-2.5% apart, always
-    the same way round, over many runs. Building in a random order with random gaps makes that
-    placement a random effect of each round, which the median over rounds averages out, instead
-    of a bias one candidate keeps for the whole session. Returns the loops (as `fn(wrap)`, in a
-    fixed order), the runners to close and the padding to keep alive until the round is over.
+    Returns the loops (as `fn(wrap)`, in a fixed order), the runners to close and the padding to
+    keep alive until the round is over.
     """
     options = runner_options(ablate)
-    names = [*HANDWRITTEN, *options]
-    loops: dict[str, Callable[[Callable], None]] = {}
-    runners, padding = [], []
-    for name in rng.sample(names, len(names)):
-        padding.append(torch.empty(rng.randrange(1, 1 << 16), dtype=torch.uint8))
-        if name in HANDWRITTEN:
-            loops[name] = handwritten_loop(workload)
-        else:
-            runner = runner_variant(os.path.join(root, f"{len(os.listdir(root))}"), workload, options[name])
-            runners.append(runner)
-            loops[name] = lambda wrap, r=runner: run_epochs(r, wrap)
-    return {name: loops[name] for name in names}, runners, padding
+    runners: list[dl.TorchRunner] = []
+
+    def runner_loop(name: str) -> Callable[[Callable], None]:
+        runner = runner_variant(os.path.join(root, f"{len(os.listdir(root))}"), workload, options[name])
+        runners.append(runner)
+        return lambda wrap: run_epochs(runner, wrap)
+
+    builders: dict[str, Callable[[], Callable[[Callable], None]]] = {
+        name: lambda: handwritten_loop(workload) for name in HANDWRITTEN
+    }
+    builders.update({name: lambda name=name: runner_loop(name) for name in options})
+    loops, padding = build_shuffled(builders, rng)
+    return loops, runners, padding
 
 
 def run_epochs(runner: dl.TorchRunner, wrap: Callable | None = None) -> None:

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import random
 import statistics
 import threading
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, TypeVar
+
+import torch
+
+T = TypeVar("T")
 
 
 def alternate(candidates: Mapping[str, Callable[[], object]], repeats: int = 5, warmup: int = 1) -> dict[str, float]:
@@ -25,6 +30,24 @@ def alternate(candidates: Mapping[str, Callable[[], object]], repeats: int = 5, 
             fn()
             samples[name].append(time.perf_counter() - start)
     return {name: statistics.median(values) for name, values in samples.items()}
+
+
+def build_shuffled(builders: Mapping[str, Callable[[], T]], rng: random.Random) -> tuple[dict[str, T], list[Any]]:
+    """Call every builder in a random order, each after an allocation of random size.
+
+    Where a model's weights and optimizer state land in memory shifts a loop's speed by a percent
+    or more: two identical hand-written loops built one after the other measured 1.5-2.5% apart,
+    always the same way round, over many runs. Building every candidate afresh each round, in a
+    random order with random gaps, makes that placement a random effect of the round, which the
+    median over rounds averages out, instead of a bias one candidate keeps for the whole session.
+    Returns what the builders built, in the mapping's order, and the padding to keep alive until
+    the round is over.
+    """
+    built, padding = {}, []
+    for name in rng.sample(list(builders), len(builders)):
+        padding.append(torch.empty(rng.randrange(1, 1 << 16), dtype=torch.uint8))
+        built[name] = builders[name]()
+    return {name: built[name] for name in builders}, padding
 
 
 def table(title: str, medians: Mapping[str, float], baseline: str) -> str:
