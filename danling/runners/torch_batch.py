@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -91,13 +91,19 @@ class TorchBatchMixin:
         Raises:
             ValueError: `self.model` or `self.criterion` is not set, or the criterion returned None.
         """
-        if self.model is None:
+        model = self.model
+        if model is None:
             raise ValueError("train_step() needs self.model; set it in __init__")
         data = self.to_device(data)
         input, target = split_batch(data)
-        with self.train_context():
-            pred = self.model(input)
+        context = self.train_context()
+        if type(context) is nullcontext:  # full precision, no sync suppression: entering it does nothing
+            pred = model(input)
             loss = self._criterion_loss(pred, target, required=True)
+        else:
+            with context:
+                pred = model(input)
+                loss = self._criterion_loss(pred, target, required=True)
         self._update_metrics(pred, target)
         self.backward(loss)
         self.step()

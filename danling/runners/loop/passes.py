@@ -90,7 +90,9 @@ class PassMixin(StepHooks):
         position = self.loop_state
         if max_batches is not None:
             length = max_batches if length is None else min(length, max_batches)
-        interval = self._log_interval_for(length)
+        # Like the per-batch subscribers below, the readers of step logs are looked up once per pass:
+        # when nobody reads them, the pass does not pace them at all.
+        interval = self._log_interval_for(length) if self._step_logs_read(training) else 0
         state = self.train_state
         self._seen_step = state.global_step
         # Looked up once per pass rather than once per batch; none of them is rebound by a step.
@@ -138,7 +140,12 @@ class PassMixin(StepHooks):
                     position.batch += 1
                     if track_progress and state.global_step != self._seen_step:
                         self._after_optimizer_progress(budget)  # may evaluate: after the step log
-                if self._stop_latched or self._stop_now(stop_poll, agree and batches == length):
+                # Without a poll the flag is read in place: one call less per batch.
+                if self._stop_latched or (
+                    supervisor.stop_requested
+                    if stop_poll is None
+                    else self._stop_now(stop_poll, agree and batches == length)
+                ):
                     # Stop only at a window boundary: applying a partial window (or dropping its
                     # gradients) would make the resumed run diverge from an uninterrupted one.
                     self._stop_latched = True
@@ -296,11 +303,15 @@ class PassMixin(StepHooks):
     def _evaluate_if_due(self, global_step: int) -> None:
         """Run a periodic evaluation when one is due at `global_step` (see `EvaluationMixin`)."""
 
+    def _step_logs_read(self, training: bool) -> bool:
+        """Whether anyone reads step logs: an INFO log, a tracker or `LOG` subscriber (training), or
+        the other ranks (under several processes the read is a collective every rank joins)."""
+        return self.logger.isEnabledFor(logging.INFO) or (training and self._log_listened()) or self.distributed
+
     def _log_step(self, split: str, iteration: int, length: int | None, training: bool) -> None:
         to_log, to_track = self.logger.isEnabledFor(logging.INFO), training and self._log_listened()
         if not (to_log or to_track or self.distributed):
-            # Nobody reads the values: skip the read, which synchronises with the device. Under
-            # several processes the read is a collective every rank joins, whatever it logs.
+            # Nobody reads the values: skip the read, which synchronises with the device.
             return
         # The one place step values are read back: the mean over the steps since the previous log,
         # shown on the terminal and sent to the trackers alike.
