@@ -12,20 +12,24 @@ one epoch of 128 steps from torch's own `DataLoader` and counts top-1 accuracy:
   `fit` of one epoch per round (the epoch is timed from its start to its end hook, so the
   trainer's set-up is excluded);
 - `Accelerate`: `accelerator.prepare` / `accelerator.backward`;
-- `danling TorchRunner, <container>`: a `TorchRunner` given the same model, the same `DataLoader`
-  and one of the three containers as its metrics, training one epoch per round with its default
-  step (forward, loss, metrics, backward, optimizer step). Like the Trainer's, the epoch is timed
-  from its start event to its end event, so the `train()` call's set-up and the runner's
-  construction are excluded; what the runner does every epoch is counted: its per-step
-  bookkeeping (running loss, loop position, pacing of logs and garbage collection), the metric
-  read at the pass's end, the result row and `results.json` (written by a helper thread). Like
-  the other candidates it writes no checkpoint (`checkpoint.load_only`), no log file, no
-  `metrics.csv` and no console log (its logger at ERROR, as the Trainer runs without a logger or
-  progress bar).
+- `danling TorchRunner, <container>`: a `TorchRunner` given the same model, the same `DataLoader`,
+  the same loss function (`nn.functional.cross_entropy`) and one of the three containers as its
+  metrics, training one epoch per round with its default step (forward, loss, metrics, backward,
+  optimizer step). Like the Trainer's, the epoch is timed from its start event to its end
+  event, so the runner's construction and the set-up of its `train()` call are excluded; what
+  it does every epoch is counted: its per-step bookkeeping (running loss, loop position, stop
+  checks), the metric and loss read at the pass's end, the result row and its hand-over to the
+  writer of `results.json` (which writes from a helper thread at most every two seconds; here
+  when `train()` returns, after the timed epoch). Like the other candidates it writes no
+  checkpoint (`checkpoint.load_only`), no log file, no `metrics.csv` and no console log (its
+  logger at ERROR, as the Trainer runs without a logger or progress bar).
 
-Peers that are not installed are skipped with a note (`pip install -e ".[bench]"` installs them).
-Rounds alternate the candidates (reversing the order every other round); the table gives the
-median epoch time and the median of per-round ratios to the hand-written loop.
+A second hand-written loop is timed as an A/A control: its ratio is the noise floor. Peers that
+are not installed are skipped with a note (`pip install -e ".[bench]"` installs them). Every
+round builds every candidate afresh, in a shuffled order (where a model lands in memory moves
+its speed by a percent or two; see `common.build_shuffled`), warms each up with one epoch, then
+times one epoch of each in a random order. The table gives the median epoch time, and the
+median and interquartile range over the rounds of each round's ratio to the hand-written loop.
 """
 
 from __future__ import annotations

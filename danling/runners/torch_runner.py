@@ -407,6 +407,8 @@ class TorchRunner(TorchCheckpointMixin, TorchBatchMixin, TorchDataMixin, TorchIn
         The value is `scheduler.monitor` (a dotted path in the row), else the score metric of
         `score_split`, or of the first validation split that has it.
         """
+        if self.scheduler is None or self.scheduler_interval == "step":
+            return  # nothing steps per round (and nothing to look up)
         configured = self.config.get("score_split")
         advance_round_scheduler(
             self.scheduler,

@@ -30,8 +30,10 @@ class EvaluationMixin(PassMixin):
     def evaluate_for_row(self, splits: Sequence[str]) -> RoundDict:
         """Evaluate each split once for a result row: `evaluate_epoch(split)` (the whole split), or the
         first `evaluate_batches` batches of it when that limit is set."""
-        limit = self.evaluate_batches
         result = RoundDict()
+        if not splits:
+            return result
+        limit = self.evaluate_batches
         for split in splits:
             if limit is None:
                 result[split] = self.evaluate_epoch(split)
