@@ -28,9 +28,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import Tensor
 
-from ..preprocess import _plain_multiclass, base_preprocess
+from ..preprocess import _FLOAT_DTYPES, base_preprocess
 from . import binary as _binary
 from . import multiclass as _multiclass
 from . import multilabel as _multilabel
@@ -46,6 +47,7 @@ from .binary import (
     binary_recall,
 )
 from .multiclass import (
+    _top1_accuracy_all_counted,
     multiclass_accuracy,
     multiclass_auprc,
     multiclass_auroc,
@@ -163,17 +165,32 @@ def accuracy(
     ignore_index: int | None = None,
 ) -> Tensor:
     """Accuracy of the inferred task (see `binary_accuracy`, `multiclass_accuracy`, `multilabel_accuracy`)."""
-    if (
-        task is None
-        and num_classes is None
-        and num_labels is None
-        and ignore_index is None
-        and average == "default"
-        and _plain_multiclass(input, target, None)
-        and input.shape[1] > 1
-    ):  # the per-batch call of a training loop: class scores (N, C) and labels (N,), no options
-        return _multiclass._top1_accuracy(input.argmax(-1), target, input.shape[1], None)
-    return _dispatch("accuracy", input, target, dict(locals_without(locals())))
+    if type(input) is Tensor and type(target) is Tensor and input.ndim == 2 and target.ndim == 1:
+        # The per-batch call of a training loop: float class scores (N, C), int64 labels (N,), no
+        # options. Checked inline, as every call pays for it.
+        rows, classes = input.shape
+        if (
+            rows
+            and classes > 1
+            and rows == target.shape[0]
+            and target.dtype is torch.long
+            and input.dtype in _FLOAT_DTYPES
+            and task is None
+            and num_classes is None
+            and num_labels is None
+            and ignore_index is None
+            and average == "default"
+        ):
+            return _top1_accuracy_all_counted(input.argmax(-1), target, classes)
+    options = dict(
+        task=task,
+        num_classes=num_classes,
+        num_labels=num_labels,
+        threshold=threshold,
+        average=average,
+        ignore_index=ignore_index,
+    )
+    return _dispatch("accuracy", input, target, options)
 
 
 def balanced_accuracy(

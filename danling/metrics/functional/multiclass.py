@@ -204,14 +204,16 @@ def _top1_accuracy_all_counted(pred: Tensor, target: Tensor, num_classes: int) -
     Every target counts, so the value is hits over the batch size (the same float as hits over
     the count of valid targets, which must equal it), or `nan` if some target is not a class.
     """
-    hits = pred == target
-    if target.device.type in _common.HOST_READ_DEVICES:  # reading two numbers on the host costs nothing here
-        # On CPU `mean` is that same sum divided by the count, in one call.
-        value = hits.mean(dtype=result_dtype(target.device))
+    if target.is_cpu and "cpu" in _common.HOST_READ_DEVICES:  # reading numbers on the host costs nothing here
         low, high = torch.aminmax(target)
-        return value if low.item() >= 0 and high.item() < num_classes else value.fill_(math.nan)
+        if low.item() < 0 or high.item() >= num_classes:
+            return torch.scalar_tensor(math.nan, dtype=torch.float64)
+        # An exact integer count divided on the host: the correctly rounded float64 quotient that
+        # `mean(dtype=torch.float64)` gives, for one count op and no cast or division on the device.
+        hits = torch.eq(pred, target).count_nonzero().item()
+        return torch.scalar_tensor(hits / target.shape[0], dtype=torch.float64)
     # On an accelerator the check stays on the device: the clamp moves exactly the invalid targets.
-    value = hits.sum(dtype=result_dtype(target.device)).div_(target.numel())
+    value = (pred == target).sum(dtype=result_dtype(target.device)).div_(target.numel())
     return torch.where((target.clamp(0, num_classes - 1) == target).all(), value, math.nan)
 
 
