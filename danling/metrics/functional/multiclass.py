@@ -31,6 +31,7 @@ Examples:
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -68,6 +69,11 @@ __all__ = [
     "multiclass_precision",
     "multiclass_recall",
 ]
+
+# Largest CPU batch whose top-1 hits are counted from Python lists: below it one `tolist` per
+# side and a comparison in Python cost less than the tensor ops (each a dispatch, slowest when a
+# training step has just evicted their code from the caches); above it Python's per-label cost wins.
+HOST_COUNT_SIZE = 64
 
 
 def multiclass_confusion(scores: Tensor, target: Tensor, ignore_index: int | None = None) -> Confusion:
@@ -205,13 +211,20 @@ def _top1_accuracy_all_counted(pred: Tensor, target: Tensor, num_classes: int) -
     the count of valid targets, which must equal it), or `nan` if some target is not a class.
     """
     if target.is_cpu and "cpu" in _common.HOST_READ_DEVICES:  # reading numbers on the host costs nothing here
-        low, high = torch.aminmax(target)
-        if low.item() < 0 or high.item() >= num_classes:
-            return torch.scalar_tensor(math.nan, dtype=torch.float64)
+        size = target.shape[0]
+        if size <= HOST_COUNT_SIZE:  # a few labels: compare them in Python rather than in three tensor ops
+            labels = target.tolist()
+            if min(labels) < 0 or max(labels) >= num_classes:
+                return torch.scalar_tensor(math.nan, dtype=torch.float64)
+            hits = sum(map(operator.eq, pred.tolist(), labels))
+        else:
+            low, high = torch.aminmax(target)
+            if low.item() < 0 or high.item() >= num_classes:
+                return torch.scalar_tensor(math.nan, dtype=torch.float64)
+            hits = torch.eq(pred, target).count_nonzero().item()
         # An exact integer count divided on the host: the correctly rounded float64 quotient that
-        # `mean(dtype=torch.float64)` gives, for one count op and no cast or division on the device.
-        hits = torch.eq(pred, target).count_nonzero().item()
-        return torch.scalar_tensor(hits / target.shape[0], dtype=torch.float64)
+        # `mean(dtype=torch.float64)` gives, without a cast or a division on the device.
+        return torch.scalar_tensor(hits / size, dtype=torch.float64)
     # On an accelerator the check stays on the device: the clamp moves exactly the invalid targets.
     value = (pred == target).sum(dtype=result_dtype(target.device)).div_(target.numel())
     return torch.where((target.clamp(0, num_classes - 1) == target).all(), value, math.nan)
