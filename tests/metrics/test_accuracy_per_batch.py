@@ -19,7 +19,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from danling.metrics import AverageMeter, StreamMetrics
 from danling.metrics.functional import _common, accuracy, binary_accuracy
-from danling.metrics.functional import multiclass as multiclass_module
 from danling.metrics.functional.multiclass import _confusion, accuracy_from_confusion, multiclass_accuracy
 from tests.metrics._compare import same
 from tests.metrics.test_no_host_sync import ForbidHostSync
@@ -42,7 +41,7 @@ BRANCHES = {
 def branch(request, monkeypatch):
     host, size = BRANCHES[request.param]
     monkeypatch.setattr(_common, "HOST_READ_DEVICES", host)
-    monkeypatch.setattr(multiclass_module, "HOST_COUNT_SIZE", size)
+    monkeypatch.setattr(_common, "HOST_COUNT_SIZE", size)
     return request.param
 
 
@@ -112,15 +111,15 @@ def test_random_batches_equal_the_general_path(num_classes, data):
     input = torch.tensor(rows, dtype=torch.float32).reshape(n, num_classes)
     target = torch.tensor(labels, dtype=torch.long)
     expected = general(input, target)
-    saved = _common.HOST_READ_DEVICES, multiclass_module.HOST_COUNT_SIZE
+    saved = _common.HOST_READ_DEVICES, _common.HOST_COUNT_SIZE
     for host, size in BRANCHES.values():
-        _common.HOST_READ_DEVICES, multiclass_module.HOST_COUNT_SIZE = host, size
+        _common.HOST_READ_DEVICES, _common.HOST_COUNT_SIZE = host, size
         try:
             assert same(multiclass_accuracy(input, target), expected)
             if num_classes > 1:
                 assert same(accuracy(input, target), expected)
         finally:
-            _common.HOST_READ_DEVICES, multiclass_module.HOST_COUNT_SIZE = saved
+            _common.HOST_READ_DEVICES, _common.HOST_COUNT_SIZE = saved
 
 
 def test_stream_metrics_of_accuracy_equal_the_general_path(branch):

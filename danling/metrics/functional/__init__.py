@@ -137,6 +137,15 @@ def infer_task(
     return "binary"
 
 
+def _is_multiclass(input: Any, target: Any, task: str | None, num_classes: int | None, num_labels: int | None) -> bool:
+    """Whether `infer_task` names a multiclass task, decided without converting plain tensors."""
+    if task is not None:
+        return task == "multiclass"
+    if num_classes is not None or num_labels is not None:
+        return num_classes is not None and num_labels is None
+    return type(input) is Tensor and type(target) is Tensor and input.ndim == target.ndim + 1 and input.shape[-1] > 1
+
+
 def _dispatch(name: str, input: Any, target: Any, options: dict[str, Any]) -> Tensor:
     task = infer_task(input, target, options.pop("task"), options["num_classes"], options["num_labels"])
     module = {"binary": _binary, "multiclass": _multiclass, "multilabel": _multilabel}[task]
@@ -223,6 +232,9 @@ def precision(
     ignore_index: int | None = None,
 ) -> Tensor:
     """Precision of the inferred task."""
+    if _is_multiclass(input, target, task, num_classes, num_labels):  # what `_dispatch` calls, without its checks
+        options = {} if average == "default" else {"average": average}
+        return _multiclass.multiclass_precision(input, target, num_classes, ignore_index=ignore_index, **options)
     return _dispatch("precision", input, target, locals_without(locals()))
 
 
@@ -238,6 +250,9 @@ def recall(
     ignore_index: int | None = None,
 ) -> Tensor:
     """Recall of the inferred task."""
+    if _is_multiclass(input, target, task, num_classes, num_labels):  # what `_dispatch` calls, without its checks
+        options = {} if average == "default" else {"average": average}
+        return _multiclass.multiclass_recall(input, target, num_classes, ignore_index=ignore_index, **options)
     return _dispatch("recall", input, target, locals_without(locals()))
 
 
@@ -253,6 +268,9 @@ def f1_score(
     ignore_index: int | None = None,
 ) -> Tensor:
     """F1 score of the inferred task."""
+    if _is_multiclass(input, target, task, num_classes, num_labels):  # what `_dispatch` calls, without its checks
+        options = {} if average == "default" else {"average": average}
+        return _multiclass.multiclass_f1_score(input, target, num_classes, ignore_index=ignore_index, **options)
     return _dispatch("f1_score", input, target, locals_without(locals()))
 
 

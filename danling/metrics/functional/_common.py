@@ -39,6 +39,11 @@ HOST_BINCOUNT_DEVICES = ("cpu",)
 # Devices whose tensors live in host memory: reading a value there (`.item()`) waits for nothing,
 # so a per-batch check may branch in Python instead of adding device ops.
 HOST_READ_DEVICES = ("cpu",)
+# Largest CPU batch whose labels per-batch metrics compare as Python lists: up to it one `tolist`
+# per side and a loop in Python cost less than the tensor ops they replace (each a dispatch,
+# slowest inside a training step, whose work has pushed their code out of the caches); above it
+# Python's cost per label wins.
+HOST_COUNT_SIZE = 64
 
 
 class ConfusionStats(NamedTuple):

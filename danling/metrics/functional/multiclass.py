@@ -55,6 +55,7 @@ from ._common import (
 )
 from ._common import auprc_from_curves as columns_auprc
 from ._common import auroc_from_curves as columns_auroc
+from ._host import host_class_score
 
 __all__ = [
     "multiclass_accuracy",
@@ -69,11 +70,6 @@ __all__ = [
     "multiclass_precision",
     "multiclass_recall",
 ]
-
-# Largest CPU batch whose top-1 hits are counted from Python lists: below it one `tolist` per
-# side and a comparison in Python cost less than the tensor ops (each a dispatch, slowest when a
-# training step has just evicted their code from the caches); above it Python's per-label cost wins.
-HOST_COUNT_SIZE = 64
 
 
 def multiclass_confusion(scores: Tensor, target: Tensor, ignore_index: int | None = None) -> Confusion:
@@ -212,7 +208,7 @@ def _top1_accuracy_all_counted(pred: Tensor, target: Tensor, num_classes: int) -
     """
     if target.is_cpu and "cpu" in _common.HOST_READ_DEVICES:  # reading numbers on the host costs nothing here
         size = target.shape[0]
-        if size <= HOST_COUNT_SIZE:  # a few labels: compare them in Python rather than in three tensor ops
+        if size <= _common.HOST_COUNT_SIZE:  # a few labels: compare them in Python rather than in three tensor ops
             labels = target.tolist()
             if min(labels) < 0 or max(labels) >= num_classes:
                 return torch.scalar_tensor(math.nan, dtype=torch.float64)
@@ -246,6 +242,9 @@ def multiclass_precision(
     ignore_index: int | None = None,
 ) -> Tensor:
     """Share of predictions of each class that are correct, averaged as `average` says."""
+    value = host_class_score(input, target, num_classes, average, ignore_index, "precision")
+    if value is not None:  # a small CPU batch, counted from Python lists
+        return value
     return precision_from_confusion(_confusion(input, target, num_classes, ignore_index), average)
 
 
@@ -258,6 +257,9 @@ def multiclass_recall(
     ignore_index: int | None = None,
 ) -> Tensor:
     """Share of samples of each class predicted as that class, averaged as `average` says."""
+    value = host_class_score(input, target, num_classes, average, ignore_index, "recall")
+    if value is not None:  # a small CPU batch, counted from Python lists
+        return value
     return recall_from_confusion(_confusion(input, target, num_classes, ignore_index), average)
 
 
@@ -270,6 +272,9 @@ def multiclass_f1_score(
     ignore_index: int | None = None,
 ) -> Tensor:
     """Per-class harmonic mean of precision and recall, averaged as `average` says."""
+    value = host_class_score(input, target, num_classes, average, ignore_index, "f1")
+    if value is not None:  # a small CPU batch, counted from Python lists
+        return value
     return f1_from_confusion(_confusion(input, target, num_classes, ignore_index), average)
 
 
