@@ -1,4 +1,6 @@
-"""Precision, recall and F1 of small CPU batches are counted from Python lists with the same values.
+"""Confusion metrics of small multiclass CPU batches are counted from Python lists, with the same values.
+
+Covered: precision, recall and F1 (every average), balanced accuracy and MCC.
 
 Each case runs the same call twice: with the host path (batches up to `HOST_COUNT_SIZE` labels)
 and with it switched off (`HOST_COUNT_SIZE = 0`, the confusion-matrix path), and compares the
@@ -24,7 +26,10 @@ FUNCTIONS = {
     "precision": (F.precision, F.multiclass_precision),
     "recall": (F.recall, F.multiclass_recall),
     "f1": (F.f1_score, F.multiclass_f1_score),
+    "balanced_accuracy": (F.balanced_accuracy, F.multiclass_balanced_accuracy),
+    "mcc": (F.mcc, F.multiclass_mcc),
 }
+UNAVERAGED = ("balanced_accuracy", "mcc")  # one definition each: no `average`
 AVERAGES = ["default", "macro", "weighted", "micro", None, "none"]
 
 
@@ -42,6 +47,8 @@ def both_paths(call):
 
 def assert_same_on_both_paths(which, input, target, average, num_classes=None, ignore_index=None):
     generic, multiclass = FUNCTIONS[which]
+    if which in UNAVERAGED and average != "default":
+        return
     options = {} if average == "default" else {"average": average}
     calls = [
         lambda: generic(input, target, num_classes=num_classes, ignore_index=ignore_index, **options),
@@ -90,6 +97,9 @@ CASES = {
     "at the size limit": (torch.randn(64, 5, generator=g), torch.randint(0, 5, (64,), generator=g), {}),
     "above the size limit": (torch.randn(65, 5, generator=g), torch.randint(0, 5, (65,), generator=g), {}),
     "num_classes given": (SCORES, TARGET, {"num_classes": 10}),
+    "one class predicted": (torch.zeros(32, 10).index_fill_(1, torch.tensor([3]), 1.0), TARGET, {}),
+    "one class in the target": (SCORES, torch.full((32,), 4), {}),
+    "perfect": (torch.nn.functional.one_hot(TARGET, 10).float(), TARGET, {}),
 }
 
 
@@ -119,9 +129,12 @@ class CountOps(TorchDispatchMode):
 
 
 def test_a_small_batch_takes_a_handful_of_tensor_ops():
-    metrics = StreamMetrics(f1=F.f1_score, precision=F.precision, recall=F.recall)
+    metrics = StreamMetrics(f1=F.f1_score, precision=F.precision, recall=F.recall, balanced=F.balanced_accuracy)
     with CountOps() as counted:
         metrics.update(SCORES, TARGET)
-    # Per metric: argmax, the per-class values, their macro average and the 0-d result (the
+    # Per metric: argmax, the per-class values, their average and the 0-d result (the
     # confusion-matrix path dispatches about thirty).
-    assert len(counted.ops) <= 3 * 5, counted.ops
+    assert len(counted.ops) <= 4 * 5, counted.ops
+    with CountOps() as counted:
+        F.mcc(SCORES, TARGET)
+    assert counted.ops == ["argmax.default", "scalar_tensor.default"]

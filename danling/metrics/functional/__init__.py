@@ -214,6 +214,8 @@ def balanced_accuracy(
     ignore_index: int | None = None,
 ) -> Tensor:
     """Balanced accuracy of the inferred task."""
+    if _is_multiclass(input, target, task, num_classes, num_labels):  # what `_dispatch` calls, without its checks
+        return _multiclass.multiclass_balanced_accuracy(input, target, num_classes, ignore_index=ignore_index)
     options = locals_without(locals())
     if infer_task(input, target, task, num_classes, num_labels) == "multiclass":
         options.pop("average")  # multiclass balanced accuracy has a single definition
@@ -286,6 +288,8 @@ def mcc(
     ignore_index: int | None = None,
 ) -> Tensor:
     """Matthews correlation coefficient of the inferred task."""
+    if _is_multiclass(input, target, task, num_classes, num_labels):  # what `_dispatch` calls, without its checks
+        return _multiclass.multiclass_mcc(input, target, num_classes, ignore_index=ignore_index)
     options = locals_without(locals())
     if infer_task(input, target, task, num_classes, num_labels) == "multiclass":
         options.pop("average")

@@ -12,7 +12,7 @@ torch reduction on a tensor of the same values.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -20,7 +20,7 @@ from torch import Tensor
 from . import _common
 from ._common import check_average
 
-__all__ = ["host_class_score", "small_cpu_batch"]
+__all__ = ["HostCounts", "host_balanced_accuracy", "host_class_score", "host_counts", "host_mcc", "small_cpu_batch"]
 
 _FLOAT_DTYPES = (torch.float32, torch.float64)
 
@@ -43,6 +43,23 @@ def small_cpu_batch(input: Any, target: Any, num_classes: int | None) -> bool:
     )
 
 
+class HostCounts(NamedTuple):
+    """Per-class hits, predictions and support of one batch, as Python integers."""
+
+    tp: list[int]
+    predicted: list[int]
+    support: list[int]
+    total: int
+    ok: bool  # something was counted and every target was a class or ignored
+
+
+def host_counts(input: Any, target: Any, num_classes: int | None, ignore_index: Any) -> HostCounts | None:
+    """The confusion statistics of a small CPU batch, or `None` where the general path applies."""
+    if not small_cpu_batch(input, target, num_classes) or not (ignore_index is None or type(ignore_index) is int):
+        return None
+    return _counts(input.argmax(-1).tolist(), target.tolist(), input.shape[1], ignore_index)
+
+
 def host_class_score(
     input: Any, target: Any, num_classes: int | None, average: str | None, ignore_index: Any, which: str
 ) -> Tensor | None:
@@ -50,15 +67,13 @@ def host_class_score(
 
     Equals `_class_score(_confusion(input, target, num_classes, ignore_index), average, which)`.
     """
-    if not small_cpu_batch(input, target, num_classes) or not (ignore_index is None or type(ignore_index) is int):
+    counts = host_counts(input, target, num_classes, ignore_index)
+    if counts is None:
         return None
     average = check_average(average)
-    classes = input.shape[1]
-    tp, predicted, support, invalid = _counts(input.argmax(-1).tolist(), target.tolist(), classes, ignore_index)
-    total = sum(support)
-    if not total or invalid:  # nothing counted, or a target that is neither a class nor ignored
-        nan = math.nan
-        return torch.full((classes,), nan, dtype=torch.float64) if average is None else _scalar(nan)
+    tp, predicted, support, total, ok = counts
+    if not ok:
+        return torch.full((len(tp),), math.nan, dtype=torch.float64) if average is None else _scalar(math.nan)
     if average == "micro":  # one label per sample: pooled precision = recall = F1 = accuracy
         return _scalar(sum(tp) / total)
     if which == "precision":
@@ -73,14 +88,45 @@ def host_class_score(
         weights = [1 if p + s else 0 for p, s in zip(predicted, support)]
     else:  # weighted by support; a class with support is active
         weights = support
-    weighted = torch.tensor([v * w for v, w in zip(values, weights)], dtype=torch.float64)
-    return _scalar(weighted.nansum(-1).item() / sum(weights))
+    return _scalar(_torch_sum([v * w for v, w in zip(values, weights)], nan=True) / sum(weights))
 
 
-def _counts(
-    pred: list[int], labels: list[int], classes: int, ignore_index: int | None
-) -> tuple[list[int], list[int], list[int], int]:
-    """Per-class hits, predictions and support of the counted pairs, and the invalid targets."""
+def host_balanced_accuracy(input: Any, target: Any, num_classes: int | None, ignore_index: Any) -> Tensor | None:
+    """`cm_balanced_accuracy` of a small CPU batch, or `None` where the general path applies."""
+    counts = host_counts(input, target, num_classes, ignore_index)
+    if counts is None:
+        return None
+    tp, _, support, _, ok = counts
+    if not ok:
+        return _scalar(math.nan)
+    recalls = [t / s if s else 0.0 for t, s in zip(tp, support)]  # absent classes weigh 0
+    return _scalar(_torch_sum(recalls) / sum(1 for s in support if s))
+
+
+def host_mcc(input: Any, target: Any, num_classes: int | None, ignore_index: Any) -> Tensor | None:
+    """`cm_mcc` of a small CPU batch, or `None` where the general path applies.
+
+    Every sum is of integers (exact in float64 at these sizes, in any order), then one square
+    root and one division, both correctly rounded in Python as in torch.
+    """
+    counts = host_counts(input, target, num_classes, ignore_index)
+    if counts is None:
+        return None
+    tp, predicted, support, total, ok = counts
+    if not ok:
+        return _scalar(math.nan)
+    cov_tp = sum(tp) * total - sum(s * p for s, p in zip(support, predicted))
+    cov_pp = total * total - sum(p * p for p in predicted)
+    cov_tt = total * total - sum(s * s for s in support)
+    denominator = math.sqrt(cov_tt * cov_pp)
+    if denominator:
+        return _scalar(cov_tp / denominator)
+    # zero_nan: 0 / 0 is 0, as in scikit-learn; a nonzero covariance over 0 stays infinite.
+    return _scalar(math.copysign(math.inf, cov_tp) if cov_tp else 0.0)
+
+
+def _counts(pred: list[int], labels: list[int], classes: int, ignore_index: int | None) -> HostCounts:
+    """Per-class hits, predictions and support of the counted pairs; targets neither a class nor ignored spoil `ok`."""
     tp, predicted, support = [0] * classes, [0] * classes, [0] * classes
     invalid = 0
     for p, t in zip(pred, labels):
@@ -93,7 +139,15 @@ def _counts(
                 tp[t] += 1
         elif t != ignore_index:
             invalid += 1
-    return tp, predicted, support, invalid
+    total = sum(support)
+    return HostCounts(tp, predicted, support, total, total > 0 and not invalid)
+
+
+def _torch_sum(values: list[float], *, nan: bool = False) -> float:
+    # A sum of non-integer values must round as the general path's torch reduction does: the
+    # same reduction (`nansum` or `sum`) over the same float64 values; Python's could differ.
+    tensor = torch.tensor(values, dtype=torch.float64)
+    return (tensor.nansum(-1) if nan else tensor.sum(-1)).item()
 
 
 def _scalar(value: float) -> Tensor:

@@ -55,7 +55,7 @@ from ._common import (
 )
 from ._common import auprc_from_curves as columns_auprc
 from ._common import auroc_from_curves as columns_auroc
-from ._host import host_class_score
+from ._host import host_balanced_accuracy, host_class_score, host_mcc
 
 __all__ = [
     "multiclass_accuracy",
@@ -230,6 +230,9 @@ def multiclass_balanced_accuracy(
     input: Any, target: Any, num_classes: int | None = None, *, ignore_index: int | None = None
 ) -> Tensor:
     """Mean recall over the classes present in the target."""
+    value = host_balanced_accuracy(input, target, num_classes, ignore_index)
+    if value is not None:  # a small CPU batch, counted from Python lists
+        return value
     return balanced_accuracy_from_confusion(_confusion(input, target, num_classes, ignore_index))
 
 
@@ -282,6 +285,9 @@ def multiclass_mcc(
     input: Any, target: Any, num_classes: int | None = None, *, ignore_index: int | None = None
 ) -> Tensor:
     """Multiclass Matthews correlation coefficient (Gorodkin's R_K statistic)."""
+    value = host_mcc(input, target, num_classes, ignore_index)
+    if value is not None:  # a small CPU batch, counted from Python lists
+        return value
     return mcc_from_confusion(_confusion(input, target, num_classes, ignore_index))
 
 
