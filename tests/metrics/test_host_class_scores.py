@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from danling.metrics import StreamMetrics
+from danling.metrics import StreamMetrics, multiclass_metrics
 from danling.metrics import functional as F
 from danling.metrics.functional import _common
 from tests.metrics._compare import same
@@ -138,3 +138,37 @@ def test_a_small_batch_takes_a_handful_of_tensor_ops():
     with CountOps() as counted:
         F.mcc(SCORES, TARGET)
     assert counted.ops == ["argmax.default", "scalar_tensor.default"]
+
+
+STREAM_METRICS = ["acc", "balanced_acc", "precision", "recall", "f1", "mcc"]
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    classes=st.integers(2, 12),
+    ignore_index=st.sampled_from([None, -100, 0, 1.5]),
+    average=st.sampled_from(["macro", "weighted", "micro", None]),
+    data=st.data(),
+)
+def test_stream_multiclass_metrics_equal_the_confusion_matrix_path(classes, ignore_index, average, data):
+    g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
+    batches = []
+    for _ in range(data.draw(st.integers(1, 4))):
+        rows = data.draw(st.sampled_from([1, 5, 32, 64, 65]))
+        target = torch.randint(0, classes, (rows,), generator=g)
+        if data.draw(st.booleans()):
+            target[data.draw(st.integers(0, rows - 1))] = data.draw(st.sampled_from([-100, -1, classes]))
+        batches.append((torch.randn(rows, classes, generator=g), target))
+
+    def run():
+        container = multiclass_metrics(
+            classes, STREAM_METRICS, mode="stream", average=average, ignore_index=ignore_index
+        )
+        for input, target in batches:
+            container.update(input, target)
+        return container
+
+    fast, general = both_paths(run)
+    for name in STREAM_METRICS:
+        for kind in ("val", "avg", "sum", "count"):
+            assert same(getattr(fast[name], kind), getattr(general[name], kind)), (name, kind)

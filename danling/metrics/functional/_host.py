@@ -20,7 +20,18 @@ from torch import Tensor
 from . import _common
 from ._common import check_average
 
-__all__ = ["HostCounts", "host_balanced_accuracy", "host_class_score", "host_counts", "host_mcc", "small_cpu_batch"]
+__all__ = [
+    "HostCounts",
+    "accuracy_of",
+    "balanced_accuracy_of",
+    "class_score_of",
+    "host_balanced_accuracy",
+    "host_class_score",
+    "host_counts",
+    "host_mcc",
+    "mcc_of",
+    "small_cpu_batch",
+]
 
 _FLOAT_DTYPES = (torch.float32, torch.float64)
 
@@ -68,8 +79,28 @@ def host_class_score(
     Equals `_class_score(_confusion(input, target, num_classes, ignore_index), average, which)`.
     """
     counts = host_counts(input, target, num_classes, ignore_index)
-    if counts is None:
-        return None
+    return None if counts is None else class_score_of(counts, average, which)
+
+
+def host_balanced_accuracy(input: Any, target: Any, num_classes: int | None, ignore_index: Any) -> Tensor | None:
+    """`cm_balanced_accuracy` of a small CPU batch, or `None` where the general path applies."""
+    counts = host_counts(input, target, num_classes, ignore_index)
+    return None if counts is None else balanced_accuracy_of(counts)
+
+
+def host_mcc(input: Any, target: Any, num_classes: int | None, ignore_index: Any) -> Tensor | None:
+    """`cm_mcc` of a small CPU batch, or `None` where the general path applies."""
+    counts = host_counts(input, target, num_classes, ignore_index)
+    return None if counts is None else mcc_of(counts)
+
+
+def accuracy_of(counts: HostCounts) -> Tensor:
+    """`cm_accuracy` of the counts: hits over the counted targets."""
+    return _scalar(sum(counts.tp) / counts.total if counts.ok else math.nan)
+
+
+def class_score_of(counts: HostCounts, average: str | None, which: str) -> Tensor:
+    """`_class_score` of the counts (`which`: `"precision"`, `"recall"` or `"f1"`)."""
     average = check_average(average)
     tp, predicted, support, total, ok = counts
     if not ok:
@@ -91,11 +122,8 @@ def host_class_score(
     return _scalar(_torch_sum([v * w for v, w in zip(values, weights)], nan=True) / sum(weights))
 
 
-def host_balanced_accuracy(input: Any, target: Any, num_classes: int | None, ignore_index: Any) -> Tensor | None:
-    """`cm_balanced_accuracy` of a small CPU batch, or `None` where the general path applies."""
-    counts = host_counts(input, target, num_classes, ignore_index)
-    if counts is None:
-        return None
+def balanced_accuracy_of(counts: HostCounts) -> Tensor:
+    """`cm_balanced_accuracy` of the counts: mean recall over the classes in the target."""
     tp, _, support, _, ok = counts
     if not ok:
         return _scalar(math.nan)
@@ -103,15 +131,12 @@ def host_balanced_accuracy(input: Any, target: Any, num_classes: int | None, ign
     return _scalar(_torch_sum(recalls) / sum(1 for s in support if s))
 
 
-def host_mcc(input: Any, target: Any, num_classes: int | None, ignore_index: Any) -> Tensor | None:
-    """`cm_mcc` of a small CPU batch, or `None` where the general path applies.
+def mcc_of(counts: HostCounts) -> Tensor:
+    """`cm_mcc` of the counts.
 
     Every sum is of integers (exact in float64 at these sizes, in any order), then one square
     root and one division, both correctly rounded in Python as in torch.
     """
-    counts = host_counts(input, target, num_classes, ignore_index)
-    if counts is None:
-        return None
     tp, predicted, support, total, ok = counts
     if not ok:
         return _scalar(math.nan)
