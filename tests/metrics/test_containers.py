@@ -50,7 +50,7 @@ def test_stream_metrics_share_one_state_per_batch(monkeypatch, host_counts):
     # Small CPU batches are counted from Python lists, larger ones (or any, with the host path
     # off) through the confusion matrix; either artifact is built once per batch.
     if not host_counts:
-        monkeypatch.setattr(_common, "HOST_COUNT_SIZE", 0)
+        monkeypatch.setattr(_common, "HOST_CONFUSION_SIZE", 0)
     built = {"confusion": 0, "host": 0}
     confusion, counts = MetricTask.confusion, _host.host_counts
 

@@ -2,8 +2,9 @@
 
 Covered: precision, recall and F1 (every average), balanced accuracy and MCC.
 
-Each case runs the same call twice: with the host path (batches up to `HOST_COUNT_SIZE` labels)
-and with it switched off (`HOST_COUNT_SIZE = 0`, the confusion-matrix path), and compares the
+Each case runs the same call twice: with the host path (batches up to `HOST_CONFUSION_SIZE`
+labels) and with it switched off (`HOST_CONFUSION_SIZE = 0`, the confusion-matrix path; accuracy's
+`HOST_COUNT_SIZE = 0` too), and compares the
 results exactly: dtype, shape, every bit, `nan` where the general path gives `nan`.
 """
 
@@ -36,12 +37,12 @@ AVERAGES = ["default", "macro", "weighted", "micro", None, "none"]
 def both_paths(call):
     """`call()` through the host path and through the confusion matrix."""
     fast = call()
-    saved = _common.HOST_COUNT_SIZE
-    _common.HOST_COUNT_SIZE = 0
+    saved = _common.HOST_COUNT_SIZE, _common.HOST_CONFUSION_SIZE
+    _common.HOST_COUNT_SIZE = _common.HOST_CONFUSION_SIZE = 0
     try:
         general = call()
     finally:
-        _common.HOST_COUNT_SIZE = saved
+        _common.HOST_COUNT_SIZE, _common.HOST_CONFUSION_SIZE = saved
     return fast, general
 
 
@@ -64,7 +65,7 @@ def assert_same_on_both_paths(which, input, target, average, num_classes=None, i
     which=st.sampled_from(list(FUNCTIONS)),
     average=st.sampled_from(AVERAGES),
     classes=st.integers(2, 40),
-    rows=st.integers(1, 64),
+    rows=st.integers(1, 256),
     ignore_index=st.sampled_from([None, -100, 0, 1, 99]),
     data=st.data(),
 )
@@ -94,8 +95,8 @@ CASES = {
     "nan scores": (torch.where(SCORES > 1, math.nan, SCORES), TARGET, {}),
     "scores needing grad": (SCORES.clone().requires_grad_(), TARGET, {}),
     "non-contiguous scores": (torch.randn(10, 32, generator=g).T, TARGET, {}),
-    "at the size limit": (torch.randn(64, 5, generator=g), torch.randint(0, 5, (64,), generator=g), {}),
-    "above the size limit": (torch.randn(65, 5, generator=g), torch.randint(0, 5, (65,), generator=g), {}),
+    "at the size limit": (torch.randn(256, 5, generator=g), torch.randint(0, 5, (256,), generator=g), {}),
+    "above the size limit": (torch.randn(257, 5, generator=g), torch.randint(0, 5, (257,), generator=g), {}),
     "num_classes given": (SCORES, TARGET, {"num_classes": 10}),
     "one class predicted": (torch.zeros(32, 10).index_fill_(1, torch.tensor([3]), 1.0), TARGET, {}),
     "one class in the target": (SCORES, torch.full((32,), 4), {}),
@@ -154,7 +155,7 @@ def test_stream_multiclass_metrics_equal_the_confusion_matrix_path(classes, igno
     g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
     batches = []
     for _ in range(data.draw(st.integers(1, 4))):
-        rows = data.draw(st.sampled_from([1, 5, 32, 64, 65]))
+        rows = data.draw(st.sampled_from([1, 5, 32, 64, 65, 256, 257]))
         target = torch.randint(0, classes, (rows,), generator=g)
         if data.draw(st.booleans()):
             target[data.draw(st.integers(0, rows - 1))] = data.draw(st.sampled_from([-100, -1, classes]))

@@ -37,13 +37,13 @@ _FLOAT_DTYPES = (torch.float32, torch.float64)
 
 
 def small_cpu_batch(input: Any, target: Any, num_classes: int | None) -> bool:
-    """Float CPU scores `(N, C)` and int64 labels `(N,)` with `0 < N <= _common.HOST_COUNT_SIZE`."""
+    """Float CPU scores `(N, C)` and int64 labels `(N,)` with `0 < N <= _common.HOST_CONFUSION_SIZE`."""
     return (
         type(input) is Tensor
         and type(target) is Tensor
         and input.ndim == 2
         and target.ndim == 1
-        and 0 < target.shape[0] <= _common.HOST_COUNT_SIZE
+        and 0 < target.shape[0] <= _common.HOST_CONFUSION_SIZE
         and input.shape[0] == target.shape[0]
         and (num_classes is None or input.shape[1] == num_classes)
         and target.dtype is torch.long
