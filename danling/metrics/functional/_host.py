@@ -12,11 +12,13 @@ torch reduction on a tensor of the same values.
 from __future__ import annotations
 
 import math
+import struct
 from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
+from ..preprocess import _logit_threshold
 from . import _common
 from ._common import check_average
 
@@ -24,8 +26,10 @@ __all__ = [
     "HostCounts",
     "accuracy_of",
     "balanced_accuracy_of",
+    "binary_score_of",
     "class_score_of",
     "host_balanced_accuracy",
+    "host_binary_counts",
     "host_class_score",
     "host_counts",
     "host_mcc",
@@ -34,6 +38,7 @@ __all__ = [
 ]
 
 _FLOAT_DTYPES = (torch.float32, torch.float64)
+_FLOAT32 = struct.Struct("f")
 
 
 def small_cpu_batch(input: Any, target: Any, num_classes: int | None) -> bool:
@@ -69,6 +74,51 @@ def host_counts(input: Any, target: Any, num_classes: int | None, ignore_index: 
     if not small_cpu_batch(input, target, num_classes) or not (ignore_index is None or type(ignore_index) is int):
         return None
     return _counts(input.argmax(-1).tolist(), target.tolist(), input.shape[1], ignore_index)
+
+
+def host_binary_counts(input: Any, target: Any, threshold: float, ignore_index: Any) -> HostCounts | None:
+    """The 2x2 confusion statistics of a small CPU batch of binary scores, or `None` for the general path.
+
+    Scores are thresholded as `positive_predictions` does: as logits if any lies outside `[0, 1]`
+    (the threshold moved to logit space), compared in the scores' dtype.
+    """
+    if not (
+        type(input) is Tensor
+        and type(target) is Tensor
+        and input.ndim == 1
+        and target.ndim == 1
+        and 0 < target.shape[0] <= _common.HOST_CONFUSION_SIZE
+        and input.shape[0] == target.shape[0]
+        and target.dtype is torch.long
+        and input.dtype in _FLOAT_DTYPES
+        and target.is_cpu
+        and input.is_cpu
+        and "cpu" in _common.HOST_READ_DEVICES
+        and (ignore_index is None or type(ignore_index) is int)
+    ):
+        return None
+    scores = input.tolist()
+    # Logits if any score lies outside [0, 1]: then sigmoid(x) > t exactly when x > logit(t).
+    cut = _logit_threshold(threshold) if any(s < 0 or s > 1 for s in scores) else threshold
+    if input.dtype is torch.float32:  # torch compares float32 scores with the threshold rounded to float32
+        try:
+            cut = _FLOAT32.unpack(_FLOAT32.pack(cut))[0]
+        except OverflowError:  # beyond float32's range torch rounds to an infinity
+            cut = math.copysign(math.inf, cut)
+    return _counts([1 if s > cut else 0 for s in scores], target.tolist(), 2, ignore_index)
+
+
+def binary_score_of(counts: HostCounts, which: str) -> Tensor:
+    """Binary `"precision"`, `"recall"` or `"f1"` of the counts: the positive class's score."""
+    tp, predicted, support, _, ok = counts
+    if not ok:
+        return _scalar(math.nan)
+    t, p, s = tp[1], predicted[1], support[1]
+    if which == "precision":
+        return _scalar(t / p if p else 0.0)
+    if which == "recall":
+        return _scalar(t / s if s else 0.0)
+    return _scalar(2 * t / (p + s) if p + s else 0.0)
 
 
 def host_class_score(
@@ -134,8 +184,9 @@ def balanced_accuracy_of(counts: HostCounts) -> Tensor:
 def mcc_of(counts: HostCounts) -> Tensor:
     """`cm_mcc` of the counts.
 
-    Every sum is of integers (exact in float64 at these sizes, in any order), then one square
-    root and one division, both correctly rounded in Python as in torch.
+    Every sum and product is of integers (exact in float64 at these sizes, in any order) and the
+    division is correctly rounded in Python as in torch. The square root is torch's own: its CPU
+    kernel is not always correctly rounded, so Python's could differ in the last bit.
     """
     tp, predicted, support, total, ok = counts
     if not ok:
@@ -143,7 +194,7 @@ def mcc_of(counts: HostCounts) -> Tensor:
     cov_tp = sum(tp) * total - sum(s * p for s, p in zip(support, predicted))
     cov_pp = total * total - sum(p * p for p in predicted)
     cov_tt = total * total - sum(s * s for s in support)
-    denominator = math.sqrt(cov_tt * cov_pp)
+    denominator = torch.scalar_tensor(cov_tt * cov_pp, dtype=torch.float64).sqrt().item()
     if denominator:
         return _scalar(cov_tp / denominator)
     # zero_nan: 0 / 0 is 0, as in scikit-learn; a nonzero covariance over 0 stays infinite.
