@@ -1,12 +1,12 @@
-"""Per-class multiclass scores of small CPU batches, counted from Python lists.
+"""Confusion metrics of small binary and multiclass CPU batches, counted from Python lists.
 
-On CPU reading tensor values costs nothing, and for a batch of a few dozen labels one `tolist`
-per side and a loop in Python cost less than the two dozen small tensor ops of the confusion
-matrix path (each a dispatch, slowest inside a training step whose work has pushed their code
-out of the caches). The results are those of the general path bit for bit: counts are exact
-integers, every element-wise step is the same correctly rounded IEEE operation in Python, and
-the one reduction over non-integer values (the macro or weighted average) is left to the same
-torch reduction on a tensor of the same values.
+On CPU reading tensor values costs nothing, and for a batch of a few hundred labels at most one
+`tolist` per side and a loop in Python cost less than the two or three dozen small tensor ops of
+the confusion-matrix path (each a dispatch, slowest inside a training step whose work has pushed
+their code out of the caches). The results are those of the general path bit for bit: counts are
+exact integers, every element-wise step is the same correctly rounded IEEE operation in Python,
+and what torch does not round correctly or the same way in any order (sums over non-integer
+values, MCC's square root) is left to the same torch op on a tensor of the same values.
 """
 
 from __future__ import annotations
