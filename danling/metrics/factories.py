@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from ..utils.registry import Registry
+from .functional import _host
 from .functional import binary as _binary
 from .functional import multiclass as _multiclass
 from .functional import multilabel as _multilabel
@@ -66,9 +67,49 @@ def _binary_curve_metric(which: str) -> Callable[[MetricState, Any], Any]:
     return lambda state, average: function(state.curves())[0]
 
 
+# Binary and multiclass metrics of a small CPU batch, from the counts of `_host` (same values, few
+# tensor ops); the multiclass ones average over classes as asked, the binary ones score class 1.
+HOST_METRICS: dict[str, Callable[[_host.HostCounts, Any], Any]] = {
+    "accuracy": lambda counts, average: _host.accuracy_of(counts),
+    "balanced_accuracy": lambda counts, average: _host.balanced_accuracy_of(counts),
+    "precision": partial(_host.class_score_of, which="precision"),
+    "recall": partial(_host.class_score_of, which="recall"),
+    "f1": partial(_host.class_score_of, which="f1"),
+    "mcc": lambda counts, average: _host.mcc_of(counts),
+}
+BINARY_HOST_METRICS: dict[str, Callable[[_host.HostCounts, Any], Any]] = {
+    **HOST_METRICS,
+    "precision": lambda counts, average: _host.binary_score_of(counts, "precision"),
+    "recall": lambda counts, average: _host.binary_score_of(counts, "recall"),
+    "f1": lambda counts, average: _host.binary_score_of(counts, "f1"),
+}
+
+
+def _host_counts(state: MetricState) -> _host.HostCounts | None:
+    """Counts of a small binary or multiclass CPU batch held by `state` (`None` otherwise), built once."""
+    if state.input is None or state.target is None:  # a state of accumulated counts: no batch to read
+        return None
+    input, target, task = state.input, state.target, state.task
+    if task.kind == "binary":
+        return state.cached(
+            "host_counts", lambda: _host.host_binary_counts(input, target, task.threshold, task.ignore_index)
+        )
+    return state.cached("host_counts", lambda: _host.host_counts(input, target, None, task.ignore_index))
+
+
 def _classification(module: Any, averaged: bool) -> dict[str, Entry]:
     def confusion(name: str, takes_average: bool) -> Entry:
         function = getattr(module, f"{name}_from_confusion")
+        if module is _multiclass or module is _binary:
+            host = (HOST_METRICS if module is _multiclass else BINARY_HOST_METRICS)[name]
+
+            def compute(state: MetricState, average: Any) -> Any:
+                counts = _host_counts(state)
+                if counts is not None:
+                    return host(counts, average if takes_average else None)
+                return function(state.confusion, average) if takes_average else function(state.confusion)
+
+            return "confusion", compute
         if takes_average:
             return "confusion", lambda state, average: function(state.confusion, average)
         return "confusion", lambda state, average: function(state.confusion)

@@ -161,7 +161,9 @@ class AverageMeter(MeterState):
             # The per-step loss (or per-batch metric of a fixed batch size) joining the queue of
             # its kind: what the branches below do for it.
             first = pending[0]
-            same_kind = value.dtype is first.dtype and value.device == first.device
+            # `is_cpu` first: comparing `device`s builds two device objects, a cost per update.
+            same_device = (value.is_cpu and first.is_cpu) or value.device == first.device
+            same_kind = value.dtype is first.dtype and same_device
             if same_kind and not value.ndim and not value.requires_grad:
                 pending.append(value)
                 if len(pending) >= PENDING_VALUES:

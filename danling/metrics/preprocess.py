@@ -226,13 +226,16 @@ def positive_predictions(scores: Tensor, threshold: float) -> Tensor:
     """
     if scores.numel() == 0:
         return scores > threshold
+    return torch.where(is_logit(scores), scores > _logit_threshold(threshold), scores > threshold)
+
+
+def _logit_threshold(threshold: float) -> float:
+    """The logit `x` with `sigmoid(x) > threshold` exactly when `x` exceeds it."""
     if threshold <= 0:
-        logit_threshold = -math.inf
-    elif threshold >= 1:
-        logit_threshold = math.inf
-    else:
-        logit_threshold = math.log(threshold) - math.log1p(-threshold)
-    return torch.where(is_logit(scores), scores > logit_threshold, scores > threshold)
+        return -math.inf
+    if threshold >= 1:
+        return math.inf
+    return math.log(threshold) - math.log1p(-threshold)
 
 
 def probabilities(scores: Tensor, *, softmax: bool) -> Tensor:

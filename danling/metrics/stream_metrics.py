@@ -6,6 +6,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import Tensor
 
 from .meter import AverageMeter, AverageMeters
 from .metric_meter import MetricMeter, Preprocess, batch_size, metric_name
@@ -94,13 +95,23 @@ class StreamMetrics(AverageMeters):
             target: Ground truth of the same kinds.
             n: Samples in the batch; defaults to the length of the (preprocessed) target.
         """
-        if self.preprocess is not None:
-            input, target = self.preprocess(input, target)
+        preprocess = self.preprocess
+        if preprocess is base_preprocess and type(input) is Tensor and type(target) is Tensor:
+            # The per-batch case: what `base_preprocess` does to plain tensors, without the calls.
+            if input.requires_grad:
+                input = input.detach()
+            if target.requires_grad:
+                target = target.detach()
+        elif preprocess is not None:
+            input, target = preprocess(input, target)
         if n is None:  # a plain tensor (the per-batch case) is counted without the general helper
-            n = (target.shape[0] if target.ndim else 1) if type(target) is torch.Tensor else batch_size(target)
+            n = (target.shape[0] if target.ndim else 1) if type(target) is Tensor else batch_size(target)
         states: dict[MetricTask, MetricState] = {}
         for meter in self._meters.values():
-            if isinstance(meter, MetricMeter):
+            if type(meter) is MetricMeter and not isinstance(meter.metric, MetricFunc):
+                # A plain metric function: what `update_preprocessed` does, one call deep.
+                AverageMeter.update(meter, meter.metric(input, target), n)
+            elif isinstance(meter, MetricMeter):
                 meter.update_preprocessed(input, target, n=n, states=states)
             else:
                 raise TypeError(f"StreamMetrics can only update MetricMeters, found {type(meter).__name__}")

@@ -1,9 +1,10 @@
 """The per-batch accuracy of a training loop takes short paths that give the general paths' values.
 
 `accuracy(scores, target)` with no options, on float `(N, C)` scores and int64 labels, skips the
-task dispatch; micro accuracy of int64 targets with nothing ignored checks the targets with one
-host read on CPU (or one device-side check elsewhere); and a meter fed values of one batch size
-queues them like the per-step loss. Each is compared with the general path, on both branches.
+task dispatch; micro accuracy of int64 targets with nothing ignored compares up to
+`HOST_COUNT_SIZE` labels as Python lists on CPU, checks larger batches with one host read (or one
+device-side check off the host); and a meter fed values of one batch size queues them like the
+per-step loss. Each is compared with the general path, on every branch.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from danling.metrics import AverageMeter, StreamMetrics
 from danling.metrics.functional import _common, accuracy, binary_accuracy
@@ -27,10 +29,19 @@ def general(input, target):
     return accuracy_from_confusion(_confusion(input, target, None, None), "micro")
 
 
-@pytest.fixture(params=["host read", "device check"])
+# How each branch is forced: (devices whose values are read on the host, largest list-compared batch).
+BRANCHES = {
+    "python lists": (("cpu",), 10**9),
+    "host read": (("cpu",), 0),
+    "device check": ((), 10**9),
+}
+
+
+@pytest.fixture(params=list(BRANCHES))
 def branch(request, monkeypatch):
-    if request.param == "device check":
-        monkeypatch.setattr(_common, "HOST_READ_DEVICES", ())
+    host, size = BRANCHES[request.param]
+    monkeypatch.setattr(_common, "HOST_READ_DEVICES", host)
+    monkeypatch.setattr(_common, "HOST_COUNT_SIZE", size)
     return request.param
 
 
@@ -100,19 +111,20 @@ def test_random_batches_equal_the_general_path(num_classes, data):
     input = torch.tensor(rows, dtype=torch.float32).reshape(n, num_classes)
     target = torch.tensor(labels, dtype=torch.long)
     expected = general(input, target)
-    for host in (("cpu",), ()):
-        _common.HOST_READ_DEVICES = host
+    saved = _common.HOST_READ_DEVICES, _common.HOST_COUNT_SIZE
+    for host, size in BRANCHES.values():
+        _common.HOST_READ_DEVICES, _common.HOST_COUNT_SIZE = host, size
         try:
             assert same(multiclass_accuracy(input, target), expected)
             if num_classes > 1:
                 assert same(accuracy(input, target), expected)
         finally:
-            _common.HOST_READ_DEVICES = ("cpu",)
+            _common.HOST_READ_DEVICES, _common.HOST_COUNT_SIZE = saved
 
 
 def test_stream_metrics_of_accuracy_equal_the_general_path(branch):
     fast, slow = StreamMetrics(acc=accuracy), StreamMetrics(acc=general)
-    sizes = [32, 32, 32, 7, 32, 32, 1, 1, 32]
+    sizes = [32, 32, 32, 7, 32, 32, 1, 1, 32, 64, 65, 300, 32]
     for i, size in enumerate(sizes):
         input, target = torch.randn(size, 10, generator=g), torch.randint(0, 10, (size,), generator=g)
         if i == 4:
@@ -148,3 +160,31 @@ def test_meter_queues_values_of_one_batch_size_like_the_general_path(weights):
             total = total + value * n
     assert same(meter.sum, total.item()) and meter.count == sum(weights)
     assert same(meter.avg, (total / count).item())
+
+
+class CountOps(TorchDispatchMode):
+    """Record every aten op dispatched inside the block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def test_stream_accuracy_of_a_small_cpu_batch_dispatches_argmax_and_its_result_only():
+    # In a training step every dispatched op costs several microseconds (its code has left the
+    # caches): the per-batch accuracy of a small CPU batch issues two, fewer than the hand-written
+    # `correct += (logits.argmax(-1) == target).sum()`. The meter's queue adds a few ops per 64 updates.
+    metrics = StreamMetrics(acc=accuracy)
+    metrics.update(SCORES, TARGET)
+    with CountOps() as counted:
+        metrics.update(SCORES, TARGET)
+    assert counted.ops == ["argmax.default", "scalar_tensor.default"]
+    with CountOps() as counted:
+        for _ in range(64):
+            metrics.update(SCORES, TARGET)
+    assert len(counted.ops) <= 2 * 64 + 4
+    assert same(metrics.avg["acc"], general(SCORES, TARGET).item())

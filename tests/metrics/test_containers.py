@@ -16,6 +16,7 @@ from danling.metrics import (
     regression_metrics,
 )
 from danling.metrics import functional as F
+from danling.metrics.functional import _common, _host
 from danling.metrics.state import MetricState
 
 
@@ -44,20 +45,31 @@ def test_metric_meter_weights_by_batch_size_and_accepts_tensor_results():
         MetricMeter("accuracy")
 
 
-def test_stream_metrics_share_one_state_per_batch(monkeypatch):
-    built = []
-    original = MetricTask.confusion
+@pytest.mark.parametrize("host_counts", [True, False], ids=["host counts", "confusion matrix"])
+def test_stream_metrics_share_one_state_per_batch(monkeypatch, host_counts):
+    # Small CPU batches are counted from Python lists, larger ones (or any, with the host path
+    # off) through the confusion matrix; either artifact is built once per batch.
+    if not host_counts:
+        monkeypatch.setattr(_common, "HOST_CONFUSION_SIZE", 0)
+    built = {"confusion": 0, "host": 0}
+    confusion, counts = MetricTask.confusion, _host.host_counts
 
-    def counting(self, input, target):
-        built.append(1)
-        return original(self, input, target)
+    def counting_confusion(self, input, target):
+        built["confusion"] += 1
+        return confusion(self, input, target)
 
-    monkeypatch.setattr(MetricTask, "confusion", counting)
+    def counting_counts(*args):
+        built["host"] += 1
+        return counts(*args)
+
+    monkeypatch.setattr(MetricTask, "confusion", counting_confusion)
+    monkeypatch.setattr(_host, "host_counts", counting_counts)
     metrics = multiclass_metrics(4, mode="stream", metrics=["acc", "f1", "mcc", "precision"])
     assert isinstance(metrics, StreamMetrics)
     for logits, target in batches():
         metrics.update(logits, target)
-    assert len(built) == 5  # one confusion matrix per batch for four metrics
+    # One artifact per batch for four metrics.
+    assert built == ({"confusion": 0, "host": 5} if host_counts else {"confusion": 5, "host": 5})
     # Per-batch values averaged with batch-size weights.
     expected = [F.multiclass_f1_score(x, y, ignore_index=-100) for x, y in batches()]
     sizes = [len(y) for _, y in batches()]

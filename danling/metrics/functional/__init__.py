@@ -28,9 +28,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import Tensor
 
-from ..preprocess import _plain_multiclass, base_preprocess
+from ..preprocess import _FLOAT_DTYPES, base_preprocess
 from . import binary as _binary
 from . import multiclass as _multiclass
 from . import multilabel as _multilabel
@@ -46,6 +47,7 @@ from .binary import (
     binary_recall,
 )
 from .multiclass import (
+    _top1_accuracy_all_counted,
     multiclass_accuracy,
     multiclass_auprc,
     multiclass_auroc,
@@ -135,6 +137,15 @@ def infer_task(
     return "binary"
 
 
+def _is_multiclass(input: Any, target: Any, task: str | None, num_classes: int | None, num_labels: int | None) -> bool:
+    """Whether `infer_task` names a multiclass task, decided without converting plain tensors."""
+    if task is not None:
+        return task == "multiclass"
+    if num_classes is not None or num_labels is not None:
+        return num_classes is not None and num_labels is None
+    return type(input) is Tensor and type(target) is Tensor and input.ndim == target.ndim + 1 and input.shape[-1] > 1
+
+
 def _dispatch(name: str, input: Any, target: Any, options: dict[str, Any]) -> Tensor:
     task = infer_task(input, target, options.pop("task"), options["num_classes"], options["num_labels"])
     module = {"binary": _binary, "multiclass": _multiclass, "multilabel": _multilabel}[task]
@@ -163,17 +174,32 @@ def accuracy(
     ignore_index: int | None = None,
 ) -> Tensor:
     """Accuracy of the inferred task (see `binary_accuracy`, `multiclass_accuracy`, `multilabel_accuracy`)."""
-    if (
-        task is None
-        and num_classes is None
-        and num_labels is None
-        and ignore_index is None
-        and average == "default"
-        and _plain_multiclass(input, target, None)
-        and input.shape[1] > 1
-    ):  # the per-batch call of a training loop: class scores (N, C) and labels (N,), no options
-        return _multiclass._top1_accuracy(input.argmax(-1), target, input.shape[1], None)
-    return _dispatch("accuracy", input, target, dict(locals_without(locals())))
+    if type(input) is Tensor and type(target) is Tensor and input.ndim == 2 and target.ndim == 1:
+        # The per-batch call of a training loop: float class scores (N, C), int64 labels (N,), no
+        # options. Checked inline, as every call pays for it.
+        rows, classes = input.shape
+        if (
+            rows
+            and classes > 1
+            and rows == target.shape[0]
+            and target.dtype is torch.long
+            and input.dtype in _FLOAT_DTYPES
+            and task is None
+            and num_classes is None
+            and num_labels is None
+            and ignore_index is None
+            and average == "default"
+        ):
+            return _top1_accuracy_all_counted(input.argmax(-1), target, classes)
+    options = dict(
+        task=task,
+        num_classes=num_classes,
+        num_labels=num_labels,
+        threshold=threshold,
+        average=average,
+        ignore_index=ignore_index,
+    )
+    return _dispatch("accuracy", input, target, options)
 
 
 def balanced_accuracy(
@@ -188,6 +214,8 @@ def balanced_accuracy(
     ignore_index: int | None = None,
 ) -> Tensor:
     """Balanced accuracy of the inferred task."""
+    if _is_multiclass(input, target, task, num_classes, num_labels):  # what `_dispatch` calls, without its checks
+        return _multiclass.multiclass_balanced_accuracy(input, target, num_classes, ignore_index=ignore_index)
     options = locals_without(locals())
     if infer_task(input, target, task, num_classes, num_labels) == "multiclass":
         options.pop("average")  # multiclass balanced accuracy has a single definition
@@ -206,6 +234,9 @@ def precision(
     ignore_index: int | None = None,
 ) -> Tensor:
     """Precision of the inferred task."""
+    if _is_multiclass(input, target, task, num_classes, num_labels):  # what `_dispatch` calls, without its checks
+        options = {} if average == "default" else {"average": average}
+        return _multiclass.multiclass_precision(input, target, num_classes, ignore_index=ignore_index, **options)
     return _dispatch("precision", input, target, locals_without(locals()))
 
 
@@ -221,6 +252,9 @@ def recall(
     ignore_index: int | None = None,
 ) -> Tensor:
     """Recall of the inferred task."""
+    if _is_multiclass(input, target, task, num_classes, num_labels):  # what `_dispatch` calls, without its checks
+        options = {} if average == "default" else {"average": average}
+        return _multiclass.multiclass_recall(input, target, num_classes, ignore_index=ignore_index, **options)
     return _dispatch("recall", input, target, locals_without(locals()))
 
 
@@ -236,6 +270,9 @@ def f1_score(
     ignore_index: int | None = None,
 ) -> Tensor:
     """F1 score of the inferred task."""
+    if _is_multiclass(input, target, task, num_classes, num_labels):  # what `_dispatch` calls, without its checks
+        options = {} if average == "default" else {"average": average}
+        return _multiclass.multiclass_f1_score(input, target, num_classes, ignore_index=ignore_index, **options)
     return _dispatch("f1_score", input, target, locals_without(locals()))
 
 
@@ -251,6 +288,8 @@ def mcc(
     ignore_index: int | None = None,
 ) -> Tensor:
     """Matthews correlation coefficient of the inferred task."""
+    if _is_multiclass(input, target, task, num_classes, num_labels):  # what `_dispatch` calls, without its checks
+        return _multiclass.multiclass_mcc(input, target, num_classes, ignore_index=ignore_index)
     options = locals_without(locals())
     if infer_task(input, target, task, num_classes, num_labels) == "multiclass":
         options.pop("average")

@@ -39,6 +39,13 @@ HOST_BINCOUNT_DEVICES = ("cpu",)
 # Devices whose tensors live in host memory: reading a value there (`.item()`) waits for nothing,
 # so a per-batch check may branch in Python instead of adding device ops.
 HOST_READ_DEVICES = ("cpu",)
+# Largest CPU batches whose labels per-batch metrics read as Python lists: up to them one `tolist`
+# per side and a loop in Python cost less than the tensor ops they replace (each a dispatch,
+# slowest inside a training step, whose work has pushed their code out of the caches); above them
+# Python's cost per label wins. Accuracy replaces three ops (`HOST_COUNT_SIZE`), the confusion
+# metrics (precision, recall, F1, balanced accuracy, MCC) about thirty (`HOST_CONFUSION_SIZE`).
+HOST_COUNT_SIZE = 64
+HOST_CONFUSION_SIZE = 256
 
 
 class ConfusionStats(NamedTuple):

@@ -31,6 +31,7 @@ Examples:
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -54,6 +55,7 @@ from ._common import (
 )
 from ._common import auprc_from_curves as columns_auprc
 from ._common import auroc_from_curves as columns_auroc
+from ._host import host_balanced_accuracy, host_class_score, host_mcc
 
 __all__ = [
     "multiclass_accuracy",
@@ -204,14 +206,23 @@ def _top1_accuracy_all_counted(pred: Tensor, target: Tensor, num_classes: int) -
     Every target counts, so the value is hits over the batch size (the same float as hits over
     the count of valid targets, which must equal it), or `nan` if some target is not a class.
     """
-    hits = pred == target
-    if target.device.type in _common.HOST_READ_DEVICES:  # reading two numbers on the host costs nothing here
-        # On CPU `mean` is that same sum divided by the count, in one call.
-        value = hits.mean(dtype=result_dtype(target.device))
-        low, high = torch.aminmax(target)
-        return value if low.item() >= 0 and high.item() < num_classes else value.fill_(math.nan)
+    if target.is_cpu and "cpu" in _common.HOST_READ_DEVICES:  # reading numbers on the host costs nothing here
+        size = target.shape[0]
+        if size <= _common.HOST_COUNT_SIZE:  # a few labels: compare them in Python rather than in three tensor ops
+            labels = target.tolist()
+            if min(labels) < 0 or max(labels) >= num_classes:
+                return torch.scalar_tensor(math.nan, dtype=torch.float64)
+            hits = sum(map(operator.eq, pred.tolist(), labels))
+        else:
+            low, high = torch.aminmax(target)
+            if low.item() < 0 or high.item() >= num_classes:
+                return torch.scalar_tensor(math.nan, dtype=torch.float64)
+            hits = torch.eq(pred, target).count_nonzero().item()
+        # An exact integer count divided on the host: the correctly rounded float64 quotient that
+        # `mean(dtype=torch.float64)` gives, without a cast or a division on the device.
+        return torch.scalar_tensor(hits / size, dtype=torch.float64)
     # On an accelerator the check stays on the device: the clamp moves exactly the invalid targets.
-    value = hits.sum(dtype=result_dtype(target.device)).div_(target.numel())
+    value = (pred == target).sum(dtype=result_dtype(target.device)).div_(target.numel())
     return torch.where((target.clamp(0, num_classes - 1) == target).all(), value, math.nan)
 
 
@@ -219,6 +230,9 @@ def multiclass_balanced_accuracy(
     input: Any, target: Any, num_classes: int | None = None, *, ignore_index: int | None = None
 ) -> Tensor:
     """Mean recall over the classes present in the target."""
+    value = host_balanced_accuracy(input, target, num_classes, ignore_index)
+    if value is not None:  # a small CPU batch, counted from Python lists
+        return value
     return balanced_accuracy_from_confusion(_confusion(input, target, num_classes, ignore_index))
 
 
@@ -231,6 +245,9 @@ def multiclass_precision(
     ignore_index: int | None = None,
 ) -> Tensor:
     """Share of predictions of each class that are correct, averaged as `average` says."""
+    value = host_class_score(input, target, num_classes, average, ignore_index, "precision")
+    if value is not None:  # a small CPU batch, counted from Python lists
+        return value
     return precision_from_confusion(_confusion(input, target, num_classes, ignore_index), average)
 
 
@@ -243,6 +260,9 @@ def multiclass_recall(
     ignore_index: int | None = None,
 ) -> Tensor:
     """Share of samples of each class predicted as that class, averaged as `average` says."""
+    value = host_class_score(input, target, num_classes, average, ignore_index, "recall")
+    if value is not None:  # a small CPU batch, counted from Python lists
+        return value
     return recall_from_confusion(_confusion(input, target, num_classes, ignore_index), average)
 
 
@@ -255,6 +275,9 @@ def multiclass_f1_score(
     ignore_index: int | None = None,
 ) -> Tensor:
     """Per-class harmonic mean of precision and recall, averaged as `average` says."""
+    value = host_class_score(input, target, num_classes, average, ignore_index, "f1")
+    if value is not None:  # a small CPU batch, counted from Python lists
+        return value
     return f1_from_confusion(_confusion(input, target, num_classes, ignore_index), average)
 
 
@@ -262,6 +285,9 @@ def multiclass_mcc(
     input: Any, target: Any, num_classes: int | None = None, *, ignore_index: int | None = None
 ) -> Tensor:
     """Multiclass Matthews correlation coefficient (Gorodkin's R_K statistic)."""
+    value = host_mcc(input, target, num_classes, ignore_index)
+    if value is not None:  # a small CPU batch, counted from Python lists
+        return value
     return mcc_from_confusion(_confusion(input, target, num_classes, ignore_index))
 
 

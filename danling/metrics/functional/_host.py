@@ -1,0 +1,230 @@
+"""Confusion metrics of small binary and multiclass CPU batches, counted from Python lists.
+
+On CPU reading tensor values costs nothing, and for a batch of a few hundred labels at most one
+`tolist` per side and a loop in Python cost less than the two or three dozen small tensor ops of
+the confusion-matrix path (each a dispatch, slowest inside a training step whose work has pushed
+their code out of the caches). The results are those of the general path bit for bit: counts are
+exact integers, every element-wise step is the same correctly rounded IEEE operation in Python,
+and what torch does not round correctly or the same way in any order (sums over non-integer
+values, MCC's square root) is left to the same torch op on a tensor of the same values.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor
+
+from ..preprocess import _logit_threshold
+from . import _common
+from ._common import check_average
+
+__all__ = [
+    "HostCounts",
+    "accuracy_of",
+    "balanced_accuracy_of",
+    "binary_score_of",
+    "class_score_of",
+    "host_balanced_accuracy",
+    "host_binary_counts",
+    "host_class_score",
+    "host_counts",
+    "host_mcc",
+    "mcc_of",
+    "small_cpu_batch",
+]
+
+_FLOAT_DTYPES = (torch.float32, torch.float64)
+_FLOAT32 = struct.Struct("f")
+
+
+def small_cpu_batch(input: Any, target: Any, num_classes: int | None) -> bool:
+    """Float CPU scores `(N, C)` and int64 labels `(N,)` with `0 < N <= _common.HOST_CONFUSION_SIZE`."""
+    return (
+        type(input) is Tensor
+        and type(target) is Tensor
+        and input.ndim == 2
+        and target.ndim == 1
+        and 0 < target.shape[0] <= _common.HOST_CONFUSION_SIZE
+        and input.shape[0] == target.shape[0]
+        and (num_classes is None or input.shape[1] == num_classes)
+        and target.dtype is torch.long
+        and input.dtype in _FLOAT_DTYPES
+        and target.is_cpu
+        and input.is_cpu
+        and "cpu" in _common.HOST_READ_DEVICES
+    )
+
+
+class HostCounts(NamedTuple):
+    """Per-class hits, predictions and support of one batch, as Python integers."""
+
+    tp: list[int]
+    predicted: list[int]
+    support: list[int]
+    total: int
+    ok: bool  # something was counted and every target was a class or ignored
+
+
+def host_counts(input: Any, target: Any, num_classes: int | None, ignore_index: Any) -> HostCounts | None:
+    """The confusion statistics of a small CPU batch, or `None` where the general path applies."""
+    if not small_cpu_batch(input, target, num_classes) or not (ignore_index is None or type(ignore_index) is int):
+        return None
+    return _counts(input.argmax(-1).tolist(), target.tolist(), input.shape[1], ignore_index)
+
+
+def host_binary_counts(input: Any, target: Any, threshold: float, ignore_index: Any) -> HostCounts | None:
+    """The 2x2 confusion statistics of a small CPU batch of binary scores, or `None` for the general path.
+
+    Scores are thresholded as `positive_predictions` does: as logits if any lies outside `[0, 1]`
+    (the threshold moved to logit space), compared in the scores' dtype.
+    """
+    if not (
+        type(input) is Tensor
+        and type(target) is Tensor
+        and input.ndim == 1
+        and target.ndim == 1
+        and 0 < target.shape[0] <= _common.HOST_CONFUSION_SIZE
+        and input.shape[0] == target.shape[0]
+        and target.dtype is torch.long
+        and input.dtype in _FLOAT_DTYPES
+        and target.is_cpu
+        and input.is_cpu
+        and "cpu" in _common.HOST_READ_DEVICES
+        and (ignore_index is None or type(ignore_index) is int)
+    ):
+        return None
+    scores = input.tolist()
+    # Logits if any score lies outside [0, 1]: then sigmoid(x) > t exactly when x > logit(t).
+    cut = _logit_threshold(threshold) if any(s < 0 or s > 1 for s in scores) else threshold
+    if input.dtype is torch.float32:  # torch compares float32 scores with the threshold rounded to float32
+        try:
+            cut = _FLOAT32.unpack(_FLOAT32.pack(cut))[0]
+        except OverflowError:  # beyond float32's range torch rounds to an infinity
+            cut = math.copysign(math.inf, cut)
+    return _counts([1 if s > cut else 0 for s in scores], target.tolist(), 2, ignore_index)
+
+
+def binary_score_of(counts: HostCounts, which: str) -> Tensor:
+    """Binary `"precision"`, `"recall"` or `"f1"` of the counts: the positive class's score."""
+    tp, predicted, support, _, ok = counts
+    if not ok:
+        return _scalar(math.nan)
+    t, p, s = tp[1], predicted[1], support[1]
+    if which == "precision":
+        return _scalar(t / p if p else 0.0)
+    if which == "recall":
+        return _scalar(t / s if s else 0.0)
+    return _scalar(2 * t / (p + s) if p + s else 0.0)
+
+
+def host_class_score(
+    input: Any, target: Any, num_classes: int | None, average: str | None, ignore_index: Any, which: str
+) -> Tensor | None:
+    """`"precision"`, `"recall"` or `"f1"` of a small CPU batch, or `None` where the general path applies.
+
+    Equals `_class_score(_confusion(input, target, num_classes, ignore_index), average, which)`.
+    """
+    counts = host_counts(input, target, num_classes, ignore_index)
+    return None if counts is None else class_score_of(counts, average, which)
+
+
+def host_balanced_accuracy(input: Any, target: Any, num_classes: int | None, ignore_index: Any) -> Tensor | None:
+    """`cm_balanced_accuracy` of a small CPU batch, or `None` where the general path applies."""
+    counts = host_counts(input, target, num_classes, ignore_index)
+    return None if counts is None else balanced_accuracy_of(counts)
+
+
+def host_mcc(input: Any, target: Any, num_classes: int | None, ignore_index: Any) -> Tensor | None:
+    """`cm_mcc` of a small CPU batch, or `None` where the general path applies."""
+    counts = host_counts(input, target, num_classes, ignore_index)
+    return None if counts is None else mcc_of(counts)
+
+
+def accuracy_of(counts: HostCounts) -> Tensor:
+    """`cm_accuracy` of the counts: hits over the counted targets."""
+    return _scalar(sum(counts.tp) / counts.total if counts.ok else math.nan)
+
+
+def class_score_of(counts: HostCounts, average: str | None, which: str) -> Tensor:
+    """`_class_score` of the counts (`which`: `"precision"`, `"recall"` or `"f1"`)."""
+    average = check_average(average)
+    tp, predicted, support, total, ok = counts
+    if not ok:
+        return torch.full((len(tp),), math.nan, dtype=torch.float64) if average is None else _scalar(math.nan)
+    if average == "micro":  # one label per sample: pooled precision = recall = F1 = accuracy
+        return _scalar(sum(tp) / total)
+    if which == "precision":
+        values = [t / p if p else 0.0 for t, p in zip(tp, predicted)]
+    elif which == "recall":
+        values = [t / s if s else 0.0 for t, s in zip(tp, support)]
+    else:  # 2 tp / (predicted + support); a class in neither scores 0, as zero_nan makes it
+        values = [2 * t / (p + s) if p + s else 0.0 for t, p, s in zip(tp, predicted, support)]
+    if average is None:
+        return torch.tensor(values, dtype=torch.float64)
+    if average == "macro":  # over classes in the target or the predictions
+        weights = [1 if p + s else 0 for p, s in zip(predicted, support)]
+    else:  # weighted by support; a class with support is active
+        weights = support
+    return _scalar(_torch_sum([v * w for v, w in zip(values, weights)], nan=True) / sum(weights))
+
+
+def balanced_accuracy_of(counts: HostCounts) -> Tensor:
+    """`cm_balanced_accuracy` of the counts: mean recall over the classes in the target."""
+    tp, _, support, _, ok = counts
+    if not ok:
+        return _scalar(math.nan)
+    recalls = [t / s if s else 0.0 for t, s in zip(tp, support)]  # absent classes weigh 0
+    return _scalar(_torch_sum(recalls) / sum(1 for s in support if s))
+
+
+def mcc_of(counts: HostCounts) -> Tensor:
+    """`cm_mcc` of the counts.
+
+    Every sum and product is of integers (exact in float64 at these sizes, in any order) and the
+    division is correctly rounded in Python as in torch. The square root is torch's own: its CPU
+    kernel is not always correctly rounded, so Python's could differ in the last bit.
+    """
+    tp, predicted, support, total, ok = counts
+    if not ok:
+        return _scalar(math.nan)
+    cov_tp = sum(tp) * total - sum(s * p for s, p in zip(support, predicted))
+    cov_pp = total * total - sum(p * p for p in predicted)
+    cov_tt = total * total - sum(s * s for s in support)
+    denominator = torch.scalar_tensor(cov_tt * cov_pp, dtype=torch.float64).sqrt().item()
+    if denominator:
+        return _scalar(cov_tp / denominator)
+    # zero_nan: 0 / 0 is 0, as in scikit-learn; a nonzero covariance over 0 stays infinite.
+    return _scalar(math.copysign(math.inf, cov_tp) if cov_tp else 0.0)
+
+
+def _counts(pred: list[int], labels: list[int], classes: int, ignore_index: int | None) -> HostCounts:
+    """Per-class hits, predictions and support of the counted pairs; targets neither a class nor ignored spoil `ok`."""
+    tp, predicted, support = [0] * classes, [0] * classes, [0] * classes
+    invalid = 0
+    for p, t in zip(pred, labels):
+        if 0 <= t < classes:
+            if t == ignore_index:
+                continue
+            support[t] += 1
+            predicted[p] += 1
+            if p == t:
+                tp[t] += 1
+        elif t != ignore_index:
+            invalid += 1
+    total = sum(support)
+    return HostCounts(tp, predicted, support, total, total > 0 and not invalid)
+
+
+def _torch_sum(values: list[float], *, nan: bool = False) -> float:
+    # A sum of non-integer values must round as the general path's torch reduction does: the
+    # same reduction (`nansum` or `sum`) over the same float64 values; Python's could differ.
+    tensor = torch.tensor(values, dtype=torch.float64)
+    return (tensor.nansum(-1) if nan else tensor.sum(-1)).item()
+
+
+def _scalar(value: float) -> Tensor:
+    return torch.scalar_tensor(value, dtype=torch.float64)
