@@ -23,6 +23,7 @@ from .meter_state import MetersState, MeterState
 from .meter_sync import (
     SyncedValues,
     _accumulation_dtype,
+    _nan_dtype,
     _restore_dtype,
     _shape,
     _to_python,
@@ -159,11 +160,10 @@ class AverageMeter(MeterState):
         pending = self._pending
         if pending and type(value) is Tensor and type(n) is int and n == self._pending_n and n > 0:
             # The per-step loss (or per-batch metric of a fixed batch size) joining the queue of
-            # its kind: what the branches below do for it.
+            # its kind: what the branches below do for it (`is_cpu` first: a device comparison
+            # builds two device objects).
             first = pending[0]
-            # `is_cpu` first: comparing `device`s builds two device objects, a cost per update.
-            same_device = (value.is_cpu and first.is_cpu) or value.device == first.device
-            same_kind = value.dtype is first.dtype and same_device
+            same_kind = value.dtype is first.dtype and ((value.is_cpu and first.is_cpu) or value.device == first.device)
             if same_kind and not value.ndim and not value.requires_grad:
                 pending.append(value)
                 if len(pending) >= PENDING_VALUES:
@@ -497,7 +497,3 @@ class AverageMeters(MetersBase):
             if meter is None:
                 meter = meters[name] = AverageMeter(device=self.device, group=self._group)
             meter.update(value)
-
-
-def _nan_dtype(like: Tensor) -> torch.dtype:
-    return like.dtype if like.is_floating_point() else torch.get_default_dtype()

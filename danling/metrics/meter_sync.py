@@ -141,3 +141,7 @@ def _shape_like(flat: Tensor, shape: torch.Size, meter: AverageMeter) -> Any:
 
 def _as_number(value: float) -> Number:
     return int(value) if float(value).is_integer() else value
+
+
+def _nan_dtype(like: Tensor) -> torch.dtype:
+    return like.dtype if like.is_floating_point() else torch.get_default_dtype()
