@@ -1,4 +1,4 @@
-"""DCP's reader and load planner with every pickle read by the restricted unpickler.
+"""DCP's reader and load planner with every pickle read by the restricted unpickler, and what a load reads.
 
 DCP unpickles its `.metadata` index with plain `pickle` and the non-tensor entries of a
 checkpoint with `torch.load(weights_only=False)`: either can run code planted in the files.
@@ -7,26 +7,65 @@ These subclasses route both through [`danling.checkpoint.unpickling`][] unless `
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
+import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadPlan
 
+from .checksums import BackgroundVerification
+from .manifest import CheckpointError
+from .ranks import RankLayout, rank_entry
 from .unpickling import UnsafePickleError, read_dcp_metadata, torch_load
 
 __all__ = ["SafeReader", "SafePlanner", "CheckpointException"]
 
 
-class SafeReader(dcp.FileSystemReader):
-    """DCP's file reader, with its `.metadata` pickle read by the restricted unpickler."""
+class _Plan(NamedTuple):
+    layout: RankLayout
+    metadata: Metadata
+    wanted: tuple[str, ...]  # top-level keys to read
+    per_rank: tuple[str, ...]  # of those, the ones stored per data rank
 
-    def __init__(self, path: str, *, trusted: bool = False) -> None:
+
+class SafeReader(dcp.FileSystemReader):
+    """DCP's file reader, with its `.metadata` pickle read by the restricted unpickler.
+
+    Given a running `verification`, it reads each file front to back and touches an entry's
+    bytes only once the verification has checked them (see
+    [`BackgroundVerification`][danling.checkpoint.checksums.BackgroundVerification]): the files
+    are hashed on a helper thread just ahead of the read instead of in a pass before it.
+    `entries_read` counts the entries read so far.
+    """
+
+    def __init__(self, path: str, *, trusted: bool = False, verification: BackgroundVerification | None = None) -> None:
         super().__init__(path)
         self.trusted = trusted
+        self.verification = verification
+        self.entries_read = 0
+
+    def read_data(self, plan: LoadPlan, planner: Any) -> Any:
+        if self.verification is not None:  # in file order, so the reads follow the hashing
+            plan = dataclasses.replace(plan, items=sorted(plan.items, key=self._position))
+        return super().read_data(plan, planner)
+
+    def _position(self, item: Any) -> tuple[str, int]:
+        info = self.storage_data[item.storage_index]
+        return info.relative_path, info.offset
+
+    def _slice_file(self, file: Any, sinfo: Any) -> Any:
+        if self.verification is not None:
+            self.verification.wait(sinfo.relative_path, sinfo.offset + sinfo.length)
+        self.entries_read += 1
+        return super()._slice_file(file, sinfo)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if self.trusted:
@@ -57,3 +96,61 @@ class SafePlanner(DefaultLoadPlanner):
             set_element(self.original_state_dict, self.mappings[fqn], obj)
         else:
             self.state_dict[fqn] = obj
+
+
+def _damaged(error: BaseException, entries_read: int, live: bool) -> BaseException:
+    """The verification's failure, saying what the live objects already received."""
+    if not isinstance(error, CheckpointError) or not entries_read or not live:
+        return error
+    return CheckpointError(
+        f"{error}. The {entries_read} entries read before the damage was found came from bytes that matched, "
+        "so the live objects may already hold part of this checkpoint; load another checkpoint into them"
+    )
+
+
+def _paths(metadata: Metadata) -> dict[str, tuple]:
+    """Nested key path of every stored leaf (DCP's planner data; dotted keys split for other planners)."""
+    planner_data = metadata.planner_data if isinstance(metadata.planner_data, Mapping) else {}
+    return {fqn: tuple(planner_data.get(fqn) or fqn.split(".")) for fqn in metadata.state_dict_metadata}
+
+
+def _excluded(path: Sequence[Any], excludes: Sequence[str]) -> bool:
+    dotted = ".".join(map(str, path))
+    return any(dotted == key or dotted.startswith(key + ".") for key in excludes if "." in key)
+
+
+def _targets(
+    plan: _Plan, templates: Mapping[str, Any], data_rank: int, excludes: Sequence[str]
+) -> tuple[dict[str, Any], dict[str, tuple]]:
+    """Flat DCP load targets and the logical path (per-rank level removed) each one lands at.
+
+    Stored leaves of live objects load into the object's own tensors; leaves the object does not
+    have are read too when they are plain values (a hyperparameter a newer optimizer lacks) and
+    skipped when they are tensors. Other entries get new CPU tensors (or `None` for plain values).
+    """
+    metadata, wanted, per_rank = plan.metadata, plan.wanted, plan.per_rank
+    mine = rank_entry(data_rank)
+    flat_templates: dict[str, Any] = {}
+    for key, template in templates.items():
+        nested = {key: {mine: template} if key in per_rank else template}
+        flat_templates.update(flatten_state_dict(nested)[0])
+    targets: dict[str, Any] = {}
+    mapping: dict[str, tuple] = {}
+    for fqn, path in _paths(metadata).items():
+        key = str(path[0])
+        if key not in wanted or (key in per_rank and (len(path) < 2 or path[1] != mine)):
+            continue
+        logical = (key, *path[2:]) if key in per_rank else path
+        if _excluded(logical, excludes):
+            continue
+        stored = metadata.state_dict_metadata[fqn]
+        if fqn in flat_templates:
+            targets[fqn] = flat_templates[fqn]
+        elif isinstance(stored, TensorStorageMetadata):
+            if key in templates:
+                continue  # a tensor the live object has no place for
+            targets[fqn] = torch.empty(stored.size, dtype=stored.properties.dtype)
+        else:
+            targets[fqn] = None
+        mapping[fqn] = logical
+    return targets, mapping

@@ -19,22 +19,27 @@ import os
 import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
-import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint._traverse import set_element
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from danling.utils import to_device
 
-from ._dcp_io import CheckpointException, SafePlanner, SafeReader
+from ._dcp_io import CheckpointException, SafePlanner, SafeReader, _damaged, _paths, _Plan, _targets
 from .base import CheckpointManager
-from .manifest import DEFAULT_CHECKSUM, CheckpointError, check_checksum, directory_records, verify_directory
+from .checksums import BackgroundVerification
+from .manifest import (
+    DEFAULT_CHECKSUM,
+    CheckpointError,
+    check_checksum,
+    directory_records,
+    verify_directory,
+    verify_in_background,
+)
 from .payload import check_objects, drop_key
-from .ranks import RANK_LAYOUT_KEY, RankLayout, layout_record, plan_rank_entries, rank_entry, read_layout
+from .ranks import RANK_LAYOUT_KEY, layout_record, plan_rank_entries, rank_entry, read_layout
 from .training import ModelState, OptimizerState, TrainingState, get_training_state, set_training_state
 from .unpickling import UnsafePickleError, torch_load
 
@@ -49,13 +54,6 @@ __all__ = [
 ]
 
 _METADATA = ".metadata"
-
-
-class _Plan(NamedTuple):
-    layout: RankLayout
-    metadata: Metadata
-    wanted: tuple[str, ...]  # top-level keys to read
-    per_rank: tuple[str, ...]  # of those, the ones stored per data rank
 
 
 def _check_keys(obj: Any, path: str = "") -> None:
@@ -351,16 +349,23 @@ class TorchDistributedCheckpointManager(CheckpointManager):
         directory = path if path.is_dir() else path.parent
         if not (directory / _METADATA).is_file():
             return super().load_into(checkpoint, objects, map_location=map_location)
-        plan = self._plan(directory, self._check_manifest(directory, verify_directory(directory)))
-        live = {key: obj for key, obj in objects.items() if key not in self.exclude_from_loading}
-        missing = [key for key in live if key not in plan.layout.keys]
-        if missing:
-            raise CheckpointError(
-                f"checkpoint {directory} has no {missing} entries to load into; it holds {sorted(plan.layout.keys)}. "
-                f"Add {missing} to exclude_from_loading to keep those objects' current state"
-            )
-        live = {key: obj for key, obj in live.items() if key in plan.wanted}  # optional per-rank keys may be dropped
-        payload = self._read(directory, plan, {key: _template(obj) for key, obj in live.items()})
+        # The payload files are hashed on helper threads from here on, while this thread plans and
+        # then reads them: every entry is read only once the bytes it covers have matched.
+        manifest, verification = verify_in_background(directory, now=(_METADATA,))
+        try:
+            plan = self._plan(directory, self._check_manifest(directory, manifest))
+            live = {key: obj for key, obj in objects.items() if key not in self.exclude_from_loading}
+            missing = [key for key in live if key not in plan.layout.keys]
+            if missing:
+                raise CheckpointError(
+                    f"checkpoint {directory} has no {missing} entries to load into; it holds "
+                    f"{sorted(plan.layout.keys)}. Add {missing} to exclude_from_loading to keep those objects' "
+                    "current state"
+                )
+            live = {key: obj for key, obj in live.items() if key in plan.wanted}  # optional per-rank keys may drop
+            payload = self._read(directory, plan, {key: _template(obj) for key, obj in live.items()}, verification)
+        finally:
+            verification.stop()
         for key, obj in live.items():
             obj.load_state_dict(payload.pop(key))
         return _to_location(payload, map_location)
@@ -405,19 +410,37 @@ class TorchDistributedCheckpointManager(CheckpointManager):
             )
         return _Plan(layout, metadata, tuple(key for key in wanted if key not in dropped), per_rank)
 
-    def _read(self, directory: Path, plan: _Plan, templates: Mapping[str, Any]) -> dict[str, Any]:
-        """Read the planned entries: into `templates` for live objects, into new CPU tensors for the rest."""
+    def _read(
+        self,
+        directory: Path,
+        plan: _Plan,
+        templates: Mapping[str, Any],
+        verification: BackgroundVerification | None = None,
+    ) -> dict[str, Any]:
+        """Read the planned entries: into `templates` for live objects, into new CPU tensors for the rest.
+
+        With a running `verification`, each entry is read once its bytes matched the manifest, and
+        the read returns only once every file of the checkpoint did.
+        """
         targets, mapping = _targets(plan, templates, self.data_rank, self.exclude_from_loading)
+        reader = SafeReader(str(directory), trusted=self.trusted, verification=verification)
         if targets:
-            planner, reader = SafePlanner(self.trusted, directory), SafeReader(str(directory), trusted=self.trusted)
+            planner = SafePlanner(self.trusted, directory)
             try:
                 with warnings.catch_warnings():  # DCP warns that it runs without a process group: that is the intent
                     warnings.simplefilter("ignore", UserWarning)
                     dcp.load(targets, storage_reader=reader, planner=planner, no_dist=True)
             except (Exception, CheckpointException) as err:  # DCP wraps errors per rank: raise a refusal as it is
+                if verification is not None and verification.failure is not None:
+                    raise _damaged(verification.failure, reader.entries_read, bool(templates)) from None
                 if planner.refused is not None:
                     raise planner.refused from None
                 raise CheckpointError(f"DCP checkpoint {directory} cannot be read: {err}") from err
+        if verification is not None:
+            try:
+                verification.finish()  # files this rank read nothing from are checked too: every rank agrees
+            except CheckpointError as err:
+                raise _damaged(err, reader.entries_read, bool(templates)) from None
         payload: dict[str, Any] = {}
         for fqn, value in targets.items():
             set_element(payload, mapping[fqn], value)
@@ -442,54 +465,6 @@ def _template(obj: Any) -> Any:
     """What a live object's checkpoint entries are read into."""
     to_load = getattr(obj, "state_dict_to_load", None)
     return to_load() if callable(to_load) else obj.state_dict()
-
-
-def _paths(metadata: Metadata) -> dict[str, tuple]:
-    """Nested key path of every stored leaf (DCP's planner data; dotted keys split for other planners)."""
-    planner_data = metadata.planner_data if isinstance(metadata.planner_data, Mapping) else {}
-    return {fqn: tuple(planner_data.get(fqn) or fqn.split(".")) for fqn in metadata.state_dict_metadata}
-
-
-def _excluded(path: Sequence[Any], excludes: Sequence[str]) -> bool:
-    dotted = ".".join(map(str, path))
-    return any(dotted == key or dotted.startswith(key + ".") for key in excludes if "." in key)
-
-
-def _targets(
-    plan: _Plan, templates: Mapping[str, Any], data_rank: int, excludes: Sequence[str]
-) -> tuple[dict[str, Any], dict[str, tuple]]:
-    """Flat DCP load targets and the logical path (per-rank level removed) each one lands at.
-
-    Stored leaves of live objects load into the object's own tensors; leaves the object does not
-    have are read too when they are plain values (a hyperparameter a newer optimizer lacks) and
-    skipped when they are tensors. Other entries get new CPU tensors (or `None` for plain values).
-    """
-    metadata, wanted, per_rank = plan.metadata, plan.wanted, plan.per_rank
-    mine = rank_entry(data_rank)
-    flat_templates: dict[str, Any] = {}
-    for key, template in templates.items():
-        nested = {key: {mine: template} if key in per_rank else template}
-        flat_templates.update(flatten_state_dict(nested)[0])
-    targets: dict[str, Any] = {}
-    mapping: dict[str, tuple] = {}
-    for fqn, path in _paths(metadata).items():
-        key = str(path[0])
-        if key not in wanted or (key in per_rank and (len(path) < 2 or path[1] != mine)):
-            continue
-        logical = (key, *path[2:]) if key in per_rank else path
-        if _excluded(logical, excludes):
-            continue
-        stored = metadata.state_dict_metadata[fqn]
-        if fqn in flat_templates:
-            targets[fqn] = flat_templates[fqn]
-        elif isinstance(stored, TensorStorageMetadata):
-            if key in templates:
-                continue  # a tensor the live object has no place for
-            targets[fqn] = torch.empty(stored.size, dtype=stored.properties.dtype)
-        else:
-            targets[fqn] = None
-        mapping[fqn] = logical
-    return targets, mapping
 
 
 def _to_location(payload: dict[str, Any], map_location: Any) -> dict[str, Any]:
