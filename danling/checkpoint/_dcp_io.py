@@ -21,11 +21,11 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan
 
-from ._dcp_read import read_into
+from ._dcp_read import NOT_PLAIN, read_into, read_plain
 from .checksums import BackgroundVerification
 from .manifest import CheckpointError
 from .ranks import RankLayout, rank_entry
-from .unpickling import UnsafePickleError, read_dcp_metadata, torch_load
+from .unpickling import SAFE_GLOBALS, UnsafePickleError, read_dcp_metadata, torch_load
 
 __all__ = ["SafeReader", "SafePlanner", "CheckpointException"]
 
@@ -112,11 +112,15 @@ class SafePlanner(DefaultLoadPlanner):
         super().__init__()
         self.trusted, self.directory = trusted, directory
         self.refused: UnsafePickleError | None = None
+        self._safe_globals = list(SAFE_GLOBALS)
 
     def load_bytes(self, read_item: Any, value: Any) -> None:
         fqn = read_item.dest_index.fqn
+        obj = NOT_PLAIN if self.trusted else read_plain(value, self._safe_globals)
         try:
-            obj = torch_load(value, map_location="cpu", origin=f"{self.directory} (entry {fqn})", trusted=self.trusted)
+            if obj is NOT_PLAIN:
+                origin = f"{self.directory} (entry {fqn})"
+                obj = torch_load(value, map_location="cpu", origin=origin, trusted=self.trusted)
         except UnsafePickleError as err:
             self.refused = err
             raise

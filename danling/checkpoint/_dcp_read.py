@@ -107,3 +107,36 @@ def _pread_into(fd: int, buffer: Any, position: int) -> None:
         if count <= 0:
             raise OSError(f"unexpected end of checkpoint data at byte {position + done}")
         done += count
+
+
+NOT_PLAIN = object()
+"""What `read_plain` returns for an entry it leaves to `torch.load`."""
+
+
+def read_plain(stream: Any, safe_globals: list) -> Any:
+    """Unpickle a non-tensor DCP entry (a ``torch.save`` archive without storages) weights-only.
+
+    It runs the unpickler `torch.load(weights_only=True)` runs, with the same allowed globals, on
+    the archive's ``data.pkl`` alone, skipping the rest of `torch.load`'s set-up (most of its cost
+    for a small value). An archive holding tensor data, or any error, returns `NOT_PLAIN`: the
+    caller's `torch.load` then reads the entry, or refuses it with its own message.
+    """
+    from torch import _weights_only_unpickler
+
+    try:
+        archive = torch._C.PyTorchFileReader(stream)
+        if any(name.startswith("data/") for name in archive.get_all_records()):
+            return NOT_PLAIN
+        if archive.has_record("byteorder") and archive.get_record("byteorder").decode() != sys.byteorder:
+            return NOT_PLAIN
+        unpickler = _weights_only_unpickler.Unpickler(io.BytesIO(archive.get_record("data.pkl")), encoding="utf-8")
+        unpickler.persistent_load = _no_storage
+        with torch.serialization.safe_globals(safe_globals):
+            return unpickler.load()
+    except Exception:
+        stream.seek(0)
+        return NOT_PLAIN
+
+
+def _no_storage(pid: Any) -> Any:
+    raise pickle.UnpicklingError("a plain entry refers to tensor storage")

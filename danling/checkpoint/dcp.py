@@ -35,7 +35,6 @@ from .manifest import (
     CheckpointError,
     check_checksum,
     directory_records,
-    verify_directory,
     verify_in_background,
 )
 from .payload import check_objects, drop_key
@@ -349,11 +348,8 @@ class TorchDistributedCheckpointManager(CheckpointManager):
         directory = path if path.is_dir() else path.parent
         if not (directory / _METADATA).is_file():
             return super().load_into(checkpoint, objects, map_location=map_location)
-        # The payload files are hashed on helper threads from here on, while this thread plans and
-        # then reads them: every entry is read only once the bytes it covers have matched.
-        manifest, verification = verify_in_background(directory, now=(_METADATA,))
+        plan, verification = self._start(directory)
         try:
-            plan = self._plan(directory, self._check_manifest(directory, manifest))
             live = {key: obj for key, obj in objects.items() if key not in self.exclude_from_loading}
             missing = [key for key in live if key not in plan.layout.keys]
             if missing:
@@ -369,6 +365,36 @@ class TorchDistributedCheckpointManager(CheckpointManager):
         for key, obj in live.items():
             obj.load_state_dict(payload.pop(key))
         return _to_location(payload, map_location)
+
+    def load(self, checkpoint: str | os.PathLike, *, map_location: Any = "cpu") -> dict[str, Any]:
+        """Verify and read a whole checkpoint, as [`CheckpointManager.load`][danling.checkpoint.CheckpointManager.load].
+
+        A DCP checkpoint is verified while it is read: each entry is read once the bytes it covers
+        matched the manifest, and the call returns once every file did.
+        """
+        self.wait()
+        path = self.resolve(checkpoint)
+        directory = path if path.is_dir() else path.parent
+        if not (directory / _METADATA).is_file():
+            return super().load(checkpoint, map_location=map_location)
+        plan, verification = self._start(directory)
+        try:
+            payload = self._read(directory, plan, {}, verification)
+        finally:
+            verification.stop()
+        for key in self.exclude_from_loading:
+            drop_key(payload, key)
+        return _to_location(payload, map_location)
+
+    def _start(self, directory: Path) -> tuple[_Plan, BackgroundVerification]:
+        # The payload files are hashed on helper threads from here on, while this thread plans and
+        # then reads them (the small .metadata index is checked before it is unpickled).
+        manifest, verification = verify_in_background(directory, now=(_METADATA,))
+        try:
+            return self._plan(directory, self._check_manifest(directory, manifest)), verification
+        except BaseException:
+            verification.stop()
+            raise
 
     def _check_manifest(self, directory: Path, manifest: Mapping[str, Any]) -> Mapping[str, Any]:
         if manifest.get("backend", self.backend) != self.backend:
@@ -456,8 +482,6 @@ class TorchDistributedCheckpointManager(CheckpointManager):
         return _to_location(self._read(directory, plan, {}), map_location)
 
     def _read_file(self, path: Path, map_location: Any) -> dict[str, Any]:
-        if (path.parent / _METADATA).is_file():  # a file inside a DCP checkpoint: read the whole checkpoint
-            return self._read_payload(path.parent, verify_directory(path.parent), map_location)
         return torch_load(path, map_location=map_location, trusted=self.trusted)
 
 
