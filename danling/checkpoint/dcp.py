@@ -27,6 +27,7 @@ from torch.distributed.checkpoint._traverse import set_element
 
 from danling.utils import to_device
 
+from ._dcp_checks import _check_index, _check_keys, _data_domain, _key_names
 from ._dcp_io import CheckpointException, SafePlanner, SafeReader, _damaged, _paths, _Plan, _targets
 from .base import CheckpointManager
 from .checksums import BackgroundVerification
@@ -55,20 +56,6 @@ __all__ = [
 _METADATA = ".metadata"
 
 
-def _check_keys(obj: Any, path: str = "") -> None:
-    """DCP turns mapping keys into strings; refuse other keys instead of silently renaming them."""
-    if isinstance(obj, Mapping):
-        for key, value in obj.items():
-            if not isinstance(key, str):
-                where = f"{path}.{key!r}" if path else repr(key)
-                raise TypeError(
-                    f"DCP checkpoints need string keys, but the state has key {where} ({type(key).__name__}); "
-                    "it would come back as a string. Use danling.checkpoint.OptimizerState for "
-                    "optimizer state, or convert the keys"
-                )
-            _check_keys(value, f"{path}.{key}" if path else key)
-
-
 def read_dcp_checkpoint(
     path: str | os.PathLike, *, rank: int | None = None, map_location: Any = "cpu", **options: Any
 ) -> dict[str, Any]:
@@ -91,33 +78,6 @@ def read_dcp_checkpoint(
         manager._any_size = True
         manager.data_rank = _check_index(rank, "rank")
     return manager.load(path, map_location=map_location)
-
-
-def _check_index(value: Any, label: str, minimum: int = 0) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{label} must be an integer >= {minimum}, got {value!r}")
-    return value
-
-
-def _key_names(value: Any, label: str) -> tuple[str, ...]:
-    keys = (value,) if isinstance(value, str) else tuple(value)
-    for key in keys:
-        if not isinstance(key, str) or not key:
-            raise ValueError(f"{label} must be top-level checkpoint keys (non-empty strings), got {key!r}")
-    return keys
-
-
-def _data_domain(data_rank: int | None, data_size: int | None, rank: int, world_size: int) -> tuple[int, int]:
-    """Validate the data-parallel coordinates, defaulting to the process group's own."""
-    if data_size is None and data_rank is None:
-        return rank, world_size
-    size = world_size if data_size is None else _check_index(data_size, "data_size", 1)
-    if data_rank is None:
-        raise ValueError(f"data_rank must be given with data_size={data_size!r} (this rank's data-parallel index)")
-    index = _check_index(data_rank, "data_rank")
-    if index >= size:
-        raise ValueError(f"data_rank must be below data_size={size}, got {index}")
-    return index, size
 
 
 class TorchDistributedCheckpointManager(CheckpointManager):
@@ -288,6 +248,7 @@ class TorchDistributedCheckpointManager(CheckpointManager):
             self._save(state, Path(directory))
         except BaseException as err:
             local_error = err
+        self._gather_own_records(Path(directory), local_error)
         outcome = self._exchange(None)
         if local_error is not None:
             raise local_error
@@ -299,8 +260,30 @@ class TorchDistributedCheckpointManager(CheckpointManager):
         # Runs on the coordinator inside the base class's write: tell the followers where to write.
         self._exchange(str(directory))
         self._announced = True
-        self._save(state, directory)  # collective: when it returns, every rank's files are written and synced
-        return directory_records(directory, checksum=self.checksum)
+        error: BaseException | None = None
+        try:
+            self._save(state, directory)  # collective: when it returns, every rank's files are written and synced
+        except BaseException as err:  # the followers still send their records before the error is raised
+            error = err
+        records = self._gather_own_records(directory, error)
+        if error is not None:
+            raise error
+        return records  # the base class hashes what no rank claimed (DCP's .metadata)
+
+    def _gather_own_records(self, directory: Path, error: BaseException | None) -> dict[str, Any]:
+        """Each rank hashes the data files it wrote; the coordinator receives them all (one collective).
+
+        DCP names a rank's files ``__<group rank>_<n>.distcp`` and has synced them already.
+        """
+        own: dict[str, Any] | None = None
+        if error is None:
+            names = [path.name for path in directory.glob(f"__{self.rank}_*.distcp") if path.is_file()]
+            own = directory_records(directory, checksum=self.checksum, fsync=False, files=names)
+        if not self.distributed:
+            return own or {}
+        gathered: list[Any] | None = [None] * dist.get_world_size(self.process_group) if self.rank == 0 else None
+        dist.gather_object(own, gathered, group=self.process_group, group_dst=0)
+        return {key: record for part in gathered or () for key, record in (part or {}).items()}
 
     def _save(self, state: Mapping[str, Any], directory: Path) -> None:
         local = dict(state)
