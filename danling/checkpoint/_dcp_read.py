@@ -140,3 +140,44 @@ def read_plain(stream: Any, safe_globals: list) -> Any:
 
 def _no_storage(pid: Any) -> Any:
     raise pickle.UnpicklingError("a plain entry refers to tensor storage")
+
+
+PACKED = "__danling_packed__"
+"""Sub-key under which a tensor-free top-level entry is stored as one archive."""
+
+
+def _holds_tensor(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return True
+    if isinstance(value, dict):
+        return any(_holds_tensor(item) for item in value.values())
+    if isinstance(value, (list, tuple, set)):
+        return any(_holds_tensor(item) for item in value)
+    return False
+
+
+def pack_plain(value: Any) -> Any:
+    """Store a non-empty mapping without tensors as one DCP entry instead of one entry per leaf.
+
+    DCP writes and reads every leaf as its own ``torch.save`` archive, which costs far more than
+    the value for a config of a hundred small fields. The mapping becomes ``{PACKED: <one
+    torch.save archive of it>}``; [`unpack_plain`][danling.checkpoint._dcp_read.unpack_plain] turns it back.
+    """
+    if not isinstance(value, dict) or not value or _holds_tensor(value):
+        return value
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return {PACKED: buffer.getvalue()}
+
+
+def unpack_plain(payload: dict[str, Any], origin: Any, trusted: bool, safe_globals: list) -> None:
+    """Replace each packed top-level entry of `payload` by the mapping it holds (weights-only unless trusted)."""
+    from .unpickling import torch_load
+
+    for key, value in payload.items():
+        if isinstance(value, dict) and len(value) == 1 and isinstance(value.get(PACKED), bytes):
+            stream = io.BytesIO(value[PACKED])
+            found = NOT_PLAIN if trusted else read_plain(stream, safe_globals)
+            if found is NOT_PLAIN:
+                found = torch_load(stream, origin=f"{origin} (entry {key})", trusted=trusted)
+            payload[key] = found

@@ -29,6 +29,7 @@ from danling.utils import to_device
 
 from ._dcp_checks import _check_index, _check_keys, _data_domain, _key_names
 from ._dcp_io import CheckpointException, SafePlanner, SafeReader, _damaged, _paths, _Plan, _targets
+from ._dcp_read import pack_plain, unpack_plain
 from .base import CheckpointManager
 from .checksums import BackgroundVerification
 from .manifest import (
@@ -41,7 +42,7 @@ from .manifest import (
 from .payload import check_objects, drop_key
 from .ranks import RANK_LAYOUT_KEY, layout_record, plan_rank_entries, rank_entry, read_layout
 from .training import ModelState, OptimizerState, TrainingState, get_training_state, set_training_state
-from .unpickling import UnsafePickleError, torch_load
+from .unpickling import SAFE_GLOBALS, UnsafePickleError, torch_load
 
 __all__ = [
     "TorchDistributedCheckpointManager",
@@ -138,6 +139,8 @@ class TorchDistributedCheckpointManager(CheckpointManager):
 
     backend = "dcp"
     is_collective = True
+    pack_plain = True
+    """Store each top-level mapping without tensors as one entry (see `danling.checkpoint._dcp_read`)."""
 
     def __init__(
         self,
@@ -286,7 +289,7 @@ class TorchDistributedCheckpointManager(CheckpointManager):
         return {key: record for part in gathered or () for key, record in (part or {}).items()}
 
     def _save(self, state: Mapping[str, Any], directory: Path) -> None:
-        local = dict(state)
+        local = {key: pack_plain(value) for key, value in state.items()} if self.pack_plain else dict(state)
         for key in self.rank_local_keys:
             if key in local:
                 local[key] = {rank_entry(self.data_rank): local[key]}
@@ -455,6 +458,7 @@ class TorchDistributedCheckpointManager(CheckpointManager):
             set_element(payload, mapping[fqn], value)
         for key in plan.wanted:  # DCP stores no empty mappings: a key it dropped held `{}`
             payload.setdefault(key, {})
+        unpack_plain(payload, directory, self.trusted, list(SAFE_GLOBALS))
         for key in self.exclude_from_loading:
             if "." in key:
                 drop_key(payload, key)

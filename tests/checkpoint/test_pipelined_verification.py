@@ -123,3 +123,31 @@ def test_direct_reads_take_plain_entries_and_leave_the_rest_to_dcp(tmp_path):
     manager.save({"tensors": state}, "step-000001")
     loaded = manager.load("latest")["tensors"]
     assert all(torch.equal(loaded[key], state[key]) for key in state)
+
+
+def _config() -> dict:
+    return {f"section{i}": {"lr": 0.1 * i, "name": f"s{i}", "sizes": [i, i + 1]} for i in range(20)}
+
+
+def test_a_mapping_without_tensors_is_stored_as_one_entry_and_read_back_whole(tmp_path):
+    manager = TorchDistributedCheckpointManager(tmp_path, exclude_from_loading=("config.section3",))
+    model = torch.nn.Linear(4, 2)
+    path = manager.save({"model": ModelState(model), "config": _config(), "state": {"step": 7}}, "step-000007")
+    stored = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    assert [fqn for fqn in stored if fqn.startswith("config")] == ["config.__danling_packed__"]
+    assert len([fqn for fqn in stored if fqn.startswith("model")]) == 2  # tensors stay entries of their own
+    expected = _config()
+    del expected["section3"]  # dotted exclusions reach inside a packed entry
+    live = torch.nn.Linear(4, 2)
+    assert manager.load_into("latest", {"model": ModelState(live)}) == {"config": expected, "state": {"step": 7}}
+    assert torch.equal(live.weight, model.weight)
+    assert TorchDistributedCheckpointManager(tmp_path).load("latest")["config"] == _config()
+
+
+def test_checkpoints_stored_leaf_by_leaf_still_load(tmp_path):
+    writer = TorchDistributedCheckpointManager(tmp_path)
+    writer.pack_plain = False  # as checkpoints were written before packing
+    path = writer.save({"config": _config(), "state": {"step": 7}}, "step-000007")
+    stored = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    assert len([fqn for fqn in stored if fqn.startswith("config")]) == 60
+    assert TorchDistributedCheckpointManager(tmp_path).load("latest") == {"config": _config(), "state": {"step": 7}}
