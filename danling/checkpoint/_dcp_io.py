@@ -48,16 +48,27 @@ class SafeReader(dcp.FileSystemReader):
     `entries_read` counts the entries read so far.
     """
 
-    def __init__(self, path: str, *, trusted: bool = False, verification: BackgroundVerification | None = None) -> None:
+    def __init__(
+        self,
+        path: str,
+        *,
+        trusted: bool = False,
+        verification: BackgroundVerification | None = None,
+        metadata: Metadata | None = None,
+    ) -> None:
         super().__init__(path)
         self.trusted = trusted
+        self.metadata = metadata  # already read (and planned from) by the caller: not unpickled again
         self.verification = verification
         self.entries_read = 0
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        if self.trusted:
+        if self.metadata is not None and kwargs.get("rank") is None:
+            metadata = self.metadata
+        elif self.trusted:
             return super().read_metadata(*args, **kwargs)
-        metadata = read_dcp_metadata(self._get_metadata_path(kwargs.get("rank")))
+        else:
+            metadata = read_dcp_metadata(self._get_metadata_path(kwargs.get("rank")))
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id

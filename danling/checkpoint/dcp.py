@@ -435,7 +435,7 @@ class TorchDistributedCheckpointManager(CheckpointManager):
         the read returns only once every file of the checkpoint did.
         """
         targets, mapping = _targets(plan, templates, self.data_rank, self.exclude_from_loading)
-        reader = SafeReader(str(directory), trusted=self.trusted, verification=verification)
+        reader = SafeReader(str(directory), trusted=self.trusted, verification=verification, metadata=plan.metadata)
         if targets:
             planner = SafePlanner(self.trusted, directory)
             try:
