@@ -261,7 +261,15 @@ def _tensors(state: Any) -> list[torch.Tensor]:
     return []
 
 
-def worker(rank: int, root: str, ports: list[int], repeats: int, workloads: list[str], profile_lines: int = 0) -> None:
+def worker(
+    rank: int,
+    root: str,
+    ports: list[int],
+    repeats: int,
+    workloads: list[str],
+    profile_lines: int = 0,
+    steps: bool = True,
+) -> None:
     # Each runner starts (and ends) the process group itself; every one rendezvouses on a fresh port.
     os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank))
     rendezvous_ports(ports)
@@ -270,14 +278,15 @@ def worker(rank: int, root: str, ports: list[int], repeats: int, workloads: list
     if profile_lines:  # only the checkpoint part, profiled on each rank
         bench_checkpoints(root, workloads[-1], 1, profile_lines)
         return
-    steps = [bench_steps(root, workload, repeats) for workload in workloads]
+    rows = [bench_steps(root, workload, repeats) for workload in workloads] if steps else []
     # checkpoint speed only means something for the larger state
     checkpoints = [bench_checkpoints(root, workload, max(5, repeats // 3)) for workload in workloads[-1:]]
-    if rank == 0:
+    if rank == 0 and rows:
         print("### ParallelRunner (FSDP2, shard=2) vs a hand-written FSDP2 loop, 2 gloo ranks\n")
         print("| workload | steps/epoch | hand loop (ms/step) | runner (ms/step) | ratio: median | IQR |")
         print("| --- | ---: | ---: | ---: | ---: | ---: |")
-        print("\n".join(steps))
+        print("\n".join(rows))
+    if rank == 0:
         print("\n### DCP checkpoints: runner vs raw dcp.save / dcp.load (model + SGD momentum, 2 ranks)\n")
         print("| workload | MB | dcp.save | runner save | dcp.load | runner load | save ratio | load ratio |")
         print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
@@ -288,12 +297,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--workload", action="append", choices=list(WORKLOADS))
+    parser.add_argument("--checkpoints-only", action="store_true", help="skip the per-step comparison")
     parser.add_argument("--profile", type=int, default=0, metavar="LINES", help="cProfile one checkpoint save/load")
     args = parser.parse_args()
+    workloads = args.workload or list(WORKLOADS)
     with tempfile.TemporaryDirectory(prefix="bench-parallel-") as root:  # shared: DCP files are written by both
         mp.start_processes(
             worker,
-            args=(root, free_ports(8), args.repeats, args.workload or list(WORKLOADS), args.profile),
+            args=(
+                root,
+                free_ports(8),
+                args.repeats,
+                args.workload or list(WORKLOADS),
+                args.profile,
+                not args.checkpoints_only,
+            ),
             nprocs=2,
             start_method="spawn",
         )
