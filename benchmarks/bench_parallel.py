@@ -300,7 +300,6 @@ def main() -> None:
     parser.add_argument("--checkpoints-only", action="store_true", help="skip the per-step comparison")
     parser.add_argument("--profile", type=int, default=0, metavar="LINES", help="cProfile one checkpoint save/load")
     args = parser.parse_args()
-    workloads = args.workload or list(WORKLOADS)
     with tempfile.TemporaryDirectory(prefix="bench-parallel-") as root:  # shared: DCP files are written by both
         mp.start_processes(
             worker,
