@@ -252,26 +252,29 @@ def _digest_file(path: str | os.PathLike, checksum: str, *, chunked: bool = Fals
     """Size, hex digest and (with `chunked`, XXH3 only) per-chunk digests of a file.
 
     The file is hashed through a memory map (no copy out of the page cache), in `CHUNK_BYTES`
-    pieces; the chunk digests come from the same pass, while each piece is still in the cache.
+    pieces. The chunk digests are computed on a helper thread alongside the whole-file digest
+    (both release the GIL), so recording them adds no time where a core is free.
     """
     digest = new_digest(checksum)
     chunks: list[str] = []
-    chunked = chunked and checksum == "xxh3_128"
     with open(path, "rb") as handle:
         size = os.fstat(handle.fileno()).st_size
         if size:
             with mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
                 view = memoryview(mapped)
+                pieces = [view[start : start + CHUNK_BYTES] for start in range(0, size, CHUNK_BYTES)]
+                split = None
+                if chunked and checksum == "xxh3_128" and len(pieces) > 1:
+                    split = _hash_pool().submit(lambda: [xxhash.xxh3_128_hexdigest(piece) for piece in pieces])
                 try:
-                    for start in range(0, size, CHUNK_BYTES):  # bounded pieces: SHA-256 holds the GIL less long
-                        piece = view[start : start + CHUNK_BYTES]
+                    for piece in pieces:  # bounded pieces: SHA-256 holds the GIL less long
                         digest.update(piece)
-                        if chunked:
-                            chunks.append(xxhash.xxh3_128_hexdigest(piece))
-                        piece.release()
                 finally:
+                    chunks = split.result() if split is not None else []  # the pieces stay mapped until then
+                    for piece in pieces:
+                        piece.release()
                     view.release()
-    return size, digest.hexdigest(), chunks if size > CHUNK_BYTES else []
+    return size, digest.hexdigest(), chunks
 
 
 def _record(size: int, checksum: str, digest: str, chunks: list[str]) -> dict[str, Any]:
