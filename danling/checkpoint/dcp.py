@@ -127,6 +127,7 @@ class TorchDistributedCheckpointManager(CheckpointManager):
 
     Examples:
         >>> import tempfile
+        >>> import torch
         >>> manager = TorchDistributedCheckpointManager(tempfile.mkdtemp(), keep_latest_k=1)
         >>> model = torch.nn.Linear(2, 1)
         >>> _ = manager.save({"model": ModelState(model), "state": {"epoch": 1}}, "epoch-000001")
