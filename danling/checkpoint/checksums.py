@@ -465,4 +465,4 @@ def _valid_chunks(chunks: Any, size: int) -> bool:
     span, digests = chunks.get("bytes"), chunks.get("xxh3_128")
     if isinstance(span, bool) or not isinstance(span, int) or span <= 0 or not isinstance(digests, list):
         return False
-    return len(digests) == -(-size // span) and all(isinstance(digest, str) for digest in digests)
+    return size > 0 and len(digests) == -(-size // span) and all(isinstance(digest, str) for digest in digests)
