@@ -178,7 +178,7 @@ def bench_steps(root: str, workload: str, repeats: int) -> str:
     )
 
 
-def bench_checkpoints(root: str, workload: str, repeats: int) -> str:
+def bench_checkpoints(root: str, workload: str, repeats: int, profile_lines: int = 0) -> str:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -202,6 +202,8 @@ def bench_checkpoints(root: str, workload: str, repeats: int) -> str:
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
 
     paths: list[Any] = []
+    if profile_lines:
+        return profile_checkpoints(runner, profile_lines)
     samples: dict[str, list[float]] = {"dcp.save": [], "runner save": [], "dcp.load": [], "runner load": []}
     for _ in range(repeats):
         samples["dcp.save"].append(timed(raw_save))
@@ -220,6 +222,34 @@ def bench_checkpoints(root: str, workload: str, repeats: int) -> str:
     return f"| {workload} | {megabytes:.1f} | " + " | ".join(cells) + f" | {save_ratio:.2f} | {load_ratio:.2f} |"
 
 
+def profile_checkpoints(runner: BenchRunner, lines: int) -> str:
+    """cProfile of one runner save and one load on this rank (after one warm-up of each)."""
+    import cProfile
+    import io
+    import pstats
+
+    out = io.StringIO()
+    calls = {
+        "runner save": lambda: runner.save_checkpoint(force=True),
+        "runner load": lambda: runner.load_checkpoint(runner.checkpoint_manager.latest),
+    }
+    for name, call in calls.items():
+        timed(call)
+        dist.barrier()
+        prof = cProfile.Profile()
+        prof.enable()
+        call()
+        prof.disable()
+        out.write(f"\n## rank {dist.get_rank()}: {name}\n")
+        pstats.Stats(prof, stream=out).sort_stats("cumulative").print_stats(lines)
+    for turn in range(dist.get_world_size()):  # rank by rank, so the outputs do not interleave
+        if turn == dist.get_rank():
+            print(out.getvalue(), flush=True)
+        dist.barrier()
+    runner.close()
+    return ""
+
+
 def _tensors(state: Any) -> list[torch.Tensor]:
     """Every tensor of a nested state, as this rank's local part (a DTensor's shard)."""
     if isinstance(state, torch.Tensor):
@@ -231,20 +261,32 @@ def _tensors(state: Any) -> list[torch.Tensor]:
     return []
 
 
-def worker(rank: int, root: str, ports: list[int], repeats: int, workloads: list[str]) -> None:
+def worker(
+    rank: int,
+    root: str,
+    ports: list[int],
+    repeats: int,
+    workloads: list[str],
+    profile_lines: int = 0,
+    steps: bool = True,
+) -> None:
     # Each runner starts (and ends) the process group itself; every one rendezvouses on a fresh port.
     os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank))
     rendezvous_ports(ports)
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
-    steps = [bench_steps(root, workload, repeats) for workload in workloads]
+    if profile_lines:  # only the checkpoint part, profiled on each rank
+        bench_checkpoints(root, workloads[-1], 1, profile_lines)
+        return
+    rows = [bench_steps(root, workload, repeats) for workload in workloads] if steps else []
     # checkpoint speed only means something for the larger state
     checkpoints = [bench_checkpoints(root, workload, max(5, repeats // 3)) for workload in workloads[-1:]]
-    if rank == 0:
+    if rank == 0 and rows:
         print("### ParallelRunner (FSDP2, shard=2) vs a hand-written FSDP2 loop, 2 gloo ranks\n")
         print("| workload | steps/epoch | hand loop (ms/step) | runner (ms/step) | ratio: median | IQR |")
         print("| --- | ---: | ---: | ---: | ---: | ---: |")
-        print("\n".join(steps))
+        print("\n".join(rows))
+    if rank == 0:
         print("\n### DCP checkpoints: runner vs raw dcp.save / dcp.load (model + SGD momentum, 2 ranks)\n")
         print("| workload | MB | dcp.save | runner save | dcp.load | runner load | save ratio | load ratio |")
         print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
@@ -255,11 +297,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--workload", action="append", choices=list(WORKLOADS))
+    parser.add_argument("--checkpoints-only", action="store_true", help="skip the per-step comparison")
+    parser.add_argument("--profile", type=int, default=0, metavar="LINES", help="cProfile one checkpoint save/load")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-parallel-") as root:  # shared: DCP files are written by both
         mp.start_processes(
             worker,
-            args=(root, free_ports(8), args.repeats, args.workload or list(WORKLOADS)),
+            args=(
+                root,
+                free_ports(8),
+                args.repeats,
+                args.workload or list(WORKLOADS),
+                args.profile,
+                not args.checkpoints_only,
+            ),
             nprocs=2,
             start_method="spawn",
         )

@@ -12,7 +12,7 @@ import hashlib
 import mmap
 import os
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -31,9 +31,12 @@ __all__ = [
     "new_digest",
     "file_record",
     "directory_records",
+    "BackgroundVerification",
 ]
 
 _CHUNK = 8 * 1024 * 1024
+CHUNK_BYTES = 8 * 1024 * 1024
+"""Span of each per-chunk digest recorded by `file_record(..., chunked=True)`."""
 CHECKSUMS = ("xxh3_128", "sha256")
 """Checksum algorithms a manifest entry may record, fastest first (verification uses the first present)."""
 DEFAULT_CHECKSUM = "xxh3_128" if xxhash is not None else "sha256"
@@ -234,57 +237,95 @@ def _torn(path: Path, actual: int, expected: int) -> Exception:
     return CheckpointError(f"checkpoint file {path} is torn: {actual} bytes on disk, manifest records {expected}")
 
 
-def _corrupt(path: Path, checksum: str) -> Exception:
+def _corrupt(path: Path, checksum: str, span: tuple[int, int] | None = None) -> Exception:
     from .manifest import CheckpointError
 
     label = {"xxh3_128": "XXH3-128", "sha256": "SHA-256"}[checksum]
-    return CheckpointError(f"checkpoint file {path} is corrupt: its {label} does not match the manifest")
+    if span is None:
+        return CheckpointError(f"checkpoint file {path} is corrupt: its {label} does not match the manifest")
+    return CheckpointError(
+        f"checkpoint file {path} is corrupt: its {label} of bytes {span[0]}-{span[1]} does not match the manifest"
+    )
 
 
-def _digest_file(path: str | os.PathLike, checksum: str) -> tuple[int, str]:
-    """Size and hex digest of a file, hashed through a memory map (no copy out of the page cache)."""
+def _digest_file(path: str | os.PathLike, checksum: str, *, chunked: bool = False) -> tuple[int, str, list[str]]:
+    """Size, hex digest and (with `chunked`, XXH3 only) per-chunk digests of a file.
+
+    The file is hashed through a memory map (no copy out of the page cache), in `CHUNK_BYTES`
+    pieces. The chunk digests are computed on a helper thread alongside the whole-file digest
+    (both release the GIL), so recording them adds no time where a core is free.
+    """
     digest = new_digest(checksum)
+    chunks: list[str] = []
     with open(path, "rb") as handle:
         size = os.fstat(handle.fileno()).st_size
         if size:
             with mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
                 view = memoryview(mapped)
+                pieces = [view[start : start + CHUNK_BYTES] for start in range(0, size, CHUNK_BYTES)]
+                split = None
+                if chunked and checksum == "xxh3_128" and len(pieces) > 1:
+                    split = _hash_pool().submit(lambda: [xxhash.xxh3_128_hexdigest(piece) for piece in pieces])
                 try:
-                    for start in range(0, size, 16 * _CHUNK):  # bounded chunks: SHA-256 holds the GIL less long
-                        digest.update(view[start : start + 16 * _CHUNK])
+                    for piece in pieces:  # bounded pieces: SHA-256 holds the GIL less long
+                        digest.update(piece)
                 finally:
+                    chunks = split.result() if split is not None else []  # the pieces stay mapped until then
+                    for piece in pieces:
+                        piece.release()
                     view.release()
-    return size, digest.hexdigest()
+    return size, digest.hexdigest(), chunks
 
 
-def file_record(path: str | os.PathLike, *, fsync: bool = False, checksum: str = DEFAULT_CHECKSUM) -> dict[str, Any]:
+def _record(size: int, checksum: str, digest: str, chunks: list[str]) -> dict[str, Any]:
+    record: dict[str, Any] = {"size": size, checksum: digest}
+    if chunks:
+        record["chunks"] = {"bytes": CHUNK_BYTES, checksum: chunks}
+    return record
+
+
+def file_record(
+    path: str | os.PathLike, *, fsync: bool = False, checksum: str = DEFAULT_CHECKSUM, chunked: bool = False
+) -> dict[str, Any]:
     """Checksum `path` and return its manifest entry; optionally `fsync` it as well.
 
+    With `chunked` (XXH3-128 only), a file larger than `CHUNK_BYTES` also records the digest of
+    each `CHUNK_BYTES` piece under ``"chunks"``, so a reader can verify it piece by piece while it
+    reads (see [`BackgroundVerification`][danling.checkpoint.checksums.BackgroundVerification]).
     The fsync runs on a helper thread while the file is hashed: the disk flush and the hashing
     overlap instead of adding up.
     """
     check_checksum(checksum)
     if not fsync:
-        size, digest = _digest_file(path, checksum)
-        return {"size": size, checksum: digest}
+        size, digest, chunks = _digest_file(path, checksum, chunked=chunked)
+        return _record(size, checksum, digest, chunks)
     flushed = _hash_pool().submit(_fsync_path, path)
     try:
-        size, digest = _digest_file(path, checksum)
+        size, digest, chunks = _digest_file(path, checksum, chunked=chunked)
     finally:
         flushed.result()
-    return {"size": size, checksum: digest}
+    return _record(size, checksum, digest, chunks)
 
 
 def directory_records(
-    directory: str | os.PathLike, *, checksum: str = DEFAULT_CHECKSUM, fsync: bool = True
+    directory: str | os.PathLike,
+    *,
+    checksum: str = DEFAULT_CHECKSUM,
+    fsync: bool = True,
+    chunked: bool = True,
+    files: Iterable[str] | None = None,
 ) -> dict[str, dict[str, Any]]:
-    """Manifest entries of every file under `directory` (keys relative to it), hashed two files at a time."""
+    """Manifest entries of every file under `directory` (or of `files`, relative to it), two files at a time."""
     directory = Path(directory)
-    paths = sorted(path for path in directory.rglob("*") if path.is_file())
-    if len(paths) < 2:
-        records = [file_record(path, fsync=fsync, checksum=checksum) for path in paths]
+    if files is None:
+        paths = sorted(path for path in directory.rglob("*") if path.is_file())
     else:
-        records = list(_record_pool().map(lambda path: file_record(path, fsync=fsync, checksum=checksum), paths))
+        paths = sorted(directory / name for name in files)
+
+    def record(path: Path) -> dict[str, Any]:
+        return file_record(path, fsync=fsync, checksum=checksum, chunked=chunked)
+
+    records = [record(path) for path in paths] if len(paths) < 2 else list(_record_pool().map(record, paths))
     return {path.relative_to(directory).as_posix(): record for path, record in zip(paths, records)}
 
 
@@ -324,3 +365,104 @@ def _digests(jobs: list[tuple[Path, str]]) -> list[str]:
     if len(jobs) < 2:
         return [_digest_file(path, checksum)[1] for path, checksum in jobs]
     return list(_hash_pool().map(lambda job: _digest_file(*job)[1], jobs))
+
+
+class BackgroundVerification:
+    """Checks files against their manifest entries on helper threads while the caller reads them.
+
+    Each file is hashed front to back; an entry with ``"chunks"`` is checked one `CHUNK_BYTES`
+    piece at a time, so its verified prefix grows while the rest is still being hashed (an entry
+    without them, such as one written by an earlier version or with SHA-256, counts as verified
+    once its whole-file digest matched). A reader calls `wait` before it touches a byte range and
+    so only ever reads bytes that matched; `finish` waits for every file and raises the first
+    failure. The failure names the file and, for a chunk, the byte range whose digest differed.
+
+    Args:
+        jobs: ``(key, path, entry)`` of each file to check; `key` is what `wait` is called with.
+        on_success: Called (in the thread calling `finish`) once every file verified.
+    """
+
+    def __init__(
+        self, jobs: Iterable[tuple[str, Path, Mapping[str, Any]]], on_success: Callable[[], None] | None = None
+    ) -> None:
+        self._ready = threading.Condition()
+        self._verified: dict[str, int] = {}
+        self._on_success = on_success
+        self.failure: BaseException | None = None
+        self._stopped = False
+        jobs = list(jobs)
+        for key, _, _ in jobs:
+            self._verified[key] = 0
+        self._futures = [_hash_pool().submit(self._check, *job) for job in jobs]
+
+    def wait(self, key: str, end: int) -> None:
+        """Block until bytes ``[0, end)`` of file `key` verified; raise the failure if any file failed."""
+        with self._ready:
+            while self.failure is None and self._verified.get(key, end) < end:
+                self._ready.wait()
+        if self.failure is not None:
+            raise self.failure
+
+    def finish(self) -> None:
+        """Wait until every file is checked; raise the first failure."""
+        for future in self._futures:
+            future.result()
+        if self.failure is not None:
+            raise self.failure
+        if self._on_success is not None:
+            self._on_success()
+            self._on_success = None
+
+    def stop(self) -> None:
+        """Abandon the checks still running (the caller gave up on the load); returns once they ended."""
+        with self._ready:
+            self._stopped = True
+        for future in self._futures:
+            future.result()
+
+    def _advance(self, key: str, end: int) -> bool:
+        with self._ready:
+            self._verified[key] = end
+            self._ready.notify_all()
+            return not self._stopped
+
+    def _check(self, key: str, path: Path, entry: Mapping[str, Any]) -> None:
+        try:
+            checksum = _entry_checksum(entry, path)
+            chunks = entry.get("chunks")
+            if checksum == "xxh3_128" and _valid_chunks(chunks, entry["size"]):
+                self._check_chunks(key, path, chunks["bytes"], chunks[checksum])
+            elif _digest_file(path, checksum)[1] != entry[checksum]:
+                raise _corrupt(path, checksum)
+            else:
+                self._advance(key, entry["size"])
+        except BaseException as err:  # handed to the reader, which raises it in its own thread
+            with self._ready:
+                self.failure = self.failure or err
+                self._ready.notify_all()
+
+    def _check_chunks(self, key: str, path: Path, span: int, expected: list[str]) -> None:
+        with open(path, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+            view = memoryview(mapped)
+            try:
+                for index, wanted in enumerate(expected):
+                    piece = view[index * span : (index + 1) * span]
+                    actual = xxhash.xxh3_128_hexdigest(piece)
+                    end = index * span + piece.nbytes
+                    piece.release()
+                    if actual != wanted:
+                        raise _corrupt(path, "xxh3_128", (index * span, end))
+                    if not self._advance(key, end):
+                        return
+            finally:
+                view.release()
+
+
+def _valid_chunks(chunks: Any, size: int) -> bool:
+    """Whether a ``"chunks"`` record covers a file of `size` bytes (if not, the whole-file digest is used)."""
+    if not isinstance(chunks, Mapping) or xxhash is None:
+        return False
+    span, digests = chunks.get("bytes"), chunks.get("xxh3_128")
+    if isinstance(span, bool) or not isinstance(span, int) or span <= 0 or not isinstance(digests, list):
+        return False
+    return size > 0 and len(digests) == -(-size // span) and all(isinstance(digest, str) for digest in digests)

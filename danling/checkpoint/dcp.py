@@ -19,24 +19,30 @@ import os
 import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
-import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint._traverse import set_element
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from danling.utils import to_device
 
-from ._dcp_io import CheckpointException, SafePlanner, SafeReader
+from ._dcp_checks import _check_index, _check_keys, _data_domain, _key_names
+from ._dcp_io import CheckpointException, SafePlanner, SafeReader, _damaged, _paths, _Plan, _targets
+from ._dcp_read import pack_plain, unpack_plain
 from .base import CheckpointManager
-from .manifest import DEFAULT_CHECKSUM, CheckpointError, check_checksum, directory_records, verify_directory
+from .checksums import BackgroundVerification
+from .manifest import (
+    DEFAULT_CHECKSUM,
+    CheckpointError,
+    check_checksum,
+    directory_records,
+    verify_in_background,
+)
 from .payload import check_objects, drop_key
-from .ranks import RANK_LAYOUT_KEY, RankLayout, layout_record, plan_rank_entries, rank_entry, read_layout
+from .ranks import RANK_LAYOUT_KEY, layout_record, plan_rank_entries, rank_entry, read_layout
 from .training import ModelState, OptimizerState, TrainingState, get_training_state, set_training_state
-from .unpickling import UnsafePickleError, torch_load
+from .unpickling import SAFE_GLOBALS, UnsafePickleError, torch_load
 
 __all__ = [
     "TorchDistributedCheckpointManager",
@@ -49,27 +55,6 @@ __all__ = [
 ]
 
 _METADATA = ".metadata"
-
-
-class _Plan(NamedTuple):
-    layout: RankLayout
-    metadata: Metadata
-    wanted: tuple[str, ...]  # top-level keys to read
-    per_rank: tuple[str, ...]  # of those, the ones stored per data rank
-
-
-def _check_keys(obj: Any, path: str = "") -> None:
-    """DCP turns mapping keys into strings; refuse other keys instead of silently renaming them."""
-    if isinstance(obj, Mapping):
-        for key, value in obj.items():
-            if not isinstance(key, str):
-                where = f"{path}.{key!r}" if path else repr(key)
-                raise TypeError(
-                    f"DCP checkpoints need string keys, but the state has key {where} ({type(key).__name__}); "
-                    "it would come back as a string. Use danling.checkpoint.OptimizerState for "
-                    "optimizer state, or convert the keys"
-                )
-            _check_keys(value, f"{path}.{key}" if path else key)
 
 
 def read_dcp_checkpoint(
@@ -94,33 +79,6 @@ def read_dcp_checkpoint(
         manager._any_size = True
         manager.data_rank = _check_index(rank, "rank")
     return manager.load(path, map_location=map_location)
-
-
-def _check_index(value: Any, label: str, minimum: int = 0) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{label} must be an integer >= {minimum}, got {value!r}")
-    return value
-
-
-def _key_names(value: Any, label: str) -> tuple[str, ...]:
-    keys = (value,) if isinstance(value, str) else tuple(value)
-    for key in keys:
-        if not isinstance(key, str) or not key:
-            raise ValueError(f"{label} must be top-level checkpoint keys (non-empty strings), got {key!r}")
-    return keys
-
-
-def _data_domain(data_rank: int | None, data_size: int | None, rank: int, world_size: int) -> tuple[int, int]:
-    """Validate the data-parallel coordinates, defaulting to the process group's own."""
-    if data_size is None and data_rank is None:
-        return rank, world_size
-    size = world_size if data_size is None else _check_index(data_size, "data_size", 1)
-    if data_rank is None:
-        raise ValueError(f"data_rank must be given with data_size={data_size!r} (this rank's data-parallel index)")
-    index = _check_index(data_rank, "data_rank")
-    if index >= size:
-        raise ValueError(f"data_rank must be below data_size={size}, got {index}")
-    return index, size
 
 
 class TorchDistributedCheckpointManager(CheckpointManager):
@@ -169,6 +127,7 @@ class TorchDistributedCheckpointManager(CheckpointManager):
 
     Examples:
         >>> import tempfile
+        >>> import torch
         >>> manager = TorchDistributedCheckpointManager(tempfile.mkdtemp(), keep_latest_k=1)
         >>> model = torch.nn.Linear(2, 1)
         >>> _ = manager.save({"model": ModelState(model), "state": {"epoch": 1}}, "epoch-000001")
@@ -181,6 +140,8 @@ class TorchDistributedCheckpointManager(CheckpointManager):
 
     backend = "dcp"
     is_collective = True
+    pack_plain = True
+    """Store each top-level mapping without tensors as one entry (see `danling.checkpoint._dcp_read`)."""
 
     def __init__(
         self,
@@ -291,6 +252,7 @@ class TorchDistributedCheckpointManager(CheckpointManager):
             self._save(state, Path(directory))
         except BaseException as err:
             local_error = err
+        self._gather_own_records(Path(directory), local_error)
         outcome = self._exchange(None)
         if local_error is not None:
             raise local_error
@@ -302,11 +264,33 @@ class TorchDistributedCheckpointManager(CheckpointManager):
         # Runs on the coordinator inside the base class's write: tell the followers where to write.
         self._exchange(str(directory))
         self._announced = True
-        self._save(state, directory)  # collective: when it returns, every rank's files are written and synced
-        return directory_records(directory, checksum=self.checksum)
+        error: BaseException | None = None
+        try:
+            self._save(state, directory)  # collective: when it returns, every rank's files are written and synced
+        except BaseException as err:  # the followers still send their records before the error is raised
+            error = err
+        records = self._gather_own_records(directory, error)
+        if error is not None:
+            raise error
+        return records  # the base class hashes what no rank claimed (DCP's .metadata)
+
+    def _gather_own_records(self, directory: Path, error: BaseException | None) -> dict[str, Any]:
+        """Each rank hashes the data files it wrote; the coordinator receives them all (one collective).
+
+        DCP names a rank's files ``__<group rank>_<n>.distcp`` and has synced them already.
+        """
+        own: dict[str, Any] | None = None
+        if error is None:
+            names = [path.name for path in directory.glob(f"__{self.rank}_*.distcp") if path.is_file()]
+            own = directory_records(directory, checksum=self.checksum, fsync=False, files=names)
+        if not self.distributed:
+            return own or {}
+        gathered: list[Any] | None = [None] * dist.get_world_size(self.process_group) if self.rank == 0 else None
+        dist.gather_object(own, gathered, group=self.process_group, group_dst=0)
+        return {key: record for part in gathered or () for key, record in (part or {}).items()}
 
     def _save(self, state: Mapping[str, Any], directory: Path) -> None:
-        local = dict(state)
+        local = {key: pack_plain(value) for key, value in state.items()} if self.pack_plain else dict(state)
         for key in self.rank_local_keys:
             if key in local:
                 local[key] = {rank_entry(self.data_rank): local[key]}
@@ -351,19 +335,53 @@ class TorchDistributedCheckpointManager(CheckpointManager):
         directory = path if path.is_dir() else path.parent
         if not (directory / _METADATA).is_file():
             return super().load_into(checkpoint, objects, map_location=map_location)
-        plan = self._plan(directory, self._check_manifest(directory, verify_directory(directory)))
-        live = {key: obj for key, obj in objects.items() if key not in self.exclude_from_loading}
-        missing = [key for key in live if key not in plan.layout.keys]
-        if missing:
-            raise CheckpointError(
-                f"checkpoint {directory} has no {missing} entries to load into; it holds {sorted(plan.layout.keys)}. "
-                f"Add {missing} to exclude_from_loading to keep those objects' current state"
-            )
-        live = {key: obj for key, obj in live.items() if key in plan.wanted}  # optional per-rank keys may be dropped
-        payload = self._read(directory, plan, {key: _template(obj) for key, obj in live.items()})
+        plan, verification = self._start(directory)
+        try:
+            live = {key: obj for key, obj in objects.items() if key not in self.exclude_from_loading}
+            missing = [key for key in live if key not in plan.layout.keys]
+            if missing:
+                raise CheckpointError(
+                    f"checkpoint {directory} has no {missing} entries to load into; it holds "
+                    f"{sorted(plan.layout.keys)}. Add {missing} to exclude_from_loading to keep those objects' "
+                    "current state"
+                )
+            live = {key: obj for key, obj in live.items() if key in plan.wanted}  # optional per-rank keys may drop
+            payload = self._read(directory, plan, {key: _template(obj) for key, obj in live.items()}, verification)
+        finally:
+            verification.stop()
         for key, obj in live.items():
             obj.load_state_dict(payload.pop(key))
         return _to_location(payload, map_location)
+
+    def load(self, checkpoint: str | os.PathLike, *, map_location: Any = "cpu") -> dict[str, Any]:
+        """Verify and read a whole checkpoint, as [`CheckpointManager.load`][danling.checkpoint.CheckpointManager.load].
+
+        A DCP checkpoint is verified while it is read: each entry is read once the bytes it covers
+        matched the manifest, and the call returns once every file did.
+        """
+        self.wait()
+        path = self.resolve(checkpoint)
+        directory = path if path.is_dir() else path.parent
+        if not (directory / _METADATA).is_file():
+            return super().load(checkpoint, map_location=map_location)
+        plan, verification = self._start(directory)
+        try:
+            payload = self._read(directory, plan, {}, verification)
+        finally:
+            verification.stop()
+        for key in self.exclude_from_loading:
+            drop_key(payload, key)
+        return _to_location(payload, map_location)
+
+    def _start(self, directory: Path) -> tuple[_Plan, BackgroundVerification]:
+        # The payload files are hashed on helper threads from here on, while this thread plans and
+        # then reads them (the small .metadata index is checked before it is unpickled).
+        manifest, verification = verify_in_background(directory, now=(_METADATA,))
+        try:
+            return self._plan(directory, self._check_manifest(directory, manifest)), verification
+        except BaseException:
+            verification.stop()
+            raise
 
     def _check_manifest(self, directory: Path, manifest: Mapping[str, Any]) -> Mapping[str, Any]:
         if manifest.get("backend", self.backend) != self.backend:
@@ -405,24 +423,43 @@ class TorchDistributedCheckpointManager(CheckpointManager):
             )
         return _Plan(layout, metadata, tuple(key for key in wanted if key not in dropped), per_rank)
 
-    def _read(self, directory: Path, plan: _Plan, templates: Mapping[str, Any]) -> dict[str, Any]:
-        """Read the planned entries: into `templates` for live objects, into new CPU tensors for the rest."""
+    def _read(
+        self,
+        directory: Path,
+        plan: _Plan,
+        templates: Mapping[str, Any],
+        verification: BackgroundVerification | None = None,
+    ) -> dict[str, Any]:
+        """Read the planned entries: into `templates` for live objects, into new CPU tensors for the rest.
+
+        With a running `verification`, each entry is read once its bytes matched the manifest, and
+        the read returns only once every file of the checkpoint did.
+        """
         targets, mapping = _targets(plan, templates, self.data_rank, self.exclude_from_loading)
+        reader = SafeReader(str(directory), trusted=self.trusted, verification=verification, metadata=plan.metadata)
         if targets:
-            planner, reader = SafePlanner(self.trusted, directory), SafeReader(str(directory), trusted=self.trusted)
+            planner = SafePlanner(self.trusted, directory)
             try:
                 with warnings.catch_warnings():  # DCP warns that it runs without a process group: that is the intent
                     warnings.simplefilter("ignore", UserWarning)
                     dcp.load(targets, storage_reader=reader, planner=planner, no_dist=True)
             except (Exception, CheckpointException) as err:  # DCP wraps errors per rank: raise a refusal as it is
+                if verification is not None and verification.failure is not None:
+                    raise _damaged(verification.failure, reader.entries_read, bool(templates)) from None
                 if planner.refused is not None:
                     raise planner.refused from None
                 raise CheckpointError(f"DCP checkpoint {directory} cannot be read: {err}") from err
+        if verification is not None:
+            try:
+                verification.finish()  # files this rank read nothing from are checked too: every rank agrees
+            except CheckpointError as err:
+                raise _damaged(err, reader.entries_read, bool(templates)) from None
         payload: dict[str, Any] = {}
         for fqn, value in targets.items():
             set_element(payload, mapping[fqn], value)
         for key in plan.wanted:  # DCP stores no empty mappings: a key it dropped held `{}`
             payload.setdefault(key, {})
+        unpack_plain(payload, directory, self.trusted, list(SAFE_GLOBALS))
         for key in self.exclude_from_loading:
             if "." in key:
                 drop_key(payload, key)
@@ -433,8 +470,6 @@ class TorchDistributedCheckpointManager(CheckpointManager):
         return _to_location(self._read(directory, plan, {}), map_location)
 
     def _read_file(self, path: Path, map_location: Any) -> dict[str, Any]:
-        if (path.parent / _METADATA).is_file():  # a file inside a DCP checkpoint: read the whole checkpoint
-            return self._read_payload(path.parent, verify_directory(path.parent), map_location)
         return torch_load(path, map_location=map_location, trusted=self.trusted)
 
 
@@ -442,54 +477,6 @@ def _template(obj: Any) -> Any:
     """What a live object's checkpoint entries are read into."""
     to_load = getattr(obj, "state_dict_to_load", None)
     return to_load() if callable(to_load) else obj.state_dict()
-
-
-def _paths(metadata: Metadata) -> dict[str, tuple]:
-    """Nested key path of every stored leaf (DCP's planner data; dotted keys split for other planners)."""
-    planner_data = metadata.planner_data if isinstance(metadata.planner_data, Mapping) else {}
-    return {fqn: tuple(planner_data.get(fqn) or fqn.split(".")) for fqn in metadata.state_dict_metadata}
-
-
-def _excluded(path: Sequence[Any], excludes: Sequence[str]) -> bool:
-    dotted = ".".join(map(str, path))
-    return any(dotted == key or dotted.startswith(key + ".") for key in excludes if "." in key)
-
-
-def _targets(
-    plan: _Plan, templates: Mapping[str, Any], data_rank: int, excludes: Sequence[str]
-) -> tuple[dict[str, Any], dict[str, tuple]]:
-    """Flat DCP load targets and the logical path (per-rank level removed) each one lands at.
-
-    Stored leaves of live objects load into the object's own tensors; leaves the object does not
-    have are read too when they are plain values (a hyperparameter a newer optimizer lacks) and
-    skipped when they are tensors. Other entries get new CPU tensors (or `None` for plain values).
-    """
-    metadata, wanted, per_rank = plan.metadata, plan.wanted, plan.per_rank
-    mine = rank_entry(data_rank)
-    flat_templates: dict[str, Any] = {}
-    for key, template in templates.items():
-        nested = {key: {mine: template} if key in per_rank else template}
-        flat_templates.update(flatten_state_dict(nested)[0])
-    targets: dict[str, Any] = {}
-    mapping: dict[str, tuple] = {}
-    for fqn, path in _paths(metadata).items():
-        key = str(path[0])
-        if key not in wanted or (key in per_rank and (len(path) < 2 or path[1] != mine)):
-            continue
-        logical = (key, *path[2:]) if key in per_rank else path
-        if _excluded(logical, excludes):
-            continue
-        stored = metadata.state_dict_metadata[fqn]
-        if fqn in flat_templates:
-            targets[fqn] = flat_templates[fqn]
-        elif isinstance(stored, TensorStorageMetadata):
-            if key in templates:
-                continue  # a tensor the live object has no place for
-            targets[fqn] = torch.empty(stored.size, dtype=stored.properties.dtype)
-        else:
-            targets[fqn] = None
-        mapping[fqn] = logical
-    return targets, mapping
 
 
 def _to_location(payload: dict[str, Any], map_location: Any) -> dict[str, Any]:

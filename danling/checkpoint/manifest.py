@@ -24,6 +24,7 @@ from typing import Any
 from .checksums import (
     CHECKSUMS,
     DEFAULT_CHECKSUM,
+    BackgroundVerification,
     HashingReader,
     HashingWriter,
     _corrupt,
@@ -59,6 +60,8 @@ __all__ = [
     "take_streamed",
     "verification_scope",
     "verify_directory",
+    "verify_in_background",
+    "BackgroundVerification",
 ]
 
 MANIFEST_NAME = "manifest.json"
@@ -185,9 +188,42 @@ def verify_directory(
     """
     directory = Path(directory)
     manifest = read_manifest(directory)
+    _check_now(_unverified(directory, manifest, files, streamed))
+    return manifest
+
+
+def verify_in_background(
+    directory: str | os.PathLike, *, now: tuple[str, ...] = ()
+) -> tuple[dict[str, Any], BackgroundVerification]:
+    """Start checking a checkpoint directory against its manifest, to read it while it is checked.
+
+    Presence and sizes are checked at once, and so are the checksums of the entries `now`; the
+    other files are hashed on helper threads. The reader calls `wait` on the returned
+    [`BackgroundVerification`][danling.checkpoint.checksums.BackgroundVerification] before it
+    reads a byte range, and `finish` once done (or `stop` when it gives up).
+
+    Returns:
+        The parsed manifest and the running verification.
+
+    Raises:
+        CheckpointError: Naming the first file that is missing, truncated, or (among `now`) altered.
+    """
+    directory = Path(directory)
+    manifest = read_manifest(directory)
+    pending = _unverified(directory, manifest, None, ())
+    _check_now([job for job in pending if job[0] in now])
+    rest = [job for job in pending if job[0] not in now]
+    jobs = [(key, path, expected) for key, path, _, expected, _ in rest]
+    return manifest, BackgroundVerification(jobs, on_success=lambda: _remember(rest))
+
+
+def _unverified(
+    directory: Path, manifest: Mapping[str, Any], files: list[str] | None, streamed: tuple[str, ...]
+) -> list[tuple[str, Path, str, Mapping[str, Any], tuple]]:
+    """Check presence and size of the entries; return those whose checksum is still to compare."""
     entries = manifest["files"]
     cache = getattr(_scope, "verified", None)
-    pending: list[tuple[Path, str, str, tuple]] = []
+    pending = []
     for key in sorted(entries if files is None else files):
         if key not in entries:
             raise CheckpointError(f"{directory / key} is not listed in {directory / MANIFEST_NAME}")
@@ -207,14 +243,22 @@ def verify_directory(
         if key in streamed or key in getattr(_scope, "streamed", ()):
             _owed()[path] = expected  # the reader checks it (see take_streamed)
             continue
-        pending.append((path, checksum, expected[checksum], signature))
-    digests = _digests([(path, checksum) for path, checksum, _, _ in pending])
-    for (path, checksum, wanted, _), actual in zip(pending, digests):
-        if actual != wanted:
+        pending.append((key, path, checksum, expected, signature))
+    return pending
+
+
+def _check_now(pending: list[tuple[str, Path, str, Mapping[str, Any], tuple]]) -> None:
+    digests = _digests([(path, checksum) for _, path, checksum, _, _ in pending])
+    for (_, path, checksum, expected, _), actual in zip(pending, digests):
+        if actual != expected[checksum]:
             raise _corrupt(path, checksum)
+    _remember(pending)
+
+
+def _remember(verified: list[tuple[str, Path, str, Mapping[str, Any], tuple]]) -> None:
+    cache = getattr(_scope, "verified", None)
     if cache is not None:
-        cache.update({path: signature for path, _, _, signature in pending})
-    return manifest
+        cache.update({path: signature for _, path, _, _, signature in verified})
 
 
 def mark_verified(path: str | os.PathLike, entry: Mapping[str, Any]) -> None:
