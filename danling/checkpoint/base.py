@@ -115,6 +115,7 @@ class CheckpointManager(RunnerSaves):
         self.trusted = bool(trusted)
         self._executor: ThreadPoolExecutor | None = None
         self._pending: Future | None = None
+        self._staging_buffers: dict = {}  # CPU copies of the last async snapshot, reused by the next
         self._pending_path: Path | None = None
         if self._writes and self.directory.is_dir():
             self._recover()
@@ -208,9 +209,7 @@ class CheckpointManager(RunnerSaves):
         return target
 
     def maybe_wait_for_staging(self) -> None:
-        """Block until the last async save no longer reads caller memory (staging is synchronous here).
-
-        Called before every optimizer step: an async save that failed raises its error here."""
+        """Called before every optimizer step: raise the error of a failed async save (staging is synchronous)."""
         if self._pending is not None and self._pending.done():
             self.wait(0)
 
@@ -249,6 +248,7 @@ class CheckpointManager(RunnerSaves):
                     self._pending_path,
                     timeout,
                 )
+            self._staging_buffers.clear()  # a running write keeps its own references
             if self._executor is not None:
                 self._executor.shutdown(wait=False)
                 self._executor = None
@@ -330,8 +330,8 @@ class CheckpointManager(RunnerSaves):
         return capture_state(state)
 
     def _snapshot(self, state: Mapping[str, Any]) -> Any:
-        """Copy `state` for a background writer (a DCP backend would stage into pinned memory here)."""
-        return snapshot_state(state)
+        """Copy `state` for a background writer, reusing the previous copy's buffers (`save` waited for its write)."""
+        return snapshot_state(state, self._staging_buffers)
 
     # backend hooks ---------------------------------------------------------------------------
 

@@ -149,13 +149,19 @@ def drop_key(mapping: MutableMapping, key: str) -> bool:
     return False
 
 
-def snapshot_state(state: Any) -> Any:
+def snapshot_state(state: Any, buffers: dict[tuple[Any, int, int], Any] | None = None) -> Any:
     """Deep-copy `state` with every tensor copied to CPU, so later in-place updates do not leak in.
 
     Each tensor storage is copied once and views are rebuilt on the copy, so tensors that
     share memory (tied weights, views) still share it afterwards, just as `torch.save` keeps them.
     A `DTensor` (FSDP2, tensor parallel) keeps its mesh, placements and global shape; only its
     local shard is copied.
+
+    With `buffers` (a dict kept by the caller between calls), the CPU copy of a storage is kept
+    there, keyed by the source storage's device, address and size, and the next call copies into
+    it instead of allocating: a state of fixed layout (parameters, optimizer moments) is then
+    staged with one memory copy per storage and no fresh pages to fault in. The caller must not
+    pass `buffers` while an earlier copy made with it is still being read (e.g. written to disk).
 
     Examples:
         >>> import torch
@@ -166,6 +172,9 @@ def snapshot_state(state: Any) -> Any:
         (tensor([0., 0., 0., 0.]), True)
     """
     storages: dict[tuple[Any, int], Any] = {}
+    previous = dict(buffers) if buffers is not None else {}
+    if buffers is not None:
+        buffers.clear()  # refilled with this call's copies: storages gone since the last call are let go
     # DTensors can only exist once torch.distributed.tensor is imported; do not import it here.
     dtensor_module = sys.modules.get("torch.distributed.tensor")
     dtensor_type = getattr(dtensor_module, "DTensor", None)
@@ -178,7 +187,7 @@ def snapshot_state(state: Any) -> Any:
         except (RuntimeError, NotImplementedError):  # sparse, nested and other storage-less layouts
             return tensor.to("cpu", copy=True)
         if key not in storages:
-            storages[key] = storage.cpu() if storage.device.type != "cpu" else storage.clone()
+            storages[key] = _stage(storage, key, previous, buffers)
         view = torch.empty(0, dtype=tensor.dtype)
         return view.set_(storages[key], tensor.storage_offset(), tensor.shape, tensor.stride())
 
@@ -204,3 +213,16 @@ def snapshot_state(state: Any) -> Any:
         return copy.deepcopy(obj)
 
     return copy_tree(state)
+
+
+def _stage(storage: Any, key: tuple[Any, int], previous: dict, buffers: dict | None) -> Any:
+    """A CPU copy of `storage`: into the buffer the previous snapshot used for it when there is one."""
+    slot = (*key, storage.nbytes())
+    staged = previous.get(slot)
+    if staged is not None:
+        staged.copy_(storage)
+    else:
+        staged = storage.cpu() if storage.device.type != "cpu" else storage.clone()
+    if buffers is not None:
+        buffers[slot] = staged
+    return staged

@@ -195,6 +195,27 @@ def test_async_saves_are_serialized_and_load_waits(tmp_path):
     assert manager.close(timeout=5)
 
 
+def test_async_saves_stage_into_the_previous_snapshots_buffers(tmp_path):
+    manager = FileCheckpointManager(tmp_path, async_save=True, keep_latest_k=3)
+    weight, moment = torch.zeros(4096), torch.ones(64)
+    state = {"model": {"w": weight, "w_view": weight.view(64, 64)}, "moment": moment}
+    manager.save(state, "step-000001")
+    manager.wait()
+    staged = {key[1:]: buffer.data_ptr() for key, buffer in manager._staging_buffers.items()}
+    assert sorted(size for _, size in staged) == [64 * 4, 4096 * 4]  # one buffer per storage, views share it
+    weight.add_(1)
+    manager.save(state, "step-000002")  # the same layout: copied into the same buffers
+    assert {key[1:]: buffer.data_ptr() for key, buffer in manager._staging_buffers.items()} == staged
+    weight.add_(1)
+    manager.save({"model": {"w": weight}, "moment": torch.ones(128)}, "step-000003")  # a new storage
+    assert manager.close()
+    assert len(manager._staging_buffers) == 0  # released with the worker
+    first, second, third = (manager.load(f"step-00000{step}") for step in (1, 2, 3))
+    assert torch.equal(first["model"]["w"], torch.zeros(4096)) and torch.equal(second["model"]["w"], torch.ones(4096))
+    assert torch.equal(second["model"]["w_view"], torch.ones(64, 64)) and torch.equal(third["model"]["w"], weight)
+    assert torch.equal(third["moment"], torch.ones(128))
+
+
 def test_async_error_is_reraised_on_next_call(tmp_path):
     class Unpicklable:
         def __deepcopy__(self, memo):  # the snapshot succeeds; pickling on the worker fails
