@@ -14,6 +14,7 @@ from danling.checkpoint import FileCheckpointManager
 from danling.checkpoint.checksums import HashingReader, HashingWriter, file_record
 from danling.checkpoint.dcp import ModelState, TorchDistributedCheckpointManager
 from danling.checkpoint.manifest import MANIFEST_NAME, CheckpointError, read_manifest, verify_directory
+from tests.checkpoint._files import flip_byte, manifest_of
 
 
 def _state() -> dict:
@@ -21,24 +22,14 @@ def _state() -> dict:
     return {"weight": torch.randn(256, 300), "bias": torch.randn(300), "step": 3}
 
 
-def _manifest(path) -> dict:
-    return json.loads((path / MANIFEST_NAME).read_text())
-
-
-def _flip(path, offset: int) -> None:
-    data = bytearray(path.read_bytes())
-    data[offset] ^= 0xFF
-    path.write_bytes(bytes(data))
-
-
 def test_new_checkpoints_record_xxh3_and_sha256_is_an_option(tmp_path):
     fast = FileCheckpointManager(tmp_path / "fast").save(_state(), "step-1")
-    entry = _manifest(fast)["files"]["state.pt"]
+    entry = manifest_of(fast)["files"]["state.pt"]
     assert set(entry) == {"size", "xxh3_128"}
     assert entry["xxh3_128"] == xxhash.xxh3_128((fast / "state.pt").read_bytes()).hexdigest()
 
     strong = FileCheckpointManager(tmp_path / "strong", checksum="sha256").save(_state(), "step-1")
-    entry = _manifest(strong)["files"]["state.pt"]
+    entry = manifest_of(strong)["files"]["state.pt"]
     assert set(entry) == {"size", "sha256"}
     assert entry["sha256"] == hashlib.sha256((strong / "state.pt").read_bytes()).hexdigest()
     for path in (fast, strong):
@@ -54,7 +45,7 @@ def test_an_unknown_checksum_is_refused_by_name(tmp_path):
 
 def _as_old_manifest(path) -> None:
     """Rewrite a manifest the way earlier versions wrote it: SHA-256 only."""
-    manifest = _manifest(path)
+    manifest = manifest_of(path)
     for name, entry in manifest["files"].items():
         manifest["files"][name] = {
             "size": entry["size"],
@@ -69,7 +60,7 @@ def test_old_sha256_manifests_verify_load_and_catch_damage(tmp_path):
     _as_old_manifest(path)
     assert verify_directory(path)["files"]["state.pt"].keys() == {"size", "sha256"}
     assert manager.load("latest")["step"] == 3
-    _flip(path / "state.pt", (path / "state.pt").stat().st_size // 2)
+    flip_byte(path / "state.pt", (path / "state.pt").stat().st_size // 2)
     with pytest.raises(CheckpointError, match="corrupt: its SHA-256 does not match"):
         manager.load("latest")
 
@@ -90,7 +81,7 @@ def test_a_damaged_payload_is_caught_while_it_is_read(tmp_path, where):
     path = manager.save(_state(), "step-1")
     payload = path / "state.pt"
     size = payload.stat().st_size
-    _flip(payload, {"start": 40, "middle": size // 2, "index at the end": size - 30}[where])
+    flip_byte(payload, {"start": 40, "middle": size // 2, "index at the end": size - 30}[where])
     with pytest.raises(CheckpointError, match=r"state\.pt is corrupt: its XXH3-128 does not match"):
         manager.load("latest")
 
@@ -111,7 +102,7 @@ def test_a_damaged_dcp_shard_is_refused_before_the_live_object_changes(tmp_path)
     manager = TorchDistributedCheckpointManager(tmp_path)
     path = manager.save({"model": ModelState(model)}, "step-000001")
     shard = next(path.glob("*.distcp"))
-    _flip(shard, shard.stat().st_size // 2)
+    flip_byte(shard, shard.stat().st_size // 2)
     live = torch.nn.Linear(64, 64)
     before = live.weight.detach().clone()
     with pytest.raises(CheckpointError, match="corrupt: its XXH3-128"):
@@ -151,7 +142,7 @@ def test_hashing_writer_and_file_record_agree_for_both_checksums(tmp_path):
 
 def test_a_manifest_entry_without_a_known_checksum_is_malformed(tmp_path):
     path = FileCheckpointManager(tmp_path).save(_state(), "step-1")
-    manifest = _manifest(path)
+    manifest = manifest_of(path)
     manifest["files"]["state.pt"] = {"size": manifest["files"]["state.pt"]["size"], "md5": "abc"}
     (path / MANIFEST_NAME).write_text(json.dumps(manifest))
     with pytest.raises(CheckpointError, match="malformed entry for 'state.pt'"):

@@ -13,6 +13,7 @@ from danling.checkpoint import checksums
 from danling.checkpoint._dcp_read import read_into
 from danling.checkpoint.dcp import ModelState, TorchDistributedCheckpointManager
 from danling.checkpoint.manifest import MANIFEST_NAME, CheckpointError
+from tests.checkpoint._files import flip_byte, manifest_of
 
 SPAN = 64 * 1024  # small chunks, so small tensors span several
 
@@ -29,16 +30,6 @@ class Pair(torch.nn.Module):
         self.second = torch.nn.Parameter(torch.randn(256, 256))
 
 
-def _manifest(path) -> dict:
-    return json.loads((path / MANIFEST_NAME).read_text())
-
-
-def _flip(path, offset: int) -> None:
-    data = bytearray(path.read_bytes())
-    data[offset] ^= 0xFF
-    path.write_bytes(bytes(data))
-
-
 def _saved(tmp_path):
     torch.manual_seed(0)
     model = Pair()
@@ -50,7 +41,7 @@ def _saved(tmp_path):
 def test_dcp_files_record_a_digest_per_chunk(tmp_path, small_chunks):
     _, _, path = _saved(tmp_path)
     shard = next(path.glob("*.distcp"))
-    entry = _manifest(path)["files"][shard.name]
+    entry = manifest_of(path)["files"][shard.name]
     data = shard.read_bytes()
     assert entry["xxh3_128"] == xxhash.xxh3_128(data).hexdigest()  # the whole-file form stays
     assert entry["chunks"]["bytes"] == SPAN
@@ -68,7 +59,7 @@ def test_a_damaged_later_chunk_is_refused_naming_the_file_and_nothing_unverified
     manager, saved, path = _saved(tmp_path)
     shard = next(path.glob("*.distcp"))
     start, end = _span_of(path, "model.second")
-    _flip(shard, (start + end) // 2)
+    flip_byte(shard, (start + end) // 2)
     live = Pair()
     before = {name: value.detach().clone() for name, value in live.state_dict().items()}
     with pytest.raises(CheckpointError, match=rf"{shard.name} is corrupt: its XXH3-128 of bytes \d+-\d+ does not"):
@@ -80,7 +71,7 @@ def test_a_damaged_later_chunk_is_refused_naming_the_file_and_nothing_unverified
 
 def test_manifests_without_chunk_digests_still_verify_and_catch_damage(tmp_path, small_chunks):
     manager, saved, path = _saved(tmp_path)
-    manifest = _manifest(path)
+    manifest = manifest_of(path)
     for entry in manifest["files"].values():
         entry.pop("chunks", None)  # as written before chunk digests existed
     (path / MANIFEST_NAME).write_text(json.dumps(manifest))
@@ -88,7 +79,7 @@ def test_manifests_without_chunk_digests_still_verify_and_catch_damage(tmp_path,
     assert manager.load_into("latest", {"model": ModelState(live)}) == {"state": {"step": 4}}
     assert torch.equal(live.second, saved.second)
     shard = next(path.glob("*.distcp"))
-    _flip(shard, shard.stat().st_size - 100)
+    flip_byte(shard, shard.stat().st_size - 100)
     fresh = Pair()
     before = fresh.first.detach().clone()
     with pytest.raises(CheckpointError, match=rf"{shard.name} is corrupt: its XXH3-128 does not match"):

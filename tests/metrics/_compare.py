@@ -1,10 +1,11 @@
-"""Exact comparison of metric values shared by the fast-path and deferred-update tests."""
+"""Exact comparison of metric values and a count of dispatched ops, shared by the fast-path tests."""
 
 from __future__ import annotations
 
 import math
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 
 def same(a, b) -> bool:
@@ -14,3 +15,15 @@ def same(a, b) -> bool:
     if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
         return True
     return type(a) is type(b) and a == b
+
+
+class CountOps(TorchDispatchMode):
+    """Record every aten op dispatched inside the block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(func.__name__)
+        return func(*args, **(kwargs or {}))

@@ -15,12 +15,11 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from danling.metrics import AverageMeter, StreamMetrics
 from danling.metrics.functional import _common, accuracy, binary_accuracy
 from danling.metrics.functional.multiclass import _confusion, accuracy_from_confusion, multiclass_accuracy
-from tests.metrics._compare import same
+from tests.metrics._compare import CountOps, same
 from tests.metrics.test_no_host_sync import ForbidHostSync
 
 
@@ -160,18 +159,6 @@ def test_meter_queues_values_of_one_batch_size_like_the_general_path(weights):
             total = total + value * n
     assert same(meter.sum, total.item()) and meter.count == sum(weights)
     assert same(meter.avg, (total / count).item())
-
-
-class CountOps(TorchDispatchMode):
-    """Record every aten op dispatched inside the block."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops.append(func.__name__)
-        return func(*args, **(kwargs or {}))
 
 
 def test_stream_accuracy_of_a_small_cpu_batch_dispatches_argmax_and_its_result_only():

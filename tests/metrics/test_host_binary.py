@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 
 from danling.metrics import binary_metrics
 from danling.metrics import functional as F
-from tests.metrics._compare import same
-from tests.metrics.test_host_class_scores import CountOps, both_paths
+from tests.metrics._compare import CountOps, same
+from tests.metrics.test_host_class_scores import both_paths
 
 FUNCTIONS = {
     "accuracy": F.binary_accuracy,

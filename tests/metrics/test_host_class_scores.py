@@ -16,12 +16,11 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from danling.metrics import StreamMetrics, multiclass_metrics
 from danling.metrics import functional as F
 from danling.metrics.functional import _common
-from tests.metrics._compare import same
+from tests.metrics._compare import CountOps, same
 
 FUNCTIONS = {
     "precision": (F.precision, F.multiclass_precision),
@@ -117,16 +116,6 @@ def test_bad_options_still_raise():
         F.f1_score(SCORES, TARGET, average="mean")
     with pytest.raises(ValueError, match="num_classes=5 does not match"):
         F.multiclass_precision(SCORES, TARGET, 5)
-
-
-class CountOps(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops.append(func.__name__)
-        return func(*args, **(kwargs or {}))
 
 
 def test_a_small_batch_takes_a_handful_of_tensor_ops():
