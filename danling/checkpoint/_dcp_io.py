@@ -124,10 +124,11 @@ class SafePlanner(DefaultLoadPlanner):
         self.trusted, self.directory = trusted, directory
         self.refused: UnsafePickleError | None = None
         self._safe_globals = list(SAFE_GLOBALS)
+        self._plain: dict[bytes, Any] = {}  # unpickled scalars by pickle (see `read_plain`)
 
     def load_bytes(self, read_item: Any, value: Any) -> None:
         fqn = read_item.dest_index.fqn
-        obj = NOT_PLAIN if self.trusted else read_plain(value, self._safe_globals)
+        obj = NOT_PLAIN if self.trusted else read_plain(value, self._safe_globals, self._plain)
         try:
             if obj is NOT_PLAIN:
                 origin = f"{self.directory} (entry {fqn})"
