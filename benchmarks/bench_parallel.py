@@ -8,7 +8,9 @@ sharded data:
    ratio of each round (runner / hand loop), median and interquartile range over the rounds;
 2. checkpoints: the runner's synchronous DCP save and load (manifest, pointers, loop state,
    loaders, RNG) against `dcp.save` / `dcp.load` of the same model + optimizer state, in MB/s of
-   the global state.
+   the global state (medians), and the median over the rounds of each round's runner / raw ratio
+   (the side going first alternates). Deleting the checkpoint a save replaces is left out of both
+   sides: the runner does it on a helper thread after the save returns (reported separately).
 
 Run: ``OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_parallel.py [--repeats 15]``; rank 0
 prints Markdown tables.
@@ -186,30 +188,51 @@ def bench_checkpoints(root: str, workload: str, repeats: int, profile_lines: int
     runner.logger.setLevel("ERROR")
     runner_epoch(runner)  # optimizer state exists
     model, optimizer = runner.model, runner.optimizer
-    raw = Path(root) / "raw-dcp"
+    raws = [Path(root) / "raw-dcp-0", Path(root) / "raw-dcp-1"]  # newest first
+
+    def raw_clear() -> None:
+        # Like the runner: the new checkpoint is written while the previous one still exists, and that one
+        # is deleted after the save (untimed on both sides). Writing into pages just freed by deleting the
+        # previous copy is much faster on this VM, which would favour whichever side deletes first.
+        if dist.get_rank() == 0:
+            shutil.rmtree(raws[1], ignore_errors=True)
+        dist.barrier()
 
     def raw_save() -> None:
-        if dist.get_rank() == 0:
-            shutil.rmtree(raw, ignore_errors=True)
-        dist.barrier()
+        raws.reverse()
         model_state, optim_state = get_state_dict(model, optimizer)
-        dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=raw)
+        dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=raws[0])
 
     def raw_load() -> None:
         model_state, optim_state = get_state_dict(model, optimizer)
         state = {"model": model_state, "optimizer": optim_state}
-        dcp.load(state, checkpoint_id=raw)
+        dcp.load(state, checkpoint_id=raws[0])
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
 
     paths: list[Any] = []
     if profile_lines:
         return profile_checkpoints(runner, profile_lines)
     samples: dict[str, list[float]] = {"dcp.save": [], "runner save": [], "dcp.load": [], "runner load": []}
-    for _ in range(repeats):
-        samples["dcp.save"].append(timed(raw_save))
+    cleanup: list[float] = []
+
+    def runner_save() -> None:
         samples["runner save"].append(timed(lambda: paths.append(runner.save_checkpoint(force=True))))
-        samples["dcp.load"].append(timed(raw_load))
+        # the replaced checkpoint is deleted on a helper thread after the save returns: let that finish
+        # before the next measurement instead of inside it, and report how long it still ran
+        cleanup.append(timed(runner.checkpoint_manager.wait))
+
+    def dcp_save() -> None:
+        samples["dcp.save"].append(timed(raw_save))
+        raw_clear()
+
+    def runner_load() -> None:
         samples["runner load"].append(timed(lambda: runner.load_checkpoint(runner.checkpoint_manager.latest)))
+
+    for round_index in range(repeats):  # which side goes first alternates: the disk's state drifts
+        saves = [dcp_save, runner_save]
+        loads = [lambda: samples["dcp.load"].append(timed(raw_load)), runner_load]
+        for step in (saves + loads) if round_index % 2 == 0 else (saves[::-1] + loads[::-1]):
+            step()
     local = sum(t.numel() * t.element_size() for t in _tensors(get_state_dict(model, optimizer)))
     total = torch.tensor(float(local))
     dist.all_reduce(total)
@@ -217,9 +240,11 @@ def bench_checkpoints(root: str, workload: str, repeats: int, profile_lines: int
     megabytes = float(total) / 2**20
     medians = {name: statistics.median(values) for name, values in samples.items()}
     cells = [f"{megabytes / medians[name]:.0f} MB/s ({medians[name] * 1e3:.0f} ms)" for name in samples]
-    save_ratio = medians["runner save"] / medians["dcp.save"]
-    load_ratio = medians["runner load"] / medians["dcp.load"]
-    return f"| {workload} | {megabytes:.1f} | " + " | ".join(cells) + f" | {save_ratio:.2f} | {load_ratio:.2f} |"
+    # each round's runner time over the raw time of the same round, then the median over the rounds
+    save_ratio = statistics.median(a / b for a, b in zip(samples["runner save"], samples["dcp.save"]))
+    load_ratio = statistics.median(a / b for a, b in zip(samples["runner load"], samples["dcp.load"]))
+    row = f"| {workload} | {megabytes:.1f} | " + " | ".join(cells) + f" | {save_ratio:.2f} | {load_ratio:.2f} |"
+    return row + f" {statistics.median(cleanup) * 1e3:.0f} ms |"
 
 
 def profile_checkpoints(runner: BenchRunner, lines: int) -> str:
@@ -288,8 +313,11 @@ def worker(
         print("\n".join(rows))
     if rank == 0:
         print("\n### DCP checkpoints: runner vs raw dcp.save / dcp.load (model + SGD momentum, 2 ranks)\n")
-        print("| workload | MB | dcp.save | runner save | dcp.load | runner load | save ratio | load ratio |")
-        print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+        print(
+            "| workload | MB | dcp.save | runner save | dcp.load | runner load | save ratio | load ratio "
+            "| deletion still running after the save |"
+        )
+        print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
         print("\n".join(checkpoints))
 
 

@@ -22,12 +22,12 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorS
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan
 
 from ._dcp_read import NOT_PLAIN, read_into, read_plain
-from .checksums import BackgroundVerification
+from .checksums import BackgroundVerification, directory_records
 from .manifest import CheckpointError
 from .ranks import RankLayout, rank_entry
 from .unpickling import SAFE_GLOBALS, UnsafePickleError, read_dcp_metadata, torch_load
 
-__all__ = ["SafeReader", "SafePlanner", "CheckpointException"]
+__all__ = ["SafeReader", "SafePlanner", "RecordingWriter", "CheckpointException"]
 
 
 class _Plan(NamedTuple):
@@ -35,6 +35,42 @@ class _Plan(NamedTuple):
     metadata: Metadata
     wanted: tuple[str, ...]  # top-level keys to read
     per_rank: tuple[str, ...]  # of those, the ones stored per data rank
+
+
+class _Records:
+    """Manifest records of the files one rank wrote, passed along with its DCP write results."""
+
+    def __init__(self, files: dict[str, Any]) -> None:
+        self.files = files
+
+
+class RecordingWriter(dcp.FileSystemWriter):
+    """DCP's file writer, with each rank's data files hashed and fsynced before DCP gathers the write results.
+
+    The records travel to the coordinator inside that gather, so recording them costs no
+    collective of its own; the coordinator finds them all in `records` once the save returns.
+    DCP's own fsync is off: each file is flushed while it is hashed, instead of before.
+    """
+
+    def __init__(self, path: str, checksum: str) -> None:
+        super().__init__(path, sync_files=False)
+        self.checksum = checksum
+        self.records: dict[str, Any] = {}
+
+    def write_data(self, plan: Any, planner: Any) -> Any:
+        written = super().write_data(plan, planner)
+        written.wait()
+        directory = Path(self.path)
+        prefix = plan.storage_data.prefix  # "__<rank>_": every file this rank wrote, one without entries too
+        names = [path.name for path in directory.glob(f"{prefix}*.distcp") if path.is_file()]
+        done: torch.futures.Future = torch.futures.Future()
+        done.set_result([*written.value(), _Records(directory_records(directory, checksum=self.checksum, files=names))])
+        return done
+
+    def finish(self, metadata: Any, results: list[list[Any]]) -> None:
+        for item in (item for part in results for item in part if isinstance(item, _Records)):
+            self.records.update(item.files)
+        super().finish(metadata, [[item for item in part if not isinstance(item, _Records)] for part in results])
 
 
 class SafeReader(dcp.FileSystemReader):
@@ -124,10 +160,11 @@ class SafePlanner(DefaultLoadPlanner):
         self.trusted, self.directory = trusted, directory
         self.refused: UnsafePickleError | None = None
         self._safe_globals = list(SAFE_GLOBALS)
+        self._plain: dict[bytes, Any] = {}  # unpickled scalars by pickle (see `read_plain`)
 
     def load_bytes(self, read_item: Any, value: Any) -> None:
         fqn = read_item.dest_index.fqn
-        obj = NOT_PLAIN if self.trusted else read_plain(value, self._safe_globals)
+        obj = NOT_PLAIN if self.trusted else read_plain(value, self._safe_globals, self._plain)
         try:
             if obj is NOT_PLAIN:
                 origin = f"{self.directory} (entry {fqn})"

@@ -113,13 +113,18 @@ NOT_PLAIN = object()
 """What `read_plain` returns for an entry it leaves to `torch.load`."""
 
 
-def read_plain(stream: Any, safe_globals: list) -> Any:
+_ATOMS = (int, float, bool, str, bytes, complex, type(None))
+
+
+def read_plain(stream: Any, safe_globals: list, cache: dict[bytes, Any] | None = None) -> Any:
     """Unpickle a non-tensor DCP entry (a ``torch.save`` archive without storages) weights-only.
 
     It runs the unpickler `torch.load(weights_only=True)` runs, with the same allowed globals, on
     the archive's ``data.pkl`` alone, skipping the rest of `torch.load`'s set-up (most of its cost
     for a small value). An archive holding tensor data, or any error, returns `NOT_PLAIN`: the
-    caller's `torch.load` then reads the entry, or refuses it with its own message.
+    caller's `torch.load` then reads the entry, or refuses it with its own message. With a `cache`
+    (one per load, same `safe_globals`), a pickle already unpickled to an immutable scalar is not
+    unpickled again: an optimizer stores each hyperparameter once per parameter.
     """
     from torch import _weights_only_unpickler
 
@@ -129,13 +134,19 @@ def read_plain(stream: Any, safe_globals: list) -> Any:
             return NOT_PLAIN
         if archive.has_record("byteorder") and archive.get_record("byteorder").decode() != sys.byteorder:
             return NOT_PLAIN
-        unpickler = _weights_only_unpickler.Unpickler(io.BytesIO(archive.get_record("data.pkl")), encoding="utf-8")
+        data = archive.get_record("data.pkl")
+        if cache is not None and data in cache:
+            return cache[data]
+        unpickler = _weights_only_unpickler.Unpickler(io.BytesIO(data), encoding="utf-8")
         unpickler.persistent_load = _no_storage
         with torch.serialization.safe_globals(safe_globals):
-            return unpickler.load()
+            value = unpickler.load()
     except Exception:
         stream.seek(0)
         return NOT_PLAIN
+    if cache is not None and type(value) in _ATOMS:
+        cache[data] = value
+    return value
 
 
 def _no_storage(pid: Any) -> Any:

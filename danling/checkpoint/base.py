@@ -26,6 +26,7 @@ from .failures import raise_save_error
 from .layout import (
     NAME_PATTERN,
     POINTER_SUFFIX,
+    Discard,
     check_count,
     check_name,
     follow_pointer,
@@ -40,10 +41,8 @@ from .manifest import (
     MANIFEST_NAME,
     CheckpointError,
     CheckpointNotFoundError,
-    file_record,
-    fsync_dir,
+    seal_directory,
     verify_directory,
-    write_manifest,
 )
 from .payload import capture_state, check_objects, drop_key, normalize_excludes, restore_objects, snapshot_state
 from .retention import prunable
@@ -117,6 +116,7 @@ class CheckpointManager(RunnerSaves):
         self._pending: Future | None = None
         self._staging_buffers: dict = {}  # CPU copies of the last async snapshot, reused by the next
         self._pending_path: Path | None = None
+        self._discard = Discard()  # replaced and pruned checkpoints are removed on its thread
         if self._writes and self.directory.is_dir():
             self._recover()
 
@@ -214,12 +214,13 @@ class CheckpointManager(RunnerSaves):
             self.wait(0)
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Wait for the in-flight async save; re-raise its error. Returns `False` on timeout."""
+        """Wait for the in-flight async save (re-raising its error); `False` on timeout.
+
+        Without a timeout, also wait until the checkpoints replaced or pruned so far are deleted."""
         pending = self._pending
-        if pending is None:
-            return True
         try:
-            pending.result(timeout=timeout)
+            if pending is not None:
+                pending.result(timeout=timeout)
         except FutureTimeoutError:
             return False
         except BaseException as err:
@@ -227,8 +228,10 @@ class CheckpointManager(RunnerSaves):
                 err.add_note(f"raised by the asynchronous save of checkpoint {self._pending_path}")
             raise
         finally:
-            if pending.done():
+            if pending is not None and pending.done():
                 self._pending = None
+        if timeout is None:
+            self._discard.drain()
         return True
 
     def close(self, timeout: float | None = None) -> bool:
@@ -249,6 +252,8 @@ class CheckpointManager(RunnerSaves):
                     timeout,
                 )
             self._staging_buffers.clear()  # a running write keeps its own references
+            if drained:
+                self._discard.drain()
             if self._executor is not None:
                 self._executor.shutdown(wait=False)
                 self._executor = None
@@ -263,10 +268,12 @@ class CheckpointManager(RunnerSaves):
         main process hashes the rest, publishes and prunes. Collective backends override the
         `_temp_dir`, `_gather_records` and `_barrier` seams, not this method.
         """
-        tmp = self._temp_dir(name)
-        final = self.directory / name
-        with in_flight(tmp):
-            return self._persist_into(tmp, final, state, aliases, history, metadata)
+        tmp, final = self._temp_dir(name), self.directory / name
+        try:
+            with in_flight(tmp):
+                return self._persist_into(tmp, final, state, aliases, history, metadata)
+        finally:
+            self._discard.flush()  # after the save's last fsync (see `Discard`)
 
     def _persist_into(
         self, tmp: Path, final: Path, state: Mapping[str, Any], aliases: tuple[str, ...], history: bool, metadata: dict
@@ -277,12 +284,7 @@ class CheckpointManager(RunnerSaves):
             records = self._gather_records(dict(self._write_payload(state, tmp)))
             self._barrier()
             if self.is_main_process:
-                for path in sorted(tmp.rglob("*")):
-                    key = path.relative_to(tmp).as_posix()
-                    if path.is_file() and key not in records:
-                        records[key] = file_record(path, fsync=True)
-                write_manifest(tmp, name=name, backend=self.backend, files=records, history=history, metadata=metadata)
-                fsync_dir(tmp)
+                seal_directory(tmp, records, name=name, backend=self.backend, history=history, metadata=metadata)
                 self._publish(tmp, name)
         except BaseException as err:
             if self.is_main_process:
@@ -310,15 +312,13 @@ class CheckpointManager(RunnerSaves):
         """Synchronise participating ranks (single-writer backends: nothing to do)."""
 
     def _publish(self, tmp: Path, name: str) -> Path:
-        return publish(tmp, self.directory / name)
+        return publish(tmp, self.directory / name, self._discard)
 
     def _prune(self) -> None:
         history = [(path, manifest) for path, manifest in self._scan() if manifest.get("history")]
         keep = {"keep_latest_k": self.keep_latest_k, "save_top_k": self.save_top_k}
         for path in prunable(history, protected=set(self.aliases(wait=False).values()), **keep):
-            trash = self.directory / f".trash-{path.name}-{temp_token()}"
-            os.rename(path, trash)
-            shutil.rmtree(trash, ignore_errors=True)
+            self._discard.retire(path, path.name)
             self.logger.info("pruned checkpoint %s (keep_latest_k=%s, save_top_k=%s)", path, *keep.values())
 
     def _recover(self) -> None:

@@ -4,8 +4,9 @@ Every rank takes part in a save: DCP splits the tensors between the ranks (repli
 weights are written once, sharded ones by their owners) into ``__<rank>_<n>.distcp`` files plus a
 ``.metadata`` index. The layout, manifest, aliases, retention and crash recovery are those of
 [`CheckpointManager`][danling.checkpoint.CheckpointManager]: rank 0 picks the temporary
-directory, all ranks write into it, and rank 0 hashes the files, writes the manifest, renames the
-directory into place, moves the aliases and prunes, then tells the other ranks how it went.
+directory, all ranks write into it and hash and sync their own files (the records reach rank 0
+with DCP's own gather of the write results), and rank 0 writes the manifest, renames the directory
+into place, moves the aliases and prunes, then tells the other ranks how it went.
 
 Loading needs no collective. [`load_into`][danling.checkpoint.dcp.TorchDistributedCheckpointManager.load_into]
 reads each live object's entries straight into its own tensors (a DTensor gets only its local
@@ -28,7 +29,7 @@ from torch.distributed.checkpoint._traverse import set_element
 from danling.utils import to_device
 
 from ._dcp_checks import _check_index, _check_keys, _data_domain, _key_names
-from ._dcp_io import CheckpointException, SafePlanner, SafeReader, _damaged, _paths, _Plan, _targets
+from ._dcp_io import CheckpointException, RecordingWriter, SafePlanner, SafeReader, _damaged, _paths, _Plan, _targets
 from ._dcp_read import pack_plain, unpack_plain
 from .base import CheckpointManager
 from .checksums import BackgroundVerification
@@ -36,7 +37,6 @@ from .manifest import (
     DEFAULT_CHECKSUM,
     CheckpointError,
     check_checksum,
-    directory_records,
     verify_in_background,
 )
 from .payload import check_objects, drop_key
@@ -252,7 +252,6 @@ class TorchDistributedCheckpointManager(CheckpointManager):
             self._save(state, Path(directory))
         except BaseException as err:
             local_error = err
-        self._gather_own_records(Path(directory), local_error)
         outcome = self._exchange(None)
         if local_error is not None:
             raise local_error
@@ -264,44 +263,21 @@ class TorchDistributedCheckpointManager(CheckpointManager):
         # Runs on the coordinator inside the base class's write: tell the followers where to write.
         self._exchange(str(directory))
         self._announced = True
-        error: BaseException | None = None
-        try:
-            self._save(state, directory)  # collective: when it returns, every rank's files are written and synced
-        except BaseException as err:  # the followers still send their records before the error is raised
-            error = err
-        records = self._gather_own_records(directory, error)
-        if error is not None:
-            raise error
-        return records  # the base class hashes what no rank claimed (DCP's .metadata)
+        # Collective. DCP raises an error of any rank's write on every rank; on success every rank's
+        # data files are written, synced and recorded (the base class hashes the rest: DCP's .metadata).
+        return self._save(state, directory)
 
-    def _gather_own_records(self, directory: Path, error: BaseException | None) -> dict[str, Any]:
-        """Each rank hashes the data files it wrote; the coordinator receives them all (one collective).
-
-        DCP names a rank's files ``__<group rank>_<n>.distcp`` and has synced them already.
-        """
-        own: dict[str, Any] | None = None
-        if error is None:
-            names = [path.name for path in directory.glob(f"__{self.rank}_*.distcp") if path.is_file()]
-            own = directory_records(directory, checksum=self.checksum, fsync=False, files=names)
-        if not self.distributed:
-            return own or {}
-        gathered: list[Any] | None = [None] * dist.get_world_size(self.process_group) if self.rank == 0 else None
-        dist.gather_object(own, gathered, group=self.process_group, group_dst=0)
-        return {key: record for part in gathered or () for key, record in (part or {}).items()}
-
-    def _save(self, state: Mapping[str, Any], directory: Path) -> None:
+    def _save(self, state: Mapping[str, Any], directory: Path) -> dict[str, Any]:
+        """Write this rank's part of `state` with DCP; the coordinator gets the records of every rank's data files."""
         local = {key: pack_plain(value) for key, value in state.items()} if self.pack_plain else dict(state)
         for key in self.rank_local_keys:
             if key in local:
                 local[key] = {rank_entry(self.data_rank): local[key]}
+        writer = RecordingWriter(str(directory), self.checksum)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
-            dcp.save(
-                local,
-                storage_writer=dcp.FileSystemWriter(str(directory), sync_files=True),
-                process_group=self.process_group,
-                no_dist=not self.distributed,
-            )
+            dcp.save(local, storage_writer=writer, process_group=self.process_group, no_dist=not self.distributed)
+        return writer.records
 
     def load_into(
         self, checkpoint: str | os.PathLike, objects: Mapping[str, Any], *, map_location: Any = "cpu"

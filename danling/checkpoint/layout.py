@@ -20,6 +20,7 @@ import shutil
 import threading
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,7 @@ from .manifest import CheckpointError, CheckpointNotFoundError, atomic_write_tex
 __all__ = [
     "POINTER_SUFFIX",
     "check_name",
+    "Discard",
     "in_flight",
     "publish",
     "temp_token",
@@ -121,23 +123,85 @@ def _writer_alive(name: str) -> bool:
     return True
 
 
-def publish(tmp: Path, final: Path) -> Path:
+def publish(tmp: Path, final: Path, discard: Discard | None = None) -> Path:
     """Rename the finished directory `tmp` to `final`, replacing an existing checkpoint safely.
 
     An existing `final` is first moved aside to `.old-<name>-<hex>`; if the process dies between
-    the two renames, recovery moves it back, so the name never ends up pointing at nothing.
+    the two renames, recovery moves it back, so the name never ends up pointing at nothing. Once
+    `final` is in place the old one is renamed to `.trash-<name>-<hex>` and removed: by `discard`
+    on its helper thread when given, here otherwise.
     """
     directory = final.parent
-    if final.exists():
-        with in_flight(directory / f".old-{final.name}-{temp_token()}") as old:
-            os.rename(final, old)
-            os.rename(tmp, final)
-            fsync_dir(directory)
-            shutil.rmtree(old, ignore_errors=True)
-    else:
+    if not final.exists():
         os.rename(tmp, final)
         fsync_dir(directory)
+        return final
+    with in_flight(directory / f".old-{final.name}-{temp_token()}") as old:
+        os.rename(final, old)
+        os.rename(tmp, final)
+        fsync_dir(directory)
+        (discard or Discard(now=True)).retire(old, final.name)
     return final
+
+
+class Discard:
+    """Removes retired checkpoint directories (`.trash-*`) on one helper thread, in the order given.
+
+    Freeing the page cache of a large checkpoint takes tens of milliseconds of kernel time, and
+    the file system's journal commits it with the next fsync. So a save only renames its replaced
+    and pruned directories here (`retire`), and hands them to the thread once it has written
+    everything it syncs (`flush`): the removal overlaps whatever the caller does next. `drain`
+    waits for the removals still running. The entries count as in flight until removed, so
+    recovery by another manager of this process leaves them alone; a process that dies first
+    leaves `.trash-*` entries, which recovery always removes.
+    """
+
+    def __init__(self, *, now: bool = False) -> None:
+        self.now = now  # remove in the caller's thread, at once
+        self._retired: list[Path] = []
+        self._executor: ThreadPoolExecutor | None = None
+        self._pending: list[Future] = []
+        self._owner = os.getpid()
+        self._lock = threading.Lock()
+
+    def retire(self, path: Path, name: str) -> None:
+        """Rename the checkpoint directory `path` (named `name` when live) to a `.trash-*` entry, to be removed."""
+        trash = path.parent / f".trash-{name}-{temp_token()}"
+        os.rename(path, trash)  # what recovery finds of it from here on is deleted, never restored
+        if self.now:
+            shutil.rmtree(trash, ignore_errors=True)
+            return
+        with _IN_FLIGHT_LOCK:
+            _IN_FLIGHT.add(trash.absolute())
+        with self._lock:
+            self._retired.append(trash.absolute())
+
+    def flush(self) -> None:
+        """Start removing the directories retired so far, on the helper thread."""
+        with self._lock:
+            if self._owner != os.getpid():  # a forked child: the parent's thread and queue are not ours
+                self._executor, self._pending, self._owner = None, [], os.getpid()
+            retired, self._retired = self._retired, []
+            if retired and self._executor is None:
+                self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="danling-discard")
+            self._pending = [future for future in self._pending if not future.done()]
+            self._pending.extend(self._executor.submit(_remove, path) for path in retired)
+
+    def drain(self) -> None:
+        """Remove every directory retired so far and wait until the removals are done."""
+        self.flush()
+        with self._lock:
+            pending, self._pending = self._pending, []
+        for future in pending:
+            future.result()
+
+
+def _remove(path: Path) -> None:
+    try:
+        shutil.rmtree(path, ignore_errors=True)
+    finally:
+        with _IN_FLIGHT_LOCK:
+            _IN_FLIGHT.discard(path)
 
 
 def write_pointer(directory: Path, alias: str, target: str) -> Path:

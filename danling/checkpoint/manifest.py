@@ -142,6 +142,17 @@ def write_manifest(
     return manifest
 
 
+def seal_directory(directory: Path, records: dict[str, Any], **fields: Any) -> None:
+    """Hash and fsync the files under `directory` that `records` lacks (adding them), write the manifest
+    (`fields` as for `write_manifest`) and fsync the directory: it is then ready to be published."""
+    for path in sorted(directory.rglob("*")):
+        key = path.relative_to(directory).as_posix()
+        if path.is_file() and key not in records:
+            records[key] = file_record(path, fsync=True)
+    write_manifest(directory, files=records, **fields)
+    fsync_dir(directory)
+
+
 def read_manifest(directory: str | os.PathLike) -> dict[str, Any]:
     """Parse and sanity-check the manifest of `directory` without hashing any payload."""
     path = Path(directory) / MANIFEST_NAME

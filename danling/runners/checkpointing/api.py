@@ -125,7 +125,8 @@ class CheckpointMixin:
         if self.__dict__.pop("_seed_was_drawn", False) and saved.get("seed") is not None:
             # Neither run chose a seed: continue with the one the checkpointed run drew.
             self.config.seed = saved["seed"]
-        check_identity(self, recorded_config(saved))  # budget keys may differ; identity keys only when allowed
+        if saved != self.config.dict():  # equal (a resume of this very run): nothing to compare, no config to build
+            check_identity(self, recorded_config(saved))  # budget keys may differ; identity keys only when allowed
 
     # ------------------------------------------------------------------ saving
     def save_checkpoint(
@@ -334,8 +335,7 @@ class CheckpointMixin:
             size,
         )
 
-    def _excluded_components(self) -> set[str]:
-        # Dotted entries ("model.head") only trim part of a component, which is still loaded.
+    def _excluded_components(self) -> set[str]:  # dotted entries ("model.head") trim a component, still loaded
         return {key for key in self.checkpoint_manager.exclude_from_loading if "." not in key}
 
     def load_model(self, state_dict: Mapping[str, Any], *args: Any, **kwargs: Any) -> None:

@@ -1,0 +1,107 @@
+"""What keeps a save or load short: deferred deletion, records riding on DCP's gather, cached plain scalars."""
+
+from __future__ import annotations
+
+import io
+import logging
+import warnings
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from danling.checkpoint import FileCheckpointManager
+from danling.checkpoint._dcp_io import RecordingWriter
+from danling.checkpoint._dcp_read import NOT_PLAIN, read_plain
+from danling.checkpoint.layout import _HOST_TAG, Discard, recover_directory
+from danling.checkpoint.manifest import directory_records
+from danling.checkpoint.unpickling import SAFE_GLOBALS
+
+
+def _hidden(directory):
+    return sorted(p.name for p in directory.iterdir() if p.name.startswith("."))
+
+
+def test_retired_directory_waits_for_flush_and_survives_recovery(tmp_path):
+    victim = tmp_path / "step-000001"
+    victim.mkdir()
+    (victim / "state.pt").write_bytes(b"x" * 100)
+    discard = Discard()
+    discard.retire(victim, "step-000001")
+    assert not victim.exists()
+    (trash,) = _hidden(tmp_path)
+    assert trash.startswith(".trash-step-000001-")
+    recover_directory(tmp_path, logging.getLogger("test"))  # another manager of this process: not its entry
+    assert _hidden(tmp_path) == [trash]
+    discard.drain()
+    assert not list(tmp_path.iterdir())
+
+
+def test_replaced_and_pruned_checkpoints_are_gone_once_the_manager_waits(tmp_path):
+    manager = FileCheckpointManager(tmp_path, keep_latest_k=1)
+    for step in (1, 2, 2, 3):  # step 2 replaces itself once; steps 1 and 2 get pruned
+        assert manager.save({"v": step}, f"step-{step:06d}") == tmp_path / f"step-{step:06d}"
+        assert not [name for name in _hidden(tmp_path) if name.startswith(".old-")]  # never left to be restored
+    assert [p.name for p in manager.checkpoints()] == ["step-000003"]
+    manager.wait()
+    assert _hidden(tmp_path) == []
+    assert manager.load("latest")["v"] == 3
+    manager.close()
+
+
+def test_dead_writers_trash_is_removed_never_restored(tmp_path):
+    trash = tmp_path / f".trash-step-000001-p999999999.{_HOST_TAG}.ab"  # this host, a process that is gone
+    trash.mkdir()
+    (trash / "state.pt").write_bytes(b"partial")
+    recover_directory(tmp_path, logging.getLogger("test"))
+    assert not list(tmp_path.iterdir())
+
+
+def test_recording_writer_returns_the_records_of_the_files_it_wrote(tmp_path):
+    state = {"w": torch.arange(4096, dtype=torch.float32), "cfg": {"lr": 0.1}}
+    writer = RecordingWriter(str(tmp_path), "xxh3_128")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save(state, storage_writer=writer, no_dist=True)
+    data_files = sorted(p.name for p in tmp_path.glob("*.distcp"))
+    assert sorted(writer.records) == data_files and data_files
+    assert writer.records == directory_records(tmp_path, files=data_files)  # what hashing them afterwards gives
+    loaded = {"w": torch.zeros(4096), "cfg": {"lr": 0.0}}
+    dcp.load(loaded, checkpoint_id=tmp_path, no_dist=True)  # the side-channel records left DCP's metadata clean
+    assert torch.equal(loaded["w"], state["w"]) and loaded["cfg"]["lr"] == 0.1
+
+
+def _archive(value):
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    buffer.seek(0)
+    return buffer
+
+
+def test_plain_scalars_are_unpickled_once_per_cache():
+    cache: dict = {}
+    first = read_plain(_archive(0.001), list(SAFE_GLOBALS), cache)
+    assert first == 0.001 and list(cache.values()) == [0.001]
+    assert read_plain(_archive(0.001), list(SAFE_GLOBALS), cache) == 0.001
+    assert read_plain(_archive(True), list(SAFE_GLOBALS), cache) is True  # not confused with 1
+    assert len(cache) == 2
+    lists = [read_plain(_archive([1, 2]), list(SAFE_GLOBALS), cache) for _ in range(2)]
+    assert lists == [[1, 2], [1, 2]] and lists[0] is not lists[1]  # mutable values: never shared
+    assert len(cache) == 2
+
+
+def test_cached_scalars_still_refuse_what_the_unpickler_refuses():
+    class Evil:
+        def __reduce__(self):
+            return (print, ("pwned",))
+
+    cache: dict = {}
+    assert read_plain(_archive(Evil()), list(SAFE_GLOBALS), cache) is NOT_PLAIN
+    assert cache == {}
+
+
+@pytest.mark.parametrize("value", [None, "text", 3, 2.5, b"raw"])
+def test_each_atom_round_trips_through_the_cache(value):
+    cache: dict = {}
+    assert read_plain(_archive(value), list(SAFE_GLOBALS), cache) == value
+    assert read_plain(_archive(value), list(SAFE_GLOBALS), cache) == value
