@@ -69,19 +69,22 @@ def fsync_file(path: str) -> None:
 
 
 def file_candidates(model: nn.Module, optimizer: torch.optim.Optimizer, root: Path) -> dict[str, Callable]:
-    # Like the managers (keep_latest_k=1), the raw side writes a new file and then deletes the
-    # previous one, so both pay for fresh page-cache pages and for the deletion.
+    # Like the managers (keep_latest_k=1), the raw side writes a new file while the previous one
+    # exists and deletes the older one untimed, before its next save; the managers delete what
+    # they replaced on a helper thread, waited for (untimed) by `manager.wait` in the same place.
     paths = [os.fspath(root / "raw-a.pt"), os.fspath(root / "raw-b.pt")]
     manager = FileCheckpointManager(root / "file", keep_latest_k=1)
     objects = {"model": model, "optimizer": optimizer}
     counter = itertools.count()
 
+    def raw_settle() -> None:
+        if os.path.exists(paths[1]):
+            os.unlink(paths[1])
+
     def raw_save() -> None:
         paths.reverse()
         torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, paths[0])
         fsync_file(paths[0])
-        if os.path.exists(paths[1]):
-            os.unlink(paths[1])
 
     def raw_load() -> None:
         payload = torch.load(paths[0], weights_only=True)
@@ -89,8 +92,8 @@ def file_candidates(model: nn.Module, optimizer: torch.optim.Optimizer, root: Pa
         optimizer.load_state_dict(payload["optimizer"])
 
     return {
-        "torch.save + fsync": raw_save,
-        "FileCheckpointManager.save": lambda: manager.save(objects, f"step-{next(counter)}"),
+        "torch.save + fsync": (raw_settle, raw_save),
+        "FileCheckpointManager.save": (manager.wait, lambda: manager.save(objects, f"step-{next(counter)}")),
         "torch.load + load_state_dict": raw_load,
         "FileCheckpointManager.load_into": lambda: manager.load_into("latest", objects),
     }
@@ -104,11 +107,13 @@ def dcp_candidates(model: nn.Module, optimizer: torch.optim.Optimizer, root: Pat
     manager = TorchDistributedCheckpointManager(root / "dcp", keep_latest_k=1)
     counter = itertools.count()
 
+    def raw_settle() -> None:  # as in `file_candidates`: the older copy goes, untimed
+        shutil.rmtree(dirs[1], ignore_errors=True)
+
     def raw_save() -> None:
         dirs.reverse()
         model_state, optim_state = get_state_dict(model, optimizer)
         dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=dirs[0], no_dist=True)
-        shutil.rmtree(dirs[1], ignore_errors=True)
 
     def raw_load() -> None:
         model_state, optim_state = get_state_dict(model, optimizer)
@@ -120,8 +125,8 @@ def dcp_candidates(model: nn.Module, optimizer: torch.optim.Optimizer, root: Pat
         return {"model": ModelState(model), "optimizer": OptimizerState(model, optimizer)}
 
     return {
-        "dcp.save": raw_save,
-        "DCP manager save": lambda: manager.save(objects(), f"step-{next(counter)}"),
+        "dcp.save": (raw_settle, raw_save),
+        "DCP manager save": (manager.wait, lambda: manager.save(objects(), f"step-{next(counter)}")),
         "dcp.load + set_state_dict": raw_load,
         "DCP manager load_into": lambda: manager.load_into("latest", objects()),
     }
@@ -169,6 +174,18 @@ def alternate_settled(candidates: dict[str, tuple[Callable, Callable]], repeats:
     return {name: statistics.median(values) for name, values in samples.items()}
 
 
+def settled(candidate: Callable | tuple[Callable, Callable], *more: Callable) -> tuple[Callable, Callable]:
+    """`(settle, call)` of a candidate given as a call or as `(settle, call)`, `more` run after its settle."""
+    settle, call = candidate if isinstance(candidate, tuple) else (None, candidate)
+    steps = ([settle] if settle is not None else []) + list(more)
+
+    def run() -> None:
+        for step in steps:
+            step()
+
+    return run, call
+
+
 def evict(root: Path) -> Callable[[], None]:
     """Drop the (clean, fsynced) page-cache pages of every file under `root`: the next read comes from disk."""
 
@@ -200,10 +217,13 @@ def report(title: str, medians: dict[str, float], size: int) -> str:
 def profile(candidates: dict[str, Callable], names: list[str], lines: int) -> str:
     out = io.StringIO()
     for name in names:
-        candidates[name]()  # warm up
+        settle, call = settled(candidates[name])
+        settle()
+        call()  # warm up
+        settle()
         prof = cProfile.Profile()
         prof.enable()
-        candidates[name]()
+        call()
         prof.disable()
         out.write(f"\n## {name}\n")
         pstats.Stats(prof, stream=out).sort_stats("cumulative").print_stats(lines)
@@ -241,7 +261,7 @@ def main(argv: list[str] | None = None) -> None:
                 if args.cold and part != "async" and "load" in pair[0]:
                     chosen = {name: (evict(root), fn) for name, fn in chosen.items()}
                 elif part != "async" and "save" in pair[0]:  # no candidate pays for the other's writeback
-                    chosen = {name: (os.sync, fn) for name, fn in chosen.items()}
+                    chosen = {name: settled(fn, os.sync) for name, fn in chosen.items()}
                 timer = alternate_settled if isinstance(chosen[pair[0]], tuple) else alternate
                 medians.update(timer(chosen, repeats))
             title = f"Checkpoint, {part}" + (", loads from a cold page cache" if args.cold else "")

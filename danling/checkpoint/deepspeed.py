@@ -157,7 +157,8 @@ class DeepSpeedCheckpointManager(TorchDistributedCheckpointManager):
 
     # saving ----------------------------------------------------------------------------------
 
-    def _save(self, state: Mapping[str, Any], directory: Path) -> None:
+    def _save(self, state: Mapping[str, Any], directory: Path) -> dict[str, Any]:
+        """Write through the engine plus danling's own files; no records: rank 0 hashes the whole directory."""
         engine = self.engine
         if engine is None:
             raise CheckpointError("DeepSpeedCheckpointManager has no engine to save: call bind(engine) first")
@@ -183,6 +184,7 @@ class DeepSpeedCheckpointManager(TorchDistributedCheckpointManager):
             raise error
         if failed:
             raise CheckpointError("writing the DeepSpeed checkpoint failed on another rank; nothing was published")
+        return {}
 
     def _any_failed(self, failed: bool) -> bool:
         if not self.distributed:
