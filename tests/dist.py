@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import pickle
 import queue as queue_module
+import random
 import signal
 import socket
 import sys
@@ -74,15 +75,39 @@ def rendezvous_ports(ports: list[int]) -> None:
 
 
 def free_ports(count: int) -> list[int]:
-    """`count` distinct TCP ports that were free a moment ago."""
-    sockets = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(count)]
+    """`count` distinct TCP ports that were free a moment ago, from below the kernel's ephemeral range.
+
+    A port the kernel hands out for `bind(0)` comes from the ephemeral range, which every gloo
+    connection of every other test process draws from too: one of them could take it before the
+    rendezvous binds it (EADDRINUSE, seen on CI). Below that range only explicit binds compete.
+    """
+    low = _ephemeral_low()
+    chosen: list[int] = []
+    sockets: list[socket.socket] = []
     try:
-        for sock in sockets:  # held open together, so the ports differ
-            sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in sockets]
+        for port in random.sample(range(10000, low), min(low - 10000, 50 * count)):
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                sock.close()
+                continue
+            sockets.append(sock)  # held open together, so the ports differ
+            chosen.append(port)
+            if len(chosen) == count:
+                return chosen
+        raise RuntimeError(f"no {count} free TCP ports between 10000 and {low}")
     finally:
         for sock in sockets:
             sock.close()
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as handle:
+            return max(10001, int(handle.read().split()[0]))
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 @contextmanager

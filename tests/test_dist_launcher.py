@@ -1,7 +1,7 @@
 import torch
 import torch.distributed as dist
 
-from tests.dist import run_distributed
+from tests.dist import _ephemeral_low, free_ports, run_distributed
 
 
 def _all_reduce(rank: int, world_size: int, offset: int) -> float:
@@ -35,3 +35,10 @@ def _tensor_result(rank: int, world_size: int) -> torch.Tensor:
 def test_launcher_returns_tensors_after_workers_exit():
     results = run_distributed(_tensor_result)
     assert [r[0, 0].item() for r in results] == [0.0, 1.0]
+
+
+def test_free_ports_stay_below_the_ephemeral_range():
+    # Ports from the ephemeral range can be taken by any gloo connection of another test process
+    # before the rendezvous binds them (EADDRINUSE on CI); below it only explicit binds compete.
+    ports = free_ports(32)
+    assert len(set(ports)) == 32 and all(10000 <= port < _ephemeral_low() for port in ports)

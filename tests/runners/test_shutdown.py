@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from danling.checkpoint import read_checkpoint
+from tests.dist import free_ports
 from tests.runners._torch_toy import TinyRunner, tiny_config
 from tests.runners._toy import ToyRunner, toy_config
 
@@ -52,19 +53,13 @@ def test_signal_saves_a_shutdown_checkpoint_and_exits(tmp_path, signum):
         assert resumed.model.weight == payload["model"]["weight"]
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.mark.distributed
 def test_sigterm_stops_both_ddp_ranks_with_a_shutdown_checkpoint(tmp_path):
     import os
 
-    env = dict(os.environ, WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), OMP_NUM_THREADS="1")
+    env = dict(
+        os.environ, WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_ports(1)[0]), OMP_NUM_THREADS="1"
+    )
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     procs = [
         subprocess.Popen(

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from danling.runners.services.watchdog import Watchdog
+from tests.dist import free_ports
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -85,14 +85,10 @@ def test_the_thread_fires_once(tmp_path):
 # ---------------------------------------------------------------------------------------- 2 processes
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _launch(root: Path, scenario: str) -> list[subprocess.Popen]:
-    env = dict(os.environ, WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), OMP_NUM_THREADS="1")
+    env = dict(
+        os.environ, WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_ports(1)[0]), OMP_NUM_THREADS="1"
+    )
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     return [
         subprocess.Popen(
