@@ -75,17 +75,25 @@ def rendezvous_ports(ports: list[int]) -> None:
 
 
 def free_ports(count: int) -> list[int]:
-    """`count` distinct TCP ports that were free a moment ago, from below the kernel's ephemeral range.
+    """`count` distinct TCP ports, free a moment ago, that no other test process hands out.
 
-    A port the kernel hands out for `bind(0)` comes from the ephemeral range, which every gloo
-    connection of every other test process draws from too: one of them could take it before the
-    rendezvous binds it (EADDRINUSE, seen on CI). Below that range only explicit binds compete.
+    Ports come from below the kernel's ephemeral range (which every gloo connection draws from),
+    from a block of its own for each pytest-xdist worker, in turn from a random start: two test
+    processes never pick the same port, and one process moves on instead of reusing a port it
+    handed out a moment ago. (Ports from `bind(0)`, or picked at random by both workers, were
+    taken by the other process before the rendezvous bound them: EADDRINUSE on CI.)
     """
-    low = _ephemeral_low()
+    global _next_port
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:]
+    blocks = max(1, (_ephemeral_low() - 10000) // _PORT_BLOCK)
+    first = 10000 + (int(worker) % blocks if worker.isdigit() else 0) * _PORT_BLOCK
+    if _next_port is None:
+        _next_port = random.randrange(_PORT_BLOCK)
     chosen: list[int] = []
     sockets: list[socket.socket] = []
     try:
-        for port in random.sample(range(10000, low), min(low - 10000, 50 * count)):
+        for _ in range(_PORT_BLOCK):
+            port, _next_port = first + _next_port, (_next_port + 1) % _PORT_BLOCK
             sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             try:
                 sock.bind(("127.0.0.1", port))
@@ -96,10 +104,14 @@ def free_ports(count: int) -> list[int]:
             chosen.append(port)
             if len(chosen) == count:
                 return chosen
-        raise RuntimeError(f"no {count} free TCP ports between 10000 and {low}")
+        raise RuntimeError(f"no {count} free TCP ports in {first}-{first + _PORT_BLOCK - 1}")
     finally:
         for sock in sockets:
             sock.close()
+
+
+_PORT_BLOCK = 5000
+_next_port: int | None = None  # offset of the next port to hand out in this process's block
 
 
 def _ephemeral_low() -> int:

@@ -37,8 +37,12 @@ def test_launcher_returns_tensors_after_workers_exit():
     assert [r[0, 0].item() for r in results] == [0.0, 1.0]
 
 
-def test_free_ports_stay_below_the_ephemeral_range():
-    # Ports from the ephemeral range can be taken by any gloo connection of another test process
-    # before the rendezvous binds them (EADDRINUSE on CI); below it only explicit binds compete.
-    ports = free_ports(32)
-    assert len(set(ports)) == 32 and all(10000 <= port < _ephemeral_low() for port in ports)
+def test_free_ports_stay_below_the_ephemeral_range_in_a_block_of_this_worker(monkeypatch):
+    # Ports from the ephemeral range can be taken by any gloo connection of another test process,
+    # and ports two workers both pick at random collide: each xdist worker has a block of its own.
+    monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw1")
+    first, second = free_ports(32), free_ports(32)
+    assert len(set(first + second)) == 64  # one process does not hand a port out twice in a row
+    assert all(15000 <= port < 20000 < _ephemeral_low() for port in first + second)
+    monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw0")
+    assert all(10000 <= port < 15000 for port in free_ports(8))
