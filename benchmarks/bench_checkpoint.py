@@ -18,11 +18,8 @@ manager save and one load of each backend instead.
 from __future__ import annotations
 
 import argparse
-import cProfile
-import io
 import itertools
 import os
-import pstats
 import shutil
 import statistics
 import sys
@@ -36,7 +33,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import alternate
+from common import alternate, fsync_file, profile_call
 
 from danling.checkpoint import FileCheckpointManager
 from danling.checkpoint.dcp import ModelState, OptimizerState, TorchDistributedCheckpointManager
@@ -58,14 +55,6 @@ def build(mib: int) -> tuple[nn.Module, torch.optim.Optimizer, int]:
         if isinstance(value, torch.Tensor)
     )
     return model, optimizer, size
-
-
-def fsync_file(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def file_candidates(model: nn.Module, optimizer: torch.optim.Optimizer, root: Path) -> dict[str, Callable]:
@@ -215,19 +204,14 @@ def report(title: str, medians: dict[str, float], size: int) -> str:
 
 
 def profile(candidates: dict[str, Callable], names: list[str], lines: int) -> str:
-    out = io.StringIO()
+    out = []
     for name in names:
         settle, call = settled(candidates[name])
         settle()
         call()  # warm up
         settle()
-        prof = cProfile.Profile()
-        prof.enable()
-        call()
-        prof.disable()
-        out.write(f"\n## {name}\n")
-        pstats.Stats(prof, stream=out).sort_stats("cumulative").print_stats(lines)
-    return out.getvalue()
+        out.append(profile_call(call, name, lines))
+    return "".join(out)
 
 
 def main(argv: list[str] | None = None) -> None:

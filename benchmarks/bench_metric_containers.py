@@ -36,9 +36,16 @@ CONTAINERS: dict[str, Callable[[], object] | None] = {
 
 
 def epoch(
-    model: nn.Module, optimizer: torch.optim.Optimizer, loader: DataLoader, factory: Callable[[], object] | None
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    loader: DataLoader,
+    factory: Callable[[], object] | None,
+    backward: Callable[[torch.Tensor], object] = torch.Tensor.backward,
 ) -> float:
-    """One timed epoch counting top-1 accuracy by hand (`factory` None) or with the container `factory()` builds."""
+    """One timed epoch counting top-1 accuracy by hand (`factory` None) or with the container `factory()` builds.
+
+    `backward(loss)` back-propagates (a framework's own call, e.g. `fabric.backward`, for the peers).
+    """
     metrics = factory() if factory is not None else None
     correct, seen = torch.zeros((), dtype=torch.long), 0
     start = time.perf_counter()
@@ -46,7 +53,7 @@ def epoch(
         logits = model(inputs)
         loss = nn.functional.cross_entropy(logits, target)
         optimizer.zero_grad()
-        loss.backward()
+        backward(loss)
         optimizer.step()
         if metrics is None:
             correct += (logits.detach().argmax(-1) == target).sum()

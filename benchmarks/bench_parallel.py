@@ -249,9 +249,9 @@ def bench_checkpoints(root: str, workload: str, repeats: int, profile_lines: int
 
 def profile_checkpoints(runner: BenchRunner, lines: int) -> str:
     """cProfile of one runner save and one load on this rank (after one warm-up of each)."""
-    import cProfile
     import io
-    import pstats
+
+    from common import profile_call
 
     out = io.StringIO()
     calls = {
@@ -261,12 +261,7 @@ def profile_checkpoints(runner: BenchRunner, lines: int) -> str:
     for name, call in calls.items():
         timed(call)
         dist.barrier()
-        prof = cProfile.Profile()
-        prof.enable()
-        call()
-        prof.disable()
-        out.write(f"\n## rank {dist.get_rank()}: {name}\n")
-        pstats.Stats(prof, stream=out).sort_stats("cumulative").print_stats(lines)
+        out.write(profile_call(call, f"rank {dist.get_rank()}: {name}", lines))
     for turn in range(dist.get_world_size()):  # rank by rank, so the outputs do not interleave
         if turn == dist.get_rank():
             print(out.getvalue(), flush=True)

@@ -82,21 +82,7 @@ def fabric_loop(model: nn.Module, loader: DataLoader) -> Epoch:
     model, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters()))
     loader = fabric.setup_dataloaders(loader)
 
-    def epoch() -> float:
-        correct, seen = torch.zeros((), dtype=torch.long), 0
-        start = time.perf_counter()
-        for inputs, target in loader:
-            logits = model(inputs)
-            loss = nn.functional.cross_entropy(logits, target)
-            optimizer.zero_grad()
-            fabric.backward(loss)
-            optimizer.step()
-            correct += (logits.detach().argmax(-1) == target).sum()
-            seen += len(target)
-        _ = (correct / seen).item()
-        return time.perf_counter() - start
-
-    return epoch
+    return lambda: container_epoch(model, optimizer, loader, None, fabric.backward)
 
 
 def trainer_loop(model: nn.Module, loader: DataLoader) -> Epoch:
@@ -153,21 +139,7 @@ def accelerate_loop(model: nn.Module, loader: DataLoader) -> Epoch:
     accelerator = Accelerator(cpu=True)
     model, optimizer, loader = accelerator.prepare(model, torch.optim.AdamW(model.parameters()), loader)
 
-    def epoch() -> float:
-        correct, seen = torch.zeros((), dtype=torch.long), 0
-        start = time.perf_counter()
-        for inputs, target in loader:
-            logits = model(inputs)
-            loss = nn.functional.cross_entropy(logits, target)
-            optimizer.zero_grad()
-            accelerator.backward(loss)
-            optimizer.step()
-            correct += (logits.detach().argmax(-1) == target).sum()
-            seen += len(target)
-        _ = (correct / seen).item()
-        return time.perf_counter() - start
-
-    return epoch
+    return lambda: container_epoch(model, optimizer, loader, None, accelerator.backward)
 
 
 def runner_loop(

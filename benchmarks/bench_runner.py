@@ -66,7 +66,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import Lockstep, alternate, build_shuffled, ratio_table, table
+from common import Lockstep, alternate, build_shuffled, fsync_file, ratio_table, table
 
 import danling as dl
 
@@ -415,14 +415,6 @@ def state_bytes(state: Any) -> int:
     if isinstance(state, (list, tuple)):
         return sum(state_bytes(value) for value in state)
     return 0
-
-
-def fsync_file(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def raw_file_ops(model: nn.Module, optimizer: torch.optim.Optimizer, directory: Path) -> dict[str, Callable]:

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import cProfile
+import io
+import os
+import pstats
 import random
 import statistics
 import threading
@@ -156,3 +160,24 @@ class Lockstep:
             self._condition.notify_all()
             self._condition.wait_for(lambda: self._order[self._turn] == name)
             self._started = time.perf_counter()
+
+
+def fsync_file(path: str) -> None:
+    """Flush `path` to disk, as the managers' durable writes do for their files."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def profile_call(call: Callable[[], object], title: str, lines: int) -> str:
+    """cProfile of one `call()`: the top `lines` entries by cumulative time, under a `## title` heading."""
+    prof = cProfile.Profile()
+    prof.enable()
+    call()
+    prof.disable()
+    out = io.StringIO()
+    out.write(f"\n## {title}\n")
+    pstats.Stats(prof, stream=out).sort_stats("cumulative").print_stats(lines)
+    return out.getvalue()
