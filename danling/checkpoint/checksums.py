@@ -210,16 +210,22 @@ class HashingReader:
         self._file.close()
 
 
-_HASH_POOL: ThreadPoolExecutor | None = None
-_HASH_POOL_LOCK = threading.Lock()
+# Two pools of two threads each, made on first use: "hash" for hashing and fsyncs, "record"
+# for whole-file record jobs, which submit their own fsync to "hash" (one pool would deadlock).
+_POOLS: dict[str, ThreadPoolExecutor] = {}
+_POOLS_LOCK = threading.Lock()
+
+
+def _pool(name: str) -> ThreadPoolExecutor:
+    with _POOLS_LOCK:
+        pool = _POOLS.get(name)
+        if pool is None:
+            pool = _POOLS[name] = ThreadPoolExecutor(max_workers=2, thread_name_prefix=f"danling-{name}")
+        return pool
 
 
 def _hash_pool() -> ThreadPoolExecutor:
-    global _HASH_POOL
-    with _HASH_POOL_LOCK:
-        if _HASH_POOL is None:
-            _HASH_POOL = ThreadPoolExecutor(max_workers=2, thread_name_prefix="danling-hash")
-        return _HASH_POOL
+    return _pool("hash")
 
 
 def _entry_checksum(entry: Mapping[str, Any], path: Any) -> str:
@@ -325,28 +331,16 @@ def directory_records(
     def record(path: Path) -> dict[str, Any]:
         return file_record(path, fsync=fsync, checksum=checksum, chunked=chunked)
 
-    records = [record(path) for path in paths] if len(paths) < 2 else list(_record_pool().map(record, paths))
+    records = [record(path) for path in paths] if len(paths) < 2 else list(_pool("record").map(record, paths))
     return {path.relative_to(directory).as_posix(): record for path, record in zip(paths, records)}
-
-
-_RECORD_POOL: ThreadPoolExecutor | None = None
-
-
-def _record_pool() -> ThreadPoolExecutor:
-    # separate from the hash pool: each record job submits its fsync there
-    global _RECORD_POOL
-    with _HASH_POOL_LOCK:
-        if _RECORD_POOL is None:
-            _RECORD_POOL = ThreadPoolExecutor(max_workers=2, thread_name_prefix="danling-record")
-        return _RECORD_POOL
 
 
 def _forget_pools() -> None:
     # A forked child inherits the pools but not their threads: work submitted there would wait
     # forever (a run forked after its parent saved a checkpoint hung in its first save).
-    global _HASH_POOL, _RECORD_POOL, _HASH_POOL_LOCK
-    _HASH_POOL = _RECORD_POOL = None
-    _HASH_POOL_LOCK = threading.Lock()
+    global _POOLS_LOCK
+    _POOLS.clear()
+    _POOLS_LOCK = threading.Lock()
 
 
 os.register_at_fork(after_in_child=_forget_pools)
