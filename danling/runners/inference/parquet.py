@@ -16,7 +16,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
-from .sinks import Sink, _fsync, _replacing, register_sink, to_plain
+from .sinks import _ByteStreamSink, _replacing, register_sink, to_plain
 
 __all__ = ["ParquetSink"]
 
@@ -35,7 +35,7 @@ def _pyarrow() -> Any:
     return pyarrow
 
 
-class ParquetSink(Sink):
+class ParquetSink(_ByteStreamSink):
     """`.parquet` output: one column per key of mapping outputs, else a single column named `output`.
 
     Column types come from the first batch (pyarrow's inference); later batches are converted to
@@ -52,24 +52,23 @@ class ParquetSink(Sink):
         super().__init__(path, capacity)
         self.pa = _pyarrow()
         self.staging = self.path.with_name(self.path.name + ".staging")
-        self._handle: IO[bytes] | None = None
         self._schema: Any = None
-        self._rows = 0
+
+    @property
+    def stream_path(self) -> Path:
+        return self.staging  # staged IPC messages, rewritten as row groups at close
 
     def open(self) -> None:
-        self._handle = open(self.staging, "w+b")  # noqa: SIM115 - held for the whole run
-        self._schema, self._rows = None, 0
+        super().open()
+        self._schema = None
 
     def truncate(self, state: Mapping[str, Any]) -> None:
-        if not self.staging.exists():
-            raise FileNotFoundError(f"cannot resume {self.staging}: the file is gone (start over with resume=False)")
-        self._handle = open(self.staging, "r+b")  # noqa: SIM115
-        self._handle.truncate(int(state["bytes"]))
-        self._rows = int(state["rows"])
-        self._handle.seek(0)
-        first = next(_messages(self.pa, self._handle), None)
+        super().truncate(state)
+        handle = self._require()
+        handle.seek(0)
+        first = next(_messages(self.pa, handle), None)
         self._schema = None if first is None else first.schema
-        self._handle.seek(int(state["bytes"]))
+        handle.seek(int(state["bytes"]))
 
     def write(self, outputs: Sequence[Any]) -> None:
         if not outputs:
@@ -81,14 +80,7 @@ class ParquetSink(Sink):
         with self.pa.ipc.new_stream(buffer, table.schema) as writer:
             writer.write_table(table)
         payload = buffer.getvalue().to_pybytes()
-        handle = self._require()
-        handle.write(_PREFIX.pack(len(payload)) + payload)
-        self._rows += len(outputs)
-
-    def state(self) -> dict[str, Any]:
-        handle = self._require()
-        _fsync(handle)
-        return {"rows": self._rows, "bytes": handle.tell()}
+        self._append(_PREFIX.pack(len(payload)) + payload, len(outputs))
 
     def close(self) -> None:
         handle = self._require()
@@ -108,11 +100,6 @@ class ParquetSink(Sink):
         files = [pa.parquet.ParquetFile(shard) for shard in shards]
         schema = files[0].schema_arrow
         _write_grouped(pa, target, _interleaved(pa, files, cls.row_group_size), schema, cls.row_group_size)
-
-    def _require(self) -> IO[bytes]:
-        if self._handle is None:
-            raise RuntimeError(f"{type(self).__name__} for {self.path} is not open")
-        return self._handle
 
 
 def _messages(pa: Any, handle: IO[bytes]) -> Iterator[Any]:

@@ -134,7 +134,48 @@ def _fsync(handle: IO[bytes]) -> None:
     os.fsync(handle.fileno())
 
 
-class JsonLinesSink(Sink):
+class _ByteStreamSink(Sink):
+    """A sink that appends bytes to one file (`stream_path`) and commits a byte offset, so a
+    truncation back to a commit is exact. Subclasses encode batches and call `_append`."""
+
+    def __init__(self, path: str | os.PathLike[str], capacity: int | None = None) -> None:
+        super().__init__(path, capacity)
+        self._handle: IO[bytes] | None = None
+        self._rows = 0
+
+    @property
+    def stream_path(self) -> Path:
+        return self.path
+
+    def open(self) -> None:
+        self._handle = open(self.stream_path, "w+b")  # noqa: SIM115 - held for the whole run
+        self._rows = 0
+
+    def truncate(self, state: Mapping[str, Any]) -> None:
+        path = self.stream_path
+        if not path.exists():
+            raise FileNotFoundError(f"cannot resume {path}: the file is gone (start over with resume=False)")
+        self._handle = open(path, "r+b")  # noqa: SIM115
+        self._handle.truncate(int(state["bytes"]))
+        self._handle.seek(int(state["bytes"]))
+        self._rows = int(state["rows"])
+
+    def state(self) -> dict[str, Any]:
+        handle = self._require()
+        _fsync(handle)
+        return {"rows": self._rows, "bytes": handle.tell()}
+
+    def _append(self, data: bytes, rows: int) -> None:
+        self._require().write(data)
+        self._rows += rows
+
+    def _require(self) -> IO[bytes]:
+        if self._handle is None:
+            raise RuntimeError(f"{type(self).__name__} for {self.path} is not open")
+        return self._handle
+
+
+class JsonLinesSink(_ByteStreamSink):
     """JSON Lines: one compact JSON value per example and line, UTF-8.
 
     Tensors and NumPy values are written as numbers or nested lists; a mapping output becomes a
@@ -143,32 +184,9 @@ class JsonLinesSink(Sink):
 
     suffixes = (".jsonl", ".ndjson")
 
-    def __init__(self, path: str | os.PathLike[str], capacity: int | None = None) -> None:
-        super().__init__(path, capacity)
-        self._handle: IO[bytes] | None = None
-        self._rows = 0
-
-    def open(self) -> None:
-        self._handle = open(self.path, "wb")  # noqa: SIM115 - held for the whole run
-        self._rows = 0
-
-    def truncate(self, state: Mapping[str, Any]) -> None:
-        if not self.path.exists():
-            raise FileNotFoundError(f"cannot resume {self.path}: the file is gone (start over with resume=False)")
-        self._handle = open(self.path, "r+b")  # noqa: SIM115
-        self._handle.truncate(int(state["bytes"]))
-        self._handle.seek(int(state["bytes"]))
-        self._rows = int(state["rows"])
-
     def write(self, outputs: Sequence[Any]) -> None:
         lines = (json.dumps(to_plain(item), ensure_ascii=False, separators=(",", ":")) for item in outputs)
-        self._require().write("".join(line + "\n" for line in lines).encode("utf-8"))
-        self._rows += len(outputs)
-
-    def state(self) -> dict[str, Any]:
-        handle = self._require()
-        _fsync(handle)
-        return {"rows": self._rows, "bytes": handle.tell()}
+        self._append("".join(line + "\n" for line in lines).encode("utf-8"), len(outputs))
 
     def close(self) -> None:
         if self._handle is not None:
@@ -186,11 +204,6 @@ class JsonLinesSink(Sink):
             finally:
                 for handle in handles:
                     handle.close()
-
-    def _require(self) -> IO[bytes]:
-        if self._handle is None:
-            raise RuntimeError(f"{type(self).__name__} for {self.path} is not open")
-        return self._handle
 
 
 def _round_robin(handles: Sequence[IO[bytes]]) -> Iterator[bytes]:
