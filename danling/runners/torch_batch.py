@@ -26,6 +26,7 @@ from danling.distributed import all_gather_strided, all_reduce_mean, is_distribu
 from danling.utils import to_device
 
 from .loop import RunnerMode
+from .torch_fused_step import fused_train_pass
 
 __all__ = ["TorchBatchMixin"]
 
@@ -189,12 +190,23 @@ class TorchBatchMixin:
         try:
             loss = self.criterion(pred, target)
         except (IndexError, RuntimeError) as err:
-            if "out of bounds" not in str(err) and "out of range" not in str(err):
-                raise
-            raise ValueError(_label_range_message(self, pred, target, err)) from err
+            self._criterion_failed(pred, target, err)
+            raise
         if loss is None and required:
             raise ValueError(f"criterion {self.criterion!r} returned None; train_step needs a loss tensor")
         return loss
+
+    def _criterion_failed(self, pred: Any, target: Any, err: Exception) -> None:
+        """Turn a criterion's refusal of a class label into a `ValueError` naming the split and the range.
+
+        Returns (the caller re-raises `err`) when the error is about something else.
+        """
+        if "out of bounds" in str(err) or "out of range" in str(err):
+            raise ValueError(_label_range_message(self, pred, target, err)) from err
+
+    def _fused_train_pass(self) -> Any:
+        """The fused default training pass when this pass needs nothing else (see `fused_train_pass`)."""
+        return fused_train_pass(self)
 
     # ------------------------------------------------------------------ collectives
     def all_reduce(self, tensor: torch.Tensor, *, op: Any = dist.ReduceOp.SUM, group: Any = None) -> torch.Tensor:

@@ -41,6 +41,9 @@ class StepHooks:
     train_metrics: Any = None
     evaluate_metrics: Any = None
     _mode: RunnerMode = RunnerMode.train
+    # Whether the training pass under way (or the last one) runs a fused equivalent of the default
+    # `train_step` instead of the hooks (see `TorchRunner`'s `fused_train_step`).
+    fused_step: bool = False
     _active_metrics: Any = None  # the metric container of the pass under way (None outside a pass)
     # Running meters and train metrics of the pass a mid-pass checkpoint interrupted, until that pass reopens.
     _restored_pass_meters: Mapping[str, Any] | None = None
@@ -67,6 +70,15 @@ class StepHooks:
         checkpoints or zero gradients here: the loop and `optimizer_step` own those.
         """
         raise NotImplementedError(f"{type(self).__name__} must implement train_step(data) -> (pred, loss)")
+
+    def _fused_train_pass(self) -> Any:
+        """A backend's fused equivalent of a training pass through the hooks, or `None` (here: always).
+
+        Asked when a training pass starts that no per-batch subscriber, watchdog or spike guard
+        watches. The returned callable takes `(batches, split, length, interval, track_progress,
+        budget, stop_poll, agree)`, runs the pass and returns `(batches consumed, ran out)`.
+        """
+        return None
 
     def evaluate_step(self, data: Any) -> tuple[Any, Any]:
         """Process one evaluation batch and return `(prediction, loss or None)`.

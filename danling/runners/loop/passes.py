@@ -113,47 +113,58 @@ class PassMixin(StepHooks):
         # watchdog (multi-process runs), told the phase of every batch.
         skipped, watchdog = self._spiked_batches() if training else None, supervisor.watchdog
         phase = "forward" if training else "evaluation"
+        # A training pass nobody watches batch by batch may run the backend's fused default step instead.
+        fused = self._fused_train_pass() if training and not (observed or skipped or watchdog) else None
+        if training:
+            self.fused_step = fused is not None
+        ran_out = False
         # An evaluation pass runs in one inference context (entering it per batch costs more than
         # some small models' forward passes); it is left before a stop saves its checkpoint.
         with nullcontext() if training else self.inference_context(), self._spike_scope(split):
-            for data in islice(loader, max_batches):
-                if watchdog is not None:
-                    watchdog.enter(phase, state.global_step)
-                if skipped and (split, state.epoch, position.batch) in skipped:
-                    loss = self._skip_spiked_batch(split, position.batch)
-                elif observed:
-                    loss = self._observed_step(step, data, split, batches)
-                else:
-                    _, loss = step(data)
-                batches += 1
-                if watchdog is not None:
-                    watchdog.enter("data loading", state.global_step)  # until the next batch arrives
-                if loss is not None:
-                    if loss_meter is None:
-                        meters.update(loss=loss)
-                        loss_meter = meters["loss"]  # then updated directly: this runs every batch
-                    else:
-                        loss_meter.update(loss)
-                if interval and (batches % interval == 0 or batches == length):
-                    self._log_step(split, batches, length, training)
-                if training:
-                    position.batch += 1
-                    if track_progress and state.global_step != self._seen_step:
-                        self._after_optimizer_progress(budget)  # may evaluate: after the step log
-                # Without a poll the flag is read in place: one call less per batch.
-                if self._stop_latched or (
-                    supervisor.stop_requested
-                    if stop_poll is None
-                    else self._stop_now(stop_poll, agree and batches == length)
-                ):
-                    # Stop only at a window boundary: applying a partial window (or dropping its
-                    # gradients) would make the resumed run diverge from an uninterrupted one.
-                    self._stop_latched = True
-                    if not (training and update.pending):
-                        break  # the stop below shuts down
-                if budget is not None and state.global_step >= budget:
-                    break
+            if fused is not None:
+                pace = (split, length, interval, track_progress, budget, stop_poll, agree)
+                batches, ran_out = fused(islice(loader, max_batches), *pace)
             else:
+                for data in islice(loader, max_batches):
+                    if watchdog is not None:
+                        watchdog.enter(phase, state.global_step)
+                    if skipped and (split, state.epoch, position.batch) in skipped:
+                        loss = self._skip_spiked_batch(split, position.batch)
+                    elif observed:
+                        loss = self._observed_step(step, data, split, batches)
+                    else:
+                        _, loss = step(data)
+                    batches += 1
+                    if watchdog is not None:
+                        watchdog.enter("data loading", state.global_step)  # until the next batch arrives
+                    if loss is not None:
+                        if loss_meter is None:
+                            meters.update(loss=loss)
+                            loss_meter = meters["loss"]  # then updated directly: this runs every batch
+                        else:
+                            loss_meter.update(loss)
+                    if interval and (batches % interval == 0 or batches == length):
+                        self._log_step(split, batches, length, training)
+                    if training:
+                        position.batch += 1
+                        if track_progress and state.global_step != self._seen_step:
+                            self._after_optimizer_progress(budget)  # may evaluate: after the step log
+                    # Without a poll the flag is read in place: one call less per batch.
+                    if self._stop_latched or (
+                        supervisor.stop_requested
+                        if stop_poll is None
+                        else self._stop_now(stop_poll, agree and batches == length)
+                    ):
+                        # Stop only at a window boundary: applying a partial window (or dropping its
+                        # gradients) would make the resumed run diverge from an uninterrupted one.
+                        self._stop_latched = True
+                        if not (training and update.pending):
+                            break  # the stop below shuts down
+                    if budget is not None and state.global_step >= budget:
+                        break
+                else:
+                    ran_out = True
+            if ran_out:
                 self._pass_ran_out(agree and length is None, training)
         self._close_pass(training, budget)
         return self.collect_result(split), batches
