@@ -1,20 +1,24 @@
-"""The fused default training step: what `TorchRunner.train_step` does in the plain case, in one call.
+"""The fused default training pass: what `TorchRunner`'s hooks do in the plain case, without the calls.
 
-A training step through the hooks is a dozen Python calls (`to_device`, `train_context`,
-`_criterion_loss`, `_update_metrics`, `backward`, `step`, `optimizer_step`, `_apply_update`, the
-update strategy, the optimizer container ...), each asking again what the configuration
-settled long ago. On a small model those calls cost a few percent of the step. When a training
-pass starts, [`fused_train_step`][danling.runners.torch_fused_step.fused_train_step] checks once
-that none of them can do anything but the plain thing (no hook overridden, one micro-step per
-update, full precision, no clipping, no non-finite checks, no spike guard, no watchdog, no EMA)
-and then returns one function doing the same work on pre-bound locals. Anything else keeps the
-hooks. The result is the same to the bit: the same tensor operations in the same order, and the
-same counters, metrics, losses and checkpoint waits.
+A training step through the hooks is a dozen Python calls (`train_step`, `to_device`,
+`train_context`, `_criterion_loss`, `_update_metrics`, `backward`, `step`, `optimizer_step`,
+`_apply_update`, the update strategy, the optimizer container ...), each asking again what the
+configuration settled long ago; on a small model they cost a few percent of the step. When a
+training pass starts that no per-batch subscriber watches,
+[`fused_train_pass`][danling.runners.torch_fused_step.fused_train_pass] checks once that none of
+them can do anything but the plain thing (no hook overridden, one micro-step per update, full
+precision, no clipping, no non-finite checks, no spike guard, no watchdog, no EMA) and returns
+one loop doing the same work on pre-bound locals; otherwise the pass calls the hooks
+([`general_step_reason`][danling.runners.torch_fused_step.general_step_reason] says why). The
+result is the same to the bit: the same tensor operations in the same order, the same counters,
+metric and loss-meter updates, step logs, checkpoints and stops. `runner.fused_step` tells which
+path the last training pass took.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from itertools import islice
 from typing import Any
 
 from torch import Tensor
@@ -43,8 +47,10 @@ _STEP_HOOKS = (
     "checkpoint_save_failed",
 )
 
+_TORCH_RUNNER: type | None = None
 FusedPass = Callable[..., tuple[int, bool]]
 _PAIRS = (list, tuple)
+_HELD_LOSSES = 64  # batches whose losses are held back at most before they reach the loss meter
 
 
 def general_step_reason(runner: Any) -> str | None:
@@ -52,11 +58,9 @@ def general_step_reason(runner: Any) -> str | None:
 
     Settled once per pass: the configuration it reads does not change within a pass.
     """
-    from .torch_runner import TorchRunner  # the defaults the fused step replays
-
-    cls, own = type(runner), runner.__dict__
+    cls, own, defaults = type(runner), runner.__dict__, _defaults()
     for name in _STEP_HOOKS:
-        if name in own or getattr(cls, name) is not getattr(TorchRunner, name):
+        if name in own or getattr(cls, name) is not getattr(defaults, name):
             return f"{name} is overridden"
     if runner.model is None or runner.criterion is None or runner.ema is not None:
         return "no model, no criterion or an EMA copy"
@@ -79,6 +83,16 @@ def general_step_reason(runner: Any) -> str | None:
     return None
 
 
+def _defaults() -> type:
+    """`TorchRunner`, whose hooks the fused step replays (imported on first use: it imports this module)."""
+    global _TORCH_RUNNER
+    if _TORCH_RUNNER is None:
+        from .torch_runner import TorchRunner
+
+        _TORCH_RUNNER = TorchRunner
+    return _TORCH_RUNNER
+
+
 def fused_train_pass(runner: Any) -> FusedPass | None:
     """One function running this training pass as the hooks would, or `None` when the pass needs the hooks.
 
@@ -86,20 +100,17 @@ def fused_train_pass(runner: Any) -> FusedPass | None:
     splits it, runs the model and the criterion, feeds the pass's metrics, back-propagates,
     counts the micro-step and applies the update (waiting for a finished asynchronous save,
     stepping the optimizer and a step-interval scheduler, zeroing the gradients, counting the
-    global step); then it records the loss and paces step logs, step-cadence work, stop requests
-    and the budget as the general loop of
-    [`PassMixin`][danling.runners.loop.passes.PassMixin] does.
+    global step); then it paces step logs, step-cadence work, stop requests and the budget as the
+    general loop of [`PassMixin`][danling.runners.loop.passes.PassMixin] does. The losses reach
+    the loss meter in the same updates, in the same order, but in groups: before anything that
+    reads the meters (a step log, step-cadence work, the end of the pass, an error) and every
+    `_HELD_LOSSES` batches; an update costs less in a run of them than between two steps.
     """
     if general_step_reason(runner) is not None:
         return None
-    model, criterion, meters, supervisor = runner.model, runner.criterion, runner.meters, runner.supervisor
-    container, accumulator = runner.update.container, runner.update.accumulator
-    optimizer, position = container.optimizer, runner.loop_state
-    scheduler = container.scheduler if container.scheduler_interval == "step" else None
-    bound_optimizer, bound_scheduler = runner.optimizer, runner.scheduler
-    counters = runner.state.train.__dict__  # validated ints; increments keep them so
-    device = runner.device
-    on_cpu, non_blocking = device.type == "cpu", device.type == "cuda"
+    step = _fused_step(runner)
+    meters, supervisor, position = runner.meters, runner.supervisor, runner.loop_state
+    counters = runner.state.train.__dict__
 
     def run(
         batches: Iterable,
@@ -111,68 +122,97 @@ def fused_train_pass(runner: Any) -> FusedPass | None:
         stop_poll: Callable[[], bool] | None,
         agree: bool,
     ) -> tuple[int, bool]:
-        count, loss_meter = 0, None
-        for data in batches:
-            if type(data) in _PAIRS and len(data) == 2:
-                input, target = data
-                if not (on_cpu and type(input) is Tensor and type(target) is Tensor and input.is_cpu and target.is_cpu):
-                    input, target = split_batch(to_device(data, device, non_blocking=non_blocking))
-            else:
-                input, target = split_batch(to_device(data, device, non_blocking=non_blocking))
-            pred = model(input)
-            try:
-                loss = criterion(pred, target)
-            except (IndexError, RuntimeError) as err:
-                runner._criterion_failed(pred, target, err)
-                raise
-            if loss is None:
-                raise ValueError(f"criterion {criterion!r} returned None; train_step needs a loss tensor")
-            if target is not None:
-                metrics = runner._active_metrics
-                if metrics is None:
-                    metrics = runner._metrics_for(runner.mode)
-                if metrics is not None:
-                    metrics.update(pred.detach() if getattr(pred, "requires_grad", False) else pred, target)
-            loss.backward()
-            counters["micro_step"] += 1
-            accumulator.position += 1  # one micro-step per window: every micro-step closes its window
-            if runner.optimizer is not bound_optimizer or runner.scheduler is not bound_scheduler:
-                runner.optimizer_step()  # reassigned during the pass: the hook binds them
-            else:  # `optimizer_step` with nothing to check, clip or rescale
-                try:
-                    runner.checkpoint_manager.maybe_wait_for_staging()
-                except CheckpointSaveError as err:
-                    runner.checkpoint_save_failed(err)
-                container.consecutive_nonfinite, container.last_grad_norm = 0, None
-                optimizer.step()
-                if scheduler is not None:
-                    scheduler.step()
-                optimizer.zero_grad(set_to_none=True)
-                counters["global_step"] += 1
-                if not runner._train_timeout_applied:
-                    runner._apply_train_timeout()
-            # What the general loop does after `train_step`.
-            count += 1
-            loss = loss.detach()
-            if loss_meter is None:
-                meters.update(loss=loss)
-                loss_meter = meters["loss"]
-            else:
+        count, losses, loss_meter = 0, [], None
+
+        def record() -> None:  # the held losses to the loss meter, as the general loop's updates
+            nonlocal loss_meter
+            start = 0
+            if loss_meter is None and losses:
+                meters.update(loss=losses[0])
+                loss_meter, start = meters["loss"], 1
+            for loss in islice(losses, start, None):
                 loss_meter.update(loss)
-            if interval and (count % interval == 0 or count == length):
-                runner._log_step(split, count, length, True)
-            position.batch += 1
-            if track_progress and counters["global_step"] != runner._seen_step:
-                runner._after_optimizer_progress(budget)
-            if runner._stop_latched or (
-                supervisor.stop_requested
-                if stop_poll is None
-                else runner._stop_now(stop_poll, agree and count == length)
-            ):
-                runner._stop_latched = True
-                return count, False  # every batch closes its window: stop now
-            if budget is not None and counters["global_step"] >= budget:
-                return count, False
-        return count, True
+            losses.clear()
+
+        try:
+            for data in batches:
+                losses.append(step(data))
+                count += 1
+                if not count % _HELD_LOSSES:
+                    record()
+                if interval and (count % interval == 0 or count == length):
+                    record()
+                    runner._log_step(split, count, length, True)
+                position.batch += 1
+                if track_progress and counters["global_step"] != runner._seen_step:
+                    record()
+                    runner._after_optimizer_progress(budget)  # may evaluate: after the step log
+                if runner._stop_latched or (
+                    supervisor.stop_requested
+                    if stop_poll is None
+                    else runner._stop_now(stop_poll, agree and count == length)
+                ):
+                    runner._stop_latched = True
+                    return count, False  # every batch closes its window: stop now
+                if budget is not None and counters["global_step"] >= budget:
+                    return count, False
+            return count, True
+        finally:
+            record()
 
     return run
+
+
+def _fused_step(runner: Any) -> Callable[[Any], Tensor]:
+    """`train_step` of the plain case on pre-bound locals; returns the detached loss."""
+    model, criterion = runner.model, runner.criterion
+    container, accumulator = runner.update.container, runner.update.accumulator
+    optimizer = container.optimizer
+    scheduler = container.scheduler if container.scheduler_interval == "step" else None
+    bound_optimizer, bound_scheduler = runner.optimizer, runner.scheduler
+    counters = runner.state.train.__dict__  # validated ints; increments keep them so
+    device = runner.device
+    on_cpu, non_blocking = device.type == "cpu", device.type == "cuda"
+
+    def step(data: Any) -> Tensor:
+        if type(data) in _PAIRS and len(data) == 2:
+            input, target = data
+            if not (on_cpu and type(input) is Tensor and type(target) is Tensor and input.is_cpu and target.is_cpu):
+                input, target = split_batch(to_device(data, device, non_blocking=non_blocking))
+        else:
+            input, target = split_batch(to_device(data, device, non_blocking=non_blocking))
+        pred = model(input)
+        try:
+            loss = criterion(pred, target)
+        except (IndexError, RuntimeError) as err:
+            runner._criterion_failed(pred, target, err)
+            raise
+        if loss is None:
+            raise ValueError(f"criterion {criterion!r} returned None; train_step needs a loss tensor")
+        if target is not None:
+            metrics = runner._active_metrics
+            if metrics is None:
+                metrics = runner._metrics_for(runner.mode)
+            if metrics is not None:
+                metrics.update(pred.detach() if getattr(pred, "requires_grad", False) else pred, target)
+        loss.backward()
+        counters["micro_step"] += 1
+        accumulator.position += 1  # one micro-step per window: every micro-step closes its window
+        if runner.optimizer is not bound_optimizer or runner.scheduler is not bound_scheduler:
+            runner.optimizer_step()  # reassigned during the pass: the hook binds them
+            return loss.detach()
+        try:  # `optimizer_step` with nothing to check, clip or rescale
+            runner.checkpoint_manager.maybe_wait_for_staging()
+        except CheckpointSaveError as err:
+            runner.checkpoint_save_failed(err)
+        container.consecutive_nonfinite, container.last_grad_norm = 0, None
+        optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        counters["global_step"] += 1
+        if not runner._train_timeout_applied:
+            runner._apply_train_timeout()
+        return loss.detach()
+
+    return step

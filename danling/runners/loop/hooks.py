@@ -41,8 +41,8 @@ class StepHooks:
     train_metrics: Any = None
     evaluate_metrics: Any = None
     _mode: RunnerMode = RunnerMode.train
-    # Whether the training pass under way (or the last one) runs a fused equivalent of the default
-    # `train_step` instead of the hooks (see `TorchRunner`'s `fused_train_step`).
+    # Whether the training pass under way (or the last one) runs a backend's fused equivalent of the
+    # default step instead of the hooks (see `danling.runners.torch_fused_step`).
     fused_step: bool = False
     _active_metrics: Any = None  # the metric container of the pass under way (None outside a pass)
     # Running meters and train metrics of the pass a mid-pass checkpoint interrupted, until that pass reopens.

@@ -40,6 +40,7 @@ from .position import LoopState
 
 __all__ = ["PassMixin"]
 
+_FLOAT32_OVERFLOW = 2.0**128 - 2.0**103  # the float64 values from here up round to an infinite float32
 _STOP_POLL_EVERY = 8  # batches between the cross-rank agreements on a stop request while training
 
 
@@ -209,11 +210,17 @@ class PassMixin(StepHooks):
         """
         # Every rank takes part in the agreement, with or without a loss (a pipeline's first stages have none).
         meter = self.meters["loss"] if "loss" in self.meters else None  # noqa: SIM401 (no dict get)
-        bad = torch.tensor(False)
+        bad: Any = False
         if meter is not None:
-            bad = ~torch.isfinite(torch.as_tensor(meter._sum, dtype=torch.float32)).all()
+            total = meter._sum
+            if type(total) is torch.Tensor and not total.ndim and total.dtype is torch.float64:
+                # The usual sum: one read, and the float32 check in Python (a float64 below
+                # 2**128 - 2**103 rounds to a finite float32); five tensor ops cost more than a step.
+                bad = not abs(total.item()) < _FLOAT32_OVERFLOW
+            else:
+                bad = ~torch.isfinite(torch.as_tensor(total, dtype=torch.float32)).all()
         if self._training and is_distributed():
-            bad = all_reduce_any(bad, group=self.topology.group("world"))
+            bad = all_reduce_any(torch.as_tensor(bad), group=self.topology.group("world"))
         if not bool(bad):
             return
         step = self.train_state.global_step
