@@ -193,8 +193,9 @@ def _fused_step(runner: Any) -> Callable[[Any], Tensor]:
             metrics = runner._active_metrics
             if metrics is None:
                 metrics = runner._metrics_for(runner.mode)
-            if metrics is not None:
-                metrics.update(pred.detach() if getattr(pred, "requires_grad", False) else pred, target)
+            if metrics is not None:  # what `_update_metrics` hands over (a tensor's flag read without `getattr`)
+                grad = pred.requires_grad if type(pred) is Tensor else getattr(pred, "requires_grad", False)
+                metrics.update(pred.detach() if grad else pred, target)
         loss.backward()
         counters["micro_step"] += 1
         accumulator.position += 1  # one micro-step per window: every micro-step closes its window
