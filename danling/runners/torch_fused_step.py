@@ -108,65 +108,8 @@ def fused_train_pass(runner: Any) -> FusedPass | None:
     """
     if general_step_reason(runner) is not None:
         return None
-    step = _fused_step(runner)
-    meters, supervisor, position = runner.meters, runner.supervisor, runner.loop_state
-    counters = runner.state.train.__dict__
-
-    def run(
-        batches: Iterable,
-        split: str,
-        length: int | None,
-        interval: int,
-        track_progress: bool,
-        budget: int | None,
-        stop_poll: Callable[[], bool] | None,
-        agree: bool,
-    ) -> tuple[int, bool]:
-        count, losses, loss_meter = 0, [], None
-
-        def record() -> None:  # the held losses to the loss meter, as the general loop's updates
-            nonlocal loss_meter
-            start = 0
-            if loss_meter is None and losses:
-                meters.update(loss=losses[0])
-                loss_meter, start = meters["loss"], 1
-            for loss in islice(losses, start, None):
-                loss_meter.update(loss)
-            losses.clear()
-
-        try:
-            for data in batches:
-                losses.append(step(data))
-                count += 1
-                if not count % _HELD_LOSSES:
-                    record()
-                if interval and (count % interval == 0 or count == length):
-                    record()
-                    runner._log_step(split, count, length, True)
-                position.batch += 1
-                if track_progress and counters["global_step"] != runner._seen_step:
-                    record()
-                    runner._after_optimizer_progress(budget)  # may evaluate: after the step log
-                if runner._stop_latched or (
-                    supervisor.stop_requested
-                    if stop_poll is None
-                    else runner._stop_now(stop_poll, agree and count == length)
-                ):
-                    runner._stop_latched = True
-                    return count, False  # every batch closes its window: stop now
-                if budget is not None and counters["global_step"] >= budget:
-                    return count, False
-            return count, True
-        finally:
-            record()
-
-    return run
-
-
-def _fused_step(runner: Any) -> Callable[[Any], Tensor]:
-    """`train_step` of the plain case on pre-bound locals; returns the detached loss."""
-    model, criterion = runner.model, runner.criterion
-    container, accumulator = runner.update.container, runner.update.accumulator
+    model, criterion, update = runner.model, runner.criterion, runner.update
+    container, accumulator, position = update.container, update.accumulator, runner.loop_state
     optimizer = container.optimizer
     scheduler = container.scheduler if container.scheduler_interval == "step" else None
     bound_optimizer, bound_scheduler = runner.optimizer, runner.scheduler
@@ -174,46 +117,121 @@ def _fused_step(runner: Any) -> Callable[[Any], Tensor]:
     device = runner.device
     on_cpu, non_blocking = device.type == "cpu", device.type == "cuda"
 
-    def step(data: Any) -> Tensor:
-        if type(data) in _PAIRS and len(data) == 2:
-            input, target = data
-            if not (on_cpu and type(input) is Tensor and type(target) is Tensor and input.is_cpu and target.is_cpu):
-                input, target = split_batch(to_device(data, device, non_blocking=non_blocking))
-        else:
-            input, target = split_batch(to_device(data, device, non_blocking=non_blocking))
-        pred = model(input)
+    def run(batches: Iterable, *pace: Any) -> tuple[int, bool]:
+        held, supervisor, count = _HeldLosses(runner.meters), runner.supervisor, 0
+        paced = _Pacing(runner, held, *pace) if _is_paced(*pace) else None
         try:
-            loss = criterion(pred, target)
-        except (IndexError, RuntimeError) as err:
-            runner._criterion_failed(pred, target, err)
-            raise
-        if loss is None:
-            raise ValueError(f"criterion {criterion!r} returned None; train_step needs a loss tensor")
-        if target is not None:
-            metrics = runner._active_metrics
-            if metrics is None:
-                metrics = runner._metrics_for(runner.mode)
-            if metrics is not None:  # what `_update_metrics` hands over (a tensor's flag read without `getattr`)
-                grad = pred.requires_grad if type(pred) is Tensor else getattr(pred, "requires_grad", False)
-                metrics.update(pred.detach() if grad else pred, target)
-        loss.backward()
-        counters["micro_step"] += 1
-        accumulator.position += 1  # one micro-step per window: every micro-step closes its window
-        if runner.optimizer is not bound_optimizer or runner.scheduler is not bound_scheduler:
-            runner.optimizer_step()  # reassigned during the pass: the hook binds them
-            return loss.detach()
-        try:  # `optimizer_step` with nothing to check, clip or rescale
-            runner.checkpoint_manager.maybe_wait_for_staging()
-        except CheckpointSaveError as err:
-            runner.checkpoint_save_failed(err)
-        container.consecutive_nonfinite, container.last_grad_norm = 0, None
-        optimizer.step()
-        if scheduler is not None:
-            scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        counters["global_step"] += 1
-        if not runner._train_timeout_applied:
-            runner._apply_train_timeout()
-        return loss.detach()
+            for data in batches:
+                if type(data) in _PAIRS and len(data) == 2:
+                    input, target = data
+                    if not (
+                        on_cpu and type(input) is Tensor and type(target) is Tensor and input.is_cpu and target.is_cpu
+                    ):
+                        input, target = split_batch(to_device(data, device, non_blocking=non_blocking))
+                else:
+                    input, target = split_batch(to_device(data, device, non_blocking=non_blocking))
+                pred = model(input)
+                try:
+                    loss = criterion(pred, target)
+                except (IndexError, RuntimeError) as err:
+                    runner._criterion_failed(pred, target, err)
+                    raise
+                if loss is None:
+                    raise ValueError(f"criterion {criterion!r} returned None; train_step needs a loss tensor")
+                if target is not None:
+                    metrics = runner._active_metrics
+                    if metrics is None:
+                        metrics = runner._metrics_for(runner.mode)
+                    if metrics is not None:  # what `_update_metrics` hands over (the flag read without `getattr`)
+                        grad = pred.requires_grad if type(pred) is Tensor else getattr(pred, "requires_grad", False)
+                        metrics.update(pred.detach() if grad else pred, target)
+                loss.backward()
+                counters["micro_step"] += 1
+                accumulator.position += 1  # one micro-step per window: every micro-step closes its window
+                if runner.optimizer is not bound_optimizer or runner.scheduler is not bound_scheduler:
+                    runner.optimizer_step()  # reassigned during the pass: the hook binds them
+                else:  # `optimizer_step` with nothing to check, clip or rescale
+                    try:
+                        runner.checkpoint_manager.maybe_wait_for_staging()
+                    except CheckpointSaveError as err:
+                        runner.checkpoint_save_failed(err)
+                    container.consecutive_nonfinite, container.last_grad_norm = 0, None
+                    optimizer.step()
+                    if scheduler is not None:
+                        scheduler.step()
+                    optimizer.zero_grad(set_to_none=True)
+                    counters["global_step"] += 1
+                    if not runner._train_timeout_applied:
+                        runner._apply_train_timeout()
+                # What the general loop does after `train_step`.
+                held.losses.append(loss.detach())
+                count += 1
+                if not count % _HELD_LOSSES:
+                    held.record()
+                if paced is not None:
+                    if paced.stops(count):
+                        return count, False
+                else:
+                    position.batch += 1
+                    if runner._stop_latched or supervisor.stop_requested:
+                        runner._stop_latched = True
+                        return count, False  # every batch closes its window: stop now
+            return count, True
+        finally:
+            held.record()
 
-    return step
+    return run
+
+
+def _is_paced(
+    split: str, length: int | None, interval: int, track_progress: bool, budget: Any, poll: Any, _: Any
+) -> bool:
+    """Whether a pass does more per batch than count its position and read the stop flag."""
+    return bool(interval or track_progress or budget is not None or poll is not None)
+
+
+class _HeldLosses:
+    """Losses held back from the loss meter, handed over (`record`) as the general loop's updates would be."""
+
+    def __init__(self, meters: Any) -> None:
+        self.meters, self.meter, self.losses = meters, None, []
+
+    def record(self) -> None:
+        losses = self.losses
+        if not losses:
+            return
+        start = 0
+        if self.meter is None:  # the first loss of the pass goes through `meters.update`, as in the loop
+            self.meters.update(loss=losses[0])
+            self.meter, start = self.meters["loss"], 1
+        update = self.meter.update
+        for loss in islice(losses, start, None):
+            update(loss)
+        losses.clear()
+
+
+class _Pacing:
+    """What the general loop does after a batch besides counting: step logs, step-cadence work, stops, budget."""
+
+    def __init__(self, runner: Any, held: _HeldLosses, *pace: Any) -> None:
+        self.runner, self.held = runner, held
+        self.split, self.length, self.interval, self.track_progress, self.budget, self.poll, self.agree = pace
+        self.counters = runner.state.train.__dict__
+
+    def stops(self, count: int) -> bool:
+        """Pace batch `count` (from 1); whether the pass stops after it."""
+        runner, interval, length, budget = self.runner, self.interval, self.length, self.budget
+        if interval and (count % interval == 0 or count == length):
+            self.held.record()
+            runner._log_step(self.split, count, length, True)
+        runner.loop_state.batch += 1
+        if self.track_progress and self.counters["global_step"] != runner._seen_step:
+            self.held.record()
+            runner._after_optimizer_progress(budget)  # may evaluate: after the step log
+        poll = self.poll
+        if runner._stop_latched or (
+            runner.supervisor.stop_requested if poll is None else runner._stop_now(poll, self.agree and count == length)
+        ):
+            runner._stop_latched = True
+            return True  # every batch closes its window: stop now
+        return budget is not None and self.counters["global_step"] >= budget
