@@ -164,9 +164,11 @@ def fused_train_pass(runner: Any) -> FusedPass | None:
                     if not runner._train_timeout_applied:
                         runner._apply_train_timeout()
                 # What the general loop does after `train_step`.
-                held.losses.append(loss.detach())
+                loss = loss.detach()
+                held.losses.append(loss)
                 count += 1
-                if not count % _HELD_LOSSES:
+                # A loss of another shape than () may be refused by the meter: that error belongs to this batch.
+                if not count % _HELD_LOSSES or loss.ndim:
                     held.record()
                 if paced is not None:
                     if paced.stops(count):

@@ -62,7 +62,7 @@ def _assert_identical(fused, hooked):
 @pytest.mark.parametrize(
     "overrides",
     [
-        {},
+        {"log_interval": 0},  # nothing reads the loss meter before the end of a pass
         {"log_interval": 2},  # step logs read the loss meter inside the pass
         {"sched.type": "cosine"},  # a step-interval scheduler
         {"epochs": None, "steps": 11, "checkpoint.interval": 3},  # a budget: mid-pass checkpoints and the end
@@ -98,7 +98,8 @@ def test_a_stop_requested_in_a_fused_pass_stops_where_the_hooks_stop(tmp_path):
 
     seen = {}
     for name, cls in (("fused", MeasuredRunner), ("hooks", HookedRunner)):
-        with pytest.raises(SystemExit), stopping(cls)(tiny_config(tmp_path / name, deterministic=True)) as runner:
+        config = tiny_config(tmp_path / name, deterministic=True, log_interval=0)  # the stop flag alone is read
+        with pytest.raises(SystemExit), stopping(cls)(config) as runner:
             runner.train()
         seen[name] = (runner.fused_step, runner.train_state.state_dict(), runner.loop_state.state_dict())
         seen[name] += (repr(runner.meters["loss"]._sum), model_state(runner))
@@ -159,3 +160,31 @@ def test_an_overridden_hook_or_a_step_subscriber_keeps_the_hooks(tmp_path):
         runner.events.subscribe(Events.STEP_END, lambda context: ends.append(context.runner.model.training))
         runner.train()
         assert not runner.fused_step and sum(ends) == runner.train_state.micro_step
+
+
+def test_a_loss_the_meter_refuses_fails_at_its_own_batch(tmp_path):
+    """A (1,)-shaped loss after ()-shaped ones is refused by the loss meter at that batch on both paths."""
+
+    def reshaping(cls):
+        class Reshaping(cls):
+            def __init__(self, config):
+                super().__init__(config)
+                criterion, self.calls = self.criterion, 0
+
+                def reshaped(pred, target):
+                    self.calls += 1
+                    loss = criterion(pred, target)
+                    return loss.reshape(1) if self.calls == 3 else loss
+
+                self.criterion = reshaped
+
+        return Reshaping
+
+    seen = {}
+    for name, cls in (("fused", MeasuredRunner), ("hooks", HookedRunner)):
+        config = tiny_config(tmp_path / name, log_interval=0)  # no step logs: nothing reads the meter sooner
+        with pytest.raises(ValueError, match="shape"), reshaping(cls)(config) as runner:
+            runner.train()
+        seen[name] = (runner.fused_step, runner.train_state.state_dict())
+    assert seen["fused"][0] and not seen["hooks"][0]
+    assert seen["fused"][1] == seen["hooks"][1] == {"epoch": 0, "global_step": 3, "micro_step": 3}
