@@ -10,7 +10,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from danling.checkpoint import checksums
+from danling.checkpoint import _dcp_io, checksums
 from danling.checkpoint._dcp_io import RecordingWriter, _HashingFileSystem
 from danling.checkpoint.checksums import CHUNK_BYTES, HashingWriter, file_record
 from danling.checkpoint.dcp import ModelState, TorchDistributedCheckpointManager
@@ -146,3 +146,26 @@ def test_recording_writer_records_every_file_of_a_multithreaded_write(tmp_path, 
     names = sorted(path.name for path in tmp_path.glob("*.distcp"))
     assert len(names) == 2 and not read_back
     assert writer.records == {name: file_record(tmp_path / name, chunked=True) for name in names}
+
+
+@pytest.mark.skipif(_dcp_io._START_WRITEBACK is None, reason="the OS offers no way to start writeback early")
+def test_the_disk_starts_writing_a_data_file_out_while_it_is_being_written(tmp_path, monkeypatch):
+    started = []
+    start_writeback = _dcp_io._START_WRITEBACK
+
+    def recording(fd, offset, count, flags):
+        written = os.fstat(fd).st_size  # the range reached the kernel before its writeback was asked for
+        started.append((offset, count, written >= offset + count, start_writeback(fd, offset, count, flags)))
+        return started[-1][-1]
+
+    monkeypatch.setattr(_dcp_io, "_START_WRITEBACK", recording)
+    fs, step = _HashingFileSystem("xxh3_128"), _dcp_io._HashedFile.writeback_bytes
+    with fs.create_stream(tmp_path / "a.distcp", "wb") as stream:
+        for _ in range(5 * step // (3 << 20)):
+            stream.write(b"h" * 100)  # small writes stay in the file object's buffer until flushed
+            stream.write(bytes(3 << 20))
+        stream.close()
+    assert len(started) >= 4 and all(reached and result == 0 for _, _, reached, result in started)
+    ends = [0] + [offset + count for offset, count, _, _ in started]
+    assert [offset for offset, _, _, _ in started] == ends[:-1]  # consecutive ranges from the start
+    assert all(count >= step for _, count, _, _ in started) and ends[-1] <= fs.take()["a.distcp"]["size"]
