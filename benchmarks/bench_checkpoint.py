@@ -177,13 +177,18 @@ def async_candidates(model: nn.Module, optimizer: torch.optim.Optimizer, root: P
 
 
 def alternate_settled(candidates: dict[str, tuple[Callable, Callable]], repeats: int) -> dict[str, float]:
-    """Like `alternate`, but each candidate's previous background write finishes before its timed call."""
+    """Like `alternate`, but no candidate's background work (an async write, deleting the copy a
+    save replaced) is still running when any candidate's timed call starts, and the candidate
+    going first alternates from round to round (on this VM the second of two 1 GiB saves in a
+    row was often the slow one, whichever it was)."""
     samples: dict[str, list[float]] = {name: [] for name in candidates}
+    names = list(candidates)
     for round_ in range(repeats + 1):
-        for name, (settle, start) in candidates.items():
-            settle()
+        for name in names if round_ % 2 else names[::-1]:
+            for settle, _ in candidates.values():
+                settle()
             began = time.perf_counter()
-            start()
+            candidates[name][1]()
             if round_:  # the first round warms up
                 samples[name].append(time.perf_counter() - began)
     for settle, _ in candidates.values():
