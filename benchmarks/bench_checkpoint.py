@@ -176,16 +176,23 @@ def async_candidates(model: nn.Module, optimizer: torch.optim.Optimizer, root: P
     }
 
 
-def alternate_settled(candidates: dict[str, tuple[Callable, Callable]], repeats: int) -> dict[str, float]:
-    """Like `alternate`, but no candidate's background work (an async write, deleting the copy a
-    save replaced) is still running when any candidate's timed call starts, and the candidate
-    going first alternates from round to round (on this VM the second of two 1 GiB saves in a
-    row was often the slow one, whichever it was)."""
+def alternate_settled(
+    candidates: dict[str, tuple[Callable, Callable]], repeats: int, isolated: bool = False
+) -> dict[str, float]:
+    """Like `alternate`, but each candidate's previous background work (an async write, deleting
+    the copy a save replaced) finishes before its timed call.
+
+    With `isolated` (the saves), every candidate's background work has finished before any timed
+    call starts, and the candidate going first alternates from round to round: on this VM the
+    second of two 1 GiB saves in a row was often the slow one, whichever it was. The async rows
+    keep the plain order: `dcp.async_save` copies into fresh buffers each call, and how long ago
+    its previous ones were freed moved its time to return between 16 and 67 ms.
+    """
     samples: dict[str, list[float]] = {name: [] for name in candidates}
     names = list(candidates)
     for round_ in range(repeats + 1):
-        for name in names if round_ % 2 else names[::-1]:
-            for settle, _ in candidates.values():
+        for name in names[::-1] if isolated and round_ % 2 == 0 else names:
+            for settle in [pair[0] for pair in candidates.values()] if isolated else [candidates[name][0]]:
                 settle()
             began = time.perf_counter()
             candidates[name][1]()
@@ -279,8 +286,10 @@ def main(argv: list[str] | None = None) -> None:
                     chosen = {name: (evict(root), fn) for name, fn in chosen.items()}
                 elif part != "async" and "save" in pair[0]:  # no candidate pays for the other's writeback
                     chosen = {name: settled(fn, os.sync) for name, fn in chosen.items()}
-                timer = alternate_settled if isinstance(chosen[pair[0]], tuple) else alternate
-                medians.update(timer(chosen, repeats))
+                if isinstance(chosen[pair[0]], tuple):
+                    medians.update(alternate_settled(chosen, repeats, isolated=part != "async"))
+                else:
+                    medians.update(alternate(chosen, repeats))
             title = f"Checkpoint, {part}" + (", loads from a cold page cache" if args.cold else "")
             print(report(title, medians, size), "\n", flush=True)
 
