@@ -24,6 +24,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
 import warnings
 from collections.abc import Callable
@@ -57,23 +58,51 @@ def build(mib: int) -> tuple[nn.Module, torch.optim.Optimizer, int]:
     return model, optimizer, size
 
 
+class Retirement:
+    """The raw side's `keep_latest_k=1`: the copy a save replaced is deleted on a helper thread
+    started as the save ends, and waited for (untimed) before the next save, as the managers do.
+
+    When the older copy goes matters on a VM that hands freed memory back to its host a moment
+    later: the page cache of a save into memory freed seconds earlier faults its pages in from
+    the host. Deleting the raw copy just before its next save made the same `dcp.save` of 1 GiB
+    take 0.68 s against 1.6 s deleted right after the save, so both sides delete at the same point.
+    """
+
+    def __init__(self, remove: Callable[[Path], None]) -> None:
+        self.remove = remove
+        self.thread: threading.Thread | None = None
+
+    def retire(self, path: Path) -> None:
+        self.thread = threading.Thread(target=self.remove, args=(path,))
+        self.thread.start()
+
+    def settle(self) -> None:
+        if self.thread is not None:
+            self.thread.join()
+            self.thread = None
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)
+    elif path.exists():
+        path.unlink()
+
+
 def file_candidates(model: nn.Module, optimizer: torch.optim.Optimizer, root: Path) -> dict[str, Callable]:
     # Like the managers (keep_latest_k=1), the raw side writes a new file while the previous one
-    # exists and deletes the older one untimed, before its next save; the managers delete what
-    # they replaced on a helper thread, waited for (untimed) by `manager.wait` in the same place.
-    paths = [os.fspath(root / "raw-a.pt"), os.fspath(root / "raw-b.pt")]
+    # exists and deletes that one once the new one is written (see `Retirement`).
+    paths = [root / "raw-a.pt", root / "raw-b.pt"]
     manager = FileCheckpointManager(root / "file", keep_latest_k=1)
     objects = {"model": model, "optimizer": optimizer}
     counter = itertools.count()
-
-    def raw_settle() -> None:
-        if os.path.exists(paths[1]):
-            os.unlink(paths[1])
+    retirement = Retirement(_remove)
 
     def raw_save() -> None:
         paths.reverse()
         torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, paths[0])
-        fsync_file(paths[0])
+        fsync_file(os.fspath(paths[0]))
+        retirement.retire(paths[1])
 
     def raw_load() -> None:
         payload = torch.load(paths[0], weights_only=True)
@@ -81,7 +110,7 @@ def file_candidates(model: nn.Module, optimizer: torch.optim.Optimizer, root: Pa
         optimizer.load_state_dict(payload["optimizer"])
 
     return {
-        "torch.save + fsync": (raw_settle, raw_save),
+        "torch.save + fsync": (retirement.settle, raw_save),
         "FileCheckpointManager.save": (manager.wait, lambda: manager.save(objects, f"step-{next(counter)}")),
         "torch.load + load_state_dict": raw_load,
         "FileCheckpointManager.load_into": lambda: manager.load_into("latest", objects),
@@ -95,14 +124,13 @@ def dcp_candidates(model: nn.Module, optimizer: torch.optim.Optimizer, root: Pat
     dirs = [root / "raw-a", root / "raw-b"]
     manager = TorchDistributedCheckpointManager(root / "dcp", keep_latest_k=1)
     counter = itertools.count()
-
-    def raw_settle() -> None:  # as in `file_candidates`: the older copy goes, untimed
-        shutil.rmtree(dirs[1], ignore_errors=True)
+    retirement = Retirement(_remove)  # as in `file_candidates`
 
     def raw_save() -> None:
         dirs.reverse()
         model_state, optim_state = get_state_dict(model, optimizer)
         dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=dirs[0], no_dist=True)
+        retirement.retire(dirs[1])
 
     def raw_load() -> None:
         model_state, optim_state = get_state_dict(model, optimizer)
@@ -114,7 +142,7 @@ def dcp_candidates(model: nn.Module, optimizer: torch.optim.Optimizer, root: Pat
         return {"model": ModelState(model), "optimizer": OptimizerState(model, optimizer)}
 
     return {
-        "dcp.save": (raw_settle, raw_save),
+        "dcp.save": (retirement.settle, raw_save),
         "DCP manager save": (manager.wait, lambda: manager.save(objects(), f"step-{next(counter)}")),
         "dcp.load + set_state_dict": raw_load,
         "DCP manager load_into": lambda: manager.load_into("latest", objects()),
@@ -148,14 +176,26 @@ def async_candidates(model: nn.Module, optimizer: torch.optim.Optimizer, root: P
     }
 
 
-def alternate_settled(candidates: dict[str, tuple[Callable, Callable]], repeats: int) -> dict[str, float]:
-    """Like `alternate`, but each candidate's previous background write finishes before its timed call."""
+def alternate_settled(
+    candidates: dict[str, tuple[Callable, Callable]], repeats: int, isolated: bool = False
+) -> dict[str, float]:
+    """Like `alternate`, but each candidate's previous background work (an async write, deleting
+    the copy a save replaced) finishes before its timed call.
+
+    With `isolated` (the saves), every candidate's background work has finished before any timed
+    call starts, and the candidate going first alternates from round to round: on this VM the
+    second of two 1 GiB saves in a row was often the slow one, whichever it was. The async rows
+    keep the plain order: `dcp.async_save` copies into fresh buffers each call, and how long ago
+    its previous ones were freed moved its time to return between 16 and 67 ms.
+    """
     samples: dict[str, list[float]] = {name: [] for name in candidates}
+    names = list(candidates)
     for round_ in range(repeats + 1):
-        for name, (settle, start) in candidates.items():
-            settle()
+        for name in names[::-1] if isolated and round_ % 2 == 0 else names:
+            for settle in [pair[0] for pair in candidates.values()] if isolated else [candidates[name][0]]:
+                settle()
             began = time.perf_counter()
-            start()
+            candidates[name][1]()
             if round_:  # the first round warms up
                 samples[name].append(time.perf_counter() - began)
     for settle, _ in candidates.values():
@@ -246,8 +286,10 @@ def main(argv: list[str] | None = None) -> None:
                     chosen = {name: (evict(root), fn) for name, fn in chosen.items()}
                 elif part != "async" and "save" in pair[0]:  # no candidate pays for the other's writeback
                     chosen = {name: settled(fn, os.sync) for name, fn in chosen.items()}
-                timer = alternate_settled if isinstance(chosen[pair[0]], tuple) else alternate
-                medians.update(timer(chosen, repeats))
+                if isinstance(chosen[pair[0]], tuple):
+                    medians.update(alternate_settled(chosen, repeats, isolated=part != "async"))
+                else:
+                    medians.update(alternate(chosen, repeats))
             title = f"Checkpoint, {part}" + (", loads from a cold page cache" if args.cold else "")
             print(report(title, medians, size), "\n", flush=True)
 

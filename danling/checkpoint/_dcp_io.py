@@ -1,4 +1,5 @@
-"""DCP's reader and load planner with every pickle read by the restricted unpickler, and what a load reads.
+"""DCP's reader and load planner with every pickle read by the restricted unpickler, what a load reads, and a
+writer that hashes its files as it writes them.
 
 DCP unpickles its `.metadata` index with plain `pickle` and the non-tensor entries of a
 checkpoint with `torch.load(weights_only=False)`: either can run code planted in the files.
@@ -7,8 +8,13 @@ These subclasses route both through [`danling.checkpoint.unpickling`][] unless `
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
-from collections.abc import Mapping, Sequence
+import os
+import sys
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -18,11 +24,12 @@ from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan
 
 from ._dcp_read import NOT_PLAIN, read_into, read_plain
-from .checksums import BackgroundVerification, directory_records
+from .checksums import BackgroundVerification, HashingWriter, file_record
 from .manifest import CheckpointError
 from .ranks import RankLayout, rank_entry
 from .unpickling import SAFE_GLOBALS, UnsafePickleError, read_dcp_metadata, torch_load
@@ -44,27 +51,117 @@ class _Records:
         self.files = files
 
 
+def _writeback_starter() -> Callable[[int, int, int, int], int] | None:
+    """Linux's `sync_file_range`, which starts writing a file's dirty pages out without waiting."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        function = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    function.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    function.restype = ctypes.c_int
+    return function
+
+
+_START_WRITEBACK = _writeback_starter()
+_SYNC_FILE_RANGE_WRITE = 2
+
+
+class _HashedFile(HashingWriter):
+    """A DCP data file being written: hashed on the way, and noting anything but appending.
+
+    DCP only writes, asks `tell` and closes; a `seek` elsewhere than the end means the digest of
+    the writes may not describe the file, so its record is then taken by reading it back. Every
+    `writeback_bytes` written, the disk starts writing them out (where the OS offers that), so
+    the fsync at the end waits for the tail of the file instead of all of it.
+    """
+
+    writeback_bytes = 16 << 20
+
+    def __init__(self, raw: Any, checksum: str) -> None:
+        super().__init__(raw, checksum, chunked=True)
+        self.appended = True
+        self._written_out = 0  # bytes [0, _written_out) were handed to the disk
+
+    def write(self, data: bytes | bytearray | memoryview) -> int:
+        count = super().write(data)
+        if _START_WRITEBACK is not None and self.size - self._written_out >= self.writeback_bytes:
+            self.raw.flush()
+            start, self._written_out = self._written_out, self.size
+            # a request the OS refuses only leaves these pages to the final fsync
+            _START_WRITEBACK(self.raw.fileno(), start, self.size - start, _SYNC_FILE_RANGE_WRITE)
+        return count
+
+    def tell(self) -> int:
+        return self.raw.tell()
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        position = self.raw.seek(offset, whence)
+        self.appended = self.appended and position == self.size
+        return position
+
+    def fileno(self) -> int:
+        return self.raw.fileno()
+
+    def close(self) -> None:  # the file itself closes with `create_stream`, once it is synced
+        self.raw.flush()
+
+
+class _HashingFileSystem(FileSystem):
+    """DCP's local file system, with every data file hashed while written and synced once complete."""
+
+    def __init__(self, checksum: str) -> None:
+        super().__init__()
+        self.checksum = checksum
+        self.written: dict[str, dict[str, Any]] = {}  # file name -> record, since the last `take`
+        self._lock = threading.Lock()
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[Any]:
+        path = Path(path)
+        if mode != "wb" or path.suffix != ".distcp":
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        with path.open("wb") as raw:
+            stream = _HashedFile(raw, self.checksum)
+            yield stream
+            raw.flush()
+            os.fsync(raw.fileno())
+            intact = stream.appended and os.fstat(raw.fileno()).st_size == stream.size
+        record = stream.record() if intact else file_record(path, checksum=self.checksum, chunked=True)
+        with self._lock:
+            self.written[path.name] = record
+
+    def take(self) -> dict[str, dict[str, Any]]:
+        """The records of the files written since the last call."""
+        with self._lock:
+            written, self.written = self.written, {}
+        return written
+
+
 class RecordingWriter(dcp.FileSystemWriter):
-    """DCP's file writer, with each rank's data files hashed and fsynced before DCP gathers the write results.
+    """DCP's file writer, with each rank's data files hashed while written and synced before DCP gathers the results.
 
     The records travel to the coordinator inside that gather, so recording them costs no
     collective of its own; the coordinator finds them all in `records` once the save returns.
-    DCP's own fsync is off: each file is flushed while it is hashed, instead of before.
+    The bytes are hashed on their way to the file (no second read), and each data file is
+    fsynced as DCP would; DCP's own sync is off, so its `.metadata` is left to the caller.
     """
 
     def __init__(self, path: str, checksum: str) -> None:
         super().__init__(path, sync_files=False)
         self.checksum = checksum
+        self.fs = _HashingFileSystem(checksum)
         self.records: dict[str, Any] = {}
 
     def write_data(self, plan: Any, planner: Any) -> Any:
+        self.fs.take()  # what an earlier, failed write left
         written = super().write_data(plan, planner)
         written.wait()
-        directory = Path(self.path)
-        prefix = plan.storage_data.prefix  # "__<rank>_": every file this rank wrote, one without entries too
-        names = [path.name for path in directory.glob(f"{prefix}*.distcp") if path.is_file()]
         done: torch.futures.Future = torch.futures.Future()
-        done.set_result([*written.value(), _Records(directory_records(directory, checksum=self.checksum, files=names))])
+        done.set_result([*written.value(), _Records(self.fs.take())])
         return done
 
     def finish(self, metadata: Any, results: list[list[Any]]) -> None:

@@ -34,7 +34,6 @@ __all__ = [
     "BackgroundVerification",
 ]
 
-_CHUNK = 8 * 1024 * 1024
 CHUNK_BYTES = 8 * 1024 * 1024
 """Span of each per-chunk digest recorded by `file_record(..., chunked=True)`."""
 CHECKSUMS = ("xxh3_128", "sha256")
@@ -67,8 +66,10 @@ class HashingWriter:
 
     `torch.save` writes its archive strictly sequentially, so the digest of everything passed
     to `write` equals the digest of the finished file; that spares a second read at save time.
-    XXH3 keeps up with memory, so it runs inline; SHA-256 chunks are hashed on a helper thread
-    while the caller's thread writes them (both release the GIL).
+    With `chunked` (XXH3-128 only) it also digests each `CHUNK_BYTES` piece of the stream, cut
+    at the same offsets as `file_record(..., chunked=True)`, so `record` equals that entry.
+    Plain XXH3 keeps up with memory and runs inline; SHA-256, or XXH3 with its pieces, is hashed
+    on a helper thread while the caller's thread writes a large buffer (both release the GIL).
 
     Examples:
         >>> import io
@@ -81,28 +82,28 @@ class HashingWriter:
 
     parallel_threshold = 1 << 20
 
-    def __init__(self, raw: Any, checksum: str = DEFAULT_CHECKSUM) -> None:
+    def __init__(self, raw: Any, checksum: str = DEFAULT_CHECKSUM, *, chunked: bool = False) -> None:
         self.raw = raw
         self.size = 0
         self.error: OSError | None = None  # torch.save reports a failed write without its cause
         self.checksum = check_checksum(checksum)
         self._hash = new_digest(checksum)
-        self._parallel = checksum == "sha256"
+        self._pieces: list[str] | None = [] if chunked and checksum == "xxh3_128" else None
+        self._piece = new_digest(checksum) if self._pieces is not None else None  # the piece being filled
+        self._parallel = checksum == "sha256" or self._pieces is not None
 
     def write(self, data: bytes | bytearray | memoryview) -> int:
-        view = memoryview(data)
-        if view.ndim != 1 or view.format != "B":
-            view = view.cast("B")
+        view = memoryview(data)  # torch.save writes many small records: this path stays short
         try:
             if self._parallel and view.nbytes >= self.parallel_threshold:
                 # the buffer stays alive and unchanged until both the hash and the write finish
-                hashed = _hash_pool().submit(self._hash.update, view)
+                hashed = _hash_pool().submit(self._absorb, view)
                 try:
                     self.raw.write(view)
                 finally:
                     hashed.result()
             else:
-                self._hash.update(view)
+                self._absorb(view)
                 self.raw.write(view)
         except OSError as err:
             self.error = err
@@ -110,12 +111,32 @@ class HashingWriter:
         self.size += view.nbytes
         return view.nbytes
 
+    def _absorb(self, view: memoryview) -> None:
+        self._hash.update(view)
+        if self._piece is None:
+            return
+        filled = self.size % CHUNK_BYTES  # `size` counts the bytes before `view`
+        if filled + view.nbytes < CHUNK_BYTES:
+            self._piece.update(view)
+            return
+        view, start = view.cast("B") if view.format != "B" or view.ndim != 1 else view, 0
+        while start < view.nbytes:
+            stop = min(view.nbytes, start + CHUNK_BYTES - filled)
+            self._piece.update(view[start:stop])
+            if filled + stop - start == CHUNK_BYTES:  # a piece is complete: its digest, then a fresh one
+                self._pieces.append(self._piece.hexdigest())
+                self._piece.reset()
+            start, filled = stop, 0
+
     def flush(self) -> None:
         self.raw.flush()
 
     def record(self) -> dict[str, Any]:
-        """Return the manifest entry (`size` and the checksum) for the bytes written so far."""
-        return {"size": self.size, self.checksum: self._hash.hexdigest()}
+        """Return the manifest entry (`size`, the checksum, with `chunked` the pieces) of the bytes written so far."""
+        chunks: list[str] = []
+        if self._pieces is not None:  # and the last piece, if partial
+            chunks = self._pieces + ([self._piece.hexdigest()] if self.size % CHUNK_BYTES else [])
+        return _record(self.size, self.checksum, self._hash.hexdigest(), chunks if len(chunks) > 1 else [])
 
 
 class HashingReader:
@@ -191,7 +212,7 @@ class HashingReader:
 
     def _hash_span(self, start: int, stop: int) -> None:
         while start < stop:
-            chunk = os.pread(self._file.fileno(), min(_CHUNK, stop - start), start)
+            chunk = os.pread(self._file.fileno(), min(CHUNK_BYTES, stop - start), start)
             if not chunk:
                 break
             self._hash.update(chunk)
