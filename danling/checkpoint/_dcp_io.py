@@ -8,12 +8,10 @@ These subclasses route both through [`danling.checkpoint.unpickling`][] unless `
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import os
-import sys
 import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -29,7 +27,8 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorS
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan
 
 from ._dcp_read import NOT_PLAIN, read_into, read_plain
-from .checksums import BackgroundVerification, HashingWriter, file_record
+from ._writeback import WritebackWriter
+from .checksums import BackgroundVerification, file_record
 from .manifest import CheckpointError
 from .ranks import RankLayout, rank_entry
 from .unpickling import SAFE_GLOBALS, UnsafePickleError, read_dcp_metadata, torch_load
@@ -51,47 +50,17 @@ class _Records:
         self.files = files
 
 
-def _writeback_starter() -> Callable[[int, int, int, int], int] | None:
-    """Linux's `sync_file_range`, which starts writing a file's dirty pages out without waiting."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        function = ctypes.CDLL(None, use_errno=True).sync_file_range
-    except (OSError, AttributeError):
-        return None
-    function.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-    function.restype = ctypes.c_int
-    return function
-
-
-_START_WRITEBACK = _writeback_starter()
-_SYNC_FILE_RANGE_WRITE = 2
-
-
-class _HashedFile(HashingWriter):
+class _HashedFile(WritebackWriter):
     """A DCP data file being written: hashed on the way, and noting anything but appending.
 
     DCP only writes, asks `tell` and closes; a `seek` elsewhere than the end means the digest of
-    the writes may not describe the file, so its record is then taken by reading it back. Every
-    `writeback_bytes` written, the disk starts writing them out (where the OS offers that), so
-    the fsync at the end waits for the tail of the file instead of all of it.
+    the writes may not describe the file, so its record is then taken by reading it back. Its
+    writeback starts while it is written (see `WritebackWriter`).
     """
-
-    writeback_bytes = 16 << 20
 
     def __init__(self, raw: Any, checksum: str) -> None:
         super().__init__(raw, checksum, chunked=True)
         self.appended = True
-        self._written_out = 0  # bytes [0, _written_out) were handed to the disk
-
-    def write(self, data: bytes | bytearray | memoryview) -> int:
-        count = super().write(data)
-        if _START_WRITEBACK is not None and self.size - self._written_out >= self.writeback_bytes:
-            self.raw.flush()
-            start, self._written_out = self._written_out, self.size
-            # a request the OS refuses only leaves these pages to the final fsync
-            _START_WRITEBACK(self.raw.fileno(), start, self.size - start, _SYNC_FILE_RANGE_WRITE)
-        return count
 
     def tell(self) -> int:
         return self.raw.tell()

@@ -9,12 +9,12 @@ from typing import Any, BinaryIO
 
 import torch
 
+from ._writeback import WritebackWriter
 from .base import CheckpointManager
 from .manifest import (
     DEFAULT_CHECKSUM,
     CheckpointError,
     HashingReader,
-    HashingWriter,
     check_checksum,
     mark_verified,
     streamed_verification,
@@ -71,9 +71,9 @@ class FileCheckpointManager(CheckpointManager):
         self.checksum = check_checksum(checksum)
         super().__init__(directory, **kwargs)
 
-    def _payload_stream(self, raw: BinaryIO) -> HashingWriter:
+    def _payload_stream(self, raw: BinaryIO) -> WritebackWriter:
         """Wrap the open payload file; the writer hashes bytes as `torch.save` emits them."""
-        return HashingWriter(raw, getattr(self, "checksum", DEFAULT_CHECKSUM))
+        return WritebackWriter(raw, getattr(self, "checksum", DEFAULT_CHECKSUM))
 
     def load(self, checkpoint: str | os.PathLike, *, map_location: Any = "cpu") -> dict[str, Any]:
         # the payload file is checksummed while torch.load reads it (see _read_file), not in a pass before

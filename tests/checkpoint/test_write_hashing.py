@@ -10,7 +10,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from danling.checkpoint import _dcp_io, checksums
+from danling.checkpoint import FileCheckpointManager, _dcp_io, _writeback, checksums
 from danling.checkpoint._dcp_io import RecordingWriter, _HashingFileSystem
 from danling.checkpoint.checksums import CHUNK_BYTES, HashingWriter, file_record
 from danling.checkpoint.dcp import ModelState, TorchDistributedCheckpointManager
@@ -148,17 +148,17 @@ def test_recording_writer_records_every_file_of_a_multithreaded_write(tmp_path, 
     assert writer.records == {name: file_record(tmp_path / name, chunked=True) for name in names}
 
 
-@pytest.mark.skipif(_dcp_io._START_WRITEBACK is None, reason="the OS offers no way to start writeback early")
+@pytest.mark.skipif(_writeback.START_WRITEBACK is None, reason="the OS offers no way to start writeback early")
 def test_the_disk_starts_writing_a_data_file_out_while_it_is_being_written(tmp_path, monkeypatch):
     started = []
-    start_writeback = _dcp_io._START_WRITEBACK
+    start_writeback = _writeback.START_WRITEBACK
 
     def recording(fd, offset, count, flags):
         written = os.fstat(fd).st_size  # the range reached the kernel before its writeback was asked for
         started.append((offset, count, written >= offset + count, start_writeback(fd, offset, count, flags)))
         return started[-1][-1]
 
-    monkeypatch.setattr(_dcp_io, "_START_WRITEBACK", recording)
+    monkeypatch.setattr(_writeback, "START_WRITEBACK", recording)
     fs, step = _HashingFileSystem("xxh3_128"), _dcp_io._HashedFile.writeback_bytes
     with fs.create_stream(tmp_path / "a.distcp", "wb") as stream:
         for _ in range(5 * step // (3 << 20)):
@@ -169,3 +169,23 @@ def test_the_disk_starts_writing_a_data_file_out_while_it_is_being_written(tmp_p
     ends = [0] + [offset + count for offset, count, _, _ in started]
     assert [offset for offset, _, _, _ in started] == ends[:-1]  # consecutive ranges from the start
     assert all(count >= step for _, count, _, _ in started) and ends[-1] <= fs.take()["a.distcp"]["size"]
+
+
+@pytest.mark.skipif(_writeback.START_WRITEBACK is None, reason="the OS offers no way to start writeback early")
+def test_the_file_manager_starts_writing_its_payload_out_while_torch_save_writes_it(tmp_path, monkeypatch):
+    started = []
+    start_writeback = _writeback.START_WRITEBACK
+
+    def recording(fd, offset, count, flags):
+        started.append((offset, count))
+        return start_writeback(fd, offset, count, flags)
+
+    monkeypatch.setattr(_writeback, "START_WRITEBACK", recording)
+    manager = FileCheckpointManager(tmp_path / "ckpt")
+    state = {f"layer{index}": torch.randn(1 << 20) for index in range(10)}  # 40 MiB in 4 MiB writes
+    path = manager.save(state, "one")
+    manager.close()
+    assert [offset for offset, _ in started] == [0] + [offset + count for offset, count in started][:-1]
+    assert len(started) >= 2 and all(count >= _writeback.WritebackWriter.writeback_bytes for _, count in started)
+    loaded = manager.load(path)  # the recorded digest verifies
+    assert all(torch.equal(loaded[key], value) for key, value in state.items())
