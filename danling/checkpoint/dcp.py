@@ -6,7 +6,8 @@ weights are written once, sharded ones by their owners) into ``__<rank>_<n>.dist
 [`CheckpointManager`][danling.checkpoint.CheckpointManager]: rank 0 picks the temporary
 directory, all ranks write into it and hash and sync their own files (the records reach rank 0
 with DCP's own gather of the write results), and rank 0 writes the manifest, renames the directory
-into place, moves the aliases and prunes, then tells the other ranks how it went.
+into place, moves the aliases and prunes before DCP tells every rank how the save went: the save
+needs no collective besides DCP's own (see `danling.checkpoint._dcp_save`).
 
 Loading needs no collective. [`load_into`][danling.checkpoint.dcp.TorchDistributedCheckpointManager.load_into]
 reads each live object's entries straight into its own tensors (a DTensor gets only its local
@@ -29,8 +30,9 @@ from torch.distributed.checkpoint._traverse import set_element
 from danling.utils import to_device
 
 from ._dcp_checks import _check_index, _check_keys, _data_domain, _key_names
-from ._dcp_io import CheckpointException, RecordingWriter, SafePlanner, SafeReader, _damaged, _paths, _Plan, _targets
-from ._dcp_read import pack_plain, unpack_plain
+from ._dcp_io import CheckpointException, SafePlanner, SafeReader, _damaged, _paths, _Plan, _targets
+from ._dcp_read import unpack_plain
+from ._dcp_save import CollectiveSaves
 from .base import CheckpointManager
 from .checksums import BackgroundVerification
 from .manifest import (
@@ -40,7 +42,7 @@ from .manifest import (
     verify_in_background,
 )
 from .payload import check_objects, drop_key
-from .ranks import RANK_LAYOUT_KEY, layout_record, plan_rank_entries, rank_entry, read_layout
+from .ranks import RANK_LAYOUT_KEY, layout_record, plan_rank_entries, read_layout
 from .training import ModelState, OptimizerState, TrainingState, get_training_state, set_training_state
 from .unpickling import SAFE_GLOBALS, UnsafePickleError, torch_load
 
@@ -81,7 +83,7 @@ def read_dcp_checkpoint(
     return manager.load(path, map_location=map_location)
 
 
-class TorchDistributedCheckpointManager(CheckpointManager):
+class TorchDistributedCheckpointManager(CollectiveSaves, CheckpointManager):
     """Checkpoint manager that writes with ``torch.distributed.checkpoint`` from every rank.
 
     `save` is collective: every rank of the process group must call it with the same name and
@@ -209,75 +211,11 @@ class TorchDistributedCheckpointManager(CheckpointManager):
         _check_keys(state)  # fail in the caller's thread, not later inside an async write
         return state
 
-    # collective plumbing ---------------------------------------------------------------------
-
-    def _exchange(self, obj: Any) -> Any:
-        """Broadcast `obj` from the coordinator (group rank 0) to every rank of the group."""
-        if not self.distributed:
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, group=self.process_group, group_src=0)
-        return box[0]
-
     def _recover(self) -> None:
         # One process tidies leftovers; the others cannot race it because they learn the next
         # temporary directory from it.
         if self.is_main_process:
             super()._recover()
-
-    def _persist(
-        self, state: Mapping[str, Any], name: str, aliases: tuple[str, ...], history: bool, metadata: dict
-    ) -> Path:
-        if not self.is_main_process:
-            return self._persist_follower(state, name)
-        self._announced = False
-        error: BaseException | None = None
-        try:
-            final = super()._persist(state, name, aliases, history, metadata)
-        except BaseException as err:  # the followers must hear about it before we re-raise
-            error = err
-        if not self._announced:
-            self._exchange(None)
-        self._exchange(None if error is None else f"{type(error).__name__}: {error}")
-        if error is not None:
-            raise error
-        return final
-
-    def _persist_follower(self, state: Mapping[str, Any], name: str) -> Path:
-        directory = self._exchange(None)
-        if directory is None:
-            raise CheckpointError(f"saving checkpoint {name!r} failed on rank 0: {self._exchange(None)}")
-        local_error: BaseException | None = None
-        try:
-            self._save(state, Path(directory))
-        except BaseException as err:
-            local_error = err
-        outcome = self._exchange(None)
-        if local_error is not None:
-            raise local_error
-        if outcome is not None:
-            raise CheckpointError(f"saving checkpoint {name!r} failed on rank 0: {outcome}")
-        return self.directory / name
-
-    def _write_payload(self, state: Mapping[str, Any], directory: Path) -> Mapping[str, Mapping[str, Any]]:
-        # Runs on the coordinator inside the base class's write: tell the followers where to write.
-        self._exchange(str(directory))
-        self._announced = True
-        # Collective. DCP raises an error of any rank's write on every rank; on success every rank's
-        # data files are written, synced and recorded (the base class hashes the rest: DCP's .metadata).
-        return self._save(state, directory)
-
-    def _save(self, state: Mapping[str, Any], directory: Path) -> dict[str, Any]:
-        """Write this rank's part of `state` with DCP; the coordinator gets the records of every rank's data files."""
-        local = {key: pack_plain(value) for key, value in state.items()} if self.pack_plain else dict(state)
-        for key in self.rank_local_keys:
-            if key in local:
-                local[key] = {rank_entry(self.data_rank): local[key]}
-        writer = RecordingWriter(str(directory), self.checksum)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)
-            dcp.save(local, storage_writer=writer, process_group=self.process_group, no_dist=not self.distributed)
-        return writer.records
 
     def load_into(
         self, checkpoint: str | os.PathLike, objects: Mapping[str, Any], *, map_location: Any = "cpu"

@@ -25,7 +25,14 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from .manifest import CheckpointError, CheckpointNotFoundError, atomic_write_text, fsync_dir, read_manifest
+from .manifest import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    atomic_write_text,
+    fsync_dir,
+    read_manifest,
+    verify_directory,
+)
 
 __all__ = [
     "POINTER_SUFFIX",
@@ -36,6 +43,7 @@ __all__ = [
     "temp_token",
     "write_pointer",
     "follow_pointer",
+    "first_valid",
     "recover_directory",
     "scan_checkpoints",
 ]
@@ -265,3 +273,19 @@ def scan_checkpoints(directory: Path, history_pattern: re.Pattern) -> list[tuple
         found.append((created, entry.name, entry, manifest))
     found.sort(key=lambda item: (item[0], item[1]), reverse=True)
     return [(entry, manifest) for _, _, entry, manifest in found]
+
+
+def first_valid(candidates: list[Path], logger: logging.Logger) -> Path | None:
+    """The first of `candidates` that passes verification, logging every one it skips (and a fallback)."""
+    rejected = 0
+    for path in candidates:
+        try:
+            verify_directory(path)
+        except CheckpointError as err:
+            rejected += 1
+            logger.warning("skipping checkpoint %s: %s", path, err)
+            continue
+        if rejected:
+            logger.warning("falling back to checkpoint %s, the newest one that verifies", path)
+        return path
+    return None
