@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -31,14 +31,17 @@ from danling.utils import to_device
 
 from ._dcp_checks import _check_index, _check_keys, _data_domain, _key_names
 from ._dcp_io import CheckpointException, SafePlanner, SafeReader, _damaged, _paths, _Plan, _targets
+from ._dcp_plain import read_whole
 from ._dcp_read import unpack_plain
 from ._dcp_save import CollectiveSaves
+from ._dcp_shared import load_together
 from .base import CheckpointManager
 from .checksums import BackgroundVerification
 from .manifest import (
     DEFAULT_CHECKSUM,
     CheckpointError,
     check_checksum,
+    parsed_once,
     verify_in_background,
 )
 from .payload import check_objects, drop_key
@@ -123,6 +126,11 @@ class TorchDistributedCheckpointManager(CollectiveSaves, CheckpointManager):
         data_size: Number of data-parallel ranks. Defaults to the group size. Outside a process
             group and without `data_rank`/`data_size`, the manager reads checkpoints of any data
             size (data rank 0's copies), as tools do; pass ``data_size=1`` to apply the resize rule.
+        verify_together: Make `load` collective: every rank of the group loads the same checkpoint
+            at once, each hashes a share of its files, and one exchange tells every rank the verdict,
+            so a checkpoint is hashed once per group instead of once per rank. `load` still returns
+            (or raises, on every rank) only once every file is verified. Ignored with `trusted`,
+            whose unpickler only ever sees bytes this rank verified itself.
         **kwargs: The options of [`CheckpointManager`][danling.checkpoint.CheckpointManager]
             (``interval``, ``keep_latest_k``, ``async_save``, ``load_only``, ...). ``is_main_process``
             is derived from the group rank when a group is active.
@@ -157,9 +165,11 @@ class TorchDistributedCheckpointManager(CollectiveSaves, CheckpointManager):
         data_rank: int | None = None,
         data_size: int | None = None,
         checksum: str = DEFAULT_CHECKSUM,
+        verify_together: bool = False,
         **kwargs: Any,
     ) -> None:
         self.checksum = check_checksum(checksum)
+        self.verify_together = bool(verify_together)
         self.distributed = dist.is_available() and dist.is_initialized()
         if not self.distributed:
             process_group = None
@@ -167,7 +177,7 @@ class TorchDistributedCheckpointManager(CollectiveSaves, CheckpointManager):
             process_group = dist.new_group(backend=async_process_group_backend)
         self.process_group = process_group
         self.rank = dist.get_rank(process_group) if self.distributed else 0
-        world_size = dist.get_world_size(process_group) if self.distributed else 1
+        self._world_size = world_size = dist.get_world_size(process_group) if self.distributed else 1
         self.data_rank, self.data_size = _data_domain(data_rank, data_size, self.rank, world_size)
         kwargs["is_main_process"] = self.rank == 0
         self.rank_local_keys = _key_names(rank_local_keys, "rank_local_keys")
@@ -273,12 +283,19 @@ class TorchDistributedCheckpointManager(CollectiveSaves, CheckpointManager):
         A DCP checkpoint is verified while it is read: each entry is read once the bytes it covers
         matched the manifest, and the call returns once every file did.
         """
+        if self.verify_together and self._world_size > 1 and not self.trusted:
+            return load_together(self, checkpoint, map_location)
         self.wait()
         path = self.resolve(checkpoint)
         directory = path if path.is_dir() else path.parent
         if not (directory / _METADATA).is_file():
             return super().load(checkpoint, map_location=map_location)
-        plan, verification = self._start(directory)
+        return self._load_dcp(directory, self._start(directory), map_location)
+
+    def _load_dcp(
+        self, directory: Path, started: tuple[_Plan, BackgroundVerification], map_location: Any
+    ) -> dict[str, Any]:
+        plan, verification = started
         try:
             payload = self._read(directory, plan, {}, verification)
         finally:
@@ -287,10 +304,12 @@ class TorchDistributedCheckpointManager(CollectiveSaves, CheckpointManager):
             drop_key(payload, key)
         return _to_location(payload, map_location)
 
-    def _start(self, directory: Path) -> tuple[_Plan, BackgroundVerification]:
-        # The payload files are hashed on helper threads from here on, while this thread plans and
-        # then reads them (the small .metadata index is checked before it is unpickled).
-        manifest, verification = verify_in_background(directory, now=(_METADATA,))
+    def _start(
+        self, directory: Path, manifest: Mapping[str, Any] | None = None, share: Collection[str] | None = None
+    ) -> tuple[_Plan, BackgroundVerification]:
+        # The payload files are hashed on helper threads from here on (those of `share` only, when
+        # given), while this thread plans and then reads them (.metadata is checked before it is unpickled).
+        manifest, verification = verify_in_background(directory, now=(_METADATA,), manifest=manifest, share=share)
         try:
             return self._plan(directory, self._check_manifest(directory, manifest)), verification
         except BaseException:
@@ -310,7 +329,8 @@ class TorchDistributedCheckpointManager(CollectiveSaves, CheckpointManager):
     def _plan(self, directory: Path, manifest: Mapping[str, Any]) -> _Plan:
         """Decide what this rank reads, from the manifest and DCP metadata alone (same on every rank)."""
         try:
-            metadata = SafeReader(str(directory), trusted=self.trusted).read_metadata()
+            reader = SafeReader(str(directory), trusted=self.trusted)
+            metadata = parsed_once(directory / _METADATA, reader.read_metadata)  # once per restore
         except UnsafePickleError:
             raise
         except Exception as err:
@@ -351,18 +371,22 @@ class TorchDistributedCheckpointManager(CollectiveSaves, CheckpointManager):
         """
         targets, mapping = _targets(plan, templates, self.data_rank, self.exclude_from_loading)
         reader = SafeReader(str(directory), trusted=self.trusted, verification=verification, metadata=plan.metadata)
-        if targets:
-            planner = SafePlanner(self.trusted, directory)
-            try:
+        planner = SafePlanner(self.trusted, directory)
+        try:  # entries stored in one piece directly, the rest (sharded tensors, ...) through DCP
+            rest = read_whole(directory, plan.metadata, targets, verification, self.trusted)
+            if rest:
                 with warnings.catch_warnings():  # DCP warns that it runs without a process group: that is the intent
                     warnings.simplefilter("ignore", UserWarning)
-                    dcp.load(targets, storage_reader=reader, planner=planner, no_dist=True)
-            except (Exception, CheckpointException) as err:  # DCP wraps errors per rank: raise a refusal as it is
-                if verification is not None and verification.failure is not None:
-                    raise _damaged(verification.failure, reader.entries_read, bool(templates)) from None
-                if planner.refused is not None:
-                    raise planner.refused from None
-                raise CheckpointError(f"DCP checkpoint {directory} cannot be read: {err}") from err
+                    dcp.load(rest, storage_reader=reader, planner=planner, no_dist=True)
+                targets.update(rest)  # DCP replaced the non-tensor entries in `rest`
+        except (Exception, CheckpointException) as err:  # DCP wraps errors per rank: raise a refusal as it is
+            if verification is not None and verification.failure is not None:
+                raise _damaged(verification.failure, reader.entries_read, bool(templates)) from None
+            if isinstance(err, UnsafePickleError):
+                raise
+            if planner.refused is not None:
+                raise planner.refused from None
+            raise CheckpointError(f"DCP checkpoint {directory} cannot be read: {err}") from err
         if verification is not None:
             try:
                 verification.finish()  # files this rank read nothing from are checked too: every rank agrees
