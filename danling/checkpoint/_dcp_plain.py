@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import io
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex, TensorStorageMetadata
+from torch.distributed.tensor import DTensor
 
 from ._dcp_read import NOT_PLAIN, read_into, read_plain
 from .checksums import BackgroundVerification
@@ -30,20 +31,47 @@ from .unpickling import SAFE_GLOBALS, torch_load
 __all__ = ["read_whole"]
 
 
-def _whole(metadata: Metadata, fqn: str, target: Any) -> Any:
-    """Where the entry `fqn` is stored when it is one untransformed piece that `target` can take, else None."""
+def _destination(target: Any) -> tuple[torch.Tensor, tuple[int, ...]] | None:
+    """The plain tensor a target's bytes go into and that tensor's offset in the stored tensor, or None.
+
+    A plain tensor is the whole stored tensor; a DTensor contributes its local shard, described by
+    the one chunk DCP itself would plan for it.
+    """
+    if type(target) is torch.Tensor:
+        return target.detach(), (0,) * target.dim()
+    if not isinstance(target, DTensor):
+        return None
+    try:
+        chunks = target.__create_chunk_list__()
+    except (RuntimeError, ValueError):  # partial placements: DCP's path decides
+        return None
+    local = target.to_local().detach()
+    if len(chunks) != 1 or type(local) is not torch.Tensor or tuple(chunks[0].sizes) != tuple(local.shape):
+        return None
+    return local, tuple(chunks[0].offsets)
+
+
+def _whole(metadata: Metadata, fqn: str, target: Any) -> tuple[Any, torch.Tensor | None] | None:
+    """Where the entry `fqn` is stored when it is one untransformed piece that `target` takes as it is, else None.
+
+    Returns its storage record and the tensor to read into (None for a non-tensor entry).
+    """
     stored = metadata.state_dict_metadata.get(fqn)
+    destination = None
     if isinstance(stored, BytesStorageMetadata) and not isinstance(target, torch.Tensor):
         index = MetadataIndex(fqn)
-    elif isinstance(stored, TensorStorageMetadata) and type(target) is torch.Tensor and len(stored.chunks) == 1:
-        chunk = stored.chunks[0]
-        if any(chunk.offsets) or not tuple(chunk.sizes) == tuple(stored.size) == tuple(target.shape):
-            return None
-        index = MetadataIndex(fqn, chunk.offsets)
+    elif isinstance(stored, TensorStorageMetadata) and (destination := _destination(target)) is not None:
+        local, offsets = destination
+        same = [chunk for chunk in stored.chunks if tuple(chunk.offsets) == offsets]
+        if len(same) != 1 or tuple(same[0].sizes) != tuple(local.shape) or local.dtype != stored.properties.dtype:
+            return None  # stored in other pieces than this rank holds: DCP reshards
+        index = MetadataIndex(fqn, offsets)
     else:
         return None
     info = metadata.storage_data.get(index)
-    return None if info is None or info.transform_descriptors else info
+    if info is None or info.transform_descriptors:
+        return None
+    return info, None if destination is None else destination[0]
 
 
 def read_whole(
@@ -52,29 +80,33 @@ def read_whole(
     targets: dict[str, Any],
     verification: BackgroundVerification | None,
     trusted: bool,
+    counted: Callable[[], None] = lambda: None,
 ) -> dict[str, Any]:
-    """Read the `targets` stored in one piece: a non-tensor entry replaces its target, a tensor is read into it.
+    """Read the `targets` stored in one piece: a non-tensor entry replaces its target, a tensor (a DTensor's
+    local shard) is read into it.
 
-    Each file is read front to back, every range once `verification` passed it. Returns the
-    targets left for `dcp.load`.
+    Each file is read front to back, every range once `verification` passed it; `counted` is
+    called after each entry read. Returns the targets left for `dcp.load`.
     """
     found = {fqn: _whole(metadata, fqn, target) for fqn, target in targets.items()}
     rest = {fqn: target for fqn, target in targets.items() if found[fqn] is None}
-    order = sorted((info.relative_path, info.offset, fqn) for fqn, info in found.items() if info is not None)
+    order = sorted((where[0].relative_path, where[0].offset, fqn) for fqn, where in found.items() if where is not None)
     handles: dict[str, Any] = {}
     plain: dict[bytes, Any] = {}
     try:
         for relative_path, _, fqn in order:
-            info = found[fqn]
+            info, destination = found[fqn]
             handle = handles.get(relative_path)
             if handle is None:
                 handle = handles[relative_path] = open(directory / relative_path, "rb", buffering=0)  # noqa: SIM115
             if verification is not None:
                 verification.wait(relative_path, info.offset + info.length)
-            if not isinstance(targets[fqn], torch.Tensor):
+            if destination is None:
                 targets[fqn] = _plain(_read_range(handle, info.offset, info.length), directory, fqn, trusted, plain)
-            elif not read_into(handle, info.offset, info.length, targets[fqn]):
+            elif not read_into(handle, info.offset, info.length, destination):
                 rest[fqn] = targets[fqn]  # not a plain tensor archive: DCP's reader decides
+                continue
+            counted()
     finally:
         for handle in handles.values():
             handle.close()

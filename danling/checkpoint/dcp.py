@@ -373,7 +373,11 @@ class TorchDistributedCheckpointManager(CollectiveSaves, CheckpointManager):
         reader = SafeReader(str(directory), trusted=self.trusted, verification=verification, metadata=plan.metadata)
         planner = SafePlanner(self.trusted, directory)
         try:  # entries stored in one piece directly, the rest (sharded tensors, ...) through DCP
-            rest = read_whole(directory, plan.metadata, targets, verification, self.trusted)
+
+            def counted() -> None:  # one count for both paths: a damage report says what live objects got
+                reader.entries_read += 1
+
+            rest = read_whole(directory, plan.metadata, targets, verification, self.trusted, counted)
             if rest:
                 with warnings.catch_warnings():  # DCP warns that it runs without a process group: that is the intent
                     warnings.simplefilter("ignore", UserWarning)
