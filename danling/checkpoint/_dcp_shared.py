@@ -111,11 +111,12 @@ def _raise_failures(verdicts: list[Any], rank: int, status: int, error: BaseExce
     """Raise on every rank when any rank failed: damage found anywhere first, then this rank's own error."""
     if error is not None and status == _DAMAGED:
         raise error
-    for other, (_, found, message) in enumerate(verdicts):
-        if other != rank and found == _DAMAGED:
+    mine = verdicts[rank][0]
+    for other, (identity, found, message) in enumerate(verdicts):
+        if other != rank and found == _DAMAGED and identity == mine:
             raise CheckpointError(f"{message} (rank {other} checked that file for every rank)")
     if error is not None:
         raise error
     for other, (_, found, message) in enumerate(verdicts):
-        if other != rank and found == _FAILED:
+        if other != rank and found != _OK:
             raise CheckpointError(f"loading the checkpoint failed on rank {other}, so no rank goes on: {message}")

@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from danling.checkpoint import CheckpointError, CheckpointResizeError
+from danling.checkpoint import CheckpointError, CheckpointResizeError, _dcp_shared
 from danling.checkpoint._dcp_shared import shares
 from danling.checkpoint.checksums import BackgroundVerification
 from danling.checkpoint.dcp import ModelState, OptimizerState, TorchDistributedCheckpointManager
@@ -90,9 +90,13 @@ class _Counted:
     """Record the files each background verification hashes and the calls of `dcp.load` inside the block."""
 
     def __enter__(self):
-        self.hashed, self.dcp_loads = [], 0
-        self.saved = (BackgroundVerification._check, dcp.load)
-        check, load = self.saved
+        self.hashed, self.dcp_loads, self.fallback = [], 0, []
+        self.saved = (BackgroundVerification._check, dcp.load, _dcp_shared.verify_directory)
+        check, load, verify = self.saved
+
+        def counting_verify(directory, files=None, **kwargs):
+            self.fallback.extend(files or [])
+            return verify(directory, files, **kwargs)
 
         def counting_check(verification, key, path, entry):
             self.hashed.append(key)
@@ -103,10 +107,11 @@ class _Counted:
             return load(*args, **kwargs)
 
         BackgroundVerification._check, dcp.load = counting_check, counting_load
+        _dcp_shared.verify_directory = counting_verify
         return self
 
     def __exit__(self, *exc):
-        BackgroundVerification._check, dcp.load = self.saved
+        BackgroundVerification._check, dcp.load, _dcp_shared.verify_directory = self.saved
 
 
 def _verified_together(rank: int, world_size: int, directory: str) -> dict:
@@ -126,6 +131,9 @@ def _verified_together(rank: int, world_size: int, directory: str) -> dict:
         with _Counted() as second:
             manager.load_into("latest", objects)
     restored = _local_shards(model, optimizer)
+    manager.save({**objects, "state": {"step": 4}, "dataloaders": {"yielded": rank}}, "step-000004")
+    with verification_scope(), _Counted() as apart:  # each rank another checkpoint: nothing to share
+        step = reader.load(f"step-00000{3 + rank}")["state"]["step"]
     checkpoint = directory + "/step-000003"
     files = read_manifest(checkpoint)["files"]
     share = sorted(shares(files, world_size, skip=(".metadata",))[1])
@@ -135,7 +143,7 @@ def _verified_together(rank: int, world_size: int, directory: str) -> dict:
     dist.barrier()
     with _Counted() as damaged:
         try:
-            reader.load("latest")
+            reader.load("step-000003")
             error = None
         except CheckpointError as err:
             error = str(err)
@@ -149,6 +157,7 @@ def _verified_together(rank: int, world_size: int, directory: str) -> dict:
         "share": share,
         "data_files": sorted(name for name in files if name != ".metadata"),
         "damaged": (error, damaged.hashed),
+        "apart": (step, sorted(apart.hashed + apart.fallback)),
     }
 
 
@@ -227,6 +236,8 @@ def test_ranks_that_load_together_each_verify_a_share_and_agree_on_damage(launch
         assert error is not None and name in error and "corrupt" in error  # every rank refuses alike
         assert (name in hashed) == (rank == 1)
     assert "rank 1 checked that file" in two[0]["together"]["damaged"][0]
+    for rank, result in enumerate(two):  # ranks that loaded different checkpoints hashed every file themselves
+        assert result["together"]["apart"] == (3 + rank, data_files)
 
 
 @pytest.mark.distributed
