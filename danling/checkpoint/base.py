@@ -27,6 +27,7 @@ from .layout import (
     NAME_PATTERN,
     POINTER_SUFFIX,
     Discard,
+    PendingPointers,
     check_count,
     check_name,
     first_valid,
@@ -36,7 +37,6 @@ from .layout import (
     recover_directory,
     scan_checkpoints,
     temp_token,
-    write_pointer,
 )
 from .manifest import (
     MANIFEST_NAME,
@@ -263,10 +263,8 @@ class CheckpointManager(RunnerSaves):
     def _persist(
         self, state: Mapping[str, Any], name: str, aliases: tuple[str, ...], history: bool, metadata: dict
     ) -> Path:
-        """Write, publish, re-point aliases, then prune: in that order, so a crash loses nothing old.
-
-        Every participating rank writes into the shared temporary directory; the main process completes
-        the save (`_complete`). Collective backends override the seams or fold `_complete` into their collectives."""
+        """Write, publish, re-point aliases, then prune (in that order: a crash loses nothing old); the main process
+        completes the save (`_complete`), collective backends override the seams or fold it into their collectives."""
         tmp, final = self._temp_dir(name), self.directory / name
         try:
             with in_flight(tmp):
@@ -293,14 +291,15 @@ class CheckpointManager(RunnerSaves):
         self, tmp: Path, final: Path, state: Any, records: dict, aliases: tuple[str, ...], history: bool, metadata: dict
     ) -> None:
         """Seal the written `tmp` (main process), publish it as `final`, point the aliases at it, then prune."""
+        pointers = PendingPointers(self.directory, aliases, final.name)  # written while `tmp` is sealed
         try:
             seal_directory(tmp, records, name=final.name, backend=self.backend, history=history, metadata=metadata)
             self._publish(tmp, final.name)
         except BaseException as err:
+            pointers.discard()
             self._abandon(tmp, final, state, err)
             raise
-        for alias in aliases:
-            write_pointer(self.directory, alias, final.name)
+        pointers.commit()
         size = sum(record["size"] for record in records.values())
         self.logger.info("saved checkpoint %s (%d bytes; aliases: %s)", final, size, ", ".join(aliases) or "none")
         self._prune()

@@ -42,6 +42,7 @@ __all__ = [
     "publish",
     "temp_token",
     "write_pointer",
+    "PendingPointers",
     "follow_pointer",
     "first_valid",
     "recover_directory",
@@ -218,6 +219,57 @@ def write_pointer(directory: Path, alias: str, target: str) -> Path:
     with in_flight(directory / f".{pointer.name}.tmp-{temp_token()}") as tmp:
         atomic_write_text(pointer, target + "\n", tmp=tmp)
     return pointer
+
+
+class PendingPointers:
+    """A save's new alias pointers, written and synced under temporary names on a helper thread while the
+    checkpoint is sealed; `commit` renames them into place with one directory sync, `discard` drops them.
+
+    This takes the pointers' file syncs off the save's path. A crash before `commit` leaves only
+    `.<alias>.pointer.tmp-*` entries, which recovery removes.
+    """
+
+    def __init__(self, directory: Path, aliases: tuple[str, ...], target: str) -> None:
+        self.directory = directory
+        self.moves = []
+        for alias in aliases:
+            pointer = directory / f"{alias}{POINTER_SUFFIX}"
+            self.moves.append(((directory / f".{pointer.name}.tmp-{temp_token()}").absolute(), pointer))
+        with _IN_FLIGHT_LOCK:
+            _IN_FLIGHT.update(tmp for tmp, _ in self.moves)
+        if not _POINTER_WRITERS:
+            _POINTER_WRITERS.append(ThreadPoolExecutor(max_workers=1, thread_name_prefix="danling-pointers"))
+        self._written = _POINTER_WRITERS[0].submit(self._write, target + "\n")
+
+    def _write(self, text: str) -> None:
+        for tmp, _ in self.moves:
+            with open(tmp, "w", encoding="utf-8") as handle:
+                handle.write(text)
+                handle.flush()
+                os.fsync(handle.fileno())
+
+    def commit(self) -> None:
+        """Move every pointer into place (each rename is atomic), then sync the directory once."""
+        try:
+            self._written.result()
+            for tmp, pointer in self.moves:
+                os.replace(tmp, pointer)
+            if self.moves:
+                fsync_dir(self.directory)
+        finally:
+            self.discard()
+
+    def discard(self) -> None:
+        """Remove the pointers not moved into place (after their writing ended)."""
+        self._written.exception()
+        for tmp, _ in self.moves:
+            tmp.unlink(missing_ok=True)
+        with _IN_FLIGHT_LOCK:
+            _IN_FLIGHT.difference_update(tmp for tmp, _ in self.moves)
+
+
+_POINTER_WRITERS: list[ThreadPoolExecutor] = []
+os.register_at_fork(after_in_child=_POINTER_WRITERS.clear)  # a forked child has no thread behind it
 
 
 def follow_pointer(pointer: Path) -> Path:

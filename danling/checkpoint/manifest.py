@@ -30,6 +30,8 @@ from .checksums import (
     _corrupt,
     _digests,
     _entry_checksum,
+    _fsync_path,
+    _hash_pool,
     _torn,
     check_checksum,
     directory_records,
@@ -126,8 +128,9 @@ def write_manifest(
     history: bool,
     created_ns: int | None = None,
     metadata: Mapping[str, Any] | None = None,
+    fsync: bool = True,
 ) -> dict[str, Any]:
-    """Write `manifest.json` (fsynced) into `directory` and return its content."""
+    """Write `manifest.json` into `directory` (fsynced unless `fsync=False`) and return its content."""
     manifest = {
         "format": MANIFEST_FORMAT,
         "version": MANIFEST_VERSION,
@@ -142,19 +145,33 @@ def write_manifest(
     with open(path, "w", encoding="utf-8") as handle:
         json.dump(manifest, handle, indent=2, sort_keys=True)
         handle.flush()
-        os.fsync(handle.fileno())
+        if fsync:
+            os.fsync(handle.fileno())
     return manifest
 
 
 def seal_directory(directory: Path, records: dict[str, Any], **fields: Any) -> None:
-    """Hash and fsync the files under `directory` that `records` lacks (adding them), write the manifest
-    (`fields` as for `write_manifest`) and fsync the directory: it is then ready to be published."""
-    for path in sorted(directory.rglob("*")):
-        key = path.relative_to(directory).as_posix()
-        if path.is_file() and key not in records:
-            records[key] = file_record(path, fsync=True)
-    write_manifest(directory, files=records, **fields)
-    fsync_dir(directory)
+    """Hash the files under `directory` that `records` lacks (adding them), write the manifest (`fields` as
+    for `write_manifest`) and sync them and the directory: it is then ready to be published.
+
+    The syncs run together rather than one after another (each waits on the disk, and all that
+    matters is that every one is done before the directory is published); the directory's starts
+    once the manifest exists, so it covers the manifest's entry too.
+    """
+    missing = [path for path in sorted(directory.rglob("*")) if path.is_file()]
+    missing = [path for path in missing if path.relative_to(directory).as_posix() not in records]
+    syncs = [_hash_pool().submit(_fsync_path, path) for path in missing]
+    try:
+        for path in missing:
+            records[path.relative_to(directory).as_posix()] = file_record(path)
+        write_manifest(directory, files=records, fsync=False, **fields)
+        syncs.append(_hash_pool().submit(fsync_dir, directory))
+        _fsync_path(Path(directory) / MANIFEST_NAME)
+    finally:
+        failures = [sync.exception() for sync in syncs]
+    for failure in failures:
+        if failure is not None:
+            raise failure
 
 
 def read_manifest(directory: str | os.PathLike) -> dict[str, Any]:

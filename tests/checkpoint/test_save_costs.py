@@ -154,3 +154,30 @@ def test_entries_stored_whole_are_read_without_dcp_load(tmp_path, monkeypatch):
     manager.load_into("latest", {"model": ModelState(fresh)})
     assert torch.equal(fresh.bias, model.bias)
     assert calls == []  # no planning round for whole entries: plain tensors and pickled values
+
+
+def test_a_save_syncs_its_directory_and_pointers_off_its_own_path(tmp_path, monkeypatch):
+    import os
+    import threading
+
+    manager = FileCheckpointManager(tmp_path)
+    manager.save({"v": 1}, "step-000001")
+    synced = []
+    original = os.fsync
+
+    def counting(fd):
+        synced.append((threading.current_thread().name, os.readlink(f"/proc/self/fd/{fd}")))
+        return original(fd)
+
+    monkeypatch.setattr(os, "fsync", counting)
+    manager.save({"v": 2}, "step-000002", aliases=("latest", "best"))
+    monkeypatch.undo()
+    root = os.path.realpath(tmp_path)
+    pointers = [thread for thread, path in synced if ".pointer.tmp-" in path]
+    assert len(pointers) == 2 and all(thread.startswith("danling-pointers") for thread in pointers)
+    assert [path for _, path in synced].count(root) == 2  # publication, then both pointers with one sync
+    (staging,) = [thread for thread, path in synced if os.path.basename(path).startswith(".tmp-step-000002-")]
+    assert staging.startswith("danling-hash")  # the staging directory syncs alongside its manifest
+    assert manager.alias("best").name == manager.alias("latest").name == "step-000002"
+    assert not [path for path in tmp_path.iterdir() if ".tmp-" in path.name]
+    manager.close()
