@@ -11,8 +11,9 @@ needs no collective besides DCP's own (see `danling.checkpoint._dcp_save`).
 
 Loading needs no collective, unless `verify_together` asks the ranks of a restore to share the
 hashing (see `danling.checkpoint._dcp_shared`).
-[`load_into`][danling.checkpoint.dcp.TorchDistributedCheckpointManager.load_into] reads each live object's entries straight into its own tensors (a DTensor gets only its local
-shard), and the small plain entries next to them; `load` reads the whole checkpoint into CPU
+[`load_into`][danling.checkpoint.dcp.TorchDistributedCheckpointManager.load_into] reads each
+live object's entries straight into its own tensors (a DTensor gets only its local shard), and
+the small plain entries next to them; `load` reads the whole checkpoint into CPU
 tensors, for tools and inspection. Per-rank entries follow [`danling.checkpoint.ranks`][].
 """
 
