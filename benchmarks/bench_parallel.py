@@ -263,8 +263,8 @@ def profile_checkpoints(runner: BenchRunner, lines: int) -> str:
         dist.barrier()
         out.write(profile_call(call, f"rank {dist.get_rank()}: {name}", lines))
     for turn in range(dist.get_world_size()):  # rank by rank, so the outputs do not interleave
-        if turn == dist.get_rank():
-            print(out.getvalue(), flush=True)
+        if turn == dist.get_rank():  # the runner routes other ranks' sys.stdout to the null device
+            print(out.getvalue(), file=sys.__stdout__, flush=True)
         dist.barrier()
     runner.close()
     return ""

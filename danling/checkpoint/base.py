@@ -27,15 +27,16 @@ from .layout import (
     NAME_PATTERN,
     POINTER_SUFFIX,
     Discard,
+    PendingPointers,
     check_count,
     check_name,
+    first_valid,
     follow_pointer,
     in_flight,
     publish,
     recover_directory,
     scan_checkpoints,
     temp_token,
-    write_pointer,
 )
 from .manifest import (
     MANIFEST_NAME,
@@ -262,12 +263,8 @@ class CheckpointManager(RunnerSaves):
     def _persist(
         self, state: Mapping[str, Any], name: str, aliases: tuple[str, ...], history: bool, metadata: dict
     ) -> Path:
-        """Write, publish, re-point aliases, then prune: in that order, so a crash loses nothing old.
-
-        Every participating rank writes its files into the shared temporary directory; only the
-        main process hashes the rest, publishes and prunes. Collective backends override the
-        `_temp_dir`, `_gather_records` and `_barrier` seams, not this method.
-        """
+        """Write, publish, re-point aliases, then prune (in that order: a crash loses nothing old); the main process
+        completes the save (`_complete`), collective backends override the seams or fold it into their collectives."""
         tmp, final = self._temp_dir(name), self.directory / name
         try:
             with in_flight(tmp):
@@ -278,27 +275,40 @@ class CheckpointManager(RunnerSaves):
     def _persist_into(
         self, tmp: Path, final: Path, state: Mapping[str, Any], aliases: tuple[str, ...], history: bool, metadata: dict
     ) -> Path:
-        name = final.name
         try:
             tmp.mkdir(parents=True, exist_ok=True)
             records = self._gather_records(dict(self._write_payload(state, tmp)))
             self._barrier()
-            if self.is_main_process:
-                seal_directory(tmp, records, name=name, backend=self.backend, history=history, metadata=metadata)
-                self._publish(tmp, name)
         except BaseException as err:
-            if self.is_main_process:
-                shutil.rmtree(tmp, ignore_errors=True)
-            raise_save_error(err, final, state, self.aliases(wait=False).get("latest"))  # full disk: one clear error
+            self._abandon(tmp, final, state, err)
             raise
         if self.is_main_process:
-            for alias in aliases:
-                write_pointer(self.directory, alias, name)
-            size = sum(record["size"] for record in records.values())
-            self.logger.info("saved checkpoint %s (%d bytes; aliases: %s)", final, size, ", ".join(aliases) or "none")
-            self._prune()
+            self._complete(tmp, final, state, records, aliases, history, metadata)
         self._barrier()
         return final
+
+    def _complete(
+        self, tmp: Path, final: Path, state: Any, records: dict, aliases: tuple[str, ...], history: bool, metadata: dict
+    ) -> None:
+        """Seal the written `tmp` (main process), publish it as `final`, point the aliases at it, then prune."""
+        pointers = PendingPointers(self.directory, aliases, final.name)  # written while `tmp` is sealed
+        try:
+            seal_directory(tmp, records, name=final.name, backend=self.backend, history=history, metadata=metadata)
+            self._publish(tmp, final.name)
+        except BaseException as err:
+            pointers.discard()
+            self._abandon(tmp, final, state, err)
+            raise
+        pointers.commit()
+        size = sum(record["size"] for record in records.values())
+        self.logger.info("saved checkpoint %s (%d bytes; aliases: %s)", final, size, ", ".join(aliases) or "none")
+        self._prune()
+
+    def _abandon(self, tmp: Path, final: Path, state: Any, error: BaseException) -> None:
+        """Remove the unpublished `tmp` (main process) and turn a disk error into one clear error."""
+        if self.is_main_process:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise_save_error(error, final, state, self.aliases(wait=False).get("latest"))
 
     def _temp_dir(self, name: str) -> Path:
         """Private directory the payload is written into before publication (ranks must agree on it)."""
@@ -450,18 +460,7 @@ class CheckpointManager(RunnerSaves):
         self.wait()
         latest = self.latest
         candidates = ([latest] if latest else []) + [path for path, _ in self._scan() if path != latest]
-        rejected = 0
-        for path in candidates:
-            try:
-                verify_directory(path)
-            except CheckpointError as err:
-                rejected += 1
-                self.logger.warning("skipping checkpoint %s: %s", path, err)
-                continue
-            if rejected:
-                self.logger.warning("falling back to checkpoint %s, the newest one that verifies", path)
-            return path
-        return None
+        return first_valid(candidates, self.logger)
 
     def checkpoints(self) -> list[Path]:
         """Checkpoint directories under `directory`, newest first."""

@@ -6,11 +6,14 @@ weights are written once, sharded ones by their owners) into ``__<rank>_<n>.dist
 [`CheckpointManager`][danling.checkpoint.CheckpointManager]: rank 0 picks the temporary
 directory, all ranks write into it and hash and sync their own files (the records reach rank 0
 with DCP's own gather of the write results), and rank 0 writes the manifest, renames the directory
-into place, moves the aliases and prunes, then tells the other ranks how it went.
+into place, moves the aliases and prunes before DCP tells every rank how the save went: the save
+needs no collective besides DCP's own (see `danling.checkpoint._dcp_save`).
 
-Loading needs no collective. [`load_into`][danling.checkpoint.dcp.TorchDistributedCheckpointManager.load_into]
-reads each live object's entries straight into its own tensors (a DTensor gets only its local
-shard), and the small plain entries next to them; `load` reads the whole checkpoint into CPU
+Loading needs no collective, unless `verify_together` asks the ranks of a restore to share the
+hashing (see `danling.checkpoint._dcp_shared`).
+[`load_into`][danling.checkpoint.dcp.TorchDistributedCheckpointManager.load_into] reads each
+live object's entries straight into its own tensors (a DTensor gets only its local shard), and
+the small plain entries next to them; `load` reads the whole checkpoint into CPU
 tensors, for tools and inspection. Per-rank entries follow [`danling.checkpoint.ranks`][].
 """
 
@@ -18,7 +21,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,18 +32,22 @@ from torch.distributed.checkpoint._traverse import set_element
 from danling.utils import to_device
 
 from ._dcp_checks import _check_index, _check_keys, _data_domain, _key_names
-from ._dcp_io import CheckpointException, RecordingWriter, SafePlanner, SafeReader, _damaged, _paths, _Plan, _targets
-from ._dcp_read import pack_plain, unpack_plain
+from ._dcp_io import CheckpointException, SafePlanner, SafeReader, _damaged, _paths, _Plan, _targets
+from ._dcp_plain import read_whole
+from ._dcp_read import unpack_plain
+from ._dcp_save import CollectiveSaves
+from ._dcp_shared import load_together
 from .base import CheckpointManager
 from .checksums import BackgroundVerification
 from .manifest import (
     DEFAULT_CHECKSUM,
     CheckpointError,
     check_checksum,
+    parsed_once,
     verify_in_background,
 )
 from .payload import check_objects, drop_key
-from .ranks import RANK_LAYOUT_KEY, layout_record, plan_rank_entries, rank_entry, read_layout
+from .ranks import RANK_LAYOUT_KEY, layout_record, plan_rank_entries, read_layout
 from .training import ModelState, OptimizerState, TrainingState, get_training_state, set_training_state
 from .unpickling import SAFE_GLOBALS, UnsafePickleError, torch_load
 
@@ -81,7 +88,7 @@ def read_dcp_checkpoint(
     return manager.load(path, map_location=map_location)
 
 
-class TorchDistributedCheckpointManager(CheckpointManager):
+class TorchDistributedCheckpointManager(CollectiveSaves, CheckpointManager):
     """Checkpoint manager that writes with ``torch.distributed.checkpoint`` from every rank.
 
     `save` is collective: every rank of the process group must call it with the same name and
@@ -121,6 +128,11 @@ class TorchDistributedCheckpointManager(CheckpointManager):
         data_size: Number of data-parallel ranks. Defaults to the group size. Outside a process
             group and without `data_rank`/`data_size`, the manager reads checkpoints of any data
             size (data rank 0's copies), as tools do; pass ``data_size=1`` to apply the resize rule.
+        verify_together: Make `load` collective: every rank of the group loads the same checkpoint
+            at once, each hashes a share of its files, and one exchange tells every rank the verdict,
+            so a checkpoint is hashed once per group instead of once per rank. `load` still returns
+            (or raises, on every rank) only once every file is verified. Ignored with `trusted`,
+            whose unpickler only ever sees bytes this rank verified itself.
         **kwargs: The options of [`CheckpointManager`][danling.checkpoint.CheckpointManager]
             (``interval``, ``keep_latest_k``, ``async_save``, ``load_only``, ...). ``is_main_process``
             is derived from the group rank when a group is active.
@@ -155,9 +167,11 @@ class TorchDistributedCheckpointManager(CheckpointManager):
         data_rank: int | None = None,
         data_size: int | None = None,
         checksum: str = DEFAULT_CHECKSUM,
+        verify_together: bool = False,
         **kwargs: Any,
     ) -> None:
         self.checksum = check_checksum(checksum)
+        self.verify_together = bool(verify_together)
         self.distributed = dist.is_available() and dist.is_initialized()
         if not self.distributed:
             process_group = None
@@ -165,7 +179,7 @@ class TorchDistributedCheckpointManager(CheckpointManager):
             process_group = dist.new_group(backend=async_process_group_backend)
         self.process_group = process_group
         self.rank = dist.get_rank(process_group) if self.distributed else 0
-        world_size = dist.get_world_size(process_group) if self.distributed else 1
+        self._world_size = world_size = dist.get_world_size(process_group) if self.distributed else 1
         self.data_rank, self.data_size = _data_domain(data_rank, data_size, self.rank, world_size)
         kwargs["is_main_process"] = self.rank == 0
         self.rank_local_keys = _key_names(rank_local_keys, "rank_local_keys")
@@ -209,75 +223,11 @@ class TorchDistributedCheckpointManager(CheckpointManager):
         _check_keys(state)  # fail in the caller's thread, not later inside an async write
         return state
 
-    # collective plumbing ---------------------------------------------------------------------
-
-    def _exchange(self, obj: Any) -> Any:
-        """Broadcast `obj` from the coordinator (group rank 0) to every rank of the group."""
-        if not self.distributed:
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, group=self.process_group, group_src=0)
-        return box[0]
-
     def _recover(self) -> None:
         # One process tidies leftovers; the others cannot race it because they learn the next
         # temporary directory from it.
         if self.is_main_process:
             super()._recover()
-
-    def _persist(
-        self, state: Mapping[str, Any], name: str, aliases: tuple[str, ...], history: bool, metadata: dict
-    ) -> Path:
-        if not self.is_main_process:
-            return self._persist_follower(state, name)
-        self._announced = False
-        error: BaseException | None = None
-        try:
-            final = super()._persist(state, name, aliases, history, metadata)
-        except BaseException as err:  # the followers must hear about it before we re-raise
-            error = err
-        if not self._announced:
-            self._exchange(None)
-        self._exchange(None if error is None else f"{type(error).__name__}: {error}")
-        if error is not None:
-            raise error
-        return final
-
-    def _persist_follower(self, state: Mapping[str, Any], name: str) -> Path:
-        directory = self._exchange(None)
-        if directory is None:
-            raise CheckpointError(f"saving checkpoint {name!r} failed on rank 0: {self._exchange(None)}")
-        local_error: BaseException | None = None
-        try:
-            self._save(state, Path(directory))
-        except BaseException as err:
-            local_error = err
-        outcome = self._exchange(None)
-        if local_error is not None:
-            raise local_error
-        if outcome is not None:
-            raise CheckpointError(f"saving checkpoint {name!r} failed on rank 0: {outcome}")
-        return self.directory / name
-
-    def _write_payload(self, state: Mapping[str, Any], directory: Path) -> Mapping[str, Mapping[str, Any]]:
-        # Runs on the coordinator inside the base class's write: tell the followers where to write.
-        self._exchange(str(directory))
-        self._announced = True
-        # Collective. DCP raises an error of any rank's write on every rank; on success every rank's
-        # data files are written, synced and recorded (the base class hashes the rest: DCP's .metadata).
-        return self._save(state, directory)
-
-    def _save(self, state: Mapping[str, Any], directory: Path) -> dict[str, Any]:
-        """Write this rank's part of `state` with DCP; the coordinator gets the records of every rank's data files."""
-        local = {key: pack_plain(value) for key, value in state.items()} if self.pack_plain else dict(state)
-        for key in self.rank_local_keys:
-            if key in local:
-                local[key] = {rank_entry(self.data_rank): local[key]}
-        writer = RecordingWriter(str(directory), self.checksum)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)
-            dcp.save(local, storage_writer=writer, process_group=self.process_group, no_dist=not self.distributed)
-        return writer.records
 
     def load_into(
         self, checkpoint: str | os.PathLike, objects: Mapping[str, Any], *, map_location: Any = "cpu"
@@ -335,12 +285,19 @@ class TorchDistributedCheckpointManager(CheckpointManager):
         A DCP checkpoint is verified while it is read: each entry is read once the bytes it covers
         matched the manifest, and the call returns once every file did.
         """
+        if self.verify_together and self._world_size > 1 and not self.trusted:
+            return load_together(self, checkpoint, map_location)
         self.wait()
         path = self.resolve(checkpoint)
         directory = path if path.is_dir() else path.parent
         if not (directory / _METADATA).is_file():
             return super().load(checkpoint, map_location=map_location)
-        plan, verification = self._start(directory)
+        return self._load_dcp(directory, self._start(directory), map_location)
+
+    def _load_dcp(
+        self, directory: Path, started: tuple[_Plan, BackgroundVerification], map_location: Any
+    ) -> dict[str, Any]:
+        plan, verification = started
         try:
             payload = self._read(directory, plan, {}, verification)
         finally:
@@ -349,10 +306,12 @@ class TorchDistributedCheckpointManager(CheckpointManager):
             drop_key(payload, key)
         return _to_location(payload, map_location)
 
-    def _start(self, directory: Path) -> tuple[_Plan, BackgroundVerification]:
-        # The payload files are hashed on helper threads from here on, while this thread plans and
-        # then reads them (the small .metadata index is checked before it is unpickled).
-        manifest, verification = verify_in_background(directory, now=(_METADATA,))
+    def _start(
+        self, directory: Path, manifest: Mapping[str, Any] | None = None, share: Collection[str] | None = None
+    ) -> tuple[_Plan, BackgroundVerification]:
+        # The payload files are hashed on helper threads from here on (those of `share` only, when
+        # given), while this thread plans and then reads them (.metadata is checked before it is unpickled).
+        manifest, verification = verify_in_background(directory, now=(_METADATA,), manifest=manifest, share=share)
         try:
             return self._plan(directory, self._check_manifest(directory, manifest)), verification
         except BaseException:
@@ -372,7 +331,8 @@ class TorchDistributedCheckpointManager(CheckpointManager):
     def _plan(self, directory: Path, manifest: Mapping[str, Any]) -> _Plan:
         """Decide what this rank reads, from the manifest and DCP metadata alone (same on every rank)."""
         try:
-            metadata = SafeReader(str(directory), trusted=self.trusted).read_metadata()
+            reader = SafeReader(str(directory), trusted=self.trusted)
+            metadata = parsed_once(directory / _METADATA, reader.read_metadata)  # once per restore
         except UnsafePickleError:
             raise
         except Exception as err:
@@ -413,18 +373,26 @@ class TorchDistributedCheckpointManager(CheckpointManager):
         """
         targets, mapping = _targets(plan, templates, self.data_rank, self.exclude_from_loading)
         reader = SafeReader(str(directory), trusted=self.trusted, verification=verification, metadata=plan.metadata)
-        if targets:
-            planner = SafePlanner(self.trusted, directory)
-            try:
+        planner = SafePlanner(self.trusted, directory)
+        try:  # entries stored in one piece directly, the rest (sharded tensors, ...) through DCP
+
+            def counted() -> None:  # one count for both paths: a damage report says what live objects got
+                reader.entries_read += 1
+
+            rest = read_whole(directory, plan.metadata, targets, verification, self.trusted, counted)
+            if rest:
                 with warnings.catch_warnings():  # DCP warns that it runs without a process group: that is the intent
                     warnings.simplefilter("ignore", UserWarning)
-                    dcp.load(targets, storage_reader=reader, planner=planner, no_dist=True)
-            except (Exception, CheckpointException) as err:  # DCP wraps errors per rank: raise a refusal as it is
-                if verification is not None and verification.failure is not None:
-                    raise _damaged(verification.failure, reader.entries_read, bool(templates)) from None
-                if planner.refused is not None:
-                    raise planner.refused from None
-                raise CheckpointError(f"DCP checkpoint {directory} cannot be read: {err}") from err
+                    dcp.load(rest, storage_reader=reader, planner=planner, no_dist=True)
+                targets.update(rest)  # DCP replaced the non-tensor entries in `rest`
+        except (Exception, CheckpointException) as err:  # DCP wraps errors per rank: raise a refusal as it is
+            if verification is not None and verification.failure is not None:
+                raise _damaged(verification.failure, reader.entries_read, bool(templates)) from None
+            if isinstance(err, UnsafePickleError):
+                raise
+            if planner.refused is not None:
+                raise planner.refused from None
+            raise CheckpointError(f"DCP checkpoint {directory} cannot be read: {err}") from err
         if verification is not None:
             try:
                 verification.finish()  # files this rank read nothing from are checked too: every rank agrees

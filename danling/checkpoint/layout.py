@@ -25,7 +25,14 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from .manifest import CheckpointError, CheckpointNotFoundError, atomic_write_text, fsync_dir, read_manifest
+from .manifest import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    atomic_write_text,
+    fsync_dir,
+    read_manifest,
+    verify_directory,
+)
 
 __all__ = [
     "POINTER_SUFFIX",
@@ -35,7 +42,9 @@ __all__ = [
     "publish",
     "temp_token",
     "write_pointer",
+    "PendingPointers",
     "follow_pointer",
+    "first_valid",
     "recover_directory",
     "scan_checkpoints",
 ]
@@ -212,6 +221,57 @@ def write_pointer(directory: Path, alias: str, target: str) -> Path:
     return pointer
 
 
+class PendingPointers:
+    """A save's new alias pointers, written and synced under temporary names on a helper thread while the
+    checkpoint is sealed; `commit` renames them into place with one directory sync, `discard` drops them.
+
+    This takes the pointers' file syncs off the save's path. A crash before `commit` leaves only
+    `.<alias>.pointer.tmp-*` entries, which recovery removes.
+    """
+
+    def __init__(self, directory: Path, aliases: tuple[str, ...], target: str) -> None:
+        self.directory = directory
+        self.moves = []
+        for alias in aliases:
+            pointer = directory / f"{alias}{POINTER_SUFFIX}"
+            self.moves.append(((directory / f".{pointer.name}.tmp-{temp_token()}").absolute(), pointer))
+        with _IN_FLIGHT_LOCK:
+            _IN_FLIGHT.update(tmp for tmp, _ in self.moves)
+        if not _POINTER_WRITERS:
+            _POINTER_WRITERS.append(ThreadPoolExecutor(max_workers=1, thread_name_prefix="danling-pointers"))
+        self._written = _POINTER_WRITERS[0].submit(self._write, target + "\n")
+
+    def _write(self, text: str) -> None:
+        for tmp, _ in self.moves:
+            with open(tmp, "w", encoding="utf-8") as handle:
+                handle.write(text)
+                handle.flush()
+                os.fsync(handle.fileno())
+
+    def commit(self) -> None:
+        """Move every pointer into place (each rename is atomic), then sync the directory once."""
+        try:
+            self._written.result()
+            for tmp, pointer in self.moves:
+                os.replace(tmp, pointer)
+            if self.moves:
+                fsync_dir(self.directory)
+        finally:
+            self.discard()
+
+    def discard(self) -> None:
+        """Remove the pointers not moved into place (after their writing ended)."""
+        self._written.exception()
+        for tmp, _ in self.moves:
+            tmp.unlink(missing_ok=True)
+        with _IN_FLIGHT_LOCK:
+            _IN_FLIGHT.difference_update(tmp for tmp, _ in self.moves)
+
+
+_POINTER_WRITERS: list[ThreadPoolExecutor] = []
+os.register_at_fork(after_in_child=_POINTER_WRITERS.clear)  # a forked child has no thread behind it
+
+
 def follow_pointer(pointer: Path) -> Path:
     """The checkpoint a pointer file names; `CheckpointNotFoundError` when it names nothing."""
     target = pointer.read_text(encoding="utf-8").strip()
@@ -265,3 +325,19 @@ def scan_checkpoints(directory: Path, history_pattern: re.Pattern) -> list[tuple
         found.append((created, entry.name, entry, manifest))
     found.sort(key=lambda item: (item[0], item[1]), reverse=True)
     return [(entry, manifest) for _, _, entry, manifest in found]
+
+
+def first_valid(candidates: list[Path], logger: logging.Logger) -> Path | None:
+    """The first of `candidates` that passes verification, logging every one it skips (and a fallback)."""
+    rejected = 0
+    for path in candidates:
+        try:
+            verify_directory(path)
+        except CheckpointError as err:
+            rejected += 1
+            logger.warning("skipping checkpoint %s: %s", path, err)
+            continue
+        if rejected:
+            logger.warning("falling back to checkpoint %s, the newest one that verifies", path)
+        return path
+    return None

@@ -16,10 +16,10 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from .checksums import (
     CHECKSUMS,
@@ -30,6 +30,8 @@ from .checksums import (
     _corrupt,
     _digests,
     _entry_checksum,
+    _fsync_path,
+    _hash_pool,
     _torn,
     check_checksum,
     directory_records,
@@ -59,10 +61,14 @@ __all__ = [
     "streamed_verification",
     "take_streamed",
     "verification_scope",
+    "parsed_once",
     "verify_directory",
     "verify_in_background",
+    "vouch_for",
     "BackgroundVerification",
 ]
+
+T = TypeVar("T")
 
 MANIFEST_NAME = "manifest.json"
 MANIFEST_FORMAT = "danling-checkpoint"
@@ -122,8 +128,9 @@ def write_manifest(
     history: bool,
     created_ns: int | None = None,
     metadata: Mapping[str, Any] | None = None,
+    fsync: bool = True,
 ) -> dict[str, Any]:
-    """Write `manifest.json` (fsynced) into `directory` and return its content."""
+    """Write `manifest.json` into `directory` (fsynced unless `fsync=False`) and return its content."""
     manifest = {
         "format": MANIFEST_FORMAT,
         "version": MANIFEST_VERSION,
@@ -138,19 +145,33 @@ def write_manifest(
     with open(path, "w", encoding="utf-8") as handle:
         json.dump(manifest, handle, indent=2, sort_keys=True)
         handle.flush()
-        os.fsync(handle.fileno())
+        if fsync:
+            os.fsync(handle.fileno())
     return manifest
 
 
 def seal_directory(directory: Path, records: dict[str, Any], **fields: Any) -> None:
-    """Hash and fsync the files under `directory` that `records` lacks (adding them), write the manifest
-    (`fields` as for `write_manifest`) and fsync the directory: it is then ready to be published."""
-    for path in sorted(directory.rglob("*")):
-        key = path.relative_to(directory).as_posix()
-        if path.is_file() and key not in records:
-            records[key] = file_record(path, fsync=True)
-    write_manifest(directory, files=records, **fields)
-    fsync_dir(directory)
+    """Hash the files under `directory` that `records` lacks (adding them), write the manifest (`fields` as
+    for `write_manifest`) and sync them and the directory: it is then ready to be published.
+
+    The syncs run together rather than one after another (each waits on the disk, and all that
+    matters is that every one is done before the directory is published); the directory's starts
+    once the manifest exists, so it covers the manifest's entry too.
+    """
+    missing = [path for path in sorted(directory.rglob("*")) if path.is_file()]
+    missing = [path for path in missing if path.relative_to(directory).as_posix() not in records]
+    syncs = [_hash_pool().submit(_fsync_path, path) for path in missing]
+    try:
+        for path in missing:
+            records[path.relative_to(directory).as_posix()] = file_record(path)
+        write_manifest(directory, files=records, fsync=False, **fields)
+        syncs.append(_hash_pool().submit(fsync_dir, directory))
+        _fsync_path(Path(directory) / MANIFEST_NAME)
+    finally:
+        failures = [sync.exception() for sync in syncs]
+    for failure in failures:
+        if failure is not None:
+            raise failure
 
 
 def read_manifest(directory: str | os.PathLike) -> dict[str, Any]:
@@ -204,7 +225,11 @@ def verify_directory(
 
 
 def verify_in_background(
-    directory: str | os.PathLike, *, now: tuple[str, ...] = ()
+    directory: str | os.PathLike,
+    *,
+    now: tuple[str, ...] = (),
+    manifest: Mapping[str, Any] | None = None,
+    share: Collection[str] | None = None,
 ) -> tuple[dict[str, Any], BackgroundVerification]:
     """Start checking a checkpoint directory against its manifest, to read it while it is checked.
 
@@ -213,6 +238,13 @@ def verify_in_background(
     [`BackgroundVerification`][danling.checkpoint.checksums.BackgroundVerification] before it
     reads a byte range, and `finish` once done (or `stop` when it gives up).
 
+    Args:
+        directory: The checkpoint directory.
+        now: Entries checked before this returns.
+        manifest: The directory's manifest when the caller already read it.
+        share: Hash only these of the other entries; the rest is left to other processes (see
+            [`vouch_for`][danling.checkpoint.manifest.vouch_for]), and `wait` does not wait for it.
+
     Returns:
         The parsed manifest and the running verification.
 
@@ -220,12 +252,25 @@ def verify_in_background(
         CheckpointError: Naming the first file that is missing, truncated, or (among `now`) altered.
     """
     directory = Path(directory)
-    manifest = read_manifest(directory)
+    manifest = read_manifest(directory) if manifest is None else manifest
     pending = _unverified(directory, manifest, None, ())
     _check_now([job for job in pending if job[0] in now])
-    rest = [job for job in pending if job[0] not in now]
+    rest = [job for job in pending if job[0] not in now and (share is None or job[0] in share)]
     jobs = [(key, path, expected) for key, path, _, expected, _ in rest]
     return manifest, BackgroundVerification(jobs, on_success=lambda: _remember(rest))
+
+
+def vouch_for(directory: str | os.PathLike, manifest: Mapping[str, Any], keys: Collection[str]) -> None:
+    """Record in the current verification scope that entries `keys` of `directory` verified elsewhere.
+
+    For files another process hashed for this one (each rank of a group checks a share of a
+    checkpoint and they agree on the verdict): a later check in the scope skips them while they
+    stay as they are now. Outside a scope this does nothing.
+    """
+    if getattr(_scope, "verified", None) is None:
+        return
+    directory = Path(directory)
+    _remember([job for job in _unverified(directory, manifest, sorted(keys), ()) if job[0] in keys])
 
 
 def _unverified(
@@ -318,16 +363,37 @@ def verification_scope() -> Iterator[None]:
 
     One restore reads a checkpoint directory more than once (the runner state, then the model and
     optimizer in place); hashing it once is enough as long as no file changed in between (same
-    size, modification time and inode). The memory lasts only for the block, so every new load
-    verifies again. Scopes nest; threads have their own.
+    size, modification time and inode). So is parsing a verified index once (see `parsed_once`).
+    The memory lasts only for the block, so every new load verifies again. Scopes nest; threads
+    have their own.
 
     Examples:
         >>> with verification_scope():
         ...     pass
     """
-    previous = getattr(_scope, "verified", None)
-    _scope.verified = {} if previous is None else previous
+    previous, parsed = getattr(_scope, "verified", None), getattr(_scope, "parsed", None)
+    if previous is None:
+        _scope.verified, _scope.parsed = {}, {}
     try:
         yield
     finally:
-        _scope.verified = previous
+        _scope.verified, _scope.parsed = previous, parsed
+
+
+def parsed_once(path: str | os.PathLike, parse: Callable[[], T]) -> T:
+    """`parse()` of file `path`, run once per [`verification_scope`][danling.checkpoint.manifest.verification_scope].
+
+    Within a scope, the result is kept and handed out again while the file stays as it was (same
+    size, modification time and inode); outside one, `parse()` runs every time. For read-only
+    results (a DCP `.metadata` index that two reads of one restore both plan from).
+    """
+    cache = getattr(_scope, "parsed", None)
+    if cache is None:
+        return parse()
+    stat = os.stat(path)
+    key, signature = Path(path), (stat.st_size, stat.st_mtime_ns, stat.st_ino)
+    if key in cache and cache[key][0] == signature:
+        return cache[key][1]
+    value = parse()
+    cache[key] = (signature, value)
+    return value

@@ -84,6 +84,43 @@ def _failing_publish(rank: int, world_size: int, directory: str) -> str:
     return "saved"
 
 
+class _Collectives:
+    """Count the collectives called through `torch.distributed` inside the block (DCP calls them so too)."""
+
+    NAMES = ("broadcast_object_list", "gather_object", "scatter_object_list", "all_gather_object", "barrier")
+    NAMES += ("broadcast", "all_reduce", "all_gather")
+
+    def __enter__(self):
+        self.calls, self.saved = {}, {name: getattr(dist, name) for name in self.NAMES}
+
+        def counting(name, original):
+            def wrapper(*args, **kwargs):
+                self.calls[name] = self.calls.get(name, 0) + 1
+                return original(*args, **kwargs)
+
+            return wrapper
+
+        for name, original in self.saved.items():
+            setattr(dist, name, counting(name, original))
+        return self
+
+    def __exit__(self, *exc):
+        for name, original in self.saved.items():
+            setattr(dist, name, original)
+
+
+def _save_costs(rank: int, world_size: int, directory: str) -> dict:
+    model = wrap_ddp(_model())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    manager = TorchDistributedCheckpointManager(directory, keep_latest_k=1)
+    manager.save(_payload(model, optimizer, rank, 1), "step-000001")
+    with _Collectives() as save:
+        manager.save(_payload(model, optimizer, rank, 2), "step-000002")
+    latest = manager.latest  # no barrier: the save returned on this rank only once the alias moved
+    manager.close()
+    return {"calls": save.calls, "latest": latest.name}
+
+
 def _scenarios(rank: int, world_size: int, root: str) -> dict:
     # One launch covers every two-rank scenario: spawning ranks dominates the test time.
     return {
@@ -91,6 +128,7 @@ def _scenarios(rank: int, world_size: int, root: str) -> dict:
         "async": _ddp_save_and_load(rank, world_size, os.path.join(root, "async"), True),
         "failure": _failing_publish(rank, world_size, os.path.join(root, "failure")),
         "resume": _resume_matches(rank, world_size, os.path.join(root, "resume"), stop_at=2),
+        "costs": _save_costs(rank, world_size, os.path.join(root, "costs")),
     }
 
 
@@ -132,6 +170,16 @@ def test_failure_on_rank0_reaches_every_rank_and_keeps_previous(two_ranks):
     assert sorted(p.name for p in directory.iterdir()) == ["latest.pointer", "step-000001"]
     manager = TorchDistributedCheckpointManager(directory, load_only=True)
     assert manager.load("latest", map_location="cpu")["state"]["step"] == 1
+
+
+@pytest.mark.distributed
+def test_a_save_needs_no_collective_besides_dcps_own(two_ranks):
+    _, results = two_ranks
+    for result in results:
+        # DCP's plan round (gather, scatter) and write round (gather, broadcast of the outcome), nothing
+        # more: the directory rides on the plan and publication on DCP's finish, not on broadcasts of their own
+        assert result["costs"]["calls"] == {"gather_object": 2, "scatter_object_list": 1, "broadcast_object_list": 1}
+        assert result["costs"]["latest"] == "step-000002"  # every rank returns once the checkpoint is published
 
 
 def test_single_process_corruption_falls_back(tmp_path):

@@ -8,14 +8,20 @@ from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from danling.checkpoint import CheckpointResizeError
+from danling.checkpoint import CheckpointError, CheckpointResizeError, _dcp_shared
+from danling.checkpoint._dcp_shared import shares
+from danling.checkpoint.checksums import BackgroundVerification
 from danling.checkpoint.dcp import ModelState, OptimizerState, TorchDistributedCheckpointManager
+from danling.checkpoint.manifest import read_manifest, verification_scope
+from tests.checkpoint._files import flip_byte
 from tests.dist import run_distributed
 
 
@@ -80,8 +86,86 @@ def _sharded_async_round_trip(rank: int, world_size: int, directory: str) -> dic
     }
 
 
+class _Counted:
+    """Record the files each background verification hashes and the calls of `dcp.load` inside the block."""
+
+    def __enter__(self):
+        self.hashed, self.dcp_loads, self.fallback = [], 0, []
+        self.saved = (BackgroundVerification._check, dcp.load, _dcp_shared.verify_directory)
+        check, load, verify = self.saved
+
+        def counting_verify(directory, files=None, **kwargs):
+            self.fallback.extend(files or [])
+            return verify(directory, files, **kwargs)
+
+        def counting_check(verification, key, path, entry):
+            self.hashed.append(key)
+            return check(verification, key, path, entry)
+
+        def counting_load(*args, **kwargs):
+            self.dcp_loads += 1
+            return load(*args, **kwargs)
+
+        BackgroundVerification._check, dcp.load = counting_check, counting_load
+        _dcp_shared.verify_directory = counting_verify
+        return self
+
+    def __exit__(self, *exc):
+        BackgroundVerification._check, dcp.load, _dcp_shared.verify_directory = self.saved
+
+
+def _verified_together(rank: int, world_size: int, directory: str) -> dict:
+    model = _sharded_model(world_size)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
+    _step(model, optimizer, seed=1)
+    objects = {"model": ModelState(model), "optimizer": OptimizerState(model, optimizer)}
+    manager = TorchDistributedCheckpointManager(directory, rank_local_keys=("dataloaders",))
+    manager.save({**objects, "state": {"step": 3}, "dataloaders": {"yielded": rank}}, "step-000003")
+    saved = _local_shards(model, optimizer)
+    _step(model, optimizer, seed=2)
+    options = {"load_only": True, "rank_local_keys": ("dataloaders",), "exclude_from_loading": ["model", "optimizer"]}
+    reader = TorchDistributedCheckpointManager(directory, verify_together=True, **options)
+    with verification_scope():  # as a runner restore: the plain entries first, then the live objects
+        with _Counted() as first:
+            payload = reader.load("latest")
+        with _Counted() as second:
+            manager.load_into("latest", objects)
+    restored = _local_shards(model, optimizer)
+    manager.save({**objects, "state": {"step": 4}, "dataloaders": {"yielded": rank}}, "step-000004")
+    with verification_scope(), _Counted() as apart:  # each rank another checkpoint: nothing to share
+        step = reader.load(f"step-00000{3 + rank}")["state"]["step"]
+    checkpoint = directory + "/step-000003"
+    files = read_manifest(checkpoint)["files"]
+    share = sorted(shares(files, world_size, skip=(".metadata",))[1])
+    dist.barrier()
+    if rank == 0:
+        flip_byte(Path(checkpoint) / share[0], 1000)  # a file rank 1 checks for both ranks
+    dist.barrier()
+    with _Counted() as damaged:
+        try:
+            reader.load("step-000003")
+            error = None
+        except CheckpointError as err:
+            error = str(err)
+    manager.close()
+    return {
+        "payload": {key: payload[key] for key in ("state", "dataloaders")},
+        "hashed": sorted(first.hashed),
+        "again": second.hashed,
+        "dcp_loads": (first.dcp_loads, second.dcp_loads),
+        "restored": all(torch.equal(saved[key], restored[key]) for key in saved),
+        "share": share,
+        "data_files": sorted(name for name in files if name != ".metadata"),
+        "damaged": (error, damaged.hashed),
+        "apart": (step, sorted(apart.hashed + apart.fallback)),
+    }
+
+
 def _two_rank_checks(rank: int, world_size: int, root: str) -> dict:
-    return {"sharded": _sharded_async_round_trip(rank, world_size, os.path.join(root, "sharded"))}
+    return {
+        "sharded": _sharded_async_round_trip(rank, world_size, os.path.join(root, "sharded")),
+        "together": _verified_together(rank, world_size, os.path.join(root, "together")),
+    }
 
 
 def _resized_load(rank: int, world_size: int, directory: str) -> dict:
@@ -130,6 +214,30 @@ def test_fsdp2_async_save_then_load_into_restores_each_shard(launches):
         assert any(key.endswith("exp_avg") for key in sharded["restored"])
         assert sharded["rest"] == {"state": {"step": 12}, "dataloaders": {"train": {"yielded": 100 + rank}}}
         assert sharded["rest_keys"] == ["dataloaders", "rng", "state"]
+
+
+@pytest.mark.distributed
+def test_ranks_that_load_together_each_verify_a_share_and_agree_on_damage(launches):
+    two, _ = launches
+    shares_hashed = [result["together"]["hashed"] for result in two]
+    data_files = two[0]["together"]["data_files"]
+    for rank, result in enumerate(two):
+        together = result["together"]
+        assert together["payload"] == {"state": {"step": 3}, "dataloaders": {"yielded": rank}}
+        assert together["again"] == []  # the live objects' read found every file verified (by some rank)
+        assert together["dcp_loads"] == (0, 0)  # plain entries and same-sharding shards are read directly
+        assert together["restored"]
+    assert shares_hashed[1] == two[1]["together"]["share"]
+    assert not set(shares_hashed[0]) & set(shares_hashed[1])  # each file is hashed by one rank only
+    assert sorted(shares_hashed[0] + shares_hashed[1]) == data_files
+    (name,) = two[1]["together"]["share"]
+    for rank, result in enumerate(two):
+        error, hashed = result["together"]["damaged"]
+        assert error is not None and name in error and "corrupt" in error  # every rank refuses alike
+        assert (name in hashed) == (rank == 1)
+    assert "rank 1 checked that file" in two[0]["together"]["damaged"][0]
+    for rank, result in enumerate(two):  # ranks that loaded different checkpoints hashed every file themselves
+        assert result["together"]["apart"] == (3 + rank, data_files)
 
 
 @pytest.mark.distributed

@@ -1,4 +1,5 @@
-"""What keeps a save or load short: deferred deletion, records riding on DCP's gather, cached plain scalars."""
+"""What keeps a save or load short: deferred deletion, records riding on DCP's gather, cached plain scalars,
+one parse of DCP's index per restore, and entries stored whole read without dcp.load."""
 
 from __future__ import annotations
 
@@ -105,3 +106,78 @@ def test_each_atom_round_trips_through_the_cache(value):
     cache: dict = {}
     assert read_plain(_archive(value), list(SAFE_GLOBALS), cache) == value
     assert read_plain(_archive(value), list(SAFE_GLOBALS), cache) == value
+
+
+def _dcp_checkpoint(directory):
+    from danling.checkpoint.dcp import ModelState, TorchDistributedCheckpointManager
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    manager = TorchDistributedCheckpointManager(directory)
+    manager.saved_rng = torch.get_rng_state()
+    manager.save({"model": ModelState(model), "state": {"step": 7}, "rng": {"torch": manager.saved_rng}}, "step-7")
+    return manager, model
+
+
+def test_a_restore_unpickles_the_dcp_index_once_per_verification_scope(tmp_path, monkeypatch):
+    from danling.checkpoint import _dcp_io
+    from danling.checkpoint.dcp import ModelState
+    from danling.checkpoint.manifest import verification_scope
+
+    manager, model = _dcp_checkpoint(tmp_path)
+    unpickled = []
+    original = _dcp_io.read_dcp_metadata
+    monkeypatch.setattr(_dcp_io, "read_dcp_metadata", lambda *a, **k: unpickled.append(1) or original(*a, **k))
+    fresh = torch.nn.Linear(8, 4)
+    with verification_scope():  # a runner restore: the plain entries, then the live objects
+        assert manager.load("latest")["state"] == {"step": 7}
+        manager.load_into("latest", {"model": ModelState(fresh)})
+    assert len(unpickled) == 1 and torch.equal(fresh.weight, model.weight)
+    manager.load("latest")
+    manager.load("latest")
+    assert len(unpickled) == 3  # outside a scope every load reads the index afresh
+
+
+def test_entries_stored_whole_are_read_without_dcp_load(tmp_path, monkeypatch):
+    import torch.distributed.checkpoint as dcp
+
+    from danling.checkpoint.dcp import ModelState
+
+    manager, model = _dcp_checkpoint(tmp_path)
+    calls = []
+    original = dcp.load
+    monkeypatch.setattr(dcp, "load", lambda *a, **k: calls.append(1) or original(*a, **k))
+    payload = manager.load("latest")
+    assert torch.equal(payload["model"]["weight"], model.weight) and payload["state"] == {"step": 7}
+    assert torch.equal(payload["rng"]["torch"], manager.saved_rng)  # a plain tensor entry, read into a new tensor
+    fresh = torch.nn.Linear(8, 4)
+    manager.load_into("latest", {"model": ModelState(fresh)})
+    assert torch.equal(fresh.bias, model.bias)
+    assert calls == []  # no planning round for whole entries: plain tensors and pickled values
+
+
+def test_a_save_syncs_its_directory_and_pointers_off_its_own_path(tmp_path, monkeypatch):
+    import os
+    import threading
+
+    manager = FileCheckpointManager(tmp_path)
+    manager.save({"v": 1}, "step-000001")
+    synced = []
+    original = os.fsync
+
+    def counting(fd):
+        synced.append((threading.current_thread().name, os.readlink(f"/proc/self/fd/{fd}")))
+        return original(fd)
+
+    monkeypatch.setattr(os, "fsync", counting)
+    manager.save({"v": 2}, "step-000002", aliases=("latest", "best"))
+    monkeypatch.undo()
+    root = os.path.realpath(tmp_path)
+    pointers = [thread for thread, path in synced if ".pointer.tmp-" in path]
+    assert len(pointers) == 2 and all(thread.startswith("danling-pointers") for thread in pointers)
+    assert [path for _, path in synced].count(root) == 2  # publication, then both pointers with one sync
+    (staging,) = [thread for thread, path in synced if os.path.basename(path).startswith(".tmp-step-000002-")]
+    assert staging.startswith("danling-hash")  # the staging directory syncs alongside its manifest
+    assert manager.alias("best").name == manager.alias("latest").name == "step-000002"
+    assert not [path for path in tmp_path.iterdir() if ".tmp-" in path.name]
+    manager.close()

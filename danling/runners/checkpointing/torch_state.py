@@ -376,21 +376,24 @@ class TorchCheckpointMixin:
             return ()
         return tuple(key for key in self._live_objects() if key not in excluded)
 
-    def _dcp_reader(self, directory: Path, exclude: Any) -> Any:
+    def _dcp_reader(self, directory: Path, exclude: Any, **options: Any) -> Any:
         from danling.checkpoint.dcp import TorchDistributedCheckpointManager
 
-        options = self._reader_options("dcp")
+        options |= self._reader_options("dcp")
         logger = self.checkpoint_manager.logger
         return TorchDistributedCheckpointManager(
             directory, load_only=True, exclude_from_loading=exclude, logger=logger, **options
         )
 
     def read_restore_payload(self, checkpoint: CheckpointSource, in_place: tuple[str, ...], map_location: Any) -> Any:
+        """The plain entries of a DCP checkpoint; every rank restores, so each verifies a share of its files
+        (see `danling.checkpoint._dcp_shared`) and `restore_in_place` later finds them all verified."""
         if not in_place:
             return super().read_restore_payload(checkpoint, in_place, map_location)
         path = self.checkpoint_manager.resolve(checkpoint)
         exclude = [*self.checkpoint_manager.exclude_from_loading, *in_place]
-        return self._dcp_reader(path.parent, exclude).load(path, map_location=map_location)
+        reader = self._dcp_reader(path.parent, exclude, verify_together=True)
+        return reader.load(path, map_location=map_location)
 
     def restore_in_place(
         self, checkpoint: CheckpointSource, keys: tuple[str, ...], map_location: Any, *args: Any, **kwargs: Any
