@@ -13,10 +13,12 @@ DCP's own path. The bytes read are those the caller's verification has already c
 
 from __future__ import annotations
 
+import functools
 import io
 import os
 import pickle
 import sys
+import warnings
 from collections import OrderedDict
 from typing import Any
 
@@ -53,6 +55,14 @@ def _contiguous_strides(size: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
+@functools.cache
+def _storage_dtype(storage_type: Any) -> torch.dtype | None:
+    """The dtype of a legacy storage class named in an archive header (`torch.FloatStorage` ...)."""
+    with warnings.catch_warnings():  # reading it is fine; torch warns that TypedStorage is deprecated
+        warnings.simplefilter("ignore", UserWarning)
+        return getattr(storage_type, "dtype", None)
+
+
 def _data_record(archive: Any, target: torch.Tensor) -> str | None:
     """Name of the record holding `target`'s bytes in row-major order, or None if the entry is anything else."""
     if archive.has_record("byteorder") and archive.get_record("byteorder").decode() != sys.byteorder:
@@ -61,7 +71,7 @@ def _data_record(archive: Any, target: torch.Tensor) -> str | None:
     if not isinstance(found, tuple) or len(found) != 4 or not isinstance(found[0], tuple) or len(found[0]) != 5:
         return None
     (kind, storage_type, key, _, numel), offset, size, stride = found
-    dtype = getattr(storage_type, "dtype", None)
+    dtype = _storage_dtype(storage_type)
     if kind != "storage" or dtype != target.dtype or offset != 0 or numel != target.numel():
         return None
     if size != tuple(target.shape) or (target.numel() > 1 and stride != _contiguous_strides(size)):

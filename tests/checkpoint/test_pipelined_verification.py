@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import warnings
 
 import pytest
 import torch
@@ -114,6 +115,19 @@ def test_direct_reads_take_plain_entries_and_leave_the_rest_to_dcp(tmp_path):
     manager.save({"tensors": state}, "step-000001")
     loaded = manager.load("latest")["tensors"]
     assert all(torch.equal(loaded[key], state[key]) for key in state)
+
+
+def test_direct_reads_leave_no_warning_about_legacy_storage_classes(tmp_path):
+    # The archive header names a legacy storage class (`torch.FloatStorage`), whose dtype torch
+    # reports with a deprecation warning that would reach every user's log at every load.
+    dcp.save({"weights": torch.randn(8, 8, dtype=torch.float64)}, checkpoint_id=tmp_path, no_dist=True)
+    info = next(iter(dcp.FileSystemReader(str(tmp_path)).read_metadata().storage_data.values()))
+    target = torch.empty(8, 8, dtype=torch.float64)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with open(tmp_path / info.relative_path, "rb", buffering=0) as handle:
+            assert read_into(handle, info.offset, info.length, target)
+    assert [str(warning.message) for warning in caught] == []
 
 
 def _config() -> dict:
