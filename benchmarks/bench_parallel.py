@@ -248,7 +248,7 @@ def bench_checkpoints(root: str, workload: str, repeats: int, profile_lines: int
 
 
 def profile_checkpoints(runner: BenchRunner, lines: int) -> str:
-    """cProfile of one runner save and one load on this rank (after one warm-up of each)."""
+    """cProfile of one runner save and one load on this rank (after a warm-up save and load)."""
     import io
 
     from common import profile_call
@@ -258,8 +258,10 @@ def profile_checkpoints(runner: BenchRunner, lines: int) -> str:
         "runner save": lambda: runner.save_checkpoint(force=True),
         "runner load": lambda: runner.load_checkpoint(runner.checkpoint_manager.latest),
     }
-    for name, call in calls.items():
+    for call in calls.values():  # warm up both first: a load sets `resume`, which the next save records
         timed(call)
+    for name, call in calls.items():
+        runner.checkpoint_manager.wait()  # as in the timed rounds: the deletion a save deferred is not the load's
         dist.barrier()
         out.write(profile_call(call, f"rank {dist.get_rank()}: {name}", lines))
     for turn in range(dist.get_world_size()):  # rank by rank, so the outputs do not interleave
