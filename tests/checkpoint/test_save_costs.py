@@ -3,6 +3,7 @@ one parse of DCP's index per restore, and entries stored whole read without dcp.
 
 from __future__ import annotations
 
+import collections
 import io
 import logging
 import warnings
@@ -181,3 +182,29 @@ def test_a_save_syncs_its_directory_and_pointers_off_its_own_path(tmp_path, monk
     assert manager.alias("best").name == manager.alias("latest").name == "step-000002"
     assert not [path for path in tmp_path.iterdir() if ".tmp-" in path.name]
     manager.close()
+
+
+def test_plain_data_skips_the_python_unpickler_and_globals_still_go_through_it(monkeypatch):
+    from torch import _weights_only_unpickler
+
+    built = []
+    real = _weights_only_unpickler.Unpickler
+
+    def counting(*args, **kwargs):
+        built.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(_weights_only_unpickler, "Unpickler", counting)
+    rng_like = (3, tuple(range(625)), None)  # what random.getstate() returns
+    plain = [0.001, True, None, "adamw", rng_like, {"lr": 0.1, "betas": (0.9, 0.999), "sizes": [1, 2]}]
+    assert [read_plain(_archive(value), list(SAFE_GLOBALS)) for value in plain] == plain
+    assert built == []  # none of these needs a global: the C unpickler read them
+    ordered = read_plain(_archive(collections.OrderedDict(a=1)), list(SAFE_GLOBALS))
+    assert ordered == collections.OrderedDict(a=1) and type(ordered) is collections.OrderedDict
+    assert built == [1]  # an allowed global: the weights-only unpickler, as before
+
+    class Evil:
+        def __reduce__(self):
+            return (print, ("pwned",))
+
+    assert read_plain(_archive(Evil()), list(SAFE_GLOBALS)) is NOT_PLAIN and built == [1, 1]
