@@ -9,7 +9,7 @@ services cost nothing per batch when they are off: the pass looks them up once w
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager, nullcontext
 from itertools import islice
 from typing import Any, NoReturn
@@ -88,7 +88,6 @@ class PassMixin(StepHooks):
         length = length_of(loader)
         training = mode is RunnerMode.train
         self._open_pass(split, mode, training, length)
-        position = self.loop_state
         if max_batches is not None:
             length = max_batches if length is None else min(length, max_batches)
         # Like the per-batch subscribers below, the readers of step logs are looked up once per pass:
@@ -96,79 +95,90 @@ class PassMixin(StepHooks):
         interval = self._log_interval_for(length) if self._step_logs_read(training) else 0
         state = self.train_state
         self._seen_step = state.global_step
-        # Looked up once per pass rather than once per batch; none of them is rebound by a step.
-        meters, supervisor, update = self.meters, self.supervisor, self.update
+        supervisor = self.supervisor
         # Per-batch subscribers (progress bar, heartbeat, yours) are looked up once per pass: with
         # none, a batch costs no event at all.
         observed = self.events.has_subscribers(Events.STEP_START) or self.events.has_subscribers(Events.STEP_END)
         track_progress = training and (budget is not None or supervisor.gc_interval is not None)
-        step = self.train_step if training else self.evaluate_step
         # Inside a training loop (its evaluation passes included) ranks agree on a stop, so they stop
         # at the same batch; otherwise (evaluate() or infer() alone) the local flag answers.
         # An overridden check is asked after every batch too.
         agree = self._training and is_distributed()
         overridden = type(self)._stop_requested is not PassMixin._stop_requested
         stop_poll = self._stop_requested if agree or overridden else None
-        batches, loss_meter = 0, None
         # Batches that spiked before a rollback (empty and falsy without a spike guard), and the
         # watchdog (multi-process runs), told the phase of every batch.
         skipped, watchdog = self._spiked_batches() if training else None, supervisor.watchdog
-        phase = "forward" if training else "evaluation"
         # A training pass nobody watches batch by batch may run the backend's fused default step instead.
         fused = self._fused_train_pass() if training and not (observed or skipped or watchdog) else None
         if training:
             self.fused_step = fused is not None
-        ran_out = False
+        pace = (split, length, interval, track_progress, budget, stop_poll, agree)
         # An evaluation pass runs in one inference context (entering it per batch costs more than
         # some small models' forward passes); it is left before a stop saves its checkpoint.
         with nullcontext() if training else self.inference_context(), self._spike_scope(split):
+            batches_in = islice(loader, max_batches)
             if fused is not None:
-                pace = (split, length, interval, track_progress, budget, stop_poll, agree)
-                batches, ran_out = fused(islice(loader, max_batches), *pace)
+                batches, ran_out = fused(batches_in, *pace)
             else:
-                for data in islice(loader, max_batches):
-                    if watchdog is not None:
-                        watchdog.enter(phase, state.global_step)
-                    if skipped and (split, state.epoch, position.batch) in skipped:
-                        loss = self._skip_spiked_batch(split, position.batch)
-                    elif observed:
-                        loss = self._observed_step(step, data, split, batches)
-                    else:
-                        _, loss = step(data)
-                    batches += 1
-                    if watchdog is not None:
-                        watchdog.enter("data loading", state.global_step)  # until the next batch arrives
-                    if loss is not None:
-                        if loss_meter is None:
-                            meters.update(loss=loss)
-                            loss_meter = meters["loss"]  # then updated directly: this runs every batch
-                        else:
-                            loss_meter.update(loss)
-                    if interval and (batches % interval == 0 or batches == length):
-                        self._log_step(split, batches, length, training)
-                    if training:
-                        position.batch += 1
-                        if track_progress and state.global_step != self._seen_step:
-                            self._after_optimizer_progress(budget)  # may evaluate: after the step log
-                    # Without a poll the flag is read in place: one call less per batch.
-                    if self._stop_latched or (
-                        supervisor.stop_requested
-                        if stop_poll is None
-                        else self._stop_now(stop_poll, agree and batches == length)
-                    ):
-                        # Stop only at a window boundary: applying a partial window (or dropping its
-                        # gradients) would make the resumed run diverge from an uninterrupted one.
-                        self._stop_latched = True
-                        if not (training and update.pending):
-                            break  # the stop below shuts down
-                    if budget is not None and state.global_step >= budget:
-                        break
-                else:
-                    ran_out = True
+                batches, ran_out = self._hooked_batches(batches_in, pace, training, observed, skipped)
             if ran_out:
                 self._pass_ran_out(agree and length is None, training)
         self._close_pass(training, budget)
         return self.collect_result(split), batches
+
+    def _hooked_batches(
+        self, batches_in: Iterable, pace: tuple, training: bool, observed: bool, skipped: Any
+    ) -> tuple[int, bool]:
+        """Run each batch through the step hook (`train_step`/`evaluate_step`) and pace the pass after it.
+
+        Returns the number of batches run and whether the loader ran out (rather than a stop or the budget).
+        """
+        split, length, interval, track_progress, budget, stop_poll, agree = pace
+        # Looked up once per pass rather than once per batch; none of them is rebound by a step.
+        meters, supervisor, update = self.meters, self.supervisor, self.update
+        state, position, watchdog = self.train_state, self.loop_state, supervisor.watchdog
+        step = self.train_step if training else self.evaluate_step
+        phase = "forward" if training else "evaluation"
+        batches, loss_meter = 0, None
+        for data in batches_in:
+            if watchdog is not None:
+                watchdog.enter(phase, state.global_step)
+            if skipped and (split, state.epoch, position.batch) in skipped:
+                loss = self._skip_spiked_batch(split, position.batch)
+            elif observed:
+                loss = self._observed_step(step, data, split, batches)
+            else:
+                _, loss = step(data)
+            batches += 1
+            if watchdog is not None:
+                watchdog.enter("data loading", state.global_step)  # until the next batch arrives
+            if loss is not None:
+                if loss_meter is None:
+                    meters.update(loss=loss)
+                    loss_meter = meters["loss"]  # then updated directly: this runs every batch
+                else:
+                    loss_meter.update(loss)
+            if interval and (batches % interval == 0 or batches == length):
+                self._log_step(split, batches, length, training)
+            if training:
+                position.batch += 1
+                if track_progress and state.global_step != self._seen_step:
+                    self._after_optimizer_progress(budget)  # may evaluate: after the step log
+            # Without a poll the flag is read in place: one call less per batch.
+            if self._stop_latched or (
+                supervisor.stop_requested
+                if stop_poll is None
+                else self._stop_now(stop_poll, agree and batches == length)
+            ):
+                # Stop only at a window boundary: applying a partial window (or dropping its
+                # gradients) would make the resumed run diverge from an uninterrupted one.
+                self._stop_latched = True
+                if not (training and update.pending):
+                    return batches, False  # the stop after the pass shuts down
+            if budget is not None and state.global_step >= budget:
+                return batches, False
+        return batches, True
 
     def _open_pass(self, split: str, mode: RunnerMode, training: bool, length: int | None) -> None:
         """Reset the pass's meters and metrics; a training pass also sets the loop position and the windows.
