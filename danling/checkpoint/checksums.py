@@ -30,7 +30,6 @@ __all__ = [
     "check_checksum",
     "new_digest",
     "file_record",
-    "directory_records",
     "BackgroundVerification",
 ]
 
@@ -231,22 +230,17 @@ class HashingReader:
         self._file.close()
 
 
-# Two pools of two threads each, made on first use: "hash" for hashing and fsyncs, "record"
-# for whole-file record jobs, which submit their own fsync to "hash" (one pool would deadlock).
-_POOLS: dict[str, ThreadPoolExecutor] = {}
-_POOLS_LOCK = threading.Lock()
-
-
-def _pool(name: str) -> ThreadPoolExecutor:
-    with _POOLS_LOCK:
-        pool = _POOLS.get(name)
-        if pool is None:
-            pool = _POOLS[name] = ThreadPoolExecutor(max_workers=2, thread_name_prefix=f"danling-{name}")
-        return pool
+# One pool of two threads, made on first use, for hashing and fsyncs beside the caller's thread.
+_POOL: ThreadPoolExecutor | None = None
+_POOL_LOCK = threading.Lock()
 
 
 def _hash_pool() -> ThreadPoolExecutor:
-    return _pool("hash")
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None:
+            _POOL = ThreadPoolExecutor(max_workers=2, thread_name_prefix="danling-hash")
+        return _POOL
 
 
 def _entry_checksum(entry: Mapping[str, Any], path: Any) -> str:
@@ -334,34 +328,11 @@ def file_record(
     return _record(size, checksum, digest, chunks)
 
 
-def directory_records(
-    directory: str | os.PathLike,
-    *,
-    checksum: str = DEFAULT_CHECKSUM,
-    fsync: bool = True,
-    chunked: bool = True,
-    files: Iterable[str] | None = None,
-) -> dict[str, dict[str, Any]]:
-    """Manifest entries of every file under `directory` (or of `files`, relative to it), two files at a time."""
-    directory = Path(directory)
-    if files is None:
-        paths = sorted(path for path in directory.rglob("*") if path.is_file())
-    else:
-        paths = sorted(directory / name for name in files)
-
-    def record(path: Path) -> dict[str, Any]:
-        return file_record(path, fsync=fsync, checksum=checksum, chunked=chunked)
-
-    records = [record(path) for path in paths] if len(paths) < 2 else list(_pool("record").map(record, paths))
-    return {path.relative_to(directory).as_posix(): record for path, record in zip(paths, records)}
-
-
 def _forget_pools() -> None:
     # A forked child inherits the pools but not their threads: work submitted there would wait
     # forever (a run forked after its parent saved a checkpoint hung in its first save).
-    global _POOLS_LOCK
-    _POOLS.clear()
-    _POOLS_LOCK = threading.Lock()
+    global _POOL, _POOL_LOCK
+    _POOL, _POOL_LOCK = None, threading.Lock()
 
 
 os.register_at_fork(after_in_child=_forget_pools)

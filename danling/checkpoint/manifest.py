@@ -34,7 +34,6 @@ from .checksums import (
     _hash_pool,
     _torn,
     check_checksum,
-    directory_records,
     file_record,
     new_digest,
 )
@@ -52,7 +51,6 @@ __all__ = [
     "check_checksum",
     "new_digest",
     "file_record",
-    "directory_records",
     "fsync_dir",
     "atomic_write_text",
     "write_manifest",

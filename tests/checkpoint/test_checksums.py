@@ -162,22 +162,25 @@ def test_a_file_checkpoint_is_read_once_its_checksum_computed_on_the_way(tmp_pat
     assert [p.name for p in passes] == ["state.pt"]
 
 
-def _records_in_child(directory, queue):
-    from danling.checkpoint.checksums import directory_records
+def _records(directory):
+    from danling.checkpoint.checksums import file_record
 
-    queue.put(sorted(directory_records(directory, checksum="xxh3_128")))
+    # fsync=True hands each file's fsync to the helper pool while the caller hashes it
+    return {path.name: file_record(path, fsync=True, checksum="xxh3_128") for path in sorted(directory.iterdir())}
+
+
+def _records_in_child(directory, queue):
+    queue.put(_records(directory))
 
 
 def test_a_forked_child_hashes_with_pools_of_its_own(tmp_path):
-    # The parent's hashing pools exist (two files are hashed two at a time); a child forked now
-    # inherits them without their threads, and used to wait forever in its first save.
+    # The parent's hashing pool exists (each file's fsync ran on it); a child forked now inherits
+    # it without its threads, and used to wait forever in its first save.
     import multiprocessing
-
-    from danling.checkpoint.checksums import directory_records
 
     for name in ("a.bin", "b.bin", "c.bin"):
         (tmp_path / name).write_bytes(random.randbytes(1 << 16))
-    expected = sorted(directory_records(tmp_path, checksum="xxh3_128"))
+    expected = _records(tmp_path)
     context = multiprocessing.get_context("fork")
     queue = context.Queue()
     child = context.Process(target=_records_in_child, args=(tmp_path, queue))
@@ -186,5 +189,5 @@ def test_a_forked_child_hashes_with_pools_of_its_own(tmp_path):
     alive = child.is_alive()
     if alive:
         child.kill()
-    assert not alive, "the forked child hung in directory_records"
+    assert not alive, "the forked child hung in file_record"
     assert queue.get(timeout=5) == expected

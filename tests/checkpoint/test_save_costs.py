@@ -16,7 +16,7 @@ from danling.checkpoint import FileCheckpointManager
 from danling.checkpoint._dcp_io import RecordingWriter
 from danling.checkpoint._dcp_read import NOT_PLAIN, read_plain
 from danling.checkpoint.layout import _HOST_TAG, Discard, recover_directory
-from danling.checkpoint.manifest import directory_records
+from danling.checkpoint.manifest import file_record
 from danling.checkpoint.unpickling import SAFE_GLOBALS
 
 
@@ -67,7 +67,8 @@ def test_recording_writer_returns_the_records_of_the_files_it_wrote(tmp_path):
         dcp.save(state, storage_writer=writer, no_dist=True)
     data_files = sorted(p.name for p in tmp_path.glob("*.distcp"))
     assert sorted(writer.records) == data_files and data_files
-    assert writer.records == directory_records(tmp_path, files=data_files)  # what hashing them afterwards gives
+    # what hashing them afterwards gives
+    assert writer.records == {name: file_record(tmp_path / name, chunked=True) for name in data_files}
     loaded = {"w": torch.zeros(4096), "cfg": {"lr": 0.0}}
     dcp.load(loaded, checkpoint_id=tmp_path, no_dist=True)  # the side-channel records left DCP's metadata clean
     assert torch.equal(loaded["w"], state["w"]) and loaded["cfg"]["lr"] == 0.1
