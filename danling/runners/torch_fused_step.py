@@ -110,8 +110,7 @@ def fused_train_pass(runner: Any) -> FusedPass | None:
         return None
     model, criterion, update = runner.model, runner.criterion, runner.update
     container, accumulator, position = update.container, update.accumulator, runner.loop_state
-    optimizer = container.optimizer
-    scheduler = container.scheduler if container.scheduler_interval == "step" else None
+    step_plain = container.step_plain
     bound_optimizer, bound_scheduler = runner.optimizer, runner.scheduler
     counters = runner.state.train.__dict__  # validated ints; increments keep them so
     device = runner.device
@@ -155,11 +154,7 @@ def fused_train_pass(runner: Any) -> FusedPass | None:
                         runner.checkpoint_manager.maybe_wait_for_staging()
                     except CheckpointSaveError as err:
                         runner.checkpoint_save_failed(err)
-                    container.consecutive_nonfinite, container.last_grad_norm = 0, None
-                    optimizer.step()
-                    if scheduler is not None:
-                        scheduler.step()
-                    optimizer.zero_grad(set_to_none=True)
+                    step_plain()
                     counters["global_step"] += 1
                     if not runner._train_timeout_applied:
                         runner._apply_train_timeout()

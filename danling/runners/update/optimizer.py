@@ -248,6 +248,9 @@ class OptimizerContainer:
             self.optimizer.zero_grad(set_to_none=True)
             self._nonfinite_skipped()
             return False
+        if scaler is None and self.max_grad_norm is None and self.max_grad_value is None and self.lr_scale == 1.0:
+            self.step_plain()
+            return True
         self.consecutive_nonfinite = 0
         if self.max_grad_norm is None and self.max_grad_value is None:
             self.last_grad_norm = None  # clipping off: skip collecting the gradients
@@ -268,6 +271,15 @@ class OptimizerContainer:
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return True
+
+    def step_plain(self) -> None:
+        """The update of `step` with nothing to unscale, check, clip or lower: optimizer, step-interval
+        scheduler, gradients freed. The runner's fused training pass calls it directly."""
+        self.consecutive_nonfinite, self.last_grad_norm = 0, None
+        self.optimizer.step()
+        if self.scheduler is not None and self.scheduler_interval == "step":
+            self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
 
     def drop(self) -> None:
         """Drop the window's gradients without an update (a skipped loss spike)."""
