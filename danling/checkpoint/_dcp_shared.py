@@ -27,6 +27,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from danling.distributed.collectives import _on_backend_device
+
 from .base import CheckpointManager
 from .manifest import CheckpointError, read_manifest, verify_directory, vouch_for
 
@@ -96,8 +98,7 @@ def load_together(manager: Any, checkpoint: str | os.PathLike, map_location: Any
 def _exchange(group: Any, world_size: int, identity: str, status: int, error: BaseException | None) -> list[tuple]:
     """Every rank's (checkpoint identity, status, message): one all-gather, a second one only to carry messages."""
     digest = hashlib.blake2b(identity.encode(), digest_size=7).digest() if identity else b""
-    device = getattr(dist.distributed_c10d, "_get_object_coll_device", lambda group: "cpu")(group)  # NCCL: a GPU
-    mine = torch.tensor([int.from_bytes(digest, "little"), status], dtype=torch.int64, device=device)
+    mine = _on_backend_device(torch.tensor([int.from_bytes(digest, "little"), status], dtype=torch.int64), group)
     gathered = [torch.empty_like(mine) for _ in range(world_size)]
     dist.all_gather(gathered, mine, group=group)
     messages: list[Any] = [""] * world_size
