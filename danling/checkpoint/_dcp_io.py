@@ -26,12 +26,12 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan
 
-from ._dcp_read import NOT_PLAIN, read_into, read_plain
+from ._dcp_read import read_entry, read_into
 from ._writeback import WritebackWriter
 from .checksums import BackgroundVerification, file_record
 from .manifest import CheckpointError
 from .ranks import RankLayout, rank_entry
-from .unpickling import SAFE_GLOBALS, UnsafePickleError, read_dcp_metadata, torch_load
+from .unpickling import UnsafePickleError, read_dcp_metadata
 
 __all__ = ["SafeReader", "SafePlanner", "RecordingWriter", "CheckpointException"]
 
@@ -225,16 +225,12 @@ class SafePlanner(DefaultLoadPlanner):
         super().__init__()
         self.trusted, self.directory = trusted, directory
         self.refused: UnsafePickleError | None = None
-        self._safe_globals = list(SAFE_GLOBALS)
-        self._plain: dict[bytes, Any] = {}  # unpickled scalars by pickle (see `read_plain`)
+        self._plain: dict[bytes, Any] = {}  # unpickled scalars by pickle (see `_dcp_read.read_plain`)
 
     def load_bytes(self, read_item: Any, value: Any) -> None:
         fqn = read_item.dest_index.fqn
-        obj = NOT_PLAIN if self.trusted else read_plain(value, self._safe_globals, self._plain)
         try:
-            if obj is NOT_PLAIN:
-                origin = f"{self.directory} (entry {fqn})"
-                obj = torch_load(value, map_location="cpu", origin=origin, trusted=self.trusted)
+            obj = read_entry(value, f"{self.directory} (entry {fqn})", self.trusted, self._plain)
         except UnsafePickleError as err:
             self.refused = err
             raise

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import io
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,9 +24,8 @@ import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
-from ._dcp_read import NOT_PLAIN, read_into, read_plain
+from ._dcp_read import read_entry, read_into
 from .checksums import BackgroundVerification
-from .unpickling import SAFE_GLOBALS, torch_load
 
 __all__ = ["read_whole"]
 
@@ -102,7 +101,8 @@ def read_whole(
             if verification is not None:
                 verification.wait(relative_path, info.offset + info.length)
             if destination is None:
-                targets[fqn] = _plain(_read_range(handle, info.offset, info.length), directory, fqn, trusted, plain)
+                data = io.BytesIO(_read_range(handle, info.offset, info.length))
+                targets[fqn] = read_entry(data, f"{directory} (entry {fqn})", trusted, plain)
             elif not read_into(handle, info.offset, info.length, destination):
                 rest[fqn] = targets[fqn]  # not a plain tensor archive: DCP's reader decides
                 continue
@@ -121,11 +121,3 @@ def _read_range(handle: Any, offset: int, length: int) -> bytes:
             raise OSError(f"unexpected end of checkpoint data at byte {offset + len(data)} of {handle.name}")
         data += more
     return data
-
-
-def _plain(data: bytes, directory: Path, fqn: str, trusted: bool, cache: Mapping[bytes, Any]) -> Any:
-    """Unpickle a non-tensor entry as the planner of `danling.checkpoint._dcp_io` does."""
-    value = NOT_PLAIN if trusted else read_plain(io.BytesIO(data), list(SAFE_GLOBALS), cache)
-    if value is NOT_PLAIN:
-        value = torch_load(io.BytesIO(data), map_location="cpu", origin=f"{directory} (entry {fqn})", trusted=trusted)
-    return value

@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from .unpickling import SAFE_GLOBALS, torch_load
+
 __all__ = ["read_into"]
 
 
@@ -158,6 +160,17 @@ def read_plain(stream: Any, safe_globals: list, cache: dict[bytes, Any] | None =
         return NOT_PLAIN
     if cache is not None and type(value) in _ATOMS:
         cache[data] = value
+    return value
+
+
+def read_entry(stream: Any, origin: str, trusted: bool, cache: dict[bytes, Any] | None = None) -> Any:
+    """A non-tensor DCP entry: `read_plain` (unless `trusted`), and `torch_load` for what it leaves.
+
+    `origin` names the entry in errors; the restricted unpickler's refusal propagates.
+    """
+    value = NOT_PLAIN if trusted else read_plain(stream, list(SAFE_GLOBALS), cache)
+    if value is NOT_PLAIN:
+        value = torch_load(stream, map_location="cpu", origin=origin, trusted=trusted)
     return value
 
 
