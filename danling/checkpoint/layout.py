@@ -25,7 +25,6 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from .checksums import _hash_pool
 from .manifest import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -238,7 +237,9 @@ class PendingPointers:
             self.moves.append(((directory / f".{pointer.name}.tmp-{temp_token()}").absolute(), pointer))
         with _IN_FLIGHT_LOCK:
             _IN_FLIGHT.update(tmp for tmp, _ in self.moves)
-        self._written = _hash_pool().submit(self._write, target + "\n")  # the pool the seal's syncs use too
+        if not _POINTER_WRITERS:
+            _POINTER_WRITERS.append(ThreadPoolExecutor(max_workers=1, thread_name_prefix="danling-pointers"))
+        self._written = _POINTER_WRITERS[0].submit(self._write, target + "\n")
 
     def _write(self, text: str) -> None:
         for tmp, _ in self.moves:
@@ -265,6 +266,10 @@ class PendingPointers:
             tmp.unlink(missing_ok=True)
         with _IN_FLIGHT_LOCK:
             _IN_FLIGHT.difference_update(tmp for tmp, _ in self.moves)
+
+
+_POINTER_WRITERS: list[ThreadPoolExecutor] = []
+os.register_at_fork(after_in_child=_POINTER_WRITERS.clear)  # a forked child has no thread behind it
 
 
 def follow_pointer(pointer: Path) -> Path:

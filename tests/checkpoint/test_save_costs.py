@@ -176,7 +176,7 @@ def test_a_save_syncs_its_directory_and_pointers_off_its_own_path(tmp_path, monk
     monkeypatch.undo()
     root = os.path.realpath(tmp_path)
     pointers = [thread for thread, path in synced if ".pointer.tmp-" in path]
-    assert len(pointers) == 2 and all(thread.startswith("danling-hash") for thread in pointers)
+    assert len(pointers) == 2 and all(thread.startswith("danling-pointers") for thread in pointers)
     assert [path for _, path in synced].count(root) == 2  # publication, then both pointers with one sync
     (staging,) = [thread for thread, path in synced if os.path.basename(path).startswith(".tmp-step-000002-")]
     assert staging.startswith("danling-hash")  # the staging directory syncs alongside its manifest
