@@ -268,6 +268,8 @@ class PendingPointers:
             _IN_FLIGHT.difference_update(tmp for tmp, _ in self.moves)
 
 
+# A pool of its own: on the checksums' two-thread pool the pointer writes queue behind the seal's
+# syncs, and a 2-rank runner save measured 0.97-1.10x of dcp.save instead of 0.95-0.98x.
 _POINTER_WRITERS: list[ThreadPoolExecutor] = []
 os.register_at_fork(after_in_child=_POINTER_WRITERS.clear)  # a forked child has no thread behind it
 
