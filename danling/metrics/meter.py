@@ -19,7 +19,7 @@ from torch import Tensor
 from danling.utils import RoundDict
 
 from .distributed import is_distributed, pack_group, unpack_group
-from .meter_state import MetersState, MeterState
+from .meter_state import MetersState, MeterState, _stacked
 from .meter_sync import (
     SyncedValues,
     _accumulation_dtype,
@@ -136,7 +136,7 @@ class AverageMeter(MeterState):
         self._val: Number | Tensor = math.nan
         self._n: Number = 0
         self._total: Number | Tensor = 0.0  # the weighted sum, without the values still pending
-        self._pending: list[Tensor] = []  # 0-d tensor values of weight `_pending_n`, not yet added
+        self._pending: list[Tensor | float] = []  # 0-d values of weight `_pending_n`, not yet added
         self._pending_n: Number = 1
         self._count: Number = 0
         self._updated = False
@@ -163,7 +163,12 @@ class AverageMeter(MeterState):
             # its kind: what the branches below do for it (`is_cpu` first: a device comparison
             # builds two device objects).
             first = pending[0]
-            same_kind = value.dtype is first.dtype and ((value.is_cpu and first.is_cpu) or value.device == first.device)
+            if type(first) is Tensor:
+                same_kind = value.dtype is first.dtype and (
+                    (value.is_cpu and first.is_cpu) or value.device == first.device
+                )
+            else:  # a float added by `update_float64`
+                same_kind = value.dtype is torch.float64 and value.is_cpu
             if same_kind and not value.ndim and not value.requires_grad:
                 pending.append(value)
                 if len(pending) >= PENDING_VALUES:
@@ -188,10 +193,8 @@ class AverageMeter(MeterState):
                 self._add_tensor(value, n)
             else:  # the per-step loss: queue it, no tensor op now
                 pending = self._pending
-                if pending:
-                    first = pending[0]
-                    if n != self._pending_n or value.dtype is not first.dtype or value.device != first.device:
-                        self._commit()
+                if pending and (n != self._pending_n or not _joins(value, pending[0])):
+                    self._commit()
                 if not pending:
                     self._pending_n = n
                 pending.append(value)
@@ -206,6 +209,39 @@ class AverageMeter(MeterState):
         self._val, self._n = value, n
         self._count += n
         self._updated = True
+
+    def update_float64(self, value: float, n: int = 1) -> None:
+        """`update(torch.tensor(value, dtype=torch.float64), n)`, without making the tensor.
+
+        The float waits among the pending 0-d values as that tensor would and is summed with them
+        by the same float64 reduction, so every reading is the same to the bit; `val` is the float.
+        A metric counted on the host (accuracy of a CPU batch, say) is added this way.
+        """
+        pending = self._pending
+        if pending and type(n) is int and n == self._pending_n and type(pending[0]) is float:
+            # The per-batch case: one more float of the same weight (the meter holds 0-d values).
+            pending.append(value)
+            if len(pending) >= PENDING_VALUES:
+                self._commit()
+        elif type(n) is int and n > 0 and not self._shape_set():
+            if pending and (n != self._pending_n or not _joins_float64(pending[0])):
+                self._commit()
+            if not pending:
+                self._pending_n = n
+            pending.append(value)
+            if len(pending) >= PENDING_VALUES:
+                self._commit()
+        else:  # a weightless value, an odd weight or a meter of shaped values: the general path decides
+            self.update(torch.scalar_tensor(value, dtype=torch.float64), n)
+            return
+        self._val, self._n = value, n
+        self._count += n
+        self._updated = True
+
+    def _shape_set(self) -> bool:
+        """Whether the meter holds values with dimensions (a 0-d value must then be refused)."""
+        total = self._total
+        return (self._updated and bool(_shape(self._val))) or (isinstance(total, Tensor) and bool(total.ndim))
 
     def _refuse_shape(self, value: Any) -> None:
         # Adding would broadcast one shape into the other and mix unrelated quantities.
@@ -248,7 +284,7 @@ class AverageMeter(MeterState):
         total, pending, n = self._total, self._pending, self._pending_n
         if not pending:
             return total
-        values = pending[0] if len(pending) == 1 else torch.stack(pending)
+        values = pending[0] if len(pending) == 1 and type(pending[0]) is Tensor else _stacked(pending)
         dtype = _accumulation_dtype(values)  # float64, as one add per value would accumulate
         group = values.sum(dtype=dtype) if n == 1 else (values.to(dtype) * n).sum()
         return torch.add(total, group) if isinstance(total, Tensor) else total + group
@@ -321,6 +357,18 @@ class AverageMeter(MeterState):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(unpack_group(state))
+
+
+def _joins(value: Tensor, first: Tensor | float) -> bool:
+    """Whether the 0-d tensor `value` may wait in one group with the pending value `first`."""
+    if type(first) is not Tensor:
+        return value.dtype is torch.float64 and value.device.type == "cpu"
+    return value.dtype is first.dtype and value.device == first.device
+
+
+def _joins_float64(first: Tensor | float) -> bool:
+    """Whether a float (a float64 CPU value) may wait in one group with the pending value `first`."""
+    return type(first) is not Tensor or (first.dtype is torch.float64 and first.is_cpu)
 
 
 class MetersBase(MetersState):

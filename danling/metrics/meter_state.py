@@ -13,8 +13,17 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+from torch import Tensor
 
 __all__ = ["MeterState", "MetersState"]
+
+
+def _stacked(pending: list[Tensor | float]) -> Tensor:
+    """The pending values as one 1-d tensor; floats (from `update_float64`) stand for float64 CPU values."""
+    if all(type(value) is Tensor for value in pending):
+        return torch.stack(pending)  # type: ignore[arg-type]
+    return torch.tensor([value if type(value) is float else value.item() for value in pending], dtype=torch.float64)
+
 
 _METER_KEYS = frozenset({"val", "n", "total", "pending", "pending_n", "count", "updated"})
 
@@ -33,7 +42,7 @@ class MeterState:
             "val": self._val,  # type: ignore[attr-defined]
             "n": self._n,  # type: ignore[attr-defined]
             "total": self._total,  # type: ignore[attr-defined]
-            "pending": torch.stack(pending) if pending else None,
+            "pending": _stacked(pending) if pending else None,
             "pending_n": self._pending_n,  # type: ignore[attr-defined]
             "count": self._count,  # type: ignore[attr-defined]
             "updated": self._updated,  # type: ignore[attr-defined]

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from .functional import value_on_host
 from .meter import AverageMeter
 from .preprocess import to_tensor
 from .state import MetricFunc, MetricState, MetricTask
@@ -86,11 +87,23 @@ class MetricMeter(AverageMeter):
         device: torch.device | str | None = None,
         group: ProcessGroup | None = None,
     ) -> None:
-        if not callable(metric):
-            raise TypeError(f"metric must be callable, got {type(metric).__name__}")
         self.metric = metric
         self.preprocess = preprocess
         super().__init__(device=device, group=group)
+
+    @property
+    def metric(self) -> Callable | MetricFunc:
+        """The metric evaluated on each batch."""
+        return self._metric
+
+    @metric.setter
+    def metric(self, metric: Callable | MetricFunc) -> None:
+        if not callable(metric):
+            raise TypeError(f"metric must be callable, got {type(metric).__name__}")
+        self._metric = metric
+        # Its value as a Python float where it is counted on the host (accuracy of CPU labels): added
+        # without making a tensor of it, as `AverageMeter.update_float64` does, to the same bits.
+        self._on_host = value_on_host(metric)
 
     def update(self, input: Any, target: Any, *, n: int | None = None) -> None:  # type: ignore[override]
         """Evaluate the metric on one batch and add it with weight `n`.
@@ -108,7 +121,13 @@ class MetricMeter(AverageMeter):
         self, input: Any, target: Any, *, n: int | None = None, states: dict[MetricTask, MetricState] | None = None
     ) -> None:
         """Update from data that has already been preprocessed, sharing `states` between meters."""
-        value = evaluate_metric(self.metric, input, target, states)
+        on_host = self._on_host
+        if on_host is not None:
+            number = on_host(input, target)
+            if number is not None:
+                self.update_float64(number, batch_size(target) if n is None else n)
+                return
+        value = evaluate_metric(self._metric, input, target, states)
         AverageMeter.update(self, value, batch_size(target) if n is None else n)
 
     def __repr__(self) -> str:

@@ -106,12 +106,22 @@ class StreamMetrics(AverageMeters):
             input, target = preprocess(input, target)
         if n is None:  # a plain tensor (the per-batch case) is counted without the general helper
             n = (target.shape[0] if target.ndim else 1) if type(target) is Tensor else batch_size(target)
-        states: dict[MetricTask, MetricState] = {}
+        states: dict[MetricTask, MetricState] | None = None  # made for the first MetricFunc
         for meter in self._meters.values():
-            if type(meter) is MetricMeter and not isinstance(meter.metric, MetricFunc):
-                # A plain metric function: what `update_preprocessed` does, one call deep.
-                AverageMeter.update(meter, meter.metric(input, target), n)
-            elif isinstance(meter, MetricMeter):
+            if type(meter) is MetricMeter:  # what `update_preprocessed` does, one call deep
+                on_host = meter._on_host
+                if on_host is not None:
+                    number = on_host(input, target)
+                    if number is not None:
+                        meter.update_float64(number, n)
+                        continue
+                metric = meter._metric
+                if not isinstance(metric, MetricFunc):
+                    AverageMeter.update(meter, metric(input, target), n)
+                    continue
+            if isinstance(meter, MetricMeter):
+                if states is None:
+                    states = {}
                 meter.update_preprocessed(input, target, n=n, states=states)
             else:
                 raise TypeError(f"StreamMetrics can only update MetricMeters, found {type(meter).__name__}")

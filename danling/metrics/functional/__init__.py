@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from ..preprocess import _FLOAT_DTYPES, base_preprocess
+from . import _common
 from . import binary as _binary
 from . import multiclass as _multiclass
 from . import multilabel as _multilabel
@@ -48,6 +49,7 @@ from .binary import (
 )
 from .multiclass import (
     _top1_accuracy_all_counted,
+    _top1_value_on_host,
     multiclass_accuracy,
     multiclass_auprc,
     multiclass_auroc,
@@ -174,22 +176,9 @@ def accuracy(
     ignore_index: int | None = None,
 ) -> Tensor:
     """Accuracy of the inferred task (see `binary_accuracy`, `multiclass_accuracy`, `multilabel_accuracy`)."""
-    if type(input) is Tensor and type(target) is Tensor and input.ndim == 2 and target.ndim == 1:
-        # The per-batch call of a training loop: float class scores (N, C), int64 labels (N,), no
-        # options. Checked inline, as every call pays for it.
-        rows, classes = input.shape
-        if (
-            rows
-            and classes > 1
-            and rows == target.shape[0]
-            and target.dtype is torch.long
-            and input.dtype in _FLOAT_DTYPES
-            and task is None
-            and num_classes is None
-            and num_labels is None
-            and ignore_index is None
-            and average == "default"
-        ):
+    if task is None and num_classes is None and num_labels is None and ignore_index is None and average == "default":
+        classes = _top1_classes(input, target)
+        if classes:
             return _top1_accuracy_all_counted(input.argmax(-1), target, classes)
     options = dict(
         task=task,
@@ -200,6 +189,42 @@ def accuracy(
         ignore_index=ignore_index,
     )
     return _dispatch("accuracy", input, target, options)
+
+
+def _top1_classes(input: Any, target: Any) -> int:
+    """The number of classes when `(input, target)` is the per-batch call of a training loop (float
+    class scores `(N, C)`, int64 labels `(N,)`, `N > 0`), else 0. Checked inline: every call pays for it."""
+    if type(input) is Tensor and type(target) is Tensor and input.ndim == 2 and target.ndim == 1:
+        rows, classes = input.shape
+        long_labels, float_scores = target.dtype is torch.long, input.dtype in _FLOAT_DTYPES
+        if rows and classes > 1 and rows == target.shape[0] and long_labels and float_scores:
+            return classes
+    return 0
+
+
+def _accuracy_on_host(input: Any, target: Any) -> float | None:
+    """`accuracy(input, target)` as the Python float it holds when it is counted on the host (labels
+    on the CPU), else `None`: a running mean adds the number without making a tensor of it."""
+    classes = _top1_classes(input, target)
+    if classes and target.is_cpu and "cpu" in _common.HOST_READ_DEVICES:
+        return _top1_value_on_host(input.argmax(-1), target, classes)
+    return None
+
+
+# Metric functions whose value a running mean may read as a Python float (see `value_on_host`).
+_ON_HOST: dict[Callable, Callable[[Any, Any], float | None]] = {accuracy: _accuracy_on_host}
+
+
+def value_on_host(metric: Callable) -> Callable[[Any, Any], float | None] | None:
+    """For a metric function called without options, a function giving its value as a Python float
+    where that value is counted on the host (`None` where it is not), or `None` for other metrics.
+
+    [`MetricMeter`][danling.metrics.MetricMeter] adds such floats as it would add the 0-d float64
+    tensor the metric returns, so the running values are the same to the bit.
+    """
+    if type(metric).__hash__ is None:  # a callable object comparing by value: never one of ours
+        return None
+    return _ON_HOST.get(metric)
 
 
 def balanced_accuracy(

@@ -207,23 +207,30 @@ def _top1_accuracy_all_counted(pred: Tensor, target: Tensor, num_classes: int) -
     the count of valid targets, which must equal it), or `nan` if some target is not a class.
     """
     if target.is_cpu and "cpu" in _common.HOST_READ_DEVICES:  # reading numbers on the host costs nothing here
-        size = target.shape[0]
-        if size <= _common.HOST_COUNT_SIZE:  # a few labels: compare them in Python rather than in three tensor ops
-            labels = target.tolist()
-            if min(labels) < 0 or max(labels) >= num_classes:
-                return torch.scalar_tensor(math.nan, dtype=torch.float64)
-            hits = sum(map(operator.eq, pred.tolist(), labels))
-        else:
-            low, high = torch.aminmax(target)
-            if low.item() < 0 or high.item() >= num_classes:
-                return torch.scalar_tensor(math.nan, dtype=torch.float64)
-            hits = torch.eq(pred, target).count_nonzero().item()
-        # An exact integer count divided on the host: the correctly rounded float64 quotient that
-        # `mean(dtype=torch.float64)` gives, without a cast or a division on the device.
-        return torch.scalar_tensor(hits / size, dtype=torch.float64)
+        return torch.scalar_tensor(_top1_value_on_host(pred, target, num_classes), dtype=torch.float64)
     # On an accelerator the check stays on the device: the clamp moves exactly the invalid targets.
     value = (pred == target).sum(dtype=result_dtype(target.device)).div_(target.numel())
     return torch.where((target.clamp(0, num_classes - 1) == target).all(), value, math.nan)
+
+
+def _top1_value_on_host(pred: Tensor, target: Tensor, num_classes: int) -> float:
+    """`_top1_accuracy_all_counted` of a CPU target as the Python float its result holds.
+
+    An exact integer count divided on the host: the correctly rounded float64 quotient that
+    `mean(dtype=torch.float64)` gives, without a cast or a division on the device.
+    """
+    size = target.shape[0]
+    if size <= _common.HOST_COUNT_SIZE:  # a few labels: compare them in Python rather than in three tensor ops
+        labels = target.tolist()
+        if min(labels) < 0 or max(labels) >= num_classes:
+            return math.nan
+        hits = sum(map(operator.eq, pred.tolist(), labels))
+    else:
+        low, high = torch.aminmax(target)
+        if low.item() < 0 or high.item() >= num_classes:
+            return math.nan
+        hits = torch.eq(pred, target).count_nonzero().item()
+    return hits / size
 
 
 def multiclass_balanced_accuracy(
