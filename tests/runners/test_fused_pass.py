@@ -40,12 +40,7 @@ def _run(cls, root, overrides):
             "loop": runner.loop_state.state_dict(),
             "accumulator": runner.accumulator.state_dict(),
             "results": runner.results.dict(),
-            # The sum as a Python float (its repr is exact) and what waits in the meter (CPU losses: numbers).
-            "meter": (
-                runner.meters["loss"].sum,
-                runner.meters["loss"].count,
-                [type(value).__name__ for value in runner.meters["loss"]._pending],
-            ),
+            "meter": (runner.meters["loss"]._sum, runner.meters["loss"].count),
             "metrics": runner.train_metrics.state_dict(),
         }
 
@@ -79,7 +74,6 @@ def test_the_fused_pass_gives_exactly_what_the_hooks_give(tmp_path, overrides):
     hooks_taken, hooked = _run(HookedRunner, tmp_path / "hooks", overrides)
     assert fused_taken and not hooks_taken
     assert fused["state"]["global_step"] > 0
-    assert fused["meter"][2] and set(fused["meter"][2]) == {"float"}
     _assert_identical(fused, hooked)
 
 
