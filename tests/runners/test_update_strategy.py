@@ -9,7 +9,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from danling.metrics.functional import _common
 from danling.runners.update import TorchUpdateStrategy, UpdateStrategy, gradient_sync_for
 from tests.dist import process_group, run_distributed
 from tests.metrics.test_no_host_sync import ForbidHostSync
@@ -96,11 +95,9 @@ def test_the_base_strategy_counts_windows_and_refuses_weights():
     [{"accum_steps": 3}, {"accum_steps": 2, "precision": "bf16", "max_grad_norm": 1.0, "ema.enabled": True}],
     ids=["accumulation", "bf16-clip-ema"],
 )
-def test_training_steps_between_log_steps_never_sync_with_the_host(tmp_path, overrides, monkeypatch):
+def test_training_steps_between_log_steps_never_sync_with_the_host(tmp_path, overrides):
     # SGD: torch's Adam family reads its step counter with .item(); that counter lives on the CPU
-    # (no device sync on an accelerator), but the guard cannot tell the two apart here. Likewise
-    # the loss meter reads CPU losses as numbers: treat the CPU as an accelerator, as the guard does.
-    monkeypatch.setattr(_common, "HOST_READ_DEVICES", ())
+    # (no device sync on an accelerator), but the guard cannot tell the two apart here.
     overrides = {**overrides, "optim.type": "sgd", "optim.momentum": 0.9}
     with TinyRunner(tiny_config(tmp_path, **overrides)) as runner:
         batches = list(runner.dataloaders["train"])
