@@ -19,7 +19,6 @@ from torch import Tensor
 from danling.utils import RoundDict
 
 from .distributed import is_distributed, pack_group, unpack_group
-from .functional import _common
 from .meter_state import MetersState, MeterState, _stacked
 from .meter_sync import (
     SyncedValues,
@@ -121,8 +120,6 @@ class AverageMeter(MeterState):
 
     device: torch.device | str | None = None
     group: ProcessGroup | None = None
-    # The dtype of the 0-d CPU values waiting in `_pending` as the Python numbers they hold.
-    _number_dtype: torch.dtype = torch.float64
 
     def __init__(self, *, device: torch.device | str | None = None, group: ProcessGroup | None = None) -> None:
         self.group = group
@@ -139,7 +136,7 @@ class AverageMeter(MeterState):
         self._val: Number | Tensor = math.nan
         self._n: Number = 0
         self._total: Number | Tensor = 0.0  # the weighted sum, without the values still pending
-        self._pending: list[Tensor | Number] = []  # 0-d values of weight `_pending_n`, not yet added
+        self._pending: list[Tensor | float] = []  # 0-d values of weight `_pending_n`, not yet added
         self._pending_n: Number = 1
         self._count: Number = 0
         self._updated = False
@@ -166,12 +163,14 @@ class AverageMeter(MeterState):
             # its kind: what the branches below do for it (`is_cpu` first: a device comparison
             # builds two device objects).
             first = pending[0]
-            if type(first) is Tensor:  # an accelerator's values wait as tensors
-                same_kind = not value.is_cpu and value.dtype is first.dtype and value.device == first.device
-            else:  # a CPU value waits as the number it holds
-                same_kind = value.is_cpu and value.dtype is self._number_dtype
+            if type(first) is Tensor:
+                same_kind = value.dtype is first.dtype and (
+                    (value.is_cpu and first.is_cpu) or value.device == first.device
+                )
+            else:  # a float added by `update_float64`
+                same_kind = value.dtype is torch.float64 and value.is_cpu
             if same_kind and not value.ndim and not value.requires_grad:
-                pending.append(value if type(first) is Tensor else value.item())
+                pending.append(value)
                 if len(pending) >= PENDING_VALUES:
                     self._commit()
                 self._val, self._n = value, n
@@ -194,17 +193,11 @@ class AverageMeter(MeterState):
                 self._add_tensor(value, n)
             else:  # the per-step loss: queue it, no tensor op now
                 pending = self._pending
-                if pending and (n != self._pending_n or not self._joins(value.dtype, value.device, pending[0])):
+                if pending and (n != self._pending_n or not _joins(value, pending[0])):
                     self._commit()
                 if not pending:
                     self._pending_n = n
-                if value.device.type in _common.HOST_READ_DEVICES:
-                    # Reading it costs nothing (no device to wait for), and a number is cheaper to
-                    # keep than a tensor: 64 tensors held across steps cost a training step ~1%.
-                    self._number_dtype = value.dtype
-                    pending.append(value.item())
-                else:
-                    pending.append(value)
+                pending.append(value)
                 if len(pending) >= PENDING_VALUES:
                     self._commit()
         elif isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -218,27 +211,23 @@ class AverageMeter(MeterState):
         self._updated = True
 
     def update_float64(self, value: float, n: int = 1) -> None:
-        """`update(torch.tensor(value, dtype=torch.float64), n)`, without making the tensor; `val` is the float.
+        """`update(torch.tensor(value, dtype=torch.float64), n)`, without making the tensor.
 
+        The float waits among the pending 0-d values as that tensor would and is summed with them
+        by the same float64 reduction, so every reading is the same to the bit; `val` is the float.
         A metric counted on the host (accuracy of a CPU batch, say) is added this way.
         """
         pending = self._pending
-        if (
-            pending
-            and type(n) is int
-            and n == self._pending_n
-            and type(pending[0]) is not Tensor
-            and self._number_dtype is torch.float64
-        ):  # the per-batch case: one more number of the same weight (the meter holds 0-d values)
+        if pending and type(n) is int and n == self._pending_n and type(pending[0]) is float:
+            # The per-batch case: one more float of the same weight (the meter holds 0-d values).
             pending.append(value)
             if len(pending) >= PENDING_VALUES:
                 self._commit()
         elif type(n) is int and n > 0 and not self._shape_set():
-            if pending and (n != self._pending_n or not self._joins(torch.float64, "cpu", pending[0])):
+            if pending and (n != self._pending_n or not _joins_float64(pending[0])):
                 self._commit()
             if not pending:
                 self._pending_n = n
-            self._number_dtype = torch.float64
             pending.append(value)
             if len(pending) >= PENDING_VALUES:
                 self._commit()
@@ -248,44 +237,6 @@ class AverageMeter(MeterState):
         self._val, self._n = value, n
         self._count += n
         self._updated = True
-
-    def extend_numbers(self, numbers: list[float], last: Tensor) -> None:
-        """`update(t)` for a run of 0-d CPU tensors `t` of `last`'s dtype holding `numbers`, `last` the final one.
-
-        Each number is `t.item()`; `val` becomes `last`. A training loop on the CPU hands its
-        per-step losses over this way, as numbers read once per step rather than tensors kept.
-        """
-        if not numbers:
-            return
-        plain = type(last) is Tensor and not last.ndim and last.is_cpu
-        if not plain or self._shape_set():
-            for number in numbers[:-1]:  # the general path decides (and raises what it raises)
-                self.update(torch.tensor(number, dtype=getattr(last, "dtype", None)))
-            self.update(last)
-            return
-        dtype, pending = last.dtype, self._pending
-        if pending and (self._pending_n != 1 or not self._joins(dtype, "cpu", pending[0])):
-            self._commit()
-        if not pending:
-            self._pending_n = 1
-        self._number_dtype = dtype
-        start, size = 0, len(numbers)
-        while start < size:  # the groups are cut where updates one by one would cut them
-            room = PENDING_VALUES - len(pending)
-            pending.extend(numbers[start : start + room])
-            start += room
-            if len(pending) >= PENDING_VALUES:
-                self._commit()
-        self._val, self._n = (last.detach() if last.requires_grad else last), 1
-        self._count += size
-        self._updated = True
-
-    def _joins(self, dtype: torch.dtype, device: torch.device | str, first: Tensor | float) -> bool:
-        """Whether a 0-d value of `dtype` on `device` may wait in one group with the pending value `first`."""
-        device = torch.device(device)
-        if type(first) is not Tensor:  # a number: it stands for a 0-d CPU tensor of `_number_dtype`
-            return dtype is self._number_dtype and device.type == "cpu"
-        return dtype is first.dtype and device == first.device
 
     def _shape_set(self) -> bool:
         """Whether the meter holds values with dimensions (a 0-d value must then be refused)."""
@@ -333,10 +284,7 @@ class AverageMeter(MeterState):
         total, pending, n = self._total, self._pending, self._pending_n
         if not pending:
             return total
-        if len(pending) == 1 and type(pending[0]) is Tensor:
-            values = pending[0]
-        else:
-            values = _stacked(pending, self._number_dtype)
+        values = pending[0] if len(pending) == 1 and type(pending[0]) is Tensor else _stacked(pending)
         dtype = _accumulation_dtype(values)  # float64, as one add per value would accumulate
         group = values.sum(dtype=dtype) if n == 1 else (values.to(dtype) * n).sum()
         return torch.add(total, group) if isinstance(total, Tensor) else total + group
@@ -409,6 +357,18 @@ class AverageMeter(MeterState):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(unpack_group(state))
+
+
+def _joins(value: Tensor, first: Tensor | float) -> bool:
+    """Whether the 0-d tensor `value` may wait in one group with the pending value `first`."""
+    if type(first) is not Tensor:
+        return value.dtype is torch.float64 and value.device.type == "cpu"
+    return value.dtype is first.dtype and value.device == first.device
+
+
+def _joins_float64(first: Tensor | float) -> bool:
+    """Whether a float (a float64 CPU value) may wait in one group with the pending value `first`."""
+    return type(first) is not Tensor or (first.dtype is torch.float64 and first.is_cpu)
 
 
 class MetersBase(MetersState):

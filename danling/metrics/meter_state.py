@@ -18,11 +18,11 @@ from torch import Tensor
 __all__ = ["MeterState", "MetersState"]
 
 
-def _stacked(pending: list[Any], number_dtype: torch.dtype) -> Tensor:
-    """The pending values as one 1-d tensor; numbers stand for 0-d CPU tensors of `number_dtype`."""
+def _stacked(pending: list[Tensor | float]) -> Tensor:
+    """The pending values as one 1-d tensor; floats (from `update_float64`) stand for float64 CPU values."""
     if all(type(value) is Tensor for value in pending):
-        return torch.stack(pending)
-    return torch.tensor([value.item() if type(value) is Tensor else value for value in pending], dtype=number_dtype)
+        return torch.stack(pending)  # type: ignore[arg-type]
+    return torch.tensor([value if type(value) is float else value.item() for value in pending], dtype=torch.float64)
 
 
 _METER_KEYS = frozenset({"val", "n", "total", "pending", "pending_n", "count", "updated"})
@@ -42,7 +42,7 @@ class MeterState:
             "val": self._val,  # type: ignore[attr-defined]
             "n": self._n,  # type: ignore[attr-defined]
             "total": self._total,  # type: ignore[attr-defined]
-            "pending": _stacked(pending, self._number_dtype) if pending else None,  # type: ignore[attr-defined]
+            "pending": _stacked(pending) if pending else None,
             "pending_n": self._pending_n,  # type: ignore[attr-defined]
             "count": self._count,  # type: ignore[attr-defined]
             "updated": self._updated,  # type: ignore[attr-defined]
@@ -60,14 +60,8 @@ class MeterState:
         pending = state["pending"]
         self._val, self._n = state["val"], state["n"]
         self._total, self._pending_n = state["total"], state["pending_n"]
-        # One value per pending update, as the updates left them (restacking gives the same tensor):
-        # the numbers of CPU values, the 0-d tensors of an accelerator's.
-        if pending is None:
-            self._pending = []
-        elif pending.is_cpu:
-            self._pending, self._number_dtype = pending.tolist(), pending.dtype
-        else:
-            self._pending = list(pending.unbind(0))
+        # One 0-d tensor per pending value, as the updates left them (restacking gives the same tensor).
+        self._pending = [] if pending is None else list(pending.unbind(0))
         self._count, self._updated = state["count"], bool(state["updated"])
 
 

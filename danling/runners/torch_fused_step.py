@@ -25,7 +25,6 @@ from torch import Tensor
 
 from danling.checkpoint.failures import CheckpointSaveError
 from danling.data import split_batch
-from danling.metrics.functional import _common
 from danling.utils import to_device
 
 from .update import GradientAccumulator, OptimizerContainer, TorchUpdateStrategy
@@ -118,8 +117,7 @@ def fused_train_pass(runner: Any) -> FusedPass | None:
     on_cpu, non_blocking = device.type == "cpu", device.type == "cuda"
 
     def run(batches: Iterable, *pace: Any) -> tuple[int, bool]:
-        held, supervisor, count = _HeldLosses(runner.meters, device), runner.supervisor, 0
-        numbers = held.numbers
+        held, supervisor, count = _HeldLosses(runner.meters), runner.supervisor, 0
         paced = _Pacing(runner, held, *pace) if _is_paced(*pace) else None
         try:
             for data in batches:
@@ -160,16 +158,13 @@ def fused_train_pass(runner: Any) -> FusedPass | None:
                     counters["global_step"] += 1
                     if not runner._train_timeout_applied:
                         runner._apply_train_timeout()
-                # What the general loop does after `train_step`: hold the loss for the loss meter.
+                # What the general loop does after `train_step`.
                 loss = loss.detach()
+                held.losses.append(loss)
                 count += 1
-                if type(loss) is Tensor and loss.dtype is held.number_dtype and not loss.ndim:
-                    numbers.append(loss.item())  # a CPU loss: its number is cheaper to hold than the tensor
-                    held.last = loss
-                    if not count % _HELD_LOSSES:
-                        held.record()
-                else:
-                    held.hold(loss)
+                # A loss of another shape than () may be refused by the meter: that error belongs to this batch.
+                if not count % _HELD_LOSSES or loss.ndim:
+                    held.record()
                 if paced is not None:
                     if paced.stops(count):
                         return count, False
@@ -193,37 +188,13 @@ def _is_paced(
 
 
 class _HeldLosses:
-    """Losses held back from the loss meter, handed over (`record`) as the general loop's updates would be.
+    """Losses held back from the loss meter, handed over (`record`) as the general loop's updates would be."""
 
-    Where the meter reads 0-d values as numbers (the CPU, see `AverageMeter`), losses are held as
-    those numbers (`numbers`, of `number_dtype`) and the newest tensor (`last`), and handed over by
-    `AverageMeter.extend_numbers`; elsewhere (reading a number would wait for the device) as tensors.
-    """
-
-    def __init__(self, meters: Any, device: Any) -> None:
+    def __init__(self, meters: Any) -> None:
         self.meters, self.meter, self.losses = meters, None, []
-        self.numbers: list[float] = []
-        self.last: Tensor | None = None
-        self.on_host = device.type in _common.HOST_READ_DEVICES
-        self.number_dtype: Any = None  # no loss is held as a number before the first has reached the meter
-
-    def hold(self, loss: Any) -> None:
-        """Hold a loss that is not held as a number (the first of the pass, every loss off the host)."""
-        if self.numbers:
-            self.record()
-        losses = self.losses
-        losses.append(loss)
-        # A loss of another shape than () may be refused by the meter: that error belongs to this batch.
-        if len(losses) >= _HELD_LOSSES or self.meter is None or loss.ndim:
-            self.record()
-            plain = self.on_host and type(loss) is Tensor and not loss.ndim and loss.is_cpu
-            self.number_dtype = loss.dtype if plain else None
 
     def record(self) -> None:
-        numbers, losses = self.numbers, self.losses
-        if numbers:
-            self.meter.extend_numbers(numbers, self.last)
-            numbers.clear()
+        losses = self.losses
         if not losses:
             return
         start = 0

@@ -183,7 +183,6 @@ def test_reset_drops_the_queue():
 
 def test_updates_never_synchronise_even_when_the_queue_is_counted(monkeypatch):
     monkeypatch.setattr(_common, "HOST_BINCOUNT_DEVICES", ())
-    monkeypatch.setattr(_common, "HOST_READ_DEVICES", ())  # as on an accelerator: the meter keeps tensors
     metrics, meter = multiclass_metrics(5, ["acc", "f1"]), AverageMeter()
     binary = binary_metrics(["acc", "f1"])
     with ForbidHostSync():

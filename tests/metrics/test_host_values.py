@@ -1,12 +1,10 @@
-"""CPU values wait in meters as the Python numbers they hold, to the same bits as tensors would.
+"""Metric values counted on the host reach their meters as Python floats, to the same bits.
 
-A meter reads each 0-d CPU value once (`item`) and keeps the number rather than the tensor: 64
-tensors held across training steps cost a small model's step about 1% (collector and allocator),
-numbers almost nothing. `value_on_host(accuracy)` gives the per-batch accuracy of CPU labels as
-the float its 0-d float64 tensor would hold, which `AverageMeter.update_float64` adds without
-making the tensor; `extend_numbers` adds a run of per-step losses read as numbers. Every reading
-must equal, bit for bit, that of a meter keeping tensors (as on an accelerator, where reading a
-value would wait for the device), and of metrics the meters do not know (the tensor path).
+`value_on_host(accuracy)` gives the per-batch accuracy of CPU labels as the float the metric's
+0-d float64 tensor would hold; `AverageMeter.update_float64` adds such a float as that tensor
+would be added (same pending groups, same float64 reduction). `MetricMeter` and `StreamMetrics`
+use both for `accuracy`, so their values must equal, bit for bit, those of the same metric
+wrapped in a function the meters do not know (which takes the tensor path).
 """
 
 from __future__ import annotations
@@ -41,49 +39,40 @@ def assert_same_meter(fast: AverageMeter, slow: AverageMeter) -> None:
 
 
 @st.composite
-def updates(draw):
-    """(value, weight, how) triples: `how` adds the value as a float64 number, a run of numbers or a tensor."""
+def float_updates(draw):
+    """(value, weight, how) triples: `how` adds the value as a float or as a float64/float32 tensor."""
     size = draw(st.integers(1, 150))
-    values = draw(st.lists(st.floats(-1e3, 1e3, width=32) | st.just(math.nan), min_size=size, max_size=size))
+    values = draw(st.lists(st.floats(-1e3, 1e3, width=64) | st.just(math.nan), min_size=size, max_size=size))
     weights = draw(st.lists(st.sampled_from([32, 32, 32, 7, 1, 0]), min_size=size, max_size=size))
-    kinds = st.sampled_from(["number", "number", "run", "run", "float64", "float32", "bfloat16"])
+    kinds = st.sampled_from(["float", "float", "float", "float64", "float32"])
     hows = draw(st.lists(kinds, min_size=size, max_size=size))
     return list(zip(values, weights, hows))
 
 
 @settings(max_examples=60, deadline=None)
-@given(updates=updates(), cut=st.integers(0, 150))
-def test_numbers_give_the_bits_of_tensors(updates, cut):
-    fast, slow, run = AverageMeter(), AverageMeter(), []
-    with pytest.MonkeyPatch.context() as patch:
-        for index, (value, n, how) in enumerate(updates):
-            if how != "run" and run:  # a run of float32 losses ends: hand it over at once
-                fast.extend_numbers([number for number, _ in run], run[-1][1])
-                run.clear()
-            if index == cut:  # a checkpoint in the middle of a group: the copy continues the same groups
-                restored = AverageMeter()
-                restored.load_state_dict(fast.state_dict())
-                fast = restored
-            dtype = {"number": torch.float64, "float64": torch.float64, "bfloat16": torch.bfloat16}.get(how)
-            tensor = torch.tensor(value, dtype=dtype or torch.float32)
-            patch.setattr(_common, "HOST_READ_DEVICES", ())  # the reference keeps tensors
-            slow.update(tensor, 1 if how == "run" else n)
-            patch.setattr(_common, "HOST_READ_DEVICES", ("cpu",))
-            if how == "run":
-                run.append((tensor.item(), tensor))
-            elif how == "number":
-                fast.update_float64(value, n)
-            else:
-                fast.update(tensor, n)
-        if run:
-            fast.extend_numbers([number for number, _ in run], run[-1][1])
-    assert not any(isinstance(value, torch.Tensor) for value in fast._pending)  # numbers, never tensors
+@given(updates=float_updates(), cut=st.integers(0, 150))
+def test_float_updates_equal_float64_tensor_updates_to_the_bit(updates, cut):
+    fast, slow = AverageMeter(), AverageMeter()
+    for index, (value, n, how) in enumerate(updates):
+        if index == cut:  # a checkpoint in the middle of a group: the copy continues the same groups
+            restored = AverageMeter()
+            restored.load_state_dict(fast.state_dict())
+            fast = restored
+        if how == "float32":
+            tensor = torch.tensor(value, dtype=torch.float32)
+            fast.update(tensor, n)
+            slow.update(tensor, n)
+            continue
+        tensor = torch.tensor(value, dtype=torch.float64)
+        if how == "float":
+            fast.update_float64(value, n)
+        else:
+            fast.update(tensor, n)
+        slow.update(tensor, n)
+        assert same(fast.val, slow.val)
     assert_same_meter(fast, slow)
     assert_same_meter(pickle.loads(pickle.dumps(fast)), slow)
     assert_same_meter(copy.deepcopy(fast), slow)
-    tensors = AverageMeter()  # a state written with tensors continues with numbers, and back
-    tensors.load_state_dict(slow.state_dict())
-    assert_same_meter(tensors, fast)
 
 
 def test_float_updates_are_refused_where_a_0d_tensor_is():
@@ -97,13 +86,6 @@ def test_float_updates_are_refused_where_a_0d_tensor_is():
     weighted.update_float64(0.5, 2.5)  # a non-int weight takes the general path
     weighted.update_float64(0.25, 32)
     assert weighted.count == 34.5 and weighted.sum == pytest.approx(0.5 * 2.5 + 0.25 * 32)
-    with pytest.raises(ValueError, match=r"shape \(\).*\(2,\)"):
-        shaped.extend_numbers([0.5, 0.25], torch.tensor(0.25))
-    losses = AverageMeter()
-    losses.extend_numbers([], torch.tensor(1.0))  # nothing to add
-    assert losses.count == 0
-    losses.extend_numbers([1.0, 3.0], torch.tensor(3.0, requires_grad=True))
-    assert losses.val == 3.0 and losses.avg == 2.0 and not losses._val.requires_grad
 
 
 # ---------------------------------------------------------------- the accuracy's host value
