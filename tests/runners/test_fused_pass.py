@@ -40,7 +40,7 @@ def _run(cls, root, overrides):
             "loop": runner.loop_state.state_dict(),
             "accumulator": runner.accumulator.state_dict(),
             "results": runner.results.dict(),
-            "meter": (runner.meters["loss"]._sum, runner.meters["loss"].count),
+            "meter": (runner.meters["loss"].sum, runner.meters["loss"].count),  # a Python float: its repr is exact
             "metrics": runner.train_metrics.state_dict(),
         }
 
