@@ -91,7 +91,9 @@ class BackgroundWriter:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
                 self._thread.start()
-            if queued is None:
+            # Only a first pending path can move the helper's wake-up earlier: every later one is due
+            # no sooner (same linger), and a busy helper looks at the queue again when it is done.
+            if queued is None and len(self._pending) == 1:
                 self._condition.notify_all()
 
     def flush(self, timeout: float | None = None) -> None:

@@ -122,3 +122,25 @@ def test_linger_bounds_how_long_a_file_lags(tmp_path, monkeypatch):
 def test_linger_must_not_be_negative():
     with pytest.raises(ValueError, match="linger must be a non-negative number of seconds, got -1"):
         BackgroundWriter(linger=-1)
+
+
+def test_paths_submitted_while_others_linger_are_written_by_the_helper(tmp_path, monkeypatch):
+    # Only the first pending path wakes the helper (the others are due no sooner); each of them
+    # must still be written in time, by the helper, without a flush.
+    import danling.utils.writer as writer_module
+
+    calls, everything = [], threading.Event()
+
+    def recording(obj, path, **kwargs):
+        save(obj, path, **kwargs)
+        calls.append((os.path.basename(path), threading.current_thread().name))
+        if len(calls) == 3:
+            everything.set()
+
+    monkeypatch.setattr(writer_module, "save", recording)
+    writer = BackgroundWriter(name="batched", linger=0.05)
+    for name in ("a.json", "b.json", "c.json"):
+        writer.submit([name], tmp_path / name)
+    assert everything.wait(30), f"the helper wrote only {calls}"
+    assert sorted(calls) == [("a.json", "batched"), ("b.json", "batched"), ("c.json", "batched")]
+    writer.close()
