@@ -193,13 +193,7 @@ class AverageMeter(MeterState):
                 self._add_tensor(value, n)
             else:  # the per-step loss: queue it, no tensor op now
                 pending = self._pending
-                if pending and (n != self._pending_n or not _joins(value, pending[0])):
-                    self._commit()
-                if not pending:
-                    self._pending_n = n
-                pending.append(value)
-                if len(pending) >= PENDING_VALUES:
-                    self._commit()
+                self._queue(value, n, not pending or _joins(value, pending[0]))
         elif isinstance(value, (int, float)) and not isinstance(value, bool):
             if n:
                 self._commit()
@@ -218,25 +212,26 @@ class AverageMeter(MeterState):
         A metric counted on the host (accuracy of a CPU batch, say) is added this way.
         """
         pending = self._pending
-        if pending and type(n) is int and n == self._pending_n and type(pending[0]) is float:
-            # The per-batch case: one more float of the same weight (the meter holds 0-d values).
-            pending.append(value)
-            if len(pending) >= PENDING_VALUES:
-                self._commit()
-        elif type(n) is int and n > 0 and not self._shape_set():
-            if pending and (n != self._pending_n or not _joins_float64(pending[0])):
-                self._commit()
-            if not pending:
-                self._pending_n = n
-            pending.append(value)
-            if len(pending) >= PENDING_VALUES:
-                self._commit()
+        # Values wait only in a meter of 0-d values: with some pending, the shape needs no check.
+        if type(n) is int and n > 0 and (pending or not self._shape_set()):
+            self._queue(value, n, not pending or _joins_float64(pending[0]))
         else:  # a weightless value, an odd weight or a meter of shaped values: the general path decides
             self.update(torch.scalar_tensor(value, dtype=torch.float64), n)
             return
         self._val, self._n = value, n
         self._count += n
         self._updated = True
+
+    def _queue(self, value: Tensor | float, n: Number, joins: bool) -> None:
+        """Add a 0-d value of weight `n` to the pending group; the group is summed first unless `value` `joins` it."""
+        pending = self._pending
+        if pending and (n != self._pending_n or not joins):
+            self._commit()
+        if not pending:
+            self._pending_n = n
+        pending.append(value)
+        if len(pending) >= PENDING_VALUES:
+            self._commit()
 
     def _shape_set(self) -> bool:
         """Whether the meter holds values with dimensions (a 0-d value must then be refused)."""
