@@ -19,7 +19,7 @@ from torch import Tensor
 from danling.utils import RoundDict
 
 from .distributed import is_distributed, pack_group, unpack_group
-from .meter_state import MetersState, MeterState, _stacked
+from .meter_state import MetersState, MeterState, _joins, _joins_float64, _stacked
 from .meter_sync import (
     SyncedValues,
     _accumulation_dtype,
@@ -352,18 +352,6 @@ class AverageMeter(MeterState):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(unpack_group(state))
-
-
-def _joins(value: Tensor, first: Tensor | float) -> bool:
-    """Whether the 0-d tensor `value` may wait in one group with the pending value `first`."""
-    if type(first) is not Tensor:
-        return value.dtype is torch.float64 and value.device.type == "cpu"
-    return value.dtype is first.dtype and value.device == first.device
-
-
-def _joins_float64(first: Tensor | float) -> bool:
-    """Whether a float (a float64 CPU value) may wait in one group with the pending value `first`."""
-    return type(first) is not Tensor or (first.dtype is torch.float64 and first.is_cpu)
 
 
 class MetersBase(MetersState):

@@ -25,6 +25,18 @@ def _stacked(pending: list[Tensor | float]) -> Tensor:
     return torch.tensor([value if type(value) is float else value.item() for value in pending], dtype=torch.float64)
 
 
+def _joins(value: Tensor, first: Tensor | float) -> bool:
+    """Whether the 0-d tensor `value` may wait in one group with the pending value `first`."""
+    if type(first) is not Tensor:
+        return value.dtype is torch.float64 and value.device.type == "cpu"
+    return value.dtype is first.dtype and value.device == first.device
+
+
+def _joins_float64(first: Tensor | float) -> bool:
+    """Whether a float (a float64 CPU value) may wait in one group with the pending value `first`."""
+    return type(first) is not Tensor or (first.dtype is torch.float64 and first.is_cpu)
+
+
 _METER_KEYS = frozenset({"val", "n", "total", "pending", "pending_n", "count", "updated"})
 
 
