@@ -114,7 +114,14 @@ def test_the_host_value_of_accuracy_is_the_float_its_tensor_holds(rows, classes,
     on_host = value_on_host(accuracy)
     expected = accuracy(scores, labels)
     assert expected.dtype == torch.float64
-    assert same(on_host(scores, labels), expected.item())  # every size: list compare and host read
+    assert same(on_host.one(scores, labels), expected.item())  # every size: list compare and host read
+    kind = on_host.kind(scores, labels)
+    assert (kind is not None) == (rows <= 64)  # small batches may be counted together
+    if kind is not None:  # alone, and among others of the same kind
+        assert same(on_host.many([scores], [labels], kind)[0], expected.item())
+        others = labels_and_scores(7, classes, seed + 1, None)
+        values = on_host.many([others[0].to(scores.dtype), scores], [others[1], labels], kind)
+        assert same(values[1], expected.item()) and same(values[0], accuracy(*others).item())
 
 
 def test_only_the_plain_per_batch_case_is_counted_on_the_host(monkeypatch):
@@ -128,9 +135,11 @@ def test_only_the_plain_per_batch_case_is_counted_on_the_host(monkeypatch):
         (scores[:, :1], labels * 0),  # one class
         (scores.half(), labels),  # half-precision scores
     ]:
-        assert on_host(input, target) is None
+        assert on_host.one(input, target) is None and on_host.kind(input, target) is None
+    wide = labels_and_scores(8, 600, 0, None)  # 4800 scores: too many to keep
+    assert on_host.one(*wide) is not None and on_host.kind(*wide) is None
     monkeypatch.setattr(_common, "HOST_READ_DEVICES", ())  # an accelerator: the value stays on the device
-    assert on_host(scores, labels) is None
+    assert on_host.one(scores, labels) is None and on_host.kind(scores, labels) is None
     assert value_on_host(tensor_path) is None
 
     class ByValue:  # unhashable: compares by value
@@ -182,3 +191,82 @@ def test_reassigning_the_metric_changes_the_path():
     assert isinstance(meter._val, torch.Tensor)
     with pytest.raises(TypeError, match="metric must be callable"):
         meter.metric = 3
+
+
+# ---------------------------------------------------------------- kept batches
+
+
+class Reference:
+    """Meters that count every batch at once: the values kept batches must give."""
+
+    def __init__(self) -> None:
+        self.fast, self.slow = MetricMeter(accuracy), MetricMeter(tensor_path)
+
+    def update(self, scores, labels, n=None) -> None:
+        self.fast.update(scores, labels, n=n)
+        self.slow.update(scores, labels, n=n)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    steps=st.lists(
+        st.tuples(st.sampled_from([32, 32, 17, 1, 65]), st.sampled_from([5, 5, 5, 3]), st.sampled_from([None, 4])),
+        min_size=1,
+        max_size=150,
+    ),
+    reads=st.sets(st.integers(0, 150), max_size=10),
+    seed=st.integers(0, 2**16),
+)
+def test_kept_batches_read_anywhere_give_the_values_of_counting_each_batch(steps, reads, seed):
+    reference = Reference()
+    meter = reference.fast
+    held = StreamMetrics(acc=accuracy)
+    acc = held["acc"]  # a reference taken before the updates sees them
+    for index, (rows, classes, n) in enumerate(steps):
+        scores, labels = labels_and_scores(rows, classes, seed + index, -1 if index % 29 == 3 else None)
+        reference.update(scores, labels, n)
+        held.update(scores, labels, n=n)
+        if index in reads:  # a read in the middle counts what is kept, and changes nothing after it
+            assert same(meter.val, reference.slow.val) and same(acc.avg, reference.slow.avg)
+    assert type(meter).__name__ == "_HostMetricMeter" and repr(meter) == "MetricMeter(accuracy)"
+    assert_same_meter(meter, reference.slow)
+    assert_same_meter(acc, reference.slow)
+
+
+def test_kept_batches_survive_copies_and_are_dropped_by_reset_and_loads():
+    meter, reference = MetricMeter(accuracy), MetricMeter(tensor_path)
+    for seed in range(10):
+        batch = labels_and_scores(32, 4, seed, None)
+        meter.update(*batch)
+        reference.update(*batch)
+    assert len(meter.__dict__["_deferred"]) == 10  # kept, not counted yet
+    assert_same_meter(pickle.loads(pickle.dumps(meter)), reference)
+    assert_same_meter(copy.deepcopy(meter), reference)
+    state = reference.state_dict()
+    meter.update(*labels_and_scores(32, 4, 99, None))
+    meter.load_state_dict(state)  # the state replaces everything, the kept batch included
+    assert_same_meter(meter, reference)
+    meter.update(*labels_and_scores(32, 4, 98, None))
+    meter.reset()
+    assert meter.count == 0 and math.isnan(meter.avg)
+    meter.update(*labels_and_scores(32, 4, 97, None))
+    meter.metric = tensor_path  # the kept batch is counted with the metric it was given to
+    assert type(meter) is MetricMeter and meter.count == 32 and type(meter._val) is float
+    meter.metric = accuracy
+    assert type(meter).__name__ == "_HostMetricMeter" and meter.count == 32
+
+
+def test_a_meter_of_shaped_values_refuses_a_batch_at_its_update():
+    meter = MetricMeter(accuracy)
+    AverageMeter.update(meter, torch.tensor([1.0, 2.0]))
+    with pytest.raises(ValueError, match=r"shape \(\).*\(2,\)"):
+        meter.update(*labels_and_scores(32, 4, 0, None))
+
+
+def test_subclasses_of_metric_meter_keep_their_class_and_count_each_batch():
+    class Mine(MetricMeter):
+        pass
+
+    meter = Mine(accuracy)
+    meter.update(*labels_and_scores(32, 4, 0, None))
+    assert type(meter) is Mine and "_deferred" not in meter.__dict__ and type(meter._val) is float

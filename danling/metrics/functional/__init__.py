@@ -26,7 +26,7 @@ Examples:
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -50,6 +50,7 @@ from .binary import (
 from .multiclass import (
     _top1_accuracy_all_counted,
     _top1_value_on_host,
+    _top1_values_on_host,
     multiclass_accuracy,
     multiclass_auprc,
     multiclass_auroc,
@@ -211,15 +212,46 @@ def _accuracy_on_host(input: Any, target: Any) -> float | None:
     return None
 
 
+def _accuracy_kind(input: Any, target: Any) -> Any:
+    """What batches of `accuracy` may be counted together with this one (their number of classes and
+    score dtype), or `None` when it is no small CPU batch: up to `HOST_COUNT_SIZE` labels and 4096 scores."""
+    classes = _top1_classes(input, target)
+    if classes and target.is_cpu and input.is_cpu and "cpu" in _common.HOST_READ_DEVICES:
+        rows = target.shape[0]
+        if rows <= _common.HOST_COUNT_SIZE and rows * classes <= _SCORES_PER_BATCH:
+            return classes, input.dtype
+    return None
+
+
+def _accuracies_on_host(inputs: list[Tensor], targets: list[Tensor], kind: Any) -> list[float]:
+    """`_accuracy_on_host` of each batch of one kind (see `_accuracy_kind`), counted together."""
+    return _top1_values_on_host(inputs, targets, kind[0])
+
+
+class HostValue(NamedTuple):
+    """How a metric function called without options is counted on the host (see `value_on_host`).
+
+    Attributes:
+        one: `(input, target)` -> the metric's value as the Python float its 0-d float64 result
+            holds, or `None` where it is not counted on the host.
+        kind: `(input, target)` -> what batches may be counted together with this one, or `None`.
+        many: `(inputs, targets, kind)` -> the values of several batches of one kind, in order.
+    """
+
+    one: Callable[[Any, Any], float | None]
+    kind: Callable[[Any, Any], Any]
+    many: Callable[[list[Tensor], list[Tensor], Any], list[float]]
+
+
+_SCORES_PER_BATCH = 4096  # kept batches hold at most 64 x 4096 scores (2 MiB of float64)
 # Metric functions whose value a running mean may read as a Python float (see `value_on_host`).
-_ON_HOST: dict[Callable, Callable[[Any, Any], float | None]] = {accuracy: _accuracy_on_host}
+_ON_HOST: dict[Callable, HostValue] = {accuracy: HostValue(_accuracy_on_host, _accuracy_kind, _accuracies_on_host)}
 
 
-def value_on_host(metric: Callable) -> Callable[[Any, Any], float | None] | None:
-    """For a metric function called without options, a function giving its value as a Python float
-    where that value is counted on the host (`None` where it is not), or `None` for other metrics.
+def value_on_host(metric: Callable) -> HostValue | None:
+    """How `metric`, called without options, is counted on the host, or `None` for other metrics.
 
-    [`MetricMeter`][danling.metrics.MetricMeter] adds such floats as it would add the 0-d float64
+    [`MetricMeter`][danling.metrics.MetricMeter] adds such values as it would add the 0-d float64
     tensor the metric returns, so the running values are the same to the bit.
     """
     if type(metric).__hash__ is None:  # a callable object comparing by value: never one of ours

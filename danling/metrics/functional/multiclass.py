@@ -221,16 +221,34 @@ def _top1_value_on_host(pred: Tensor, target: Tensor, num_classes: int) -> float
     """
     size = target.shape[0]
     if size <= _common.HOST_COUNT_SIZE:  # a few labels: compare them in Python rather than in three tensor ops
-        labels = target.tolist()
-        if min(labels) < 0 or max(labels) >= num_classes:
-            return math.nan
-        hits = sum(map(operator.eq, pred.tolist(), labels))
+        return _listed_accuracy(pred.tolist(), target.tolist(), num_classes)
     else:
         low, high = torch.aminmax(target)
         if low.item() < 0 or high.item() >= num_classes:
             return math.nan
         hits = torch.eq(pred, target).count_nonzero().item()
     return hits / size
+
+
+def _listed_accuracy(pred: list[int], labels: list[int], num_classes: int) -> float:
+    """Hits over the number of labels of one batch given as lists, or `nan` if a label is not a class."""
+    if min(labels) < 0 or max(labels) >= num_classes:
+        return math.nan
+    return sum(map(operator.eq, pred, labels)) / len(labels)
+
+
+def _top1_values_on_host(inputs: list[Tensor], targets: list[Tensor], num_classes: int) -> list[float]:
+    """`_top1_value_on_host` of each of several small CPU batches of `num_classes` scores, with one
+    `argmax` and one read per side for all of them (row-wise, so each batch's predictions are its own)."""
+    scores = inputs[0] if len(inputs) == 1 else torch.cat(inputs)
+    pred = scores.argmax(-1).tolist()
+    labels = (targets[0] if len(targets) == 1 else torch.cat(targets)).tolist()
+    values, start = [], 0
+    for target in targets:
+        stop = start + target.shape[0]
+        values.append(_listed_accuracy(pred[start:stop], labels[start:stop], num_classes))
+        start = stop
+    return values
 
 
 def multiclass_balanced_accuracy(
