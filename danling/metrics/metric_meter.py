@@ -37,7 +37,9 @@ class MetricMeter(AverageMeter):
     `metric` is either a plain function of `(input, target)` (it receives the preprocessed
     tensors) or a [`MetricFunc`][danling.metrics.MetricFunc], which receives a
     [`MetricState`][danling.metrics.MetricState] built from the batch. Tensor results with
-    dimensions (per-class values, say) are averaged element-wise.
+    dimensions (per-class values, say) are averaged element-wise. A meter of the functional
+    `accuracy` keeps small CPU batches and counts up to 64 of them at once (one `argmax` for all);
+    any read counts the kept ones first, so the values are those of counting each batch at once.
 
     Attributes:
         metric: The metric evaluated on each batch.
