@@ -189,6 +189,8 @@ class _HostMetricMeter(MetricMeter):
                 super().update_preprocessed(input, target, n=n, states=states)
                 return
             state["_deferred_kind"] = kind
+            if input.requires_grad:  # keep the scores, never the graph behind them
+                input = input.detach()
             deferred.append((input, target, target.shape[0] if n is None else n))
             if len(deferred) >= DEFERRED_BATCHES:
                 self._settle()
@@ -200,9 +202,9 @@ class _HostMetricMeter(MetricMeter):
         batches = state["_deferred"]
         if not batches:
             return
-        state["_deferred"] = []  # first: the updates below read the state through the properties
         inputs, targets = [batch[0] for batch in batches], [batch[1] for batch in batches]
         values = self._on_host.many(inputs, targets, state["_deferred_kind"])  # type: ignore[union-attr]
+        state["_deferred"] = []  # before the updates below, which read the state through the properties
         for (_, _, n), value in zip(batches, values):
             self.update_float64(value, n)
 

@@ -270,3 +270,17 @@ def test_subclasses_of_metric_meter_keep_their_class_and_count_each_batch():
     meter = Mine(accuracy)
     meter.update(*labels_and_scores(32, 4, 0, None))
     assert type(meter) is Mine and "_deferred" not in meter.__dict__ and type(meter._val) is float
+
+
+def test_kept_batches_hold_no_graph_and_count_after_inference_mode():
+    meter, reference = MetricMeter(accuracy), MetricMeter(tensor_path)
+    scores, labels = labels_and_scores(32, 4, 0, None)
+    leaf = scores.clone().requires_grad_()
+    meter.update(leaf * 2, labels)  # MetricMeter has no preprocessing: the scores arrive with their graph
+    reference.update(scores * 2, labels)
+    assert not meter.__dict__["_deferred"][0][0].requires_grad
+    with torch.inference_mode():  # an evaluation pass keeps inference tensors, counted outside it
+        batch = labels_and_scores(32, 4, 1, None)
+        meter.update(*batch)
+        reference.update(*batch)
+    assert_same_meter(meter, reference)
