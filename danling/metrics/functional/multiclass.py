@@ -222,12 +222,10 @@ def _top1_value_on_host(pred: Tensor, target: Tensor, num_classes: int) -> float
     size = target.shape[0]
     if size <= _common.HOST_COUNT_SIZE:  # a few labels: compare them in Python rather than in three tensor ops
         return _listed_accuracy(pred.tolist(), target.tolist(), num_classes)
-    else:
-        low, high = torch.aminmax(target)
-        if low.item() < 0 or high.item() >= num_classes:
-            return math.nan
-        hits = torch.eq(pred, target).count_nonzero().item()
-    return hits / size
+    low, high = torch.aminmax(target)
+    if low.item() < 0 or high.item() >= num_classes:
+        return math.nan
+    return torch.eq(pred, target).count_nonzero().item() / size
 
 
 def _listed_accuracy(pred: list[int], labels: list[int], num_classes: int) -> float:
