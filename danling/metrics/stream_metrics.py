@@ -109,12 +109,7 @@ class StreamMetrics(AverageMeters):
         states: dict[MetricTask, MetricState] | None = None  # made for the first MetricFunc
         for meter in self._meters.values():
             if type(meter) is MetricMeter:  # what `update_preprocessed` does, one call deep
-                on_host = meter._on_host
-                if on_host is not None:
-                    number = on_host(input, target)
-                    if number is not None:
-                        meter.update_float64(number, n)
-                        continue
+                # (a metric counted on the host makes the meter a `_HostMetricMeter`: never this branch)
                 metric = meter._metric
                 if not isinstance(metric, MetricFunc):
                     AverageMeter.update(meter, metric(input, target), n)
