@@ -29,6 +29,18 @@ class HookedRunner(MeasuredRunner):
         super().step()
 
 
+def wrapping_criterion(cls, wrap):
+    """`cls` whose criterion is `wrap(runner, criterion)`; `runner.calls` starts at 0 for it to count."""
+
+    class Wrapped(cls):
+        def __init__(self, config):
+            super().__init__(config)
+            self.calls = 0
+            self.criterion = wrap(self, self.criterion)
+
+    return Wrapped
+
+
 def _run(cls, root, overrides):
     with cls(tiny_config(root, **{"deterministic": True, "epochs": 3, **overrides})) as runner:
         runner.train()
@@ -80,26 +92,19 @@ def test_the_fused_pass_gives_exactly_what_the_hooks_give(tmp_path, overrides):
 def test_a_stop_requested_in_a_fused_pass_stops_where_the_hooks_stop(tmp_path):
     """A stop asked for during batch 3 of epoch 1 (here by the criterion) ends the pass after that batch."""
 
-    def stopping(cls):
-        class Stopping(cls):
-            def __init__(self, config):
-                super().__init__(config)
-                criterion, self.calls = self.criterion, 0
+    def watched(runner, criterion):
+        def criterion_asking_a_stop(pred, target):
+            runner.calls += runner.model.training  # training batches only
+            if runner.calls == 10 and runner.model.training:
+                runner.supervisor.request_stop()
+            return criterion(pred, target)
 
-                def watched(pred, target):
-                    self.calls += self.model.training  # training batches only
-                    if self.calls == 10 and self.model.training:
-                        self.supervisor.request_stop()
-                    return criterion(pred, target)
-
-                self.criterion = watched
-
-        return Stopping
+        return criterion_asking_a_stop
 
     seen = {}
     for name, cls in (("fused", MeasuredRunner), ("hooks", HookedRunner)):
         config = tiny_config(tmp_path / name, deterministic=True, log_interval=0)  # the stop flag alone is read
-        with pytest.raises(SystemExit), stopping(cls)(config) as runner:
+        with pytest.raises(SystemExit), wrapping_criterion(cls, watched)(config) as runner:
             runner.train()
         seen[name] = (runner.fused_step, runner.train_state.state_dict(), runner.loop_state.state_dict())
         seen[name] += (repr(runner.meters["loss"]._sum), model_state(runner))
@@ -165,25 +170,18 @@ def test_an_overridden_hook_or_a_step_subscriber_keeps_the_hooks(tmp_path):
 def test_a_loss_the_meter_refuses_fails_at_its_own_batch(tmp_path):
     """A (1,)-shaped loss after ()-shaped ones is refused by the loss meter at that batch on both paths."""
 
-    def reshaping(cls):
-        class Reshaping(cls):
-            def __init__(self, config):
-                super().__init__(config)
-                criterion, self.calls = self.criterion, 0
+    def reshaping(runner, criterion):
+        def criterion_reshaping_its_third_loss(pred, target):
+            runner.calls += 1
+            loss = criterion(pred, target)
+            return loss.reshape(1) if runner.calls == 3 else loss
 
-                def reshaped(pred, target):
-                    self.calls += 1
-                    loss = criterion(pred, target)
-                    return loss.reshape(1) if self.calls == 3 else loss
-
-                self.criterion = reshaped
-
-        return Reshaping
+        return criterion_reshaping_its_third_loss
 
     seen = {}
     for name, cls in (("fused", MeasuredRunner), ("hooks", HookedRunner)):
         config = tiny_config(tmp_path / name, log_interval=0)  # no step logs: nothing reads the meter sooner
-        with pytest.raises(ValueError, match="shape"), reshaping(cls)(config) as runner:
+        with pytest.raises(ValueError, match="shape"), wrapping_criterion(cls, reshaping)(config) as runner:
             runner.train()
         seen[name] = (runner.fused_step, runner.train_state.state_dict())
     assert seen["fused"][0] and not seen["hooks"][0]
