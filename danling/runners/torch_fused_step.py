@@ -144,6 +144,9 @@ def fused_train_pass(runner: Any) -> FusedPass | None:
                     if metrics is not None:  # what `_update_metrics` hands over (the flag read without `getattr`)
                         grad = pred.requires_grad if type(pred) is Tensor else getattr(pred, "requires_grad", False)
                         metrics.update(pred.detach() if grad else pred, target)
+                # The output is not needed past here: dropping it lets a criterion that saves only its own
+                # result (log_softmax, as in cross-entropy) free the logits before the backward pass.
+                pred = None
                 loss.backward()
                 counters["micro_step"] += 1
                 accumulator.position += 1  # one micro-step per window: every micro-step closes its window

@@ -44,6 +44,9 @@ class StepHooks:
     # Whether the training pass under way (or the last one) runs a backend's fused equivalent of the
     # default step instead of the hooks (see `danling.runners.torch_fused_step`).
     fused_step: bool = False
+    # Whether the hooked training pass under way discards what `train_step` returns as its output (no
+    # subscriber watches the steps); the default torch step then lets the output go before backward.
+    _step_output_unused: bool = False
     _active_metrics: Any = None  # the metric container of the pass under way (None outside a pass)
     # Running meters and train metrics of the pass a mid-pass checkpoint interrupted, until that pass reopens.
     _restored_pass_meters: Mapping[str, Any] | None = None

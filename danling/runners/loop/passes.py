@@ -134,6 +134,17 @@ class PassMixin(StepHooks):
 
         Returns the number of batches run and whether the loader ran out (rather than a stop or the budget).
         """
+        # Nothing reads a training step's output unless a subscriber watches the steps: the default step
+        # may then let it go before its backward pass (see `TorchBatchMixin.train_step`).
+        self._step_output_unused = training and not observed
+        try:
+            return self._run_hooked_batches(batches_in, pace, training, observed, skipped)
+        finally:
+            self._step_output_unused = False
+
+    def _run_hooked_batches(
+        self, batches_in: Iterable, pace: tuple, training: bool, observed: bool, skipped: Any
+    ) -> tuple[int, bool]:
         split, length, interval, track_progress, budget, stop_poll, agree = pace
         # Looked up once per pass rather than once per batch; none of them is rebound by a step.
         meters, supervisor, update = self.meters, self.supervisor, self.update
