@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint docs bench bench-quick clean base-install
+.PHONY: demo test lint docs bench bench-quick clean base-install gpu-wheels gpu-check
 
 $(STAMP): pyproject.toml requirements/ci.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -69,3 +69,26 @@ bench-quick: $(BENCH_STAMP)
 
 clean:
 	rm -rf site build *.egg-info
+
+# The GPU device check (docs/gpu.md). `make gpu-wheels`, on a machine with a package index, fetches
+# the pure-Python packages danling needs that the GPU image lacks, at the versions .venv holds, into
+# $(GPU_WHEELS) (git-ignored). `make gpu-check`, on the GPU machine (no network), installs them and
+# danling (without dependencies) into $(GPU_SITE) for the image's own Python, then runs every check.
+GPU_WHEELS ?= .gpu-wheels
+GPU_PY ?= python3
+GPU_SITE ?= /tmp/danling-gpu-site
+GPU_OUT ?= gpu-check-out
+GPU_PLATFORMS := --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 --platform any
+
+gpu-wheels: $(STAMP)
+	rm -rf $(GPU_WHEELS) && mkdir -p $(GPU_WHEELS)
+	$(PY) -m pip download --quiet --no-deps --only-binary=:all: $(GPU_PLATFORMS) -d $(GPU_WHEELS) \
+		$$($(PY) -m pip freeze | grep -iE '^(chanfig|torchdata|lazy[-_]imports)==')
+	ls $(GPU_WHEELS)
+
+gpu-check:
+	@test -n "$$(ls $(GPU_WHEELS)/*.whl 2>/dev/null)" || { echo "no wheels in $(GPU_WHEELS): run 'make gpu-wheels' where pip reaches an index"; exit 1; }
+	$(GPU_PY) -m pip install --quiet --no-index --no-deps --no-compile --no-cache-dir --upgrade --target $(GPU_SITE) $(GPU_WHEELS)/*.whl
+	$(GPU_PY) -m pip install --quiet --no-index --no-deps --no-build-isolation --no-compile --no-cache-dir --upgrade --target $(GPU_SITE) .
+	cd /tmp && PYTHONPATH=$(GPU_SITE) $(GPU_PY) -c "import danling, chanfig, torchdata; print('danling', danling.__version__, 'from', danling.__file__)"
+	PYTHONPATH=$(GPU_SITE) PYTHONUNBUFFERED=1 $(GPU_PY) benchmarks/gpu_check.py --out $(GPU_OUT) $(GPU_ARGS)
