@@ -146,7 +146,7 @@ class MetricMeter(AverageMeter):
         """Add the batches kept for later (only `_HostMetricMeter` keeps any)."""
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}({metric_name(self.metric)})"
+        return f"{type(self).__name__}({_shown_name(self.metric)})"
 
 
 # Small CPU batches a `_HostMetricMeter` keeps before it counts them together.
@@ -217,7 +217,7 @@ class _HostMetricMeter(MetricMeter):
         return super().__getstate__()
 
     def __repr__(self) -> str:
-        return f"MetricMeter({metric_name(self.metric)})"
+        return f"MetricMeter({_shown_name(self.metric)})"
 
 
 def _settling(name: str) -> property:
@@ -265,9 +265,21 @@ def batch_size(target: Any) -> int:
         return 1
 
 
-def metric_name(metric: Callable) -> str:
-    """Name a metric is reported under: `MetricFunc.name`, else the function's `__name__`."""
+def metric_name(metric: Callable, default: str | None = None) -> str:
+    """Name a metric is reported under: `MetricFunc.name`, else the function's `__name__`.
+
+    A metric without a usable name (a lambda, a callable object) gets `default`; without one
+    that is an error.
+    """
     name = getattr(metric, "name", None) or getattr(metric, "__name__", None)
-    if not isinstance(name, str) or name == "<lambda>":
-        raise ValueError(f"cannot name metric {metric!r}; pass it as a keyword argument, e.g. acc=...")
-    return name
+    if isinstance(name, str) and name != "<lambda>":
+        return name
+    if default is not None:
+        return default
+    raise ValueError(f"cannot name metric {metric!r}; pass it as a keyword argument, e.g. acc=...")
+
+
+def _shown_name(metric: Callable) -> str:
+    """How a meter's repr shows its metric: its name, `<lambda>`, or the callable's type."""
+    anonymous = "<lambda>" if getattr(metric, "__name__", None) == "<lambda>" else type(metric).__name__
+    return metric_name(metric, default=anonymous)

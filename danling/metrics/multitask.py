@@ -13,7 +13,7 @@ from danling.utils import RoundDict
 from .distributed import pack_group, unpack_group
 from .global_metrics import GlobalMetrics
 from .meter import AverageMeter, MetersBase
-from .metric_meter import MetricMeter
+from .metric_meter import MetricMeter, metric_name
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -154,10 +154,13 @@ class MultiTaskMetrics(MultiTaskBase):
     r"""Metrics of several tasks (or datasets) updated together, with an optional aggregate.
 
     `val`, `bat` and `avg` map each task name to its container's values; with `aggregate`
-    set they also hold an `"aggregate"` entry that combines every metric name found in the
-    tasks: `"macro"` gives each task the same weight, `"micro"` weights tasks by their sample
-    counts, `"weighted"` by `aggregate_weights`. The text format lists one task per line and
-    leaves the aggregate out.
+    set they also hold an `"aggregate"` entry that combines, for every metric path found in the
+    tasks (`"acc"`, `"nested.acc"`), the tasks that have it: `"macro"` gives each such task the
+    same weight, `"micro"` weights them by their sample counts, `"weighted"` by
+    `aggregate_weights`. A task that is a single meter or a metric function counts as one metric
+    named after its function (the task's name for a lambda or an `AverageMeter`), so
+    `metrics.a = accuracy` and `metrics.b = accuracy` combine into `aggregate["accuracy"]`. The
+    text format lists one task per line and leaves the aggregate out.
 
     Args:
         aggregate: How to combine tasks, or `None` for no aggregate.
@@ -245,8 +248,10 @@ class MultiTaskMetrics(MultiTaskBase):
     def read(self, kind: str) -> RoundDict:
         """Values of kind `"val"`, `"bat"` or `"avg"` for every task, plus the aggregate.
 
-        A single-meter task reads as one value; it has no metric path and so takes no part in
-        the aggregate. A nested collection reads as its own mapping, aggregate included.
+        A single-meter task reads as one value; in the aggregate it counts as the metric named
+        after its metric function (`MetricFunc.name` or `__name__`), or after the task when the
+        function has no name (a lambda) or the task is an `AverageMeter`. A nested collection
+        reads as its own mapping, aggregate included.
         """
         return self.read_with_counts(kind)[0]
 
@@ -262,9 +267,15 @@ class MultiTaskMetrics(MultiTaskBase):
 
     def _aggregate(self, results: Mapping[str, Any], counts: Mapping[str, Any]) -> dict[str, Any]:
         # Metrics are matched by their path below the task ("acc", "nested.acc"); a nested
-        # collection's own aggregate is not a task of it and is left out.
-        flat = {task: _flatten(values) for task, values in results.items() if isinstance(values, Mapping)}
-        flat_counts = {task: _flatten(counts[task]) for task in flat}
+        # collection's own aggregate is not a task of it and is left out. A single meter is one
+        # metric whose path is its name (see `_meter_path`).
+        flat, flat_counts = {}, {}
+        for task, values in results.items():
+            if isinstance(values, Mapping):
+                flat[task], flat_counts[task] = _flatten(values), _flatten(counts[task])
+            else:
+                path = _meter_path(task, self._tasks[task])
+                flat[task], flat_counts[task] = {path: values}, {path: counts[task]}
         combined: dict[str, Any] = {}
         names = list(dict.fromkeys(key for values in flat.values() for key in values))
         for key in names:
@@ -297,6 +308,12 @@ def _read_task(task: Container, kind: str) -> tuple[Any, Any]:
         synced = task.sync()
         return (synced.bat, synced.bat_count) if kind == "bat" else (synced.avg, synced.count)
     return task.read(kind)
+
+
+def _meter_path(task: str, meter: AverageMeter) -> str:
+    """The metric path of a single-meter task: its metric's name, so that tasks of the same metric
+    (and containers holding it under that name) are combined; the task name when it has none."""
+    return metric_name(meter.metric, default=task) if isinstance(meter, MetricMeter) else task
 
 
 def _flatten(values: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:

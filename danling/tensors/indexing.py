@@ -167,7 +167,7 @@ def _element_values(value: Any, count: int) -> list[Any]:
 
 
 def setitem(nt: NestedTensor, index: Any, value: Any) -> None:
-    """Implement ``nt[index] = value``; replaces the storage when element shapes change."""
+    """Implement ``nt[index] = value``: in place, or on new storage when element shapes change."""
     from .nested_tensor import NestedTensor
 
     if _is_value_mask(nt, index):
@@ -176,7 +176,7 @@ def setitem(nt: NestedTensor, index: Any, value: Any) -> None:
     if _is_padded_index(nt, index):  # as torch would on ``nt.tensor``; only real positions are kept
         padded = nt.tensor.clone()
         padded[index] = value.tensor if isinstance(value, NestedTensor) else value
-        nt._set_storage(nt.nested_like(padded)._values, nt._shapes, nt._permutation, nt._ragged)
+        nt._values.copy_(nt.nested_like(padded)._values)
         return
     batch_index, rest = _split_tuple(nt, index) if isinstance(index, tuple) else (index, ())
     positions = _positions(nt, batch_index)
@@ -193,4 +193,9 @@ def setitem(nt: NestedTensor, index: Any, value: Any) -> None:
                 element = element.as_subclass(Tensor)
         elements[position] = element
     values, shapes, permutation, ragged = layout.pack(elements)
-    nt._set_storage(values, shapes, permutation, ragged)
+    if shapes == nt._shapes:
+        # Every element keeps its shape: write into the packed storage, as torch writes into a
+        # tensor's, so that copies and views sharing it (`copy.copy`, contiguous slices) see it.
+        nt._values.copy_(values)
+    else:
+        nt._set_storage(values, shapes, permutation, ragged)

@@ -183,16 +183,23 @@ class NestedTensorMethods:
     def reshape(self, *shape: Any) -> NestedTensor:
         """Reshape every element to `shape` (an element shape; the batch dim is not part of it).
 
+        `shape` is read as each element's shape whenever every element can take it, also when
+        its first size equals the batch size. Otherwise a shape that starts with the batch size
+        is read as the full shape (`nt.reshape(nt.shape)`), a ragged dim given as its padded
+        size or -1 keeping each element's own size.
+
         Examples:
             >>> nested_tensor = NestedTensor([torch.tensor([[1, 2], [3, 4]]), torch.tensor([[5, 6], [7, 8]])])
             >>> reshaped = nested_tensor.reshape(4)
             >>> reshaped.shape
             torch.Size([2, 4])
+            >>> NestedTensor([torch.arange(4), torch.arange(4)]).reshape(2, 2).shape  # (2, 2) per element
+            torch.Size([2, 2, 2])
         """
         return _run(torch.reshape, self, *shape)
 
     def view(self, *shape: Any) -> NestedTensor:
-        """Like `reshape`, but only as a view of the existing storage (or a dtype view).
+        """Like `reshape` (the same reading of `shape`), but only as a view of the existing storage (or a dtype view).
 
         Examples:
             >>> nested_tensor = NestedTensor([torch.tensor([[1, 2], [3, 4]]), torch.tensor([[5, 6], [7, 8]])])

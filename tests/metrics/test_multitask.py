@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from danling.metrics import AverageMeters, MetricMeter, MultiTaskMetrics, StreamMetrics, binary_metrics
+from danling.metrics import AverageMeter, AverageMeters, MetricMeter, MultiTaskMetrics, StreamMetrics, binary_metrics
 from danling.metrics import functional as F
 
 
@@ -116,3 +116,59 @@ def test_setting_the_group_and_plain_attributes_is_not_a_task():
     metrics = MultiTaskMetrics(aggregate="macro")
     metrics.group = None
     assert len(metrics) == 0 and metrics.aggregate == "macro"
+
+
+# ------------------------------------------------ single meters and metric functions in the aggregate
+def _single_meter_tasks(aggregate, **kwargs):
+    """Two tasks given as metric functions, one as a MetricMeter: each reports under `binary_accuracy`."""
+    metrics = MultiTaskMetrics(aggregate=aggregate, **kwargs)
+    metrics.small = F.binary_accuracy
+    metrics.large = MetricMeter(F.binary_accuracy)
+    metrics.update({"small": ([0.9, 0.1], [1, 1]), "large": ([0.9, 0.8, 0.1, 0.2], [1, 1, 0, 1])})
+    return metrics
+
+
+@pytest.mark.parametrize(
+    ("aggregate", "kwargs", "expected"),
+    [
+        ("macro", {}, (0.5 + 0.75) / 2),
+        ("micro", {}, (0.5 * 2 + 0.75 * 4) / 6),
+        ("weighted", {"aggregate_weights": {"small": 3, "large": 1}}, (0.5 * 3 + 0.75) / 4),
+    ],
+)
+def test_metric_meter_and_callable_tasks_are_aggregated_under_their_metric_name(aggregate, kwargs, expected):
+    metrics = _single_meter_tasks(aggregate, **kwargs)
+    for kind in ("val", "bat", "avg"):
+        values = metrics.read(kind)
+        assert values["small"] == 0.5 and values["large"] == 0.75  # each task still reads as one number
+        assert values["aggregate"]["binary_accuracy"] == pytest.approx(expected)
+
+
+def test_a_single_meter_task_matches_the_same_metric_path_in_a_container_task():
+    metrics = MultiTaskMetrics(aggregate="micro")
+    metrics.single = F.binary_accuracy
+    metrics.container = StreamMetrics(F.binary_accuracy, auroc=F.binary_auroc)  # `binary_accuracy` by name
+    metrics.update({"single": ([0.9, 0.1], [1, 1]), "container": ([0.9, 0.8, 0.1, 0.2], [1, 1, 0, 1])})
+    aggregate = metrics.avg["aggregate"]
+    assert aggregate["binary_accuracy"] == pytest.approx((0.5 * 2 + 0.75 * 4) / 6)
+    assert aggregate["auroc"] == pytest.approx(metrics.avg["container"]["auroc"])
+
+
+def test_a_single_meter_without_a_metric_name_reports_under_its_task_name():
+    metrics = MultiTaskMetrics(aggregate="macro")
+    metrics.mae = MetricMeter(lambda input, target: (input - target).abs().mean())
+    metrics.loss = AverageMeter()
+    metrics.update({"mae": (torch.tensor([1.0, 2.0]), torch.tensor([1.5, 2.5]))})
+    metrics.loss.update(0.25)
+    aggregate = metrics.avg["aggregate"]
+    assert aggregate["mae"] == pytest.approx(0.5) and aggregate["loss"] == pytest.approx(0.25)
+
+
+# ------------------------------------------------ an unknown task is named, whatever the tasks are
+def test_an_update_for_an_unknown_task_names_it_even_with_a_lambda_metric():
+    metrics = MultiTaskMetrics(aggregate="macro")
+    metrics.mae = lambda input, target: (input - target).abs().mean()
+    metrics.acc = StreamMetrics(close=lambda input, target: ((input - target).abs() < 0.5).float().mean())
+    with pytest.raises(ValueError, match=r"Task loss not found in MultiTaskMetrics\(.*mae=MetricMeter\(<lambda>\)"):
+        metrics.update({"loss": ([0.1], [0.0])})
+    assert repr(metrics.acc) == "StreamMetrics(close=MetricMeter(<lambda>))"

@@ -195,12 +195,39 @@ def test_save_checkpoint_cadence_and_aliases(make_runner):
 def test_save_seed_checkpoint(make_runner):
     runner = make_runner(**{"checkpoint.keep_latest_k": 1})
     seed = runner.save_seed_checkpoint()
-    assert seed.name == "seed" and runner.checkpoint_manager.alias("seed") == seed
+    assert seed.name == "step-000000" and runner.checkpoint_manager.alias("seed") == seed
     runner.train()
     names = [path.name for path in runner.checkpoint_manager.checkpoints()]
-    assert "seed" in names and "epoch-000002" in names and "epoch-000000" not in names
+    assert "step-000000" in names and "epoch-000000" not in names  # the `seed` alias keeps it from retention
+    assert runner.checkpoint_manager.alias("seed") == seed and runner.checkpoint_manager.best != seed
     fresh = make_runner(experiment="fresh", resume=str(seed))
     assert fresh.train_state.epoch == 0 and fresh.model.weight == 0.0
+
+
+def test_save_seed_checkpoint_goes_through_the_managers_save_checkpoint(make_runner):
+    from danling.checkpoint import FileCheckpointManager
+
+    class InMemoryManager(FileCheckpointManager):
+        """A user's manager that keeps payloads in memory: `save_checkpoint` is its only way in."""
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.saved = {}
+
+        def save_checkpoint(self, runner, name="latest", epochs=None, save_best=True, last_step=False, force=False):
+            self.saved[name] = (dict(runner.checkpoint_payload(last_step=last_step)), save_best, last_step)
+            return self.directory / name
+
+        def save(self, *args, **kwargs):
+            raise NotImplementedError("InMemoryManager stores through save_checkpoint only")
+
+    runner = make_runner()
+    manager = InMemoryManager(runner.workspace.checkpoint_dir, is_main_process=True)
+    runner.set_checkpoint_manager(manager)
+    assert runner.save_seed_checkpoint() == manager.directory / "seed"
+    payload, save_best, last_step = manager.saved["seed"]
+    assert last_step and not save_best  # the final-save payload, never published as `best`
+    assert payload["model"]["weight"] == runner.model.weight == 0.0
 
 
 def test_load_only_never_writes(make_runner):

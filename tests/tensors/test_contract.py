@@ -206,3 +206,16 @@ class TestTorchSemantics:
         assert_elements(nt.reshape(2, 3, 2, 2), [e.reshape(-1, 2, 2) for e in elements])
         assert_elements(nt.reshape(nt.shape), elements)
         assert_elements(nt.reshape(-1, 2), [e.reshape(-1, 2) for e in elements])  # an element shape
+
+    @pytest.mark.parametrize("method", ["view", "reshape"])
+    def test_view_reshape_take_the_element_shape_first(self, method):
+        # The shape is that of each element, also when its first size equals the batch size.
+        elements = [torch.arange(4.0), torch.arange(4.0, 8.0)]
+        nt = NestedTensor(elements)
+        assert_elements(getattr(nt, method)(2, 2), [e.view(2, 2) for e in elements])
+        assert_elements(getattr(nt, method)((2, -1)), [e.view(2, 2) for e in elements])
+        assert getattr(nt, method)(2, 2).shape == (2, 2, 2)
+        ragged = [torch.arange(8.0), torch.arange(4.0)]  # (2, -1) fits each element: (2, 4) and (2, 2)
+        assert_elements(getattr(NestedTensor(ragged), method)(2, -1), [e.view(2, -1) for e in ragged])
+        single = NestedTensor([torch.arange(6.0).view(2, 3)])
+        assert_elements(getattr(single, method)(1, 6), [torch.arange(6.0).view(1, 6)])

@@ -177,6 +177,44 @@ class TestConversion:
             assert other.tolist() == nt.tolist()
             assert other.padding_value == 9.0 and other.batch_first is False
 
+    @pytest.mark.parametrize(
+        ("index", "value"),
+        [
+            (0, [-1.0, -1.0, -1.0]),
+            (-1, [-1.0, -1.0]),
+            ((0, 1), -1.0),
+            ((1, slice(0, 1)), -1.0),
+            ((slice(None), 0), -1.0),
+        ],
+        ids=["element", "last", "tuple", "slice", "column"],
+    )
+    def test_shallow_copy_shares_writes_both_ways(self, index, value):
+        # As for a tensor: an assignment through either copy that keeps the element shapes is
+        # seen through the other.
+        nt = NestedTensor([[1.0, 2.0, 3.0], [4.0, 5.0]])
+        shallow = copy.copy(nt)
+        shallow[index] = value
+        assert nt.tolist() == shallow.tolist() != [[1.0, 2.0, 3.0], [4.0, 5.0]]
+        nt[index] = torch.tensor(value) * 2
+        assert shallow.tolist() == nt.tolist()
+        nt[nt.mask] = 7.0  # a boolean index into the padded view
+        assert shallow.tolist() == nt.tolist() == [[7.0, 7.0, 7.0], [7.0, 7.0]]
+        shallow[0] = torch.tensor([1.0])  # another element shape: the storage is replaced
+        assert nt.tolist() == [[7.0, 7.0, 7.0], [7.0, 7.0]] and shallow.tolist() == [[1.0], [7.0, 7.0]]
+
+    def test_assignment_in_place_follows_autograd_as_a_tensor(self):
+        weight = torch.ones(2, requires_grad=True)
+        nt = NestedTensor([[1.0, 2.0], [3.0]])
+        nt[0] = weight * 2  # recorded: the gradient reaches `weight`
+        nt.sum().backward()
+        assert weight.grad.tolist() == [2.0, 2.0]
+        leaf = NestedTensor([[1.0, 2.0], [3.0]], requires_grad=True)
+        with pytest.raises(RuntimeError, match="leaf Variable that requires grad"):
+            leaf[0] = torch.zeros(2)
+        with torch.no_grad():
+            leaf[0] = torch.zeros(2)
+        assert leaf.tolist() == [[0.0, 0.0], [3.0]] and leaf.requires_grad
+
     def test_torch_save_roundtrip(self, tmp_path):
         nt = NestedTensor(torch.randn(3, 2), torch.randn(1, 2))
         torch.save({"x": nt}, tmp_path / "nt.pt")

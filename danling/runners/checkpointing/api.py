@@ -184,15 +184,16 @@ class CheckpointMixin:
         return None if score is None or score != score else score  # NaN ranks nowhere
 
     def save_seed_checkpoint(self, name: str = "seed") -> Path | None:
-        """Save the initial state as checkpoint `name` (alias `name`, never pruned).
+        """Save the initial state now, under the alias `name`, which retention never prunes.
 
         Meant to be called before training advances, so runs with different parallel layouts can
-        start from identical weights (`resume`/`pretrained` pointing at it). It uses the final-save
-        payload, so a backend's model-only export setting applies.
+        start from identical weights (`resume`/`pretrained` pointing at it). It is a final save
+        through [`save_checkpoint`][danling.runners.checkpointing.api.CheckpointMixin.save_checkpoint]
+        (so a custom manager's `save_checkpoint` policy applies, and a backend's model-only export
+        setting): written whatever the cadence, never published as `best`. With the default
+        manager the directory is `step-<global_step>` and `latest` points at it too.
         """
-        metadata = {"epoch": self.train_state.epoch, "global_step": self.train_state.global_step, "run_id": self.id}
-        payload = self.checkpoint_payload(last_step=True)
-        return self.checkpoint_manager.save(payload, name, aliases=(name,), history=False, metadata=metadata)
+        return self.save_checkpoint(name=name, save_best=False, last_step=True, force=True)
 
     def checkpoint_payload(self, *, last_step: bool) -> Mapping[str, Any]:
         """What one save hands to `self.checkpoint_manager`.

@@ -1,7 +1,8 @@
 """Shape ops applied to every element.
 
 Dims are NestedTensor dims (the batch dim counts; it can never be moved or merged), except for
-``reshape``/``view`` whose target shape is the shape of each element. When an op leaves the
+``reshape``/``view`` whose target shape is the shape of each element (a full shape, batch size
+first, is accepted where some element cannot take the target as its own shape). When an op leaves the
 ragged dims alone it runs once on the packed values; otherwise it runs element by element.
 """
 
@@ -92,13 +93,26 @@ def _target(shape: tuple) -> list[int]:
     return _dims_arg(shape)
 
 
+def _fits(shape: torch.Size, target: list[int]) -> bool:
+    """Whether an element of ``shape`` can be viewed as ``target`` (which may infer one size, -1)."""
+    known = prod(size for size in target if size != -1)
+    inferred = target.count(-1)
+    if inferred == 0:
+        return known == prod(shape)
+    return inferred == 1 and known != 0 and prod(shape) % known == 0
+
+
 def _element_target(input: NestedTensor, target: list[int]) -> list[int] | list[list[int]]:
     """Per-element target shapes when ``target`` is a full shape (batch first), else ``target`` itself.
 
-    A full shape starts with the batch size; a ragged dim may be given as its padded size (or -1)
-    and then keeps each element's own size.
+    ``target`` is the shape of each element whenever every element fits it, also when its first
+    size happens to equal the batch size. Only otherwise is a target that starts with the batch
+    size read as a full shape, where a ragged dim may be given as its padded size (or -1) and
+    then keeps each element's own size.
     """
     if not (input._batch_first and len(target) >= 2 and target[0] == len(input)):
+        return target
+    if all(_fits(shape, target) for shape in input._shapes):
         return target
     rest, padded = target[1:], input.shape[1:]
     ragged = set(input._permutation[: input._ragged]) if len({tuple(s) for s in input._shapes}) > 1 else set()
