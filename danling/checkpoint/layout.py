@@ -25,6 +25,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from .checksums import submit
 from .manifest import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -194,7 +195,7 @@ class Discard:
             if retired and self._executor is None:
                 self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="danling-discard")
             self._pending = [future for future in self._pending if not future.done()]
-            self._pending.extend(self._executor.submit(_remove, path) for path in retired)
+            self._pending.extend(submit(self._executor, _remove, path) for path in retired)
 
     def drain(self) -> None:
         """Remove every directory retired so far and wait until the removals are done."""
@@ -239,7 +240,7 @@ class PendingPointers:
             _IN_FLIGHT.update(tmp for tmp, _ in self.moves)
         if not _POINTER_WRITERS:
             _POINTER_WRITERS.append(ThreadPoolExecutor(max_workers=1, thread_name_prefix="danling-pointers"))
-        self._written = _POINTER_WRITERS[0].submit(self._write, target + "\n")
+        self._written = submit(_POINTER_WRITERS[0], self._write, target + "\n")
 
     def _write(self, text: str) -> None:
         for tmp, _ in self.moves:

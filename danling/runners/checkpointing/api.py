@@ -53,6 +53,8 @@ class CheckpointMixin:
     # (global_step, micro_step) when the newest result row was stored; `best` may only go to a
     # checkpoint of exactly that state (the row's scores describe no other weights).
     _scored_progress: tuple[int, int] | None = None
+    # The newest save's failure until a later save is written; a training loop ending with one fails.
+    _save_failure: CheckpointSaveError | None = None
 
     def append_result(self, result: Mapping[str, Any], index: int | None = None) -> None:
         """Store a result row (see `ResultsMixin.append_result`) and remember which training state it scored."""
@@ -160,15 +162,63 @@ class CheckpointMixin:
             The checkpoint directory, or `None` when nothing was written by this process (or the
             write failed and `checkpoint.continue_on_save_error` is set; see `checkpoint_save_failed`).
         """
-        try:
-            path = self.checkpoint_manager.save_checkpoint(
-                self, name=name, epochs=epochs, save_best=save_best, last_step=last_step, force=force
-            )
-        except CheckpointSaveError as err:
-            return self.checkpoint_save_failed(err)
+        manager = self.checkpoint_manager
+        while True:
+            earlier = manager.pending_path
+            try:
+                path = manager.save_checkpoint(
+                    self, name=name, epochs=epochs, save_best=save_best, last_step=last_step, force=force
+                )
+            except CheckpointSaveError as err:
+                if earlier is None or err.path != earlier:
+                    return self._save_failed(err)
+                self.checkpoint_save_failed(err)  # the background save before this one failed: this one still runs
+                continue
+            break
         if path is not None:
+            self._save_failure = None
             self.events.emit(Events.CHECKPOINT_SAVED, CheckpointContext(self, path, name))
         return path
+
+    def _save_failed(self, error: CheckpointSaveError) -> None:
+        """The newest save failed: hand it to `checkpoint_save_failed`, and fail the run if no later save lands."""
+        self._save_failure = error
+        return self.checkpoint_save_failed(error)
+
+    def finish_checkpoints(self, *, failing: bool = False) -> None:
+        """Wait until the saves the run started are durable; called as the outermost training loop ends.
+
+        Background saves let training go on while they write, so the run's last checkpoint is still
+        being written when the loop is done: `train()` returns (and the process may exit) only once
+        it is on disk. A run whose newest save failed (with `checkpoint.continue_on_save_error` too)
+        raises `CheckpointSaveError` here, so it ends with an error and `status.json` says `failed`.
+        With `failing` (the loop is leaving with an exception) a failed save is only logged.
+        """
+        manager = self.checkpoint_manager
+        path = manager.pending_path
+        try:
+            if not manager.wait(manager.timeout):
+                self.logger.error(
+                    "checkpoint %s is still being written after %ss; it finishes in the background",
+                    path,
+                    manager.timeout,
+                )
+        except Exception as err:
+            if failing or not isinstance(err, CheckpointSaveError):
+                self.logger.error("checkpoint %s was not saved: %s", path, err)
+                if failing:
+                    return
+                raise
+            self._save_failure = err
+        failure, self._save_failure = self._save_failure, None
+        if failure is not None and not failing:
+            raise CheckpointSaveError(
+                f"the run ended without its last checkpoint: {failure}",
+                path=failure.path,
+                needed=failure.needed,
+                free=failure.free,
+                errno=failure.errno,
+            ) from failure
 
     def publishes_best(self) -> bool:
         """Whether a checkpoint saved now may be published as `best`: the newest result row is the best
