@@ -295,8 +295,7 @@ def test_the_version_rule(tmp_path):
         return choose_run_dir(base, dir_name="checkpoints", auto_resume=auto_resume, resume=resume)
 
     def checkpoint(run_dir):
-        (run_dir / "checkpoints" / "epoch-000000").mkdir(parents=True)
-        (run_dir / "checkpoints" / "latest.pointer").write_text("epoch-000000\n")
+        FileCheckpointManager(run_dir / "checkpoints").save({"step": 0}, "epoch-000000")
 
     assert choose() == base and choose(auto_resume=True) == base
     checkpoint(base)
@@ -326,3 +325,34 @@ def test_a_step_budget_extends_and_lowers_the_same_way(tmp_path, caplog):
         lowered.close()
     assert lowered.train_state.global_step == 9
     assert "9 optimizer steps are done and steps=4" in _messages(caplog)
+
+
+def _damage(checkpoint: Path, how: str) -> None:
+    payload = checkpoint / "state.pt"
+    if how == "manifest removed":
+        (checkpoint / "manifest.json").unlink()
+    elif how == "truncated":
+        payload.write_bytes(payload.read_bytes()[:100])
+    else:  # a flipped byte
+        data = bytearray(payload.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        payload.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("how", ["manifest removed", "truncated", "flipped byte"])
+def test_auto_resume_never_overwrites_checkpoints_it_cannot_verify(tmp_path, caplog, how):
+    first, _ = _train(tmp_path, auto_resume=True, epochs=3)
+    checkpoints = first / "checkpoints"
+    for checkpoint in sorted(checkpoints.glob("epoch-*")):
+        _damage(checkpoint, how)
+    evidence = _snapshot(checkpoints)
+    with caplog.at_level(logging.WARNING):
+        second, runner = _train(tmp_path, auto_resume=True, epochs=3)
+    assert second == first.with_name(first.name + "-v2") and runner.train_state.epoch == 3
+    assert _snapshot(checkpoints) == evidence  # nothing replaced, nothing pruned
+    message = next(m for m in _messages(caplog).splitlines() if "verifies, so this run" in m)
+    assert str(checkpoints) in message and str(second) in message
+    assert all(f"epoch-00000{epoch}: " in message for epoch in range(3))  # each one, with why it was refused
+    third = TinyRunner(tiny_config(tmp_path, auto_resume=True, epochs=3))  # the new version continues from now on
+    assert Path(third.dir) == second and third.train_state.epoch == 3
+    third.close()

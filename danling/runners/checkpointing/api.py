@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from danling.checkpoint import read_checkpoint as read_checkpoint_source
 from danling.checkpoint.failures import CheckpointSaveError
+from danling.checkpoint.manifest import CheckpointError
 from danling.utils import RoundDict
 
 from ..config import RunnerConfig, recorded_config
@@ -479,6 +480,12 @@ class CheckpointMixin:
                 self.load_checkpoint(path)
                 report_code_change(self)
                 return
+            if manager.checkpoints():  # the workspace refuses such a directory: it changed since
+                raise CheckpointError(
+                    f"auto_resume: no checkpoint in {manager.directory} verifies (see the warnings above); "
+                    "they are kept as they are rather than overwritten by a run from scratch: move them away, "
+                    "or resume one explicitly"
+                )
             start = "the pretrained weights" if config.get("pretrained") else "scratch"
             self.logger.info("auto_resume: no checkpoint in %s, starting from %s", manager.directory, start)
             report_other_runs(self)

@@ -112,7 +112,17 @@ def take_run_dir(runner: BaseRunner) -> None:
     """
     workspace = runner.workspace
     workspace.lock(runner.logger)
-    if runner.is_main_process and workspace.version > 1:
+    if not runner.is_main_process:
+        return
+    for run_dir, reasons in workspace.refused.items():
+        runner.logger.warning(
+            "auto_resume: no checkpoint in %s verifies, so this run starts from scratch in %s and leaves them "
+            "as they are; refused: %s",
+            Path(run_dir) / runner.config.checkpoint.dir_name,
+            workspace.path,
+            "; ".join(f"{name}: {reason}" for name, reason in reasons.items()),
+        )
+    if workspace.version > 1 and not workspace.refused:
         earlier = workspace.base_path if workspace.version == 2 else f"{workspace.base_path}-v{workspace.version - 1}"
         runner.logger.warning(
             "%s already holds the checkpoints of an earlier run of this config, so this run writes into %s; "

@@ -178,6 +178,8 @@ class RunnerWorkspace:
         self._metadata_written = False
         self.previous_launch: dict[str, Any] | None = None  # the launch before this one, when continuing
         self._lock: RunLock | None = None
+        # {run dir: {checkpoint: reason}} of a version auto_resume refused: none of its checkpoints verifies
+        self.refused: dict[Path, dict[str, str]] = {}
         self._path = self._choose_path()
 
     # -------------------------------------------------------------------------------- identity
@@ -232,6 +234,7 @@ class RunnerWorkspace:
             dir_name=str(_get(self.config, "checkpoint.dir_name", "checkpoints")),
             auto_resume=bool(_get(self.config, "auto_resume")),
             resume=_get(self.config, "resume"),
+            refused=self.refused,
         )
 
     @property
