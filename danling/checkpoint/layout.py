@@ -277,7 +277,10 @@ os.register_at_fork(after_in_child=_POINTER_WRITERS.clear)  # a forked child has
 
 def follow_pointer(pointer: Path) -> Path:
     """The checkpoint a pointer file names; `CheckpointNotFoundError` when it names nothing."""
-    target = pointer.read_text(encoding="utf-8").strip()
+    try:
+        target = pointer.read_text(encoding="utf-8").strip()
+    except UnicodeDecodeError:  # garbage bytes (a torn or overwritten file): it names nothing
+        raise CheckpointNotFoundError(f"alias file {pointer} holds bytes that are not a checkpoint name") from None
     path = pointer.parent / target
     if not target or not NAME_PATTERN.match(target) or not path.exists():
         raise CheckpointNotFoundError(f"alias file {pointer} points to {target!r}, which does not exist")

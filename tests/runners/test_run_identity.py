@@ -356,3 +356,23 @@ def test_auto_resume_never_overwrites_checkpoints_it_cannot_verify(tmp_path, cap
     third = TinyRunner(tiny_config(tmp_path, auto_resume=True, epochs=3))  # the new version continues from now on
     assert Path(third.dir) == second and third.train_state.epoch == 3
     third.close()
+
+
+def test_a_subclass_that_extends_config_id_ignores_resumes_after_a_budget_change(tmp_path):
+    from danling.runners import RunnerConfig
+
+    class InferConfig(RunnerConfig):
+        CONFIG_ID_IGNORES = (*RunnerConfig.CONFIG_ID_IGNORES, "infer_only")
+        infer_only: bool = False
+
+    def config(**overrides):
+        return InferConfig(**tiny_config(tmp_path, auto_resume=True, **overrides))
+
+    first = TinyRunner(config(epochs=1))
+    first.train()
+    first.close()
+    resumed = TinyRunner(config(epochs=2))  # raised "infer_only: False -> None" before
+    assert Path(resumed.dir) == Path(first.dir) and resumed.train_state.epoch == 1
+    resumed.train()
+    resumed.close()
+    assert resumed.train_state.epoch == 2

@@ -472,7 +472,7 @@ class CheckpointMixin:
         if config.get("auto_resume"):
             path = newest_valid_checkpoint(manager.directory, self.logger) or manager.latest_valid()
             if path is not None:
-                if latest is not None and latest != path:
+                if latest is not None and latest in _newer_than(manager, path):  # `latest` was refused
                     self.logger.warning(
                         "auto_resume: latest checkpoint %s is not usable; resuming from %s", latest, path
                     )
@@ -551,6 +551,18 @@ class CheckpointMixin:
 
 # Set while `from_checkpoint` constructs its runner: the full restore follows construction.
 _RESTORING: ContextVar[bool] = ContextVar("danling_restoring_from_checkpoint", default=False)
+
+
+def _newer_than(manager: Any, path: Path) -> list[Path]:
+    """The checkpoints of `manager` newer than `path`: those a newest-first search refused before taking it.
+
+    A `latest` older than `path` merely lagged (reconciling on start moved it), and is no failure."""
+    newer = []
+    for checkpoint in manager.checkpoints():
+        if checkpoint == path:
+            return newer
+        newer.append(checkpoint)
+    return []
 
 
 def _name(checkpoint: Any) -> str:

@@ -88,6 +88,7 @@ def check_identity(runner: BaseRunner, saved: RunnerConfig) -> None:
         ValueError: Identity keys differ and `resume_allow_changes` is not set.
     """
     config = runner.config
+    saved = _judged_like(saved, config)
     if saved.config_id == config.config_id:
         return
     differences = identity_differences(saved.semantic_dict(), config.semantic_dict())
@@ -102,6 +103,19 @@ def check_identity(runner: BaseRunner, saved: RunnerConfig) -> None:
         )
     for key, old, new in differences:
         runner.logger.warning("resume_allow_changes: %s was %r in the checkpoint's run, now %r", key, old, new)
+
+
+def _judged_like(saved: RunnerConfig, config: RunnerConfig) -> RunnerConfig:
+    """`saved` with the identity rules (`CONFIG_ID_IGNORES`) of `config`'s class.
+
+    A record is read back as a plain `RunnerConfig`: a subclass that extends the ignored keys would
+    otherwise find its own ignored keys counted in the record's identity and nowhere in its own.
+    """
+    ignores = type(config).CONFIG_ID_IGNORES
+    if ignores == type(saved).CONFIG_ID_IGNORES:
+        return saved
+    judged = type(f"{type(saved).__name__}Judged", (type(saved),), {"CONFIG_ID_IGNORES": ignores})
+    return judged(**saved.dict())
 
 
 def take_run_dir(runner: BaseRunner) -> None:
