@@ -113,3 +113,22 @@ def test_labels_out_of_range_name_the_range_and_split(tmp_path):
     pattern = r"labels out of range on split 'train'.*\[0, 2\].*3 classes.*0 to 3"
     with Classifier(tiny_config(tmp_path)) as runner, pytest.raises(ValueError, match=pattern):
         runner.train()
+
+
+def test_an_empty_evaluation_split_is_refused_instead_of_giving_nan_rows(tmp_path):
+    class EmptyVal(TinyRunner):
+        def __init__(self, config):
+            super().__init__(config)
+            self.datasets.val = TensorDataset(torch.zeros(0, 4), torch.zeros(0, 1))
+
+    with EmptyVal(tiny_config(tmp_path, epochs=1)) as runner:
+        with pytest.raises(ValueError, match=r"evaluation split 'val' yields no batch: its dataset is empty"):
+            runner.train()
+        assert not runner.results  # refused before the first step, not after a row of NaN
+
+
+@pytest.mark.parametrize(("key", "value"), [("timeout_seconds", -1), ("interval_seconds", 0)])
+def test_a_watchdog_time_that_cannot_work_is_refused_in_a_single_process_too(tmp_path, key, value):
+    refused = pytest.raises(ValueError, match=rf"watchdog\.{key} must be .*got {value}")
+    with ToyRunner(toy_config(tmp_path, **{f"watchdog.{key}": value})) as runner, refused:
+        runner.train()

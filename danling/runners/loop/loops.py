@@ -67,7 +67,7 @@ class LoopMixin(DryRunMixin):
                 "name one 'train' or set config.train_splits"
             )
         evaluate_splits = self._resolve_splits(evaluate_splits, self.evaluate_splits, "evaluate")
-        self.check_training_budget(train_splits)
+        self.check_training_budget(train_splits, evaluate_splits)
         if self.dry_run_batches:
             return self.dry_run(train_splits, evaluate_splits)
         if self.budget_spent():  # a resumed run whose budget was not raised
