@@ -132,3 +132,40 @@ def test_a_watchdog_time_that_cannot_work_is_refused_in_a_single_process_too(tmp
     refused = pytest.raises(ValueError, match=rf"watchdog\.{key} must be .*got {value}")
     with ToyRunner(toy_config(tmp_path, **{f"watchdog.{key}": value})) as runner, refused:
         runner.train()
+
+
+_FAILING_SCRIPT = """
+import sys
+from tests.runners._toy import ToyRunner, toy_config
+with ToyRunner(toy_config(sys.argv[1], epochs=0, log=True)) as runner:
+    print(runner.workspace.log_file, flush=True)
+    runner.train()
+"""
+
+
+@pytest.mark.parametrize("debug", [False, True])
+def test_a_user_error_is_one_line_on_stderr_and_its_traceback_goes_to_the_run_log(tmp_path, debug):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {key: value for key, value in os.environ.items() if key != "DANLING_DEBUG"}
+    if debug:
+        env["DANLING_DEBUG"] = "1"
+    repo = Path(__file__).resolve().parents[2]
+    done = subprocess.run(
+        [sys.executable, "-c", _FAILING_SCRIPT, str(tmp_path)], cwd=repo, env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 1
+    log = Path(done.stdout.split()[0])
+    errors = [line for line in done.stderr.splitlines() if "| INFO " not in line and "| WARNING " not in line]
+    if debug:
+        assert errors[0] == "Traceback (most recent call last):", done.stderr
+    else:
+        assert errors == [
+            f"-c: error: ValueError: epochs=0 trains nothing: set epochs to a positive int (or call evaluate()) "
+            f"(traceback in {log}; DANLING_DEBUG=1 prints it here)"
+        ]
+    kept = log.read_text()
+    assert "the run ended with an exception" in kept and "Traceback (most recent call last)" in kept
