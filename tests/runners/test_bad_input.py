@@ -169,3 +169,39 @@ def test_a_user_error_is_one_line_on_stderr_and_its_traceback_goes_to_the_run_lo
         ]
     kept = log.read_text()
     assert "the run ended with an exception" in kept and "Traceback (most recent call last)" in kept
+
+
+def test_a_scheduler_that_needs_a_length_without_a_budget_says_to_set_one(tmp_path):
+    config = tiny_config(tmp_path, epochs=None, **{"scheduler.type": "cosine"})
+    with pytest.raises(ValueError, match=r"scheduler.type='cosine' needs the run's length.*set epochs .* or steps"):
+        TinyRunner(config)
+
+
+@pytest.mark.parametrize("root", ["file", "read-only"])
+def test_a_workspace_root_that_cannot_hold_runs_names_it(tmp_path, root):
+    import os
+
+    if root == "file":
+        path = tmp_path / "not-a-directory"
+        path.write_text("")
+    else:
+        if os.geteuid() == 0:
+            pytest.skip("root writes into read-only directories")
+        path = tmp_path / "read-only"
+        path.mkdir(mode=0o500)
+    with pytest.raises(OSError, match=rf"cannot create the run directory .*workspace_root \(now '{path}'\)"):
+        TinyRunner(tiny_config(path))
+
+
+def test_a_round_whose_updates_were_all_non_finite_says_so(tmp_path):
+    class AllNaN(TinyRunner):
+        def train_step(self, data):
+            x, y = self.to_device(data)
+            loss = self.criterion(self.model(x), y) * float("nan")
+            self.backward(loss)
+            self.step()
+            return None, loss.detach()
+
+    config = tiny_config(tmp_path, epochs=None, steps=5, skip_nonfinite_grad=True)
+    with AllNaN(config) as runner, pytest.raises(RuntimeError, match=r"all 5 updates were skipped for non-finite"):
+        runner.train()

@@ -253,7 +253,15 @@ class RunnerWorkspace:
         """The run directory; the main process creates it on first access."""
         path = self.path
         if self.is_main_process:
-            path.mkdir(parents=True, exist_ok=True)
+            try:
+                path.mkdir(parents=True, exist_ok=True)
+            except OSError as err:  # the root is a file, read-only, on a full disk, ...
+                root = _get(self.config, "workspace_root")
+                raise OSError(
+                    err.errno,
+                    f"cannot create the run directory {path} ({os.strerror(err.errno) if err.errno else err}): "
+                    f"set workspace_root (now {root!r}) to a directory this process can write",
+                ) from err
         return path
 
     @property
