@@ -205,3 +205,24 @@ def test_a_round_whose_updates_were_all_non_finite_says_so(tmp_path):
     config = tiny_config(tmp_path, epochs=None, steps=5, skip_nonfinite_grad=True)
     with AllNaN(config) as runner, pytest.raises(RuntimeError, match=r"all 5 updates were skipped for non-finite"):
         runner.train()
+
+
+def test_a_metric_that_is_nan_from_out_of_range_labels_warns_once(tmp_path, caplog):
+    from danling.metrics import StreamMetrics
+    from danling.metrics.functional import accuracy
+
+    class OutOfRange(TinyRunner):
+        def __init__(self, config):
+            super().__init__(config)
+            self.model = nn.Sequential(nn.Linear(4, 3))
+            self.criterion = nn.CrossEntropyLoss(ignore_index=5)  # the loss skips label 5; accuracy cannot
+            x = torch.randn(8, 4)
+            self.datasets.train = TensorDataset(x, torch.zeros(8, dtype=torch.long))
+            self.datasets.val = TensorDataset(x, torch.full((8,), 5))  # class 5 of 3
+            self.evaluate_metrics = StreamMetrics(acc=accuracy)
+
+    with caplog.at_level(logging.WARNING), OutOfRange(tiny_config(tmp_path, epochs=2)) as runner:
+        runner.train()
+    assert runner.results[1]["val"]["acc"] != runner.results[1]["val"]["acc"]  # NaN, as documented
+    warnings = [r.getMessage() for r in caplog.records if "metric 'acc' of split 'val' is NaN" in r.getMessage()]
+    assert len(warnings) == 1 and "outside [0, num_classes)" in warnings[0]  # once, over both epochs
