@@ -198,19 +198,17 @@ class CheckpointMixin:
         manager = self.checkpoint_manager
         path = manager.pending_path
         try:
-            if not manager.wait(manager.timeout):
-                self.logger.error(
-                    "checkpoint %s is still being written after %ss; it finishes in the background",
-                    path,
-                    manager.timeout,
-                )
+            drained = manager.wait(manager.timeout)
         except Exception as err:
             if failing or not isinstance(err, CheckpointSaveError):
                 self.logger.error("checkpoint %s was not saved: %s", path, err)
                 if failing:
-                    return
+                    return  # the exception leaving the loop is the one to report
                 raise
             self._save_failure = err
+        else:
+            if not drained:
+                self.logger.error("checkpoint %s is still being written after %ss", path, manager.timeout)
         failure, self._save_failure = self._save_failure, None
         if failure is not None and not failing:
             raise CheckpointSaveError(
