@@ -28,6 +28,7 @@ It prints one JSON object; every count but the totals must be 0.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import hashlib
 import json
@@ -199,6 +200,19 @@ class _Planted:
 
 def deepspeed(root: Path, runs: int) -> dict[str, Any]:
     """Plant a payload in DeepSpeed's own files and load the tag through `resume` and `pretrained`."""
+    from tests.runners._deepspeed_toy import Regression, ds_config
+
+    counts = {"loads": 0, "payloads_ran": 0, "refused": 0, "not_read": 0, "other_errors": 0}
+    logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
+    with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed prints to stdout, where the report goes
+        with Regression(ds_config(root / "deepspeed", "source", stage=2, epochs=1)) as source:
+            source.train()
+            tag = source.checkpoint_manager.latest
+        _plant_and_load(root, tag, runs, counts)
+    return counts
+
+
+def _plant_and_load(root: Path, tag: Path, runs: int, counts: dict[str, int]) -> None:
     import shutil
 
     import torch
@@ -207,10 +221,6 @@ def deepspeed(root: Path, runs: int) -> dict[str, Any]:
     from tests.checkpoint.test_safe_loading import _rehash
     from tests.runners._deepspeed_toy import Regression, ds_config
 
-    counts = {"loads": 0, "payloads_ran": 0, "refused": 0, "not_read": 0, "other_errors": 0}
-    with Regression(ds_config(root / "deepspeed", "source", stage=2, epochs=1)) as source:
-        source.train()
-        tag = source.checkpoint_manager.latest
     for run in range(runs):
         for name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"):
             for entry in ("resume", "pretrained"):
@@ -230,7 +240,6 @@ def deepspeed(root: Path, runs: int) -> dict[str, Any]:
                 except Exception:  # counted: neither refused nor harmless
                     counts["other_errors"] += 1
                 counts["payloads_ran"] += marker.exists()
-    return counts
 
 
 PATHS = {"endings": endings, "unverifiable": unverifiable, "save_errors": save_errors, "deepspeed": deepspeed}
