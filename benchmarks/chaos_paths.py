@@ -179,7 +179,8 @@ def save_errors(root: Path, runs: int) -> dict[str, Any]:
             except CheckpointSaveError:
                 raised = True
             finally:
-                runner.close()
+                with contextlib.suppress(CheckpointSaveError):  # raised here, not by train(), is still silent
+                    runner.close()
                 FileCheckpointManager._payload_stream = original
                 logging.getLogger("danling").removeHandler(errors)
             status = json.loads((runner.workspace.path / "status.json").read_text())
