@@ -44,15 +44,6 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-ENDINGS = {  # ending -> (exit status, the checkpoint `latest` must name)
-    "return": (0, "epoch-000002"),
-    "module": (0, "epoch-000002"),
-    "exit": (0, "epoch-000002"),
-    "exception": (1, "epoch-000002"),
-    "failure": (1, "epoch-000001"),
-    "collected": (0, "epoch-000002"),
-    "manual": (0, "step-000015"),
-}
 DAMAGES = ("manifest removed", "truncated", "flipped byte")
 
 
@@ -60,6 +51,7 @@ def endings(root: Path, runs: int) -> dict[str, Any]:
     """Run the ending child of the test suite `runs` times per ending; count what was lost."""
     from danling.checkpoint import FileCheckpointManager
     from danling.checkpoint.manifest import CheckpointError
+    from tests.runners._ending_child import ENDINGS
 
     counts = {"runs": 0, "lost_last_checkpoint": 0, "wrong_exit_status": 0}
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))

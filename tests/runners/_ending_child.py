@@ -15,15 +15,23 @@ import time
 from danling.checkpoint import FileCheckpointManager
 from tests.runners._torch_toy import TinyRunner
 
+# ending -> (exit status, the checkpoint `latest` must name once the process has exited)
+ENDINGS = {
+    "return": (0, "epoch-000002"),
+    "module": (0, "epoch-000002"),
+    "exit": (0, "epoch-000002"),
+    "exception": (1, "epoch-000002"),
+    "failure": (1, "epoch-000001"),
+    "collected": (0, "epoch-000002"),
+    "manual": (0, "step-000015"),
+}
+
 _write_payload = FileCheckpointManager._write_payload
 
 
 def _slow_write(self, state, directory):
-    time.sleep(0.5)  # the final save outlives the script's remaining lines
+    time.sleep(0.5)  # a slow disk: the final save outlives the script's remaining lines
     return _write_payload(self, state, directory)
-
-
-FileCheckpointManager._write_payload = _slow_write
 
 
 class FailingRunner(TinyRunner):
@@ -79,6 +87,7 @@ def main(root: str, ending: str) -> None:
 
 
 if __name__ == "__main__":
+    FileCheckpointManager._write_payload = _slow_write  # in the child only: the tests import ENDINGS
     if sys.argv[2] == "module":  # the runner is a module global until the interpreter shuts down
         RUNNER = build(sys.argv[1])
         RUNNER.train()

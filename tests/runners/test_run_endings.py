@@ -15,19 +15,9 @@ from pathlib import Path
 import pytest
 
 from danling.checkpoint import FileCheckpointManager
+from tests.runners._ending_child import ENDINGS
 
 REPO = Path(__file__).resolve().parents[2]
-
-# ending -> (exit status, the checkpoint `latest` must name)
-ENDINGS = {
-    "return": (0, "epoch-000002"),
-    "module": (0, "epoch-000002"),
-    "exit": (0, "epoch-000002"),
-    "exception": (1, "epoch-000002"),
-    "failure": (1, "epoch-000001"),
-    "collected": (0, "epoch-000002"),
-    "manual": (0, "step-000015"),
-}
 
 
 @pytest.mark.parametrize("ending", sorted(ENDINGS))
