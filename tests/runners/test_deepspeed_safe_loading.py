@@ -18,6 +18,8 @@ from danling.checkpoint.unpickling import UnsafePickleError
 from tests.checkpoint.test_safe_loading import _rehash
 from tests.runners._deepspeed_toy import Regression, ds_config, weights
 
+pytest.importorskip("deepspeed")
+
 FILES = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt")
 
 
