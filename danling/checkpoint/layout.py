@@ -18,6 +18,7 @@ import platform
 import re
 import shutil
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -47,6 +48,7 @@ __all__ = [
     "follow_pointer",
     "first_valid",
     "recover_directory",
+    "set_aside",
     "scan_checkpoints",
 ]
 
@@ -285,6 +287,26 @@ def follow_pointer(pointer: Path) -> Path:
     if not target or not NAME_PATTERN.match(target) or not path.exists():
         raise CheckpointNotFoundError(f"alias file {pointer} points to {target!r}, which does not exist")
     return path
+
+
+REFUSED_DIR = ".refused"
+"""Where checkpoints that failed verification are kept, inside the checkpoint directory (see `set_aside`)."""
+
+
+def set_aside(directory: Path, checkpoints: list[Path]) -> Path:
+    """Move checkpoints that fail verification to `<directory>/.refused/<name>-<time>` and return that folder.
+
+    A run that resumes from an older checkpoint saves the same names again, and a save replaces a
+    checkpoint of its name: the refused ones are evidence of what went wrong, kept where no save,
+    retention or recovery touches them.
+    """
+    refused = directory / REFUSED_DIR
+    refused.mkdir(exist_ok=True)
+    stamp = time.strftime("%Y%m%dT%H%M%S")
+    for checkpoint in checkpoints:
+        os.rename(checkpoint, refused / f"{checkpoint.name}-{stamp}")
+    fsync_dir(directory)
+    return refused
 
 
 def recover_directory(directory: Path, logger: logging.Logger) -> None:

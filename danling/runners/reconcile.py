@@ -101,8 +101,11 @@ def _writing(name: str) -> bool:
     return True
 
 
-def newest_valid_checkpoint(checkpoint_dir: Path, logger: logging.Logger | None = None) -> Path | None:
-    """The newest history checkpoint under `checkpoint_dir` that verifies, logging each one skipped."""
+def newest_valid_checkpoint(
+    checkpoint_dir: Path, logger: logging.Logger | None = None, refused: list[Path] | None = None
+) -> Path | None:
+    """The newest history checkpoint under `checkpoint_dir` that verifies, logging each one skipped
+    (and appending it to `refused` when given)."""
     for path, manifest in scan_checkpoints(checkpoint_dir, _HISTORY):
         if not manifest.get("history"):
             continue
@@ -111,6 +114,8 @@ def newest_valid_checkpoint(checkpoint_dir: Path, logger: logging.Logger | None 
         except CheckpointError as err:
             if logger is not None:
                 logger.warning("reconcile: skipping checkpoint %s: %s", path, err)
+            if refused is not None:
+                refused.append(path)
             continue
         return path
     return None

@@ -376,3 +376,20 @@ def test_a_subclass_that_extends_config_id_ignores_resumes_after_a_budget_change
     resumed.train()
     resumed.close()
     assert resumed.train_state.epoch == 2
+
+
+def test_checkpoints_auto_resume_skips_are_set_aside_not_replaced_by_the_saves_after(tmp_path, caplog):
+    first, _ = _train(tmp_path, auto_resume=True, epochs=3)
+    checkpoints = first / "checkpoints"
+    _damage(checkpoints / "epoch-000002", "flipped byte")
+    evidence = _snapshot(checkpoints / "epoch-000002")
+    with caplog.at_level(logging.WARNING):
+        second, runner = _train(tmp_path, auto_resume=True, epochs=3)
+    assert second == first and runner.train_state.epoch == 3  # resumed from epoch 1, trained epoch 2 again
+    kept = list((checkpoints / ".refused").iterdir())
+    assert [path.name.rsplit("-", 1)[0] for path in kept] == ["epoch-000002"]
+    assert _snapshot(kept[0]) == evidence  # the corrupt one, as it was
+    FileCheckpointManager(checkpoints).verify("epoch-000002")  # the new save of that name
+    messages = _messages(caplog)
+    assert "['epoch-000002'] do not verify; moved to" in messages
+    assert "latest checkpoint" in messages and "is not usable" in messages  # latest was the refused one

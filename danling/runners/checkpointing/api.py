@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from danling.checkpoint import read_checkpoint as read_checkpoint_source
 from danling.checkpoint.failures import CheckpointSaveError
+from danling.checkpoint.layout import set_aside
 from danling.checkpoint.manifest import CheckpointError
 from danling.utils import RoundDict
 
@@ -468,9 +469,15 @@ class CheckpointMixin:
             report_code_change(self)
             return
         if config.get("auto_resume"):
-            path = newest_valid_checkpoint(manager.directory, self.logger) or manager.latest_valid()
+            refused: list[Path] = []
+            path = newest_valid_checkpoint(manager.directory, self.logger, refused) or manager.latest_valid()
+            if path is not None and refused and self.is_main_process and not config.checkpoint.load_only:
+                kept = set_aside(manager.directory, refused)  # saves of the same names follow: keep them apart
+                self.logger.warning(
+                    "auto_resume: %s do not verify; moved to %s as they are", [p.name for p in refused], kept
+                )
             if path is not None:
-                if latest is not None and latest in _newer_than(manager, path):  # `latest` was refused
+                if latest is not None and latest in refused:  # not one that merely lagged (reconcile moved it)
                     self.logger.warning(
                         "auto_resume: latest checkpoint %s is not usable; resuming from %s", latest, path
                     )
@@ -549,18 +556,6 @@ class CheckpointMixin:
 
 # Set while `from_checkpoint` constructs its runner: the full restore follows construction.
 _RESTORING: ContextVar[bool] = ContextVar("danling_restoring_from_checkpoint", default=False)
-
-
-def _newer_than(manager: Any, path: Path) -> list[Path]:
-    """The checkpoints of `manager` newer than `path`: those a newest-first search refused before taking it.
-
-    A `latest` older than `path` merely lagged (reconciling on start moved it), and is no failure."""
-    newer = []
-    for checkpoint in manager.checkpoints():
-        if checkpoint == path:
-            return newer
-        newer.append(checkpoint)
-    return []
 
 
 def _name(checkpoint: Any) -> str:
