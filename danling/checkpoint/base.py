@@ -11,11 +11,13 @@ lives here, so a distributed backend only changes where bytes come from and whic
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
 import re
 import shutil
+import weakref
 from collections.abc import Mapping, MutableMapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeoutError
@@ -207,7 +209,13 @@ class CheckpointManager(RunnerSaves):
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="danling-checkpoint")
         self._pending = self._executor.submit(self._persist, snapshot, name, aliases, history, metadata)
         self._pending_path = target
+        _WRITING.add(self)
         return target
+
+    @property
+    def pending_path(self) -> Path | None:
+        """The checkpoint a background save writes (or wrote: its outcome not yet collected by `wait`), or `None`."""
+        return self._pending_path if self._pending is not None else None
 
     def maybe_wait_for_staging(self) -> None:
         """Called before every optimizer step: raise the error of a failed async save (staging is synchronous)."""
@@ -497,3 +505,18 @@ class CheckpointManager(RunnerSaves):
     def best(self) -> Path | None:
         """The checkpoint the `best` alias points at, or `None`."""
         return self.alias("best")
+
+
+# Managers whose background save may still run. The interpreter lets such a save finish before it
+# exits (the writer thread is not a daemon); this reports the ones that failed meanwhile.
+_WRITING: weakref.WeakSet[CheckpointManager] = weakref.WeakSet()
+
+
+@atexit.register
+def _report_at_exit() -> None:
+    for manager in list(_WRITING):
+        path = manager.pending_path
+        try:
+            manager.wait()
+        except BaseException as err:  # nobody is left to raise it to
+            manager.logger.error("checkpoint %s was not saved before the process exited: %s", path, err)

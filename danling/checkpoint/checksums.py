@@ -13,7 +13,7 @@ import mmap
 import os
 import threading
 from collections.abc import Callable, Iterable, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -96,7 +96,7 @@ class HashingWriter:
         try:
             if self._parallel and view.nbytes >= self.parallel_threshold:
                 # the buffer stays alive and unchanged until both the hash and the write finish
-                hashed = _hash_pool().submit(self._absorb, view)
+                hashed = _beside(self._absorb, view)
                 try:
                     self.raw.write(view)
                 finally:
@@ -243,6 +243,29 @@ def _hash_pool() -> ThreadPoolExecutor:
         return _POOL
 
 
+def submit(executor: Executor, fn: Callable[..., Any], *args: Any) -> Future:
+    """`executor.submit(fn, *args)`, or `fn(*args)` run here when the executor takes no more work.
+
+    At interpreter exit Python shuts every thread pool down before it joins the threads still
+    running, so a background checkpoint write that outlives the script (the interpreter waits for
+    it) finds its helper pools closed: it then does their work in its own thread instead of failing.
+    """
+    try:
+        return executor.submit(fn, *args)
+    except RuntimeError:  # "cannot schedule new futures after (interpreter) shutdown"
+        future: Future = Future()
+        try:
+            future.set_result(fn(*args))
+        except BaseException as err:  # delivered through the future, as from a pool thread
+            future.set_exception(err)
+        return future
+
+
+def _beside(fn: Callable[..., Any], *args: Any) -> Future:
+    """Run `fn(*args)` on the helper pool, beside the caller's thread."""
+    return submit(_hash_pool(), fn, *args)
+
+
 def _entry_checksum(entry: Mapping[str, Any], path: Any) -> str:
     for name in CHECKSUMS:
         if isinstance(entry.get(name), str):
@@ -286,7 +309,7 @@ def _digest_file(path: str | os.PathLike, checksum: str, *, chunked: bool = Fals
                 pieces = [view[start : start + CHUNK_BYTES] for start in range(0, size, CHUNK_BYTES)]
                 split = None
                 if chunked and checksum == "xxh3_128" and len(pieces) > 1:
-                    split = _hash_pool().submit(lambda: [xxhash.xxh3_128_hexdigest(piece) for piece in pieces])
+                    split = _beside(lambda: [xxhash.xxh3_128_hexdigest(piece) for piece in pieces])
                 try:
                     for piece in pieces:  # bounded pieces: SHA-256 holds the GIL less long
                         digest.update(piece)
@@ -320,7 +343,7 @@ def file_record(
     if not fsync:
         size, digest, chunks = _digest_file(path, checksum, chunked=chunked)
         return _record(size, checksum, digest, chunks)
-    flushed = _hash_pool().submit(_fsync_path, path)
+    flushed = _beside(_fsync_path, path)
     try:
         size, digest, chunks = _digest_file(path, checksum, chunked=chunked)
     finally:
@@ -350,7 +373,8 @@ def _digests(jobs: list[tuple[Path, str]]) -> list[str]:
     """Hex digests of several files, two at a time when there are several (the hashes release the GIL)."""
     if len(jobs) < 2:
         return [_digest_file(path, checksum)[1] for path, checksum in jobs]
-    return list(_hash_pool().map(lambda job: _digest_file(*job)[1], jobs))
+    futures = [_beside(_digest_file, path, checksum) for path, checksum in jobs]
+    return [future.result()[1] for future in futures]
 
 
 class BackgroundVerification:
@@ -379,7 +403,7 @@ class BackgroundVerification:
         jobs = list(jobs)
         for key, _, _ in jobs:
             self._verified[key] = 0
-        self._futures = [_hash_pool().submit(self._check, *job) for job in jobs]
+        self._futures = [_beside(self._check, *job) for job in jobs]
 
     def wait(self, key: str, end: int) -> None:
         """Block until bytes ``[0, end)`` of file `key` verified; raise the failure if any file failed."""

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import io
 import os
 import tempfile
@@ -44,11 +45,13 @@ from .base import CheckpointManager
 from .dcp import TorchDistributedCheckpointManager
 from .file import _torch_load
 from .manifest import CheckpointError
+from .unpickling import torch_load
 
 __all__ = [
     "DeepSpeedCheckpointManager",
     "convert_to_universal",
     "is_deepspeed_checkpoint",
+    "restricted_deepspeed_loads",
     "tag_view",
     "zero_data_size",
 ]
@@ -73,6 +76,54 @@ def zero_data_size(tag: Path) -> int | None:
     `None` when the tag has no ZeRO partitions (stage 0), which load on any size.
     """
     return len(list(tag.glob("*zero_pp_rank_*_mp_rank_00_optim_states.pt"))) or None
+
+
+# The plain-data classes DeepSpeed pickles into its own checkpoint files (ZeRO optimizer states,
+# loss scalers), admitted by name: none of them runs code when it is unpickled.
+DEEPSPEED_GLOBALS = (
+    "deepspeed.runtime.fp16.loss_scaler.LossScaler",
+    "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
+    "deepspeed.runtime.zero.config.ZeroStageEnum",
+    "deepspeed.utils.tensor_fragment.fragment_address",
+)
+
+
+def _deepspeed_globals() -> list[Any]:
+    found = []
+    for qualified in DEEPSPEED_GLOBALS:
+        module, _, name = qualified.rpartition(".")
+        with contextlib.suppress(ImportError):
+            value = getattr(importlib.import_module(module), name, None)
+            if value is not None:
+                found.append(value)
+    return found
+
+
+@contextlib.contextmanager
+def restricted_deepspeed_loads(trusted: bool = False) -> Iterator[None]:
+    """Within the block, DeepSpeed's reads of its own files go through danling's restricted unpickler.
+
+    DeepSpeed reads its module and optimizer files with `torch.load(..., weights_only=False)`, in the
+    engine's loader and in its conversion tools alike; within the block `torch.load` admits only
+    the weights-only types, [`SAFE_GLOBALS`][danling.checkpoint.unpickling.SAFE_GLOBALS] and
+    `DEEPSPEED_GLOBALS`, so a payload planted in such a file raises
+    [`UnsafePickleError`][danling.checkpoint.unpickling.UnsafePickleError] instead of running. With
+    `trusted` (`checkpoint.trust_pickle`) nothing changes. `torch.load` is replaced for the whole
+    process while the block runs; calls made meanwhile from other threads are restricted too.
+    """
+    if trusted:
+        yield
+        return
+    allowed = _deepspeed_globals()
+
+    def load(source: Any, map_location: Any = None, *args: Any, **kwargs: Any) -> Any:
+        return torch_load(source, map_location=map_location, extra_globals=allowed, mmap=bool(kwargs.get("mmap")))
+
+    previous, torch.load = torch.load, load
+    try:
+        yield
+    finally:
+        torch.load = previous
 
 
 @contextlib.contextmanager

@@ -18,6 +18,7 @@ import platform
 import re
 import shutil
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -25,6 +26,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from .checksums import submit
 from .manifest import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -46,6 +48,7 @@ __all__ = [
     "follow_pointer",
     "first_valid",
     "recover_directory",
+    "set_aside",
     "scan_checkpoints",
 ]
 
@@ -194,7 +197,7 @@ class Discard:
             if retired and self._executor is None:
                 self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="danling-discard")
             self._pending = [future for future in self._pending if not future.done()]
-            self._pending.extend(self._executor.submit(_remove, path) for path in retired)
+            self._pending.extend(submit(self._executor, _remove, path) for path in retired)
 
     def drain(self) -> None:
         """Remove every directory retired so far and wait until the removals are done."""
@@ -239,7 +242,7 @@ class PendingPointers:
             _IN_FLIGHT.update(tmp for tmp, _ in self.moves)
         if not _POINTER_WRITERS:
             _POINTER_WRITERS.append(ThreadPoolExecutor(max_workers=1, thread_name_prefix="danling-pointers"))
-        self._written = _POINTER_WRITERS[0].submit(self._write, target + "\n")
+        self._written = submit(_POINTER_WRITERS[0], self._write, target + "\n")
 
     def _write(self, text: str) -> None:
         for tmp, _ in self.moves:
@@ -276,11 +279,34 @@ os.register_at_fork(after_in_child=_POINTER_WRITERS.clear)  # a forked child has
 
 def follow_pointer(pointer: Path) -> Path:
     """The checkpoint a pointer file names; `CheckpointNotFoundError` when it names nothing."""
-    target = pointer.read_text(encoding="utf-8").strip()
+    try:
+        target = pointer.read_text(encoding="utf-8").strip()
+    except UnicodeDecodeError:  # garbage bytes (a torn or overwritten file): it names nothing
+        raise CheckpointNotFoundError(f"alias file {pointer} holds bytes that are not a checkpoint name") from None
     path = pointer.parent / target
     if not target or not NAME_PATTERN.match(target) or not path.exists():
         raise CheckpointNotFoundError(f"alias file {pointer} points to {target!r}, which does not exist")
     return path
+
+
+REFUSED_DIR = ".refused"
+"""Where checkpoints that failed verification are kept, inside the checkpoint directory (see `set_aside`)."""
+
+
+def set_aside(directory: Path, checkpoints: list[Path]) -> Path:
+    """Move checkpoints that fail verification to `<directory>/.refused/<name>-<time>` and return that folder.
+
+    A run that resumes from an older checkpoint saves the same names again, and a save replaces a
+    checkpoint of its name: the refused ones are evidence of what went wrong, kept where no save,
+    retention or recovery touches them.
+    """
+    refused = directory / REFUSED_DIR
+    refused.mkdir(exist_ok=True)
+    stamp = time.strftime("%Y%m%dT%H%M%S")
+    for checkpoint in checkpoints:
+        os.rename(checkpoint, refused / f"{checkpoint.name}-{stamp}")
+    fsync_dir(directory)
+    return refused
 
 
 def recover_directory(directory: Path, logger: logging.Logger) -> None:

@@ -27,11 +27,11 @@ from .checksums import (
     BackgroundVerification,
     HashingReader,
     HashingWriter,
+    _beside,
     _corrupt,
     _digests,
     _entry_checksum,
     _fsync_path,
-    _hash_pool,
     _torn,
     check_checksum,
     file_record,
@@ -158,12 +158,12 @@ def seal_directory(directory: Path, records: dict[str, Any], **fields: Any) -> N
     """
     missing = [path for path in sorted(directory.rglob("*")) if path.is_file()]
     missing = [path for path in missing if path.relative_to(directory).as_posix() not in records]
-    syncs = [_hash_pool().submit(_fsync_path, path) for path in missing]
+    syncs = [_beside(_fsync_path, path) for path in missing]
     try:
         for path in missing:
             records[path.relative_to(directory).as_posix()] = file_record(path)
         write_manifest(directory, files=records, fsync=False, **fields)
-        syncs.append(_hash_pool().submit(fsync_dir, directory))
+        syncs.append(_beside(fsync_dir, directory))
         _fsync_path(Path(directory) / MANIFEST_NAME)
     finally:
         failures = [sync.exception() for sync in syncs]

@@ -23,6 +23,7 @@ import os
 import pathlib
 import pickle
 import re
+from collections.abc import Sequence
 from typing import Any, BinaryIO
 
 import numpy as np
@@ -108,7 +109,11 @@ def restricted_load(source: BinaryIO | str | os.PathLike, *, origin: Any = None,
     return unpickler.load()
 
 
-_GLOBAL = re.compile(r"GLOBAL ([\w.]+) was not an allowed global")
+# torch names a refused global as "GLOBAL posix.system was not an allowed global" or "unsupported
+# GLOBAL posix.system whose module posix is blocked", depending on the version and the module.
+_GLOBAL = re.compile(r"GLOBAL ([\w.]+)")
+# torch's own advice around the reason; never repeated: it suggests loading with weights_only=False.
+_BOILERPLATE = ("weights only load failed", "weights_only", "check the documentation of torch.load")
 
 
 def _weights_only_reason(err: Exception) -> str:
@@ -119,7 +124,8 @@ def _weights_only_reason(err: Exception) -> str:
         return found.group(1)
     text = text.split("WeightsUnpickler error:", 1)[-1]
     lines = [line.strip() for line in text.splitlines() if line.strip()]
-    return lines[0] if lines else repr(err)
+    lines = [line for line in lines if not any(part in line.lower() for part in _BOILERPLATE)]
+    return lines[0] if lines else "a type outside the allow-list"
 
 
 def torch_load(
@@ -129,6 +135,7 @@ def torch_load(
     origin: Any = None,
     trusted: bool = False,
     mmap: bool = False,
+    extra_globals: Sequence[Any] = (),
 ) -> Any:
     """`torch.load` with `weights_only=True` and [`SAFE_GLOBALS`][danling.checkpoint.unpickling.SAFE_GLOBALS].
 
@@ -138,6 +145,7 @@ def torch_load(
         origin: How messages name the source (default: the path).
         trusted: Load with the full unpickler (may run code stored in the file).
         mmap: Map tensors from the file instead of reading them (zip-format files only).
+        extra_globals: Further types admitted for this load (a backend's own plain-data classes).
 
     Raises:
         UnsafePickleError: The file needs a type outside the allow-list.
@@ -145,10 +153,11 @@ def torch_load(
     """
     origin = origin if origin is not None else (os.fspath(source) if isinstance(source, (str, os.PathLike)) else source)
     try:
+        # torch.serialization.load is torch.load, but stays so while DeepSpeed's reads are redirected here
         if trusted:
-            return torch.load(source, map_location=map_location, weights_only=False, mmap=mmap)
-        with torch.serialization.safe_globals(list(SAFE_GLOBALS)):
-            return torch.load(source, map_location=map_location, weights_only=True, mmap=mmap)
+            return torch.serialization.load(source, map_location=map_location, weights_only=False, mmap=mmap)
+        with torch.serialization.safe_globals([*SAFE_GLOBALS, *extra_globals]):
+            return torch.serialization.load(source, map_location=map_location, weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as err:
         if "weights_only" in str(err) or "WeightsUnpickler" in str(err):
             raise _refusal(origin, _weights_only_reason(err)) from None

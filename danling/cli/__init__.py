@@ -5,7 +5,7 @@ danling runs [ROOT] [--json]          # table of the runs under a workspace root
 danling diff RUN_A RUN_B [--json]     # config differences, best and latest results side by side
 danling ckpt PATH [--json]            # what a checkpoint holds, with its manifest verified
 danling report RUN [RUN ...] [--out]  # report.html and PNG plots, several runs overlaid
-danling reconcile RUN [--json]        # repair aliases, result files and leftovers after a crash
+danling reconcile RUN [--json] [--trust-pickle]  # repair aliases, result files and leftovers after a crash
 ```
 
 Also available as `python -m danling`. [`main`][danling.cli.main] takes the argument list and
@@ -45,6 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
     reconcile = commands.add_parser("reconcile", help="repair a run's aliases, result files and leftovers")
     reconcile.add_argument("run", help="run directory (not one that is still writing)")
     reconcile.add_argument("--json", action="store_true", help="print JSON instead of text")
+    reconcile.add_argument(
+        "--trust-pickle", action="store_true", help="read the checkpoints with the full unpickler (files you trust)"
+    )
     return parser
 
 
@@ -64,7 +67,7 @@ def _dispatch(args: argparse.Namespace, out: TextIO) -> int:
     if args.command == "reconcile":
         from .reconcile import reconcile_command
 
-        return reconcile_command(args.run, args.json, out)
+        return reconcile_command(args.run, args.json, out, trusted=args.trust_pickle)
     from .report import report_command
 
     return report_command(args.runs, args.out, out)

@@ -17,8 +17,8 @@ from .records import CLIError, is_run_dir
 __all__ = ["reconcile_command"]
 
 
-def reconcile_command(run: str, as_json: bool, out: TextIO) -> int:
-    """Reconcile the run directory `run` and print the report; exit status 0."""
+def reconcile_command(run: str, as_json: bool, out: TextIO, *, trusted: bool = False) -> int:
+    """Reconcile the run directory `run` and print the report; exit status 0 (`trusted`: `--trust-pickle`)."""
     from danling.checkpoint.unpickling import UnsafePickleError
     from danling.runners.reconcile import reconcile_run
     from danling.runners.services.run_lock import RunDirectoryLockedError
@@ -29,7 +29,7 @@ def reconcile_command(run: str, as_json: bool, out: TextIO) -> int:
     logger = logging.getLogger("danling.reconcile")
     logger.addHandler(logging.NullHandler())  # the report below says it all
     try:
-        report = reconcile_run(path, logger=logger)
+        report = reconcile_run(path, logger=logger, trusted=trusted)
     except (UnsafePickleError, RunDirectoryLockedError) as err:  # a refused file, or a run still training
         raise CLIError(str(err)) from None
     if as_json:

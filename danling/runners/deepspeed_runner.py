@@ -286,18 +286,19 @@ class DeepSpeedRunner(TorchRunner):
             CheckpointError: the engine loaded nothing, or another tag than `tag` (its recorded
                 step differs).
         """
-        from danling.checkpoint.deepspeed import CLIENT_STEP_KEY, tag_view, zero_data_size
+        from danling.checkpoint.deepspeed import CLIENT_STEP_KEY, restricted_deepspeed_loads, tag_view, zero_data_size
 
         engine = self.model
         with_optimizer = options.get("load_optimizer_states", True) and not options.get("load_module_only", False)
         saved = zero_data_size(tag)
-        if with_optimizer and saved is not None and saved != engine.dp_world_size:
-            load_path, client = self._load_resized(tag, saved, **options)
-        elif engine.zero_optimization_stage() >= 3 and not options.get("load_optimizer_states", True):
-            with tag_view(tag) as view:
-                load_path, client = engine.load_checkpoint(str(view), tag=tag.name, **options)
-        else:
-            load_path, client = engine.load_checkpoint(str(tag.parent), tag=tag.name, **options)
+        with restricted_deepspeed_loads(self.config.checkpoint.trust_pickle):  # DeepSpeed unpickles with no limits
+            if with_optimizer and saved is not None and saved != engine.dp_world_size:
+                load_path, client = self._load_resized(tag, saved, **options)
+            elif engine.zero_optimization_stage() >= 3 and not options.get("load_optimizer_states", True):
+                with tag_view(tag) as view:
+                    load_path, client = engine.load_checkpoint(str(view), tag=tag.name, **options)
+            else:
+                load_path, client = engine.load_checkpoint(str(tag.parent), tag=tag.name, **options)
         if load_path is None:
             raise CheckpointError(f"DeepSpeed could not load checkpoint tag {tag}")
         loaded = (client or {}).get(CLIENT_STEP_KEY)
@@ -392,7 +393,10 @@ class DeepSpeedRunner(TorchRunner):
         if self.is_main_process:
             from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-            state = get_fp32_state_dict_from_zero_checkpoint(str(tag.parent), tag=tag.name)
+            from danling.checkpoint.deepspeed import restricted_deepspeed_loads
+
+            with restricted_deepspeed_loads(self.config.checkpoint.trust_pickle):
+                state = get_fp32_state_dict_from_zero_checkpoint(str(tag.parent), tag=tag.name)
             target.parent.mkdir(parents=True, exist_ok=True)
             torch.save(dict(state), target)
         if is_distributed():

@@ -101,8 +101,11 @@ def _writing(name: str) -> bool:
     return True
 
 
-def newest_valid_checkpoint(checkpoint_dir: Path, logger: logging.Logger | None = None) -> Path | None:
-    """The newest history checkpoint under `checkpoint_dir` that verifies, logging each one skipped."""
+def newest_valid_checkpoint(
+    checkpoint_dir: Path, logger: logging.Logger | None = None, refused: list[Path] | None = None
+) -> Path | None:
+    """The newest history checkpoint under `checkpoint_dir` that verifies, logging each one skipped
+    (and appending it to `refused` when given)."""
     for path, manifest in scan_checkpoints(checkpoint_dir, _HISTORY):
         if not manifest.get("history"):
             continue
@@ -111,6 +114,8 @@ def newest_valid_checkpoint(checkpoint_dir: Path, logger: logging.Logger | None 
         except CheckpointError as err:
             if logger is not None:
                 logger.warning("reconcile: skipping checkpoint %s: %s", path, err)
+            if refused is not None:
+                refused.append(path)
             continue
         return path
     return None
@@ -133,20 +138,27 @@ def _repoint(checkpoint_dir: Path, alias: str, target: Path, logger: logging.Log
     return [was, target.name]
 
 
-def _stored_rows(checkpoint: Path) -> tuple[dict[str, Any] | None, Mapping[str, Any] | None]:
-    """`results` and `runner` (config) of a checkpoint, read without its tensors where the format allows."""
+def _stored_rows(checkpoint: Path, trusted: bool = False) -> tuple[dict[str, Any] | None, Mapping[str, Any] | None]:
+    """`results` and `runner` (config) of a checkpoint, read without its tensors where the format allows.
+
+    `trusted` reads it with the full unpickler (`checkpoint.trust_pickle`), as the run's resume will."""
     from danling.checkpoint import detect_format, read_checkpoint
     from danling.checkpoint.unpickling import read_dcp_metadata, torch_load
 
     if detect_format(checkpoint) == "dcp":
         from danling.checkpoint.dcp import read_dcp_checkpoint
 
-        keys = {fqn.split(".")[0] for fqn in read_dcp_metadata(checkpoint / ".metadata").state_dict_metadata}
-        payload = read_dcp_checkpoint(checkpoint, exclude_from_loading=sorted(keys - {"results", "runner"}))
+        keys = {
+            fqn.split(".")[0]
+            for fqn in read_dcp_metadata(checkpoint / ".metadata", trusted=trusted).state_dict_metadata
+        }
+        excluded = sorted(keys - {"results", "runner"})
+        payload = read_dcp_checkpoint(checkpoint, exclude_from_loading=excluded, trusted=trusted)
     elif (checkpoint / "state.pt").is_file() and zipfile.is_zipfile(checkpoint / "state.pt"):
-        payload = torch_load(checkpoint / "state.pt", mmap=True)  # tensors stay on disk: only rows are read
+        # tensors stay on disk: only rows are read
+        payload = torch_load(checkpoint / "state.pt", mmap=True, trusted=trusted)
     else:
-        payload = read_checkpoint(checkpoint)
+        payload = read_checkpoint(checkpoint, trusted=trusted)
     return payload.get("results"), payload.get("runner")
 
 
@@ -191,6 +203,7 @@ def reconcile_run(
     *,
     config: RunnerConfig | Mapping[str, Any] | None = None,
     logger: logging.Logger | None = None,
+    trusted: bool = False,
 ) -> dict[str, Any]:
     """Bring the aliases, result files and leftovers of a run directory in line with its checkpoints.
 
@@ -199,6 +212,8 @@ def reconcile_run(
         config: The run's config; by default the one stored in the newest valid checkpoint, else
             in `metadata.json`. It names the checkpoint directory and the scoring rules.
         logger: Where each repair is reported (default `danling.reconcile`).
+        trusted: Read the checkpoint's rows with the full unpickler (only for files you trust;
+            a starting runner passes its `checkpoint.trust_pickle`).
 
     Returns:
         What was done: `latest` and `best` (`[before, after]` names, or `None` when unchanged),
@@ -229,7 +244,7 @@ def reconcile_run(
         return report
     report["checkpoint"] = str(newest)
     report["latest"] = _repoint(checkpoint_dir, "latest", newest, logger)
-    results, saved_config = _stored_rows(newest)
+    results, saved_config = _stored_rows(newest, trusted)
     if not results:
         return report
     if not isinstance(config, RunnerConfig):
@@ -262,4 +277,5 @@ def reconcile_on_start(runner: Any) -> dict[str, Any] | None:
     path = runner.workspace.path
     if not runner.is_main_process or runner.config.checkpoint.load_only or not Path(path).is_dir():
         return None
-    return reconcile_run(path, config=runner.config, logger=runner.logger)
+    trusted = bool(runner.config.checkpoint.trust_pickle)
+    return reconcile_run(path, config=runner.config, logger=runner.logger, trusted=trusted)

@@ -156,7 +156,7 @@ def fused_train_pass(runner: Any) -> FusedPass | None:
                     try:
                         runner.checkpoint_manager.maybe_wait_for_staging()
                     except CheckpointSaveError as err:
-                        runner.checkpoint_save_failed(err)
+                        runner._save_failed(err)
                     step_plain()
                     counters["global_step"] += 1
                     if not runner._train_timeout_applied:

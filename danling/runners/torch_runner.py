@@ -313,7 +313,16 @@ class TorchRunner(TorchCheckpointMixin, TorchBatchMixin, TorchDataMixin, TorchIn
         """
         section = self._merged_section("sched", "scheduler")
         if self.scheduler is None and self.optimizer is not None and section.get("type"):
-            self.scheduler = build_scheduler(self.optimizer, section, total_steps=self._total_steps())
+            total = self._total_steps()
+            try:
+                self.scheduler = build_scheduler(self.optimizer, section, total_steps=total)
+            except ValueError as err:
+                if total is not None or "total_steps" not in str(err):
+                    raise
+                raise ValueError(
+                    f"scheduler.type={section.get('type')!r} needs the run's length in optimizer steps, and this run "
+                    "has none: set epochs (with sized train datasets) or steps"
+                ) from err
             self.logger.info("scheduler: %r", self.scheduler)  # with the warmup/cooldown steps it settled on
         metric = self.scheduler is not None and is_metric_scheduler(self.scheduler)
         interval = section.get("interval") or ("epoch" if metric else "step")

@@ -145,3 +145,25 @@ def test_runner_checkpoints_load_without_trust(tmp_path):
         latest = runner.checkpoint_manager.latest
     with ToyRunner.from_checkpoint(latest) as restored:
         assert restored.train_state.epoch == 1
+
+
+class System:
+    """Unpickling this calls `os.system` (pickled as the global `posix.system`)."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        import os
+
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_refusal_names_the_blocked_global_and_the_opt_in_never_weights_only(tmp_path, marker):
+    plain = tmp_path / "plain.pt"
+    torch.save({"model": System(marker)}, plain)
+    with pytest.raises(UnsafePickleError) as info:
+        read_checkpoint(plain)
+    message = str(info.value)
+    assert "needs posix.system," in message and "checkpoint.trust_pickle" in message
+    assert "weights_only" not in message and "Weights only" not in message

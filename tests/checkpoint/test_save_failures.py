@@ -124,3 +124,42 @@ def test_runner_with_async_saves_stops_on_the_failed_save(tmp_path, monkeypatch)
     runner.close()  # raised once: closing afterwards is clean
     assert runner.train_state.epoch <= 3
     assert FileCheckpointManager(runner.checkpoint_manager.directory).load("latest")["state"]["train"]["epoch"] == 1
+
+
+def _status(runner) -> dict:
+    import json
+
+    return json.loads((runner.workspace.path / "status.json").read_text())
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_run_whose_last_save_failed_fails_even_when_continuing(tmp_path, monkeypatch, caplog, async_save):
+    from tests.runners._toy import ToyRunner, toy_config
+
+    _fail_saves(monkeypatch, {1, 2})  # epoch-000000 lands; the two saves after it find the disk full
+    config = toy_config(tmp_path, epochs=3, **{"checkpoint.continue_on_save_error": True})
+    config["checkpoint.async_enabled"] = async_save
+    runner = ToyRunner(config)
+    with pytest.raises(CheckpointSaveError, match=r"ended without its last checkpoint.*epoch-000002"):
+        runner.train()
+    runner.close()
+    assert runner.train_state.epoch == 3
+    status = _status(runner)
+    assert status["status"] == "failed" and "epoch-000002" in status["error"]
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert any("epoch-000001" in message for message in errors)  # the skipped save is an ERROR line
+    assert FileCheckpointManager(runner.checkpoint_manager.directory).latest.name == "epoch-000000"
+
+
+def test_a_background_failure_found_by_the_next_save_does_not_skip_it(tmp_path, monkeypatch, caplog):
+    from tests.runners._toy import ToyRunner, toy_config
+
+    _fail_saves(monkeypatch, {0})
+    config = toy_config(tmp_path, **{"checkpoint.continue_on_save_error": True, "checkpoint.async_enabled": True})
+    with ToyRunner(config) as runner:
+        runner.save_checkpoint(force=True)  # fails in the background
+        runner.save_checkpoint(name="second", force=True)  # finds that failure first, then still saves
+        runner.checkpoint_manager.wait()
+        assert runner.checkpoint_manager.alias("second") is not None
+    failures = [r for r in caplog.records if r.getMessage().startswith("saving checkpoint step-000000")]
+    assert [r.levelname for r in failures] == ["ERROR"]

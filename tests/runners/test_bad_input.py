@@ -113,3 +113,116 @@ def test_labels_out_of_range_name_the_range_and_split(tmp_path):
     pattern = r"labels out of range on split 'train'.*\[0, 2\].*3 classes.*0 to 3"
     with Classifier(tiny_config(tmp_path)) as runner, pytest.raises(ValueError, match=pattern):
         runner.train()
+
+
+def test_an_empty_evaluation_split_is_refused_instead_of_giving_nan_rows(tmp_path):
+    class EmptyVal(TinyRunner):
+        def __init__(self, config):
+            super().__init__(config)
+            self.datasets.val = TensorDataset(torch.zeros(0, 4), torch.zeros(0, 1))
+
+    with EmptyVal(tiny_config(tmp_path, epochs=1)) as runner:
+        with pytest.raises(ValueError, match=r"evaluation split 'val' yields no batch: its dataset is empty"):
+            runner.train()
+        assert not runner.results  # refused before the first step, not after a row of NaN
+
+
+@pytest.mark.parametrize(("key", "value"), [("timeout_seconds", -1), ("interval_seconds", 0)])
+def test_a_watchdog_time_that_cannot_work_is_refused_in_a_single_process_too(tmp_path, key, value):
+    refused = pytest.raises(ValueError, match=rf"watchdog\.{key} must be .*got {value}")
+    with ToyRunner(toy_config(tmp_path, **{f"watchdog.{key}": value})) as runner, refused:
+        runner.train()
+
+
+_FAILING_SCRIPT = """
+import sys
+from tests.runners._toy import ToyRunner, toy_config
+with ToyRunner(toy_config(sys.argv[1], epochs=0, log=True)) as runner:
+    print(runner.workspace.log_file, flush=True)
+    runner.train()
+"""
+
+
+@pytest.mark.parametrize("debug", [False, True])
+def test_a_user_error_is_one_line_on_stderr_and_its_traceback_goes_to_the_run_log(tmp_path, debug):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {key: value for key, value in os.environ.items() if key != "DANLING_DEBUG"}
+    if debug:
+        env["DANLING_DEBUG"] = "1"
+    repo = Path(__file__).resolve().parents[2]
+    done = subprocess.run(
+        [sys.executable, "-c", _FAILING_SCRIPT, str(tmp_path)], cwd=repo, env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 1
+    log = Path(done.stdout.split()[0])
+    errors = [line for line in done.stderr.splitlines() if "| INFO " not in line and "| WARNING " not in line]
+    if debug:
+        assert errors[0] == "Traceback (most recent call last):", done.stderr
+    else:
+        assert errors == [
+            f"-c: error: ValueError: epochs=0 trains nothing: set epochs to a positive int (or call evaluate()) "
+            f"(traceback in {log}; DANLING_DEBUG=1 prints it here)"
+        ]
+    kept = log.read_text()
+    assert "the run ended with an exception" in kept and "Traceback (most recent call last)" in kept
+
+
+def test_a_scheduler_that_needs_a_length_without_a_budget_says_to_set_one(tmp_path):
+    config = tiny_config(tmp_path, epochs=None, **{"scheduler.type": "cosine"})
+    with pytest.raises(ValueError, match=r"scheduler.type='cosine' needs the run's length.*set epochs .* or steps"):
+        TinyRunner(config)
+
+
+@pytest.mark.parametrize("root", ["file", "read-only"])
+def test_a_workspace_root_that_cannot_hold_runs_names_it(tmp_path, root):
+    import os
+
+    if root == "file":
+        path = tmp_path / "not-a-directory"
+        path.write_text("")
+    else:
+        if os.geteuid() == 0:
+            pytest.skip("root writes into read-only directories")
+        path = tmp_path / "read-only"
+        path.mkdir(mode=0o500)
+    with pytest.raises(OSError, match=rf"cannot create the run directory .*workspace_root \(now '{path}'\)"):
+        TinyRunner(tiny_config(path))
+
+
+def test_a_round_whose_updates_were_all_non_finite_says_so(tmp_path):
+    class AllNaN(TinyRunner):
+        def train_step(self, data):
+            x, y = self.to_device(data)
+            loss = self.criterion(self.model(x), y) * float("nan")
+            self.backward(loss)
+            self.step()
+            return None, loss.detach()
+
+    config = tiny_config(tmp_path, epochs=None, steps=5, skip_nonfinite_grad=True)
+    with AllNaN(config) as runner, pytest.raises(RuntimeError, match=r"all 5 updates were skipped for non-finite"):
+        runner.train()
+
+
+def test_a_metric_that_is_nan_from_out_of_range_labels_warns_once(tmp_path, caplog):
+    from danling.metrics import StreamMetrics
+    from danling.metrics.functional import accuracy
+
+    class OutOfRange(TinyRunner):
+        def __init__(self, config):
+            super().__init__(config)
+            self.model = nn.Sequential(nn.Linear(4, 3))
+            self.criterion = nn.CrossEntropyLoss(ignore_index=5)  # the loss skips label 5; accuracy cannot
+            x = torch.randn(8, 4)
+            self.datasets.train = TensorDataset(x, torch.zeros(8, dtype=torch.long))
+            self.datasets.val = TensorDataset(x, torch.full((8,), 5))  # class 5 of 3
+            self.evaluate_metrics = StreamMetrics(acc=accuracy)
+
+    with caplog.at_level(logging.WARNING), OutOfRange(tiny_config(tmp_path, epochs=2)) as runner:
+        runner.train()
+    assert runner.results[1]["val"]["acc"] != runner.results[1]["val"]["acc"]  # NaN, as documented
+    warnings = [r.getMessage() for r in caplog.records if "metric 'acc' of split 'val' is NaN" in r.getMessage()]
+    assert len(warnings) == 1 and "outside [0, num_classes)" in warnings[0]  # once, over both epochs

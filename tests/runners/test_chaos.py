@@ -53,3 +53,16 @@ def test_chaos_single_process(tmp_path):
 @pytest.mark.distributed
 def test_chaos_two_process_ddp(tmp_path):
     _assert_clean(_chaos(tmp_path, kills=3, world_size=2, seed=2), kills=3)
+
+
+def test_the_paths_harness_finds_nothing_lost_overwritten_or_silent(tmp_path):
+    """`benchmarks/chaos_paths.py`, short: unverifiable checkpoints under auto_resume, failed last saves."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        from chaos_paths import run_paths
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    report = run_paths(tmp_path, runs=1, paths=["unverifiable", "save_errors"])
+    assert report["unverifiable"]["runs"] == 3 and report["save_errors"]["runs"] == 2
+    for counts in report.values():
+        assert all(value == 0 for key, value in counts.items() if key not in ("runs", "seconds")), report

@@ -97,3 +97,54 @@ def test_best_ties_go_to_the_latest_row():
     assert _Rows(RunnerConfig(), rows).best_index == 2
     scored = {0: {"val": {"acc": 0.5}}, 1: {"val": {"acc": 0.9}}, 2: {"val": {"acc": 0.9}}}
     assert _Rows(RunnerConfig(score_name="acc"), scored).best_index == 2
+
+
+class FractionRunner(ToyRunner):
+    """Saves a `fractions.Fraction`: harmless, but outside the restricted unpickler's allow-list."""
+
+    def state_dict(self, cls=dict):
+        from fractions import Fraction
+
+        payload = super().state_dict(cls)
+        payload["ratio"] = Fraction(1, 3)
+        return payload
+
+
+@pytest.mark.parametrize("how", ["auto_resume", "resume"])
+def test_trust_pickle_is_honoured_by_the_reconcile_on_start(tmp_path, how):
+    trusted = {"checkpoint.trust_pickle": True}
+    with FractionRunner(toy_config(tmp_path, epochs=1, **trusted)) as runner:
+        runner.train()
+        run_dir = runner.workspace.path
+    source = {"auto_resume": True} if how == "auto_resume" else {"resume": str(run_dir / "checkpoints" / "latest")}
+    with FractionRunner(toy_config(tmp_path, epochs=2, **trusted, **source)) as resumed:
+        assert resumed.train_state.epoch == 1 and resumed.workspace.path == run_dir
+    out = io.StringIO()
+    assert cli_main(["reconcile", str(run_dir), "--trust-pickle"], out=out) == 0
+    err = io.StringIO()
+    assert cli_main(["reconcile", str(run_dir)], err=err) == 2 and "fractions.Fraction" in err.getvalue()
+
+
+def test_garbage_in_latest_pointer_falls_back_with_a_warning(finished_run, tmp_path, caplog):
+    run_dir, _, _ = finished_run
+    (run_dir / "checkpoints" / "latest.pointer").write_bytes(b"\xff\xfe\x00garbage\x9c")
+    out = io.StringIO()
+    assert cli_main(["reconcile", str(run_dir)], out=out) == 0
+    assert "latest:     - -> epoch-000003" in out.getvalue()
+    (run_dir / "checkpoints" / "latest.pointer").write_bytes(b"\xff\xfe\x00garbage\x9c")
+    config = toy_config(tmp_path, epochs=4, auto_resume=True)
+    with caplog.at_level(logging.WARNING), ToyRunner(config) as resumed:
+        assert resumed.train_state.epoch == 4
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert any("'latest' pointed to None; corrected to epoch-000003" in message for message in warnings)
+
+
+def test_a_lagging_latest_moved_by_reconcile_is_not_called_unusable(finished_run, tmp_path, caplog):
+    run_dir, _, _ = finished_run
+    write_pointer(run_dir / "checkpoints", "latest", "epoch-000001")  # fine, only behind
+    config = toy_config(tmp_path, epochs=4, auto_resume=True)
+    with caplog.at_level(logging.WARNING), ToyRunner(config) as resumed:
+        assert resumed.train_state.epoch == 4
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("'latest' pointed to epoch-000001; corrected to epoch-000003" in message for message in messages)
+    assert not any("is not usable" in message for message in messages)

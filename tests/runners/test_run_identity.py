@@ -295,8 +295,7 @@ def test_the_version_rule(tmp_path):
         return choose_run_dir(base, dir_name="checkpoints", auto_resume=auto_resume, resume=resume)
 
     def checkpoint(run_dir):
-        (run_dir / "checkpoints" / "epoch-000000").mkdir(parents=True)
-        (run_dir / "checkpoints" / "latest.pointer").write_text("epoch-000000\n")
+        FileCheckpointManager(run_dir / "checkpoints").save({"step": 0}, "epoch-000000")
 
     assert choose() == base and choose(auto_resume=True) == base
     checkpoint(base)
@@ -326,3 +325,71 @@ def test_a_step_budget_extends_and_lowers_the_same_way(tmp_path, caplog):
         lowered.close()
     assert lowered.train_state.global_step == 9
     assert "9 optimizer steps are done and steps=4" in _messages(caplog)
+
+
+def _damage(checkpoint: Path, how: str) -> None:
+    payload = checkpoint / "state.pt"
+    if how == "manifest removed":
+        (checkpoint / "manifest.json").unlink()
+    elif how == "truncated":
+        payload.write_bytes(payload.read_bytes()[:100])
+    else:  # a flipped byte
+        data = bytearray(payload.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        payload.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("how", ["manifest removed", "truncated", "flipped byte"])
+def test_auto_resume_never_overwrites_checkpoints_it_cannot_verify(tmp_path, caplog, how):
+    first, _ = _train(tmp_path, auto_resume=True, epochs=3)
+    checkpoints = first / "checkpoints"
+    for checkpoint in sorted(checkpoints.glob("epoch-*")):
+        _damage(checkpoint, how)
+    evidence = _snapshot(checkpoints)
+    with caplog.at_level(logging.WARNING):
+        second, runner = _train(tmp_path, auto_resume=True, epochs=3)
+    assert second == first.with_name(first.name + "-v2") and runner.train_state.epoch == 3
+    assert _snapshot(checkpoints) == evidence  # nothing replaced, nothing pruned
+    message = next(m for m in _messages(caplog).splitlines() if "verifies, so this run" in m)
+    assert str(checkpoints) in message and str(second) in message
+    assert all(f"epoch-00000{epoch}: " in message for epoch in range(3))  # each one, with why it was refused
+    third = TinyRunner(tiny_config(tmp_path, auto_resume=True, epochs=3))  # the new version continues from now on
+    assert Path(third.dir) == second and third.train_state.epoch == 3
+    third.close()
+
+
+def test_a_subclass_that_extends_config_id_ignores_resumes_after_a_budget_change(tmp_path):
+    from danling.runners import RunnerConfig
+
+    class InferConfig(RunnerConfig):
+        CONFIG_ID_IGNORES = (*RunnerConfig.CONFIG_ID_IGNORES, "infer_only")
+        infer_only: bool = False
+
+    def config(**overrides):
+        return InferConfig(**tiny_config(tmp_path, auto_resume=True, **overrides))
+
+    first = TinyRunner(config(epochs=1))
+    first.train()
+    first.close()
+    resumed = TinyRunner(config(epochs=2))  # raised "infer_only: False -> None" before
+    assert Path(resumed.dir) == Path(first.dir) and resumed.train_state.epoch == 1
+    resumed.train()
+    resumed.close()
+    assert resumed.train_state.epoch == 2
+
+
+def test_checkpoints_auto_resume_skips_are_set_aside_not_replaced_by_the_saves_after(tmp_path, caplog):
+    first, _ = _train(tmp_path, auto_resume=True, epochs=3)
+    checkpoints = first / "checkpoints"
+    _damage(checkpoints / "epoch-000002", "flipped byte")
+    evidence = _snapshot(checkpoints / "epoch-000002")
+    with caplog.at_level(logging.WARNING):
+        second, runner = _train(tmp_path, auto_resume=True, epochs=3)
+    assert second == first and runner.train_state.epoch == 3  # resumed from epoch 1, trained epoch 2 again
+    kept = list((checkpoints / ".refused").iterdir())
+    assert [path.name.rsplit("-", 1)[0] for path in kept] == ["epoch-000002"]
+    assert _snapshot(kept[0]) == evidence  # the corrupt one, as it was
+    FileCheckpointManager(checkpoints).verify("epoch-000002")  # the new save of that name
+    messages = _messages(caplog)
+    assert "['epoch-000002'] do not verify; moved to" in messages
+    assert "latest checkpoint" in messages and "is not usable" in messages  # latest was the refused one

@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 from danling.checkpoint import read_checkpoint as read_checkpoint_source
 from danling.checkpoint.failures import CheckpointSaveError
+from danling.checkpoint.layout import set_aside
+from danling.checkpoint.manifest import CheckpointError
 from danling.utils import RoundDict
 
 from ..config import RunnerConfig, recorded_config
@@ -53,6 +55,8 @@ class CheckpointMixin:
     # (global_step, micro_step) when the newest result row was stored; `best` may only go to a
     # checkpoint of exactly that state (the row's scores describe no other weights).
     _scored_progress: tuple[int, int] | None = None
+    # The newest save's failure until a later save is written; a training loop ending with one fails.
+    _save_failure: CheckpointSaveError | None = None
 
     def append_result(self, result: Mapping[str, Any], index: int | None = None) -> None:
         """Store a result row (see `ResultsMixin.append_result`) and remember which training state it scored."""
@@ -160,15 +164,61 @@ class CheckpointMixin:
             The checkpoint directory, or `None` when nothing was written by this process (or the
             write failed and `checkpoint.continue_on_save_error` is set; see `checkpoint_save_failed`).
         """
-        try:
-            path = self.checkpoint_manager.save_checkpoint(
-                self, name=name, epochs=epochs, save_best=save_best, last_step=last_step, force=force
-            )
-        except CheckpointSaveError as err:
-            return self.checkpoint_save_failed(err)
+        manager = self.checkpoint_manager
+        while True:
+            earlier = manager.pending_path
+            try:
+                path = manager.save_checkpoint(
+                    self, name=name, epochs=epochs, save_best=save_best, last_step=last_step, force=force
+                )
+            except CheckpointSaveError as err:
+                if earlier is None or err.path != earlier:
+                    return self._save_failed(err)
+                self.checkpoint_save_failed(err)  # the background save before this one failed: this one still runs
+                continue
+            break
         if path is not None:
+            self._save_failure = None
             self.events.emit(Events.CHECKPOINT_SAVED, CheckpointContext(self, path, name))
         return path
+
+    def _save_failed(self, error: CheckpointSaveError) -> None:
+        """The newest save failed: hand it to `checkpoint_save_failed`, and fail the run if no later save lands."""
+        self._save_failure = error
+        return self.checkpoint_save_failed(error)
+
+    def finish_checkpoints(self, *, failing: bool = False) -> None:
+        """Wait until the saves the run started are durable; called as the outermost training loop ends.
+
+        Background saves let training go on while they write, so the run's last checkpoint is still
+        being written when the loop is done: `train()` returns (and the process may exit) only once
+        it is on disk. A run whose newest save failed (with `checkpoint.continue_on_save_error` too)
+        raises `CheckpointSaveError` here, so it ends with an error and `status.json` says `failed`.
+        With `failing` (the loop is leaving with an exception) a failed save is only logged.
+        """
+        manager = self.checkpoint_manager
+        path = manager.pending_path
+        try:
+            drained = manager.wait(manager.timeout)
+        except Exception as err:
+            if failing or not isinstance(err, CheckpointSaveError):
+                self.logger.error("checkpoint %s was not saved: %s", path, err)
+                if failing:
+                    return  # the exception leaving the loop is the one to report
+                raise
+            self._save_failure = err
+        else:
+            if not drained:
+                self.logger.error("checkpoint %s is still being written after %ss", path, manager.timeout)
+        failure, self._save_failure = self._save_failure, None
+        if failure is not None and not failing:
+            raise CheckpointSaveError(
+                f"the run ended without its last checkpoint: {failure}",
+                path=failure.path,
+                needed=failure.needed,
+                free=failure.free,
+                errno=failure.errno,
+            ) from failure
 
     def publishes_best(self) -> bool:
         """Whether a checkpoint saved now may be published as `best`: the newest result row is the best
@@ -420,9 +470,15 @@ class CheckpointMixin:
             report_code_change(self)
             return
         if config.get("auto_resume"):
-            path = newest_valid_checkpoint(manager.directory, self.logger) or manager.latest_valid()
+            refused: list[Path] = []
+            path = newest_valid_checkpoint(manager.directory, self.logger, refused) or manager.latest_valid()
+            if path is not None and refused and self.is_main_process and not config.checkpoint.load_only:
+                kept = set_aside(manager.directory, refused)  # saves of the same names follow: keep them apart
+                self.logger.warning(
+                    "auto_resume: %s do not verify; moved to %s as they are", [p.name for p in refused], kept
+                )
             if path is not None:
-                if latest is not None and latest != path:
+                if latest is not None and latest in refused:  # not one that merely lagged (reconcile moved it)
                     self.logger.warning(
                         "auto_resume: latest checkpoint %s is not usable; resuming from %s", latest, path
                     )
@@ -430,6 +486,12 @@ class CheckpointMixin:
                 self.load_checkpoint(path)
                 report_code_change(self)
                 return
+            if manager.checkpoints():  # the workspace refuses such a directory: it changed since
+                raise CheckpointError(
+                    f"auto_resume: no checkpoint in {manager.directory} verifies (see the warnings above); "
+                    "they are kept as they are rather than overwritten by a run from scratch: move them away, "
+                    "or resume one explicitly"
+                )
             start = "the pretrained weights" if config.get("pretrained") else "scratch"
             self.logger.info("auto_resume: no checkpoint in %s, starting from %s", manager.directory, start)
             report_other_runs(self)

@@ -88,6 +88,7 @@ def check_identity(runner: BaseRunner, saved: RunnerConfig) -> None:
         ValueError: Identity keys differ and `resume_allow_changes` is not set.
     """
     config = runner.config
+    saved = _judged_like(saved, config)
     if saved.config_id == config.config_id:
         return
     differences = identity_differences(saved.semantic_dict(), config.semantic_dict())
@@ -104,6 +105,19 @@ def check_identity(runner: BaseRunner, saved: RunnerConfig) -> None:
         runner.logger.warning("resume_allow_changes: %s was %r in the checkpoint's run, now %r", key, old, new)
 
 
+def _judged_like(saved: RunnerConfig, config: RunnerConfig) -> RunnerConfig:
+    """`saved` with the identity rules (`CONFIG_ID_IGNORES`) of `config`'s class.
+
+    A record is read back as a plain `RunnerConfig`: a subclass that extends the ignored keys would
+    otherwise find its own ignored keys counted in the record's identity and nowhere in its own.
+    """
+    ignores = type(config).CONFIG_ID_IGNORES
+    if ignores == type(saved).CONFIG_ID_IGNORES:
+        return saved
+    judged = type(f"{type(saved).__name__}Judged", (type(saved),), {"CONFIG_ID_IGNORES": ignores})
+    return judged(**saved.dict())
+
+
 def take_run_dir(runner: BaseRunner) -> None:
     """Lock the run directory for this run and say when it is a new version beside an earlier run.
 
@@ -112,7 +126,17 @@ def take_run_dir(runner: BaseRunner) -> None:
     """
     workspace = runner.workspace
     workspace.lock(runner.logger)
-    if runner.is_main_process and workspace.version > 1:
+    if not runner.is_main_process:
+        return
+    for run_dir, reasons in workspace.refused.items():
+        runner.logger.warning(
+            "auto_resume: no checkpoint in %s verifies, so this run starts from scratch in %s and leaves them "
+            "as they are; refused: %s",
+            Path(run_dir) / runner.config.checkpoint.dir_name,
+            workspace.path,
+            "; ".join(f"{name}: {reason}" for name, reason in reasons.items()),
+        )
+    if workspace.version > 1 and not workspace.refused:
         earlier = workspace.base_path if workspace.version == 2 else f"{workspace.base_path}-v{workspace.version - 1}"
         runner.logger.warning(
             "%s already holds the checkpoints of an earlier run of this config, so this run writes into %s; "

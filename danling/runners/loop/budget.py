@@ -45,13 +45,14 @@ class ProgressMixin:
 
     config: RunnerConfig
 
-    def check_training_budget(self, train_splits: Sequence[str]) -> None:
-        """Refuse a training budget or training data that would train nothing, before the first step.
+    def check_training_budget(self, train_splits: Sequence[str], evaluate_splits: Sequence[str] = ()) -> None:
+        """Refuse a training budget or data that would train nothing (or score nothing), before the first step.
 
         Raises:
             ValueError: `epochs` or `steps` is 0 (without progress to resume past it), or a train
-                split's loader yields no batch (an empty dataset, or `drop_last` with a batch larger
-                than the dataset); the message names the value and what is accepted.
+                or evaluation split's loader yields no batch (an empty dataset, or `drop_last` with
+                a batch larger than the dataset: an evaluation split would give rows of NaN); the
+                message names the value and what is accepted.
         """
         config, state = self.config, self.train_state
         for key, done in (("epochs", state.epoch), ("steps", state.global_step)):
@@ -67,6 +68,12 @@ class ProgressMixin:
         for split in train_splits:
             if length_of(self.dataloaders[split]) == 0:
                 raise ValueError(f"training split {split!r} yields no batch: {_why_empty(self.dataloaders[split])}")
+        for split in evaluate_splits:
+            if length_of(self.dataloaders[split]) == 0:
+                raise ValueError(
+                    f"evaluation split {split!r} yields no batch: {_why_empty(self.dataloaders[split])}; its result "
+                    "rows would hold NaN: give it data or leave it out of evaluate_splits"
+                )
 
     def budget_spent(self) -> bool:
         """Whether a resumed run has already trained its whole budget; if so, say so in the log.

@@ -158,7 +158,7 @@ class StepHooks:
         try:
             self.checkpoint_manager.maybe_wait_for_staging()
         except CheckpointSaveError as err:  # an async save failed since the last step
-            self.checkpoint_save_failed(err)
+            self._save_failed(err)
         applied = self.update.apply()
         state = self.state.train
         if applied:

@@ -67,7 +67,7 @@ class LoopMixin(DryRunMixin):
                 "name one 'train' or set config.train_splits"
             )
         evaluate_splits = self._resolve_splits(evaluate_splits, self.evaluate_splits, "evaluate")
-        self.check_training_budget(train_splits)
+        self.check_training_budget(train_splits, evaluate_splits)
         if self.dry_run_batches:
             return self.dry_run(train_splits, evaluate_splits)
         if self.budget_spent():  # a resumed run whose budget was not raised
@@ -175,7 +175,7 @@ class LoopMixin(DryRunMixin):
 
     def _train_round(self, train_splits: list[str], result: RoundDict, budget: int) -> None:
         """One round over the train splits in step mode, stopping at the budget."""
-        start = self.train_state.global_step
+        start, skipped = self.train_state.global_step, self.update.skipped_steps
         # A checkpoint written after a pass's last batch resumes into a round with nothing left to
         # train: its steps were applied before the checkpoint, so an empty remainder is no error.
         continuing = self.loop_state.split in train_splits and self.loop_state.batch > 0
@@ -195,10 +195,14 @@ class LoopMixin(DryRunMixin):
             # periodic evaluation's row gives a metric scheduler that row instead.
             self.advance_schedulers(result or self._latest_row() or result)
         if self.train_state.global_step == start and not continuing:
-            raise RuntimeError(
-                f"a full round over {train_splits} applied no optimizer step: the loaders are empty "
-                "or train_step does not call self.step()"
+            skipped = self.update.skipped_steps - skipped
+            why = (
+                f"all {skipped} updates were skipped for non-finite (NaN/inf) gradients: check the loss and the "
+                "data (nonfinite.* decides what a non-finite update does)"
+                if skipped
+                else "the loaders are empty or train_step does not call self.step()"
             )
+            raise RuntimeError(f"a full round over {train_splits} applied no optimizer step: {why}")
 
     def _pass_completed(self, split: str) -> bool:
         """Whether the training pass over `split` that just stopped reached the end of its loader."""

@@ -451,11 +451,15 @@ class PassMixin(StepHooks):
                     if self._stop_requested():
                         self._shutdown()
                     yield
+                    if training:
+                        self.finish_checkpoints()  # the run's last checkpoint is on disk before it returns
                     self.flush_results()  # a finished loop leaves its result files complete on disk
                 except LossSpike:
                     raise  # not a failure: `train` rolls back and goes on
                 except Exception as error:
                     self.events.emit(Events.FAILURE, FailureContext(self, error))
+                    if training:
+                        self.finish_checkpoints(failing=True)
                     raise
         finally:
             self._loop_depth = 0

@@ -27,6 +27,7 @@ except ImportError:  # pragma: no cover - Windows has no getrusage
 
 from ..loop.events import CheckpointContext, Events, LogContext, PassContext, RunContext, StepContext, StopContext
 from .csv_tracker import CSVTracker
+from .errors import report_errors_briefly
 from .mlflow_tracker import MLflowTracker
 from .progress_bar import ProgressBar
 from .trackers import TensorBoardTracker, WandbTracker
@@ -140,6 +141,9 @@ class ObservabilityMixin:
     def init_logging(self) -> None:
         """Attach the run's logger: console on the main process, plus `run.log` when `config.log` is set."""
         self.logger = self.workspace.setup_logging()
+        # an error ending the script: one line on stderr, its traceback in the run log (DANLING_DEBUG prints it)
+        keeps_log = self.config.get("log", True) or not self.is_main_process
+        report_errors_briefly(self.workspace.log_file if keeps_log else None)
         self.supervisor.logger = self.logger
         self.checkpoint_manager.logger = self.logger
         if self.is_main_process and sys.stdout.isatty():

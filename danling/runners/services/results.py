@@ -214,6 +214,25 @@ class ResultsMixin:
         self.results[index] = RoundDict.from_flat(result)  # a copy; rows of split -> metrics skip chanfig's constructor
         if not self.__dict__.get("_score_checked"):
             self._check_score_key(self.results[index])
+        self._warn_nan_metrics(self.results[index])
+
+    def _warn_nan_metrics(self, row: Mapping[str, Any]) -> None:
+        """Log a WARNING the first time a metric of a split is NaN: a metric says NaN for input it cannot
+        score (see the metrics docs) rather than raise, and a row of NaN would otherwise pass unnoticed."""
+        warned = self.__dict__.setdefault("_nan_warned", set())
+        for split, metrics in row.items():
+            if not isinstance(metrics, Mapping):
+                continue
+            for name, value in metrics.items():
+                if isinstance(value, float) and value != value and (split, name) not in warned:
+                    warned.add((split, name))
+                    self.logger.warning(
+                        "metric %r of split %r is NaN: it cannot be scored from this input (multiclass targets "
+                        "outside [0, num_classes), binary targets other than 0 and 1, a single class for AUROC, "
+                        "no samples, or a NaN loss); warned once",
+                        name,
+                        split,
+                    )
 
     def _check_score_key(self, row: Mapping[str, Any]) -> None:
         """At the first row with an evaluation split, refuse a `score_split`/`score_name` it lacks.

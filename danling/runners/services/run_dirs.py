@@ -7,7 +7,9 @@ writes into a directory holding another run's checkpoints, so it gets the next v
 - `resume` pointing inside one of the versions continues that version (a `resume` path
   elsewhere starts a new version, even with `auto_resume`);
 - `auto_resume` (or `resume` naming an alias such as `latest`) continues the newest version that
-  holds a checkpoint;
+  holds a checkpoint; with `auto_resume` alone, only when one of its checkpoints verifies: checkpoints
+  that do not are evidence of what went wrong, never overwritten by a run starting from scratch, so
+  that run takes a new version (and reports why each checkpoint was refused);
 - otherwise the first version without a checkpoint is used (the plain name when it has none).
 
 Every rank decides before any of them can write a checkpoint (the process group forms after the
@@ -29,6 +31,7 @@ __all__ = [
     "atomic_write",
     "choose_run_dir",
     "has_checkpoints",
+    "refused_checkpoints",
     "identity_differences",
     "launch_record",
     "record_launch",
@@ -39,6 +42,7 @@ __all__ = [
 
 _VERSION = re.compile(r"^(?P<base>.+)-v(?P<number>[2-9]|[1-9]\d+)$")
 _MISSING = object()
+_ANY_NAME = re.compile(r"")
 
 
 def has_checkpoints(run_dir: Path, dir_name: str = "checkpoints") -> bool:
@@ -48,6 +52,22 @@ def has_checkpoints(run_dir: Path, dir_name: str = "checkpoints") -> bool:
         return any(not entry.name.startswith(".") for entry in directory.iterdir())
     except OSError:
         return False
+
+
+def refused_checkpoints(run_dir: Path, dir_name: str = "checkpoints") -> dict[str, str]:
+    """Why each checkpoint of `run_dir` cannot be resumed, or `{}` as soon as one verifies (newest first)."""
+    from danling.checkpoint.layout import scan_checkpoints
+    from danling.checkpoint.manifest import CheckpointError, verify_directory
+
+    refused = {}
+    for path, _ in scan_checkpoints(run_dir / dir_name, _ANY_NAME):
+        try:
+            verify_directory(path)
+        except CheckpointError as err:
+            refused[path.name] = str(err)
+            continue
+        return {}
+    return refused
 
 
 def version_dir(base: Path, number: int) -> Path:
@@ -74,8 +94,14 @@ def _inside(path: Path, directory: Path) -> bool:
     return True
 
 
-def choose_run_dir(base: Path, *, dir_name: str, auto_resume: bool, resume: str | None) -> Path:
+def choose_run_dir(
+    base: Path, *, dir_name: str, auto_resume: bool, resume: str | None, refused: dict | None = None
+) -> Path:
     """The version of `base` this run writes into (see the module docstring for the rule).
+
+    Args:
+        refused: Filled, when given, with `{version: {checkpoint name: reason}}` for a version that
+            `auto_resume` did not continue because none of its checkpoints verifies.
 
     Raises:
         CheckpointNotFoundError: `resume` is a path where no checkpoint can be found.
@@ -97,7 +123,12 @@ def choose_run_dir(base: Path, *, dir_name: str, auto_resume: bool, resume: str 
     if continuing:
         for version in reversed(versions):
             if has_checkpoints(version, dir_name):
-                return version
+                reasons = refused_checkpoints(version, dir_name) if auto_resume and not resume else {}
+                if not reasons:
+                    return version
+                if refused is not None:
+                    refused[version] = reasons
+                break  # its checkpoints stay as they are: a new version starts from scratch
     number = 1
     while has_checkpoints(version_dir(base, number), dir_name):
         number += 1

@@ -75,10 +75,7 @@ class Watchdog:
         logger: logging.Logger | None = None,
         on_timeout: Callable[[str], Any] | None = None,
     ) -> None:
-        if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0:
-            raise ValueError(f"watchdog.timeout_seconds must be a positive number, got {timeout!r}")
-        if interval is not None and (not isinstance(interval, (int, float)) or interval <= 0 or interval >= timeout):
-            raise ValueError(f"watchdog.interval_seconds must be positive and below the timeout, got {interval!r}")
+        check_times(timeout, interval)
         self.directory = Path(directory)
         self.rank, self.world_size = rank, world_size
         self.timeout = float(timeout)
@@ -254,6 +251,17 @@ def _verdict(silent: list[dict], stalled: list[dict], timeout: float, rank: int,
     )
 
 
+def check_times(timeout: Any, interval: Any = None) -> None:
+    """Refuse a `watchdog.timeout_seconds` / `watchdog.interval_seconds` that could never work, naming the value."""
+    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0:
+        raise ValueError(f"watchdog.timeout_seconds must be a positive number of seconds, got {timeout!r}")
+    if interval is not None and (not isinstance(interval, (int, float)) or interval <= 0 or interval >= timeout):
+        raise ValueError(
+            f"watchdog.interval_seconds must be positive and below watchdog.timeout_seconds ({timeout!r}), "
+            f"got {interval!r}"
+        )
+
+
 def watch_runner(runner: Any) -> Watchdog | None:
     """Start the watchdog of a multi-process runner once, as `watchdog.*` says; `None` when off.
 
@@ -264,7 +272,10 @@ def watch_runner(runner: Any) -> Watchdog | None:
     if supervisor.watchdog is not None:
         return supervisor.watchdog
     section = runner.config.get("watchdog")
-    if section is None or not section.enabled or not runner.distributed:
+    if section is None:
+        return None
+    check_times(section.timeout_seconds, section.interval_seconds)  # also where it would never start
+    if not section.enabled or not runner.distributed:
         return None
     import torch.distributed as dist
 

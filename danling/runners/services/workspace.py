@@ -178,6 +178,8 @@ class RunnerWorkspace:
         self._metadata_written = False
         self.previous_launch: dict[str, Any] | None = None  # the launch before this one, when continuing
         self._lock: RunLock | None = None
+        # {run dir: {checkpoint: reason}} of a version auto_resume refused: none of its checkpoints verifies
+        self.refused: dict[Path, dict[str, str]] = {}
         self._path = self._choose_path()
 
     # -------------------------------------------------------------------------------- identity
@@ -232,6 +234,7 @@ class RunnerWorkspace:
             dir_name=str(_get(self.config, "checkpoint.dir_name", "checkpoints")),
             auto_resume=bool(_get(self.config, "auto_resume")),
             resume=_get(self.config, "resume"),
+            refused=self.refused,
         )
 
     @property
@@ -250,7 +253,15 @@ class RunnerWorkspace:
         """The run directory; the main process creates it on first access."""
         path = self.path
         if self.is_main_process:
-            path.mkdir(parents=True, exist_ok=True)
+            try:
+                path.mkdir(parents=True, exist_ok=True)
+            except OSError as err:  # the root is a file, read-only, on a full disk, ...
+                root = _get(self.config, "workspace_root")
+                raise OSError(
+                    err.errno,
+                    f"cannot create the run directory {path} ({os.strerror(err.errno) if err.errno else err}): "
+                    f"set workspace_root (now {root!r}) to a directory this process can write",
+                ) from err
         return path
 
     @property
