@@ -10,6 +10,8 @@ from typing import Any
 from chanfig import Config, NestedDict
 from chanfig.utils import get_cached_annotations
 
+from ._config_base import accepted_keys, is_strict
+
 _NoneType = type(None)
 
 
@@ -52,7 +54,6 @@ _DTYPES = ("fp32", "float32", "fp16", "float16", "half", "bf16", "bfloat16", "fp
 _CHOICES: dict[str, tuple] = {
     "score_mode": ("min", "max"),
     "scheduler.interval": ("step", "epoch", "validation"),
-    "sched.interval": ("step", "epoch", "validation"),  # the alias section the runner also reads
     "checkpoint.backend": ("auto", "file", "dcp", "deepspeed"),
     "checkpoint.async_mode": ("disabled", "async", "async_with_pinned_mem"),
     "checkpoint.async_process_group_backend": ("gloo", "nccl"),
@@ -193,8 +194,8 @@ def unknown_keys(node: Mapping, prefix: str = "") -> list[str]:
     nested typed sections but never checked themselves.
     """
     kind = type(node)
-    strict = getattr(kind, "STRICT", False)
-    accepted = set(get_cached_annotations(node)) | set(getattr(kind, "EXTRA_KEYS", ())) if strict else set()
+    strict = is_strict(node)
+    accepted = accepted_keys(node) if strict else set()
     problems: list[str] = []
     for key, value in node.items():
         name = f"{prefix}{key}"
@@ -212,7 +213,7 @@ def _section_keys(node: Mapping, prefix: str = "") -> Iterable[str]:
     """Dotted keys declared inside the typed sections of `node`."""
     for key in get_cached_annotations(node):
         value = dict.get(node, key) if isinstance(node, dict) else None
-        if isinstance(value, Mapping) and getattr(type(value), "STRICT", False):
+        if isinstance(value, Mapping) and is_strict(value):
             yield from (f"{prefix}{key}.{sub}" for sub in get_cached_annotations(value))
             yield from _section_keys(value, f"{prefix}{key}.")
 
@@ -233,10 +234,6 @@ def _unknown(dotted: str, section: str, accepted: set[str], root: Mapping | None
     return f"config.{dotted} is not a key of {where}; {hint}"
 
 
-def _accepted(node: Mapping) -> set[str]:
-    return set(get_cached_annotations(node)) | set(getattr(type(node), "EXTRA_KEYS", ()))
-
-
 def unknown_dotted_key(config: Mapping, dotted: str) -> str | None:
     """Why `dotted` (a command-line key) is not a key of `config`, or None when it is accepted.
 
@@ -245,24 +242,26 @@ def unknown_dotted_key(config: Mapping, dotted: str) -> str | None:
     """
     node, parts = config, dotted.split(".")
     for index, part in enumerate(parts):
-        if not getattr(type(node), "STRICT", False):
+        if not is_strict(node):
             return None
-        accepted, section = _accepted(node), ".".join(parts[:index])
+        part = parts[index] = getattr(type(node), "ALIASES", {}).get(part, part)  # renamed on input too
+        accepted, section = accepted_keys(node), ".".join(parts[:index])
         if part not in accepted:
             rest = parts[index + 1 :]
             if getattr(type(node), "NAMED_SUBSECTIONS", False) and len(rest) == 1:  # dataloader.<split>.<key>
                 return None if rest[0] in accepted else _unknown(dotted, f"{section}.{part}", accepted)
             return _unknown(".".join(parts[: index + 1]), section, accepted, node if not index else None)
-        if part not in get_cached_annotations(node):
-            return None  # an `EXTRA_KEYS` entry: free-form
         value = dict.get(node, part) if isinstance(node, dict) else None
-        if not isinstance(value, Mapping):
-            annotation = get_cached_annotations(node).get(part)
-            if index + 1 < len(parts) and "dict" not in str(annotation):
-                name = ".".join(parts[: index + 1])
-                return f"config.{name} is a value, not a section; it has no key {parts[index + 1]!r}"
-            return None
-        node = value
+        if isinstance(value, Mapping):
+            node = value
+            continue
+        annotation = get_cached_annotations(node).get(part)
+        if annotation is None and part in getattr(type(node), "EXTRA_KEYS", ()):
+            return None  # an `EXTRA_KEYS` entry: free-form
+        if index + 1 < len(parts) and "dict" not in str(annotation):
+            name = ".".join(parts[: index + 1])
+            return f"config.{name} is a value, not a section; it has no key {parts[index + 1]!r}"
+        return None
     return None
 
 

@@ -16,6 +16,7 @@ from typing import Any
 
 from typing_extensions import Self
 
+from ._config_base import declaring
 from ._config_cli import CommandLineError, StrictParser, fail, prepare_arguments, wants
 from ._config_help import help_text
 from ._config_refs import merge_config_files, references_yaml
@@ -31,6 +32,7 @@ from ._config_utils import (
     unknown_keys,
     unsupported,
 )
+from ._config_values import ConfigValueError
 from .config_operations import HeartbeatConfig, InferenceConfig, NonFiniteConfig, SpikeConfig, WatchdogConfig
 from .config_sections import (
     CheckpointConfig,
@@ -171,8 +173,12 @@ class RunnerConfig(_TypedConfig):
         ),
         "graph": ("compile.precompile_artifact_dir", "compile.memory_policy"),
     }
-    # Read by runners but not declared: aliases of `optim`/`scheduler` and DeepSpeed's own JSON config.
-    EXTRA_KEYS = frozenset({"optimizer", "sched", "deepspeed"})
+    # Read by runners but not declared: DeepSpeed's own JSON config.
+    EXTRA_KEYS = frozenset({"deepspeed"})
+    # Other spellings of a section, renamed on input: one name per section in the merged config.
+    ALIASES = {"optimizer": "optim", "sched": "scheduler"}
+    # Keys the subclass's `__init__` and `post()` create are declarations (`self.network.type = ...`).
+    DECLARES = True
 
     stack: str = "auto"
     seed: int | None = None
@@ -321,7 +327,13 @@ class RunnerConfig(_TypedConfig):
             with warnings.catch_warnings():
                 # every key was checked above (split overrides, free-form sections); chanfig would flag them as typos
                 warnings.filterwarnings("ignore", message="Unrecognized argument", category=RuntimeWarning)
-                super().parse(args, default_config=None, boot=boot, strict=strict)
+                try:
+                    super().parse(args, default_config=None, boot=False, strict=strict)
+                except ConfigValueError as exc:
+                    exc.source = exc.source or f"--{exc.key} on the command line"
+                    raise
+            if boot:
+                self.boot()
         except CommandLineError:
             raise
         except (ValueError, TypeError) as exc:  # a bad value from a file or the command line: a usage error
@@ -343,8 +355,12 @@ class RunnerConfig(_TypedConfig):
         self._normalize()
 
     def boot(self) -> Self:
-        """Run `post()` hooks bottom-up, resolve `${...}` references, normalise and validate."""
-        super().boot()
+        """Run `post()` hooks bottom-up, resolve `${...}` references, normalise and validate.
+
+        Keys the `post()` hooks create are declarations, like those of `__init__`.
+        """
+        with declaring():
+            super().boot()
         self._normalize()
         self.validate()
         return self

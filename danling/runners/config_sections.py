@@ -8,10 +8,9 @@ unless it is open (`optim`, `scheduler`); see `RunnerConfig` for the checks.
 
 from typing import Any
 
-from chanfig import Config
-from chanfig.utils import get_cached_annotations
-
 from danling.data import LOADER_OPTIONS, resolve_loader_options
+
+from ._config_base import _TypedConfig
 
 __all__ = [
     "OptimConfig",
@@ -31,32 +30,6 @@ __all__ = [
     "ProfilingConfig",
     "EmaConfig",
 ]
-
-
-class _TypedConfig(Config):
-    """Config whose subclasses inherit their parents' annotations.
-
-    chanfig converts and checks values against the annotations of the instance's own class
-    only; merging the inherited ones here keeps `epochs: int | None` honoured in user subclasses.
-
-    A section rejects keys it does not declare (`STRICT`), so a typo such as
-    `checkpoint.intervall` fails validation instead of being ignored; `EXTRA_KEYS` are accepted
-    too, and with `NAMED_SUBSECTIONS` an undeclared mapping is a named override section.
-    (Plain class attributes, not annotations: annotated names would become config keys.)
-    """
-
-    STRICT = True
-    EXTRA_KEYS = frozenset()
-    NAMED_SUBSECTIONS = False
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        merged: dict[str, Any] = {}
-        for klass in reversed(cls.__mro__[1:]):
-            if issubclass(klass, _TypedConfig):
-                merged.update(get_cached_annotations(klass))
-        merged.update(cls.__dict__.get("__annotations__", {}))
-        cls.__annotations__ = merged
 
 
 class OptimConfig(_TypedConfig):
@@ -168,6 +141,10 @@ class DataloaderConfig(_TypedConfig):
     in_order: bool = True
     snapshot_every_n_steps: int | None = 1
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # `dataloader.<split>` sections take the same keys, typed the same way
+        super().__init__(*args, default_factory=DataloaderSplitConfig, **kwargs)
+
     def kwargs(self, split: str, *, train: bool) -> dict[str, Any]:
         """Dataloader keyword arguments for one split: defaults, then the split's overrides.
 
@@ -184,6 +161,13 @@ class DataloaderConfig(_TypedConfig):
         """
         # One merge rule for the config and the loader builder: danling.data owns it.
         return resolve_loader_options(self, split, is_train=train)
+
+
+class DataloaderSplitConfig(_TypedConfig):
+    """Overrides of one split's loader (`dataloader.<split>.*`): the keys of `DataloaderConfig`, none set by default."""
+
+    EXTRA_KEYS = LOADER_OPTIONS
+    __annotations__ = {key: value for key, value in DataloaderConfig.__annotations__.items()}
 
 
 class WandbConfig(_TypedConfig):

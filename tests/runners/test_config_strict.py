@@ -79,8 +79,15 @@ def test_free_form_keys_parse_without_typo_warnings(recwarn):
 @pytest.mark.parametrize(
     ("args", "expected"),
     [
-        (["--epochs", "x"], "argument --epochs: invalid int value: 'x'"),
-        (["--deterministic", "maybe"], "argument --deterministic: invalid bool value: 'maybe'"),
+        (
+            ["--epochs", "x"],
+            "config.epochs='x' (from --epochs on the command line) is not accepted: expected an integer",
+        ),
+        (
+            ["--deterministic", "maybe"],
+            "config.deterministic='maybe' (from --deterministic on the command line) is not accepted: "
+            "expected a boolean: true/false, yes/no, on/off or 1/0",
+        ),
         (["--score_mode", "best"], "config.score_mode='best' is not supported; expected None or one of: min, max"),
         (["--accum_steps", "0"], "config.accum_steps must be an integer >= 1, got 0"),
     ],
@@ -156,7 +163,10 @@ def test_script_with_bad_value_exits_2_without_traceback(tmp_path):
         [sys.executable, str(script), "--epochs", "x"], capture_output=True, text=True, timeout=120, cwd=tmp_path
     )
     assert done.returncode == 2 and "parsed" not in done.stdout
-    assert done.stderr == "train.py: error: argument --epochs: invalid int value: 'x'\n"
+    assert done.stderr == (
+        "train.py: error: config.epochs='x' (from --epochs on the command line) is not accepted: "
+        "expected an integer, or none/null to unset it\n"
+    )
 
 
 def test_print_config_keeps_env_references_unresolved(tmp_path, capsys, monkeypatch):
