@@ -328,7 +328,7 @@ def test_annotations_are_inherited_by_subclasses():
 
     config = Sub(epochs="3", width="16", seed=1.0)
     assert (config.epochs, config.width, config.seed) == (3, 16, 1)
-    with pytest.raises(TypeError, match="score_name"):
+    with pytest.raises(ValueError, match=r"config\.score_name=None is not accepted: expected a string, not None"):
         Sub(score_name=None)
 
 
