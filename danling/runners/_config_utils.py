@@ -48,7 +48,7 @@ _INT_RULES = {
 _REQUIRED = frozenset({"accum_steps"})
 _LOADER_INT_RULES = {"batch_size": 1, "num_workers": 0, "prefetch_factor": 1, "snapshot_every_n_steps": 1}
 _POSITIVE_NUMBERS = ("max_grad_norm", "max_grad_value", "heartbeat.interval_seconds", "checkpoint.wait_timeout")
-_NON_NEGATIVE_NUMBERS = ("patience",)
+_NON_NEGATIVE_NUMBERS = ("patience", "score.min_delta")
 _UNIT_INTERVAL = ("ema.decay",)
 _DTYPES = ("fp32", "float32", "fp16", "float16", "half", "bf16", "bfloat16", "fp64", "float64", "double")
 _CHOICES: dict[str, tuple] = {
@@ -334,6 +334,7 @@ CONFIG_ID_IGNORES = (
     "epochs",
     "steps",
     "patience",
+    "score",  # early-stopping threshold: when to stop, like patience
     "dry_run",
     "workspace_root",
     "lineage",

@@ -49,6 +49,7 @@ from .config_sections import (
     ParallelConfig,
     ProfilingConfig,
     SchedulerConfig,
+    ScoreConfig,
     WandbConfig,
     _TypedConfig,
 )
@@ -102,16 +103,19 @@ class RunnerConfig(_TypedConfig):
         max_grad_norm: Clip gradients to this total norm; None disables.
         max_grad_value: Clip each gradient element to this magnitude; None disables.
         skip_nonfinite_grad: Skip the optimizer update when a gradient is NaN/inf.
-        patience: Epochs without improvement before early stopping; None never stops early.
+        patience: Evaluations (epochs in epoch mode) without an improvement of the score before
+            training stops early; None never stops early. See `score.min_delta`.
         evaluate_interval: Step mode: optimizer steps between evaluations (0: after the last only; None: steps // 10).
         evaluate_batches: Batches of each evaluation split per evaluation while training; None: whole splits.
         dry_run: Batches per split of a dry run (one checkpoint round trip, own run directory); None is off.
         train_splits: Dataset splits to train on; None infers them.
-        evaluate_splits: Dataset splits to evaluate; None infers them.
-        score_split: Split whose metric selects the best checkpoint; None infers it.
+        evaluate_splits: Dataset splits to evaluate; None infers them, `[]` evaluates none.
+        score_split: Split whose metric selects the best checkpoint; None picks `val` (or `validate`,
+            `validation`), else the first evaluation split not named `test*`, else none: no best checkpoint.
         score_name: Metric name used for model selection.
         score_mode: `"min"` or `"max"`: whether a lower or a higher score is better; None infers
             it from `score_name` (losses and errors are minimised).
+        score: Early-stopping threshold (`score.min_delta`); see `ScoreConfig`.
         workspace_root: Directory holding every lineage.
         lineage: Top-level namespace of the run directory (`"lin"` when None).
         experiment: Experiment namespace, the prefix of the run directory name (`"exp"` when None).
@@ -199,6 +203,7 @@ class RunnerConfig(_TypedConfig):
     score_split: str | None = None
     score_name: str = "loss"
     score_mode: str | None = None
+    score: ScoreConfig = ScoreConfig()
     workspace_root: str = "experiments"
     lineage: str | None = "lin"
     experiment: str | None = "exp"

@@ -29,6 +29,7 @@ __all__ = [
     "GcConfig",
     "ProfilingConfig",
     "EmaConfig",
+    "ScoreConfig",
 ]
 
 
@@ -389,6 +390,18 @@ class ProfilingConfig(_TypedConfig):
     with_stack: bool = False
     with_flops: bool = False
     trace_dir: str = "profiles"
+
+
+class ScoreConfig(_TypedConfig):
+    """Model selection and early stopping (`score.*`); the split, metric and direction are `score_split`,
+    `score_name` and `score_mode`.
+
+    Attributes:
+        min_delta: How much an evaluation's score must beat the best so far to count as an
+            improvement for `patience` (a tie never does).
+    """
+
+    min_delta: float = 0.0
 
 
 class EmaConfig(_TypedConfig):

@@ -231,4 +231,4 @@ class _Pacing:
         ):
             runner._stop_latched = True
             return True  # every batch closes its window: stop now
-        return budget is not None and self.counters["global_step"] >= budget
+        return budget is not None and (self.counters["global_step"] >= budget or runner._stopping_early)
