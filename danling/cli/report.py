@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from .records import CLIError, Run, flatten, load_run
-from .runs import run_summary
+from .runs import progress_text, run_summary
 
 __all__ = ["run_series", "write_report", "report_command", "PLOTS"]
 
@@ -45,7 +45,7 @@ def run_series(run: Run) -> tuple[Series, str]:
         for key, value in flatten(row, sep="/").items():
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 series.setdefault(key, []).append((index, float(value)))
-    return series, "epoch" if run.config.get("epochs") else "step"
+    return series, "epoch" if run.current_config.get("epochs") else "step"
 
 
 def _is_validation(column: str) -> bool:
@@ -148,7 +148,7 @@ def _summary_rows(runs: list[Run]) -> list[list[Any]]:
             [
                 run.label,
                 summary["status"] + (f" ({summary['note']})" if summary["note"] else ""),
-                f"{progress['done']}/{progress['total'] or '?'} {progress['unit']}",
+                progress_text(progress),
                 "-" if best is None else f"{best['name']} = {best['value']:.4g}",
                 summary["start_time"] or "-",
                 str(run.path),

@@ -44,7 +44,7 @@ def test_runs_lists_every_run_with_status_progress_and_best_score(workspace):
         best = json.loads((workspace[name] / "best.json").read_text())
         summary = summaries["base" if name == "a" else "highlr"]
         assert summary["path"] == str(workspace[name]) and summary["status"] == "finished"
-        assert summary["progress"] == {"unit": "epochs", "done": 2, "total": 2, "global_step": 10}
+        assert summary["progress"] == {"unit": "epochs", "done": 2, "total": 2, "global_step": 10, "history": [2]}
         assert summary["best"] == {"name": "val/loss", "value": pytest.approx(best["val"]["loss"])}
         assert summary["duration"] > 0 and summary["start_time"]
     assert summaries["base"]["heartbeat_age"] >= 0 and summaries["highlr"]["heartbeat_age"] is None
@@ -124,6 +124,26 @@ def test_diff_shows_config_changes_and_results_side_by_side(workspace):
     lr_line = next(line for line in text.splitlines() if line.startswith("optim.lr"))
     assert code == 0 and lr_line.split() == ["optim.lr", "0.01", "0.05"]
     assert "best result" in text and "latest result" in text
+
+
+def test_runs_diff_and_report_show_the_budget_of_an_extended_run_and_its_history(workspace, tmp_path):
+    root = tmp_path / "extended"
+    first = train(root, experiment="long", epochs=2)
+    extended = train(root, experiment="long", epochs=4, auto_resume=True)  # the same run, continued
+    assert extended == first
+    code, out, _ = run_cli("runs", root, "--json")
+    progress = json.loads(out)[0]["progress"]
+    assert code == 0 and (progress["done"], progress["total"], progress["history"]) == (4, 4, [2, 4])
+    code, text, _ = run_cli("runs", root)
+    assert code == 0 and "4/4 epochs (budget 2 -> 4)" in text and "4/2" not in text
+    code, out, _ = run_cli("diff", workspace["a"], extended, "--json")
+    diff = json.loads(out)
+    assert diff["config"]["epochs"] == [2, 4] and diff["budgets"] == [[2], [2, 4]]
+    code, text, _ = run_cli("diff", workspace["a"], extended)
+    assert "budget by launch: A 2, B 2 -> 4" in text
+    pytest.importorskip("matplotlib")
+    assert run_cli("report", extended, "--out", tmp_path)[0] == 0
+    assert "4/4 epochs (budget 2 -&gt; 4)" in (tmp_path / "report.html").read_text()
 
 
 def test_diff_rejects_a_directory_that_is_not_a_run(workspace, tmp_path):
