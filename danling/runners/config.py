@@ -311,9 +311,8 @@ class RunnerConfig(_TypedConfig):
             strict: Reject arguments that are not existing keys.
 
         Raises:
-            FileNotFoundError: A config file does not exist.
-            SystemExit: Status 2 for an unknown key, a bad value or a bad config file, after one
-                `prog: error: message` line on stderr; the exception is also a `ValueError`.
+            SystemExit: Status 2 for an unknown key, a bad value or a bad or missing config file,
+                after one `prog: error: message` line on stderr; the exception is also a `ValueError`.
         """
         if no_default_config_action not in ("ignore", "warn", "raise"):
             raise ValueError(
@@ -341,7 +340,7 @@ class RunnerConfig(_TypedConfig):
                 self.boot()
         except CommandLineError:
             raise
-        except (ValueError, TypeError) as exc:  # a bad value from a file or the command line: a usage error
+        except (ValueError, TypeError, FileNotFoundError) as exc:  # a bad value, key or file: a usage error
             raise fail(parser.prog, str(exc)) from exc
         finally:
             self.popattr("parser", None)  # argparse state; dropping it keeps the config light and picklable

@@ -153,6 +153,13 @@ def test_diff_rejects_a_directory_that_is_not_a_run(workspace, tmp_path):
 # ---------------------------------------------------------------------------------------- ckpt
 
 
+def test_ckpt_takes_an_alias_by_its_short_name_as_from_checkpoint_does(workspace):
+    best = json.loads((workspace["a"] / "best.json").read_text())["index"]
+    code, out, err = run_cli("ckpt", workspace["a"] / "checkpoints" / "best", "--json")
+    assert code == 0 and err == ""
+    assert json.loads(out)["path"] == str(workspace["a"] / "checkpoints" / f"epoch-{best:06d}")
+
+
 def test_ckpt_describes_file_and_dcp_checkpoints(workspace):
     code, out, _ = run_cli("ckpt", workspace["a"], "--json")  # a run directory: its latest checkpoint
     info = json.loads(out)

@@ -239,7 +239,7 @@ def test_parse_types_annotated_cli_values():
 @pytest.mark.parametrize(
     ("content", "name", "error", "match"),
     [
-        (None, "missing.yaml", FileNotFoundError, "missing.yaml' does not exist"),
+        (None, "missing.yaml", ValueError, "missing.yaml' does not exist"),  # one line, exit 2
         ("epochs: 1", "exp.ini", ValueError, r"must end in \.yaml, \.yml, \.json or \.toml"),
         ("- 1\n- 2\n", "list.yaml", ValueError, "must hold a mapping"),
         ("epochs: [1", "broken.yaml", ValueError, "cannot read config file"),

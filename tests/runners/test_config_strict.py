@@ -178,3 +178,16 @@ def test_print_config_keeps_env_references_unresolved(tmp_path, capsys, monkeypa
     out = capsys.readouterr().out
     assert info.value.code == 0 and "s3cr3t" not in out
     assert re.search(r"^  entity: !env '?DANLING_STRICT_SECRET'?$", out, re.MULTILINE)
+
+
+def test_a_missing_config_file_is_one_line_and_exit_2(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    done = subprocess.run(
+        [sys.executable, str(script), "--config", "missing.yaml"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 2 and done.stderr == "train.py: error: config file 'missing.yaml' does not exist\n"
