@@ -68,8 +68,24 @@ def _section_lines(node: Mapping, prefix: str, out: dict[str, list[str]]) -> Non
         lines.append(f"  also accepted{free}: {', '.join(prefix + key for key in extra)}")
     if getattr(type(node), "NAMED_SUBSECTIONS", False):
         lines.append(f"  --{prefix}<split>.<key> VALUE overrides one of the keys above for one split")
-    if prefix and not getattr(type(node), "STRICT", True):
+    if prefix == "optim." and isinstance(node.get("type"), str):
+        lines.extend(_optimizer_lines(node["type"]))  # the only other keys `optim.*` accepts
+    elif prefix and not getattr(type(node), "STRICT", True):
         lines.append(f"  any other --{prefix}<key> VALUE is passed on as an option")
+
+
+def _optimizer_lines(name: str) -> list[str]:
+    """The configured optimizer's arguments with their defaults (what `optim.*` accepts)."""
+    from ._config_utils import optimizer_options
+
+    try:
+        options = optimizer_options(name)
+    except ValueError as exc:
+        return [f"  optim.type={name!r}: {exc}"]
+    if options is None:
+        return [f"  optimizer {name!r} takes any keyword argument"]
+    lines = [f"  arguments of optimizer {name!r} (optim.type), with their defaults:"]
+    return lines + [f"  --optim.{key} (default: {default!r})" for key, default in options.items()]
 
 
 def help_text(config: Mapping, prog: str, config_option: str | None) -> str:

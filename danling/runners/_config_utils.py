@@ -154,6 +154,49 @@ def _check_axes(axes: Any) -> None:
         raise ValueError(f"at most one config.parallel.axes entry may be -1, got -1 for: {', '.join(auto)}")
 
 
+def optimizer_options(name: Any) -> dict[str, Any] | None:
+    """Keyword arguments (with their defaults) of the optimizer registered as `name`; None when
+    they are open (`**kwargs`) or `name` is not a string.
+
+    Raises:
+        ValueError: No optimizer is registered as `name` (the message lists the registered ones).
+    """
+    if not isinstance(name, str):
+        return None
+    import inspect
+
+    from danling.optim import OPTIMIZERS
+
+    parameters = list(inspect.signature(OPTIMIZERS.get(name)).parameters.values())[1:]  # after `params`
+    if any(parameter.kind is inspect.Parameter.VAR_KEYWORD for parameter in parameters):
+        return None
+    empty = inspect.Parameter.empty
+    return {parameter.name: None if parameter.default is empty else parameter.default for parameter in parameters}
+
+
+def check_optimizer_keys(config: Mapping) -> None:
+    """Every `optim.*` key must be an argument of the optimizer `optim.type` names, so a typo
+    (`optim.lrr`) fails when the config is read, not when the optimizer is built."""
+    optim = peek(config, "optim")
+    if not isinstance(optim, Mapping) or optim.get("type") is None:
+        return
+    try:
+        options = optimizer_options(optim["type"])
+    except ValueError as exc:
+        raise ValueError(f"config.optim.type={optim['type']!r} is not an optimizer: {exc}") from None
+    if options is None:
+        return
+    for key in optim:
+        if key in ("type", "param_groups") or key in options:
+            continue
+        close = difflib.get_close_matches(str(key), list(options), n=1, cutoff=0.6)
+        hint = f"did you mean optim.{close[0]}? " if close else ""
+        raise ValueError(
+            f"config.optim.{key} is not an argument of optimizer {optim['type']!r}; {hint}"
+            f"its arguments: {', '.join(options)}"
+        )
+
+
 def check_annotations(config: Config) -> None:
     """chanfig's annotation check on every section (raises `TypeError`)."""
     NestedDict.validate(config)

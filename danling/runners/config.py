@@ -24,6 +24,7 @@ from ._config_utils import (
     CONFIG_ID_IGNORES,
     auto_stack,
     check_annotations,
+    check_optimizer_keys,
     check_values,
     feature_keys,
     normalize_config,
@@ -408,6 +409,7 @@ class RunnerConfig(_TypedConfig):
                 f"{', '.join(self.PRECISIONS)}"
             )
         check_values(self)
+        check_optimizer_keys(self)
         if training and peek(self, "epochs") is None and peek(self, "steps") is None:
             raise ValueError("training needs a budget: set config.epochs or config.steps (both are None)")
         check_annotations(self)

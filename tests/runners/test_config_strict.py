@@ -191,3 +191,26 @@ def test_a_missing_config_file_is_one_line_and_exit_2(tmp_path):
         cwd=tmp_path,
     )
     assert done.returncode == 2 and done.stderr == "train.py: error: config file 'missing.yaml' does not exist\n"
+
+
+def test_an_optim_key_the_optimizer_does_not_take_fails_at_parse_time_naming_the_closest(capsys):
+    error, streams = _exit(capsys, RunnerConfig(), ["--optim.type", "adamw", "--optim.lrr", "0.1"])
+    assert error.code == 2 and len(streams.err.strip().splitlines()) == 1
+    assert "config.optim.lrr is not an argument of optimizer 'adamw'; did you mean optim.lr?" in streams.err
+    with pytest.raises(ValueError, match=r"config\.optim\.type='adamm' is not an optimizer.*registered: .*adamw"):
+        RunnerConfig(**{"optim.type": "adamm"})
+    config = RunnerConfig().parse(["--optim.type", "sgd", "--optim.lr", "0.1", "--optim.momentum", "0.9"])
+    assert config.optim.momentum == 0.9
+
+
+def test_help_lists_the_configured_optimizers_arguments_with_defaults(capsys):
+    class SgdConfig(RunnerConfig):
+        def __init__(self):
+            super().__init__()
+            self.optim.type = "sgd"
+
+    with pytest.raises(SystemExit):
+        SgdConfig().parse(["--help"])
+    out = capsys.readouterr().out
+    assert "arguments of optimizer 'sgd'" in out and "--optim.momentum (default: 0)" in out
+    assert "--optim.nesterov (default: False)" in out
