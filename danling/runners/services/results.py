@@ -368,10 +368,15 @@ class ResultsMixin:
         return format_result(result, format_spec)
 
     def format_epoch_result(self, result: Mapping[str, Any], epoch: int | None = None, format_spec: str = ".4f") -> str:
-        """Render a finished epoch's row as one line per split, each starting with `epoch [i/n]`."""
+        """Render a finished epoch's row as one line per split, each starting with `epoch [i/n]`.
+
+        `epoch` is the row index (from 0); the line counts from 1, as the progress bar does, so
+        the last epoch of 5 is `epoch [5/5]` everywhere.
+        """
         epoch = self.train_state.epoch if epoch is None else epoch
-        total = "?" if self.epochs is None else self.epochs - 1
-        return "\n".join(f"epoch [{epoch}/{total}] {line}" for line in format_result(result, format_spec).split("\n"))
+        total = "?" if self.epochs is None else self.epochs
+        lines = format_result(result, format_spec).split("\n")
+        return "\n".join(f"epoch [{epoch + 1}/{total}] {line}" for line in lines)
 
     def format_step_result(
         self, result: Mapping[str, Any], split: str, iteration: int, length: int | None, format_spec: str = ".4f"
