@@ -144,7 +144,12 @@ def fused_train_pass(runner: Any) -> FusedPass | None:
                     if metrics is not None:  # what `_update_metrics` hands over (the flag read without `getattr`)
                         grad = pred.requires_grad if type(pred) is Tensor else getattr(pred, "requires_grad", False)
                         metrics.update(pred.detach() if grad else pred, target)
-                loss.backward()
+                try:
+                    loss.backward()
+                except RuntimeError as err:  # free until raised: the hot path pays no shape check
+                    if getattr(loss, "ndim", 0):
+                        raise runner._non_scalar_loss(loss) from err
+                    raise
                 counters["micro_step"] += 1
                 accumulator.position += 1  # one micro-step per window: every micro-step closes its window
                 if runner.optimizer is not bound_optimizer or runner.scheduler is not bound_scheduler:

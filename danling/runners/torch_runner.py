@@ -313,7 +313,14 @@ class TorchRunner(TorchCheckpointMixin, TorchBatchMixin, TorchDataMixin, TorchIn
         """
         section = self._merged_section("sched", "scheduler")
         if self.scheduler is None and self.optimizer is not None and section.get("type"):
-            self.scheduler = build_scheduler(self.optimizer, section, total_steps=self._total_steps())
+            total_steps = self._total_steps()
+            try:
+                self.scheduler = build_scheduler(self.optimizer, section, total_steps=total_steps)
+            except ValueError as error:  # a run length the data cannot give: say why, not what is missing
+                reason = self._why_no_steps() if total_steps is None else None
+                if reason is None:
+                    raise
+                raise ValueError(f"scheduler {section.get('type')!r} needs the run length, but {reason}") from error
             self.logger.info("scheduler: %r", self.scheduler)  # with the warmup/cooldown steps it settled on
         metric = self.scheduler is not None and is_metric_scheduler(self.scheduler)
         interval = section.get("interval") or ("epoch" if metric else "step")
