@@ -249,6 +249,19 @@ def test_report_series_hold_what_the_plots_need(workspace):
     assert all(value > 0 for _, value in series["throughput/samples_per_second"])
 
 
+def test_the_metrics_figure_draws_train_and_validation_metrics_and_nothing_about_the_run(workspace):
+    pytest.importorskip("matplotlib")
+    from danling.cli.records import load_run
+    from danling.cli.report import _figure, run_series
+
+    run = load_run(workspace["a"])
+    series, xlabel = run_series(run)
+    assert "memory/peak_rss_mib" in series  # recorded, but a fact about the run, not a metric
+    figure = _figure("validation", [(run, series, xlabel)])
+    panels = {ax.get_title(): sorted(line.get_label() for line in ax.get_lines()) for ax in figure.axes}
+    assert panels == {"loss": ["train", "val"]}
+
+
 def test_report_names_the_extra_when_matplotlib_is_missing(workspace, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)  # what an environment without it raises
     assert_usage_error(*run_cli("report", workspace["a"]), "pip install 'danling[report]'")
