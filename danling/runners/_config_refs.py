@@ -55,6 +55,15 @@ class _ConfigLoader(YamlLoader):
     def __init__(self, stream: Any) -> None:
         super().__init__(stream)
         self.add_constructor("!include", _ConfigLoader._include_file)
+        self.add_constructor("!includes", _ConfigLoader._include_files)
+
+    @staticmethod
+    def _include_files(loader: Any, node: yaml.Node) -> list[Any]:
+        if not isinstance(node, yaml.SequenceNode):
+            raise yaml.constructor.ConstructorError(
+                None, None, f"!includes needs a list, got {node.id}", node.start_mark
+            )
+        return [_ConfigLoader._include_file(loader, item) for item in node.value]
 
     @staticmethod
     def _include_file(loader: Any, node: yaml.Node) -> Any:

@@ -180,3 +180,14 @@ def test_the_same_value_gives_one_result_or_one_error_from_every_source(key, val
             "python": _outcome(python),
         }
     assert len({repr(outcome) for outcome in outcomes.values()}) == 1, outcomes
+
+
+def test_numbers_in_files_included_by_a_list_are_read_like_the_command_line(tmp_path):
+    (tmp_path / "a.yaml").write_text("rate: 1e-3\n")
+    (tmp_path / "b.yaml").write_text("rate: 2e-3\n")
+    config, _ = _parse(tmp_path, "network: !includes [a.yaml, b.yaml]\n", config=FreeConfig())
+    assert [part["rate"] for part in config.network] == [0.001, 0.002]
+
+
+class FreeConfig(RunnerConfig):
+    network: list = []
