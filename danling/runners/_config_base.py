@@ -25,7 +25,7 @@ from chanfig.utils import Null, get_cached_annotations
 
 from ._config_values import convert
 
-__all__ = ["_TypedConfig", "_DeclaredSection", "declaring", "is_strict", "accepted_keys"]
+__all__ = ["_TypedConfig", "_DeclaredSection", "declaring", "is_strict", "accepted_keys", "declared_keys"]
 
 # > 0 while a mapping from a file, the command line or keyword arguments is merged: input, not declarations
 _INPUT: ContextVar[int] = ContextVar("danling_config_input", default=0)
@@ -61,10 +61,14 @@ def is_strict(node: Any) -> bool:
     return bool(getattr(node, "__dict__", {}).get(_STRICT, getattr(type(node), "STRICT", False)))
 
 
+def declared_keys(node: Any) -> set[str]:
+    """Keys of `node` that the config class's own code created (see the module docstring)."""
+    return set(getattr(node, "__dict__", {}).get(_DECLARED) or ())
+
+
 def accepted_keys(node: Any) -> set[str]:
     """Keys a strict `node` accepts: annotations, `EXTRA_KEYS` and the keys declared in Python."""
-    declared = getattr(node, "__dict__", {}).get(_DECLARED) or ()
-    return set(get_cached_annotations(node)) | set(getattr(type(node), "EXTRA_KEYS", ())) | set(declared)
+    return set(get_cached_annotations(node)) | set(getattr(type(node), "EXTRA_KEYS", ())) | declared_keys(node)
 
 
 def _stamp(node: _TypedConfig, path: str) -> None:

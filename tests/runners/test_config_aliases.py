@@ -90,6 +90,14 @@ def test_input_is_checked_against_the_declared_keys(tmp_path, capsys):
         NetConfig(netwrk={"type": "x"})
 
 
+def test_help_lists_the_declared_keys(capsys):
+    with pytest.raises(SystemExit):
+        NetConfig().parse(["--help"])
+    out = capsys.readouterr().out
+    assert "--network.type str (default: 'resnet50')" in out and "--network.encoder.depth int (default: 4)" in out
+    assert "any other --network" not in out  # input is checked against them
+
+
 def test_a_key_assigned_outside_the_config_class_is_still_not_a_declaration():
     config = RunnerConfig()
     config.network.type = "resnet50"  # no class declares `network`: a typo would pass silently otherwise
