@@ -86,11 +86,15 @@ class RunnerConfig(_TypedConfig):
             a section). A runner lists the features it implements in `supported_features`; for
             any other feature, a key set to a non-default value fails `check_supported`.
 
-    Every key must be a declared one, at the top level (`RunnerConfig`'s keys, your subclass's and
-    `EXTRA_KEYS`) and in the typed sections: an unknown key fails construction, `merge` and
-    `validate` with a `ValueError` that suggests the closest known keys (`parse` exits with status
-    2 instead). `optim.*`, `scheduler.*` and free-form sections take any key. `--help` lists every
-    key with the description from the `Attributes:` docstring section of the class declaring it.
+    Every key must be a declared one, at the top level (`RunnerConfig`'s keys, your subclass's,
+    the keys its `__init__` and `post()` create, and `EXTRA_KEYS`) and in the typed sections: an
+    unknown key fails construction, `merge` and `validate` with a `ValueError` that suggests the
+    closest known keys (`parse` exits with status 2 instead). Free-form sections and
+    `scheduler.*` take any key; `optim.*` takes the arguments of the optimizer `optim.type` names.
+    `optimizer` and `sched` are other names of `optim` and `scheduler` (`ALIASES`), renamed on
+    input. Every value is converted to its key's annotation by one converter, whatever its source
+    (see `_config_values`). `--help` lists every key with the description from the `Attributes:`
+    docstring section of the class declaring it.
 
     Attributes:
         stack: Runner stack picked by `Runner`: `"auto"`, `"ddp"`/`"torch"`, `"graph"`, `"deepspeed"`/`"ds"`
