@@ -255,3 +255,23 @@ def prepare_arguments(
     merge_config_files(config, files)  # remembers !env/!include values, recorded as references
     split_keys = register_typed_arguments(parser, config, args) + register_free_form_arguments(parser, config, args)
     return args, split_keys
+
+
+def apply_arguments(
+    config: Any, parser: Any, args: list[str], default_config: str | None, no_default_config_action: str, strict: bool
+) -> None:
+    """Merge the config files, then the command-line values, into `config` (no `boot`).
+
+    A bad command-line value names its flag as its source (a file's names its line already).
+    """
+    from ._config_values import ConfigValueError
+
+    args, _ = prepare_arguments(config, parser, args, default_config, no_default_config_action)
+    with warnings.catch_warnings():
+        # every key was checked above (split overrides, free-form sections); chanfig would flag them as typos
+        warnings.filterwarnings("ignore", message="Unrecognized argument", category=RuntimeWarning)
+        try:
+            Config.parse(config, args, default_config=None, boot=False, strict=strict)
+        except ConfigValueError as exc:
+            exc.source = exc.source or f"--{exc.key} on the command line"
+            raise

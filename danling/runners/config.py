@@ -10,14 +10,13 @@ import hashlib
 import json
 import os
 import sys
-import warnings
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 from typing_extensions import Self
 
 from ._config_base import declaring
-from ._config_cli import CommandLineError, StrictParser, fail, prepare_arguments, wants
+from ._config_cli import CommandLineError, StrictParser, apply_arguments, fail, wants
 from ._config_help import help_text
 from ._config_refs import merge_config_files, references_yaml
 from ._config_utils import (
@@ -33,7 +32,6 @@ from ._config_utils import (
     unknown_keys,
     unsupported,
 )
-from ._config_values import ConfigValueError
 from .config_operations import HeartbeatConfig, InferenceConfig, NonFiniteConfig, SpikeConfig, WatchdogConfig
 from .config_sections import (
     CheckpointConfig,
@@ -86,15 +84,11 @@ class RunnerConfig(_TypedConfig):
             a section). A runner lists the features it implements in `supported_features`; for
             any other feature, a key set to a non-default value fails `check_supported`.
 
-    Every key must be a declared one, at the top level (`RunnerConfig`'s keys, your subclass's,
-    the keys its `__init__` and `post()` create, and `EXTRA_KEYS`) and in the typed sections: an
-    unknown key fails construction, `merge` and `validate` with a `ValueError` that suggests the
-    closest known keys (`parse` exits with status 2 instead). Free-form sections and
-    `scheduler.*` take any key; `optim.*` takes the arguments of the optimizer `optim.type` names.
-    `optimizer` and `sched` are other names of `optim` and `scheduler` (`ALIASES`), renamed on
-    input. Every value is converted to its key's annotation by one converter, whatever its source
-    (see `_config_values`). `--help` lists every key with the description from the `Attributes:`
-    docstring section of the class declaring it.
+    Every key must be declared (annotated, created by your `__init__`/`post()`, or in `EXTRA_KEYS`):
+    an unknown key fails construction, `merge` and `validate` with a `ValueError` naming the closest
+    keys (`parse` exits with status 2). `optim.*` takes the arguments of the optimizer `optim.type`
+    names; `ALIASES` are renamed on input; one converter types every value whatever its source.
+    `--help` lists every key with the description from the `Attributes:` section declaring it.
 
     Attributes:
         stack: Runner stack picked by `Runner`: `"auto"`, `"ddp"`/`"torch"`, `"graph"`, `"deepspeed"`/`"ds"`
@@ -182,12 +176,9 @@ class RunnerConfig(_TypedConfig):
         ),
         "graph": ("compile.precompile_artifact_dir", "compile.memory_policy"),
     }
-    # Read by runners but not declared: DeepSpeed's own JSON config.
-    EXTRA_KEYS = frozenset({"deepspeed"})
-    # Other spellings of a section, renamed on input: one name per section in the merged config.
-    ALIASES = {"optimizer": "optim", "sched": "scheduler"}
-    # Keys the subclass's `__init__` and `post()` create are declarations (`self.network.type = ...`).
-    DECLARES = True
+    EXTRA_KEYS = frozenset({"deepspeed"})  # DeepSpeed's own JSON config: read, not declared
+    ALIASES = {"optimizer": "optim", "sched": "scheduler"}  # renamed on input: one name per section
+    DECLARES = True  # keys a subclass's `__init__`/`post()` creates are declared (`self.network.type = ...`)
 
     stack: str = "auto"
     seed: int | None = None
@@ -332,15 +323,7 @@ class RunnerConfig(_TypedConfig):
         args = [arg for arg in args if arg not in ("--print-config", "--print_config")]
         self.setattr("parser", parser)
         try:
-            args, _ = prepare_arguments(self, parser, args, default_config, no_default_config_action)
-            with warnings.catch_warnings():
-                # every key was checked above (split overrides, free-form sections); chanfig would flag them as typos
-                warnings.filterwarnings("ignore", message="Unrecognized argument", category=RuntimeWarning)
-                try:
-                    super().parse(args, default_config=None, boot=False, strict=strict)
-                except ConfigValueError as exc:
-                    exc.source = exc.source or f"--{exc.key} on the command line"
-                    raise
+            apply_arguments(self, parser, args, default_config, no_default_config_action, strict)
             if boot:
                 self.boot()
         except CommandLineError:
