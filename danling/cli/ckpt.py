@@ -23,12 +23,16 @@ __all__ = ["inspect_checkpoint", "ckpt_command", "resolve_checkpoint"]
 
 
 def resolve_checkpoint(path: str | os.PathLike) -> Path:
-    """The checkpoint `path` names: a checkpoint directory or file, a `*.pointer` alias, a
-    checkpoint directory of a manager (its `latest`), or a run directory (its latest checkpoint)."""
+    """The checkpoint `path` names: a checkpoint directory or file, an alias (`best.pointer`, or
+    `best` for short, as `from_checkpoint` takes it), a checkpoint directory of a manager (its
+    `latest`), or a run directory (its latest checkpoint)."""
     from danling.checkpoint.layout import POINTER_SUFFIX, follow_pointer
     from danling.checkpoint.manifest import CheckpointError
 
     target = Path(path)
+    alias = target.with_name(target.name + POINTER_SUFFIX)
+    if not target.exists() and alias.is_file():  # `checkpoints/best` names the alias `best.pointer`
+        target = alias
     if not target.exists():
         raise CLIError(f"{os.fspath(target)} does not exist")
     if target.is_dir() and is_run_dir(target):

@@ -26,8 +26,9 @@ def _cell(value: Any) -> str:
 
 
 def diff_runs(a: Run, b: Run) -> dict[str, Any]:
-    """Config keys whose values differ, and the flattened best/latest rows of both runs."""
-    config_a, config_b = flatten(a.config), flatten(b.config)
+    """Config keys whose values differ (with each run's budget now, after any extension), and the
+    flattened best/latest rows of both runs."""
+    config_a, config_b = flatten(a.current_config), flatten(b.current_config)
     changed = {
         key: (config_a.get(key, _MISSING), config_b.get(key, _MISSING))
         for key in sorted(config_a.keys() | config_b.keys())
@@ -39,7 +40,7 @@ def diff_runs(a: Run, b: Run) -> dict[str, Any]:
         flat_a, flat_b = flatten(row_a, sep="/"), flatten(row_b, sep="/")
         keys = list(dict.fromkeys([*flat_a, *flat_b]))
         results[which] = {key: (flat_a.get(key), flat_b.get(key)) for key in keys}
-    return {"config": changed, "results": results}
+    return {"config": changed, "results": results, "budgets": (a.budget_history(), b.budget_history())}
 
 
 def diff_command(path_a: str, path_b: str, as_json: bool, out: TextIO) -> int:
@@ -52,12 +53,16 @@ def diff_command(path_a: str, path_b: str, as_json: bool, out: TextIO) -> int:
             "b": str(b.path),
             "config": {k: [None if v is _MISSING else v for v in pair] for k, pair in diff["config"].items()},
             "results": diff["results"],
+            "budgets": list(diff["budgets"]),
         }
         out.write(json.dumps(plain, indent=2, default=str) + "\n")
         return 0
     out.write(f"A: {a.path}\nB: {b.path}\n\n")
     rows = [[key, _show(va), _show(vb)] for key, (va, vb) in diff["config"].items()]
     out.write("config: identical\n" if not rows else format_table(["config key", "A", "B"], rows) + "\n")
+    if any(len(history) > 1 for history in diff["budgets"]):  # a launch extended a budget: say from what
+        shown = [" -> ".join(map(str, history)) or "-" for history in diff["budgets"]]
+        out.write(f"budget by launch: A {shown[0]}, B {shown[1]}\n")
     for which, pairs in diff["results"].items():
         out.write("\n")
         if not pairs:

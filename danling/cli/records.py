@@ -67,6 +67,33 @@ class Run:
         return config if isinstance(config, dict) else {}
 
     @property
+    def launches(self) -> list[dict[str, Any]]:
+        """Each launch's record (time, code, budget, seed), oldest first."""
+        launches = self.metadata.get("launches")
+        return [launch for launch in launches if isinstance(launch, dict)] if isinstance(launches, list) else []
+
+    @property
+    def current_config(self) -> dict[str, Any]:
+        """`config` (what the first launch recorded) with the budget of the latest launch: a
+        continued run may have raised `epochs` or `steps`, which is what it trains to now."""
+        config = dict(self.config)
+        for launch in reversed(self.launches):
+            if launch.get("epochs") is not None or launch.get("steps") is not None:
+                config["epochs"], config["steps"] = launch.get("epochs"), launch.get("steps")
+                break
+        return config
+
+    def budget_history(self) -> list[Any]:
+        """The budget of each launch that changed it (`[15, 20]`: launched for 15, extended to 20)."""
+        unit = "epochs" if self.current_config.get("epochs") else "steps"
+        history: list[Any] = []
+        for launch in self.launches:
+            total = launch.get(unit)
+            if total is not None and (not history or history[-1] != total):
+                history.append(total)
+        return history
+
+    @property
     def id(self) -> str:
         return str(self.metadata.get("id") or self.path.name.rsplit("-", 1)[-1])
 
@@ -116,7 +143,8 @@ class Run:
         return [beat for beat in beats if isinstance(beat, dict)]
 
     def progress(self) -> dict[str, Any]:
-        """Steps or epochs done, and the budget, from status, heartbeats or results (in that order)."""
+        """Steps or epochs done (from status, heartbeats or results, in that order), the budget of the
+        latest launch, and `history`: the budget of each launch that changed it."""
         status = self.read("status.json") or {}
         beats = self.heartbeats()
         epoch = status.get("epoch")
@@ -124,13 +152,14 @@ class Run:
         if step is None and beats:
             step = max(int(beat.get("step") or 0) for beat in beats)
             epoch = max(int(beat.get("epoch") or 0) for beat in beats)
-        epochs, steps = self.config.get("epochs"), self.config.get("steps")
+        config = self.current_config  # the budget now, not the first launch's
+        epochs, steps, history = config.get("epochs"), config.get("steps"), self.budget_history()
         if epochs:
             done = epoch if epoch is not None else len(self.results)
-            return {"unit": "epochs", "done": done, "total": epochs, "global_step": step}
+            return {"unit": "epochs", "done": done, "total": epochs, "global_step": step, "history": history}
         if step is None and self.results:
             step = max(self.results)
-        return {"unit": "steps", "done": step, "total": steps, "global_step": step}
+        return {"unit": "steps", "done": step, "total": steps, "global_step": step, "history": history}
 
     # ---------------------------------------------------------------- status
     def status(self, now: float | None = None) -> dict[str, Any]:

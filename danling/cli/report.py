@@ -20,13 +20,14 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from .records import CLIError, Run, flatten, load_run
-from .runs import run_summary
+from .runs import progress_text, run_summary
 
 __all__ = ["run_series", "write_report", "report_command", "PLOTS"]
 
 Series = dict[str, list[tuple[int, float]]]
 PLOTS = ("loss", "validation", "lr", "throughput")
-_NOT_METRICS = ("lr", "throughput", "epoch")
+# Columns that describe the run, not the model: never drawn as metrics.
+_NOT_METRICS = ("lr", "throughput", "epoch", "memory", "time", "system")
 
 
 def run_series(run: Run) -> tuple[Series, str]:
@@ -45,12 +46,14 @@ def run_series(run: Run) -> tuple[Series, str]:
         for key, value in flatten(row, sep="/").items():
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 series.setdefault(key, []).append((index, float(value)))
-    return series, "epoch" if run.config.get("epochs") else "step"
+    return series, "epoch" if run.current_config.get("epochs") else "step"
 
 
-def _is_validation(column: str) -> bool:
+def _is_metric(column: str) -> bool:
+    """A split's metric per result row (`val/acc`, `train/acc`): not a step log (`train_step/loss`),
+    and not a column about the run (learning rate, throughput, memory)."""
     split = column.split("/", 1)[0]
-    return "/" in column and split not in _NOT_METRICS and not split.startswith("train") and not split.endswith("_step")
+    return "/" in column and split not in _NOT_METRICS and not split.endswith("_step")
 
 
 def _pick(plot: str, series: Series) -> list[tuple[str, str]]:
@@ -65,12 +68,12 @@ def _pick(plot: str, series: Series) -> list[tuple[str, str]]:
         if wanted not in series:
             wanted = "throughput/steps_per_second"
         return [(c, c.split("/", 1)[1].replace("_", " ")) for c in columns if c == wanted]
-    return [(c, c) for c in columns if _is_validation(c)]
+    return [(c, c) for c in columns if _is_metric(c)]
 
 
 _TITLES = {
     "loss": "Training loss",
-    "validation": "Validation metrics per evaluation",
+    "validation": "Metrics per evaluation (training dashed)",
     "lr": "Learning rate",
     "throughput": "Throughput",
 }
@@ -82,14 +85,20 @@ def _figure(plot: str, data: list[tuple[Run, Series, str]]) -> Any:
     figure_module = optional_import("matplotlib.figure", "report")
     optional_import("matplotlib.backends.backend_agg", "report")
     if plot == "validation":
-        metrics = list(dict.fromkeys(c for _, series, _ in data for c, _ in _pick(plot, series)))
+        # One panel per metric name, with every split that has it: validation and training curves
+        # side by side (training dashed), one colour per run.
+        columns = list(dict.fromkeys(c for _, series, _ in data for c, _ in _pick(plot, series)))
+        metrics = list(dict.fromkeys(column.split("/", 1)[1] for column in columns))
         figure = figure_module.Figure(figsize=(6.4, 2.6 * max(len(metrics), 1)), layout="constrained")
         axes = figure.subplots(max(len(metrics), 1), 1, squeeze=False)[:, 0]
         for ax, metric in zip(axes, metrics or [None]):
             for index, (run, series, xlabel) in enumerate(data):
-                if metric in series:
-                    xs, ys = zip(*series[metric])
-                    ax.plot(xs, ys, marker="o", color=f"C{index}", label=_legend(run, xlabel, data))
+                for column in (c for c in columns if c.split("/", 1)[1] == metric and c in series):
+                    xs, ys = zip(*series[column])
+                    split = column.split("/", 1)[0]
+                    style = "--" if split.startswith("train") else "-"
+                    label = f"{_legend(run, xlabel, data)} {split}" if len(data) > 1 else split
+                    ax.plot(xs, ys, marker="o", linestyle=style, color=f"C{index}", label=label)
             ax.set_title(metric or _TITLES[plot])
             ax.set_xlabel(data[0][2])
         _finish(axes, metrics, data)
@@ -148,7 +157,7 @@ def _summary_rows(runs: list[Run]) -> list[list[Any]]:
             [
                 run.label,
                 summary["status"] + (f" ({summary['note']})" if summary["note"] else ""),
-                f"{progress['done']}/{progress['total'] or '?'} {progress['unit']}",
+                progress_text(progress),
                 "-" if best is None else f"{best['name']} = {best['value']:.4g}",
                 summary["start_time"] or "-",
                 str(run.path),

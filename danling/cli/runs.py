@@ -9,7 +9,7 @@ from typing import Any, TextIO
 
 from .records import Run, _duration, find_runs
 
-__all__ = ["run_summary", "runs_command", "format_table"]
+__all__ = ["run_summary", "runs_command", "format_table", "progress_text"]
 
 COLUMNS = ("experiment", "run", "status", "progress", "best", "started", "duration", "heartbeat")
 
@@ -37,10 +37,16 @@ def run_summary(run: Run, now: float | None = None) -> dict[str, Any]:
     }
 
 
-def _cells(summary: dict[str, Any]) -> list[str]:
-    progress = summary["progress"]
+def progress_text(progress: dict[str, Any]) -> str:
+    """`12/20 epochs`, with the budget's history when a launch changed it: `12/20 epochs (budget 15 -> 20)`."""
     done = "?" if progress["done"] is None else progress["done"]
     total = "?" if progress["total"] is None else progress["total"]
+    history = progress.get("history") or []
+    changed = f" (budget {' -> '.join(map(str, history))})" if len(history) > 1 else ""
+    return f"{done}/{total} {progress['unit']}{changed}"
+
+
+def _cells(summary: dict[str, Any]) -> list[str]:
     best = summary["best"]
     start = summary["start_time"]
     started = datetime.fromisoformat(start).astimezone().strftime("%Y-%m-%d %H:%M") if start else "-"
@@ -50,7 +56,7 @@ def _cells(summary: dict[str, Any]) -> list[str]:
         summary["experiment"],
         summary["id"],
         status,
-        f"{done}/{total} {progress['unit']}",
+        progress_text(summary["progress"]),
         "-" if best is None else f"{best['name']}={best['value']:.4g}",
         started,
         "-" if summary["duration"] is None else _duration(summary["duration"]),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import difflib
+import inspect
 import logging
 from math import cos, exp, isclose, pi
 from numbers import Integral
@@ -69,6 +71,30 @@ def polynomial(progress: float, power: float = 2.0) -> float:
     if power <= 0:
         raise ValueError(f"polynomial power must be positive, got {power}")
     return 1 - (1 - progress) ** power
+
+
+def _check_method_options(method: str, method_fn: Any, options: dict[str, Any]) -> None:
+    """Refuse an option neither `LRScheduler` nor its method takes, naming both's arguments.
+
+    Keywords `LRScheduler` does not know go to the method; a typo of one of the scheduler's own
+    (`warmup_step`) would otherwise be reported against the method's few arguments alone.
+    """
+    try:
+        check_arguments(method_fn, (0.0,), options, f"lr method {method!r}")
+    except ValueError:
+        own = [name for name in inspect.signature(LRScheduler.__init__).parameters if name not in _NOT_OPTIONS]
+        taken = [name for name in inspect.signature(method_fn).parameters if name != "progress"]
+        accepted = own + taken
+        unknown = next((key for key in options if key not in taken), next(iter(options)))
+        close = difflib.get_close_matches(unknown, accepted, n=1, cutoff=0.6)
+        hint = f"did you mean {close[0]}? " if close else ""
+        raise ValueError(
+            f"LRScheduler with lr method {method!r} takes no option {unknown!r}; {hint}"
+            f"it accepts: {', '.join(accepted)}"
+        ) from None
+
+
+_NOT_OPTIONS = ("self", "optimizer", "total_steps", "method_options", "last_epoch")
 
 
 class LRScheduler(_LRScheduler):
@@ -175,7 +201,7 @@ class LRScheduler(_LRScheduler):
         if scaling not in SCALINGS:
             raise ValueError(f"scaling must be one of {', '.join(SCALINGS)}, got {scaling!r}")
         method_fn = LR_METHODS.get(method)
-        check_arguments(method_fn, (0.0,), method_options, f"lr method {method!r}")
+        _check_method_options(method, method_fn, method_options)
         method_fn(0.0, **method_options)  # surfaces invalid options (e.g. power <= 0) now, not mid-run
         check_learning_rates(optimizer, last_epoch)
 

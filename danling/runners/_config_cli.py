@@ -1,6 +1,7 @@
 """Private helpers of `danling.runners.config`: config files and typed command-line arguments."""
 
 import ast
+import json
 import os
 import sys
 import warnings
@@ -9,8 +10,9 @@ from types import UnionType
 from typing import Any, NoReturn, Union, get_args, get_origin
 
 from chanfig import Config, ConfigParser, NestedDict
-from chanfig.utils import get_cached_annotations, parse_bool
+from chanfig.utils import get_cached_annotations
 
+from ._config_refs import load_yaml
 from ._config_utils import peek, unknown_dotted_key
 
 _NoneType = type(None)
@@ -26,7 +28,7 @@ def read_config_file(path: str | bytes | os.PathLike) -> Mapping:
     if suffix not in (".yaml", ".yml", ".json", ".toml"):
         raise ValueError(f"config file {name!r} must end in .yaml, .yml, .json or .toml, got {suffix or 'no suffix'!r}")
     try:
-        data = NestedDict.load(full)
+        data = load_yaml(full) if suffix in (".yaml", ".yml") else _load_plain(full, suffix)
     except Exception as exc:  # parser errors carry the line/column; keep them and name the file
         raise ValueError(f"cannot read config file {name!r}: {exc}") from exc
     if data is None:
@@ -34,6 +36,19 @@ def read_config_file(path: str | bytes | os.PathLike) -> Mapping:
     if not isinstance(data, Mapping):
         raise ValueError(f"config file {name!r} must hold a mapping at the top level, got {type(data).__name__}")
     return data
+
+
+def _load_plain(path: str, suffix: str) -> Any:
+    """A JSON or TOML file as plain Python values (chanfig's loader turns an empty JSON list into a mapping)."""
+    if suffix == ".json":
+        with open(path, encoding="utf-8") as handle:
+            return json.load(handle)
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10: chanfig's reader
+        return NestedDict.load(path)
+    with open(path, "rb") as handle:
+        return tomllib.load(handle)
 
 
 def split_file_options(args: list[str], option: str) -> tuple[list[str], list[str]]:
@@ -61,24 +76,6 @@ def split_file_options(args: list[str], option: str) -> tuple[list[str], list[st
     return rest, files
 
 
-class _Nullable:
-    """argparse type that maps `none`/`null` to None and delegates everything else."""
-
-    def __init__(self, convert: Any) -> None:
-        self.convert = convert
-        self.__name__ = getattr(convert, "__name__", "value")
-
-    def __call__(self, token: str) -> Any:
-        return None if token.strip().lower() in ("none", "null") else self.convert(token)
-
-
-def _bool(token: str) -> bool:
-    return parse_bool(token)
-
-
-_bool.__name__ = "bool"  # argparse names the type in its "invalid <type> value" message
-
-
 def _literal(token: str) -> Any:
     try:
         return ast.literal_eval(token)
@@ -93,21 +90,19 @@ def _union_members(annotation: Any) -> tuple:
 
 
 def _argument_kwargs(annotation: Any) -> dict[str, Any] | None:
-    members = _union_members(annotation)
-    nullable = _NoneType in members
-    members = tuple(member for member in members if member is not _NoneType)
+    """Option settings of an annotated key: values stay the strings typed, for the config's one
+    converter (`_config_values.convert`) to read, as it reads the values of files and Python code."""
+    members = tuple(member for member in _union_members(annotation) if member is not _NoneType)
     for member in members:
         if (get_origin(member) or member) in (list, tuple, set):
             item = (get_args(member) or (None,))[0]
-            item_type = _bool if item is bool else item if item in (int, float, str) else _literal
-            return {"nargs": "+", "type": item_type}
+            # no value at all (`--evaluate_splits`) is the empty list
+            return {"nargs": "*", "type": str if item in (bool, int, float, str) else _literal}
     if len(members) != 1:
         return None
     member = members[0]
-    if member is bool:
-        return {"type": _Nullable(_bool) if nullable else _bool}
-    if member in (int, float, str):
-        return {"type": _Nullable(member) if nullable else member}
+    if member in (bool, int, float, str):
+        return {"type": str}
     if (get_origin(member) or member) is dict:
         return {"type": _literal}
     return None
@@ -194,7 +189,8 @@ def register_free_form_arguments(parser: Any, config: Mapping, args: Sequence[st
         if problem:
             parser.error(f"unknown option --{key} on the command line: {problem}")
         parser.add_argument(f"--{key}", dest=key, type=_scalar, nargs="+" if count > 1 else None)
-        if key.split(".")[0] in _OPEN_SECTIONS:
+        head = key.split(".")[0]
+        if getattr(type(config), "ALIASES", {}).get(head, head) in _OPEN_SECTIONS:
             open_keys.append(key)
     return open_keys
 
@@ -226,6 +222,11 @@ class StrictParser(ConfigParser):
     def error(self, message: str) -> NoReturn:  # type: ignore[override]
         raise fail(self.prog, message)
 
+    def parse_args(self, args: Any = None, namespace: Any = None, eval_str: bool = False) -> Any:  # type: ignore[override]
+        """chanfig's `parse_args` without evaluating strings: typed keys get the text as typed (the
+        config converts it, like a file's value); free-form keys were read as scalars already."""
+        return super().parse_args(args, namespace, eval_str=eval_str)
+
 
 def wants(args: Sequence[str], *flags: str) -> bool:
     """Whether one of `flags` is among `args` before a `--` separator."""
@@ -254,3 +255,23 @@ def prepare_arguments(
     merge_config_files(config, files)  # remembers !env/!include values, recorded as references
     split_keys = register_typed_arguments(parser, config, args) + register_free_form_arguments(parser, config, args)
     return args, split_keys
+
+
+def apply_arguments(
+    config: Any, parser: Any, args: list[str], default_config: str | None, no_default_config_action: str, strict: bool
+) -> None:
+    """Merge the config files, then the command-line values, into `config` (no `boot`).
+
+    A bad command-line value names its flag as its source (a file's names its line already).
+    """
+    from ._config_values import ConfigValueError
+
+    args, _ = prepare_arguments(config, parser, args, default_config, no_default_config_action)
+    with warnings.catch_warnings():
+        # every key was checked above (split overrides, free-form sections); chanfig would flag them as typos
+        warnings.filterwarnings("ignore", message="Unrecognized argument", category=RuntimeWarning)
+        try:
+            Config.parse(config, args, default_config=None, boot=False, strict=strict)
+        except ConfigValueError as exc:
+            exc.source = exc.source or f"--{exc.key} on the command line"
+            raise

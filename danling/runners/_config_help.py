@@ -11,6 +11,8 @@ from typing import Any
 
 from chanfig.utils import get_cached_annotations
 
+from ._config_base import declared_keys, is_strict
+
 _ENTRY = re.compile(r"^(\s*)(\w+)(?: \([^)]*\))?:\s*(.*)$")
 
 
@@ -48,9 +50,15 @@ def _section_lines(node: Mapping, prefix: str, out: dict[str, list[str]]) -> Non
     group = prefix.rstrip(".") or "top level"
     lines = out.setdefault(group, [])
     doc = (inspect.getdoc(type(node)) or "").split("\n", 1)[0] if prefix else ""
+    if is_strict(node) and not getattr(type(node), "STRICT", False):
+        doc = "Keys the config class's own code (`__init__`, `post()`) sets."
     if doc and not lines:
         lines.append(f"  {doc}")
-    for key, annotation in get_cached_annotations(node).items():
+    annotations = dict(get_cached_annotations(node))
+    # keys the config class's own code declared (`self.network.type = ...` in `__init__`), typed by their value
+    declared = sorted(declared_keys(node) - set(annotations))
+    annotations.update({key: type(dict.get(node, key)) for key in declared})
+    for key, annotation in annotations.items():
         value = dict.get(node, key) if isinstance(node, dict) else None
         strict = getattr(type(value), "STRICT", None)
         if isinstance(value, Mapping) and strict is not None:
@@ -68,8 +76,24 @@ def _section_lines(node: Mapping, prefix: str, out: dict[str, list[str]]) -> Non
         lines.append(f"  also accepted{free}: {', '.join(prefix + key for key in extra)}")
     if getattr(type(node), "NAMED_SUBSECTIONS", False):
         lines.append(f"  --{prefix}<split>.<key> VALUE overrides one of the keys above for one split")
-    if prefix and not getattr(type(node), "STRICT", True):
+    if prefix == "optim." and isinstance(node.get("type"), str):
+        lines.extend(_optimizer_lines(node["type"]))  # the only other keys `optim.*` accepts
+    elif prefix and not is_strict(node):
         lines.append(f"  any other --{prefix}<key> VALUE is passed on as an option")
+
+
+def _optimizer_lines(name: str) -> list[str]:
+    """The configured optimizer's arguments with their defaults (what `optim.*` accepts)."""
+    from ._config_utils import optimizer_options
+
+    try:
+        options = optimizer_options(name)
+    except ValueError as exc:
+        return [f"  optim.type={name!r}: {exc}"]
+    if options is None:
+        return [f"  optimizer {name!r} takes any keyword argument"]
+    lines = [f"  arguments of optimizer {name!r} (optim.type), with their defaults:"]
+    return lines + [f"  --optim.{key} (default: {default!r})" for key, default in options.items()]
 
 
 def help_text(config: Mapping, prog: str, config_option: str | None) -> str:

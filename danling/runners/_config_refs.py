@@ -11,12 +11,23 @@ resolved to, are remembered on the config and substituted back when the run's re
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from typing import Any
 
 import yaml
+from chanfig.io import YamlLoader
 
-__all__ = ["Reference", "merge_config_files", "file_references", "with_references", "references_yaml"]
+__all__ = [
+    "Reference",
+    "merge_config_files",
+    "file_references",
+    "with_references",
+    "references_yaml",
+    "load_yaml",
+    "key_lines",
+    "value_source",
+]
 
 _TAGS = ("!env", "!include", "!includes")
 
@@ -30,6 +41,90 @@ class Reference:
     def __str__(self) -> str:
         value = " ".join(map(str, self.value)) if isinstance(self.value, list) else self.value
         return f"{self.tag} {value}"
+
+
+# YAML 1.1 reads `1e-3` (no dot) as a string; YAML 1.2, JSON and the command line read a number.
+_FLOAT_SPELLINGS = re.compile(
+    r"^[-+]?(?:[0-9][0-9_]*\.[0-9_]*(?:[eE][-+]?[0-9]+)?|[0-9][0-9_]*[eE][-+]?[0-9]+|\.[0-9_]+(?:[eE][-+]?[0-9]+)?)$"
+)
+
+
+class _ConfigLoader(YamlLoader):
+    """chanfig's loader (`!include`, `!env`) with `1e-3` read as a number, also in included files."""
+
+    def __init__(self, stream: Any) -> None:
+        super().__init__(stream)
+        self.add_constructor("!include", _ConfigLoader._include_file)
+        self.add_constructor("!includes", _ConfigLoader._include_files)
+
+    @staticmethod
+    def _include_files(loader: Any, node: yaml.Node) -> list[Any]:
+        if not isinstance(node, yaml.SequenceNode):
+            raise yaml.constructor.ConstructorError(
+                None, None, f"!includes needs a list, got {node.id}", node.start_mark
+            )
+        return [_ConfigLoader._include_file(loader, item) for item in node.value]
+
+    @staticmethod
+    def _include_file(loader: Any, node: yaml.Node) -> Any:
+        path = os.path.join(loader._root, loader.construct_scalar(node))
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"included file not found: {path}")
+        if os.path.splitext(path)[1].lower() in (".yaml", ".yml"):
+            return load_yaml(path)
+        from chanfig import NestedDict
+
+        return NestedDict.load(path)
+
+
+_ConfigLoader.add_implicit_resolver("tag:yaml.org,2002:float", _FLOAT_SPELLINGS, list("-+0123456789."))
+
+
+def load_yaml(path: str | os.PathLike) -> Any:
+    """The YAML file at `path`, with `!include`/`!env` resolved and `1e-3` read as a float."""
+    with open(path, encoding="utf-8") as handle:
+        return yaml.load(handle, Loader=_ConfigLoader)  # a SafeLoader with three tags
+
+
+def key_lines(path: str | os.PathLike) -> dict[str, int]:
+    """Dotted key -> line number of each key of a YAML or JSON file ({} when it cannot be read so)."""
+    try:
+        with open(path, encoding="utf-8") as handle:
+            root = yaml.compose(handle, Loader=yaml.SafeLoader)  # nodes only: tags are not resolved
+    except (yaml.YAMLError, OSError, UnicodeDecodeError):
+        return {}
+    lines: dict[str, int] = {}
+
+    def walk(node: Any, prefix: str) -> None:
+        if not isinstance(node, yaml.MappingNode):
+            return
+        for key_node, value_node in node.value:
+            if isinstance(key_node, yaml.ScalarNode):
+                dotted = f"{prefix}{key_node.value}"
+                lines[dotted] = key_node.start_mark.line + 1
+                walk(value_node, dotted + ".")
+
+    walk(root, "")
+    return lines
+
+
+def value_source(path: str | os.PathLike, key: str) -> str:
+    """`file:line` of the dotted `key` in the config file `path`, following `!include`s."""
+    name = os.fspath(path)
+    lines = key_lines(name)
+    if key in lines:
+        return f"{name}:{lines[key]}"
+    parts = key.split(".")
+    for cut in range(len(parts) - 1, 0, -1):  # the longest prefix that holds an included file
+        head = ".".join(parts[:cut])
+        if head not in lines:
+            continue
+        where = f"{name}:{lines[head]}"
+        reference = file_references(name, {}).get(head, (None,))[0] if name.endswith((".yaml", ".yml")) else None
+        if reference is not None and reference.tag == "!include":
+            return f"{value_source(reference.value, '.'.join(parts[cut:]))}, included at {where}"
+        return where
+    return name
 
 
 class _ReferenceLoader(yaml.SafeLoader):
@@ -77,12 +172,16 @@ def merge_config_files(config: Any, files: list[str]) -> tuple:
     Returns an empty tuple (what is left to merge), so a constructor can chain it.
     """
     from ._config_cli import read_config_file
+    from ._config_values import ConfigValueError
 
     references = dict(config.getattr("references", None) or {})
     for path in files:
         data = read_config_file(path)
         try:
             config.merge(data)
+        except ConfigValueError as exc:  # name the file and line the bad value came from
+            exc.source = value_source(path, exc.key)
+            raise
         except (ValueError, TypeError) as exc:  # name the file the bad key or value came from
             raise type(exc)(f"in config file {os.fspath(path)!r}: {exc}") from exc
         references.update(file_references(path, data))

@@ -10,6 +10,8 @@ from typing import Any
 from chanfig import Config, NestedDict
 from chanfig.utils import get_cached_annotations
 
+from ._config_base import accepted_keys, is_strict
+
 _NoneType = type(None)
 
 
@@ -46,13 +48,12 @@ _INT_RULES = {
 _REQUIRED = frozenset({"accum_steps"})
 _LOADER_INT_RULES = {"batch_size": 1, "num_workers": 0, "prefetch_factor": 1, "snapshot_every_n_steps": 1}
 _POSITIVE_NUMBERS = ("max_grad_norm", "max_grad_value", "heartbeat.interval_seconds", "checkpoint.wait_timeout")
-_NON_NEGATIVE_NUMBERS = ("patience",)
+_NON_NEGATIVE_NUMBERS = ("patience", "score.min_delta")
 _UNIT_INTERVAL = ("ema.decay",)
 _DTYPES = ("fp32", "float32", "fp16", "float16", "half", "bf16", "bfloat16", "fp64", "float64", "double")
 _CHOICES: dict[str, tuple] = {
     "score_mode": ("min", "max"),
     "scheduler.interval": ("step", "epoch", "validation"),
-    "sched.interval": ("step", "epoch", "validation"),  # the alias section the runner also reads
     "checkpoint.backend": ("auto", "file", "dcp", "deepspeed"),
     "checkpoint.async_mode": ("disabled", "async", "async_with_pinned_mem"),
     "checkpoint.async_process_group_backend": ("gloo", "nccl"),
@@ -153,6 +154,49 @@ def _check_axes(axes: Any) -> None:
         raise ValueError(f"at most one config.parallel.axes entry may be -1, got -1 for: {', '.join(auto)}")
 
 
+def optimizer_options(name: Any) -> dict[str, Any] | None:
+    """Keyword arguments (with their defaults) of the optimizer registered as `name`; None when
+    they are open (`**kwargs`) or `name` is not a string.
+
+    Raises:
+        ValueError: No optimizer is registered as `name` (the message lists the registered ones).
+    """
+    if not isinstance(name, str):
+        return None
+    import inspect
+
+    from danling.optim import OPTIMIZERS
+
+    parameters = list(inspect.signature(OPTIMIZERS.get(name)).parameters.values())[1:]  # after `params`
+    if any(parameter.kind is inspect.Parameter.VAR_KEYWORD for parameter in parameters):
+        return None
+    empty = inspect.Parameter.empty
+    return {parameter.name: None if parameter.default is empty else parameter.default for parameter in parameters}
+
+
+def check_optimizer_keys(config: Mapping) -> None:
+    """Every `optim.*` key must be an argument of the optimizer `optim.type` names, so a typo
+    (`optim.lrr`) fails when the config is read, not when the optimizer is built."""
+    optim = peek(config, "optim")
+    if not isinstance(optim, Mapping) or optim.get("type") is None:
+        return
+    try:
+        options = optimizer_options(optim["type"])
+    except ValueError as exc:
+        raise ValueError(f"config.optim.type={optim['type']!r} is not an optimizer: {exc}") from None
+    if options is None:
+        return
+    for key in optim:
+        if key in ("type", "param_groups") or key in options:
+            continue
+        close = difflib.get_close_matches(str(key), list(options), n=1, cutoff=0.6)
+        hint = f"did you mean optim.{close[0]}? " if close else ""
+        raise ValueError(
+            f"config.optim.{key} is not an argument of optimizer {optim['type']!r}; {hint}"
+            f"its arguments: {', '.join(options)}"
+        )
+
+
 def check_annotations(config: Config) -> None:
     """chanfig's annotation check on every section (raises `TypeError`)."""
     NestedDict.validate(config)
@@ -193,8 +237,8 @@ def unknown_keys(node: Mapping, prefix: str = "") -> list[str]:
     nested typed sections but never checked themselves.
     """
     kind = type(node)
-    strict = getattr(kind, "STRICT", False)
-    accepted = set(get_cached_annotations(node)) | set(getattr(kind, "EXTRA_KEYS", ())) if strict else set()
+    strict = is_strict(node)
+    accepted = accepted_keys(node) if strict else set()
     problems: list[str] = []
     for key, value in node.items():
         name = f"{prefix}{key}"
@@ -212,7 +256,7 @@ def _section_keys(node: Mapping, prefix: str = "") -> Iterable[str]:
     """Dotted keys declared inside the typed sections of `node`."""
     for key in get_cached_annotations(node):
         value = dict.get(node, key) if isinstance(node, dict) else None
-        if isinstance(value, Mapping) and getattr(type(value), "STRICT", False):
+        if isinstance(value, Mapping) and is_strict(value):
             yield from (f"{prefix}{key}.{sub}" for sub in get_cached_annotations(value))
             yield from _section_keys(value, f"{prefix}{key}.")
 
@@ -233,10 +277,6 @@ def _unknown(dotted: str, section: str, accepted: set[str], root: Mapping | None
     return f"config.{dotted} is not a key of {where}; {hint}"
 
 
-def _accepted(node: Mapping) -> set[str]:
-    return set(get_cached_annotations(node)) | set(getattr(type(node), "EXTRA_KEYS", ()))
-
-
 def unknown_dotted_key(config: Mapping, dotted: str) -> str | None:
     """Why `dotted` (a command-line key) is not a key of `config`, or None when it is accepted.
 
@@ -245,24 +285,26 @@ def unknown_dotted_key(config: Mapping, dotted: str) -> str | None:
     """
     node, parts = config, dotted.split(".")
     for index, part in enumerate(parts):
-        if not getattr(type(node), "STRICT", False):
+        if not is_strict(node):
             return None
-        accepted, section = _accepted(node), ".".join(parts[:index])
+        part = parts[index] = getattr(type(node), "ALIASES", {}).get(part, part)  # renamed on input too
+        accepted, section = accepted_keys(node), ".".join(parts[:index])
         if part not in accepted:
             rest = parts[index + 1 :]
             if getattr(type(node), "NAMED_SUBSECTIONS", False) and len(rest) == 1:  # dataloader.<split>.<key>
                 return None if rest[0] in accepted else _unknown(dotted, f"{section}.{part}", accepted)
             return _unknown(".".join(parts[: index + 1]), section, accepted, node if not index else None)
-        if part not in get_cached_annotations(node):
-            return None  # an `EXTRA_KEYS` entry: free-form
         value = dict.get(node, part) if isinstance(node, dict) else None
-        if not isinstance(value, Mapping):
-            annotation = get_cached_annotations(node).get(part)
-            if index + 1 < len(parts) and "dict" not in str(annotation):
-                name = ".".join(parts[: index + 1])
-                return f"config.{name} is a value, not a section; it has no key {parts[index + 1]!r}"
-            return None
-        node = value
+        if isinstance(value, Mapping):
+            node = value
+            continue
+        annotation = get_cached_annotations(node).get(part)
+        if annotation is None and part in getattr(type(node), "EXTRA_KEYS", ()):
+            return None  # an `EXTRA_KEYS` entry: free-form
+        if index + 1 < len(parts) and "dict" not in str(annotation):
+            name = ".".join(parts[: index + 1])
+            return f"config.{name} is a value, not a section; it has no key {parts[index + 1]!r}"
+        return None
     return None
 
 
@@ -335,6 +377,7 @@ CONFIG_ID_IGNORES = (
     "epochs",
     "steps",
     "patience",
+    "score",  # early-stopping threshold: when to stop, like patience
     "dry_run",
     "workspace_root",
     "lineage",

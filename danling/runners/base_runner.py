@@ -77,13 +77,16 @@ class BaseRunner(CheckpointMixin, ResultsMixin, ObservabilityMixin, LoopMixin, P
        [`RunnerSupervisor`][danling.runners.services.supervisor.RunnerSupervisor] are bound.
     3. Early hooks: `init_distributed`, `init_checkpoint_manager`, `init_fault_tolerance`,
        `init_garbage_collection`.
-    4. `set_seed`, then `set_deterministic` when `config.deterministic` is set.
+    4. `set_seed(bias=False)`: every rank starts from the same seed, so the model the subclass
+       `__init__` builds is the same on every rank and in every layout; then `set_deterministic`
+       when `config.deterministic` is set.
     5. `init_logging`, `init_trackers` (TensorBoard, W&B, CSV, MLflow as configured), stdout routing for
        non-main ranks, `init_signal_handlers`, `init_heartbeat`.
     6. The subclass `__init__` finishes (it typically binds `model`, `datasets`, ...).
     7. [`MetaRunner`][danling.runners.base_runner.MetaRunner] calls `__post_init__`, which
-       records the run's metadata; concrete runners restore a checkpoint there when the config
-       asks for one (see `__post_init__`).
+       offsets the seed by the data rank (`set_seed()`: what must differ between ranks, such as
+       dropout and augmentations, now does) and records the run's metadata; concrete runners
+       restore a checkpoint there when the config asks for one (see `__post_init__`).
 
     Attributes:
         config: The run's configuration.
@@ -137,7 +140,10 @@ class BaseRunner(CheckpointMixin, ResultsMixin, ObservabilityMixin, LoopMixin, P
         self.init_checkpoint_manager()
         self.init_fault_tolerance()
         self.init_garbage_collection()
-        self.set_seed()
+        # The same seed on every rank while the subclass builds its model: a model initialised from
+        # a per-rank stream would differ between layouts that do not broadcast it (FSDP2, tensor
+        # parallel). `__post_init__` adds the per-rank offset once the model exists.
+        self.set_seed(bias=False)
         if self.config.get("deterministic"):
             self.set_deterministic()
         self.init_logging()
@@ -149,15 +155,16 @@ class BaseRunner(CheckpointMixin, ResultsMixin, ObservabilityMixin, LoopMixin, P
     def __post_init__(self) -> None:
         """Finish construction once the subclass `__init__` has returned.
 
-        Subscribes `@on` handlers, builds the update strategy and writes the run metadata on the
-        main process. The backend-free runner restores nothing: it cannot know what a checkpoint's
-        components load into. Concrete runners build their model, optimizer and dataloaders, call
-        `super().__post_init__()` and then restore what `config.resume` / `config.auto_resume` /
-        `config.pretrained` ask for with
+        Offsets the seed by the data rank (`set_seed()`), subscribes `@on` handlers, builds the
+        update strategy and writes the run metadata on the main process. The backend-free runner
+        restores nothing: it cannot know what a checkpoint's components load into. Concrete
+        runners build their model, optimizer and dataloaders, call `super().__post_init__()` and
+        then restore what `config.resume` / `config.auto_resume` / `config.pretrained` ask for with
         [`auto_restore`][danling.runners.checkpointing.api.CheckpointMixin.auto_restore]
         (`TorchRunner` does); a `BaseRunner` subclass does the same in its own `__post_init__`,
         or calls `auto_restore()` after construction.
         """
+        self.set_seed()  # the model is built: from here on ranks draw their own numbers (dropout, augmentations)
         self.events.subscribe_object(self)  # methods marked with @on(...)
         if "update" not in self.__dict__:
             self.update = self.build_update_strategy()

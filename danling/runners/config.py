@@ -10,19 +10,20 @@ import hashlib
 import json
 import os
 import sys
-import warnings
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 from typing_extensions import Self
 
-from ._config_cli import CommandLineError, StrictParser, fail, prepare_arguments, wants
+from ._config_base import declaring
+from ._config_cli import CommandLineError, StrictParser, apply_arguments, fail, wants
 from ._config_help import help_text
 from ._config_refs import merge_config_files, references_yaml
 from ._config_utils import (
     CONFIG_ID_IGNORES,
     auto_stack,
     check_annotations,
+    check_optimizer_keys,
     check_values,
     feature_keys,
     normalize_config,
@@ -47,6 +48,7 @@ from .config_sections import (
     ParallelConfig,
     ProfilingConfig,
     SchedulerConfig,
+    ScoreConfig,
     WandbConfig,
     _TypedConfig,
 )
@@ -82,11 +84,11 @@ class RunnerConfig(_TypedConfig):
             a section). A runner lists the features it implements in `supported_features`; for
             any other feature, a key set to a non-default value fails `check_supported`.
 
-    Every key must be a declared one, at the top level (`RunnerConfig`'s keys, your subclass's and
-    `EXTRA_KEYS`) and in the typed sections: an unknown key fails construction, `merge` and
-    `validate` with a `ValueError` that suggests the closest known keys (`parse` exits with status
-    2 instead). `optim.*`, `scheduler.*` and free-form sections take any key. `--help` lists every
-    key with the description from the `Attributes:` docstring section of the class declaring it.
+    Every key must be declared (annotated, created by your `__init__`/`post()`, or in `EXTRA_KEYS`):
+    an unknown key fails construction, `merge` and `validate` with a `ValueError` naming the closest
+    keys (`parse` exits with status 2). `optim.*` takes the arguments of the optimizer `optim.type`
+    names; `ALIASES` are renamed on input; one converter types every value whatever its source.
+    `--help` lists every key with the description from the `Attributes:` section declaring it.
 
     Attributes:
         stack: Runner stack picked by `Runner`: `"auto"`, `"ddp"`/`"torch"`, `"graph"`, `"deepspeed"`/`"ds"`
@@ -100,16 +102,19 @@ class RunnerConfig(_TypedConfig):
         max_grad_norm: Clip gradients to this total norm; None disables.
         max_grad_value: Clip each gradient element to this magnitude; None disables.
         skip_nonfinite_grad: Skip the optimizer update when a gradient is NaN/inf.
-        patience: Epochs without improvement before early stopping; None never stops early.
+        patience: Evaluations (epochs in epoch mode) without an improvement of the score before
+            training stops early; None never stops early. See `score.min_delta`.
         evaluate_interval: Step mode: optimizer steps between evaluations (0: after the last only; None: steps // 10).
         evaluate_batches: Batches of each evaluation split per evaluation while training; None: whole splits.
         dry_run: Batches per split of a dry run (one checkpoint round trip, own run directory); None is off.
         train_splits: Dataset splits to train on; None infers them.
-        evaluate_splits: Dataset splits to evaluate; None infers them.
-        score_split: Split whose metric selects the best checkpoint; None infers it.
+        evaluate_splits: Dataset splits to evaluate; None infers them, `[]` evaluates none.
+        score_split: Split whose metric selects the best checkpoint; None picks `val` (or `validate`,
+            `validation`), else the first evaluation split not named `test*`, else none: no best checkpoint.
         score_name: Metric name used for model selection.
         score_mode: `"min"` or `"max"`: whether a lower or a higher score is better; None infers
             it from `score_name` (losses and errors are minimised).
+        score: Early-stopping threshold (`score.min_delta`); see `ScoreConfig`.
         workspace_root: Directory holding every lineage.
         lineage: Top-level namespace of the run directory (`"lin"` when None).
         experiment: Experiment namespace, the prefix of the run directory name (`"exp"` when None).
@@ -171,8 +176,9 @@ class RunnerConfig(_TypedConfig):
         ),
         "graph": ("compile.precompile_artifact_dir", "compile.memory_policy"),
     }
-    # Read by runners but not declared: aliases of `optim`/`scheduler` and DeepSpeed's own JSON config.
-    EXTRA_KEYS = frozenset({"optimizer", "sched", "deepspeed"})
+    EXTRA_KEYS = frozenset({"deepspeed"})  # DeepSpeed's own JSON config: read, not declared
+    ALIASES = {"optimizer": "optim", "sched": "scheduler"}  # renamed on input: one name per section
+    DECLARES = True  # keys a subclass's `__init__`/`post()` creates are declared (`self.network.type = ...`)
 
     stack: str = "auto"
     seed: int | None = None
@@ -193,6 +199,7 @@ class RunnerConfig(_TypedConfig):
     score_split: str | None = None
     score_name: str = "loss"
     score_mode: str | None = None
+    score: ScoreConfig = ScoreConfig()
     workspace_root: str = "experiments"
     lineage: str | None = "lin"
     experiment: str | None = "exp"
@@ -300,9 +307,8 @@ class RunnerConfig(_TypedConfig):
             strict: Reject arguments that are not existing keys.
 
         Raises:
-            FileNotFoundError: A config file does not exist.
-            SystemExit: Status 2 for an unknown key, a bad value or a bad config file, after one
-                `prog: error: message` line on stderr; the exception is also a `ValueError`.
+            SystemExit: Status 2 for an unknown key, a bad value or a bad or missing config file,
+                after one `prog: error: message` line on stderr; the exception is also a `ValueError`.
         """
         if no_default_config_action not in ("ignore", "warn", "raise"):
             raise ValueError(
@@ -317,14 +323,12 @@ class RunnerConfig(_TypedConfig):
         args = [arg for arg in args if arg not in ("--print-config", "--print_config")]
         self.setattr("parser", parser)
         try:
-            args, _ = prepare_arguments(self, parser, args, default_config, no_default_config_action)
-            with warnings.catch_warnings():
-                # every key was checked above (split overrides, free-form sections); chanfig would flag them as typos
-                warnings.filterwarnings("ignore", message="Unrecognized argument", category=RuntimeWarning)
-                super().parse(args, default_config=None, boot=boot, strict=strict)
+            apply_arguments(self, parser, args, default_config, no_default_config_action, strict)
+            if boot:
+                self.boot()
         except CommandLineError:
             raise
-        except (ValueError, TypeError) as exc:  # a bad value from a file or the command line: a usage error
+        except (ValueError, TypeError, FileNotFoundError) as exc:  # a bad value, key or file: a usage error
             raise fail(parser.prog, str(exc)) from exc
         finally:
             self.popattr("parser", None)  # argparse state; dropping it keeps the config light and picklable
@@ -343,8 +347,12 @@ class RunnerConfig(_TypedConfig):
         self._normalize()
 
     def boot(self) -> Self:
-        """Run `post()` hooks bottom-up, resolve `${...}` references, normalise and validate."""
-        super().boot()
+        """Run `post()` hooks bottom-up, resolve `${...}` references, normalise and validate.
+
+        Keys the `post()` hooks create are declarations, like those of `__init__`.
+        """
+        with declaring():
+            super().boot()
         self._normalize()
         self.validate()
         return self
@@ -388,6 +396,7 @@ class RunnerConfig(_TypedConfig):
                 f"{', '.join(self.PRECISIONS)}"
             )
         check_values(self)
+        check_optimizer_keys(self)
         if training and peek(self, "epochs") is None and peek(self, "steps") is None:
             raise ValueError("training needs a budget: set config.epochs or config.steps (both are None)")
         check_annotations(self)

@@ -27,7 +27,7 @@ class InferenceConfig(_TypedConfig):
 
     Attributes:
         output: File the outputs are streamed into (`.jsonl`, `.npy`, `.parquet` or a registered
-            suffix); None keeps `infer()` returning its outputs in memory.
+            suffix), relative to the working directory; None keeps `infer()` returning its outputs in memory.
         progress_interval: Batches between two progress records (the points a killed run resumes from).
         resume: Continue from the progress record of an earlier run into the same output; False starts over.
     """

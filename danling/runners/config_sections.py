@@ -8,10 +8,9 @@ unless it is open (`optim`, `scheduler`); see `RunnerConfig` for the checks.
 
 from typing import Any
 
-from chanfig import Config
-from chanfig.utils import get_cached_annotations
-
 from danling.data import LOADER_OPTIONS, resolve_loader_options
+
+from ._config_base import _TypedConfig
 
 __all__ = [
     "OptimConfig",
@@ -30,33 +29,8 @@ __all__ = [
     "GcConfig",
     "ProfilingConfig",
     "EmaConfig",
+    "ScoreConfig",
 ]
-
-
-class _TypedConfig(Config):
-    """Config whose subclasses inherit their parents' annotations.
-
-    chanfig converts and checks values against the annotations of the instance's own class
-    only; merging the inherited ones here keeps `epochs: int | None` honoured in user subclasses.
-
-    A section rejects keys it does not declare (`STRICT`), so a typo such as
-    `checkpoint.intervall` fails validation instead of being ignored; `EXTRA_KEYS` are accepted
-    too, and with `NAMED_SUBSECTIONS` an undeclared mapping is a named override section.
-    (Plain class attributes, not annotations: annotated names would become config keys.)
-    """
-
-    STRICT = True
-    EXTRA_KEYS = frozenset()
-    NAMED_SUBSECTIONS = False
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        merged: dict[str, Any] = {}
-        for klass in reversed(cls.__mro__[1:]):
-            if issubclass(klass, _TypedConfig):
-                merged.update(get_cached_annotations(klass))
-        merged.update(cls.__dict__.get("__annotations__", {}))
-        cls.__annotations__ = merged
 
 
 class OptimConfig(_TypedConfig):
@@ -168,6 +142,10 @@ class DataloaderConfig(_TypedConfig):
     in_order: bool = True
     snapshot_every_n_steps: int | None = 1
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # `dataloader.<split>` sections take the same keys, typed the same way
+        super().__init__(*args, default_factory=DataloaderSplitConfig, **kwargs)
+
     def kwargs(self, split: str, *, train: bool) -> dict[str, Any]:
         """Dataloader keyword arguments for one split: defaults, then the split's overrides.
 
@@ -184,6 +162,13 @@ class DataloaderConfig(_TypedConfig):
         """
         # One merge rule for the config and the loader builder: danling.data owns it.
         return resolve_loader_options(self, split, is_train=train)
+
+
+class DataloaderSplitConfig(_TypedConfig):
+    """Overrides of one split's loader (`dataloader.<split>.*`): the keys of `DataloaderConfig`, none set by default."""
+
+    EXTRA_KEYS = LOADER_OPTIONS
+    __annotations__ = {key: value for key, value in DataloaderConfig.__annotations__.items()}
 
 
 class WandbConfig(_TypedConfig):
@@ -405,6 +390,18 @@ class ProfilingConfig(_TypedConfig):
     with_stack: bool = False
     with_flops: bool = False
     trace_dir: str = "profiles"
+
+
+class ScoreConfig(_TypedConfig):
+    """Model selection and early stopping (`score.*`); the split, metric and direction are `score_split`,
+    `score_name` and `score_mode`.
+
+    Attributes:
+        min_delta: How much an evaluation's score must beat the best so far to count as an
+            improvement for `patience` (a tie never does).
+    """
+
+    min_delta: float = 0.0
 
 
 class EmaConfig(_TypedConfig):

@@ -202,7 +202,17 @@ class TorchBatchMixin:
             raise
         if loss is None and required:
             raise ValueError(f"criterion {self.criterion!r} returned None; train_step needs a loss tensor")
+        if required and getattr(loss, "ndim", 0) and loss.numel() != 1:  # shape reads: no device synchronisation
+            raise self._non_scalar_loss(loss)
         return loss
+
+    def _non_scalar_loss(self, loss: Any) -> ValueError:
+        """The error for a criterion that returned one loss per sample instead of one per batch."""
+        return ValueError(
+            f"criterion {self.criterion!r} returned a loss of shape {tuple(loss.shape)}, not one number: "
+            "training needs a scalar loss per batch; reduce it (reduction='mean' for torch losses, or "
+            ".mean() in your criterion), or override train_step"
+        )
 
     def _criterion_failed(self, pred: Any, target: Any, err: Exception) -> None:
         """Turn a criterion's refusal of a class label into a `ValueError` naming the split and the range.

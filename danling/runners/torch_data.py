@@ -41,6 +41,28 @@ class TorchDataMixin:
             per_epoch += math.ceil(batches / self.accum_steps)
         return self.epochs * per_epoch or None
 
+    def _why_no_steps(self) -> str | None:
+        """Why `_total_steps` found no step in epoch mode (no train split, or one that yields no
+        batch), in words; None when that is not the reason."""
+        if self.epochs is None:
+            return None
+        splits = self.train_splits
+        if not splits:
+            return f"no training split among the datasets {list(self.datasets)}: name one 'train' or set train_splits"
+        for split in splits:
+            dataset = self.datasets.get(split)
+            if not isinstance(dataset, Sized) or isinstance(dataset, IterableDataset):
+                continue
+            options = resolve_loader_options(self._loader_config(), split, is_train=True)
+            samples = len(self.build_datasampler(dataset, split=split, shuffle=False))
+            size = options.get("batch_size", 1)
+            if samples == 0 or (options["drop_last"] and samples < size):
+                return (
+                    f"training split {split!r} yields no batch: {samples} sample(s) on this rank with batch_size "
+                    f"{size}{' and drop_last' if options['drop_last'] else ''}; lower dataloader.batch_size or add data"
+                )
+        return None
+
     def _loader_config(self) -> dict[str, Any]:
         return self.config.dataloader.dict()
 

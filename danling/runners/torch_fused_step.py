@@ -147,7 +147,12 @@ def fused_train_pass(runner: Any) -> FusedPass | None:
                 # The output is not needed past here: dropping it lets a criterion that saves only its own
                 # result (log_softmax, as in cross-entropy) free the logits before the backward pass.
                 pred = None
-                loss.backward()
+                try:
+                    loss.backward()
+                except RuntimeError as err:  # free until raised: the hot path pays no shape check
+                    if getattr(loss, "ndim", 0):
+                        raise runner._non_scalar_loss(loss) from err
+                    raise
                 counters["micro_step"] += 1
                 accumulator.position += 1  # one micro-step per window: every micro-step closes its window
                 if runner.optimizer is not bound_optimizer or runner.scheduler is not bound_scheduler:
@@ -234,4 +239,4 @@ class _Pacing:
         ):
             runner._stop_latched = True
             return True  # every batch closes its window: stop now
-        return budget is not None and self.counters["global_step"] >= budget
+        return budget is not None and (self.counters["global_step"] >= budget or runner._stopping_early)

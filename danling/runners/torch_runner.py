@@ -289,7 +289,7 @@ class TorchRunner(TorchCheckpointMixin, TorchBatchMixin, TorchDataMixin, TorchIn
             yield param
 
     def build_optimizer(self) -> None:
-        """Build `self.optimizer` from `config.optim` (or `config.optimizer`) unless one is already bound.
+        """Build `self.optimizer` from `config.optim` (alias `optimizer`) unless one is already bound.
 
         Called by `__post_init__` after `materialize_model`. Nothing is built while the section
         has no `type`. `optim.param_groups` patterns are searched in the names of
@@ -302,7 +302,7 @@ class TorchRunner(TorchCheckpointMixin, TorchBatchMixin, TorchDataMixin, TorchIn
             self.optimizer = build_optimizer(list(self.iter_optimizer_named_parameters()), section)
 
     def build_scheduler(self) -> None:
-        """Build `self.scheduler` from `config.sched` (or `config.scheduler`) unless one is bound; set its interval.
+        """Build `self.scheduler` from `config.scheduler` (alias `sched`) unless one is bound; set its interval.
 
         Called by `__post_init__` after `build_optimizer`. Schedulers that take a run length get
         the optimizer-step budget. `interval` defaults to `"step"`, or `"epoch"` for metric
@@ -313,16 +313,14 @@ class TorchRunner(TorchCheckpointMixin, TorchBatchMixin, TorchDataMixin, TorchIn
         """
         section = self._merged_section("sched", "scheduler")
         if self.scheduler is None and self.optimizer is not None and section.get("type"):
-            total = self._total_steps()
+            total_steps = self._total_steps()
             try:
-                self.scheduler = build_scheduler(self.optimizer, section, total_steps=total)
-            except ValueError as err:
-                if total is not None or "total_steps" not in str(err):
+                self.scheduler = build_scheduler(self.optimizer, section, total_steps=total_steps)
+            except ValueError as error:  # a run length the data cannot give: say why, not what is missing
+                reason = self._why_no_steps() if total_steps is None else None
+                if reason is None:
                     raise
-                raise ValueError(
-                    f"scheduler.type={section.get('type')!r} needs the run's length in optimizer steps, and this run "
-                    "has none: set epochs (with sized train datasets) or steps"
-                ) from err
+                raise ValueError(f"scheduler {section.get('type')!r} needs the run length, but {reason}") from error
             self.logger.info("scheduler: %r", self.scheduler)  # with the warmup/cooldown steps it settled on
         metric = self.scheduler is not None and is_metric_scheduler(self.scheduler)
         interval = section.get("interval") or ("epoch" if metric else "step")
@@ -334,14 +332,15 @@ class TorchRunner(TorchCheckpointMixin, TorchBatchMixin, TorchDataMixin, TorchIn
         self.scheduler_monitor = section.get("monitor")
 
     def _merged_section(self, primary: str, alias: str) -> dict[str, Any]:
-        """Keys set in `config.<alias>` overlaid with those set in `config.<primary>`."""
-        merged: dict[str, Any] = {}
-        for name in (alias, primary):
-            section = self.config.get(name)
-            if isinstance(section, Mapping):
-                plain = section.dict() if callable(getattr(section, "dict", None)) else dict(section)
-                merged.update({key: value for key, value in plain.items() if value is not None})
-        return merged
+        """The keys set in the section `primary` (or `alias`: the config renames an alias on input,
+        so both names read the one section whose values are recorded)."""
+        section = self.config.get(primary)
+        if not isinstance(section, Mapping):
+            section = self.config.get(alias)
+        if not isinstance(section, Mapping):
+            return {}
+        plain = section.dict() if callable(getattr(section, "dict", None)) else dict(section)
+        return {key: value for key, value in plain.items() if value is not None}
 
     # ------------------------------------------------------------------ updates
     def build_update_strategy(self) -> TorchUpdateStrategy:

@@ -44,7 +44,7 @@ def test_runs_lists_every_run_with_status_progress_and_best_score(workspace):
         best = json.loads((workspace[name] / "best.json").read_text())
         summary = summaries["base" if name == "a" else "highlr"]
         assert summary["path"] == str(workspace[name]) and summary["status"] == "finished"
-        assert summary["progress"] == {"unit": "epochs", "done": 2, "total": 2, "global_step": 10}
+        assert summary["progress"] == {"unit": "epochs", "done": 2, "total": 2, "global_step": 10, "history": [2]}
         assert summary["best"] == {"name": "val/loss", "value": pytest.approx(best["val"]["loss"])}
         assert summary["duration"] > 0 and summary["start_time"]
     assert summaries["base"]["heartbeat_age"] >= 0 and summaries["highlr"]["heartbeat_age"] is None
@@ -126,11 +126,38 @@ def test_diff_shows_config_changes_and_results_side_by_side(workspace):
     assert "best result" in text and "latest result" in text
 
 
+def test_runs_diff_and_report_show_the_budget_of_an_extended_run_and_its_history(workspace, tmp_path):
+    root = tmp_path / "extended"
+    first = train(root, experiment="long", epochs=2)
+    extended = train(root, experiment="long", epochs=4, auto_resume=True)  # the same run, continued
+    assert extended == first
+    code, out, _ = run_cli("runs", root, "--json")
+    progress = json.loads(out)[0]["progress"]
+    assert code == 0 and (progress["done"], progress["total"], progress["history"]) == (4, 4, [2, 4])
+    code, text, _ = run_cli("runs", root)
+    assert code == 0 and "4/4 epochs (budget 2 -> 4)" in text and "4/2" not in text
+    code, out, _ = run_cli("diff", workspace["a"], extended, "--json")
+    diff = json.loads(out)
+    assert diff["config"]["epochs"] == [2, 4] and diff["budgets"] == [[2], [2, 4]]
+    code, text, _ = run_cli("diff", workspace["a"], extended)
+    assert "budget by launch: A 2, B 2 -> 4" in text
+    pytest.importorskip("matplotlib")
+    assert run_cli("report", extended, "--out", tmp_path)[0] == 0
+    assert "4/4 epochs (budget 2 -&gt; 4)" in (tmp_path / "report.html").read_text()
+
+
 def test_diff_rejects_a_directory_that_is_not_a_run(workspace, tmp_path):
     assert_usage_error(*run_cli("diff", workspace["a"], tmp_path), str(tmp_path), "not a run directory")
 
 
 # ---------------------------------------------------------------------------------------- ckpt
+
+
+def test_ckpt_takes_an_alias_by_its_short_name_as_from_checkpoint_does(workspace):
+    best = json.loads((workspace["a"] / "best.json").read_text())["index"]
+    code, out, err = run_cli("ckpt", workspace["a"] / "checkpoints" / "best", "--json")
+    assert code == 0 and err == ""
+    assert json.loads(out)["path"] == str(workspace["a"] / "checkpoints" / f"epoch-{best:06d}")
 
 
 def test_ckpt_describes_file_and_dcp_checkpoints(workspace):
@@ -220,6 +247,19 @@ def test_report_series_hold_what_the_plots_need(workspace):
     assert series["lr"] == [(step, 0.01) for step in range(1, 11)]
     assert [step for step, _ in series["val/loss"]] == [5, 10]
     assert all(value > 0 for _, value in series["throughput/samples_per_second"])
+
+
+def test_the_metrics_figure_draws_train_and_validation_metrics_and_nothing_about_the_run(workspace):
+    pytest.importorskip("matplotlib")
+    from danling.cli.records import load_run
+    from danling.cli.report import _figure, run_series
+
+    run = load_run(workspace["a"])
+    series, xlabel = run_series(run)
+    assert "memory/peak_rss_mib" in series  # recorded, but a fact about the run, not a metric
+    figure = _figure("validation", [(run, series, xlabel)])
+    panels = {ax.get_title(): sorted(line.get_label() for line in ax.get_lines()) for ax in figure.axes}
+    assert panels == {"loss": ["train", "val"]}
 
 
 def test_report_names_the_extra_when_matplotlib_is_missing(workspace, monkeypatch):

@@ -278,3 +278,9 @@ def test_the_same_budget_resumes_without_a_warning(caplog):
     with caplog.at_level("WARNING"):
         LRScheduler(make_optimizer(), total_steps=10).load_state_dict(state)
     assert not caplog.records
+
+
+def test_a_misspelt_scheduler_option_names_the_schedulers_arguments_not_only_the_methods():
+    optimizer = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=r"takes no option 'warmup_step'; did you mean warmup_steps\? it accepts: .*"):
+        LRScheduler(optimizer, total_steps=10, method="cosine", warmup_step=5)

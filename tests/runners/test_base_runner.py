@@ -97,6 +97,7 @@ def test_hook_order(make_runner):
         "init_heartbeat",
         "subclass __init__ done",
         ("__post_init__", True, True),  # runs after the whole subclass __init__
+        "set_seed",  # again, with the data rank added, now that the model is built
         "auto_restore",
     ]
     assert (runner.workspace.path / "metadata.json").is_file()
@@ -424,10 +425,11 @@ def test_format_helpers(make_runner):
     runner = make_runner()
     row = {"train": {"loss": 0.123456}, "val": {"loss": 0.5}}
     assert runner.format_result(row) == "train: loss: 0.1235\nval: loss: 0.5000"
-    # one line per split, each carrying the epoch, so every line can be found with grep
+    # one line per split, each carrying the epoch, so every line can be found with grep; row 1 of
+    # 3 epochs is the second epoch, numbered from 1 as the progress bar numbers it
     assert runner.format_epoch_result(row, 1).splitlines() == [
-        "epoch [1/2] train: loss: 0.1235",
-        "epoch [1/2] val: loss: 0.5000",
+        "epoch [2/3] train: loss: 0.1235",
+        "epoch [2/3] val: loss: 0.5000",
     ]
     assert runner.format_step_result({"loss": 0.25}, "train", 3, 10) == "train [3/10]\tloss: 0.2500"
 

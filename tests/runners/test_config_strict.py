@@ -79,8 +79,15 @@ def test_free_form_keys_parse_without_typo_warnings(recwarn):
 @pytest.mark.parametrize(
     ("args", "expected"),
     [
-        (["--epochs", "x"], "argument --epochs: invalid int value: 'x'"),
-        (["--deterministic", "maybe"], "argument --deterministic: invalid bool value: 'maybe'"),
+        (
+            ["--epochs", "x"],
+            "config.epochs='x' (from --epochs on the command line) is not accepted: expected an integer",
+        ),
+        (
+            ["--deterministic", "maybe"],
+            "config.deterministic='maybe' (from --deterministic on the command line) is not accepted: "
+            "expected a boolean: true/false, yes/no, on/off or 1/0",
+        ),
         (["--score_mode", "best"], "config.score_mode='best' is not supported; expected None or one of: min, max"),
         (["--accum_steps", "0"], "config.accum_steps must be an integer >= 1, got 0"),
     ],
@@ -156,7 +163,10 @@ def test_script_with_bad_value_exits_2_without_traceback(tmp_path):
         [sys.executable, str(script), "--epochs", "x"], capture_output=True, text=True, timeout=120, cwd=tmp_path
     )
     assert done.returncode == 2 and "parsed" not in done.stdout
-    assert done.stderr == "train.py: error: argument --epochs: invalid int value: 'x'\n"
+    assert done.stderr == (
+        "train.py: error: config.epochs='x' (from --epochs on the command line) is not accepted: "
+        "expected an integer, or none/null to unset it\n"
+    )
 
 
 def test_print_config_keeps_env_references_unresolved(tmp_path, capsys, monkeypatch):
@@ -168,3 +178,39 @@ def test_print_config_keeps_env_references_unresolved(tmp_path, capsys, monkeypa
     out = capsys.readouterr().out
     assert info.value.code == 0 and "s3cr3t" not in out
     assert re.search(r"^  entity: !env '?DANLING_STRICT_SECRET'?$", out, re.MULTILINE)
+
+
+def test_a_missing_config_file_is_one_line_and_exit_2(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    done = subprocess.run(
+        [sys.executable, str(script), "--config", "missing.yaml"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 2 and done.stderr == "train.py: error: config file 'missing.yaml' does not exist\n"
+
+
+def test_an_optim_key_the_optimizer_does_not_take_fails_at_parse_time_naming_the_closest(capsys):
+    error, streams = _exit(capsys, RunnerConfig(), ["--optim.type", "adamw", "--optim.lrr", "0.1"])
+    assert error.code == 2 and len(streams.err.strip().splitlines()) == 1
+    assert "config.optim.lrr is not an argument of optimizer 'adamw'; did you mean optim.lr?" in streams.err
+    with pytest.raises(ValueError, match=r"config\.optim\.type='adamm' is not an optimizer.*registered: .*adamw"):
+        RunnerConfig(**{"optim.type": "adamm"})
+    config = RunnerConfig().parse(["--optim.type", "sgd", "--optim.lr", "0.1", "--optim.momentum", "0.9"])
+    assert config.optim.momentum == 0.9
+
+
+def test_help_lists_the_configured_optimizers_arguments_with_defaults(capsys):
+    class SgdConfig(RunnerConfig):
+        def __init__(self):
+            super().__init__()
+            self.optim.type = "sgd"
+
+    with pytest.raises(SystemExit):
+        SgdConfig().parse(["--help"])
+    out = capsys.readouterr().out
+    assert "arguments of optimizer 'sgd'" in out and "--optim.momentum (default: 0)" in out
+    assert "--optim.nesterov (default: False)" in out

@@ -155,7 +155,7 @@ def test_open_sections_declared_top_level_and_loader_options_stay_accepted():
         "optim.lr": 0.1,
         "optim.betas": [0.9, 0.99],
         "scheduler.warmup_steps": 10,
-        "sched.type": "cosine",
+        "scheduler.type": "cosine",
         "network.type": "mlp",
         "dataloader.timeout": 5.0,
         "dataloader.train.shuffle": False,

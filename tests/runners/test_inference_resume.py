@@ -8,6 +8,7 @@ with an uninterrupted run's. The dataset (37 examples) is not divisible by the 2
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import signal
@@ -70,17 +71,29 @@ def test_sigkilled_inference_resumes_byte_identical(tmp_path, seed):
     assert len(lines) == LENGTH and np.allclose(np.load(outputs(killed)[1]), [json.loads(x) for x in lines])
 
 
-def test_changed_model_or_data_is_refused_on_resume(tmp_path):
+def test_an_output_of_other_weights_is_kept_aside_and_written_anew_with_one_warning(tmp_path, caplog):
     command = [sys.executable, "-m", "tests.runners._infer_child", str(tmp_path), "0", "5"]
     proc = subprocess.run(command, cwd=REPO, env=_child_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
     output = outputs(tmp_path)[0]
     partial = output.read_bytes()
-    with InferRunner(infer_config(tmp_path / "workspace")) as runner:
+    with caplog.at_level(logging.WARNING), InferRunner(infer_config(tmp_path / "workspace")) as runner:
+        runner.model[0].weight.data.add_(1e-3)  # what more training does
+        runner.infer("infer", output=output)
+        assert len(output.read_text().splitlines()) == LENGTH  # a whole output of the current weights
         runner.model[0].weight.data.add_(1e-3)
-        with pytest.raises(ValueError, match="model weights changed.*resume=False"):
-            runner.infer("infer", output=output)
-    assert output.read_bytes() == partial  # refused before touching anything
+        runner.infer("infer", output=output)  # a complete output of other weights: the same
+    kept = sorted(output.parent.glob(f"{output.name}.weights-*"))
+    assert len(kept) == 2 and partial in [(directory / output.name).read_bytes() for directory in kept]
+    warnings = [r for r in caplog.records if "was written by other weights" in r.getMessage()]
+    assert len(warnings) == 2 and all(r.levelno == logging.WARNING for r in warnings)
+
+
+def test_changed_data_is_refused_on_resume(tmp_path):
+    command = [sys.executable, "-m", "tests.runners._infer_child", str(tmp_path), "0", "5"]
+    proc = subprocess.run(command, cwd=REPO, env=_child_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+    output = outputs(tmp_path)[0]
 
     class Longer(InferRunner):
         length = LENGTH + 1

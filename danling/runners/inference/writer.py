@@ -159,7 +159,8 @@ def run_inference(
 
     Raises:
         ValueError: No sink for the suffix, a shuffled split, or a progress record that does not
-            match this run (other weights, dataset length, split or number of ranks).
+            match this run (dataset length, split or number of ranks). An output written by other
+            weights is moved to `<output>.weights-<digest>/` with a warning, and written anew.
     """
     session = _Session(runner, split, Path(output), steps)
     context = InferenceContext(runner, split, str(session.plan.output), record=str(session.record_path))
@@ -216,14 +217,24 @@ class _Session:
         self._finish()
 
     def _verified_record(self) -> ProgressRecord | None:
-        """This rank's record, checked against this run on every rank (one refusal stops them all)."""
-        record, message = None, None
+        """This rank's record, checked against this run on every rank (one refusal stops them all).
+
+        An output written by other weights (more training since) is not continued: it is kept,
+        moved aside by `_set_aside`, and a new one is written (None is returned).
+        """
+        record, message, other_weights = None, None, False
         try:
             record = ProgressRecord.read(self.record_path)
             if record is not None:
                 message = record.mismatch(self.split, self.digest, self.plan.dataset_length, self.ranks.size)
+                same_run = record.mismatch(self.split, record.digest, self.plan.dataset_length, self.ranks.size)
+                other_weights = message is not None and same_run is None  # only the weights differ
         except ValueError as error:
             message = str(error)
+        refused = message is not None and not other_weights
+        if self.ranks.reduce(int(other_weights), "MAX") and not self.ranks.reduce(int(refused), "MAX"):
+            self._set_aside(record)
+            return None
         if self.ranks.reduce(int(message is not None), "MAX"):
             raise ValueError(
                 f"cannot resume inference into {self.plan.output}: "
@@ -231,6 +242,30 @@ class _Session:
                 "pass resume=False (or set inference.resume=False) to start over"
             )
         return record
+
+    def _set_aside(self, record: ProgressRecord | None) -> None:
+        """Move an output written by other weights, with its records, into a sibling directory named
+        after those weights (`<output>.weights-<digest>/`), so a new output starts in its place."""
+        plan = self.plan
+        self.ranks.barrier()  # every rank has read its record
+        if self.ranks.rank == 0:
+            digest = record.digest[:12] if record is not None else "unknown"
+            aside = plan.output.with_name(f"{plan.output.name}.weights-{digest}")
+            aside.mkdir(parents=True, exist_ok=True)
+            state = record.current.sink if record is not None and plan.shards == 1 else {}
+            files = [*plan.sink_type.files(plan.output, state), plan.output.with_name(plan.output.name + ".index.json")]
+            for path in [*files, progress_dir(plan.output)]:
+                if path.exists():
+                    os.replace(path, aside / path.name)
+            self.runner.logger.warning(
+                "%s was written by other weights (digest %s; the model changed since, e.g. by more training): "
+                "kept in %s, writing a new output for the current weights",
+                plan.output,
+                digest,
+                aside,
+            )
+        self.ranks.barrier()  # moved before any rank writes anew
+        progress_dir(plan.output).mkdir(parents=True, exist_ok=True)
 
     def _agreed_commit(self, record: ProgressRecord, start: int) -> Commit:
         """This rank's commit at `start`; if any rank lacks one, every rank raises (none waits for the others)."""

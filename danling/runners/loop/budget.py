@@ -270,15 +270,15 @@ class ProgressMixin:
     def train_splits(self) -> list[str]:
         """Splits trained on: `config.train_splits`, else every split whose name starts with `train`."""
         configured = self.config.get("train_splits")
-        if configured:
+        if configured is not None:  # `[]` is a choice, not "unset"
             return [configured] if isinstance(configured, str) else list(dict.fromkeys(configured))
         return [split for split in self._known_splits() if split.startswith("train")]
 
     @property
     def evaluate_splits(self) -> list[str]:
-        """Splits evaluated: `config.evaluate_splits`, else every split that is not trained or inferred."""
+        """Splits evaluated: `config.evaluate_splits` (`[]`: none), else every split not trained or inferred."""
         configured = self.config.get("evaluate_splits")
-        if configured:
+        if configured is not None:  # `[]`: evaluate nothing
             return [configured] if isinstance(configured, str) else list(dict.fromkeys(configured))
         train = set(self.train_splits)
         return [s for s in self._known_splits() if s not in train and not s.startswith(_INFER_PREFIXES)]

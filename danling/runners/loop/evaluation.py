@@ -87,6 +87,7 @@ class EvaluationMixin(PassMixin):
         self._store_row(row, global_step)
         round_result.clear()  # the next row holds what is trained after this one
         self._evaluated_step = global_step
+        self._stopping_early = self.should_stop_early()
         self.mode, self.split = mode, split
         self.meters.reset()
         self._start_metrics(mode)

@@ -115,10 +115,18 @@ class StepHooks:
         optimizer or change counters here.
         """
         update = self.update
-        if weight is None and update.plain_backward:
-            loss.backward()  # what the strategy would do, one call sooner
-            return
-        update.backward(loss, weight)
+        try:
+            if weight is None and update.plain_backward:
+                loss.backward()  # what the strategy would do, one call sooner
+                return
+            update.backward(loss, weight)
+        except RuntimeError as error:
+            if getattr(loss, "ndim", 0) and "scalar outputs" in str(error):
+                raise ValueError(
+                    f"backward() got a loss of shape {tuple(loss.shape)}, not one number: reduce it to a scalar "
+                    "per batch (reduction='mean' for torch losses, or .mean()) before calling backward"
+                ) from error
+            raise
 
     def step(self) -> None:
         """Count one micro-step and call `optimizer_step` when it closes its accumulation window.

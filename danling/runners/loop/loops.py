@@ -68,9 +68,13 @@ class LoopMixin(DryRunMixin):
             )
         evaluate_splits = self._resolve_splits(evaluate_splits, self.evaluate_splits, "evaluate")
         self.check_training_budget(train_splits, evaluate_splits)
+        self.check_selection(evaluate_splits)
         if self.dry_run_batches:
             return self.dry_run(train_splits, evaluate_splits)
         if self.budget_spent():  # a resumed run whose budget was not raised
+            return self.results
+        if self.should_stop_early():  # a resumed run that stopped early, its patience not raised
+            self.logger.info("early stop: already out of patience (%s evaluations); nothing to train", self.patience)
             return self.results
         self.logger.info("training on %s; evaluating on %s", train_splits, evaluate_splits or "nothing")
         while True:
@@ -120,7 +124,7 @@ class LoopMixin(DryRunMixin):
                 self._watch_phase("checkpoint save")
                 self.save_checkpoint(epochs=epoch, last_step=stop_early or epoch + 1 == self.epochs)
                 if stop_early:
-                    self.logger.info("early stop: no better %s in %s epochs", self.score_name, self.patience)
+                    self.logger.info("early stop: no better %s in %s evaluations", self.score_name, self.patience)
                     self.events.emit(Events.STOP_REQUESTED, StopContext(self, "early stop"))
                     break
         return self.results
@@ -140,7 +144,8 @@ class LoopMixin(DryRunMixin):
         from inside the training pass (whole, or `evaluate_batches` of each) and one row indexed
         by the global step is stored and written; the step-cadence checkpoint of that step follows
         it. After the last step a final evaluation stores the last row and a final checkpoint is
-        saved. Each row's training values cover the batches since the previous row.
+        saved. Each row's training values cover the batches since the previous row. Once more than
+        `patience` evaluations pass without a better score, training stops after that evaluation.
 
         Raises:
             ValueError: No step budget can be resolved.
@@ -156,21 +161,27 @@ class LoopMixin(DryRunMixin):
         # last row with one that lacks the training values of its last steps.
         finished = step >= budget and any(int(index) == step for index in self.results)
         self._plan_periodic_evaluation(evaluate_splits, budget)
+        self._stopping_early = False
         try:
             with self._loop_scope(training=True):
                 if finished:
                     return self.results
                 result = self.loop_state.begin_round()
-                while self.train_state.global_step < budget:
+                while self.train_state.global_step < budget and not self._stopping_early:
                     self._train_round(train_splits, result, budget)
                 self._periodic_splits = None
-                result.update(self.evaluate_for_row(evaluate_splits))
-                self._store_row(result, self.train_state.global_step)
+                if not self._stopping_early:  # else the evaluation that ran out of patience is the last row
+                    result.update(self.evaluate_for_row(evaluate_splits))
+                    self._store_row(result, self.train_state.global_step)
                 self.loop_state.end_round()
                 self._watch_phase("checkpoint save")
                 self.save_checkpoint(last_step=True)
+                if self._stopping_early:
+                    self.logger.info("early stop: no better %s in %s evaluations", self.score_name, self.patience)
+                    self.events.emit(Events.STOP_REQUESTED, StopContext(self, "early stop"))
         finally:
             self._periodic_splits = None
+            self._stopping_early = False
         return self.results
 
     def _train_round(self, train_splits: list[str], result: RoundDict, budget: int) -> None:
@@ -183,7 +194,7 @@ class LoopMixin(DryRunMixin):
             split_result = self._run_split(split, RunnerMode.train, budget=budget)[0]
             if self._evaluated_step != self.train_state.global_step:  # else no batch since that row
                 result[split] = split_result
-            if self.train_state.global_step >= budget:
+            if self.train_state.global_step >= budget or self._stopping_early:
                 # A budget met on the last batch of the round still completes the round.
                 completed = split == train_splits[-1] and self._pass_completed(split)
                 break

@@ -54,6 +54,8 @@ class PassMixin(StepHooks):
     # A stop request was seen; the loop exits at the next accumulation-window boundary.
     _stop_latched: bool = False
     _stop_polls: int = 0
+    # A periodic evaluation ran out of `patience`: the step-mode training pass ends at this step.
+    _stopping_early: bool = False
     _seen_step: int = 0
     _step_window: StepWindow
 
@@ -187,7 +189,7 @@ class PassMixin(StepHooks):
                 self._stop_latched = True
                 if not (training and update.pending):
                     return batches, False  # the stop after the pass shuts down
-            if budget is not None and state.global_step >= budget:
+            if budget is not None and (state.global_step >= budget or self._stopping_early):
                 return batches, False
         return batches, True
 

@@ -24,7 +24,7 @@ from danling.utils import BackgroundWriter, RoundDict
 if TYPE_CHECKING:
     from ..config import RunnerConfig
 
-__all__ = ["ResultsMixin", "format_result"]
+__all__ = ["ResultsMixin", "format_result", "pick_score_split"]
 
 # Score names matching this pattern are minimised; everything else is maximised.
 _LOWER_IS_BETTER = re.compile(r"loss|err|mse|mae|rmse|perplexity|ppl|nll|wer|cer|distance", re.IGNORECASE)
@@ -72,11 +72,11 @@ class ResultsMixin:
     # ------------------------------------------------------------------ selection
     @property
     def score_split(self) -> str | None:
-        """Split whose metric picks the best row.
+        """Split whose metric picks the best row; None when there is none to select on.
 
-        `config.score_split` when set; otherwise chosen once from the latest row (`val`, then
-        `validate`/`validation`, then the first evaluation split, then the first split) and kept
-        until that split stops appearing in new rows.
+        `config.score_split` when set; otherwise chosen once from the latest row (see
+        [`pick_score_split`][danling.runners.services.results.pick_score_split]: a validation split,
+        never a training split or one named `test*`) and kept until that split stops appearing.
         """
         configured = self.config.get("score_split")
         if configured:
@@ -88,10 +88,38 @@ class ResultsMixin:
         if cached is not None and cached in latest:
             return cached
         splits = [key for key, value in latest.items() if isinstance(value, Mapping)]
-        candidates = [s for s in _PREFERRED_SCORE_SPLITS if s in splits]
-        candidates += [s for s in self.evaluate_splits if s in splits] + splits
-        self.__dict__["_score_split"] = candidates[0] if candidates else None
+        self.__dict__["_score_split"] = pick_score_split(splits, self.evaluate_splits)
         return self.__dict__["_score_split"]
+
+    def check_selection(self, evaluate_splits: list[str]) -> None:
+        """Before training: refuse a `patience` that cannot act, and say once, loudly, when no best
+        checkpoint will be selected (no validation split, and no `score_split` configured).
+
+        Raises:
+            ValueError: `patience` is set but nothing is scored, or step mode evaluates only after
+                the last step (`evaluate_interval=0`).
+        """
+        configured = self.config.get("score_split")
+        chosen = configured or pick_score_split(evaluate_splits, evaluate_splits)
+        patience = self.config.get("patience")
+        if patience is not None and chosen is None:
+            raise ValueError(
+                f"config.patience={patience!r} counts evaluations of a validation split, but none is evaluated "
+                f"(evaluation splits: {list(evaluate_splits)}); add a `val` split, set config.score_split, "
+                "or unset patience"
+            )
+        if patience is not None and self.is_step_mode and self.evaluate_interval == 0:
+            raise ValueError(
+                f"config.patience={patience!r} counts evaluations, but config.evaluate_interval=0 evaluates only "
+                "after the last step; set evaluate_interval to the steps between evaluations"
+            )
+        if chosen is None:
+            self.logger.warning(
+                "NO BEST CHECKPOINT: no validation split among the evaluation splits %s, so this run selects no "
+                "best checkpoint (no best.json, no `best` alias); a split named test* is never chosen by itself: "
+                "add a `val` split or name one in config.score_split",
+                list(evaluate_splits),
+            )
 
     @property
     def score_name(self) -> str:
@@ -183,7 +211,7 @@ class ResultsMixin:
 
     @property
     def patience(self) -> int | float:
-        """Rounds without improvement tolerated before early stop (`config.patience`, default inf)."""
+        """Evaluations without improvement tolerated before early stop (`config.patience`, default inf)."""
         patience = self.config.get("patience")
         if patience is None:
             return math.inf
@@ -191,12 +219,35 @@ class ResultsMixin:
             raise ValueError(f"patience must be a non-negative number or None, got {patience!r}")
         return patience
 
+    @property
+    def min_delta(self) -> float:
+        """How much a score must beat the best so far to count as an improvement (`config.score.min_delta`)."""
+        return float(self.config.get("score.min_delta") or 0.0)
+
     def should_stop_early(self) -> bool:
-        """Whether the newest row is more than `patience` rounds after the best one."""
-        if not self.results or math.isinf(self.patience) or not self.scores:
+        """Whether more than `patience` evaluations passed since the last one that improved the score.
+
+        Evaluations are the scored rows (epochs in epoch mode, evaluations in step mode). A score
+        improves when it beats every earlier one by more than `min_delta`; a tie is no improvement,
+        so a flat score runs out of patience.
+        """
+        if not self.results or math.isinf(self.patience):
             return False
-        rounds = list(self.results)
-        return rounds.index(rounds[-1]) - rounds.index(self.best_index) > self.patience
+        scores = self._score_map()
+        if not scores:
+            return False
+        lower, delta = self.lower_is_better, self.min_delta
+        sign = 1.0 if lower else -1.0
+        best, since = None, 0
+        for index in self.results:
+            if index not in scores:
+                continue
+            score = sign * _comparable(scores[index], lower)
+            if best is None or (score < best - delta and not _ties(score, best)):
+                best, since = score, 0
+            else:
+                since += 1
+        return since > self.patience
 
     # ------------------------------------------------------------------ rows and files
     def append_result(self, result: Mapping[str, Any], index: int | None = None) -> None:
@@ -245,6 +296,8 @@ class ResultsMixin:
             return  # a training-only row: evaluation has not happened yet
         self.__dict__["_score_checked"] = True
         split = self.score_split
+        if split is None:
+            return  # nothing to select on: `check_selection` said so before training
         if split not in splits:
             raise ValueError(f"score_split {split!r} is not a split of the results; available splits: {splits}")
         names = sorted(key for key in row[split] if not isinstance(row[split][key], Mapping))
@@ -334,10 +387,15 @@ class ResultsMixin:
         return format_result(result, format_spec)
 
     def format_epoch_result(self, result: Mapping[str, Any], epoch: int | None = None, format_spec: str = ".4f") -> str:
-        """Render a finished epoch's row as one line per split, each starting with `epoch [i/n]`."""
+        """Render a finished epoch's row as one line per split, each starting with `epoch [i/n]`.
+
+        `epoch` is the row index (from 0); the line counts from 1, as the progress bar does, so
+        the last epoch of 5 is `epoch [5/5]` everywhere.
+        """
         epoch = self.train_state.epoch if epoch is None else epoch
-        total = "?" if self.epochs is None else self.epochs - 1
-        return "\n".join(f"epoch [{epoch}/{total}] {line}" for line in format_result(result, format_spec).split("\n"))
+        total = "?" if self.epochs is None else self.epochs
+        lines = format_result(result, format_spec).split("\n")
+        return "\n".join(f"epoch [{epoch + 1}/{total}] {line}" for line in lines)
 
     def format_step_result(
         self, result: Mapping[str, Any], split: str, iteration: int, length: int | None, format_spec: str = ".4f"
@@ -381,6 +439,25 @@ class ResultsMixin:
 
     def _latest_row(self) -> Mapping | None:
         return self.results[next(reversed(self.results))] if self.results else None
+
+
+def pick_score_split(splits: list[str], evaluate_splits: list[str]) -> str | None:
+    """The split a run selects on when `score_split` is not set: `val` (or `validate`/`validation`),
+    else the first evaluation split not named `test*`; None when there is none.
+
+    Examples:
+        >>> pick_score_split(["train", "test", "val"], ["test", "val"]), pick_score_split(["train", "dev"], ["dev"])
+        ('val', 'dev')
+        >>> pick_score_split(["train", "test"], ["test"]) is None
+        True
+    """
+    for split in _PREFERRED_SCORE_SPLITS:
+        if split in splits:
+            return split
+    for split in evaluate_splits:
+        if split in splits and not split.lower().startswith("test"):
+            return split
+    return None
 
 
 def _plain_mapping(row: Mapping[str, Any]) -> dict[str, Any]:

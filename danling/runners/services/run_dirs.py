@@ -36,6 +36,7 @@ __all__ = [
     "launch_record",
     "record_launch",
     "save_code_diff",
+    "set_aside_failed_launch",
     "run_versions",
     "sibling_runs",
 ]
@@ -133,6 +134,45 @@ def choose_run_dir(
     while has_checkpoints(version_dir(base, number), dir_name):
         number += 1
     return version_dir(base, number)
+
+
+def set_aside_failed_launch(run_dir: Path, dir_name: str = "checkpoints") -> Path | None:
+    """Move the files of a launch that died before its first checkpoint into `failed/<launch>/`.
+
+    A run directory without a checkpoint is where the next launch of the same config writes; left
+    as they are, the dead launch's `run.log`, `metrics.csv`, result files and launch list would
+    mix with the new run's rows at the same steps. Only a launch whose `status.json` says it was
+    training (`running`, then killed) or `failed` is moved; nothing moves while a live process
+    holds the directory's lock, or when the directory holds a checkpoint (the next launch
+    continues it, or starts a version beside it).
+
+    Returns:
+        The directory the files went to, or None when nothing moved.
+    """
+    from .run_lock import LOCK_NAME, held_here, live_lock_holder
+
+    if not run_dir.is_dir() or has_checkpoints(run_dir, dir_name):
+        return None
+    if live_lock_holder(run_dir) is not None or held_here(run_dir):
+        return None
+    # only a launch that started training and did not finish: killed (`running`) or crashed (`failed`)
+    if (read_json(run_dir / "status.json") or {}).get("status") not in ("running", "failed"):
+        return None
+    keep = {LOCK_NAME, "failed", dir_name}
+    entries = [entry for entry in run_dir.iterdir() if entry.name not in keep]
+    if not entries:
+        return None
+    launches = (read_json(run_dir / "metadata.json") or {}).get("launches") or [{}]
+    started = str((launches[-1] if isinstance(launches[-1], dict) else {}).get("start_time") or "unknown")
+    name = "launch-" + re.sub(r"[^0-9A-Za-z]+", "", started.split(".")[0].split("+")[0])
+    target, number = run_dir / "failed" / name, 1
+    while target.exists():
+        number += 1
+        target = run_dir / "failed" / f"{name}-{number}"
+    target.mkdir(parents=True)
+    for entry in entries:
+        os.replace(entry, target / entry.name)
+    return target
 
 
 def sibling_runs(base: Path, experiment: str) -> list[Path]:

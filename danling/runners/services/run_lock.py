@@ -24,7 +24,7 @@ try:
 except ImportError:  # pragma: no cover - Windows: no advisory locks, runs are not locked
     fcntl = None  # type: ignore[assignment]
 
-__all__ = ["LOCK_NAME", "RunDirectoryLockedError", "RunLock", "live_lock_holder", "read_lock_holder"]
+__all__ = ["LOCK_NAME", "RunDirectoryLockedError", "RunLock", "held_here", "live_lock_holder", "read_lock_holder"]
 
 LOCK_NAME = ".lock"
 
@@ -73,6 +73,12 @@ def live_lock_holder(directory: str | os.PathLike) -> dict[str, Any] | None:
         return None
     finally:
         os.close(fd)
+
+
+def held_here(directory: str | os.PathLike) -> bool:
+    """Whether a runner of this process holds the lock of `directory`."""
+    with _HELD_LOCK:
+        return os.fspath((Path(directory) / LOCK_NAME).absolute()) in _HELD
 
 
 def _describe(holder: dict[str, Any] | None) -> str:

@@ -25,7 +25,7 @@ from typing import Any
 from .._config_refs import references_yaml, with_references
 from .git_info import git_info, git_short_hash
 from .run_dirs import atomic_write as _atomic_write
-from .run_dirs import choose_run_dir, launch_record, record_launch
+from .run_dirs import choose_run_dir, launch_record, record_launch, set_aside_failed_launch
 from .run_lock import RunLock
 
 __all__ = ["RunnerWorkspace"]
@@ -181,6 +181,13 @@ class RunnerWorkspace:
         # {run dir: {checkpoint: reason}} of a version auto_resume refused: none of its checkpoints verifies
         self.refused: dict[Path, dict[str, str]] = {}
         self._path = self._choose_path()
+        # A launch that died before its first checkpoint left its files here: they go to `failed/`
+        # before this run opens its log or records, so the two runs' rows never mix.
+        self.failed_launch: Path | None = None
+        if self.is_main_process and not _get(self.config, "dry_run"):
+            self.failed_launch = set_aside_failed_launch(
+                self._path, str(_get(self.config, "checkpoint.dir_name", "checkpoints"))
+            )
 
     # -------------------------------------------------------------------------------- identity
     @property
@@ -389,6 +396,13 @@ class RunnerWorkspace:
             self._handlers.append(handler)
         if logger.level == logging.NOTSET or logger.level > level:
             logger.setLevel(level)
+        if self.failed_launch is not None:
+            logger.warning(
+                "run directory %s held a launch that ended before its first checkpoint: its files are in %s; "
+                "this run starts afresh",
+                self.path,
+                self.failed_launch,
+            )
         return logger
 
     # ---------------------------------------------------------------------------- print routing
