@@ -43,9 +43,13 @@ class TorchDataMixin:
 
     def _why_no_steps(self) -> str | None:
         """Why `_total_steps` found no step in epoch mode (no train split, or one that yields no
-        batch), in words; None when that is not the reason."""
+        batch, or no budget at all), in words; None when that is not the reason."""
         if self.epochs is None:
-            return None
+            return (
+                None
+                if self.steps is not None
+                else "this run has no length: set epochs (with sized train datasets) or steps"
+            )
         splits = self.train_splits
         if not splits:
             return f"no training split among the datasets {list(self.datasets)}: name one 'train' or set train_splits"
