@@ -48,15 +48,25 @@ def test_the_quick_check_passes_on_cpu_and_names_what_waits_for_a_gpu(tmp_path):
     assert "===== resume: pass" in (tmp_path / "gpu_check.log").read_text()
 
 
-def test_a_check_that_fails_or_overruns_fails_the_run_with_its_reason(tmp_path):
-    command = [sys.executable, str(REPO / "benchmarks" / "gpu_check.py"), "--out", str(tmp_path)]
-    command += ["--quick", "--only", "environment", "precision", "--budget", "12"]
+def test_a_spent_budget_fails_the_run_and_names_every_check_it_left_out(tmp_path):
+    command = [sys.executable, str(REPO / "benchmarks" / "gpu_check.py"), "--out", str(tmp_path), "--budget", "5"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=REPO)
     report = json.loads((tmp_path / "gpu_check.json").read_text())
-    assert done.returncode == 1 and not report["passed"]
-    assert report["checks"]["environment"]["status"] == "pass"
-    reason = report["checks"]["precision"]["reason"]
-    assert report["checks"]["precision"]["status"] == "fail" and ("timed out" in reason or "budget" in reason)
+    assert done.returncode == 1 and not report["passed"] and list(report["checks"]) == list(LIMITS)
+    for verdict in report["checks"].values():
+        assert verdict == {"status": "fail", "reason": "not run: the 5 s budget was spent"}
+
+
+def test_a_check_that_raises_is_a_failure_with_its_reason_and_traceback(tmp_path):
+    # A working folder that is a file: the run cannot create its workspace, and the check raises.
+    result, blocked = tmp_path / "verdict.json", tmp_path / "a-file"
+    blocked.write_text("")
+    command = [sys.executable, str(REPO / "benchmarks" / "gpu_check.py"), "--child", "dcp", "--device", "cpu"]
+    command += ["--workdir", str(blocked), "--result", str(result), "--quick"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=REPO)
+    verdict = json.loads(result.read_text())
+    assert done.returncode == 0 and verdict["status"] == "fail" and verdict["reason"]
+    assert "Traceback" in done.stderr and verdict["seconds"] >= 0
 
 
 def test_unknown_checks_and_a_missing_gpu_are_refused_before_any_work(tmp_path):
