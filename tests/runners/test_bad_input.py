@@ -173,7 +173,9 @@ def test_a_user_error_is_one_line_on_stderr_and_its_traceback_goes_to_the_run_lo
 
 def test_a_scheduler_that_needs_a_length_without_a_budget_says_to_set_one(tmp_path):
     config = tiny_config(tmp_path, epochs=None, **{"scheduler.type": "cosine"})
-    with pytest.raises(ValueError, match=r"scheduler 'cosine' needs the run length, but this run has no length: set epochs .* or steps"):
+    with pytest.raises(
+        ValueError, match=r"scheduler 'cosine' needs the run length, but this run has no length: set epochs .* or steps"
+    ):
         TinyRunner(config)
 
 
