@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import errno
 import hashlib
 import json
 import logging
@@ -128,23 +127,10 @@ class _Errors(logging.Handler):
         self.messages.append(record.getMessage())
 
 
-class _FullDisk:
-    """A raw file whose writes fail with ENOSPC when `full`."""
-
-    def __init__(self, raw: Any, full: bool) -> None:
-        self.raw, self.full = raw, full
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.raw, name)
-
-    def write(self, data: Any) -> int:
-        if self.full:
-            raise OSError(errno.ENOSPC, "No space left on device")
-        return self.raw.write(data)
-
-
 def _full_disk_after_one(writes: Any, writer: type) -> Any:
-    return lambda self, raw: writer(_FullDisk(raw, next(writes) >= 1))
+    from tests.checkpoint.test_save_failures import _FullDisk  # a raw file that is full past `limit` bytes
+
+    return lambda self, raw: writer(_FullDisk(raw, 0 if next(writes) >= 1 else 1 << 40))
 
 
 def save_errors(root: Path, runs: int) -> dict[str, Any]:
