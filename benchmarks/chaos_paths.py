@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import hashlib
 import json
 import logging
 import os
@@ -78,26 +77,10 @@ def endings(root: Path, runs: int) -> dict[str, Any]:
     return counts
 
 
-def _snapshot(directory: Path) -> dict[str, str]:
-    files = sorted(path for path in directory.rglob("*") if path.is_file())
-    return {os.fspath(path.relative_to(directory)): hashlib.sha256(path.read_bytes()).hexdigest() for path in files}
-
-
-def _damage(checkpoint: Path, how: str) -> None:
-    payload = checkpoint / "state.pt"
-    if how == "manifest removed":
-        (checkpoint / "manifest.json").unlink()
-    elif how == "truncated":
-        payload.write_bytes(payload.read_bytes()[: payload.stat().st_size // 2])
-    else:
-        data = bytearray(payload.read_bytes())
-        data[len(data) // 3] ^= 0x01
-        payload.write_bytes(bytes(data))
-
-
 def unverifiable(root: Path, runs: int) -> dict[str, Any]:
     """Make every checkpoint of a run unverifiable, then `auto_resume`; count what the new run touched."""
     from tests.runners._toy import ToyRunner, toy_config
+    from tests.runners.test_run_identity import _damage, _snapshot
 
     counts = {"runs": 0, "checkpoints_overwritten": 0, "not_a_new_version": 0}
     for how in DAMAGES:
