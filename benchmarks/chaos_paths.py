@@ -152,14 +152,6 @@ def save_errors(root: Path, runs: int) -> dict[str, Any]:
     return counts
 
 
-class _Planted:
-    def __init__(self, marker: Path) -> None:
-        self.marker = marker
-
-    def __reduce__(self) -> tuple:
-        return (os.system, (f"touch {self.marker}",))
-
-
 def deepspeed(root: Path, runs: int) -> dict[str, Any]:
     """Plant a payload in DeepSpeed's own files and load the tag through `resume` and `pretrained`."""
     from tests.runners._deepspeed_toy import Regression, ds_config
@@ -182,6 +174,7 @@ def _plant_and_load(root: Path, tag: Path, runs: int, counts: dict[str, int]) ->
     from danling.checkpoint.unpickling import UnsafePickleError
     from tests.checkpoint.test_safe_loading import _rehash
     from tests.runners._deepspeed_toy import Regression, ds_config
+    from tests.runners.test_deepspeed_safe_loading import Planted  # runs os.system when unpickled
 
     for run in range(runs):
         for name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"):
@@ -190,7 +183,7 @@ def _plant_and_load(root: Path, tag: Path, runs: int, counts: dict[str, int]) ->
                 planted, marker = work / "planted" / tag.name, work / "marker"
                 shutil.copytree(tag, planted)
                 state = torch.load(planted / name, weights_only=False)
-                state["planted"] = _Planted(marker)
+                state["planted"] = Planted(marker)
                 torch.save(state, planted / name)
                 _rehash(planted)
                 counts["loads"] += 1
