@@ -29,8 +29,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import errno
-import hashlib
 import json
 import logging
 import os
@@ -79,26 +77,10 @@ def endings(root: Path, runs: int) -> dict[str, Any]:
     return counts
 
 
-def _snapshot(directory: Path) -> dict[str, str]:
-    files = sorted(path for path in directory.rglob("*") if path.is_file())
-    return {os.fspath(path.relative_to(directory)): hashlib.sha256(path.read_bytes()).hexdigest() for path in files}
-
-
-def _damage(checkpoint: Path, how: str) -> None:
-    payload = checkpoint / "state.pt"
-    if how == "manifest removed":
-        (checkpoint / "manifest.json").unlink()
-    elif how == "truncated":
-        payload.write_bytes(payload.read_bytes()[: payload.stat().st_size // 2])
-    else:
-        data = bytearray(payload.read_bytes())
-        data[len(data) // 3] ^= 0x01
-        payload.write_bytes(bytes(data))
-
-
 def unverifiable(root: Path, runs: int) -> dict[str, Any]:
     """Make every checkpoint of a run unverifiable, then `auto_resume`; count what the new run touched."""
     from tests.runners._toy import ToyRunner, toy_config
+    from tests.runners.test_run_identity import _damage, _snapshot
 
     counts = {"runs": 0, "checkpoints_overwritten": 0, "not_a_new_version": 0}
     for how in DAMAGES:
@@ -128,23 +110,10 @@ class _Errors(logging.Handler):
         self.messages.append(record.getMessage())
 
 
-class _FullDisk:
-    """A raw file whose writes fail with ENOSPC when `full`."""
-
-    def __init__(self, raw: Any, full: bool) -> None:
-        self.raw, self.full = raw, full
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.raw, name)
-
-    def write(self, data: Any) -> int:
-        if self.full:
-            raise OSError(errno.ENOSPC, "No space left on device")
-        return self.raw.write(data)
-
-
 def _full_disk_after_one(writes: Any, writer: type) -> Any:
-    return lambda self, raw: writer(_FullDisk(raw, next(writes) >= 1))
+    from tests.checkpoint.test_save_failures import _FullDisk  # a raw file that is full past `limit` bytes
+
+    return lambda self, raw: writer(_FullDisk(raw, 0 if next(writes) >= 1 else 1 << 40))
 
 
 def save_errors(root: Path, runs: int) -> dict[str, Any]:
@@ -183,14 +152,6 @@ def save_errors(root: Path, runs: int) -> dict[str, Any]:
     return counts
 
 
-class _Planted:
-    def __init__(self, marker: Path) -> None:
-        self.marker = marker
-
-    def __reduce__(self) -> tuple:
-        return (os.system, (f"touch {self.marker}",))
-
-
 def deepspeed(root: Path, runs: int) -> dict[str, Any]:
     """Plant a payload in DeepSpeed's own files and load the tag through `resume` and `pretrained`."""
     from tests.runners._deepspeed_toy import Regression, ds_config
@@ -213,6 +174,7 @@ def _plant_and_load(root: Path, tag: Path, runs: int, counts: dict[str, int]) ->
     from danling.checkpoint.unpickling import UnsafePickleError
     from tests.checkpoint.test_safe_loading import _rehash
     from tests.runners._deepspeed_toy import Regression, ds_config
+    from tests.runners.test_deepspeed_safe_loading import Planted  # runs os.system when unpickled
 
     for run in range(runs):
         for name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"):
@@ -221,7 +183,7 @@ def _plant_and_load(root: Path, tag: Path, runs: int, counts: dict[str, int]) ->
                 planted, marker = work / "planted" / tag.name, work / "marker"
                 shutil.copytree(tag, planted)
                 state = torch.load(planted / name, weights_only=False)
-                state["planted"] = _Planted(marker)
+                state["planted"] = Planted(marker)
                 torch.save(state, planted / name)
                 _rehash(planted)
                 counts["loads"] += 1

@@ -6,7 +6,9 @@ pruned) and `.<alias>.pointer.tmp-<token>` (a pointer being rewritten). The toke
 `p<pid>.<host>.<hex>`, names the writing process. A process that dies leaves them behind;
 [`recover_directory`][danling.checkpoint.layout.recover_directory] cleans them up and puts back a
 checkpoint whose replacement was interrupted, but leaves alone the entries of a writer that still
-runs (another process saving into the same directory) and of writers on other hosts.
+runs (another process saving into the same directory) and of writers on other hosts. `.refused/`
+is not transient: it keeps checkpoints that failed verification (see `set_aside`), and nothing
+here removes it.
 """
 
 from __future__ import annotations

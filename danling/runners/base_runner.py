@@ -32,6 +32,7 @@ from .checkpointing import CheckpointMixin
 from .config import RunnerConfig
 from .loop import EventBus, Events, LoopMixin, LoopState, ProgressMixin
 from .services import ObservabilityMixin, ResultsMixin, RunnerSupervisor, RunnerWorkspace, Trackers
+from .services.errors import report_errors_briefly
 from .state import RunnerElasticState, RunnerRNGState, RunnerState, RunnerTrainState
 
 __all__ = ["BaseRunner", "MetaRunner"]
@@ -128,6 +129,7 @@ class BaseRunner(CheckpointMixin, ResultsMixin, ObservabilityMixin, LoopMixin, P
     metrics: Any = None
 
     def __init__(self, config: RunnerConfig | Mapping[str, Any]) -> None:
+        report_errors_briefly(None)  # an error ending the script is one line; init_logging names the run log
         RunnerConfig.check_runner(config, type(self))  # refuse stacks/features this class does not implement
         self.config = self._normalize_config(config)
         self._resolve_auto_stack()

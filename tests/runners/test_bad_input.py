@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -145,11 +149,6 @@ with ToyRunner(toy_config(sys.argv[1], epochs=0, log=True)) as runner:
 
 @pytest.mark.parametrize("debug", [False, True])
 def test_a_user_error_is_one_line_on_stderr_and_its_traceback_goes_to_the_run_log(tmp_path, debug):
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
     env = {key: value for key, value in os.environ.items() if key != "DANLING_DEBUG"}
     if debug:
         env["DANLING_DEBUG"] = "1"
@@ -181,8 +180,6 @@ def test_a_scheduler_that_needs_a_length_without_a_budget_says_to_set_one(tmp_pa
 
 @pytest.mark.parametrize("root", ["file", "read-only"])
 def test_a_workspace_root_that_cannot_hold_runs_names_it(tmp_path, root):
-    import os
-
     if root == "file":
         path = tmp_path / "not-a-directory"
         path.write_text("")
@@ -228,3 +225,15 @@ def test_a_metric_that_is_nan_from_out_of_range_labels_warns_once(tmp_path, capl
     assert runner.results[1]["val"]["acc"] != runner.results[1]["val"]["acc"]  # NaN, as documented
     warnings = [r.getMessage() for r in caplog.records if "metric 'acc' of split 'val' is NaN" in r.getMessage()]
     assert len(warnings) == 1 and "outside [0, num_classes)" in warnings[0]  # once, over both epochs
+
+
+def test_an_error_before_the_run_log_exists_is_one_line_too(tmp_path):
+    script = "import sys\nfrom tests.runners._toy import ToyRunner, toy_config\n"
+    script += "ToyRunner(toy_config(sys.argv[1], resume=sys.argv[2]))"  # fails while choosing the run directory
+    missing = tmp_path / "no-such-run"
+    env = {key: value for key, value in os.environ.items() if key != "DANLING_DEBUG"}
+    command = [sys.executable, "-c", script, str(tmp_path), str(missing)]
+    repo = Path(__file__).resolve().parents[2]
+    done = subprocess.run(command, cwd=repo, env=env, capture_output=True, text=True)
+    assert done.returncode == 1 and done.stderr.count("\n") == 1, done.stderr
+    assert done.stderr.startswith(f"-c: error: CheckpointNotFoundError: cannot resume from '{missing}'")
