@@ -320,7 +320,8 @@ class RunnerConfig(_TypedConfig):
             sys.stdout.write(help_text(self, parser.prog, default_config))
             raise SystemExit(0)
         print_config = wants(args, "--print-config", "--print_config")
-        args = [arg for arg in args if arg not in ("--print-config", "--print_config")]
+        # `--debug` is read from sys.argv by the error hook (tracebacks printed, not only logged): not a key.
+        args = [arg for arg in args if arg not in ("--print-config", "--print_config", "--debug")]
         self.setattr("parser", parser)
         try:
             apply_arguments(self, parser, args, default_config, no_default_config_action, strict)

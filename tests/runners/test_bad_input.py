@@ -170,6 +170,20 @@ def test_a_user_error_is_one_line_on_stderr_and_its_traceback_goes_to_the_run_lo
     assert "the run ended with an exception" in kept and "Traceback (most recent call last)" in kept
 
 
+def test_debug_on_the_command_line_of_a_parsed_script_prints_the_traceback(tmp_path):
+    # `--debug` used to reach parse() as an unknown key: the flag the one-line error offers could not be given.
+    script = "import sys\nimport danling as dl\nfrom tests.runners._toy import ToyRunner, toy_config\n"
+    script += "config = dl.RunnerConfig(**toy_config(sys.argv[1], epochs=0)).parse(sys.argv[2:])\n"
+    script += "ToyRunner(config).train()"
+    env = {key: value for key, value in os.environ.items() if key != "DANLING_DEBUG"}
+    repo = Path(__file__).resolve().parents[2]
+    for extra, traceback in (([], False), (["--debug"], True)):
+        command = [sys.executable, "-c", script, str(tmp_path), "--seed", "1", *extra]
+        done = subprocess.run(command, cwd=repo, env=env, capture_output=True, text=True)
+        assert done.returncode == 1 and "epochs=0 trains nothing" in done.stderr, done.stderr
+        assert ("Traceback (most recent call last):" in done.stderr) is traceback, done.stderr
+
+
 def test_a_scheduler_that_needs_a_length_without_a_budget_says_to_set_one(tmp_path):
     config = tiny_config(tmp_path, epochs=None, **{"scheduler.type": "cosine"})
     with pytest.raises(
