@@ -83,7 +83,8 @@ class CheckpointConfig(_TypedConfig):
         last_save_model_only: Make the final checkpoint hold the model weights only.
         export_dtype: Cast the weights of a model-only final checkpoint to this dtype.
         trust_pickle: Load checkpoints with the full unpickler (only for files you trust).
-        continue_on_save_error: Log a failed save and retry at the next one instead of stopping the run.
+        continue_on_save_error: Log a failed save (ERROR) and retry at the next one instead of stopping the run; a
+            run whose last save failed still ends with an error and `failed` in status.json.
         checksum: Integrity checksum recorded for every checkpoint file: `xxh3_128` (fast, against torn
             writes) or `sha256` (cryptographic); either verifies on load, whatever a checkpoint recorded.
     """
