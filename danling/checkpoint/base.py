@@ -12,11 +12,13 @@ lives here, so a distributed backend only changes where bytes come from and whic
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import logging
 import os
 import re
 import shutil
+import sys
 import weakref
 from collections.abc import Mapping, MutableMapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -514,9 +516,19 @@ _WRITING: weakref.WeakSet[CheckpointManager] = weakref.WeakSet()
 
 @atexit.register
 def _report_at_exit() -> None:
+    failed = False
     for manager in list(_WRITING):
         path = manager.pending_path
         try:
             manager.wait()
         except BaseException as err:  # nobody is left to raise it to
             manager.logger.error("checkpoint %s was not saved before the process exited: %s", path, err)
+            failed = True
+    if failed:
+        # The interpreter is past the point where an exception sets the exit status, and a script that
+        # lost its checkpoint must not end with 0: flush what was written and leave with status 1.
+        logging.shutdown()
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(1)

@@ -24,13 +24,17 @@ ENDINGS = {
     "failure": (1, "epoch-000001"),
     "collected": (0, "epoch-000002"),
     "manual": (0, "step-000015"),
+    "manual-failure": (1, "epoch-000002"),  # that save fails during shutdown: reported, and the exit is not 0
 }
 
 _write_payload = FileCheckpointManager._write_payload
+FAILING = False  # set before a save whose write must fail
 
 
 def _slow_write(self, state, directory):
     time.sleep(0.5)  # a slow disk: the final save outlives the script's remaining lines
+    if FAILING:
+        raise OSError(28, "No space left on device (simulated)")
     return _write_payload(self, state, directory)
 
 
@@ -81,6 +85,12 @@ def main(root: str, ending: str) -> None:
     elif ending == "manual":  # a save started outside train(), still running at interpreter shutdown
         runner = build(root)
         runner.train()
+        runner.save_checkpoint(name="export", force=True)
+    elif ending == "manual-failure":  # the same, and that save's write fails
+        global FAILING
+        runner = build(root)
+        runner.train()
+        FAILING = True
         runner.save_checkpoint(name="export", force=True)
     else:
         raise ValueError(ending)

@@ -37,3 +37,6 @@ def test_the_last_checkpoint_is_durable_before_the_process_exits(tmp_path, endin
     assert manager.latest is not None and manager.latest.name == expected, (listing, proc.stderr)
     manager.verify("latest")  # raises when torn or unsealed
     assert f"saved checkpoint {directory / expected}" in proc.stderr
+    if ending == "manual-failure":  # the save that failed during shutdown is an ERROR line, and the exit is 1
+        assert "step-000015 was not saved before the process exited" in proc.stderr
+        assert "(OSError: No space left on device)" in proc.stderr
