@@ -59,6 +59,7 @@ _CHOICES: dict[str, tuple] = {
     "checkpoint.async_process_group_backend": ("gloo", "nccl"),
     "checkpoint.export_dtype": _DTYPES,
     "checkpoint.checksum": ("xxh3_128", "sha256"),
+    "checkpoint.unverifiable": ("new-version", "stop"),
     "ft.process_group": ("gloo", "nccl"),
     "gc.generation": (0, 1, 2),
     "parallel.activation_checkpointing": ("none", "block", "selective"),

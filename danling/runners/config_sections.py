@@ -85,6 +85,9 @@ class CheckpointConfig(_TypedConfig):
         trust_pickle: Load checkpoints with the full unpickler (only for files you trust).
         continue_on_save_error: Log a failed save (ERROR) and retry at the next one instead of stopping the run; a
             run whose last save failed still ends with an error and `failed` in status.json.
+        unverifiable: What `auto_resume` does when no checkpoint of the run verifies: `new-version` starts
+            from scratch in a new version of the run directory (the old checkpoints stay untouched), `stop`
+            refuses to start and names them with the reasons.
         checksum: Integrity checksum recorded for every checkpoint file: `xxh3_128` (fast, against torn
             writes) or `sha256` (cryptographic); either verifies on load, whatever a checkpoint recorded.
     """
@@ -108,6 +111,7 @@ class CheckpointConfig(_TypedConfig):
     export_dtype: str | None = None
     trust_pickle: bool = False
     continue_on_save_error: bool = False
+    unverifiable: str = "new-version"
     checksum: str = "xxh3_128"
 
 

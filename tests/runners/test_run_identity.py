@@ -358,6 +358,27 @@ def test_auto_resume_never_overwrites_checkpoints_it_cannot_verify(tmp_path, cap
     third.close()
 
 
+def test_auto_resume_can_stop_instead_of_starting_a_new_version_beside_unverifiable_checkpoints(tmp_path):
+    from danling.checkpoint import CheckpointError
+
+    first, _ = _train(tmp_path, auto_resume=True, epochs=2)
+    checkpoints = first / "checkpoints"
+    for checkpoint in sorted(checkpoints.glob("epoch-*")):
+        _damage(checkpoint, "truncated")
+    evidence, before = _snapshot(checkpoints), sorted(first.parent.iterdir())
+    config = tiny_config(tmp_path, auto_resume=True, epochs=2, **{"checkpoint.unverifiable": "stop"})
+    with pytest.raises(
+        CheckpointError, match=r"no checkpoint in .* verifies \(refused: epoch-00000[01]: .*'stop'"
+    ) as err:
+        TinyRunner(config)
+    assert (
+        str(checkpoints) in str(err.value) and "epoch-000000: " in str(err.value) and "epoch-000001: " in str(err.value)
+    )
+    assert _snapshot(checkpoints) == evidence and sorted(first.parent.iterdir()) == before  # nothing written
+    with pytest.raises(ValueError, match=r"checkpoint.unverifiable"):
+        TinyRunner(tiny_config(tmp_path, **{"checkpoint.unverifiable": "ignore"}))
+
+
 def test_a_subclass_that_extends_config_id_ignores_resumes_after_a_budget_change(tmp_path):
     from danling.runners import RunnerConfig
 

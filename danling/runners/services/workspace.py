@@ -22,6 +22,8 @@ from importlib import metadata as importlib_metadata
 from pathlib import Path
 from typing import Any
 
+from danling.checkpoint.manifest import CheckpointError
+
 from .._config_refs import references_yaml, with_references
 from .git_info import git_info, git_short_hash
 from .run_dirs import atomic_write as _atomic_write
@@ -236,13 +238,23 @@ class RunnerWorkspace:
         base = self.base_path
         if _get(self.config, "dry_run"):
             return base  # a dry run replaces the previous dry run
-        return choose_run_dir(
+        dir_name = str(_get(self.config, "checkpoint.dir_name", "checkpoints"))
+        path = choose_run_dir(
             base,
-            dir_name=str(_get(self.config, "checkpoint.dir_name", "checkpoints")),
+            dir_name=dir_name,
             auto_resume=bool(_get(self.config, "auto_resume")),
             resume=_get(self.config, "resume"),
             refused=self.refused,
         )
+        if self.refused and _get(self.config, "checkpoint.unverifiable") == "stop":  # before anything is written
+            run_dir, reasons = next(iter(self.refused.items()))
+            raise CheckpointError(
+                f"auto_resume: no checkpoint in {Path(run_dir) / dir_name} verifies (refused: "
+                + "; ".join(f"{name}: {reason}" for name, reason in reasons.items())
+                + "), and checkpoint.unverifiable is 'stop': repair or move them, or set checkpoint.unverifiable "
+                f"to 'new-version' to start from scratch in {path}"
+            )
+        return path
 
     @property
     def path(self) -> Path:
