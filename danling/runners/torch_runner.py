@@ -276,6 +276,13 @@ class TorchRunner(TorchCheckpointMixin, TorchBatchMixin, TorchDataMixin, TorchIn
             raise ValueError(f"{type(self).__name__} needs self.model: assign an nn.Module in __init__")
         if not isinstance(self.model, nn.Module):
             raise TypeError(f"self.model must be a torch.nn.Module, got {type(self.model).__name__}")
+        for name, param in self.model.named_parameters():
+            # A width of 0 (often a config value) builds a layer that computes and learns nothing, silently.
+            if param.numel() == 0 and not isinstance(param, nn.parameter.UninitializedParameter):
+                raise ValueError(
+                    f"model parameter {name!r} has shape {tuple(param.shape)}, no element: a size of 0 (often a "
+                    "config value, e.g. a width of 0) builds a layer that computes nothing; give it a positive size"
+                )
 
     def iter_optimizer_named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         """`(name, parameter)` of every trainable parameter, named as in the unwrapped model."""

@@ -251,3 +251,17 @@ def test_an_error_before_the_run_log_exists_is_one_line_too(tmp_path):
     done = subprocess.run(command, cwd=repo, env=env, capture_output=True, text=True)
     assert done.returncode == 1 and done.stderr.count("\n") == 1, done.stderr
     assert done.stderr.startswith(f"-c: error: CheckpointNotFoundError: cannot resume from '{missing}'")
+
+
+@pytest.mark.filterwarnings("ignore:Initializing zero-element tensors")  # torch's own, at nn.Linear(4, 0)
+def test_a_model_with_a_size_of_zero_is_refused_naming_the_parameter(tmp_path):
+    # `hidden: 0` in a config built nn.Linear(4, 0): the run trained a model that computes nothing, silently.
+    from torch import nn
+
+    class ZeroWidth(TinyRunner):
+        def __init__(self, config):
+            super().__init__(config)
+            self.model = nn.Sequential(nn.Linear(4, 0), nn.ReLU(), nn.Linear(0, 1))
+
+    with pytest.raises(ValueError, match=r"model parameter '0.weight' has shape \(0, 4\), no element: a size of 0"):
+        ZeroWidth(tiny_config(tmp_path))
