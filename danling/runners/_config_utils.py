@@ -188,7 +188,10 @@ def check_optimizer_keys(config: Mapping) -> None:
     if options is None:
         return
     for key in optim:
-        if key in ("type", "param_groups") or key in options:
+        if key in ("type", "param_groups"):
+            continue
+        if key in options:
+            _check_number(optim["type"], key, optim[key], options[key])
             continue
         close = difflib.get_close_matches(str(key), list(options), n=1, cutoff=0.6)
         hint = f"did you mean optim.{close[0]}? " if close else ""
@@ -196,6 +199,22 @@ def check_optimizer_keys(config: Mapping) -> None:
             f"config.optim.{key} is not an argument of optimizer {optim['type']!r}; {hint}"
             f"its arguments: {', '.join(options)}"
         )
+
+
+def _check_number(optimizer: str, key: str, value: Any, default: Any) -> None:
+    """A value for an argument whose default is a number must read as one (`--optim.lr abc` failed at the
+    optimizer's first comparison, with "'<' not supported between 'str' and 'int'")."""
+    if not isinstance(default, (int, float)) or isinstance(default, bool) or not isinstance(value, (str, bool)):
+        return
+    try:
+        if isinstance(value, bool):
+            raise ValueError(value)
+        float(value)
+    except ValueError:
+        raise ValueError(
+            f"config.optim.{key}={value!r} is not a number: optimizer {optimizer!r} takes a number for {key} "
+            f"(default {default!r})"
+        ) from None
 
 
 def check_annotations(config: Config) -> None:

@@ -203,6 +203,18 @@ def test_an_optim_key_the_optimizer_does_not_take_fails_at_parse_time_naming_the
     assert config.optim.momentum == 0.9
 
 
+def test_an_optim_value_that_is_not_a_number_fails_at_parse_time_naming_it(capsys):
+    # `--optim.lr abc` used to pass parsing and fail at the optimizer's first comparison ('<' between str and int).
+    error, streams = _exit(capsys, RunnerConfig(), ["--optim.type", "adamw", "--optim.lr", "abc"])
+    assert error.code == 2 and len(streams.err.strip().splitlines()) == 1
+    assert (
+        "config.optim.lr='abc' is not a number: optimizer 'adamw' takes a number for lr (default 0.001)" in streams.err
+    )
+    with pytest.raises(ValueError, match=r"config\.optim\.weight_decay=True is not a number"):
+        RunnerConfig(**{"optim.type": "adamw", "optim.weight_decay": True})
+    assert RunnerConfig().parse(["--optim.type", "adamw", "--optim.lr", "3e-4"]).optim.lr == 3e-4
+
+
 def test_help_lists_the_configured_optimizers_arguments_with_defaults(capsys):
     class SgdConfig(RunnerConfig):
         def __init__(self):
