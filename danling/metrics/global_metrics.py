@@ -2,9 +2,11 @@
 
 Each task keeps only the artifacts its metrics need: confusion counts (a fixed-size tensor of
 label counts), regression moments (merged per batch), or the predictions and targets themselves
-(appended to a list, concatenated when read). Confusion counts are not updated batch by batch:
-batches wait in a short queue and are counted together (see `GlobalMetrics`). Updates stay on
-the device of the inputs and never synchronise with it; reading gathers and reduces across ranks.
+(joined every 64 batches into chunks, with class targets on the host narrowed to the smallest
+integer dtype that holds them; AUROC and AUPRC read the chunks as they are). Confusion counts
+are not updated batch by batch: batches wait in a short queue and are counted together (see
+`GlobalMetrics`). Updates stay on the device of the inputs and never synchronise with it;
+reading gathers and reduces across ranks.
 """
 
 from __future__ import annotations
@@ -38,6 +40,11 @@ KINDS = ("val", "bat", "avg")
 # extra memory small; a batch that alone reaches it is counted at once and never held.
 PENDING_BATCHES = 64
 PENDING_BYTES = 1 << 20
+# Kept predictions and targets are joined into one chunk every this many batches: reads then
+# handle a few large pieces instead of every batch, and a chunk owns its memory (a batch that
+# is a view of a larger tensor no longer keeps all of it alive).
+DATA_BATCHES = 64
+_NARROW_DTYPES = (torch.int8, torch.int16, torch.int32)
 
 
 class _TaskStore(TaskStoreState):
@@ -59,6 +66,8 @@ class _TaskStore(TaskStoreState):
         self.wants_confusion = "confusion" in self.needs
         self.wants_moments = "moments" in self.needs
         self.wants_data = "data" in self.needs
+        # Class targets of these tasks are int64 after format(), so narrowed ones widen back exactly.
+        self.narrows = task is not None and task.kind != "regression"
         self.num_classes = task.num_classes if task is not None and task.kind == "multiclass" else None
         # GlobalMetrics requires the task size and format() enforces it on every batch, so one
         # label counter serves every batch.
@@ -73,8 +82,9 @@ class _TaskStore(TaskStoreState):
         self.pending_bytes = 0
         self._queue_kind: tuple[torch.dtype, torch.dtype, torch.device] | None = None  # set by defer
         self.moments: Tensor | None = None
-        self.inputs: list[Tensor] = []
+        self.inputs: list[Tensor] = []  # batches not yet joined into a chunk
         self.targets: list[Tensor] = []
+        self.chunks: list[tuple[Tensor, Tensor]] = []
         self.last: tuple[Tensor, Tensor] | None = None
 
     def update(self, input: Tensor, target: Tensor) -> None:
@@ -93,7 +103,27 @@ class _TaskStore(TaskStoreState):
         if self.wants_data:
             self.inputs.append(input)
             self.targets.append(target)
+            if len(self.inputs) >= DATA_BATCHES:
+                self.join()
         self.last = (input, target)
+
+    def join(self) -> None:
+        """Join the batches kept since the last call into one chunk of the kept data."""
+        inputs, targets = self.inputs, self.targets
+        if not inputs:
+            return
+        self.inputs, self.targets = [], []
+        input = inputs[0] if len(inputs) == 1 else torch.cat(inputs)
+        target = targets[0] if len(targets) == 1 else torch.cat(targets)
+        if self.narrows and target.dtype is torch.long and target.is_cpu and target.numel():
+            # Reading the range costs nothing on the host; elsewhere it would wait for the device.
+            low, high = (int(v) for v in torch.aminmax(target))
+            for dtype in _NARROW_DTYPES:
+                info = torch.iinfo(dtype)
+                if info.min <= low and high <= info.max:
+                    target = target.to(dtype)
+                    break
+        self.chunks.append((input, target))
 
     def defer(self, source: Tensor, target: Tensor) -> None:
         """Queue a batch for counting: multiclass scores or predicted labels, with the targets."""
@@ -170,13 +200,20 @@ class _TaskStore(TaskStoreState):
         counts = self.counts
         return None if counts is None else self.counter.confusion(counts, copy=True)
 
+    def data_chunks(self) -> list[tuple[Tensor, Tensor]]:
+        """All local data as chunks of rows (class targets possibly narrowed), nothing copied."""
+        self.join()
+        return list(self.chunks)
+
     def local_data(self) -> tuple[Tensor, Tensor] | None:
-        """All local data, concatenated once and kept concatenated."""
-        if not self.inputs:
+        """All local data, concatenated once and kept concatenated (targets as formatted)."""
+        self.join()
+        if not self.chunks:
             return None
-        if len(self.inputs) > 1:
-            self.inputs, self.targets = [torch.cat(self.inputs)], [torch.cat(self.targets)]
-        return self.inputs[0], self.targets[0]
+        if len(self.chunks) > 1:
+            self.chunks = [(torch.cat([i for i, _ in self.chunks]), torch.cat([t for _, t in self.chunks]))]
+        input, target = self.chunks[0]
+        return input, target.long() if self.narrows and target.dtype in _NARROW_DTYPES else target
 
     def state(
         self, kind: str, device: Any, group: ProcessGroup | None = None
@@ -185,8 +222,14 @@ class _TaskStore(TaskStoreState):
 
         `bat` and `avg` combine the ranks of `group` (every rank when `None`).
         """
+        chunks = None
         if kind == "avg":
-            data = self.local_data() if "data" in self.needs else None
+            data = None
+            if "data" in self.needs:
+                if self.task is not None and not is_distributed(group):
+                    chunks = self.data_chunks()  # read where they lie: no concatenated copy
+                else:
+                    data = self.local_data()
             artifacts = {}
             if "confusion" in self.needs:
                 artifacts["confusion"] = self._synced_confusion(device, group)
@@ -198,6 +241,8 @@ class _TaskStore(TaskStoreState):
             data = _gather_pair(data, device, group)
         if self.task is None:
             return data
+        if chunks:
+            return MetricState(self.task, chunks=chunks, **artifacts)
         if data is None:
             data = self._empty.get(device)
             if data is None:  # kept: zero-size tensors never change
