@@ -44,6 +44,10 @@ PENDING_BYTES = 1 << 20
 # handle a few large pieces instead of every batch, and a chunk owns its memory (a batch that
 # is a view of a larger tensor no longer keeps all of it alive).
 DATA_BATCHES = 64
+# ... or once they hold this many scores (1 MiB of float32), or a sixteenth of the scores kept
+# so far if more: joining copies the batches, so this bounds the memory held twice while it runs
+# (and freed afterwards) to a small share of the data, while the count of chunks stays small.
+DATA_ELEMENTS = 1 << 18
 _NARROW_DTYPES = (torch.int8, torch.int16, torch.int32)
 
 
@@ -85,6 +89,8 @@ class _TaskStore(TaskStoreState):
         self.inputs: list[Tensor] = []  # batches not yet joined into a chunk
         self.targets: list[Tensor] = []
         self.chunks: list[tuple[Tensor, Tensor]] = []
+        self.data_elements = 0  # scores in the batches not yet joined
+        self.data_limit = DATA_ELEMENTS
         self.last: tuple[Tensor, Tensor] | None = None
 
     def update(self, input: Tensor, target: Tensor) -> None:
@@ -103,7 +109,8 @@ class _TaskStore(TaskStoreState):
         if self.wants_data:
             self.inputs.append(input)
             self.targets.append(target)
-            if len(self.inputs) >= DATA_BATCHES:
+            self.data_elements += input.numel()
+            if len(self.inputs) >= DATA_BATCHES or self.data_elements >= self.data_limit:
                 self.join()
         self.last = (input, target)
 
@@ -112,18 +119,11 @@ class _TaskStore(TaskStoreState):
         inputs, targets = self.inputs, self.targets
         if not inputs:
             return
-        self.inputs, self.targets = [], []
+        self.inputs, self.targets, self.data_elements = [], [], 0
         input = inputs[0] if len(inputs) == 1 else torch.cat(inputs)
-        target = targets[0] if len(targets) == 1 else torch.cat(targets)
-        if self.narrows and target.dtype is torch.long and target.is_cpu and target.numel():
-            # Reading the range costs nothing on the host; elsewhere it would wait for the device.
-            low, high = (int(v) for v in torch.aminmax(target))
-            for dtype in _NARROW_DTYPES:
-                info = torch.iinfo(dtype)
-                if info.min <= low and high <= info.max:
-                    target = target.to(dtype)
-                    break
-        self.chunks.append((input, target))
+        del inputs
+        self.data_limit = max(DATA_ELEMENTS, sum(chunk.numel() for chunk, _ in self.chunks) // 16)
+        self.chunks.append((input, _narrow_join(targets) if self.narrows else _join(targets)))
 
     def defer(self, source: Tensor, target: Tensor) -> None:
         """Queue a batch for counting: multiclass scores or predicted labels, with the targets."""
@@ -488,6 +488,34 @@ class GlobalMetrics(GlobalMetricsState):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(unpack_group(state))
+
+
+def _join(tensors: list[Tensor]) -> Tensor:
+    return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
+
+
+def _narrow_join(targets: list[Tensor]) -> Tensor:
+    """Class targets joined in the smallest integer dtype that holds them all (host int64 only).
+
+    Reading the range costs nothing on the host; elsewhere it would wait for the device. Each
+    batch is copied straight into the narrow result, never into an int64 one first.
+    """
+    if any(target.dtype is not torch.long or not target.is_cpu for target in targets):
+        return _join(targets)
+    low = high = 0
+    for target in targets:
+        if target.numel():
+            least, most = torch.aminmax(target)
+            low, high = min(low, int(least)), max(high, int(most))
+    dtype = next((d for d in _NARROW_DTYPES if torch.iinfo(d).min <= low and high <= torch.iinfo(d).max), None)
+    if dtype is None:
+        return _join(targets)
+    joined = torch.empty((sum(t.shape[0] for t in targets), *targets[0].shape[1:]), dtype=dtype)
+    row = 0
+    for target in targets:
+        joined[row : row + target.shape[0]] = target
+        row += target.shape[0]
+    return joined
 
 
 def _evaluate(metric: Callable, states: Mapping[MetricTask | None, Any]) -> Any:

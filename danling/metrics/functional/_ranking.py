@@ -29,13 +29,15 @@ from torch import Tensor
 
 __all__ = ["Ranking", "column_sums", "ranking", "ranking_from_sums"]
 
-# Bytes a bucket costs per element while it is sorted: the selected scores and labels, the
-# integer keys, the sorted keys with their int64 order and the radix sort's buffers (measured:
-# torch.sort of int32 keys peaks at five times its input).
+# Bytes a bucket costs per element while it is sorted: the integer keys, the sorted keys with
+# their int64 order and the radix sort's buffers (measured: torch.sort of int32 keys peaks at five
+# times its input; int64 keys, for logits, cost more and make buckets smaller in practice).
 SORT_BYTES = 32
-# Elements of a sorted bucket read at once: large enough that per-block calls cost nothing, small
-# enough that the block's int64 running counts stay a few MiB.
-BLOCK = 1 << 18
+# Bytes per element of a block of a sorted bucket while it is read (about ten int64 and float64
+# temporaries): blocks are sized to stay within the budget too, between 16Ki and 256Ki elements.
+BLOCK_BYTES = 96
+# Rows of a chunk checked for logits and put through the softmax at once.
+ROWS = 1 << 14
 # Score values sampled to place the bucket boundaries.
 SAMPLES = 1 << 14
 # Labels as the sums read them: positive, negative, or neither (ignored or invalid: sorted along
@@ -75,6 +77,35 @@ def _boundaries(pieces: Sequence[Tensor], total: int, buckets: int) -> list[floa
     return sorted({float(sample[i]) for i in cuts.tolist()}, reverse=True)
 
 
+def _sorted_bucket(bucket: list[Tensor]) -> tuple[Tensor, Tensor | None]:
+    """Sort one bucket `[scores, codes]` of numeric scores with labels (positive or negative only).
+
+    Returns ascending keys of descending scores and the negative flags in that order. Where
+    the key has room, the flag is its lowest bit (returned as `None`): the sort then carries the
+    labels along, and no gather by the sort's order (random reads, the slowest step) is needed.
+    The bucket's tensors are let go before the sort, whose buffers are the largest.
+    """
+    scores, codes = bucket
+    bucket.clear()
+    negative = codes == NEGATIVE
+    del codes
+    low, high = torch.aminmax(scores)
+    if float(low) >= 0 and float(high) <= 1:
+        # Probabilities: their bits order like them and stop at those of 1.0, which leaves a bit
+        # for the flag (int32 for float32: 2 * 0x3F800000 < 2 ** 31).
+        int_dtype = torch.int32 if scores.dtype is torch.float32 else torch.int64
+        one = torch.tensor(1.0, dtype=scores.dtype).view(int_dtype)
+        keys = torch.sub(one, (scores + 0.0).view(int_dtype)).mul_(2)  # + 0.0: -0.0 and 0.0 are one score
+        del scores
+        return torch.sort(keys.add_(negative)).values, None
+    if scores.element_size() == 4:  # other float32 scores: 32-bit keys, the flag in an int64 one
+        keys = descending_keys(scores).long()
+        del scores
+        return torch.sort(keys.mul_(2).add_(negative)).values, None
+    keys, order = torch.sort(descending_keys(scores))
+    return keys, negative[order]
+
+
 def column_sums(pieces: Sequence[tuple[Tensor, Tensor]], budget: int) -> tuple[int, float, int, int, bool]:
     """Rank sums of one column given in pieces of `(scores, labels)` (1-D, labels as int8 codes).
 
@@ -90,40 +121,45 @@ def column_sums(pieces: Sequence[tuple[Tensor, Tensor]], budget: int) -> tuple[i
     cuts = _boundaries([scores for scores, _ in pieces], total, buckets) if buckets > 1 else []
     limits = [math.inf, *cuts, -math.inf]
     twice_area, precision_sum = 0, 0.0
-    tps = fps = last_tp = last_fp = 0  # running counts, and those at the latest threshold
-    seen = 0
+    block_size = min(max(budget // BLOCK_BYTES, 1 << 14), 1 << 18)
+    counted = fps = last_tp = last_fp = 0  # samples and negatives so far, and the latest threshold's counts
+    finite = True
     for high, low in zip(limits[:-1], limits[1:]):
-        if len(limits) == 2:  # a single bucket: the whole column
-            chosen = [(s.reshape(-1), c.reshape(-1)) for s, c in pieces]
+        chosen = []
+        for scores, codes in pieces:
+            scores, codes = scores.reshape(-1), codes.reshape(-1)
+            # Samples that are neither positive nor negative (ignored, invalid) count nowhere:
+            # leaving them out gives the same sums. A nan score falls in no bucket.
+            mask = codes != NEITHER
+            if high != math.inf:
+                mask &= scores <= high
+            if low != -math.inf:
+                mask &= scores > low
+            elif high == math.inf:
+                mask &= ~scores.isnan()
+            chosen.append((scores[mask], codes[mask]))
+        if len(chosen) > 1:
+            bucket = [torch.cat([s for s, _ in chosen]), torch.cat([c for _, c in chosen])]
         else:
-            chosen = []
-            for scores, codes in pieces:
-                mask = scores > low if high == math.inf else (scores > low) & (scores <= high)
-                if low == -math.inf:  # the lowest bucket also takes -inf
-                    mask = scores <= high if high != math.inf else ~scores.isnan()
-                chosen.append((scores[mask], codes[mask]))
-        scores = torch.cat([s for s, _ in chosen]) if len(chosen) > 1 else chosen[0][0]
-        codes = torch.cat([c for _, c in chosen]) if len(chosen) > 1 else chosen[0][1]
+            bucket = list(chosen[0])
         del chosen
-        if len(limits) == 2:
-            scores = scores[~scores.isnan()] if scores.isnan().any() else scores
-        seen += scores.numel()
-        if scores.numel() == 0:
+        if bucket[0].numel() == 0:
             continue
-        keys, order = torch.sort(descending_keys(scores))
-        del scores
-        codes = codes[order]
-        del order
-        for start in range(0, keys.numel(), BLOCK):
-            stop = min(start + BLOCK, keys.numel())
-            block = codes[start:stop]
-            running_tp = (block == POSITIVE).cumsum(0).add_(tps)
-            running_fp = (block == NEGATIVE).cumsum(0).add_(fps)
-            # A threshold ends where the next key differs; a bucket's last element always ends
-            # one, as buckets hold disjoint score ranges.
+        keys, negative = _sorted_bucket(bucket)
+        for start in range(0, keys.numel(), block_size):
+            stop = min(start + block_size, keys.numel())
+            # One element more than the block (where there is one): a threshold ends where the
+            # next key differs, also across blocks. A bucket's last element always ends one, as
+            # buckets hold disjoint score ranges.
+            ahead = keys[start : stop + 1]
+            flags = (ahead[: stop - start] & 1) if negative is None else negative[start:stop]
+            groups = (ahead >> 1) if negative is None else ahead
+            running_fp = flags.cumsum(0, dtype=torch.long).add_(fps)
             ends = torch.ones(stop - start, dtype=torch.bool)
-            ends[: stop - start - 1] = keys[start + 1 : stop] != keys[start : stop - 1]
-            tp, fp = running_tp[ends], running_fp[ends]
+            ends[: groups.numel() - 1] = groups[1:] != groups[:-1]
+            where = ends.nonzero().squeeze(1)
+            fp = running_fp[where]
+            tp = where.add(counted + 1).sub_(fp)  # everything counted is a positive or a negative
             previous_tp = torch.cat([tp.new_tensor([last_tp]), tp[:-1]])
             previous_fp = torch.cat([fp.new_tensor([last_fp]), fp[:-1]])
             # Each negative scores every positive above it and half of the tied ones.
@@ -131,9 +167,13 @@ def column_sums(pieces: Sequence[tuple[Tensor, Tensor]], budget: int) -> tuple[i
             new_positives = (tp - previous_tp).double()
             precision = tp.double() / (tp + fp).double()
             precision_sum += float((new_positives * precision.nan_to_num(nan=0.0)).sum())
-            tps, fps = int(running_tp[-1]), int(running_fp[-1])
+            counted += stop - start
+            fps = int(running_fp[-1])
             last_tp, last_fp = int(tp[-1]), int(fp[-1])
-    return twice_area, precision_sum, tps, fps, seen == total
+    for scores, codes in pieces:
+        if scores.is_floating_point() and bool((scores.isnan() & (codes != NEITHER)).any()):
+            finite = False
+    return twice_area, precision_sum, counted - fps, fps, finite
 
 
 def ranking_from_sums(sums: Sequence[tuple[int, float, int, int, bool]], invalid: Tensor) -> Ranking:
@@ -158,7 +198,9 @@ def ranking_from_sums(sums: Sequence[tuple[int, float, int, int, bool]], invalid
 
 def _label_codes(target: Tensor) -> Tensor:
     """Codes of binary or multilabel 0/1 targets: 1 positive, 0 negative, anything else neither."""
-    return torch.where(target == 1, POSITIVE, torch.where(target == 0, NEGATIVE, NEITHER)).to(torch.int8)
+    # Built in int8 throughout: a where() of Python numbers would make an int64 tensor first.
+    code = (target == 0).to(torch.int8).mul_(NEGATIVE)
+    return code.add_((target == 1).to(torch.int8))
 
 
 def _invalid(target: Tensor, valid: Tensor, ignore_index: int | float | None, dim: int | None) -> Tensor:
@@ -182,8 +224,10 @@ def ranking(
     """
     chunks = [(scores, target) for scores, target in chunks if scores.shape[0]]
     stored = sum(scores.numel() * scores.element_size() for scores, _ in chunks)
-    # Sorting a bucket may take about half the memory the scores themselves take (4 MiB at least).
-    budget = max(stored // 2, 1 << 22)
+    # Sorting a bucket may take up to 1.5 times the memory of the scores (256 KiB at least), 0.75
+    # times where the softmax of logits is held as well: the peak, kept scores included, stays
+    # within 3x the scores. Fewer, larger buckets are faster: each one is a pass over the column.
+    budget = max(stored * 3 // 2, 1 << 18)
     if kind == "binary":
         invalid = sum((_invalid(t, (t == 0) | (t == 1), ignore_index, None) for _, t in chunks), torch.tensor(0))
         pieces = [(scores, _label_codes(target)) for scores, target in chunks]
@@ -206,22 +250,46 @@ def ranking(
         raise ValueError(f"{kind} tasks have no ranking metrics")
     counted = [(t >= 0) & (t < num_columns) for _, t in chunks]
     invalid = sum((_invalid(t, c, ignore_index, None) for (_, t), c in zip(chunks, counted)), torch.tensor(0))
-    if any(((scores < 0) | (scores > 1)).any() for scores, _ in chunks):
-        # Logits: the softmax of every row, chunk by chunk (each row's is what a whole-matrix
-        # softmax gives it).
-        chunks = [(scores.softmax(-1), target) for scores, target in chunks]
+    logits = any(bool(((part < 0) | (part > 1)).any()) for scores, _ in chunks for part in scores.split(ROWS))
     if micro:
+        if logits:  # the softmax of every row, chunk by chunk (a row's is what a whole-matrix softmax gives it)
+            chunks = [(scores.softmax(-1), target) for scores, target in chunks]
         classes = torch.arange(num_columns)
         pieces = []
         for (scores, target), kept in zip(chunks, counted):
-            code = torch.where(target.unsqueeze(-1) == classes, POSITIVE, NEGATIVE).to(torch.int8)
+            code = (target.unsqueeze(-1) != classes).to(torch.int8).add_(POSITIVE)
             pieces.append((scores.reshape(-1), code.mul_(kept.unsqueeze(-1)).reshape(-1)))
         return ranking_from_sums([column_sums(pieces, budget)], invalid)
+    if logits:
+        budget = max(stored * 3 // 4, 1 << 18)
+        # One softmax per chunk, its columns copied out: each class then sorts a contiguous
+        # column, freed once read, instead of every chunk's strided one.
+        rows = sum(scores.shape[0] for scores, _ in chunks)
+        dtype = chunks[0][0].dtype
+        for scores, _ in chunks[1:]:
+            dtype = torch.promote_types(dtype, scores.dtype)
+        columns: list[Tensor | None] = [torch.empty(rows, dtype=dtype) for _ in range(num_columns)]
+        row = 0
+        for scores, _ in chunks:
+            for part in scores.split(ROWS):  # equal pieces: the allocator reuses one block for all
+                probabilities = part.softmax(-1).T
+                for k, column in enumerate(columns):
+                    column[row : row + part.shape[0]] = probabilities[k]
+                row += part.shape[0]
+                del probabilities
+        labels = torch.cat([target for _, target in chunks]) if len(chunks) > 1 else chunks[0][1]
+        kept = torch.cat(counted) if len(counted) > 1 else counted[0]
+        sums = []
+        for k in range(num_columns):
+            code = (labels != k).to(torch.int8).add_(POSITIVE).mul_(kept)  # NEGATIVE = POSITIVE + 1
+            sums.append(column_sums([(columns[k], code)], budget))
+            columns[k] = None
+        return ranking_from_sums(sums, invalid)
     sums = []
     for k in range(num_columns):
         pieces = []
         for (scores, target), kept in zip(chunks, counted):
-            code = torch.where(target == k, POSITIVE, NEGATIVE).to(torch.int8).mul_(kept)
+            code = (target != k).to(torch.int8).add_(POSITIVE).mul_(kept)  # NEGATIVE = POSITIVE + 1
             pieces.append((scores[:, k], code))
         sums.append(column_sums(pieces, budget))
     return ranking_from_sums(sums, invalid)
