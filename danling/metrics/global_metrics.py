@@ -226,7 +226,12 @@ class _TaskStore(TaskStoreState):
         if kind == "avg":
             data = None
             if "data" in self.needs:
-                if self.task is not None and not is_distributed(group):
+                if is_distributed(group):
+                    # Each rank's chunks go straight into the buffer it sends, and every rank's
+                    # data arrives in one buffer: held once, never concatenated again.
+                    data = _gather_pair(self.data_chunks(), device, group)
+                    chunks = None if data is None or self.task is None else [data]
+                elif self.task is not None:
                     chunks = self.data_chunks()  # read where they lie: no concatenated copy
                 else:
                     data = self.local_data()
@@ -237,7 +242,7 @@ class _TaskStore(TaskStoreState):
                 artifacts["moments"] = self._synced_moments(device, group)
         else:
             data, artifacts = self.last, {}
-        if kind != "val" and (kind == "bat" or "data" in self.needs):
+        if kind == "bat":
             data = _gather_pair(data, device, group)
         if self.task is None:
             return data
@@ -530,12 +535,14 @@ def _evaluate(metric: Callable, states: Mapping[MetricTask | None, Any]) -> Any:
 
 
 def _gather_pair(
-    data: tuple[Tensor, Tensor] | None, device: Any, group: ProcessGroup | None
+    data: tuple[Tensor, Tensor] | list[tuple[Tensor, Tensor]] | None, device: Any, group: ProcessGroup | None
 ) -> tuple[Tensor, Tensor] | None:
+    """Every rank's `(input, target)` (or chunks of them) concatenated, rank after rank."""
     if not is_distributed(group):
         return data
-    input = gather_across_ranks(None if data is None else data[0], device, group)
-    target = gather_across_ranks(None if data is None else data[1], device, group)
+    pairs = [] if data is None else data if isinstance(data, list) else [data]
+    input = gather_across_ranks([input for input, _ in pairs] or None, device, group)
+    target = gather_across_ranks([target for _, target in pairs] or None, device, group)
     return None if input is None else (input, target)
 
 
