@@ -39,7 +39,7 @@ BLOCK_BYTES = 96
 # Rows of a chunk checked for logits and put through the softmax at once.
 ROWS = 1 << 14
 # Score values sampled to place the bucket boundaries.
-SAMPLES = 1 << 14
+SAMPLES = 1 << 12
 # Labels as the sums read them: positive, negative, or neither (ignored or invalid: sorted along
 # but counted nowhere).
 NEITHER, POSITIVE, NEGATIVE = 0, 1, 2
@@ -123,20 +123,23 @@ def column_sums(pieces: Sequence[tuple[Tensor, Tensor]], budget: int) -> tuple[i
     twice_area, precision_sum = 0, 0.0
     block_size = min(max(budget // BLOCK_BYTES, 1 << 14), 1 << 18)
     counted = fps = last_tp = last_fp = 0  # samples and negatives so far, and the latest threshold's counts
-    finite = True
+    # Samples that are neither positive nor negative (ignored, invalid) count nowhere: leaving
+    # them out gives the same sums. A nan score falls in no bucket, so fewer samples than these
+    # get counted when one of them has a nan score.
+    pieces = [(scores.reshape(-1), codes.reshape(-1)) for scores, codes in pieces]
+    kept = [codes != NEITHER for _, codes in pieces]
+    expected = sum(int(mask.sum()) for mask in kept)
     for high, low in zip(limits[:-1], limits[1:]):
         chosen = []
-        for scores, codes in pieces:
-            scores, codes = scores.reshape(-1), codes.reshape(-1)
-            # Samples that are neither positive nor negative (ignored, invalid) count nowhere:
-            # leaving them out gives the same sums. A nan score falls in no bucket.
-            mask = codes != NEITHER
-            if high != math.inf:
-                mask &= scores <= high
-            if low != -math.inf:
-                mask &= scores > low
+        for (scores, codes), valid in zip(pieces, kept):
+            if high == math.inf and low == -math.inf:
+                mask = valid & ~scores.isnan()
             elif high == math.inf:
-                mask &= ~scores.isnan()
+                mask = valid & (scores > low)
+            else:
+                mask = valid & (scores <= high)
+                if low != -math.inf:
+                    mask &= scores > low
             chosen.append((scores[mask], codes[mask]))
         if len(chosen) > 1:
             bucket = [torch.cat([s for s, _ in chosen]), torch.cat([c for _, c in chosen])]
@@ -170,10 +173,7 @@ def column_sums(pieces: Sequence[tuple[Tensor, Tensor]], budget: int) -> tuple[i
             counted += stop - start
             fps = int(running_fp[-1])
             last_tp, last_fp = int(tp[-1]), int(fp[-1])
-    for scores, codes in pieces:
-        if scores.is_floating_point() and bool((scores.isnan() & (codes != NEITHER)).any()):
-            finite = False
-    return twice_area, precision_sum, counted - fps, fps, finite
+    return twice_area, precision_sum, counted - fps, fps, counted == expected
 
 
 def ranking_from_sums(sums: Sequence[tuple[int, float, int, int, bool]], invalid: Tensor) -> Ranking:
