@@ -255,8 +255,8 @@ class MetricState:
         """Per-column AUROC, average precision and positives (pooled with `micro=True`), or `None`.
 
         Given for host data of at least `RANKING_MIN_SCORES` scores: built column by column in
-        buckets (see [`_ranking`][danling.metrics.functional._ranking]), in memory about half the
-        size of the scores where the curves take about fifteen times it; the same AUROC and
+        score buckets (`danling.metrics.functional._ranking`), in at most about 1.5 times the
+        memory of the scores where the curves take about fifteen times it; the same AUROC and
         the same average precision up to float rounding. Otherwise `None`: read `curves`.
         """
         chunks = self.chunks if self.input is None else [(self.input, self.target)]
