@@ -23,7 +23,7 @@ from danling.utils import RoundDict
 from .distributed import gather_across_ranks, is_distributed, pack_group, sum_across_ranks, unpack_group
 from .functional._common import Confusion, LabelCounter
 from .functional.regression import merge_moments
-from .global_state import GlobalMetricsState, TaskStoreState
+from .global_state import NARROW_DTYPES, GlobalMetricsState, TaskStoreState, join_rows, narrow_join
 from .meter import format_number
 from .metric_meter import Preprocess, batch_size, metric_name
 from .preprocess import _plain_multiclass, base_preprocess
@@ -50,7 +50,6 @@ DATA_BATCHES = 64
 # so far if more: joining copies the batches, so this bounds the memory held twice while it runs
 # (and freed afterwards) to a small share of the data, while the count of chunks stays small.
 DATA_ELEMENTS = 1 << 18
-_NARROW_DTYPES = (torch.int8, torch.int16, torch.int32)
 
 
 class _TaskStore(TaskStoreState):
@@ -125,7 +124,7 @@ class _TaskStore(TaskStoreState):
         input = inputs[0] if len(inputs) == 1 else torch.cat(inputs)
         del inputs
         self.data_limit = max(DATA_ELEMENTS, sum(chunk.numel() for chunk, _ in self.chunks) // 16)
-        self.chunks.append((input, _narrow_join(targets) if self.narrows else _join(targets)))
+        self.chunks.append((input, narrow_join(targets) if self.narrows else join_rows(targets)))
 
     def defer(self, source: Tensor, target: Tensor) -> None:
         """Queue a batch for counting: multiclass scores or predicted labels, with the targets."""
@@ -215,7 +214,7 @@ class _TaskStore(TaskStoreState):
         if len(self.chunks) > 1:
             self.chunks = [(torch.cat([i for i, _ in self.chunks]), torch.cat([t for _, t in self.chunks]))]
         input, target = self.chunks[0]
-        return input, target.long() if self.narrows and target.dtype in _NARROW_DTYPES else target
+        return input, target.long() if self.narrows and target.dtype in NARROW_DTYPES else target
 
     def state(
         self, kind: str, device: Any, group: ProcessGroup | None = None
@@ -495,34 +494,6 @@ class GlobalMetrics(GlobalMetricsState):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(unpack_group(state))
-
-
-def _join(tensors: list[Tensor]) -> Tensor:
-    return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
-
-
-def _narrow_join(targets: list[Tensor]) -> Tensor:
-    """Class targets joined in the smallest integer dtype that holds them all (host int64 only).
-
-    Reading the range costs nothing on the host; elsewhere it would wait for the device. Each
-    batch is copied straight into the narrow result, never into an int64 one first.
-    """
-    if any(target.dtype is not torch.long or not target.is_cpu for target in targets):
-        return _join(targets)
-    low = high = 0
-    for target in targets:
-        if target.numel():
-            least, most = torch.aminmax(target)
-            low, high = min(low, int(least)), max(high, int(most))
-    dtype = next((d for d in _NARROW_DTYPES if torch.iinfo(d).min <= low and high <= torch.iinfo(d).max), None)
-    if dtype is None:
-        return _join(targets)
-    joined = torch.empty((sum(t.shape[0] for t in targets), *targets[0].shape[1:]), dtype=dtype)
-    row = 0
-    for target in targets:
-        joined[row : row + target.shape[0]] = target
-        row += target.shape[0]
-    return joined
 
 
 def _evaluate(metric: Callable, states: Mapping[MetricTask | None, Any]) -> Any:

@@ -24,6 +24,7 @@ from .functional.binary import binary_confusion, binary_curves
 from .functional.multiclass import multiclass_confusion, multiclass_curves
 from .functional.multilabel import multilabel_confusion, multilabel_curves
 from .functional.regression import empty_moments, regression_moments
+from .global_state import NARROW_DTYPES
 from .preprocess import (
     positive_predictions,
     preprocess_binary,
@@ -40,7 +41,6 @@ ARTIFACTS = ("confusion", "moments", "data")
 # Fewest scores for which `MetricState.ranking` sorts in buckets: below it the curves' handful of
 # whole-tensor calls cost less than a column-by-column pass, and their memory is small anyway.
 RANKING_MIN_SCORES = 1 << 16
-_NARROWED = (torch.int8, torch.int16, torch.int32)
 
 
 @dataclass(frozen=True)
@@ -234,7 +234,7 @@ class MetricState:
             self.input = chunks[0][0] if len(chunks) == 1 else torch.cat([input for input, _ in chunks])
             target = chunks[0][1] if len(chunks) == 1 else torch.cat([target for _, target in chunks])
             # Class targets are int64 once formatted; stores keep them narrower where they fit.
-            self.target = target.long() if target.dtype in _NARROWED else target
+            self.target = target.long() if target.dtype in NARROW_DTYPES else target
         if self.input is None or self.target is None:
             raise ValueError("this metric needs the predictions and targets, but the state only holds summaries")
         return self.input, self.target
