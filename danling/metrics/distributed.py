@@ -50,6 +50,17 @@ _WIRE_DTYPES: tuple[torch.dtype, ...] = (
     torch.bool,
 )
 _MAX_NDIM = 8
+# What travels in place of dtypes some backends lack (Gloo: bool, int16, half precisions).
+_WIRE_CASTS = {
+    torch.bool: torch.uint8,
+    torch.int16: torch.int32,
+    torch.float16: torch.float32,
+    torch.bfloat16: torch.float32,
+}
+# Gathers every rank's tensor into one output (named all_gather_into_tensor before torch 2.13).
+_all_gather_single = getattr(dist, "all_gather_single", None) or getattr(dist, "all_gather_into_tensor", None)
+# Rows moved at once when a gathered shard closes a gap shorter than itself (bounded extra memory).
+_MOVE_ROWS = 1 << 16
 
 
 def is_distributed(group: ProcessGroup | None = None) -> bool:
@@ -155,13 +166,21 @@ def gather_shapes(
 
 
 def gather_across_ranks(
-    tensor: Tensor | None, device: torch.device | str | None = None, group: ProcessGroup | None = None
+    tensor: Tensor | Sequence[Tensor] | None,
+    device: torch.device | str | None = None,
+    group: ProcessGroup | None = None,
 ) -> Tensor | None:
     """Concatenate along dim 0 the shards that the ranks of `group` hold, in group rank order.
 
     Shards may differ in length (uneven or variable-length data) and a rank may pass `None`
-    when it has seen nothing; the other dimensions and the dtype must agree. When `group` has a
-    single rank (or no process group runs) the tensor is returned unchanged.
+    when it has seen nothing; the other dimensions must agree, and so must the dtype, except
+    that integer shards of different widths are widened to the widest. A rank may pass its
+    shard as a list of pieces (concatenated along dim 0): they are copied straight into the
+    buffer sent, never into a local concatenation first. When `group` has a single rank (or no
+    process group runs) the tensor (or the pieces, concatenated) is returned.
+
+    Every rank's shard is received into one buffer, which the result is a view of: the
+    gathered data is held once, not once as received and again as concatenated.
 
     Returns:
         The concatenation on the local shard's device (CPU when the local shard is `None`),
@@ -170,33 +189,78 @@ def gather_across_ranks(
     Raises:
         ValueError: If ranks disagree on the trailing shape or the dtype.
     """
+    pieces = None if tensor is None or isinstance(tensor, Tensor) else [p for p in tensor]
+    if pieces is not None:
+        if not pieces:
+            tensor = None
+        elif len(pieces) == 1 or not is_distributed(group):
+            tensor, pieces = (pieces[0] if len(pieces) == 1 else torch.cat(pieces)), None
+        else:
+            dtype = pieces[0].dtype
+            for piece in pieces[1:]:
+                dtype = torch.promote_types(dtype, piece.dtype)
+            tensor = pieces[0]  # describes the shard: trailing shape and device
     if not is_distributed(group):
         return tensor
     local_device = tensor.device if tensor is not None else torch.device("cpu")
     wire_device = collective_device(device or local_device, group)
-    code = _WIRE_DTYPES.index(tensor.dtype) if tensor is not None else -1
-    shape = None if tensor is None else torch.Size([*tensor.shape, code])  # dtype rides along as a fake dim
+    local_dtype = (dtype if pieces is not None else tensor.dtype) if tensor is not None else None
+    length = 0 if tensor is None else sum(p.shape[0] for p in pieces) if pieces is not None else tensor.shape[0]
+    code = _WIRE_DTYPES.index(local_dtype) if tensor is not None else -1
+    shape = None if tensor is None else torch.Size([length, *tensor.shape[1:], code])  # dtype rides as a fake dim
     if tensor is not None and tensor.ndim == 0:
         raise ValueError("gather_across_ranks needs tensors with a first dimension, got a 0-d tensor")
     per_rank = [shapes[0] for shapes in gather_shapes([shape], wire_device, group)]
     present = [(rank, s) for rank, s in enumerate(per_rank) if s is not None]
     if not present:
         return None
+    codes = {s[-1] for _, s in present}
+    if len(codes) > 1 and all(not _WIRE_DTYPES[c].is_floating_point and _WIRE_DTYPES[c] != torch.bool for c in codes):
+        widest = _WIRE_DTYPES[codes.pop()]
+        for other in codes:
+            widest = torch.promote_types(widest, _WIRE_DTYPES[other])
+        present = [(rank, torch.Size([*s[:-1], _WIRE_DTYPES.index(widest)])) for rank, s in present]
     trailing = {(tuple(s[1:-1]), s[-1]) for _, s in present}
     if len(trailing) > 1:
         described = ", ".join(f"rank {r}: shape {tuple(s[:-1])} dtype {_WIRE_DTYPES[s[-1]]}" for r, s in present)
         raise ValueError(f"cannot gather shards whose trailing shape or dtype differ across ranks ({described})")
     ((trailing_shape, code),) = trailing
     dtype = _WIRE_DTYPES[code]
-    wire_dtype = {torch.bool: torch.uint8, torch.float16: torch.float32, torch.bfloat16: torch.float32}.get(
-        dtype, dtype
-    )
+    wire_dtype = _WIRE_CASTS.get(dtype, dtype)
     lengths = [s[0] if s is not None else 0 for s in per_rank]
     max_len = max(lengths)
-    buffer = torch.zeros((max_len, *trailing_shape), dtype=wire_dtype, device=wire_device)
-    if tensor is not None and tensor.shape[0]:
-        buffer[: tensor.shape[0]] = tensor.to(device=wire_device, dtype=wire_dtype)
-    gathered = [torch.empty_like(buffer) for _ in lengths]
-    dist.all_gather(gathered, buffer, group=group)
-    out = torch.cat([shard[:length] for shard, length in zip(gathered, lengths)])
+    if (
+        pieces is None
+        and tensor is not None
+        and length == max_len
+        and tensor.dtype == wire_dtype
+        and tensor.device == wire_device
+        and tensor.is_contiguous()
+    ):
+        buffer = tensor  # sent as it is: no copy of the local shard
+    else:
+        buffer = torch.empty((max_len, *trailing_shape), dtype=wire_dtype, device=wire_device)
+        buffer[length:].zero_()
+        row = 0
+        for piece in pieces if pieces is not None else ([tensor] if tensor is not None else []):
+            buffer[row : row + piece.shape[0]] = piece
+            row += piece.shape[0]
+    received = torch.empty((len(lengths) * max_len, *trailing_shape), dtype=wire_dtype, device=wire_device)
+    _all_gather_single(received, buffer, group=group)
+    del buffer
+    # Close the padding gaps in place, rank by rank, front to back: a shard only moves towards
+    # the front, in steps no longer than its gap (so a step never overlaps itself) or, for a
+    # small gap, through a bounded copy.
+    offset = 0
+    for rank, rows in enumerate(lengths):
+        source = rank * max_len
+        gap = source - offset
+        moved = 0
+        while gap and moved < rows:
+            step = min(rows - moved, max(gap, _MOVE_ROWS))
+            block = received[source + moved : source + moved + step]
+            received[offset + moved : offset + moved + step] = block if step <= gap else block.clone()
+            moved += step
+        offset += rows
+    out = received[:offset]
     return out.to(device=local_device, dtype=dtype)

@@ -57,14 +57,23 @@ Entry = tuple[str, Callable[[MetricState, Any], Any]]
 
 def _curve_metric(module: Any, which: str) -> Callable[[MetricState, Any], Any]:
     def compute(state: MetricState, average: Any) -> Any:
-        return getattr(module, f"{which}_from_curves")(state.curves(micro=average == "micro"), average)
+        micro = average == "micro"
+        ranking = state.ranking(micro=micro)  # large host data: the same values in far less memory
+        if ranking is not None:
+            return _multiclass.column_average(getattr(ranking, which), ranking.positives, average)
+        return getattr(module, f"{which}_from_curves")(state.curves(micro=micro), average)
 
     return compute
 
 
 def _binary_curve_metric(which: str) -> Callable[[MetricState, Any], Any]:
     function = _multiclass.columns_auroc if which == "auroc" else _multiclass.columns_auprc
-    return lambda state, average: function(state.curves())[0]
+
+    def compute(state: MetricState, average: Any) -> Any:
+        ranking = state.ranking()
+        return getattr(ranking, which)[0] if ranking is not None else function(state.curves())[0]
+
+    return compute
 
 
 # Binary and multiclass metrics of a small CPU batch, from the counts of `_host` (same values, few

@@ -2,9 +2,11 @@
 
 Each task keeps only the artifacts its metrics need: confusion counts (a fixed-size tensor of
 label counts), regression moments (merged per batch), or the predictions and targets themselves
-(appended to a list, concatenated when read). Confusion counts are not updated batch by batch:
-batches wait in a short queue and are counted together (see `GlobalMetrics`). Updates stay on
-the device of the inputs and never synchronise with it; reading gathers and reduces across ranks.
+(joined every 64 batches into chunks, with class targets on the host narrowed to the smallest
+integer dtype that holds them; AUROC and AUPRC read the chunks as they are). Confusion counts
+are not updated batch by batch: batches wait in a short queue and are counted together (see
+`GlobalMetrics`). Updates stay on the device of the inputs and never synchronise with it;
+reading gathers and reduces across ranks.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from danling.utils import RoundDict
 from .distributed import gather_across_ranks, is_distributed, pack_group, sum_across_ranks, unpack_group
 from .functional._common import Confusion, LabelCounter
 from .functional.regression import merge_moments
-from .global_state import GlobalMetricsState, TaskStoreState
+from .global_state import NARROW_DTYPES, GlobalMetricsState, TaskStoreState, join_rows, narrow_join
 from .meter import format_number
 from .metric_meter import Preprocess, batch_size, metric_name
 from .preprocess import _plain_multiclass, base_preprocess
@@ -34,10 +36,20 @@ __all__ = ["GlobalMetrics"]
 
 KINDS = ("val", "bat", "avg")
 # Bounds of the per-task queue of batches waiting to be counted (see _TaskStore): 64 batches
-# make the cost of one count negligible per batch, and 1 MiB of held tensor storage keeps the
-# extra memory small; a batch that alone reaches it is counted at once and never held.
+# make the cost of one count negligible per batch, and 256 KiB of held tensor storage keeps the
+# extra memory small (with 1 MiB, counting a queue of evaluation-size batches peaked 2.5 MiB
+# above torchmetrics' accuracy); a batch that alone reaches it is counted at once, never held.
+# Training-step batches (a few KiB) are queued all the same.
 PENDING_BATCHES = 64
-PENDING_BYTES = 1 << 20
+PENDING_BYTES = 1 << 18
+# Kept predictions and targets are joined into one chunk every this many batches: reads then
+# handle a few large pieces instead of every batch, and a chunk owns its memory (a batch that
+# is a view of a larger tensor no longer keeps all of it alive).
+DATA_BATCHES = 64
+# ... or once they hold this many scores (1 MiB of float32), or a sixteenth of the scores kept
+# so far if more: joining copies the batches, so this bounds the memory held twice while it runs
+# (and freed afterwards) to a small share of the data, while the count of chunks stays small.
+DATA_ELEMENTS = 1 << 18
 
 
 class _TaskStore(TaskStoreState):
@@ -59,6 +71,8 @@ class _TaskStore(TaskStoreState):
         self.wants_confusion = "confusion" in self.needs
         self.wants_moments = "moments" in self.needs
         self.wants_data = "data" in self.needs
+        # Class targets of these tasks are int64 after format(), so narrowed ones widen back exactly.
+        self.narrows = task is not None and task.kind != "regression"
         self.num_classes = task.num_classes if task is not None and task.kind == "multiclass" else None
         # GlobalMetrics requires the task size and format() enforces it on every batch, so one
         # label counter serves every batch.
@@ -73,8 +87,11 @@ class _TaskStore(TaskStoreState):
         self.pending_bytes = 0
         self._queue_kind: tuple[torch.dtype, torch.dtype, torch.device] | None = None  # set by defer
         self.moments: Tensor | None = None
-        self.inputs: list[Tensor] = []
+        self.inputs: list[Tensor] = []  # batches not yet joined into a chunk
         self.targets: list[Tensor] = []
+        self.chunks: list[tuple[Tensor, Tensor]] = []
+        self.data_elements = 0  # scores in the batches not yet joined
+        self.data_limit = DATA_ELEMENTS
         self.last: tuple[Tensor, Tensor] | None = None
 
     def update(self, input: Tensor, target: Tensor) -> None:
@@ -93,7 +110,21 @@ class _TaskStore(TaskStoreState):
         if self.wants_data:
             self.inputs.append(input)
             self.targets.append(target)
+            self.data_elements += input.numel()
+            if len(self.inputs) >= DATA_BATCHES or self.data_elements >= self.data_limit:
+                self.join()
         self.last = (input, target)
+
+    def join(self) -> None:
+        """Join the batches kept since the last call into one chunk of the kept data."""
+        inputs, targets = self.inputs, self.targets
+        if not inputs:
+            return
+        self.inputs, self.targets, self.data_elements = [], [], 0
+        input = inputs[0] if len(inputs) == 1 else torch.cat(inputs)
+        del inputs
+        self.data_limit = max(DATA_ELEMENTS, sum(chunk.numel() for chunk, _ in self.chunks) // 16)
+        self.chunks.append((input, narrow_join(targets) if self.narrows else join_rows(targets)))
 
     def defer(self, source: Tensor, target: Tensor) -> None:
         """Queue a batch for counting: multiclass scores or predicted labels, with the targets."""
@@ -170,13 +201,20 @@ class _TaskStore(TaskStoreState):
         counts = self.counts
         return None if counts is None else self.counter.confusion(counts, copy=True)
 
+    def data_chunks(self) -> list[tuple[Tensor, Tensor]]:
+        """All local data as chunks of rows (class targets possibly narrowed), nothing copied."""
+        self.join()
+        return list(self.chunks)
+
     def local_data(self) -> tuple[Tensor, Tensor] | None:
-        """All local data, concatenated once and kept concatenated."""
-        if not self.inputs:
+        """All local data, concatenated once and kept concatenated (targets as formatted)."""
+        self.join()
+        if not self.chunks:
             return None
-        if len(self.inputs) > 1:
-            self.inputs, self.targets = [torch.cat(self.inputs)], [torch.cat(self.targets)]
-        return self.inputs[0], self.targets[0]
+        if len(self.chunks) > 1:
+            self.chunks = [(torch.cat([i for i, _ in self.chunks]), torch.cat([t for _, t in self.chunks]))]
+        input, target = self.chunks[0]
+        return input, target.long() if self.narrows and target.dtype in NARROW_DTYPES else target
 
     def state(
         self, kind: str, device: Any, group: ProcessGroup | None = None
@@ -185,8 +223,19 @@ class _TaskStore(TaskStoreState):
 
         `bat` and `avg` combine the ranks of `group` (every rank when `None`).
         """
+        chunks = None
         if kind == "avg":
-            data = self.local_data() if "data" in self.needs else None
+            data = None
+            if "data" in self.needs:
+                if is_distributed(group):
+                    # Each rank's chunks go straight into the buffer it sends, and every rank's
+                    # data arrives in one buffer: held once, never concatenated again.
+                    data = _gather_pair(self.data_chunks(), device, group)
+                    chunks = None if data is None or self.task is None else [data]
+                elif self.task is not None:
+                    chunks = self.data_chunks()  # read where they lie: no concatenated copy
+                else:
+                    data = self.local_data()
             artifacts = {}
             if "confusion" in self.needs:
                 artifacts["confusion"] = self._synced_confusion(device, group)
@@ -194,10 +243,12 @@ class _TaskStore(TaskStoreState):
                 artifacts["moments"] = self._synced_moments(device, group)
         else:
             data, artifacts = self.last, {}
-        if kind != "val" and (kind == "bat" or "data" in self.needs):
+        if kind == "bat":
             data = _gather_pair(data, device, group)
         if self.task is None:
             return data
+        if chunks:
+            return MetricState(self.task, chunks=chunks, **artifacts)
         if data is None:
             data = self._empty.get(device)
             if data is None:  # kept: zero-size tensors never change
@@ -244,10 +295,10 @@ class GlobalMetrics(GlobalMetricsState):
 
     Updates are batched. `update` checks a batch and keeps it (for confusion counts: the scores,
     or the predicted labels of binary and multilabel tasks, with the targets) but runs no
-    counting then; up to 64 batches, holding at most 1 MiB of tensor storage, are then counted
+    counting then; up to 64 batches, holding at most 256 KiB of tensor storage, are then counted
     with one concatenation and one scatter. The queue is counted when it is full, when the dtype
     or device of the batches changes, and before anything reads the counts (`avg`, `compute`,
-    copies and pickles); `reset` drops it. A batch whose tensors alone reach 1 MiB (large
+    copies and pickles); `reset` drops it. A batch whose tensors alone reach 256 KiB (large
     vocabularies, dense outputs) is counted at once and never held. Counts are integers, so the
     results are exactly those of counting each batch on its own. As with metrics that keep the
     data, the tensors passed to `update` are read later: do not change them in place afterwards.
@@ -457,12 +508,14 @@ def _evaluate(metric: Callable, states: Mapping[MetricTask | None, Any]) -> Any:
 
 
 def _gather_pair(
-    data: tuple[Tensor, Tensor] | None, device: Any, group: ProcessGroup | None
+    data: tuple[Tensor, Tensor] | list[tuple[Tensor, Tensor]] | None, device: Any, group: ProcessGroup | None
 ) -> tuple[Tensor, Tensor] | None:
+    """Every rank's `(input, target)` (or chunks of them) concatenated, rank after rank."""
     if not is_distributed(group):
         return data
-    input = gather_across_ranks(None if data is None else data[0], device, group)
-    target = gather_across_ranks(None if data is None else data[1], device, group)
+    pairs = [] if data is None else data if isinstance(data, list) else [data]
+    input = gather_across_ranks([input for input, _ in pairs] or None, device, group)
+    target = gather_across_ranks([target for _, target in pairs] or None, device, group)
     return None if input is None else (input, target)
 
 

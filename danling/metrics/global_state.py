@@ -12,7 +12,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["GlobalMetricsState", "TaskStoreState"]
+import torch
+from torch import Tensor
+
+__all__ = ["NARROW_DTYPES", "GlobalMetricsState", "TaskStoreState", "join_rows", "narrow_join"]
+
+# Dtypes kept class targets are narrowed to, smallest first (see `narrow_join`).
+NARROW_DTYPES = (torch.int8, torch.int16, torch.int32)
 
 _STORE_KEYS = frozenset({"counts", "moments", "inputs", "targets", "last_input", "last_target"})
 
@@ -74,3 +80,32 @@ class GlobalMetricsState:
             store.load_state_dict(state["tasks"][str(index)])
         self._cache.clear()  # type: ignore[attr-defined]
         self._count, self._last_count = int(state["count"]), int(state["last_count"])
+
+
+def join_rows(tensors: list[Tensor]) -> Tensor:
+    """Tensors concatenated along dim 0 (a single one returned as it is)."""
+    return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
+
+
+def narrow_join(targets: list[Tensor]) -> Tensor:
+    """Class targets joined in the smallest integer dtype that holds them all (host int64 only).
+
+    Reading the range costs nothing on the host; elsewhere it would wait for the device. Each
+    batch is copied straight into the narrow result, never into an int64 one first.
+    """
+    if any(target.dtype is not torch.long or not target.is_cpu for target in targets):
+        return join_rows(targets)
+    low = high = 0
+    for target in targets:
+        if target.numel():
+            least, most = torch.aminmax(target)
+            low, high = min(low, int(least)), max(high, int(most))
+    dtype = next((d for d in NARROW_DTYPES if torch.iinfo(d).min <= low and high <= torch.iinfo(d).max), None)
+    if dtype is None:
+        return join_rows(targets)
+    joined = torch.empty((sum(t.shape[0] for t in targets), *targets[0].shape[1:]), dtype=dtype)
+    row = 0
+    for target in targets:
+        joined[row : row + target.shape[0]] = target
+        row += target.shape[0]
+    return joined

@@ -146,13 +146,22 @@ def auprc_from_curves(curves: Curves, average: str | None = "macro") -> Tensor:
 
 def curve_average(curves: Curves, average: str | None, per_column: Callable[[Curves], Tensor]) -> Tensor:
     """Reduce per-column curve metrics; `curves` must be the pooled ones when `average == "micro"`."""
-    average = check_average(average)
     values = per_column(curves)
+    support = curves.tps[:, -1] if curves.tps.shape[1] else torch.zeros_like(values)
+    return column_average(values, support, average)
+
+
+def column_average(values: Tensor, support: Tensor, average: str | None) -> Tensor:
+    """Reduce per-column AUROC or average precision; `values` must be the pooled one for `"micro"`.
+
+    `"macro"` averages the columns where the value is defined, `"weighted"` weights them by
+    `support` (their positives).
+    """
+    average = check_average(average)
     if average == "micro":
         return values[0]
     if average is None:
         return values
-    support = curves.tps[:, -1] if curves.tps.shape[1] else torch.zeros_like(values)
     return reduce_average(values, average, active=~values.isnan(), weights=support)
 
 

@@ -1,0 +1,253 @@
+"""Exact metrics at evaluation-set scale: peak memory and time against N, danling and torchmetrics.
+
+Every measurement runs in a fresh process (so no run inherits another's heap): it imports both
+libraries, builds one metric set, feeds N samples in batches of 10,000 made from a small pool (the
+metric is the only holder of the scores), then computes. It reports the time spent in `update`
+calls, the time of `compute`, and the peak resident memory above the process's memory just
+before the first batch (Linux `VmHWM`, reset through `/proc/self/clear_refs` at that point; torch
+CPU tensors are invisible to tracemalloc). Libraries alternate, repeat by repeat; the table gives
+medians, the ratios danling / torchmetrics, and the peak as a multiple of the score tensor
+(N x C float32 values, what an exact metric must hold). Values must agree to 1e-5.
+
+Metric sets name danling's catalogue: acc (micro), f1 (macro), mcc, auroc and auprc (macro,
+exact: torchmetrics `thresholds=None`); tasks are binary, multiclass (10 classes, logits) and
+multilabel (10 labels, logits), all with `ignore_index=-100` on both sides.
+
+Run (one heavy run at a time on a shared machine):
+`flock /tmp/danling-heavy.lock .venv/bin/python benchmarks/bench_metric_scale.py`
+options: `--sizes 1e5 1e6 1e7`, `--tasks multiclass binary multilabel`,
+`--sets acc+auroc acc auroc ...`, `--repeats 3`, `--json FILE`, `--plot FILE.png`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+BATCH = 10_000
+POOL = 8
+COLUMNS = 10
+DEFAULT_SETS = ("acc", "auroc", "auprc", "f1+mcc", "acc+auroc", "acc+f1+mcc+auroc+auprc")
+
+
+def _rss_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"{field} missing from /proc/self/status")
+
+
+def _torchmetrics(task: str, names: list[str]):
+    from torchmetrics import MetricCollection
+    from torchmetrics import classification as tm
+
+    common = {"ignore_index": -100}
+    prefix = {"binary": "Binary", "multiclass": "Multiclass", "multilabel": "Multilabel"}[task]
+    if task == "multiclass":
+        common["num_classes"] = COLUMNS
+    if task == "multilabel":
+        common["num_labels"] = COLUMNS
+    averaged = {} if task == "binary" else {"average": "macro"}
+    build = {
+        "acc": lambda: getattr(tm, prefix + "Accuracy")(**common, **({} if task == "binary" else {"average": "micro"})),
+        "f1": lambda: getattr(tm, prefix + "F1Score")(**common, **averaged),
+        "mcc": lambda: getattr(tm, prefix + "MatthewsCorrCoef")(**common),
+        "auroc": lambda: getattr(tm, prefix + "AUROC")(thresholds=None, **common, **averaged),
+        "auprc": lambda: getattr(tm, prefix + "AveragePrecision")(thresholds=None, **common, **averaged),
+    }
+    return MetricCollection({name: build[name]() for name in names})
+
+
+def _danling(task: str, names: list[str]):
+    from danling.metrics import binary_metrics, multiclass_metrics, multilabel_metrics
+
+    if task == "binary":
+        return binary_metrics(names)
+    if task == "multiclass":
+        return multiclass_metrics(COLUMNS, metrics=names)
+    return multilabel_metrics(COLUMNS, metrics=names)
+
+
+def _batch(task: str, generator, size: int):
+    import torch
+
+    if task == "binary":
+        target = torch.randint(0, 2, (size,), generator=generator)
+        return torch.randn(size, generator=generator) + 1.5 * target, target
+    if task == "multiclass":
+        target = torch.randint(0, COLUMNS, (size,), generator=generator)
+        logits = torch.randn(size, COLUMNS, generator=generator)
+        return logits + 1.5 * torch.nn.functional.one_hot(target, COLUMNS), target
+    target = torch.randint(0, 2, (size, COLUMNS), generator=generator)
+    return torch.randn(size, COLUMNS, generator=generator) + 1.5 * target, target
+
+
+def child(library: str, task: str, names: list[str], size: int) -> dict:
+    """One measurement, in this (fresh) process."""
+    import torch
+    import torchmetrics  # noqa: F401
+
+    import danling.metrics  # noqa: F401  both libraries loaded in every run: same baseline
+
+    metrics = _danling(task, names) if library == "danling" else _torchmetrics(task, names)
+    generator = torch.Generator().manual_seed(0)
+    warm = _batch(task, generator, 64)  # first calls allocate pools, load kernels: not the data's cost
+    warm_metrics = (_danling if library == "danling" else _torchmetrics)(task, names)
+    warm_metrics.update(*warm)
+    warm_metrics.compute()
+    del warm_metrics
+    # Batches are made from a small pool, as a model's outputs are: one new tensor each (the pool
+    # plus a per-batch offset, so that scores do not repeat), with no generator temporaries.
+    pool = [_batch(task, generator, BATCH) for _ in range(POOL)]
+    del warm
+    Path("/proc/self/clear_refs").write_text("5")  # peak resident memory := current
+    start_kib = _rss_kib("VmRSS")
+    update_s = 0.0
+    for index, offset in enumerate(range(0, size, BATCH)):
+        rows = min(BATCH, size - offset)
+        scores, labels = pool[index % POOL]
+        input, target = scores[:rows] + index * 1e-4, labels[:rows].clone()
+        began = time.perf_counter()
+        metrics.update(input, target)
+        update_s += time.perf_counter() - began
+        del input, target
+    began = time.perf_counter()
+    values = metrics.compute()
+    compute_s = time.perf_counter() - began
+    peak = (_rss_kib("VmHWM") - start_kib) * 1024
+    return {
+        "update_s": update_s,
+        "compute_s": compute_s,
+        "peak_bytes": peak,
+        "values": {name: float(value) for name, value in values.items()},
+    }
+
+
+def measure(library: str, task: str, names: list[str], size: int) -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    command = [sys.executable, __file__, "--child", library, task, "+".join(names), str(size)]
+    done = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"{library} {task} {names} N={size} failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
+    parser.add_argument("--sizes", nargs="+", default=["1e5", "1e6", "1e7"])
+    parser.add_argument("--tasks", nargs="+", default=["multiclass", "binary", "multilabel"])
+    parser.add_argument("--sets", nargs="+", default=list(DEFAULT_SETS))
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--json", type=Path, help="write every measurement here")
+    parser.add_argument("--plot", type=Path, help="draw memory and compute time against N here (PNG)")
+    args = parser.parse_args()
+    if args.child:
+        library, task, names, size = args.child
+        print(json.dumps(child(library, task, names.split("+"), int(size))))
+        return
+
+    import torch
+    import torchmetrics
+
+    print(f"torch {torch.__version__}, torchmetrics {torchmetrics.__version__}, OMP_NUM_THREADS=1, fresh process each")
+    print(f"load at start: {Path('/proc/loadavg').read_text().split()[:3]}")
+    rows = []
+    for task in args.tasks:
+        for names in args.sets:
+            for size in (int(float(s)) for s in args.sizes):
+                runs: dict[str, list[dict]] = {"danling": [], "torchmetrics": []}
+                for _ in range(args.repeats):
+                    for library in runs:  # alternate: both share any drift of the machine's load
+                        runs[library].append(measure(library, task, names.split("+"), size))
+                ours, theirs = runs["danling"][-1]["values"], runs["torchmetrics"][-1]["values"]
+                worst = max(abs(ours[n] - theirs[n]) for n in ours)
+                if worst > 1e-5:
+                    raise AssertionError(f"{task} {names} N={size}: values differ: {ours} vs {theirs}")
+                row = {
+                    "task": task,
+                    "metrics": names,
+                    "n": size,
+                    "scores_bytes": size * (1 if task == "binary" else COLUMNS) * 4,
+                }
+                for library, measured in runs.items():
+                    for key in ("update_s", "compute_s", "peak_bytes"):
+                        row[f"{library}_{key}"] = statistics.median(m[key] for m in measured)
+                rows.append(row)
+                print(_line(row), flush=True)
+    print(f"load at end: {Path('/proc/loadavg').read_text().split()[:3]}")
+    print()
+    print(table(rows))
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+    if args.plot:
+        plot(rows, args.plot)
+
+
+def _line(row: dict) -> str:
+    mib = 1 << 20
+    return (
+        f"{row['task']} {row['metrics']} N={row['n']:.0e}: peak {row['danling_peak_bytes'] / mib:.0f} / "
+        f"{row['torchmetrics_peak_bytes'] / mib:.0f} MiB, compute {row['danling_compute_s']:.3f} / "
+        f"{row['torchmetrics_compute_s']:.3f} s, update {row['danling_update_s']:.3f} / "
+        f"{row['torchmetrics_update_s']:.3f} s"
+    )
+
+
+def table(rows: list[dict]) -> str:
+    mib = 1 << 20
+    lines = [
+        "| task | metrics | N | peak MiB danling / torchmetrics | peak / scores (danling, torchmetrics) | "
+        "compute s danling / torchmetrics | compute ratio | update + compute ratio |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in rows:
+        ours, theirs = r["danling_peak_bytes"], r["torchmetrics_peak_bytes"]
+        total = (r["danling_update_s"] + r["danling_compute_s"]) / (
+            r["torchmetrics_update_s"] + r["torchmetrics_compute_s"]
+        )
+        lines.append(
+            f"| {r['task']} | {r['metrics'].replace('+', ', ')} | {r['n']:.0e} | "
+            f"{ours / mib:,.0f} / {theirs / mib:,.0f} | "
+            f"{ours / r['scores_bytes']:.2f}x, {theirs / r['scores_bytes']:.2f}x | "
+            f"{r['danling_compute_s']:.3f} / {r['torchmetrics_compute_s']:.3f} | "
+            f"{r['danling_compute_s'] / r['torchmetrics_compute_s']:.2f}x | {total:.2f}x |"
+        )
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (memory, seconds) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for (task, names), style in zip(
+        sorted({(r["task"], r["metrics"]) for r in rows}), ("o", "s", "^", "v", "D", "x") * 6
+    ):
+        chosen = sorted((r for r in rows if (r["task"], r["metrics"]) == (task, names)), key=lambda r: r["n"])
+        sizes = [r["n"] for r in chosen]
+        for library, line in (("danling", "-"), ("torchmetrics", "--")):
+            label = f"{library}: {task} {names}"
+            memory.loglog(
+                sizes, [max(r[f"{library}_peak_bytes"], 1) / (1 << 20) for r in chosen], line, marker=style, label=label
+            )
+            seconds.loglog(sizes, [r[f"{library}_compute_s"] for r in chosen], line, marker=style, label=label)
+    memory.set(xlabel="samples N", ylabel="peak memory above start (MiB)", title="Peak memory")
+    seconds.set(xlabel="samples N", ylabel="compute (s)", title="compute() time")
+    for axis in (memory, seconds):
+        axis.grid(True, which="both", alpha=0.3)
+    memory.legend(fontsize=6)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()

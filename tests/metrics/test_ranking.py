@@ -1,0 +1,161 @@
+"""AUROC and AUPRC of large host data, column by column in buckets: same values, far less memory."""
+
+from unittest import mock
+
+import numpy as np
+import pytest
+import torch
+from sklearn import metrics as skm
+
+from danling.metrics import (
+    GlobalMetrics,
+    MetricFunc,
+    MetricTask,
+    binary_metrics,
+    multiclass_metrics,
+    multilabel_metrics,
+)
+from danling.metrics import global_metrics as global_metrics_module
+from danling.metrics.functional import _ranking
+from danling.metrics.functional import binary as B
+from danling.metrics.functional import multiclass as M
+from danling.metrics.functional import multilabel as L
+from danling.metrics.functional._common import auprc_from_curves, auroc_from_curves
+
+
+def buckets_of(many: bool):
+    # Many buckets and small blocks: every boundary a bucket or a block can have is crossed.
+    return mock.patch.multiple(_ranking, SORT_BYTES=1 << 12 if many else 32, BLOCK_BYTES=1 << 12 if many else 96)
+
+
+def tied(generator, *shape):
+    return (torch.randn(*shape, generator=generator) * 2).round(decimals=1)  # few distinct values
+
+
+def check(ranking, curves):
+    expected_auroc, expected_auprc = auroc_from_curves(curves), auprc_from_curves(curves)
+    assert torch.equal(ranking.auroc.nan_to_num(-1), expected_auroc.nan_to_num(-1))  # integer sums: same float
+    torch.testing.assert_close(ranking.auprc, expected_auprc, rtol=1e-12, atol=0, equal_nan=True)
+    positives = curves.tps[:, -1] if curves.tps.shape[1] else torch.zeros(curves.tps.shape[0], dtype=torch.long)
+    assert torch.equal(ranking.positives, positives)
+
+
+@pytest.mark.parametrize("buckets", [False, True], ids=["one-bucket", "many-buckets"])
+@pytest.mark.parametrize("n", [0, 1, 9, 70_000])
+def test_ranking_equals_the_curves(n, buckets):
+    g = torch.Generator().manual_seed(n)
+    with buckets_of(buckets):
+        scores, target = tied(g, n), torch.randint(0, 2, (n,), generator=g)
+        target[::13] = -100
+        half = n // 2  # two chunks, the second with narrowed targets
+        chunks = [(scores[:half], target[:half]), (scores[half:], target[half:].to(torch.int8))]
+        check(_ranking.ranking("binary", chunks, 1, -100), B.binary_curves(scores, target, -100))
+        for logits in (True, False):
+            x = tied(g, n, 4)
+            x = x if logits else x.softmax(-1)
+            y = torch.randint(0, 4, (n,), generator=g)
+            y[::11] = -100
+            chunks = [(x[:half], y[:half]), (x[half:], y[half:].to(torch.int16))]
+            for micro in (False, True):
+                expected = M.multiclass_curves(x, y, -100, micro=micro)
+                check(_ranking.ranking("multiclass", chunks, 4, -100, micro=micro), expected)
+        x, y = tied(g, n, 3), torch.randint(0, 2, (n, 3), generator=g)
+        if n:
+            y[0, 1] = -100
+        for micro in (False, True):
+            check(
+                _ranking.ranking("multilabel", [(x, y)], 3, -100, micro=micro),
+                L.multilabel_curves(x, y, -100, micro=micro),
+            )
+
+
+def test_invalid_targets_and_nan_scores_give_nan():
+    scores, target = torch.rand(100), torch.randint(0, 2, (100,))
+    target[5] = 3  # neither a label nor ignored
+    assert _ranking.ranking("binary", [(scores, target)], 1, -100).auroc.isnan().all()
+    target[5] = -100
+    assert not _ranking.ranking("binary", [(scores, target)], 1, -100).auroc.isnan().any()
+    scores[7] = float("nan")  # sklearn refuses it; the curves would rank it somewhere
+    assert _ranking.ranking("binary", [(scores, target)], 1, -100).auroc.isnan().all()
+    scores[7], target[7] = float("nan"), -100  # an ignored sample's score does not matter
+    assert not _ranking.ranking("binary", [(scores, target)], 1, -100).auprc.isnan().any()
+
+
+def test_negative_zero_ties_with_zero():
+    scores = torch.tensor([0.0, -0.0, 0.5, -0.0, 0.0, -1.0])
+    target = torch.tensor([1, 0, 1, 1, 0, 0])
+    ranking = _ranking.ranking("binary", [(scores, target)], 1)
+    assert ranking.auroc.item() == pytest.approx(skm.roc_auc_score(target.numpy(), scores.numpy()))
+    assert ranking.auprc.item() == pytest.approx(skm.average_precision_score(target.numpy(), scores.numpy()))
+
+
+def feed(metrics, input, target, batch=4096):
+    for start in range(0, target.shape[0], batch):
+        metrics.update(input[start : start + batch], target[start : start + batch])
+
+
+@pytest.mark.parametrize("buckets", [False, True], ids=["one-bucket", "many-buckets"])
+def test_global_metrics_at_scale_match_sklearn(buckets):
+    """Above `RANKING_MIN_SCORES` the containers read kept chunks through the ranking: sklearn's values."""
+    g = torch.Generator().manual_seed(0)
+    n = 80_000
+    with buckets_of(buckets):
+        target = torch.randint(0, 2, (n,), generator=g)
+        scores = tied(g, n) + target
+        metrics = binary_metrics(["auroc", "auprc"])
+        feed(metrics, scores, target)
+        result = metrics.compute()
+        assert result["auroc"] == pytest.approx(skm.roc_auc_score(target, scores), abs=1e-12)
+        assert result["auprc"] == pytest.approx(skm.average_precision_score(target, scores), abs=1e-12)
+
+        labels = torch.randint(0, 5, (n,), generator=g)
+        logits = tied(g, n, 5) + torch.nn.functional.one_hot(labels, 5)
+        metrics = multiclass_metrics(5, metrics=["acc", "auroc", "auprc"])
+        feed(metrics, logits, labels)
+        result = metrics.compute()
+        probabilities = logits.softmax(-1).numpy()
+        assert result["auroc"] == pytest.approx(skm.roc_auc_score(labels, probabilities, multi_class="ovr"), abs=1e-12)
+        one_hot = np.eye(5)[labels.numpy()]
+        expected = skm.average_precision_score(one_hot, probabilities, average="macro")
+        assert result["auprc"] == pytest.approx(expected, abs=1e-12)
+
+        flags = torch.randint(0, 2, (n, 3), generator=g)
+        scores = tied(g, n, 3) + flags
+        metrics = multilabel_metrics(3, metrics=["auroc", "auprc"], average="weighted")
+        feed(metrics, scores, flags)
+        result = metrics.compute()
+        assert result["auroc"] == pytest.approx(skm.roc_auc_score(flags, scores, average="weighted"), abs=1e-12)
+        expected = skm.average_precision_score(flags, scores, average="weighted")
+        assert result["auprc"] == pytest.approx(expected, abs=1e-12)
+
+
+def test_kept_targets_are_narrowed_and_read_back_exactly():
+    """Class targets are kept in the smallest dtype holding them; every reader still gets int64."""
+    g = torch.Generator().manual_seed(1)
+    n = 70_000
+    labels = torch.randint(0, 3, (n,), generator=g)
+    labels[::7] = -100
+    logits = torch.randn(n, 3, generator=g)
+    seen = []
+    task = MetricTask("multiclass", num_classes=3, ignore_index=-100)  # the task of multiclass_metrics(3)
+    custom = MetricFunc("custom", lambda state: seen.append(state.data[1]) or 0.0, task, "data")
+    metrics = GlobalMetrics(custom, auroc=multiclass_metrics(3, metrics=["auroc"]).metrics["auroc"])
+    feed(metrics, logits, labels, batch=1000)
+    metrics.compute()
+    (store,) = metrics._stores.values()  # one task: its metrics share the kept data
+    assert {target.dtype for _, target in store.chunks} == {torch.int8}  # 1 byte per sample, not 8
+    assert len(store.chunks) < n // 1000  # batches joined into chunks
+    assert seen[0].dtype is torch.int64 and torch.equal(seen[0], labels)
+    state = metrics.state_dict()["tasks"]["0"]
+    assert state["targets"].dtype is torch.int64 and torch.equal(state["targets"], labels)
+
+
+def test_joining_copies_in_bounded_groups():
+    """Kept batches are joined once they hold `DATA_ELEMENTS` scores, so a join never copies much at once."""
+    with mock.patch.multiple(global_metrics_module, DATA_ELEMENTS=1000, DATA_BATCHES=64):
+        metrics = binary_metrics(["auroc"])
+        for _ in range(10):
+            metrics.update(torch.rand(400), torch.randint(0, 2, (400,)))
+        (store,) = metrics._stores.values()
+        assert [chunk.shape[0] for chunk, _ in store.chunks] == [1200, 1200, 1200]  # joined at 1000+ scores
+        assert len(store.inputs) == 1
