@@ -1,5 +1,6 @@
 """AUROC and AUPRC of large host data, column by column in buckets: same values, far less memory."""
 
+import math
 from unittest import mock
 
 import numpy as np
@@ -159,3 +160,24 @@ def test_joining_copies_in_bounded_groups():
         (store,) = metrics._stores.values()
         assert [chunk.shape[0] for chunk, _ in store.chunks] == [1200, 1200, 1200]  # joined at 1000+ scores
         assert len(store.inputs) == 1
+
+
+@pytest.mark.parametrize("n", [8, 70_000])  # the sorted curves (small, or any device) and the bucketed host path
+def test_a_nan_score_gives_nan_on_every_path_unless_its_sample_is_ignored(n):
+    # The curves ranked a nan score at one end: [0.1, nan, 0.8, 0.4] against [0, 1, 1, 0] gave AUROC 1.0.
+    from danling.metrics import GlobalMetrics
+    from danling.metrics.functional import binary_auprc, binary_auroc, multiclass_auroc
+
+    generator = torch.Generator().manual_seed(0)
+    scores = torch.rand(n, generator=generator)
+    target = (torch.rand(n, generator=generator) < scores).long()
+    scores[1] = float("nan")
+    assert binary_auroc(scores, target).isnan() and binary_auprc(scores, target).isnan()
+    metrics = GlobalMetrics(auroc=binary_auroc)
+    metrics.update(scores, target)
+    assert math.isnan(metrics.avg["auroc"])
+    logits = torch.randn(n, 3, generator=generator)
+    logits[1, 2] = float("nan")
+    assert multiclass_auroc(logits, target, num_classes=3).isnan()
+    target[1] = -100  # an ignored sample's score does not matter
+    assert not binary_auroc(scores, target, ignore_index=-100).isnan()

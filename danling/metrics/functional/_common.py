@@ -337,6 +337,10 @@ def curves_from_scores(scores: Tensor, positive: Tensor, negative: Tensor, inval
     neither (ignored ones) still take part in the sort but move no count, which equals dropping
     them without a data-dependent shape.
     """
+    if scores.is_floating_point():
+        # A nan score of a counted sample has no rank: the column is `nan`, as on the bucketed path
+        # (`_ranking`); sorting it to one end gave a number that depended on where nan sorts.
+        invalid = invalid + (scores.isnan() & (positive | negative)).sum(0)
     sorted_scores, order = scores.T.sort(dim=1, descending=True)
     k, n = sorted_scores.shape
     starts = torch.ones((k, n), dtype=torch.bool, device=scores.device)
