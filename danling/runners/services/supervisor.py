@@ -93,6 +93,8 @@ class RunnerSupervisor:
         self._gc_was_enabled: bool | None = None
         # The hang watchdog of a multi-process run (see `watchdog.py`), started by the training loop.
         self.watchdog: Any = None
+        # The watchdog of a single-process run, which polls the runner's counters instead (same file).
+        self.local_watchdog: Any = None
         if gc_interval is not None and self.gc_disable_automatic:
             self._gc_was_enabled = gc.isenabled()
             gc.disable()
@@ -214,9 +216,10 @@ class RunnerSupervisor:
 
     def close(self) -> None:
         """Stop the watchdog, write a final heartbeat, restore signal handlers and automatic GC."""
-        if self.watchdog is not None:
-            self.watchdog.close()
-            self.watchdog = None
+        for watchdog in (self.watchdog, self.local_watchdog):
+            if watchdog is not None:
+                watchdog.close()
+        self.watchdog = self.local_watchdog = None
         if self.heartbeat_dir is not None and self._last_progress:
             self._last_progress["phase"] = "closed"
             self._write_heartbeat()
