@@ -19,7 +19,7 @@ import os
 import signal
 import socket
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from .watchdog import end_run
 
@@ -46,13 +46,17 @@ class SignalWatch:
 
     Args:
         signals: The stop signals (the supervisor's).
+        handled: Whether the main thread has taken a stop request (said once the first signal
+            was not taken within `grace`, so that the user knows a second one is needed).
         logger: Where the message goes.
         grace: Seconds the main thread's own handler is given to act on the second signal.
     """
 
-    def __init__(self, signals: Iterable[int], logger: logging.Logger, grace: float = 1.0) -> None:
+    def __init__(
+        self, signals: Iterable[int], handled: Callable[[], bool], logger: logging.Logger, grace: float = 1.0
+    ) -> None:
         self.signals = frozenset(int(sig) for sig in signals)
-        self.logger, self.grace = logger, grace
+        self.handled, self.logger, self.grace = handled, logger, grace
         self._sockets: tuple[socket.socket, socket.socket] | None = None
         self._stopped = threading.Event()
 
@@ -90,20 +94,32 @@ class SignalWatch:
         writer.close()  # the thread reads end-of-file and closes the reader
 
     def _run(self, reader: socket.socket) -> None:
-        seen: dict[int, int] = {}
+        count = 0
         try:
             while data := reader.recv(64):
                 for signum in data:
-                    if signum in self.signals:
-                        seen[signum] = seen.get(signum, 0) + 1
-                        if sum(seen.values()) >= 2 and not self._stopped.wait(self.grace):
-                            name = signal.Signals(signum).name
-                            message = (
-                                f"received {name} again while the main thread is stuck outside Python code, "
-                                f"where it runs no signal handler; ending the process with exit code {128 + signum}"
+                    if signum not in self.signals:
+                        continue
+                    count += 1
+                    # The main thread's handler gets `grace` seconds to act: it takes the first
+                    # signal (`handled`) and, on the second, puts the handlers back (`stop`).
+                    if self._stopped.wait(self.grace):
+                        return
+                    name = signal.Signals(signum).name
+                    if count == 1:
+                        if not self.handled():
+                            self.logger.warning(
+                                "received %s, but the main thread is stuck outside Python code, where it runs "
+                                "no signal handler; sending it again ends the process",
+                                name,
                             )
-                            end_run(message, 128 + signum, self.logger)
-                            return
+                        continue
+                    message = (
+                        f"received {name} again while the main thread is stuck outside Python code, "
+                        f"where it runs no signal handler; ending the process with exit code {128 + signum}"
+                    )
+                    end_run(message, 128 + signum, self.logger)
+                    return
         except OSError:
             pass
         finally:

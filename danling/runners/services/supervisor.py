@@ -134,7 +134,7 @@ class RunnerSupervisor:
                 self._previous_handlers[sig] = signal.getsignal(sig)
             signal.signal(sig, self._handle)
         if self._signal_watch is None:
-            watch = SignalWatch(self.signals, self.logger)
+            watch = SignalWatch(self.signals, lambda: self.stop_requested, self.logger)
             self._signal_watch = watch if watch.start() else None
         return True
 
