@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -23,7 +24,10 @@ LINE = "watchdog (rank 0): no progress for {t:g} s from 1 rank(s): rank 0 ("
 
 
 def _start(root: Path, how: str, timeout: float) -> tuple[subprocess.Popen, int]:
-    """Start the child; return it and its pid once it is inside the stuck step."""
+    """Start the child; return it and its pid once it is inside the stuck step.
+
+    A child still alive after 120 s is killed, so that no read of its pipes can block the test for good.
+    """
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     proc = subprocess.Popen(
@@ -34,6 +38,9 @@ def _start(root: Path, how: str, timeout: float) -> tuple[subprocess.Popen, int]
         stderr=subprocess.PIPE,
         text=True,
     )
+    killer = threading.Timer(120, proc.kill)
+    killer.daemon = True
+    killer.start()
     line = proc.stdout.readline()  # blocks until the step is entered (or the child dies)
     if not line.startswith("inside-step"):
         proc.kill()

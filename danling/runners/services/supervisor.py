@@ -123,7 +123,7 @@ class RunnerSupervisor:
         handlers. A second signal while a stop is already pending restores the original handler
         and re-delivers the signal, so pressing Ctrl-C twice still interrupts a stuck step; when
         the main thread is stuck in C code, where no Python handler runs, a
-        [`SignalWatch`][danling.runners.services.signal_watch.SignalWatch] thread ends the process
+        `SignalWatch` thread (`danling.runners.services.signal_watch`) ends the process
         on the second signal instead (exit code 128 + its number).
         """
         if threading.current_thread() is not threading.main_thread():
