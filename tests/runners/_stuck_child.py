@@ -4,17 +4,18 @@
 global step 1 it prints `inside-step <pid>` on stdout and then blocks for good:
 
 - `python`: in `time.sleep`, which runs signal handlers while it waits (the step is stuck in Python);
-- `c`: in `torch.futures.Future().wait()`, a C++ wait that runs no Python code until it returns,
-  so no Python signal handler runs either (as a hung collective or device synchronisation).
+- `c`: in libc's `system()`, which waits for its shell again whenever a signal interrupts it, so no
+  Python signal handler runs (as in a hung collective or device synchronisation). The shell prints
+  the line, so the process is inside the C call before the parent reads it; the shell then leaves
+  the pipes and waits for this process to be gone.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import sys
 import time
-
-import torch
 
 from tests.runners._torch_toy import TinyRunner, tiny_config
 
@@ -24,12 +25,14 @@ class StuckRunner(TinyRunner):
 
     def train_step(self, data):
         if self.train_state.global_step == 1:
-            sys.__stdout__.write(f"inside-step {os.getpid()}\n")
-            sys.__stdout__.flush()
             if self.how == "python":
+                sys.__stdout__.write(f"inside-step {os.getpid()}\n")
+                sys.__stdout__.flush()
                 time.sleep(3600)
             else:
-                torch.futures.Future().wait()
+                sys.__stdout__.flush()
+                shell = b"echo inside-step $PPID; exec >/dev/null 2>&1; while kill -0 $PPID; do sleep 0.2; done"
+                ctypes.CDLL(None).system(shell)
         return super().train_step(data)
 
 

@@ -53,7 +53,7 @@ class SignalWatch:
     """
 
     def __init__(
-        self, signals: Iterable[int], handled: Callable[[], bool], logger: logging.Logger, grace: float = 1.0
+        self, signals: Iterable[int], handled: Callable[[], bool], logger: logging.Logger, grace: float = 2.0
     ) -> None:
         self.signals = frozenset(int(sig) for sig in signals)
         self.handled, self.logger, self.grace = handled, logger, grace
