@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import signal
 import sys
 import time
 
@@ -38,6 +39,9 @@ class StuckRunner(TinyRunner):
 
 def main(root: str, how: str, timeout: str) -> None:
     StuckRunner.how = how
+    # Signals a parent ignores stay ignored in its children (a test that left SIGTERM ignored in
+    # pytest, say); a script a scheduler starts has the default action, which the second signal uses.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     config = tiny_config(root, **{"watchdog.timeout_seconds": float(timeout), "watchdog.interval_seconds": 0.2})
     with StuckRunner(config) as runner:
         runner.train()
