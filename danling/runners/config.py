@@ -130,7 +130,7 @@ class RunnerConfig(_TypedConfig):
         mlflow: MLflow tracking (off by default); see `MLflowConfig`.
         nonfinite: What NaN/inf updates do; see `NonFiniteConfig`.
         spikes: Loss-spike detection and recovery (off by default); see `SpikeConfig`.
-        watchdog: Hang watchdog of multi-process runs (on by default); see `WatchdogConfig`.
+        watchdog: Hang watchdog (on by default); see `WatchdogConfig`.
 
     Examples:
         >>> config = RunnerConfig()

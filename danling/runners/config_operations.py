@@ -81,16 +81,18 @@ class SpikeConfig(_TypedConfig):
 
 
 class WatchdogConfig(_TypedConfig):
-    """Hang watchdog of multi-process runs (`watchdog.*`): a silent rank or a stuck collective ends the run.
+    """Hang watchdog (`watchdog.*`): a stuck step, a silent rank or a stuck collective ends the run.
 
-    Every rank writes a heartbeat (its phase and step) to a file in the run directory; a rank whose
-    peers have been silent for `timeout_seconds` logs which ranks are stuck, in which phase and at
-    which step, and exits.
+    In a multi-process run every rank writes a heartbeat (its phase and step) to a file in the run
+    directory; a rank whose peers have been silent for `timeout_seconds` logs which ranks are stuck,
+    in which phase and at which step, and exits. A single-process run is watched by a thread that
+    reads the run's progress counters instead, and ends the run with the same message.
 
     Attributes:
-        enabled: Run the watchdog in multi-process runs (single-process runs never start it).
-        timeout_seconds: Seconds without a heartbeat from a rank before the run is ended.
-        interval_seconds: Seconds between heartbeats; None: a tenth of the timeout (at most 5 s).
+        enabled: Run the watchdog (started by `train()`).
+        timeout_seconds: Seconds without a heartbeat or progress before the run is ended.
+        interval_seconds: Seconds between heartbeats (reads of the counters in a single process); None: a
+            tenth of the timeout (at most 5 s).
         exit_code: Exit status of a rank the watchdog ends.
     """
 

@@ -7,7 +7,7 @@ configuration settled long ago; on a small model they cost a few percent of the 
 training pass starts that no per-batch subscriber watches,
 [`fused_train_pass`][danling.runners.torch_fused_step.fused_train_pass] checks once that none of
 them can do anything but the plain thing (no hook overridden, one micro-step per update, full
-precision, no clipping, no non-finite checks, no spike guard, no watchdog, no EMA) and returns
+precision, no clipping, no non-finite checks, no spike guard, no multi-process watchdog, no EMA) and returns
 one loop doing the same work on pre-bound locals; otherwise the pass calls the hooks
 ([`general_step_reason`][danling.runners.torch_fused_step.general_step_reason] says why). The
 result is the same to the bit: the same tensor operations in the same order, the same counters,
@@ -68,7 +68,7 @@ def general_step_reason(runner: Any) -> str | None:
     if type(update) is not TorchUpdateStrategy or type(update.accumulator) is not GradientAccumulator:
         return f"update strategy {type(update).__name__}"
     if update.accum_steps != 1 or not update.plain_backward or update.fixed_context is None:
-        return "gradient accumulation, mixed precision, a spike guard or a watchdog"
+        return "gradient accumulation, mixed precision, a spike guard or a multi-process watchdog"
     if update._multiplier is not None or update._weight is not None or update.spike_guard is not None:
         return "an open window"
     container = update.container

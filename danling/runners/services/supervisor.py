@@ -23,6 +23,8 @@ from typing import Any
 
 from danling.checkpoint.manifest import atomic_write_text
 
+from .signal_watch import SignalWatch
+
 __all__ = ["RunnerSupervisor"]
 
 _DEFAULT_HEARTBEAT_INTERVAL = 60.0
@@ -86,6 +88,7 @@ class RunnerSupervisor:
         self.stop_requested = False
         self.signum: int | None = None
         self._previous_handlers: dict[int, Any] = {}
+        self._signal_watch: SignalWatch | None = None  # the second signal while the main thread is stuck in C
         self.exiting_code: int | None = None  # set by the loops once a stop's checkpoint is saved
         self._last_beat: float | None = None
         self._last_progress: dict[str, Any] = {}
@@ -93,6 +96,8 @@ class RunnerSupervisor:
         self._gc_was_enabled: bool | None = None
         # The hang watchdog of a multi-process run (see `watchdog.py`), started by the training loop.
         self.watchdog: Any = None
+        # The watchdog of a single-process run, which polls the runner's counters instead (same file).
+        self.local_watchdog: Any = None
         if gc_interval is not None and self.gc_disable_automatic:
             self._gc_was_enabled = gc.isenabled()
             gc.disable()
@@ -116,7 +121,10 @@ class RunnerSupervisor:
 
         Returns `False` (and changes nothing) off the main thread, where Python cannot install
         handlers. A second signal while a stop is already pending restores the original handler
-        and re-delivers the signal, so pressing Ctrl-C twice still interrupts a stuck step.
+        and re-delivers the signal, so pressing Ctrl-C twice still interrupts a stuck step; when
+        the main thread is stuck in C code, where no Python handler runs, a
+        `SignalWatch` thread (`danling.runners.services.signal_watch`) ends the process
+        on the second signal instead (exit code 128 + its number).
         """
         if threading.current_thread() is not threading.main_thread():
             self.logger.warning("signal handlers can only be installed from the main thread; skipping")
@@ -125,6 +133,9 @@ class RunnerSupervisor:
             if sig not in self._previous_handlers:
                 self._previous_handlers[sig] = signal.getsignal(sig)
             signal.signal(sig, self._handle)
+        if self._signal_watch is None:
+            watch = SignalWatch(self.signals, lambda: self.stop_requested, self.logger)
+            self._signal_watch = watch if watch.start() else None
         return True
 
     def restore_signal_handlers(self) -> None:
@@ -138,6 +149,9 @@ class RunnerSupervisor:
         """
         if threading.current_thread() is not threading.main_thread():
             return
+        if self._signal_watch is not None:
+            self._signal_watch.stop()
+            self._signal_watch = None
         for sig, handler in self._previous_handlers.items():
             if self.exiting_code is not None:
                 handler = signal.SIG_IGN
@@ -214,9 +228,10 @@ class RunnerSupervisor:
 
     def close(self) -> None:
         """Stop the watchdog, write a final heartbeat, restore signal handlers and automatic GC."""
-        if self.watchdog is not None:
-            self.watchdog.close()
-            self.watchdog = None
+        for watchdog in (self.watchdog, self.local_watchdog):
+            if watchdog is not None:
+                watchdog.close()
+        self.watchdog = self.local_watchdog = None
         if self.heartbeat_dir is not None and self._last_progress:
             self._last_progress["phase"] = "closed"
             self._write_heartbeat()

@@ -33,13 +33,14 @@ import socket
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from danling.checkpoint.manifest import atomic_write_text
 
-__all__ = ["PHASES", "Watchdog"]
+__all__ = ["PHASES", "LocalWatchdog", "Watchdog"]
 
 PHASES = ("data loading", "forward", "backward", "optimizer step", "checkpoint save", "evaluation", "idle")
 
@@ -188,19 +189,123 @@ class Watchdog:
         return seen
 
     def _fire(self, message: str) -> None:
-        self.logger.error(message)
-        if self.on_timeout is not None:
-            self.on_timeout(message)
-            return
-        handlers = _handlers(self.logger)
-        if not any(_is_console(handler) for handler in handlers):
-            sys.__stderr__.write(message + "\n")  # a rank whose log goes to files only still says it on stderr
-        for handler in handlers:
-            with contextlib.suppress(Exception):  # a broken handler must not keep a hung process alive
-                handler.flush()
-        sys.stdout.flush()
-        sys.__stderr__.flush()
-        os._exit(self.exit_code)
+        end_run(message, self.exit_code, self.logger, self.on_timeout)
+
+
+def end_run(
+    message: str, exit_code: int, logger: logging.Logger, on_timeout: Callable[[str], Any] | None = None
+) -> None:
+    """What a watchdog does when it fires: log the main thread's stack and `message`, flush, `os._exit(exit_code)`.
+
+    With `on_timeout`, that is called with `message` instead of exiting.
+    """
+    stack = _main_thread_stack()
+    if stack:
+        logger.error(stack)  # before the line, so that the line ends the output
+    logger.error(message)
+    if on_timeout is not None:
+        on_timeout(message)
+        return
+    handlers = _handlers(logger)
+    if not any(_is_console(handler) for handler in handlers):
+        # a process whose log goes to files only still says it on stderr
+        sys.__stderr__.write((stack + "\n" if stack else "") + message + "\n")
+    for handler in handlers:
+        with contextlib.suppress(Exception):  # a broken handler must not keep a hung process alive
+            handler.flush()
+    sys.stdout.flush()
+    sys.__stderr__.flush()
+    os._exit(exit_code)
+
+
+def _main_thread_stack() -> str:
+    """Where the main thread is (its Python frames; a C call shows as the line that made it)."""
+    frame = sys._current_frames().get(threading.main_thread().ident or -1)
+    if frame is None or threading.current_thread() is threading.main_thread():
+        return ""
+    stack = "".join(traceback.format_stack(frame)).rstrip()
+    return f"main thread when the watchdog fired (most recent call last):\n{stack}"
+
+
+class LocalWatchdog:
+    """Hang watchdog of a single-process run: ends the run when its progress counters stop moving.
+
+    A thread reads `progress()` every `interval` seconds; the loops are told nothing, so the steps
+    cost what they cost without a watchdog (the fused training pass included). While `progress()`
+    says the run is inside a loop and its counters have not changed for `timeout` seconds, it names
+    the phase and step `where()` gives, as the multi-process
+    [`Watchdog`][danling.runners.services.watchdog.Watchdog]
+    would for a stalled rank, and ends the process the same way
+    ([`end_run`][danling.runners.services.watchdog.end_run]).
+
+    Args:
+        progress: Called on the thread: `(inside a loop, counters)`; any change of `counters` is progress.
+        where: Called on the thread when it fires: `(phase, global step)`.
+        timeout: Seconds without progress inside a loop before the run is ended.
+        interval: Seconds between reads (default: a tenth of `timeout`, at most 5 s).
+        exit_code: Status this process exits with when the watchdog fires.
+        logger: Where the message goes (it is also written to stderr).
+        on_timeout: Called with the message instead of exiting (tests, embedding); the thread then stops.
+    """
+
+    def __init__(
+        self,
+        progress: Callable[[], tuple[bool, Any]],
+        where: Callable[[], tuple[str, int]],
+        timeout: float,
+        *,
+        interval: float | None = None,
+        exit_code: int = 124,
+        logger: logging.Logger | None = None,
+        on_timeout: Callable[[str], Any] | None = None,
+    ) -> None:
+        check_times(timeout, interval)
+        self.progress, self.where = progress, where
+        self.timeout = float(timeout)
+        self.interval = float(interval) if interval is not None else min(self.timeout / 10, 5.0)
+        self.exit_code = exit_code
+        self.logger = logger or logging.getLogger("danling.runners")
+        self.on_timeout = on_timeout
+        self._last: tuple[bool, Any] | None = None
+        self._moved_at = 0.0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Start the thread (idempotent)."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="danling-watchdog", daemon=True)
+            self._thread.start()
+
+    def close(self) -> None:
+        """Stop the thread."""
+        self._stop.set()
+        thread, self._thread = self._thread, None
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(self.interval + 10.0)
+
+    def check(self, now: float) -> str | None:
+        """Read the progress; return the message to end the run with, or `None` while all is well."""
+        current = self.progress()
+        if current != self._last:
+            self._last, self._moved_at = current, now
+            return None
+        if not current[0] or now - self._moved_at < self.timeout:  # outside loops nothing is expected
+            return None
+        phase, step = self.where()
+        record = {"rank": 0, "host": socket.gethostname(), "pid": os.getpid(), "phase": phase, "step": step}
+        return _verdict([], [record], self.timeout, 0, self.exit_code)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                message = self.check(time.monotonic())
+            except Exception as error:  # a runner torn down under it must not end the process
+                self.logger.debug("watchdog: %r", error)
+                continue
+            if message is not None and not self._stop.is_set():
+                end_run(message, self.exit_code, self.logger, self.on_timeout)
+                return
 
 
 def _handlers(logger: logging.Logger) -> list[logging.Handler]:
@@ -263,7 +368,10 @@ def check_times(timeout: Any, interval: Any = None) -> None:
 
 
 def watch_runner(runner: Any) -> Watchdog | None:
-    """Start the watchdog of a multi-process runner once, as `watchdog.*` says; `None` when off.
+    """Start the watchdog of a runner once, as `watchdog.*` says; the multi-process one, else `None`.
+
+    A single-process runner gets a [`LocalWatchdog`][danling.runners.services.watchdog.LocalWatchdog]
+    (`supervisor.local_watchdog`), which the loops need not tell anything: `None` is returned for it.
 
     Called by the training loop on every rank when it starts (a collective: the ranks agree on a
     token naming this launch's directory, so files left by an earlier launch are never read).
@@ -275,8 +383,11 @@ def watch_runner(runner: Any) -> Watchdog | None:
     if section is None:
         return None
     check_times(section.timeout_seconds, section.interval_seconds)  # also where it would never start
-    if not section.enabled or not runner.distributed:
+    if not section.enabled:
         return None
+    if not runner.distributed:
+        _watch_single_process(runner, section)
+        return None  # the loops report nothing to it: the steps (and the fused pass) stay as they are
     import torch.distributed as dist
 
     root = runner.workspace.heartbeat_dir / "watchdog"
@@ -299,3 +410,53 @@ def watch_runner(runner: Any) -> Watchdog | None:
     watchdog.start()
     supervisor.watchdog = watchdog
     return watchdog
+
+
+# Functions of the main thread's stack that name the phase it is in, checked from the innermost frame out;
+# a training step elsewhere is in "forward" (as the multi-process loops call it until backward starts).
+_PHASE_OF_FUNCTION = {
+    "save_checkpoint": "checkpoint save",
+    "finish_checkpoints": "checkpoint save",
+    "backward": "backward",
+    "optimizer_step": "optimizer step",
+    "step_plain": "optimizer step",
+    "evaluate_step": "evaluation",
+    "__next__": "data loading",
+}
+
+
+def _watch_single_process(runner: Any, section: Any) -> None:
+    """Start the `LocalWatchdog` of a single-process runner once (closed with its supervisor)."""
+    supervisor = runner.supervisor
+    if supervisor.local_watchdog is not None:
+        return
+
+    def progress() -> tuple[bool, Any]:
+        # Counters the loops update anyway: micro-steps and steps in training (the fused pass
+        # too), batches of the pass position, and the loss meter's count (evaluation batches).
+        state, meters = runner.train_state, runner.meters
+        loss = meters["loss"].count if "loss" in meters else None
+        counters = (state.micro_step, state.global_step, runner.loop_state.batch, loss, runner.mode, runner.split)
+        return runner._loop_depth > 0, counters
+
+    def where() -> tuple[str, int]:
+        frame = sys._current_frames().get(threading.main_thread().ident or -1)
+        while frame is not None:
+            phase = _PHASE_OF_FUNCTION.get(frame.f_code.co_name)
+            if phase is not None:
+                break
+            frame = frame.f_back
+        else:
+            phase = "forward" if runner.mode == "train" else "evaluation"  # `RunnerMode` is a str enum
+        return phase, runner.train_state.global_step
+
+    watchdog = LocalWatchdog(
+        progress,
+        where,
+        section.timeout_seconds,
+        interval=section.interval_seconds,
+        exit_code=section.exit_code,
+        logger=runner.logger,
+    )
+    watchdog.start()
+    supervisor.local_watchdog = watchdog
