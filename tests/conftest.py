@@ -2,17 +2,25 @@
 
 A module that leaves a default process group or launcher variables behind changes what the next
 module in the same xdist worker sees (a one-rank group left by in-process DeepSpeed runners made
-`dist.is_initialized()` true for the process-group tests that ran after them). Each module is
+`dist.is_initialized()` true for the process-group tests that ran after them): each module is
 checked when it ends, so a leak fails where it happens, not in whichever test runs next.
+
+Stop-signal handlers are put back instead of checked: a runner keeps its handlers until `close`,
+and one that ended in a graceful stop ignores SIGTERM/SIGINT while its process leaves (by design,
+see `RunnerSupervisor.restore_signal_handlers`). Tests that build runners without closing them, or
+that catch that stop's `SystemExit`, would otherwise hand an ignored SIGTERM to every child process
+the next tests start, whose SIGTERMs then did nothing.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 
 import pytest
 
 _LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 def _process_state() -> dict:
@@ -24,8 +32,10 @@ def _process_state() -> dict:
 
 @pytest.fixture(scope="module", autouse=True)
 def _module_leaves_no_process_state(request):
-    before = _process_state()
+    before, handlers = _process_state(), {sig: signal.getsignal(sig) for sig in _STOP_SIGNALS}
     yield
+    for sig, handler in handlers.items():
+        signal.signal(sig, handler)
     after = _process_state()
     changed = {key: (before[key], after[key]) for key in before if before[key] != after[key]}
     if changed:
