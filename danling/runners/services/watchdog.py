@@ -45,7 +45,59 @@ __all__ = ["PHASES", "LocalWatchdog", "Watchdog"]
 PHASES = ("data loading", "forward", "backward", "optimizer step", "checkpoint save", "evaluation", "idle")
 
 
-class Watchdog:
+class _WatchThread:
+    """What both watchdogs share: their limits, a daemon thread that looks every `interval` seconds,
+    and the ending ([`end_run`][danling.runners.services.watchdog.end_run]) when a look finds a hang."""
+
+    # Errors a look may meet without ending the process (logged at DEBUG, the next look tries again).
+    _TOLERATED: tuple[type[BaseException], ...] = (OSError,)
+
+    def _limits(
+        self,
+        timeout: float,
+        interval: float | None,
+        exit_code: int,
+        logger: logging.Logger | None,
+        on_timeout: Callable[[str], Any] | None,
+    ) -> None:
+        check_times(timeout, interval)
+        self.timeout = float(timeout)
+        self.interval = float(interval) if interval is not None else min(self.timeout / 10, 5.0)
+        self.exit_code = exit_code
+        self.logger = logger or logging.getLogger("danling.runners")
+        self.on_timeout = on_timeout
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _start_thread(self, name: str) -> None:
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def _stop_thread(self) -> None:
+        self._stop.set()
+        thread, self._thread = self._thread, None
+        if thread is not None and thread is not threading.current_thread():
+            # A look under way when the stop came must finish first (a beat being written would
+            # otherwise land after its file is removed); on a loaded machine that can take a while.
+            thread.join(self.interval + 10.0)
+
+    def _look(self, now: float) -> str | None:
+        """One look: the message to end the run with, or `None` while all is well."""
+        raise NotImplementedError
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                message = self._look(time.monotonic())
+            except self._TOLERATED as error:  # a full or vanished directory, a runner torn down under it
+                self.logger.debug("watchdog: %r", error)
+                continue
+            if message is not None and not self._stop.is_set():
+                end_run(message, self.exit_code, self.logger, self.on_timeout)
+                return
+
+
+class Watchdog(_WatchThread):
     """Heartbeat thread of one rank that ends the run when a rank stops making progress.
 
     Args:
@@ -76,19 +128,12 @@ class Watchdog:
         logger: logging.Logger | None = None,
         on_timeout: Callable[[str], Any] | None = None,
     ) -> None:
-        check_times(timeout, interval)
+        self._limits(timeout, interval, exit_code, logger, on_timeout)
         self.directory = Path(directory)
         self.rank, self.world_size = rank, world_size
-        self.timeout = float(timeout)
-        self.interval = float(interval) if interval is not None else min(self.timeout / 10, 5.0)
-        self.exit_code = exit_code
-        self.logger = logger or logging.getLogger("danling.runners")
-        self.on_timeout = on_timeout
         self.phase, self.step, self.progress, self.active = "idle", 0, 0, False
         self._beat = 0
         self._seen: dict[int, _Seen] = {}
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
 
     # main thread ------------------------------------------------------------------------------
 
@@ -103,17 +148,11 @@ class Watchdog:
             return
         self.directory.mkdir(parents=True, exist_ok=True)
         self._publish()
-        self._thread = threading.Thread(target=self._run, name=f"danling-watchdog-{self.rank}", daemon=True)
-        self._thread.start()
+        self._start_thread(f"danling-watchdog-{self.rank}")
 
     def close(self) -> None:
         """Stop the thread and remove this rank's file, so peers do not take its silence for a hang."""
-        self._stop.set()
-        thread, self._thread = self._thread, None
-        if thread is not None and thread is not threading.current_thread():
-            # A beat being written when the stop came must land before the file is removed, or
-            # it would recreate it; on a loaded machine that can take longer than one interval.
-            thread.join(self.interval + 10.0)
+        self._stop_thread()  # a beat being written lands before the file is removed (it would recreate it)
         with contextlib.suppress(OSError):
             self.file.unlink(missing_ok=True)  # peers take a vanished file for a closed rank
             self.directory.rmdir()  # the last rank to leave removes the launch's directory
@@ -126,17 +165,9 @@ class Watchdog:
 
     # watchdog thread --------------------------------------------------------------------------
 
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval):
-            try:
-                self._publish()
-                message = self.check(time.monotonic())
-            except OSError as error:  # a full or vanished directory must not kill the run
-                self.logger.debug("watchdog: %s", error)
-                continue
-            if message is not None and not self._stop.is_set():
-                self._fire(message)
-                return
+    def _look(self, now: float) -> str | None:
+        self._publish()
+        return self.check(now)
 
     def _publish(self) -> None:
         if self._stop.is_set() and self._thread is None:  # closed: its file is gone for good
@@ -188,9 +219,6 @@ class Watchdog:
         seen.record = record
         return seen
 
-    def _fire(self, message: str) -> None:
-        end_run(message, self.exit_code, self.logger, self.on_timeout)
-
 
 def end_run(
     message: str, exit_code: int, logger: logging.Logger, on_timeout: Callable[[str], Any] | None = None
@@ -227,7 +255,7 @@ def _main_thread_stack() -> str:
     return f"main thread when the watchdog fired (most recent call last):\n{stack}"
 
 
-class LocalWatchdog:
+class LocalWatchdog(_WatchThread):
     """Hang watchdog of a single-process run: ends the run when its progress counters stop moving.
 
     A thread reads `progress()` every `interval` seconds; the loops are told nothing, so the steps
@@ -259,30 +287,19 @@ class LocalWatchdog:
         logger: logging.Logger | None = None,
         on_timeout: Callable[[str], Any] | None = None,
     ) -> None:
-        check_times(timeout, interval)
+        self._limits(timeout, interval, exit_code, logger, on_timeout)
         self.progress, self.where = progress, where
-        self.timeout = float(timeout)
-        self.interval = float(interval) if interval is not None else min(self.timeout / 10, 5.0)
-        self.exit_code = exit_code
-        self.logger = logger or logging.getLogger("danling.runners")
-        self.on_timeout = on_timeout
         self._last: tuple[bool, Any] | None = None
         self._moved_at = 0.0
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
 
     def start(self) -> None:
         """Start the thread (idempotent)."""
         if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="danling-watchdog", daemon=True)
-            self._thread.start()
+            self._start_thread("danling-watchdog")
 
     def close(self) -> None:
         """Stop the thread."""
-        self._stop.set()
-        thread, self._thread = self._thread, None
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(self.interval + 10.0)
+        self._stop_thread()
 
     def check(self, now: float) -> str | None:
         """Read the progress; return the message to end the run with, or `None` while all is well."""
@@ -296,16 +313,10 @@ class LocalWatchdog:
         record = {"rank": 0, "host": socket.gethostname(), "pid": os.getpid(), "phase": phase, "step": step}
         return _verdict([], [record], self.timeout, 0, self.exit_code)
 
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval):
-            try:
-                message = self.check(time.monotonic())
-            except Exception as error:  # a runner torn down under it must not end the process
-                self.logger.debug("watchdog: %r", error)
-                continue
-            if message is not None and not self._stop.is_set():
-                end_run(message, self.exit_code, self.logger, self.on_timeout)
-                return
+    _TOLERATED = (Exception,)  # a runner torn down under it must not end the process
+
+    def _look(self, now: float) -> str | None:
+        return self.check(now)
 
 
 def _handlers(logger: logging.Logger) -> list[logging.Handler]:
