@@ -34,6 +34,7 @@ import sys
 import threading
 import time
 import traceback
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -45,7 +46,7 @@ __all__ = ["PHASES", "LocalWatchdog", "Watchdog"]
 PHASES = ("data loading", "forward", "backward", "optimizer step", "checkpoint save", "evaluation", "idle")
 
 
-class _WatchThread:
+class _WatchThread(ABC):
     """What both watchdogs share: their limits, a daemon thread that looks every `interval` seconds,
     and the ending ([`end_run`][danling.runners.services.watchdog.end_run]) when a look finds a hang."""
 
@@ -81,9 +82,9 @@ class _WatchThread:
             # otherwise land after its file is removed); on a loaded machine that can take a while.
             thread.join(self.interval + 10.0)
 
+    @abstractmethod
     def _look(self, now: float) -> str | None:
         """One look: the message to end the run with, or `None` while all is well."""
-        raise NotImplementedError
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
