@@ -474,6 +474,18 @@ class BaseRunner(CheckpointMixin, ResultsMixin, ObservabilityMixin, LoopMixin, P
             workspace.restore_print()
             workspace.close()
 
+    # ==== loop surface: thin delegations to the loop component ====
+    # (keep this marker; add this component's public names right below it)
+
+    # ==== checkpoint surface: thin delegations to the checkpoint component ====
+    # (keep this marker; add this component's public names right below it)
+
+    # ==== results surface: thin delegations to the results component ====
+    # (keep this marker; add this component's public names right below it)
+
+    # ==== observability surface: thin delegations to the observability component ====
+    # (keep this marker; add this component's public names right below it)
+
     def __enter__(self) -> BaseRunner:
         return self
 

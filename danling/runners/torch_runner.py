@@ -434,6 +434,15 @@ class TorchRunner(TorchCheckpointMixin, TorchBatchMixin, TorchDataMixin, TorchIn
             splits=[configured] if configured else ["val", "validate", "validation", *self.evaluate_splits],
         )
 
+    # ==== torch loop surface ====
+    # (keep this marker; add this area's public names right below it)
+
+    # ==== torch checkpoint surface ====
+    # (keep this marker; add this area's public names right below it)
+
+    # ==== torch data and insight surface ====
+    # (keep this marker; add this area's public names right below it)
+
     # ------------------------------------------------------------------ misc
     def unwrap(self, model: Any) -> Any:
         """The plain module inside DDP / `torch.compile` wrappers (the averaged module for an `EMA`)."""
