@@ -1,54 +1,19 @@
 """Private helpers of `danling.runners.config`: config files and typed command-line arguments."""
 
 import ast
-import json
-import os
 import sys
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from types import UnionType
 from typing import Any, NoReturn, Union, get_args, get_origin
 
-from chanfig import Config, ConfigParser, NestedDict
+from chanfig import Config, ConfigParser
 from chanfig.utils import get_cached_annotations
 
-from ._config_refs import load_yaml
+from ._config_refs import merge_config_files
 from ._config_utils import peek, unknown_dotted_key
 
 _NoneType = type(None)
-
-
-def read_config_file(path: str | bytes | os.PathLike) -> Mapping:
-    """Load a YAML/JSON/TOML config file as a mapping, with errors that name the file."""
-    name = os.fsdecode(path)
-    full = os.path.expanduser(name)
-    if not os.path.isfile(full):
-        raise FileNotFoundError(f"config file {name!r} does not exist")
-    suffix = os.path.splitext(full)[1].lower()
-    if suffix not in (".yaml", ".yml", ".json", ".toml"):
-        raise ValueError(f"config file {name!r} must end in .yaml, .yml, .json or .toml, got {suffix or 'no suffix'!r}")
-    try:
-        data = load_yaml(full) if suffix in (".yaml", ".yml") else _load_plain(full, suffix)
-    except Exception as exc:  # parser errors carry the line/column; keep them and name the file
-        raise ValueError(f"cannot read config file {name!r}: {exc}") from exc
-    if data is None:
-        return {}
-    if not isinstance(data, Mapping):
-        raise ValueError(f"config file {name!r} must hold a mapping at the top level, got {type(data).__name__}")
-    return data
-
-
-def _load_plain(path: str, suffix: str) -> Any:
-    """A JSON or TOML file as plain Python values (chanfig's loader turns an empty JSON list into a mapping)."""
-    if suffix == ".json":
-        with open(path, encoding="utf-8") as handle:
-            return json.load(handle)
-    try:
-        import tomllib
-    except ImportError:  # Python 3.10: chanfig's reader
-        return NestedDict.load(path)
-    with open(path, "rb") as handle:
-        return tomllib.load(handle)
 
 
 def split_file_options(args: list[str], option: str) -> tuple[list[str], list[str]]:
@@ -242,8 +207,6 @@ def prepare_arguments(
     Returns the remaining arguments and the per-split dataloader / open-section keys, which chanfig
     would report as unrecognized. An unknown key stops at `parser.error`.
     """
-    from ._config_refs import merge_config_files
-
     files: list[str] = []
     if default_config is not None:
         args, files = split_file_options(args, default_config)

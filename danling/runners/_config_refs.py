@@ -10,12 +10,14 @@ resolved to, are remembered on the config and substituted back when the run's re
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from collections.abc import Mapping
 from typing import Any
 
 import yaml
+from chanfig import NestedDict
 from chanfig.io import YamlLoader
 
 __all__ = [
@@ -72,8 +74,6 @@ class _ConfigLoader(YamlLoader):
             raise FileNotFoundError(f"included file not found: {path}")
         if os.path.splitext(path)[1].lower() in (".yaml", ".yml"):
             return load_yaml(path)
-        from chanfig import NestedDict
-
         return NestedDict.load(path)
 
 
@@ -171,7 +171,6 @@ def merge_config_files(config: Any, files: list[str]) -> tuple:
 
     Returns an empty tuple (what is left to merge), so a constructor can chain it.
     """
-    from ._config_cli import read_config_file
     from ._config_values import ConfigValueError
 
     references = dict(config.getattr("references", None) or {})
@@ -235,3 +234,36 @@ def references_yaml(config: Any, plain: Mapping[str, Any]) -> str | None:
     if not (getattr(config, "__dict__", {}).get("references")):
         return None
     return yaml.dump(with_references(config, plain, as_text=False), Dumper=_ReferenceDumper, sort_keys=False)
+
+
+def read_config_file(path: str | bytes | os.PathLike) -> Mapping:
+    """Load a YAML/JSON/TOML config file as a mapping, with errors that name the file."""
+    name = os.fsdecode(path)
+    full = os.path.expanduser(name)
+    if not os.path.isfile(full):
+        raise FileNotFoundError(f"config file {name!r} does not exist")
+    suffix = os.path.splitext(full)[1].lower()
+    if suffix not in (".yaml", ".yml", ".json", ".toml"):
+        raise ValueError(f"config file {name!r} must end in .yaml, .yml, .json or .toml, got {suffix or 'no suffix'!r}")
+    try:
+        data = load_yaml(full) if suffix in (".yaml", ".yml") else _load_plain(full, suffix)
+    except Exception as exc:  # parser errors carry the line/column; keep them and name the file
+        raise ValueError(f"cannot read config file {name!r}: {exc}") from exc
+    if data is None:
+        return {}
+    if not isinstance(data, Mapping):
+        raise ValueError(f"config file {name!r} must hold a mapping at the top level, got {type(data).__name__}")
+    return data
+
+
+def _load_plain(path: str, suffix: str) -> Any:
+    """A JSON or TOML file as plain Python values (chanfig's loader turns an empty JSON list into a mapping)."""
+    if suffix == ".json":
+        with open(path, encoding="utf-8") as handle:
+            return json.load(handle)
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10: chanfig's reader
+        return NestedDict.load(path)
+    with open(path, "rb") as handle:
+        return tomllib.load(handle)
