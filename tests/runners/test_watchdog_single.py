@@ -21,6 +21,7 @@ from tests.runners._torch_toy import TinyRunner, tiny_config
 
 REPO = Path(__file__).resolve().parents[2]
 LINE = "watchdog (rank 0): no progress for {t:g} s from 1 rank(s): rank 0 ("
+_KILLERS: dict[subprocess.Popen, threading.Timer] = {}  # cancelled by _finish: no timer outlives its test
 
 
 def _start(root: Path, how: str, timeout: float) -> tuple[subprocess.Popen, int]:
@@ -41,9 +42,11 @@ def _start(root: Path, how: str, timeout: float) -> tuple[subprocess.Popen, int]
     killer = threading.Timer(120, proc.kill)
     killer.daemon = True
     killer.start()
+    _KILLERS[proc] = killer
     line = proc.stdout.readline()  # blocks until the step is entered (or the child dies)
     if not line.startswith("inside-step"):
         proc.kill()
+        _KILLERS.pop(proc).cancel()
         raise AssertionError(f"the child never reached the step: {line!r} {proc.communicate()[1][-3000:]}")
     return proc, int(line.split()[1])
 
@@ -65,6 +68,9 @@ def _finish(proc: subprocess.Popen, seconds: float) -> str:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+        killer = _KILLERS.pop(proc, None)
+        if killer is not None:
+            killer.cancel()
 
 
 @pytest.mark.parametrize("how", ["python", "c"])
