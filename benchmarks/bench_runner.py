@@ -245,7 +245,7 @@ def runner_options(ablate: bool) -> dict[str, dict[str, bool]]:
 def runner_variant(root: str, workload: str, options: dict[str, bool]) -> dl.TorchRunner:
     runner = quiet(BenchRunner(runner_config(root, workload, torch_loaders=options.get("torch_loaders", False))))
     if not options.get("files", True):
-        runner.save_result = lambda r=runner: r.trackers.log({}, step=0)
+        runner._save_result = lambda r=runner: r.trackers.log({}, step=0)
     if options.get("plain"):
         runner.metrics = PlainAccuracy()
     return runner

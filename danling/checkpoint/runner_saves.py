@@ -61,7 +61,7 @@ class RunnerSaves:
         metadata = {"epoch": state.epoch, "global_step": state.global_step, "run_id": runner.id}
         score = runner.checkpoint_score()
         if score is not None:  # what `save_top_k` retention ranks by
-            metadata.update(score=score, score_mode="min" if runner.lower_is_better else "max")
+            metadata.update(score=score, score_mode="min" if runner.bookkeeping.lower_is_better else "max")
         payload = runner.checkpoint_payload(last_step=last_step)
         return self.save(  # type: ignore[attr-defined]
             payload, checkpoint_name, aliases=tuple(dict.fromkeys(aliases)), metadata=metadata

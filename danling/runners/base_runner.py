@@ -5,7 +5,8 @@ services every backend shares (workspace, logging, trackers, checkpoint manager,
 Loops live in [`loops`][danling.runners.loop.loops], budgets and split selection in
 [`progress`][danling.runners.loop.budget], result bookkeeping in [`results`][danling.runners.services.results]
 and the checkpoint API in [`checkpointing`][danling.runners.checkpointing.api]; `BaseRunner` mixes
-them together.
+the loop and checkpoint layers in and delegates result bookkeeping to its
+[`RunnerResults`][danling.runners.services.results.RunnerResults] (`runner.bookkeeping`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+import sys
 import time
 import warnings
 from collections.abc import Mapping
@@ -30,9 +32,12 @@ from danling.utils.io import save as save_file
 
 from .checkpointing import CheckpointMixin
 from .config import RunnerConfig
-from .loop import EventBus, Events, LoopMixin, LoopState, ProgressMixin
-from .services import ObservabilityMixin, ResultsMixin, RunnerSupervisor, RunnerWorkspace, Trackers
+from .loop import EventBus, Events, LogContext, LoopMixin, LoopState, ProgressMixin, StepContext
+from .services import RunnerResults, RunnerSupervisor, RunnerWorkspace, Trackers
 from .services.errors import report_errors_briefly
+from .services.observability import RunStatus, Throughput, is_train_step_log
+from .services.progress_bar import ProgressBar
+from .services.tracking import TRACKERS, TrackerSetup, tensorboard_tracker, wandb_tracker
 from .state import RunnerElasticState, RunnerRNGState, RunnerState, RunnerTrainState
 
 __all__ = ["BaseRunner", "MetaRunner"]
@@ -65,7 +70,7 @@ class MetaRunner(type):
         return instance
 
 
-class BaseRunner(CheckpointMixin, ResultsMixin, ObservabilityMixin, LoopMixin, ProgressMixin, metaclass=MetaRunner):
+class BaseRunner(CheckpointMixin, LoopMixin, ProgressMixin, metaclass=MetaRunner):
     """Backend-free runner: lifecycle, bookkeeping, checkpoint API and loop skeletons.
 
     Construction runs in this order (concrete runners customise it through the hooks, never by
@@ -81,8 +86,10 @@ class BaseRunner(CheckpointMixin, ResultsMixin, ObservabilityMixin, LoopMixin, P
     4. `set_seed(bias=False)`: every rank starts from the same seed, so the model the subclass
        `__init__` builds is the same on every rank and in every layout; then `set_deterministic`
        when `config.deterministic` is set.
-    5. `init_logging`, `init_trackers` (TensorBoard, W&B, CSV, MLflow as configured), stdout routing for
-       non-main ranks, `init_signal_handlers`, `init_heartbeat`.
+    5. The run log, the trackers of the [tracker registry][danling.runners.services.tracking]
+       (TensorBoard through `init_tensorboard`, W&B through `init_wandb`, then CSV, MLflow and any
+       registered tracker, as configured), stdout routing for non-main ranks,
+       `init_signal_handlers`, `init_heartbeat`.
     6. The subclass `__init__` finishes (it typically binds `model`, `datasets`, ...).
     7. [`MetaRunner`][danling.runners.base_runner.MetaRunner] calls `__post_init__`, which
        offsets the seed by the data rank (`set_seed()`: what must differ between ranks, such as
@@ -95,12 +102,18 @@ class BaseRunner(CheckpointMixin, ResultsMixin, ObservabilityMixin, LoopMixin, P
             `rng_state` are shortcuts into it).
         datasets: Datasets keyed by split name.
         dataloaders: Iterables of batches keyed by split name; the loops read these.
-        results: One row per round (epoch index or global step) mapping split to metrics.
+        results: One row per round (epoch index or global step) mapping split to metrics
+            (`bookkeeping.rows`).
+        bookkeeping: The [`RunnerResults`][danling.runners.services.results.RunnerResults] holding
+            the rows: model selection, early stopping, result files and result formatting.
         meters: [`AverageMeters`][danling.metrics.AverageMeters] of the step losses of the split being run.
         checkpoint_manager: Where checkpoints are written and read.
         workspace: Run directory, logging and metadata.
         supervisor: Signal handling, heartbeat and GC pacing.
-        trackers: TensorBoard / W&B fan-out (empty when neither is enabled).
+        trackers: The [`Trackers`][danling.runners.services.trackers.Trackers] fan-out every logged value
+            goes to; `runner.trackers.append(MyTracker())` adds one.
+        throughput: The [`Throughput`][danling.runners.services.observability.Throughput] of the
+            training step logs (`runner.throughput.count_tokens(n)` adds tokens per second).
         ft: Fault-tolerance runtime handle (`None` unless a backend provides one).
         timestamp: Wall-clock start of the run, `YYYYmmdd-HHMMSS`.
 
@@ -129,7 +142,7 @@ class BaseRunner(CheckpointMixin, ResultsMixin, ObservabilityMixin, LoopMixin, P
     metrics: Any = None
 
     def __init__(self, config: RunnerConfig | Mapping[str, Any]) -> None:
-        report_errors_briefly(None)  # an error ending the script is one line; init_logging names the run log
+        report_errors_briefly(None)  # an error ending the script is one line; _init_logging names the run log
         RunnerConfig.check_runner(config, type(self))  # refuse stacks/features this class does not implement
         self.config = self._normalize_config(config)
         self._resolve_auto_stack()
@@ -148,8 +161,8 @@ class BaseRunner(CheckpointMixin, ResultsMixin, ObservabilityMixin, LoopMixin, P
         self.set_seed(bias=False)
         if self.config.get("deterministic"):
             self.set_deterministic()
-        self.init_logging()
-        self.init_trackers()
+        self._init_logging()
+        self._init_trackers()
         self.workspace.route_print()
         self.init_signal_handlers()
         self.init_heartbeat()
@@ -211,12 +224,13 @@ class BaseRunner(CheckpointMixin, ResultsMixin, ObservabilityMixin, LoopMixin, P
             self.datasets = FlatDict()
         if "dataloaders" not in self.__dict__:
             self.dataloaders = FlatDict()
-        self.results = RoundDict()
+        self.bookkeeping = RunnerResults(self.config, evaluate_splits=lambda: self.evaluate_splits)
         self.events = EventBus()
         self.events.subscribe(Events.LOG, self._forward_to_trackers)
         self.loop_state = LoopState()
         self.meters = AverageMeters()
         self.trackers = Trackers()
+        self.throughput = Throughput(lambda: self.train_state.global_step).attach(self.events)
         self.ft = None
         self.checkpoint_manager = self._build_file_checkpoint_manager()
         self.supervisor = self._build_supervisor(gc_interval=None)  # GC pacing: init_garbage_collection
@@ -440,14 +454,14 @@ class BaseRunner(CheckpointMixin, ResultsMixin, ObservabilityMixin, LoopMixin, P
         self._closing = True
         drained = True
         manager = self.__dict__.get("checkpoint_manager")
-        writer = self.__dict__.get("_results_writer")
+        book = self.__dict__.get("bookkeeping")
         try:
             if manager is not None:
                 drained = manager.close(timeout)
         finally:
             try:
-                if writer is not None:
-                    writer.close(timeout)
+                if book is not None:
+                    book.close(timeout)
             finally:
                 if first:  # trackers, handlers, stdout and logs: released once, on the first call
                     self._release_components()
@@ -482,9 +496,219 @@ class BaseRunner(CheckpointMixin, ResultsMixin, ObservabilityMixin, LoopMixin, P
 
     # ==== results surface: thin delegations to the results component ====
     # (keep this marker; add this component's public names right below it)
+    @property
+    def results(self) -> RoundDict:
+        """The result rows: row index (epoch index, or global step in step mode) to `{split: metrics}`."""
+        return self.bookkeeping.rows
+
+    @results.setter
+    def results(self, rows: RoundDict) -> None:
+        self.bookkeeping.rows = rows
+
+    @property
+    def score_split(self) -> str | None:
+        """Split whose metric picks the best row; None when there is none to select on.
+
+        `config.score_split` when set, else a validation split chosen from the rows; see
+        [`RunnerResults.score_split`][danling.runners.services.results.RunnerResults.score_split].
+        """
+        return self.bookkeeping.score_split
+
+    @property
+    def scores(self) -> FlatDict | None:
+        """Row index to score, for rows that carry the score metric; `None` when no score split resolves."""
+        return self.bookkeeping.scores
+
+    @property
+    def best_index(self) -> int:
+        """Index of the best row (the latest one on ties); 0 when nothing is scored yet."""
+        return self.bookkeeping.best_index
+
+    @property
+    def best_result(self) -> RoundDict | None:
+        """Copy of the best row with its `index` added, or `None` when nothing is scored."""
+        return self.bookkeeping.best_result
+
+    @property
+    def best_score(self) -> float | None:
+        """Best score seen so far, or `None` when nothing is scored."""
+        return self.bookkeeping.best_score
+
+    @property
+    def latest_result(self) -> RoundDict | None:
+        """Copy of the newest row with its `index` added, or `None` before the first row."""
+        return self.bookkeeping.latest_result
+
+    @property
+    def latest_score(self) -> float | None:
+        """Score of the newest row, or `None` when it has no score."""
+        return self.bookkeeping.latest_score
+
+    @property
+    def is_best(self) -> bool:
+        """Whether the newest row is the best one (ties go to the latest row).
+
+        See [`RunnerResults.is_best`][danling.runners.services.results.RunnerResults.is_best].
+        """
+        return self.bookkeeping.is_best
+
+    @property
+    def patience(self) -> int | float:
+        """Evaluations without improvement tolerated before early stop (`config.patience`, default inf)."""
+        return self.bookkeeping.patience
+
+    def _append_result(self, result: Mapping[str, Any], index: int | None = None) -> None:
+        """Store `result` as the row at `index` (default: the global step in step mode, else the epoch)
+        and remember which training state it scored (`best` may only go to a checkpoint of that state)."""
+        self.bookkeeping.append(result, self._row_index() if index is None else index)
+        self._scored_progress = self._progress_marker()
+
+    def _save_result(self) -> None:
+        """Send the newest row to the trackers (every process, at the global step) and, on the main
+        process, write the result files of the run directory (see `RunnerResults.write_files`)."""
+        book = self.bookkeeping
+        if not book.rows:
+            return
+        index = next(reversed(book.rows))
+        row = book.plain_row(index)
+        # Trackers share one x-axis, the global step: step logs already use it and W&B drops any
+        # log whose step is lower than one it has seen, which epoch indices always are.
+        self.log_values(row if self.is_step_mode else {**row, "epoch": index})
+        if self.is_main_process:
+            book.write_files(self.workspace.path, {"id": self.workspace.id, "timestamp": self.timestamp})
+
+    def _check_selection(self, evaluate_splits: list[str]) -> None:
+        """Before training: refuse a `patience` that cannot act; warn when no best checkpoint is selected."""
+        self.bookkeeping.check_selection(
+            evaluate_splits, evaluate_interval=self.evaluate_interval if self.is_step_mode else None
+        )
+
+    def _row_index(self) -> int:
+        """Row index for the current progress: the global step in step mode, else the epoch."""
+        return self.train_state.global_step if self.is_step_mode else self.train_state.epoch
 
     # ==== observability surface: thin delegations to the observability component ====
     # (keep this marker; add this component's public names right below it)
+    def init_garbage_collection(self) -> None:
+        """Pace Python's garbage collector by global steps when `gc.interval` is set.
+
+        Called when: once during construction, after `init_fault_tolerance` (step 3).
+        Holds on entry: config, workspace and the default supervisor (no GC pacing) are bound.
+        Side effects: with `gc.interval`, replaces `supervisor` by one that collects every
+            `gc.interval` global steps (and, with `gc.disable_automatic`, turns automatic GC off until `close`).
+        Overrides must not: drop the supervisor (signals and heartbeats go through it).
+        """
+        interval = self.config.gc.interval
+        if interval is not None:
+            self.supervisor = self._build_supervisor(gc_interval=interval)
+
+    def init_heartbeat(self) -> None:
+        """Point the supervisor at `<run dir>/<heartbeat.dir_name>` when `heartbeat.enabled`.
+
+        Called when: once during construction, last of step 5 (after `init_signal_handlers`).
+        Holds on entry: workspace, supervisor, event bus and logging are set up; no model yet.
+        Side effects: with `heartbeat.enabled`, writes `heartbeat-rank{rank}.json` now and at most
+            every `heartbeat.interval_seconds` after each step.
+        Overrides must not: beat from a thread of their own (the file says the loop advances).
+        """
+        heartbeat = self.config.heartbeat
+        if heartbeat.enabled:
+            self.supervisor.heartbeat_dir = self.workspace.heartbeat_dir
+            self.supervisor.heartbeat_interval = heartbeat.interval_seconds
+            self.supervisor.beat(self.train_state.global_step, self.train_state.epoch, "init", force=True)
+            self.events.subscribe(Events.STEP_END, self._beat)
+
+    def init_signal_handlers(self) -> None:
+        """Turn SIGTERM/SIGINT into a graceful stop request.
+
+        Called when: once during construction, in step 5 after the trackers.
+        Holds on entry: the supervisor is bound.
+        Side effects: installs process-wide handlers; the loops poll the request after every step,
+            then save a `shutdown` checkpoint, close the runner and exit with 128 + the signal
+            number. `close` restores the previous handlers.
+        Overrides must not: install handlers that `close` cannot restore.
+        """
+        self.supervisor.install_signal_handlers()
+
+    def init_tensorboard(self, *args: Any, **kwargs: Any) -> None:
+        """Send every logged value to TensorBoard under `<run dir>/tensorboard` (main process only).
+
+        Called when: once during construction, first of the trackers, when `config.tensorboard` is set.
+        Holds on entry: the workspace and logging are set up; `self.trackers` may be empty.
+        Side effects: appends a [`TensorBoardTracker`][danling.runners.services.trackers.TensorBoardTracker]
+            (`log_dir` and other arguments go to it) to `self.trackers`.
+        Overrides must not: append on other ranks than the main process (every rank would write).
+        """
+        if self.is_main_process:
+            self.trackers.append(tensorboard_tracker(self._tracker_setup(), *args, **kwargs))
+
+    def init_wandb(self, *args: Any, **kwargs: Any) -> None:
+        """Send every logged value to a W&B run (main process only).
+
+        Called when: once during construction, after TensorBoard, when `wandb.enabled` is set.
+        Holds on entry: the workspace and logging are set up.
+        Side effects: appends a [`WandbTracker`][danling.runners.services.trackers.WandbTracker]; project,
+            group and name default to the lineage, experiment and run id, `wandb.*` keys and keyword
+            arguments override them, and the W&B run id is kept in `<run dir>/wandb-run-id` so a run
+            resumed in its directory continues the same W&B run.
+        Overrides must not: start W&B on other ranks than the main process.
+        """
+        if self.is_main_process:
+            self.trackers.append(wandb_tracker(self._tracker_setup(), *args, **kwargs))
+
+    def _tracker_setup(self) -> TrackerSetup:
+        return TrackerSetup(self.config, self.workspace)
+
+    def _init_logging(self) -> None:
+        """Attach the run's logger: console on the main process, plus `run.log` when `config.log` is set."""
+        self.logger = self.workspace.setup_logging()
+        # an error ending the script: one line on stderr, its traceback in the run log (DANLING_DEBUG prints it)
+        keeps_log = self.config.log or not self.is_main_process
+        report_errors_briefly(self.workspace.log_file if keeps_log else None)
+        self.supervisor.logger = self.logger
+        self.checkpoint_manager.logger = self.logger
+        self.bookkeeping.logger = self.logger
+        if self.is_main_process and sys.stdout.isatty():
+            ProgressBar().attach(self.events)
+
+    def _init_trackers(self) -> None:
+        """Build the registered trackers the config enables, in registration order (main process only);
+        `tensorboard` and `wandb` go through their hooks. Also keeps `<run dir>/status.json` current."""
+        hooks = {"tensorboard": self.init_tensorboard, "wandb": self.init_wandb}
+        for name, entry in list(TRACKERS.items()):
+            if not entry.enabled(self.config):
+                continue
+            if name in hooks:
+                hooks[name]()
+            elif self.is_main_process:
+                self.trackers.append(entry.build(self._tracker_setup()))
+        self.events.subscribe(Events.CHECKPOINT_LOADED, self._resume_trackers)
+        if self.is_main_process:
+            progress = lambda: (self.train_state.global_step, self.train_state.epoch)  # noqa: E731
+            RunStatus(self.workspace.path / "status.json", progress).attach(self.events)
+
+    def _beat(self, context: StepContext) -> None:
+        self.supervisor.beat(context.global_step, self.train_state.epoch, context.split)
+
+    def _forward_to_trackers(self, context: LogContext) -> None:
+        if len(self.trackers):
+            values = dict(context.values)
+            if is_train_step_log(values):
+                container = getattr(getattr(self, "update", None), "container", None)
+                batch = self.config.dataloader.batch_size
+                values.update(
+                    self.throughput.rates(
+                        context.step,
+                        optimizer=self.optimizer,
+                        grad_norm=getattr(container, "last_grad_norm", None),
+                        samples_per_step=batch * self.accum_steps if batch else None,
+                    )
+                )
+            self.trackers.log(values, step=context.step)
+
+    def _resume_trackers(self, context: Any) -> None:
+        # The curves continue from the checkpoint's step: later points of the earlier run are dropped.
+        self.trackers.resume_at(self.train_state.global_step)
 
     def __enter__(self) -> BaseRunner:
         return self

@@ -14,7 +14,7 @@ The rules:
   its manifest;
 - `best` names the checkpoint of the best result row among all rows stored in that checkpoint,
   scored as the run scores them (`score_split`, `score_name`, `score_mode`); on ties the
-  latest row wins, as in [`best_index`][danling.runners.services.results.ResultsMixin.best_index].
+  latest row wins, as in [`best_index`][danling.runners.services.results.RunnerResults.best_index].
   When that row's checkpoint does not exist (cadence, retention) `best` is left as it is;
 - the result files are rewritten from those rows when they are missing, unreadable or differ;
 - hidden `*.tmp` files of interrupted writes in the run directory and the staging directories
@@ -34,25 +34,16 @@ from typing import Any
 
 from danling.checkpoint.layout import POINTER_SUFFIX, follow_pointer, recover_directory, scan_checkpoints, write_pointer
 from danling.checkpoint.manifest import CheckpointError, verify_directory
-from danling.utils import RoundDict, save
+from danling.utils import save
 
 from .config import RunnerConfig, recorded_config
-from .services.results import ResultsMixin
+from .services.results import RunnerResults
 from .services.run_lock import RunDirectoryLockedError, live_lock_holder
 
 __all__ = ["reconcile_run", "reconcile_on_start", "newest_valid_checkpoint"]
 
 _HISTORY = re.compile(r"^(epoch|step|iter)-\d+$")
 _RESULT_FILES = ("results.json", "latest.json", "best.json")
-
-
-class _Rows(ResultsMixin):
-    """The result rows of a checkpoint, scored with the run's own selection rules."""
-
-    def __init__(self, config: RunnerConfig, rows: Mapping[Any, Any]) -> None:
-        self.config = config
-        self.results = RoundDict({int(index): RoundDict(row) for index, row in rows.items()})
-        self.evaluate_splits: list[str] = []
 
 
 def _read_json(path: Path) -> Any:
@@ -167,10 +158,10 @@ def _plain(value: Any) -> Any:
 
 
 def _rewrite_results(
-    run_dir: Path, rows: _Rows, best: int | None, header: dict[str, Any], logger: logging.Logger
+    run_dir: Path, rows: RunnerResults, best: int | None, header: dict[str, Any], logger: logging.Logger
 ) -> list[str]:
     """Rewrite each result file whose content differs from what `rows` says."""
-    plain = {index: _plain(dict(row)) for index, row in rows.results.items()}
+    plain = {index: _plain(dict(row)) for index, row in rows.rows.items()}
     last = next(reversed(plain))
     wanted = {"results.json": {**header, "results": {str(i): row for i, row in plain.items()}}}
     wanted["latest.json"] = {**header, "index": last, **plain[last]}
@@ -249,7 +240,7 @@ def reconcile_run(
         return report
     if not isinstance(config, RunnerConfig):
         config = recorded_config(config if config is not None else saved_config or stored_config or {})
-    rows = _Rows(config, results)
+    rows = RunnerResults(config, results)  # scored with the run's own selection rules
     best = rows.best_index if rows.scores else None
     if best is not None:
         target = checkpoint_dir / f"{'epoch' if config.get('epochs') is not None else 'step'}-{best:06d}"

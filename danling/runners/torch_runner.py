@@ -3,7 +3,10 @@
 The class assembles construction, component building and the update strategy (this module), the
 default batch contract ([`TorchBatchMixin`][danling.runners.torch_batch.TorchBatchMixin]) and checkpoint
 payloads ([`TorchCheckpointMixin`][danling.runners.checkpointing.torch_state.TorchCheckpointMixin]) on top of the
-backend-free [`BaseRunner`][danling.runners.base_runner.BaseRunner].
+backend-free [`BaseRunner`][danling.runners.base_runner.BaseRunner]. Loaders come from
+[`torch_data`][danling.runners.torch_data], the start-of-run summary from
+[`torch_insight`][danling.runners.torch_insight] and the step profiler from
+[`StepProfiler`][danling.runners.services.profiling.StepProfiler].
 """
 
 from __future__ import annotations
@@ -18,8 +21,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils.data import IterableDataset
 
 from danling.checkpoint.manifest import verification_scope
+from danling.data import build_dataloader, resolve_loader_options
 from danling.distributed import (
     broadcast_object,
     init_process_group_from_env,
@@ -35,9 +40,10 @@ from .checkpointing.api import OPTIONAL_RANK_LOCAL_KEYS, RANK_LOCAL_KEYS
 from .loop.events import Events
 from .runner import register_runner
 from .services import Compiler
+from .services.profiling import StepProfiler
 from .torch_batch import TorchBatchMixin
-from .torch_data import TorchDataMixin
-from .torch_insight import TorchInsightMixin
+from .torch_data import build_sampler, epoch_budget, why_no_steps
+from .torch_insight import format_run_summary, run_summary
 from .update import EMA, GradientAccumulator, OptimizerContainer, Precision, TorchUpdateStrategy, gradient_sync_for
 from .update.scheduling import advance_round_scheduler
 from .update.spikes import guard_options
@@ -45,7 +51,7 @@ from .update.spikes import guard_options
 __all__ = ["TorchRunner"]
 
 
-class TorchRunner(TorchCheckpointMixin, TorchBatchMixin, TorchDataMixin, TorchInsightMixin, BaseRunner):
+class TorchRunner(TorchCheckpointMixin, TorchBatchMixin, BaseRunner):
     """PyTorch runner for training, evaluation and inference, in one process or under DDP.
 
     Subclass it and, in `__init__` after `super().__init__(config)`, bind `self.model` (required),
@@ -109,6 +115,7 @@ class TorchRunner(TorchCheckpointMixin, TorchBatchMixin, TorchDataMixin, TorchIn
     _train_timeout_applied: bool = False
     _owns_process_group: bool = False
     _deterministic_before: tuple | None = None
+    _profiler: StepProfiler | None = None
 
     def __post_init__(self) -> None:
         """Materialize the model, build optimizer, scheduler and dataloaders, then restore and record metadata."""
@@ -121,7 +128,7 @@ class TorchRunner(TorchCheckpointMixin, TorchBatchMixin, TorchDataMixin, TorchIn
         self.update.bind(self.optimizer, self.scheduler, self.scheduler_interval)
         if self.datasets:
             self.build_dataloaders()
-        self.init_profiler()
+        self._init_profiler()
         super().__post_init__()
         if not self.__dict__.get("_restored", False):  # resume / auto_resume / pretrained
             with verification_scope():  # finding, checking and reading a checkpoint hash its files once
@@ -430,7 +437,7 @@ class TorchRunner(TorchCheckpointMixin, TorchBatchMixin, TorchDataMixin, TorchIn
             self.scheduler_interval,
             result,
             monitor=self.scheduler_monitor,
-            score_name=self.score_name,
+            score_name=self.bookkeeping.score_name,
             splits=[configured] if configured else ["val", "validate", "validation", *self.evaluate_splits],
         )
 
@@ -442,6 +449,141 @@ class TorchRunner(TorchCheckpointMixin, TorchBatchMixin, TorchDataMixin, TorchIn
 
     # ==== torch data and insight surface ====
     # (keep this marker; add this area's public names right below it)
+    def build_dataloaders(self) -> None:
+        """Wrap every dataset in `self.datasets` without a dataloader yet in a resumable `StatefulDataLoader`.
+
+        Called when: once by `__post_init__`, after `build_scheduler`, when datasets are bound.
+        Holds on entry: the model is materialized, the topology is built and `self.datasets` is filled.
+        Side effects: fills `self.dataloaders[split]` for every dataset without a loader; options come
+            from `config.dataloader` with `config.dataloader.<split>` overrides (train splits shuffle
+            and drop the last partial batch unless configured otherwise), samplers from
+            `build_datasampler`, batches are collated with `self.collate_fn`.
+        Overrides must not: replace loaders already in `self.dataloaders` (the user bound them), or
+            shard by the global rank instead of the data domain (ranks that read the same batch
+            must get the same shard).
+        """
+        config = self._loader_config()
+        train_splits = set(self.train_splits)
+        topology = self.topology
+        for split, dataset in self.datasets.items():
+            if split in self.dataloaders:
+                continue
+            is_train = split in train_splits
+            sampler = None
+            if not isinstance(dataset, IterableDataset):
+                shuffle = resolve_loader_options(config, split, is_train=is_train)["shuffle"]
+                sampler = self.build_datasampler(dataset, split=split, shuffle=shuffle)
+            self.dataloaders[split] = build_dataloader(
+                dataset,
+                split=split,
+                config=config,
+                distributed=topology.size("data") > 1,
+                rank=topology.rank("data"),
+                world_size=topology.size("data"),
+                seed=self._data_seed,
+                is_train=is_train,
+                collate_fn=self.collate_fn,
+                sampler=sampler,
+            )
+
+    def build_datasampler(self, dataset: Any, *, split: str, shuffle: bool) -> Any:
+        """The index sampler of one split: a [`ResumableSampler`][danling.data.ResumableSampler].
+
+        Called when: by `build_dataloaders` once per map-style dataset, and while the scheduler's
+            run length is estimated (with `shuffle=False`, only its length is read).
+        Holds on entry: the topology is built; `config.seed` is set.
+        Side effects: none; returns a sampler sharding over the data domain (a `DistributedSampler`
+            over its ranks, or a local random or sequential sampler), whose order depends only on
+            `(seed, epoch)` and whose position is saved with the loader, so a resumed run continues mid-epoch.
+        Overrides must not: return a sampler whose length differs between the two calls (the
+            scheduler's budget would not match the epochs), or one without a saved position.
+        """
+        topology = self.topology  # the data domain: ranks that read the same batch share a shard
+        return build_sampler(
+            dataset,
+            loader_config=self._loader_config(),
+            split=split,
+            is_train=split in self.train_splits,
+            shuffle=shuffle,
+            seed=self._data_seed,
+            num_replicas=topology.size("data"),
+            rank=topology.rank("data"),
+        )
+
+    def _loader_config(self) -> dict[str, Any]:
+        return self.config.dataloader.dict()
+
+    @property
+    def _data_seed(self) -> int:
+        return int(self.config.seed or 0)
+
+    def _sampler_length(self, dataset: Any, split: str) -> int:
+        return len(self.build_datasampler(dataset, split=split, shuffle=False))
+
+    def _total_steps(self) -> int | None:
+        """The optimizer-step budget, estimated from the datasets when the loaders are not built yet."""
+        return epoch_budget(
+            epochs=self.epochs,
+            steps=self.steps,
+            accum_steps=self.accum_steps,
+            train_splits=self.train_splits,
+            datasets=self.datasets,
+            loader_config=self._loader_config(),
+            sampler_length=self._sampler_length,
+        )
+
+    def _why_no_steps(self) -> str | None:
+        """Why `_total_steps` found no step in epoch mode, in words; None when that is not the reason."""
+        return why_no_steps(
+            epochs=self.epochs,
+            steps=self.steps,
+            train_splits=self.train_splits,
+            datasets=self.datasets,
+            loader_config=self._loader_config(),
+            sampler_length=self._sampler_length,
+        )
+
+    def _init_profiler(self) -> None:
+        """Profile a bounded window of training steps when `profiling.enabled` (every rank; see `StepProfiler`)."""
+        profiling = self.config.profiling
+        if not profiling.enabled:
+            return
+        self._profiler = StepProfiler(
+            os.path.join(self.dir, profiling.trace_dir),
+            rank=self.rank,
+            wait=profiling.wait,
+            warmup=profiling.warmup,
+            active=profiling.active,
+            repeat=profiling.repeat,
+            record_shapes=profiling.record_shapes,
+            profile_memory=profiling.profile_memory,
+            with_stack=profiling.with_stack,
+            with_flops=profiling.with_flops,
+            logger=self.logger,
+        ).attach(self.events)
+
+    def _run_summary(self) -> dict[str, Any]:
+        """The [`run_summary`][danling.runners.torch_insight.run_summary] of this run (this rank's
+        pipeline stages when the model is split into stages)."""
+        return run_summary(
+            self.unwrap(self.checkpoint_model) if self.model is not None else None,
+            precision=self.precision,
+            device=self.device,
+            world_size=self.world_size,
+            degrees=self.topology.degrees,
+            epochs=self.epochs,
+            steps=self.steps,
+            optimizer_steps=self._total_steps(),
+            accum_steps=self.accum_steps,
+            run_dir=str(self.dir),
+        )
+
+    def _log_run_summary(self, context: Any) -> None:
+        """One block at the start of the first `train()`, on the main process."""
+        if context.mode != "train" or self.__dict__.get("_summary_logged"):
+            return
+        self._summary_logged = True
+        self.logger.info("%s", format_run_summary(self._run_summary()))
 
     # ------------------------------------------------------------------ misc
     def unwrap(self, model: Any) -> Any:
@@ -458,8 +600,8 @@ class TorchRunner(TorchCheckpointMixin, TorchBatchMixin, TorchDataMixin, TorchIn
         try:
             return super().close(timeout)
         finally:
-            if self.profiler is not None:
-                self.profiler.stop()
+            if self._profiler is not None:
+                self._profiler.stop()
             before = self._deterministic_before
             if before is not None:
                 torch.use_deterministic_algorithms(before[0], warn_only=before[1])

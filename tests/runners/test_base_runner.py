@@ -11,7 +11,7 @@ import signal
 import pytest
 
 from danling.runners import BaseRunner, RunnerConfig, RunnerMode, Tracker
-from danling.runners.services import observability
+from danling.runners.services import trackers as tracker_module
 from danling.utils import RoundDict
 from tests.dist import run_distributed
 from tests.runners._toy import TRAIN, VAL, ToyRunner, toy_config
@@ -47,8 +47,8 @@ class RecordingRunner(ToyRunner):
     def set_deterministic(self):
         self._record("set_deterministic", super().set_deterministic)
 
-    def init_logging(self):
-        self._record("init_logging", super().init_logging)
+    def _init_logging(self):
+        self._record("_init_logging", super()._init_logging)
 
     def init_tensorboard(self, *args, **kwargs):
         self.calls.append("init_tensorboard")
@@ -90,7 +90,7 @@ def test_hook_order(make_runner):
         "init_garbage_collection",
         "set_seed",
         "set_deterministic",
-        "init_logging",
+        "_init_logging",
         "init_tensorboard",
         "init_wandb",
         "init_signal_handlers",
@@ -174,7 +174,7 @@ def test_wandb_tracker_gets_run_identity(make_runner, monkeypatch):
         def __init__(self, **options):
             created.append(options)
 
-    monkeypatch.setattr(observability, "WandbTracker", FakeWandb)
+    monkeypatch.setattr(tracker_module, "WandbTracker", FakeWandb)
     runner = make_runner(**{"wandb.enabled": True, "wandb.tags": "smoke", "wandb.mode": "offline"})
     (options,) = created
     assert options["project"] == runner.workspace.lineage and options["name"] == runner.id
@@ -275,9 +275,9 @@ def test_result_files_are_complete_when_train_returns_and_rows_are_snapshots(mak
     saved = json.loads((runner.workspace.path / "results.json").read_text())
     assert list(saved["results"]) == ["0", "1"]
     # A row replaced after it was written is converted again, not served from a stale snapshot.
-    runner.append_result({"val": {"loss": 123.0}}, index=1)
-    runner.save_result()
-    runner.flush_results()
+    runner.bookkeeping.append({"val": {"loss": 123.0}}, 1)
+    runner._save_result()
+    runner.bookkeeping.flush()
     saved = json.loads((runner.workspace.path / "results.json").read_text())
     assert saved["results"]["1"] == {"val": {"loss": 123.0}}
 
@@ -387,51 +387,51 @@ def test_best_score_bookkeeping(make_runner):
     runner = make_runner()
     assert runner.is_best and runner.latest_result is None and runner.best_result is None
     for index, loss in enumerate([0.5, 0.3, 0.4]):
-        runner.append_result({"train": {"loss": 9.0}, "val": {"loss": loss, "acc": 1 - loss}}, index=index)
+        runner.bookkeeping.append({"train": {"loss": 9.0}, "val": {"loss": loss, "acc": 1 - loss}}, index)
     assert runner.score_split == "val" and runner.scores.dict() == {0: 0.5, 1: 0.3, 2: 0.4}
     assert (runner.best_index, runner.best_score, runner.latest_score) == (1, 0.3, 0.4)
     assert not runner.is_best
     assert runner.latest_result["index"] == 2 and runner.best_result["index"] == 1
     runner.config.score_name = "acc"  # higher is better for non-loss names
     assert runner.best_index == 1 and runner.best_score == pytest.approx(0.7)
-    runner.append_result({"val": {"loss": 0.1, "acc": 0.9}}, index=3)
+    runner.bookkeeping.append({"val": {"loss": 0.1, "acc": 0.9}}, 3)
     assert runner.is_best
 
 
 def test_result_rows_are_copies_and_scores_resolve_plain_and_dotted_names(make_runner):
     runner = make_runner()
     source = {"val": {"loss": 0.5, "acc": 0.5}}
-    runner.append_result(source, index=0)
+    runner.bookkeeping.append(source, 0)
     source["val"]["loss"] = 99.0  # the stored row is a copy
     row = runner.results[0]
     assert type(row) is RoundDict and type(row["val"]) is RoundDict and row.val.loss == 0.5
-    runner.append_result({"val": {"loss": 0.2, "acc": 0.1}}, index=1)
+    runner.bookkeeping.append({"val": {"loss": 0.2, "acc": 0.1}}, 1)
     assert runner.scores.dict() == {0: 0.5, 1: 0.2} and runner.best_index == 1
     runner.config.score_name = "acc"
     assert runner.best_index == 0
     # A dotted score name reads nested metrics through the mapping's own path lookup.
-    runner.append_result({"val": {"head": {"acc": 0.75}}}, index=2)
+    runner.bookkeeping.append({"val": {"head": {"acc": 0.75}}}, 2)
     runner.config.score_name = "head.acc"
     assert runner.scores.dict() == {2: 0.75} and runner.is_best
 
 
 def test_is_best_is_false_without_a_resolvable_score(make_runner):
     runner = make_runner()
-    runner.append_result({"note": "no split metrics"}, index=0)
+    runner.bookkeeping.append({"note": "no split metrics"}, 0)
     assert runner.scores is None and runner.is_best is False
 
 
 def test_format_helpers(make_runner):
     runner = make_runner()
     row = {"train": {"loss": 0.123456}, "val": {"loss": 0.5}}
-    assert runner.format_result(row) == "train: loss: 0.1235\nval: loss: 0.5000"
+    assert runner.bookkeeping.format_result(row) == "train: loss: 0.1235\nval: loss: 0.5000"
     # one line per split, each carrying the epoch, so every line can be found with grep; row 1 of
     # 3 epochs is the second epoch, numbered from 1 as the progress bar numbers it
-    assert runner.format_epoch_result(row, 1).splitlines() == [
+    assert runner.bookkeeping.format_epoch_result(row, 1, runner.epochs).splitlines() == [
         "epoch [2/3] train: loss: 0.1235",
         "epoch [2/3] val: loss: 0.5000",
     ]
-    assert runner.format_step_result({"loss": 0.25}, "train", 3, 10) == "train [3/10]\tloss: 0.2500"
+    assert runner.bookkeeping.format_step_result({"loss": 0.25}, "train", 3, 10) == "train [3/10]\tloss: 0.2500"
 
 
 # ---------------------------------------------------------------------------------- seeding

@@ -33,7 +33,7 @@ def test_tied_scores_pick_the_latest_row_everywhere(tmp_path):
     runner = scripted(tmp_path, losses)
     try:
         runner.train()
-        runner.flush_results()
+        runner.bookkeeping.flush()
         best_file = json.loads((runner.workspace.path / "best.json").read_text())
         assert runner.best_index == 11 and runner.best_result["index"] == 11
         assert best_file["index"] == 11

@@ -16,9 +16,9 @@ def test_profiler_traces_the_configured_window_of_training_steps(tmp_path):
     profiling["profiling.repeat"] = 2
     with TinyRunner(tiny_config(tmp_path, epochs=3, **profiling)) as runner:  # 5 steps per epoch, 15 in all
         runner.train()
-        traces = runner.profiler.traces
-        trace_dir = tmp_path.joinpath(*runner.profiler.trace_dir.relative_to(tmp_path).parts)
-        assert runner.profiler.steps == 8 and runner.profiler._profiler is None  # stopped after 2 cycles
+        traces = runner._profiler.traces
+        trace_dir = tmp_path.joinpath(*runner._profiler.trace_dir.relative_to(tmp_path).parts)
+        assert runner._profiler.steps == 8 and runner._profiler._profiler is None  # stopped after 2 cycles
     assert [path.name for path in traces] == ["rank0-cycle0.pt.trace.json", "rank0-cycle1.pt.trace.json"]
     assert trace_dir == traces[0].parent and trace_dir.name == "profiles" and trace_dir.parent == runner.workspace.dir
     for path, expected in zip(traces, ([2, 3], [6, 7])):  # torch numbers steps from 0: steps 3-4 and 7-8
@@ -32,7 +32,7 @@ def test_profiler_traces_the_configured_window_of_training_steps(tmp_path):
 def test_profiler_is_off_by_default_and_checks_its_window(tmp_path):
     with TinyRunner(tiny_config(tmp_path, epochs=1)) as runner:
         runner.train()
-        assert runner.profiler is None
+        assert runner._profiler is None
     assert not (runner.workspace.dir / "profiles").exists()
     with pytest.raises(ValueError, match=r"profiling.active must be an integer >= 1, got 0"):
         StepProfiler(tmp_path, active=0)
@@ -46,7 +46,7 @@ def test_run_summary_is_logged_once_when_training_starts(tmp_path):
     handler.emit = records.append
     with TinyRunner(tiny_config(tmp_path, epochs=1, precision="bf16", accum_steps=2)) as runner:
         runner.logger.addHandler(handler)
-        summary = runner.run_summary()
+        summary = runner._run_summary()
         runner.train()
         runner.epochs = 2
         runner.train()  # continues: no second summary

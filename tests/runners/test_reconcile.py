@@ -11,7 +11,8 @@ import pytest
 from danling.checkpoint.layout import write_pointer
 from danling.cli import main as cli_main
 from danling.runners import RunnerConfig
-from danling.runners.reconcile import _Rows, reconcile_run
+from danling.runners.reconcile import reconcile_run
+from danling.runners.services import RunnerResults
 from tests.runners._toy import ToyRunner, toy_config
 
 
@@ -94,9 +95,9 @@ def test_reconcile_command(finished_run):
 
 def test_best_ties_go_to_the_latest_row():
     rows = {0: {"val": {"loss": 2.0}}, 1: {"val": {"loss": 1.0}}, 2: {"val": {"loss": 1.0}}, 3: {"val": {"loss": 1.5}}}
-    assert _Rows(RunnerConfig(), rows).best_index == 2
+    assert RunnerResults(RunnerConfig(), rows).best_index == 2
     scored = {0: {"val": {"acc": 0.5}}, 1: {"val": {"acc": 0.9}}, 2: {"val": {"acc": 0.9}}}
-    assert _Rows(RunnerConfig(score_name="acc"), scored).best_index == 2
+    assert RunnerResults(RunnerConfig(score_name="acc"), scored).best_index == 2
 
 
 class FractionRunner(ToyRunner):

@@ -27,7 +27,7 @@ def test_without_a_validation_split_nothing_is_selected_on_test_and_the_run_says
         runner.train()
         assert "test" in runner.results[2] and runner.score_split is None
         assert runner.best_result is None and not runner.is_best
-        runner.flush_results()
+        runner.bookkeeping.flush()
         assert not os.path.exists(os.path.join(runner.workspace.path, "best.json"))
     assert len(_no_best_warnings(caplog)) == 1
 

@@ -30,7 +30,7 @@ def test_default_interval_evaluates_whole_split_a_tenth_of_the_budget_apart(tmp_
         runner = CountingRunner(toy_config(tmp_path, epochs=None, steps=40))
         try:
             runner.train()
-            runner.flush_results()
+            runner.bookkeeping.flush()
             rows = json.loads((runner.workspace.path / "results.json").read_text())["results"]
         finally:
             runner.close()

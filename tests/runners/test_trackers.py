@@ -270,3 +270,43 @@ def test_missing_mlflow_names_the_extra(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "mlflow.tracking", None)
     with pytest.raises(ImportError, match=r"danling\[mlflow\]"):
         MLflowTracker(tmp_path)
+
+
+# ------------------------------------------------------------------------------------ registry
+
+
+class Recording(Tracker):
+    def __init__(self, run_dir):
+        self.run_dir, self.logged, self.closed = run_dir, [], False
+
+    def log(self, result, step):
+        self.logged.append((step, dict(result)))
+
+    def close(self):
+        self.closed = True
+
+
+def test_a_registered_tracker_is_built_by_name_and_a_runner_takes_appended_ones(tmp_path):
+    from danling.runners.services import TRACKERS, register_tracker
+
+    assert list(TRACKERS)[:4] == ["tensorboard", "wandb", "csv", "mlflow"]  # the order a runner builds them
+    with pytest.raises(TypeError, match="register_tracker"):
+        register_tracker("broken", None)
+    register_tracker(
+        "recording", lambda setup: Recording(setup.workspace.dir), enabled=lambda c: c.experiment == "registry"
+    )
+    try:
+        runner = TinyRunner(tiny_config(tmp_path, experiment="registry", epochs=1))
+        other = TinyRunner(tiny_config(tmp_path / "other", epochs=1))
+    finally:
+        del TRACKERS["recording"]
+    built = [tracker for tracker in runner.trackers if isinstance(tracker, Recording)]
+    assert len(built) == 1 and built[0].run_dir == runner.workspace.dir
+    assert not any(isinstance(tracker, Recording) for tracker in other.trackers)
+    appended = Recording(None)
+    runner.trackers.append(appended)
+    runner.train()
+    runner.close()
+    other.close()
+    for tracker in (built[0], appended):
+        assert tracker.closed and any("val/loss" in values for _, values in tracker.logged)

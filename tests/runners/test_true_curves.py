@@ -29,7 +29,7 @@ class RecordingRunner(TinyRunner):
     def train_step(self, data: Any) -> tuple[Any, Any]:
         pred, loss = super().train_step(data)
         self.step_losses[self.train_state.global_step] = loss.item()  # the test may synchronise
-        self.count_tokens(torch.tensor(3))
+        self.throughput.count_tokens(torch.tensor(3))
         if self.stop_at is not None and self.train_state.global_step == self.stop_at:
             self.supervisor.request_stop()
         return pred, loss

@@ -58,11 +58,6 @@ class CheckpointMixin:
     # The newest save's failure until a later save is written; a training loop ending with one fails.
     _save_failure: CheckpointSaveError | None = None
 
-    def append_result(self, result: Mapping[str, Any], index: int | None = None) -> None:
-        """Store a result row (see `ResultsMixin.append_result`) and remember which training state it scored."""
-        super().append_result(result, index)  # type: ignore[misc]
-        self._scored_progress = self._progress_marker()
-
     def _progress_marker(self) -> tuple[int, int]:
         state = self.train_state
         return state.global_step, state.micro_step

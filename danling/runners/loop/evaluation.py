@@ -43,13 +43,13 @@ class EvaluationMixin(PassMixin):
 
     def _store_row(self, row: RoundDict, index: int) -> None:
         """Store, log and write one result row (the file writes are coalesced in the background)."""
-        self.append_result(row, index=index)
+        self._append_result(row, index=index)
         if self.logger.isEnabledFor(logging.INFO):
-            text = self.format_result(row)
+            text = self.bookkeeping.format_result(row)
             if self.is_step_mode:  # one grep-able line per split, like the epoch summary's
                 text = "\n".join(f"step [{index}/{self.steps}] {line}" for line in text.split("\n"))
             self.logger.info(text)
-        self.save_result()
+        self._save_result()
 
     def _plan_periodic_evaluation(self, splits: list[str], budget: int) -> None:
         """Arm the periodic evaluations of a step-mode run and say in the log when they happen."""
@@ -87,7 +87,7 @@ class EvaluationMixin(PassMixin):
         self._store_row(row, global_step)
         round_result.clear()  # the next row holds what is trained after this one
         self._evaluated_step = global_step
-        self._stopping_early = self.should_stop_early()
+        self._stopping_early = self.bookkeeping.should_stop_early()
         self.mode, self.split = mode, split
         self.meters.reset()
         self._start_metrics(mode)

@@ -68,12 +68,12 @@ class LoopMixin(DryRunMixin):
             )
         evaluate_splits = self._resolve_splits(evaluate_splits, self.evaluate_splits, "evaluate")
         self.check_training_budget(train_splits, evaluate_splits)
-        self.check_selection(evaluate_splits)
+        self._check_selection(evaluate_splits)
         if self.dry_run_batches:
             return self.dry_run(train_splits, evaluate_splits)
         if self.budget_spent():  # a resumed run whose budget was not raised
             return self.results
-        if self.should_stop_early():  # a resumed run that stopped early, its patience not raised
+        if self.bookkeeping.should_stop_early():  # a resumed run that stopped early, its patience not raised
             self.logger.info("early stop: already out of patience (%s evaluations); nothing to train", self.patience)
             return self.results
         self.logger.info("training on %s; evaluating on %s", train_splits, evaluate_splits or "nothing")
@@ -113,18 +113,20 @@ class LoopMixin(DryRunMixin):
                         self.loop_state.trained = True
                     result.update(self.evaluate_for_row(evaluate_splits))
                     self.advance_schedulers(result)
-                    self.append_result(result, index=epoch)
+                    self._append_result(result, index=epoch)
                     if self.logger.isEnabledFor(logging.INFO):  # formatting a row costs more than the check
-                        self.logger.info(self.format_epoch_result(result, epoch))
-                    self.save_result()
+                        self.logger.info(self.bookkeeping.format_epoch_result(result, epoch, self.epochs))
+                    self._save_result()
                     self.train_state.epoch = epoch + 1
                     self.loop_state.end_round()
                     context.result = result
-                stop_early = self.should_stop_early()
+                stop_early = self.bookkeeping.should_stop_early()
                 self._watch_phase("checkpoint save")
                 self.save_checkpoint(epochs=epoch, last_step=stop_early or epoch + 1 == self.epochs)
                 if stop_early:
-                    self.logger.info("early stop: no better %s in %s evaluations", self.score_name, self.patience)
+                    self.logger.info(
+                        "early stop: no better %s in %s evaluations", self.config.score_name, self.patience
+                    )
                     self.events.emit(Events.STOP_REQUESTED, StopContext(self, "early stop"))
                     break
         return self.results
@@ -177,7 +179,9 @@ class LoopMixin(DryRunMixin):
                 self._watch_phase("checkpoint save")
                 self.save_checkpoint(last_step=True)
                 if self._stopping_early:
-                    self.logger.info("early stop: no better %s in %s evaluations", self.score_name, self.patience)
+                    self.logger.info(
+                        "early stop: no better %s in %s evaluations", self.config.score_name, self.patience
+                    )
                     self.events.emit(Events.STOP_REQUESTED, StopContext(self, "early stop"))
         finally:
             self._periodic_splits = None
@@ -204,7 +208,7 @@ class LoopMixin(DryRunMixin):
             self.train_state.epoch += 1
             # An epoch-interval scheduler steps once per round; a round whose values all went into a
             # periodic evaluation's row gives a metric scheduler that row instead.
-            self.advance_schedulers(result or self._latest_row() or result)
+            self.advance_schedulers(result or self.bookkeeping.latest_row() or result)
         if self.train_state.global_step == start and not continuing:
             skipped = self.update.skipped_steps - skipped
             why = (
@@ -237,7 +241,7 @@ class LoopMixin(DryRunMixin):
         with self._loop_scope(training=False):
             for split in splits:
                 result[split] = self.evaluate_epoch(split)
-        self.logger.info(self.format_result(result))
+        self.logger.info(self.bookkeeping.format_result(result))
         self.log_values(result.dict())  # at the global step: one x-axis for every tracker log
         return result
 

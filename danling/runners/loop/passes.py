@@ -360,7 +360,7 @@ class PassMixin(StepHooks):
         if training and self.update.skipped_steps:  # every update dropped so far, NaN/inf or spike
             values["skipped"] = self.update.skipped_steps
         if to_log:
-            self.logger.info(self.format_step_result(values, split, iteration, length))
+            self.logger.info(self.bookkeeping.format_step_result(values, split, iteration, length))
         if to_track and values:
             self.log_values({f"{split}_step": values.dict()})
 
@@ -455,7 +455,7 @@ class PassMixin(StepHooks):
                     yield
                     if training:
                         self.finish_checkpoints()  # the run's last checkpoint is on disk before it returns
-                    self.flush_results()  # a finished loop leaves its result files complete on disk
+                    self.bookkeeping.flush()  # a finished loop leaves its result files complete on disk
                 except LossSpike:
                     raise  # not a failure: `train` rolls back and goes on
                 except Exception as error:

@@ -4,27 +4,28 @@ A runner keeps one row per round in [`results`][danling.runners.base_runner.Base
 epoch index in epoch mode and the global step in step mode, and each row maps a split name to
 that split's metrics (``{"train": {"loss": 0.31}, "val": {"loss": 0.35, "acc": 0.91}}``).
 
-[`ResultsMixin`][danling.runners.services.results.ResultsMixin] derives everything else from those rows:
-the split and metric used for model selection, the best row, early stopping, and the three JSON
-files a run directory carries (`results.json`, `latest.json`, `best.json`).
+[`RunnerResults`][danling.runners.services.results.RunnerResults] holds those rows and derives
+everything else from them: the split and metric used for model selection, the best row, early
+stopping, and the three JSON files a run directory carries (`results.json`, `latest.json`,
+`best.json`). A runner keeps one as `runner.bookkeeping`; the reference names (`best_index`,
+`best_result`, `best_score`, `latest_result`, `latest_score`, `is_best`, `scores`, `patience`,
+`score_split`) are thin delegations to it.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import re
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol
 
 from chanfig import FlatDict
 
 from danling.utils import BackgroundWriter, RoundDict
 
-if TYPE_CHECKING:
-    from ..config import RunnerConfig
-
-__all__ = ["ResultsMixin", "format_result", "pick_score_split"]
+__all__ = ["RunnerResults", "SelectionSettings", "format_result", "pick_score_split"]
 
 # Score names matching this pattern are minimised; everything else is maximised.
 _LOWER_IS_BETTER = re.compile(r"loss|err|mse|mae|rmse|perplexity|ppl|nll|wer|cer|distance", re.IGNORECASE)
@@ -59,56 +60,107 @@ def format_result(result: Mapping[str, Any], format_spec: str = ".4f") -> str:
     return "\n".join(lines)
 
 
-class ResultsMixin:
-    """Result rows, model selection and result files; mixed into `BaseRunner`.
+class _ScoreSection(Protocol):
+    min_delta: float
 
-    Expects the host class to provide `config`, `results`, `train_state`, `workspace`,
-    `trackers`, `logger`, `is_main_process`, `is_step_mode` and `evaluate_splits`.
+
+class SelectionSettings(Protocol):
+    """The config keys model selection reads; a [`RunnerConfig`][danling.runners.config.RunnerConfig] has them.
+
+    They are read at every use, so a change to the config (`config.score_name = "acc"`) applies
+    to the next question asked.
     """
 
-    config: RunnerConfig
-    results: RoundDict
+    score_split: str | None
+    score_name: str
+    score_mode: str | None
+    patience: int | float | None
+    score: _ScoreSection
+
+
+class RunnerResults:
+    """Result rows, model selection, early stopping and result files of one run.
+
+    Args:
+        selection: Where `score_split`, `score_name`, `score_mode`, `patience` and `score.min_delta`
+            are read (the run's config).
+        rows: The rows to start from (copied into a fresh `RoundDict`); none by default.
+        evaluate_splits: Returns the run's evaluation splits; the split chosen for selection when
+            `score_split` is unset comes from them (see
+            [`pick_score_split`][danling.runners.services.results.pick_score_split]).
+        logger: Where the one-time warnings go (a missing score metric, a NaN metric).
+
+    Examples:
+        >>> from danling.runners import RunnerConfig
+        >>> results = RunnerResults(RunnerConfig(), evaluate_splits=lambda: ["val"])
+        >>> for index, loss in enumerate([0.5, 0.3, 0.4]):
+        ...     results.append({"val": {"loss": loss}}, index)
+        >>> results.best_index, results.best_score, results.is_best
+        (1, 0.3, False)
+    """
+
+    def __init__(
+        self,
+        selection: SelectionSettings,
+        rows: Mapping[int, Mapping[str, Any]] | None = None,
+        *,
+        evaluate_splits: Callable[[], Sequence[str]] = tuple,
+        logger: logging.Logger | None = None,
+    ) -> None:
+        self.selection = selection
+        self.rows = RoundDict({int(index): RoundDict(row) for index, row in (rows or {}).items()})
+        self.evaluate_splits = evaluate_splits
+        self.logger = logger or logging.getLogger("danling.runners")
+        self._chosen_split: str | None = None
+        self._score_checked = False
+        self._nan_warned: set[tuple[str, str]] = set()
+        self._plain_rows: dict[int, tuple[Any, dict[str, Any]]] = {}
+        self._writer: BackgroundWriter | None = None
 
     # ------------------------------------------------------------------ selection
     @property
     def score_split(self) -> str | None:
         """Split whose metric picks the best row; None when there is none to select on.
 
-        `config.score_split` when set; otherwise chosen once from the latest row (see
+        `score_split` of the config when set; otherwise chosen once from the latest row (see
         [`pick_score_split`][danling.runners.services.results.pick_score_split]: a validation split,
         never a training split or one named `test*`) and kept until that split stops appearing.
         """
-        configured = self.config.get("score_split")
+        configured = self.selection.score_split
         if configured:
             return configured
-        latest = self._latest_row()
+        latest = self.latest_row()
         if latest is None:
             return None
-        cached = self.__dict__.get("_score_split")
+        cached = self._chosen_split
         if cached is not None and cached in latest:
             return cached
         splits = [key for key, value in latest.items() if isinstance(value, Mapping)]
-        self.__dict__["_score_split"] = pick_score_split(splits, self.evaluate_splits)
-        return self.__dict__["_score_split"]
+        self._chosen_split = pick_score_split(splits, list(self.evaluate_splits()))
+        return self._chosen_split
 
-    def check_selection(self, evaluate_splits: list[str]) -> None:
+    def check_selection(self, evaluate_splits: Sequence[str], *, evaluate_interval: int | None = None) -> None:
         """Before training: refuse a `patience` that cannot act, and say once, loudly, when no best
         checkpoint will be selected (no validation split, and no `score_split` configured).
+
+        Args:
+            evaluate_splits: The splits training will evaluate.
+            evaluate_interval: Step mode's steps between evaluations (0: after the last step
+                only); `None` in epoch mode.
 
         Raises:
             ValueError: `patience` is set but nothing is scored, or step mode evaluates only after
                 the last step (`evaluate_interval=0`).
         """
-        configured = self.config.get("score_split")
-        chosen = configured or pick_score_split(evaluate_splits, evaluate_splits)
-        patience = self.config.get("patience")
+        splits = list(evaluate_splits)
+        chosen = self.selection.score_split or pick_score_split(splits, splits)
+        patience = self.selection.patience
         if patience is not None and chosen is None:
             raise ValueError(
                 f"config.patience={patience!r} counts evaluations of a validation split, but none is evaluated "
-                f"(evaluation splits: {list(evaluate_splits)}); add a `val` split, set config.score_split, "
-                "or unset patience"
+                f"(evaluation splits: {splits}); add a `val` split, set config.score_split, or unset patience"
             )
-        if patience is not None and self.is_step_mode and self.evaluate_interval == 0:
+        if patience is not None and evaluate_interval == 0:
             raise ValueError(
                 f"config.patience={patience!r} counts evaluations, but config.evaluate_interval=0 evaluates only "
                 "after the last step; set evaluate_interval to the steps between evaluations"
@@ -118,25 +170,25 @@ class ResultsMixin:
                 "NO BEST CHECKPOINT: no validation split among the evaluation splits %s, so this run selects no "
                 "best checkpoint (no best.json, no `best` alias); a split named test* is never chosen by itself: "
                 "add a `val` split or name one in config.score_split",
-                list(evaluate_splits),
+                splits,
             )
 
     @property
     def score_name(self) -> str:
-        """Metric name used for model selection (`config.score_name`, default `"loss"`)."""
-        return self.config.get("score_name") or "loss"
+        """Metric name used for model selection (`score_name` of the config, default `"loss"`)."""
+        return self.selection.score_name or "loss"
 
     @property
     def lower_is_better(self) -> bool:
         """Whether a smaller score is better.
 
-        `config.score_mode` (`"min"` or `"max"`) decides when set; otherwise names that look like
+        `score_mode` (`"min"` or `"max"`) decides when set; otherwise names that look like
         losses or errors (`loss`, `err`, `mse`, `perplexity`, ...) are minimised.
         """
-        mode = self.config.get("score_mode")
+        mode = self.selection.score_mode
         if mode is not None:
             if mode not in ("min", "max"):
-                raise ValueError(f"score_mode must be 'min' or 'max', got {mode!r}")
+                raise ValueError(f"config.score_mode must be 'min' or 'max', got {mode!r}")
             return mode == "min"
         return bool(_LOWER_IS_BETTER.search(self.score_name))
 
@@ -157,10 +209,10 @@ class ResultsMixin:
     @property
     def latest_result(self) -> RoundDict | None:
         """Copy of the newest row with its `index` added, or `None` before the first row."""
-        if not self.results:
+        if not self.rows:
             return None
-        index = next(reversed(self.results))
-        row = RoundDict(self.results[index])
+        index = next(reversed(self.rows))
+        row = RoundDict(self.rows[index])
         row["index"] = index
         return row
 
@@ -171,7 +223,7 @@ class ResultsMixin:
         if not scores:
             return None
         index = self._best_index(scores)
-        row = RoundDict(self.results[index])
+        row = RoundDict(self.rows[index])
         row["index"] = index
         return row
 
@@ -179,9 +231,9 @@ class ResultsMixin:
     def latest_score(self) -> float | None:
         """Score of the newest row, or `None` when it has no score."""
         scores = self._score_map()
-        if not scores or not self.results:
+        if not scores or not self.rows:
             return None
-        return scores.get(next(reversed(self.results)))
+        return scores.get(next(reversed(self.rows)))
 
     @property
     def best_score(self) -> float | None:
@@ -199,30 +251,30 @@ class ResultsMixin:
         to the best one (up to floating-point tolerance) makes the newest row the best, so
         `best_index`, `best.json` and the `best` checkpoint alias always name the same row.
         """
-        if not self.results:
+        if not self.rows:
             return True
         scores = self._score_map()  # read once: every row is scanned to build it
         if not scores:
             return False
-        latest = next(reversed(self.results))
+        latest = next(reversed(self.rows))
         if latest not in scores or math.isnan(scores[latest]):
             return False
         return self._best_index(scores) == latest
 
     @property
     def patience(self) -> int | float:
-        """Evaluations without improvement tolerated before early stop (`config.patience`, default inf)."""
-        patience = self.config.get("patience")
+        """Evaluations without improvement tolerated before early stop (`patience` of the config, default inf)."""
+        patience = self.selection.patience
         if patience is None:
             return math.inf
         if isinstance(patience, bool) or not isinstance(patience, (int, float)) or patience < 0:
-            raise ValueError(f"patience must be a non-negative number or None, got {patience!r}")
+            raise ValueError(f"config.patience must be a non-negative number or None, got {patience!r}")
         return patience
 
     @property
     def min_delta(self) -> float:
-        """How much a score must beat the best so far to count as an improvement (`config.score.min_delta`)."""
-        return float(self.config.get("score.min_delta") or 0.0)
+        """How much a score must beat the best so far to count as an improvement (`score.min_delta`)."""
+        return float(self.selection.score.min_delta or 0.0)
 
     def should_stop_early(self) -> bool:
         """Whether more than `patience` evaluations passed since the last one that improved the score.
@@ -231,7 +283,7 @@ class ResultsMixin:
         improves when it beats every earlier one by more than `min_delta`; a tie is no improvement,
         so a flat score runs out of patience.
         """
-        if not self.results or math.isinf(self.patience):
+        if not self.rows or math.isinf(self.patience):
             return False
         scores = self._score_map()
         if not scores:
@@ -239,7 +291,7 @@ class ResultsMixin:
         lower, delta = self.lower_is_better, self.min_delta
         sign = 1.0 if lower else -1.0
         best, since = None, 0
-        for index in self.results:
+        for index in self.rows:
             if index not in scores:
                 continue
             score = sign * _comparable(scores[index], lower)
@@ -249,34 +301,34 @@ class ResultsMixin:
                 since += 1
         return since > self.patience
 
-    # ------------------------------------------------------------------ rows and files
-    def append_result(self, result: Mapping[str, Any], index: int | None = None) -> None:
-        """Store `result` as the row at `index`.
+    # ------------------------------------------------------------------ rows
+    def append(self, result: Mapping[str, Any], index: int) -> None:
+        """Store a copy of `result` as the row at `index` (an existing row at `index` is replaced).
 
         Args:
             result: Mapping of split name to that split's metrics (other scalars are allowed).
-            index: Row index; defaults to the global step in step mode and the epoch index in
-                epoch mode. Writing an existing index replaces that row.
+            index: Row index: the epoch index in epoch mode, the global step in step mode.
+
+        Raises:
+            ValueError: `index` is not an int, or the first row with an evaluation split lacks a
+                `score_split`/`score_name` set in the config.
         """
-        if index is None:
-            index = self._row_index()
         if not isinstance(index, int) or isinstance(index, bool):
             raise ValueError(f"result index must be an int, got {index!r}")
-        self.results[index] = RoundDict.from_flat(result)  # a copy; rows of split -> metrics skip chanfig's constructor
-        if not self.__dict__.get("_score_checked"):
-            self._check_score_key(self.results[index])
-        self._warn_nan_metrics(self.results[index])
+        self.rows[index] = RoundDict.from_flat(result)  # a copy; rows of split -> metrics skip chanfig's constructor
+        if not self._score_checked:
+            self._check_score_key(self.rows[index])
+        self._warn_nan_metrics(self.rows[index])
 
     def _warn_nan_metrics(self, row: Mapping[str, Any]) -> None:
         """Log a WARNING the first time a metric of a split is NaN: a metric says NaN for input it cannot
         score (see the metrics docs) rather than raise, and a row of NaN would otherwise pass unnoticed."""
-        warned = self.__dict__.setdefault("_nan_warned", set())
         for split, metrics in row.items():
             if not isinstance(metrics, Mapping):
                 continue
             for name, value in metrics.items():
-                if isinstance(value, float) and value != value and (split, name) not in warned:
-                    warned.add((split, name))
+                if isinstance(value, float) and value != value and (split, name) not in self._nan_warned:
+                    self._nan_warned.add((split, name))
                     self.logger.warning(
                         "metric %r of split %r is NaN: it cannot be scored from this input (multiclass targets "
                         "outside [0, num_classes), binary targets other than 0 and 1, a single class for AUROC, "
@@ -292,9 +344,10 @@ class ResultsMixin:
         in the config raises `ValueError`; the default `"loss"` only warns (a run may not care).
         """
         splits = [key for key, value in row.items() if isinstance(value, Mapping)]
-        if not splits or (self.evaluate_splits and not set(splits) & set(self.evaluate_splits)):
+        evaluate_splits = list(self.evaluate_splits())
+        if not splits or (evaluate_splits and not set(splits) & set(evaluate_splits)):
             return  # a training-only row: evaluation has not happened yet
-        self.__dict__["_score_checked"] = True
+        self._score_checked = True
         split = self.score_split
         if split is None:
             return  # nothing to select on: `check_selection` said so before training
@@ -311,89 +364,69 @@ class ResultsMixin:
             raise ValueError(message)
         self.logger.warning("%s (set score_name to one of them)", message)
 
-    def save_result(self) -> None:
-        """Write the result files for the newest row and send it to the trackers.
+    def plain_row(self, index: int) -> dict[str, Any]:
+        """Row `index` as plain dicts, converted once per stored row object (rows are never mutated
+        in place by the runner; a replaced row is converted again)."""
+        row = self.rows[index]
+        cached = self._plain_rows.get(index)
+        if cached is None or cached[0] is not row:
+            cached = self._plain_rows[index] = (row, _plain_mapping(row))
+        return cached[1]
 
-        On the main process writes `results.json` (every row), `latest.json` (newest row with its
-        index) and, when the newest row is the best, `best.json` into the run directory. Every
-        process forwards the row to the trackers (which are no-ops away from the main process), at
-        the global step; in epoch mode the row also carries its `epoch` index.
+    # ------------------------------------------------------------------ files
+    def write_files(self, directory: str | os.PathLike, header: Mapping[str, Any]) -> None:
+        """Write `results.json` (every row), `latest.json` (the newest row with its index) and, when
+        the newest row is the best, `best.json` into `directory`, each starting with `header`.
 
         The files are written by a helper thread ([`BackgroundWriter`][danling.utils.BackgroundWriter])
-        from a snapshot of the rows, so the loop does not wait for the disk. While a loop runs
-        they may trail the newest row by up to two seconds (rows arriving faster are coalesced
-        into one write); every loop writes them before it returns, and so does `close()`. They
-        are replaced atomically but not fsync'ed: a reader never sees a partial file, and the
-        same rows are stored durably in every checkpoint, so an fsync per file and epoch would
-        buy nothing but latency.
+        from a snapshot of the rows, so the caller does not wait for the disk. They may trail the
+        newest row by up to two seconds (rows arriving faster are coalesced into one write) until
+        [`flush`][danling.runners.services.results.RunnerResults.flush] or `close`. They are
+        replaced atomically but not fsync'ed: a reader never sees a partial file, and a runner
+        stores the same rows durably in every checkpoint, so an fsync per file and epoch would buy
+        nothing but latency.
         """
-        if not self.results:
+        if not self.rows:
             return
-        index = next(reversed(self.results))
-        row = self._plain_row(index)
-        # Trackers share one x-axis, the global step: step logs already use it and W&B drops any
-        # log whose step is lower than one it has seen, which epoch indices always are.
-        self.log_values(row if self.is_step_mode else {**row, "epoch": index})
-        if not self.is_main_process:
-            return
-        header = {"id": self.workspace.id, "timestamp": self.timestamp}
-        results_file, latest_file, best_file = self._result_files()
-        writer = self._result_writer()
-        rows = {key: self._plain_row(key) for key in self.results}
-        writer.submit({**header, "results": rows}, results_file, durable=False)
-        payload = {**header, "index": index, **row}
-        writer.submit(payload, latest_file, durable=False)
+        index = next(reversed(self.rows))
+        folder = os.path.abspath(directory)
+        if self._writer is None:
+            self._writer = BackgroundWriter("danling-results", linger=RESULT_FILES_LINGER)
+        rows = {key: self.plain_row(key) for key in self.rows}
+        self._writer.submit({**header, "results": rows}, os.path.join(folder, "results.json"), durable=False)
+        payload = {**header, "index": index, **self.plain_row(index)}
+        self._writer.submit(payload, os.path.join(folder, "latest.json"), durable=False)
         if self.is_best:
-            writer.submit(payload, best_file, durable=False)
+            self._writer.submit(payload, os.path.join(folder, "best.json"), durable=False)
 
-    def flush_results(self, timeout: float | None = None) -> None:
-        """Wait until the result files submitted by `save_result` are written.
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait until the result files submitted by `write_files` are written.
 
         Raises:
             OSError: Writing a result file failed.
         """
-        writer = self.__dict__.get("_results_writer")
-        if writer is not None:
-            writer.flush(timeout)
+        if self._writer is not None:
+            self._writer.flush(timeout)
 
-    def _result_files(self) -> tuple[str, str, str]:
-        """Paths of `results.json`, `latest.json` and `best.json` in the run directory, taken once
-        per runner like the other files of the run (the writer creates the directory if needed)."""
-        cached = self.__dict__.get("_result_file_paths")
-        if cached is None:
-            directory = os.path.abspath(self.workspace.path)
-            names = ("results.json", "latest.json", "best.json")
-            cached = self.__dict__["_result_file_paths"] = tuple(os.path.join(directory, n) for n in names)
-        return cached
+    def close(self, timeout: float | None = None) -> None:
+        """Write what is pending (waiting up to `timeout`) and stop the writer thread."""
+        if self._writer is not None:
+            self._writer.close(timeout)
 
-    def _result_writer(self) -> BackgroundWriter:
-        writer = self.__dict__.get("_results_writer")
-        if writer is None:
-            writer = self.__dict__["_results_writer"] = BackgroundWriter("danling-results", linger=RESULT_FILES_LINGER)
-        return writer
-
-    def _plain_row(self, index: int) -> dict[str, Any]:
-        """Row `index` as plain dicts, converted once per stored row object (rows are never mutated
-        in place by the runner; a replaced row is converted again)."""
-        row = self.results[index]
-        cache = self.__dict__.setdefault("_plain_rows", {})
-        cached = cache.get(index)
-        if cached is None or cached[0] is not row:
-            cached = cache[index] = (row, _plain_mapping(row))
-        return cached[1]
-
+    # ------------------------------------------------------------------ text
     def format_result(self, result: Mapping[str, Any], format_spec: str = ".4f") -> str:
         """Render `result` as text; see [`format_result`][danling.runners.services.results.format_result]."""
         return format_result(result, format_spec)
 
-    def format_epoch_result(self, result: Mapping[str, Any], epoch: int | None = None, format_spec: str = ".4f") -> str:
+    def format_epoch_result(
+        self, result: Mapping[str, Any], epoch: int, epochs: int | None, format_spec: str = ".4f"
+    ) -> str:
         """Render a finished epoch's row as one line per split, each starting with `epoch [i/n]`.
 
-        `epoch` is the row index (from 0); the line counts from 1, as the progress bar does, so
-        the last epoch of 5 is `epoch [5/5]` everywhere.
+        `epoch` is the row index (from 0) and `epochs` the budget; the line counts from 1, as the
+        progress bar does, so the last epoch of 5 is `epoch [5/5]` everywhere.
         """
-        epoch = self.train_state.epoch if epoch is None else epoch
-        total = "?" if self.epochs is None else self.epochs
+        total = "?" if epochs is None else epochs
         lines = format_result(result, format_spec).split("\n")
         return "\n".join(f"epoch [{epoch + 1}/{total}] {line}" for line in lines)
 
@@ -404,6 +437,7 @@ class ResultsMixin:
         total = "?" if length is None else length
         return f"{split} [{iteration}/{total}]\t{format(RoundDict(result), format_spec)}"
 
+    # ------------------------------------------------------------------ scores
     def _score_map(self) -> dict[int, float] | None:
         """Plain `{row index: score}` behind `scores` (`None` when no score split resolves)."""
         split = self.score_split
@@ -413,7 +447,7 @@ class ResultsMixin:
         # Rows are dicts (RoundDicts): plain keys are read with dict.get, a few microseconds less
         # than chanfig's path-resolving get, for every row at every epoch. Dotted keys go through it.
         plain = "." not in split and "." not in name
-        for index, row in self.results.items():
+        for index, row in self.rows.items():
             metrics = dict.get(row, split) if plain and isinstance(row, dict) else row.get(split)
             if isinstance(metrics, Mapping):
                 value = dict.get(metrics, name) if plain and isinstance(metrics, dict) else metrics.get(name)
@@ -433,12 +467,9 @@ class ResultsMixin:
         best = min(sign * _comparable(score, lower) for score in scores.values())
         return max(index for index, score in scores.items() if _ties(sign * _comparable(score, lower), best))
 
-    def _row_index(self) -> int:
-        """Row index for the current progress: the global step in step mode, else the epoch."""
-        return self.train_state.global_step if self.is_step_mode else self.train_state.epoch
-
-    def _latest_row(self) -> Mapping | None:
-        return self.results[next(reversed(self.results))] if self.results else None
+    def latest_row(self) -> Mapping | None:
+        """The newest row as stored (no `index` added), or `None` before the first row."""
+        return self.rows[next(reversed(self.rows))] if self.rows else None
 
 
 def pick_score_split(splits: list[str], evaluate_splits: list[str]) -> str | None:

@@ -1,4 +1,4 @@
-"""Experiment trackers: every result the runner writes also goes to TensorBoard and/or W&B.
+"""Experiment trackers: every value the runner logs also goes to TensorBoard, W&B, CSV, MLflow or your own.
 
 Trackers receive nested result mappings (`{"train": {"loss": tensor(0.3)}, "val": {...}}`) and a
 step. [`flatten_result`][danling.runners.services.trackers.flatten_result] turns them into
@@ -65,10 +65,15 @@ def flatten_result(result: Mapping[str, Any], sep: str = "/") -> dict[str, float
 
 
 class Tracker:
-    """A destination for results. The base class accepts everything and does nothing.
+    """A destination for logged values: the plug-in a runner's `trackers` list holds.
 
-    Subclasses implement `log` (called once per written result, with the global step) and
-    `close` (flush and release files or network handles).
+    The base class accepts everything and does nothing. A tracker implements `log(result, step)`
+    (called at log steps and result rows, never per batch, with a flat `{"val/acc": 0.91}` mapping
+    of floats and the global step; steps never go back and never repeat for a name) and `close()`
+    (flush and release files or network handles); `resume_at(step)` is optional. The run's config,
+    where a backend records it, is given when the tracker is built. Add one to a runner with
+    `runner.trackers.append(MyTracker())`, or to every runner with
+    [`register_tracker`][danling.runners.services.tracking.register_tracker].
     """
 
     def log(self, result: Mapping[str, Any], step: int) -> None:

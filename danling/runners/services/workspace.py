@@ -25,6 +25,7 @@ from typing import Any
 from danling.checkpoint.manifest import CheckpointError
 
 from .._config_refs import references_yaml, with_references
+from ..config import RunnerConfig, recorded_config
 from .git_info import git_info, git_short_hash
 from .run_dirs import atomic_write as _atomic_write
 from .run_dirs import choose_run_dir, launch_record, record_launch, set_aside_failed_launch
@@ -36,17 +37,12 @@ LOGGER_NAME = "danling"
 LOG_FORMAT = "%(asctime)s | %(levelname)-7s | rank %(rank)s | %(name)s | %(message)s"
 LOG_DATE_FORMAT = "%Y-%m-%d %H:%M:%S"
 
-_UNSET = object()
 _pristine_level: int | None = None  # level of the "danling" logger before any workspace touched it
 
 
-def _get(config: Any, dotted: str, default: Any = None) -> Any:
-    node = config
-    for part in dotted.split("."):
-        if not isinstance(node, Mapping) or part not in node:
-            return default
-        node = node[part]
-    return default if node is None else node
+def _or(value: Any, default: Any) -> Any:
+    """`value`, or `default` when it is unset (None)."""
+    return default if value is None else value
 
 
 # -------------------------------------------------------------------------------------- logging
@@ -167,12 +163,16 @@ class RunnerWorkspace:
             raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
             raise ValueError(f"rank must be an integer in [0, {world_size}), got {rank!r}")
-        self.config = config
+        if not isinstance(config, RunnerConfig):
+            if not isinstance(config, Mapping):
+                raise TypeError(f"config must be a RunnerConfig or a mapping, got {type(config).__name__}")
+            config = recorded_config(config)  # a plain mapping is read through the same typed sections
+        self.config: RunnerConfig = config
         self.rank = rank
         self.world_size = world_size
         self.start_time = start_time or datetime.now(timezone.utc)
         self._code_dir = code_dir
-        self._config_id = _config_id(config)
+        self._config_id = config.config_id
         self._token = object()  # marks the log handlers this workspace installed
         self._handlers: list[logging.Handler] = []
         self._stdout: Any = None
@@ -186,9 +186,9 @@ class RunnerWorkspace:
         # A launch that died before its first checkpoint left its files here: they go to `failed/`
         # before this run opens its log or records, so the two runs' rows never mix.
         self.failed_launch: Path | None = None
-        if self.is_main_process and not _get(self.config, "dry_run"):
+        if self.is_main_process and not self.config.dry_run:
             self.failed_launch = set_aside_failed_launch(
-                self._path, str(_get(self.config, "checkpoint.dir_name", "checkpoints"))
+                self._path, str(_or(self.config.checkpoint.dir_name, "checkpoints"))
             )
 
     # -------------------------------------------------------------------------------- identity
@@ -200,17 +200,17 @@ class RunnerWorkspace:
     @property
     def root(self) -> Path:
         """`config.workspace_root` (user home expanded)."""
-        return Path(os.path.expanduser(os.fspath(_get(self.config, "workspace_root", "experiments"))))
+        return Path(os.path.expanduser(os.fspath(_or(self.config.workspace_root, "experiments"))))
 
     @property
     def lineage(self) -> str:
         """`config.lineage`, `"lin"` when unset."""
-        return str(_get(self.config, "lineage", "lin"))
+        return str(_or(self.config.lineage, "lin"))
 
     @property
     def experiment(self) -> str:
         """`config.experiment`, `"exp"` when unset."""
-        return str(_get(self.config, "experiment", "exp"))
+        return str(_or(self.config.experiment, "exp"))
 
     @cached_property
     def code_id(self) -> str | None:
@@ -231,22 +231,22 @@ class RunnerWorkspace:
     @property
     def base_path(self) -> Path:
         """`<root>/<lineage>/<experiment>-<id>`: the first version of this experiment's run directory."""
-        suffix = "-dry-run" if _get(self.config, "dry_run") else ""  # never the real run's history
+        suffix = "-dry-run" if self.config.dry_run else ""  # never the real run's history
         return self.root / self.lineage / f"{self.experiment}-{self.id}{suffix}"
 
     def _choose_path(self) -> Path:
         base = self.base_path
-        if _get(self.config, "dry_run"):
+        if self.config.dry_run:
             return base  # a dry run replaces the previous dry run
-        dir_name = str(_get(self.config, "checkpoint.dir_name", "checkpoints"))
+        dir_name = str(_or(self.config.checkpoint.dir_name, "checkpoints"))
         path = choose_run_dir(
             base,
             dir_name=dir_name,
-            auto_resume=bool(_get(self.config, "auto_resume")),
-            resume=_get(self.config, "resume"),
+            auto_resume=bool(self.config.auto_resume),
+            resume=self.config.resume,
             refused=self.refused,
         )
-        if self.refused and _get(self.config, "checkpoint.unverifiable") == "stop":  # before anything is written
+        if self.refused and self.config.checkpoint.unverifiable == "stop":  # before anything is written
             run_dir, reasons = next(iter(self.refused.items()))
             raise CheckpointError(
                 f"auto_resume: no checkpoint in {Path(run_dir) / dir_name} verifies (refused: "
@@ -275,7 +275,7 @@ class RunnerWorkspace:
             try:
                 path.mkdir(parents=True, exist_ok=True)
             except OSError as err:  # the root is a file, read-only, on a full disk, ...
-                root = _get(self.config, "workspace_root")
+                root = self.config.workspace_root
                 raise OSError(
                     err.errno,
                     f"cannot create the run directory {path} ({os.strerror(err.errno) if err.errno else err}): "
@@ -286,12 +286,12 @@ class RunnerWorkspace:
     @property
     def checkpoint_dir(self) -> Path:
         """`<run dir>/<checkpoint.dir_name>` (not created here)."""
-        return self.path / str(_get(self.config, "checkpoint.dir_name", "checkpoints"))
+        return self.path / str(_or(self.config.checkpoint.dir_name, "checkpoints"))
 
     @property
     def heartbeat_dir(self) -> Path:
         """`<run dir>/<heartbeat.dir_name>` (not created here)."""
-        return self.path / str(_get(self.config, "heartbeat.dir_name", "heartbeats"))
+        return self.path / str(_or(self.config.heartbeat.dir_name, "heartbeats"))
 
     @property
     def log_file(self) -> Path:
@@ -395,7 +395,7 @@ class RunnerWorkspace:
         if self.is_main_process:
             if not _root_logs_to_console():
                 handlers.append((_StderrHandler(), level))
-            if _get(self.config, "log", True):
+            if _or(self.config.log, True):
                 handlers.append((_LazyFileHandler(self.log_file), level))
         else:
             handlers.append((_LazyFileHandler(self.log_file), max(level, logging.WARNING)))
@@ -482,17 +482,6 @@ class RunnerWorkspace:
 
 
 # ------------------------------------------------------------------------------------- helpers
-
-
-def _config_id(config: Any) -> str:
-    config_id = getattr(config, "config_id", _UNSET)
-    if isinstance(config_id, str):
-        return config_id
-    if not isinstance(config, Mapping):
-        raise TypeError(f"config must be a RunnerConfig or a mapping, got {type(config).__name__}")
-    from ..config import recorded_config
-
-    return recorded_config(config).config_id
 
 
 def _plain(config: Any) -> Any:
