@@ -15,9 +15,10 @@ import os
 import random
 import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import suppress
-from typing import Any
+from pathlib import Path
+from typing import Any, NoReturn
 
 import numpy as np
 from chanfig import FlatDict
@@ -30,7 +31,7 @@ from danling.utils.io import save as save_file
 
 from .checkpointing import CheckpointMixin
 from .config import RunnerConfig
-from .loop import EventBus, Events, LoopMixin, LoopState, ProgressMixin
+from .loop import EventBus, Events, LogContext, Loop, LoopState, ProgressMixin, StepHooks
 from .services import ObservabilityMixin, ResultsMixin, RunnerSupervisor, RunnerWorkspace, Trackers
 from .services.errors import report_errors_briefly
 from .state import RunnerElasticState, RunnerRNGState, RunnerState, RunnerTrainState
@@ -65,7 +66,7 @@ class MetaRunner(type):
         return instance
 
 
-class BaseRunner(CheckpointMixin, ResultsMixin, ObservabilityMixin, LoopMixin, ProgressMixin, metaclass=MetaRunner):
+class BaseRunner(CheckpointMixin, ResultsMixin, ObservabilityMixin, StepHooks, ProgressMixin, metaclass=MetaRunner):
     """Backend-free runner: lifecycle, bookkeeping, checkpoint API and loop skeletons.
 
     Construction runs in this order (concrete runners customise it through the hooks, never by
@@ -100,6 +101,8 @@ class BaseRunner(CheckpointMixin, ResultsMixin, ObservabilityMixin, LoopMixin, P
         checkpoint_manager: Where checkpoints are written and read.
         workspace: Run directory, logging and metadata.
         supervisor: Signal handling, heartbeat and GC pacing.
+        loop: The [`Loop`][danling.runners.loop.loops.Loop] running the training, evaluation and
+            inference loops; the loop methods below delegate to it.
         trackers: TensorBoard / W&B fan-out (empty when neither is enabled).
         ft: Fault-tolerance runtime handle (`None` unless a backend provides one).
         timestamp: Wall-clock start of the run, `YYYYmmdd-HHMMSS`.
@@ -215,6 +218,7 @@ class BaseRunner(CheckpointMixin, ResultsMixin, ObservabilityMixin, LoopMixin, P
         self.events = EventBus()
         self.events.subscribe(Events.LOG, self._forward_to_trackers)
         self.loop_state = LoopState()
+        self.loop = Loop(self, self.events)
         self.meters = AverageMeters()
         self.trackers = Trackers()
         self.ft = None
@@ -476,6 +480,133 @@ class BaseRunner(CheckpointMixin, ResultsMixin, ObservabilityMixin, LoopMixin, P
 
     # ==== loop surface: thin delegations to the loop component ====
     # (keep this marker; add this component's public names right below it)
+    # The split of the pass under way (or the last one); the loops set it when a pass opens.
+    split: str | None = None
+
+    def train(
+        self, train_splits: Sequence[str] | None = None, evaluate_splits: Sequence[str] | None = None
+    ) -> RoundDict:
+        """Train until the budget is spent: epoch mode when `epochs` is set, step mode otherwise.
+
+        With `config.dry_run` set, a dry run instead
+        ([`Loop.dry_run`][danling.runners.loop.loops.Loop.dry_run]): a few batches of every split
+        and one checkpoint round trip. With `spikes.policy` set to `"rollback"`, a loss spike
+        reloads the newest checkpoint that verifies and training goes on from there (see
+        [`Loop.roll_back`][danling.runners.loop.loops.Loop.roll_back]).
+
+        Args:
+            train_splits: Splits to train on; defaults to `self.train_splits`.
+            evaluate_splits: Splits to evaluate; defaults to `self.evaluate_splits`.
+
+        Returns:
+            All result rows (`self.results`).
+
+        Raises:
+            ValueError: A requested split has no dataloader, there is no training split, or the
+                budget or data would train nothing
+                (see [`Loop.check_training_budget`][danling.runners.loop.loops.Loop.check_training_budget]).
+            TrainingDivergedError: Non-finite updates or loss spikes came too often (`nonfinite.*`, `spikes.*`).
+        """
+        return self.loop.train(train_splits, evaluate_splits)
+
+    def train_epochs(
+        self, train_splits: Sequence[str] | None = None, evaluate_splits: Sequence[str] | None = None
+    ) -> RoundDict:
+        """Run epochs from `train_state.epoch` up to `epochs`.
+
+        See [`Loop.train_epochs`][danling.runners.loop.loops.Loop.train_epochs] for what each epoch does.
+
+        Raises:
+            ValueError: `epochs` is not configured.
+        """
+        return self.loop.train_epochs(train_splits, evaluate_splits)
+
+    def train_epoch(self, split: str = "train") -> RoundDict:
+        """One full pass over `self.dataloaders[split]` in training mode; returns the split's result."""
+        return self.loop.train_epoch(split)
+
+    def train_steps(
+        self, train_splits: Sequence[str] | None = None, evaluate_splits: Sequence[str] | None = None
+    ) -> RoundDict:
+        """Train until `train_state.global_step` reaches `steps`, evaluating along the way and at the end
+        (see [`Loop.train_steps`][danling.runners.loop.loops.Loop.train_steps]).
+
+        Raises:
+            ValueError: No step budget can be resolved.
+            RuntimeError: A full round over the train splits applied no optimizer step.
+        """
+        return self.loop.train_steps(train_splits, evaluate_splits)
+
+    def evaluate(self, evaluate_splits: Sequence[str] | None = None) -> RoundDict:
+        """Evaluate each split once and return `{split: result}`; the row is also sent to the trackers.
+
+        Raises:
+            ValueError: A requested split has no dataloader, or there is nothing to evaluate.
+        """
+        return self.loop.evaluate(evaluate_splits)
+
+    def evaluate_epoch(self, split: str = "val") -> RoundDict:
+        """One full pass over `self.dataloaders[split]` in evaluation mode; returns the split's result."""
+        return self.loop.evaluate_epoch(split)
+
+    def evaluate_steps(self, split: str = "val", steps: int | None = None) -> RoundDict:
+        """Evaluate the first `steps` batches of `split` (default `max(self.steps // 20, 1)`).
+
+        Raises:
+            ValueError: `steps` is negative, cannot be inferred, or the loader runs out first.
+        """
+        return self.loop.evaluate_steps(split, steps)
+
+    def infer(
+        self,
+        split: str = "infer",
+        *,
+        steps: int | None = None,
+        stream: bool | None = None,
+        output: str | os.PathLike[str] | None = None,
+        resume: bool | None = None,
+    ) -> list[Any] | Iterator[list[Any]] | Path:
+        """Predict on `split`: a flat list of outputs, an iterator of per-batch lists, or a file.
+
+        See [`Loop.infer`][danling.runners.loop.loops.Loop.infer] for the arguments and the
+        Inference guide for `output` files (streamed, resumable, merged across ranks).
+        """
+        return self.loop.infer(split, steps=steps, stream=stream, output=output, resume=resume)
+
+    def log_values(self, values: Mapping[str, Any], step: int | None = None) -> None:
+        """Send `values` to the trackers (every `LOG` subscriber) at `step` (default: the global step)."""
+        step = self.train_state.global_step if step is None else step
+        self.events.emit(Events.LOG, LogContext(self, values, step))
+
+    def prepare_for_shutdown_checkpoint(self) -> None:
+        """Bring the state to a consistent point before the shutdown checkpoint is written.
+
+        Called when: once, by the loops' graceful stop (a signal or `supervisor.request_stop()`), on
+            every rank, right before the `shutdown` checkpoint of a training loop is saved.
+        Holds on entry: the loop stands at an accumulation-window boundary or at the end of a
+            pass; evaluation's inference context has been left.
+        Side effects: the default applies a window the pass left open, so the checkpoint never
+            holds gradients that were computed but not applied.
+        Overrides must not: save checkpoints, step the loops or skip `super()` (an open window
+            would then be lost on resume).
+        """
+        self._close_window()
+
+    def _stop_requested(self) -> bool:
+        """Whether to stop after this batch (agreed across ranks while training); asked after every batch."""
+        return self.loop.passes.stop_requested()
+
+    def _shutdown(self) -> NoReturn:
+        """Save a `shutdown` checkpoint (when training), close the runner and exit (see `PassEngine.shutdown`)."""
+        self.loop.passes.shutdown()
+
+    @property
+    def _loop_depth(self) -> int:
+        return self.loop.passes.loop_depth
+
+    @property
+    def _step_window(self) -> Any:
+        return self.loop.passes.step_window
 
     # ==== checkpoint surface: thin delegations to the checkpoint component ====
     # (keep this marker; add this component's public names right below it)

@@ -37,7 +37,7 @@ class TorchBatchMixin:
     # ------------------------------------------------------------------ mode and contexts
     @property
     def mode(self) -> RunnerMode:
-        """Current [`RunnerMode`][danling.runners.loop.loops.RunnerMode]; setting it switches `model` between
+        """Current [`RunnerMode`][danling.runners.loop.mode.RunnerMode]; setting it switches `model` between
         `train()` and `eval()` (the EMA copy always stays in evaluation mode)."""
         return self._mode
 
@@ -165,7 +165,7 @@ class TorchBatchMixin:
         output: str | os.PathLike[str] | None = None,
         resume: bool | None = None,
     ) -> list[Any] | Iterator[list[Any]] | Path:
-        """Predict on `split` like [`LoopMixin.infer`][danling.runners.loop.loops.LoopMixin.infer]; under DDP a
+        """Predict on `split` like [`Loop.infer`][danling.runners.loop.loops.Loop.infer]; under DDP a
         list result covers the whole split, in dataset order, on every rank.
 
         The split's sampler shards the data over the ranks (rank `r` gets items `r, r + W, ...`

@@ -11,7 +11,7 @@ precision, no clipping, no non-finite checks, no spike guard, no multi-process w
 one loop doing the same work on pre-bound locals; otherwise the pass calls the hooks
 ([`general_step_reason`][danling.runners.torch_fused_step.general_step_reason] says why). The
 result is the same to the bit: the same tensor operations in the same order, the same counters,
-metric and loss-meter updates, step logs, checkpoints and stops. `runner.fused_step` tells which
+metric and loss-meter updates, step logs, checkpoints and stops. `runner.loop.fused_step` tells which
 path the last training pass took.
 """
 
@@ -101,7 +101,7 @@ def fused_train_pass(runner: Any) -> FusedPass | None:
     counts the micro-step and applies the update (waiting for a finished asynchronous save,
     stepping the optimizer and a step-interval scheduler, zeroing the gradients, counting the
     global step); then it paces step logs, step-cadence work, stop requests and the budget as the
-    general loop of [`PassMixin`][danling.runners.loop.passes.PassMixin] does. The losses reach
+    general loop of [`PassEngine`][danling.runners.loop.passes.PassEngine] does. The losses reach
     the loss meter in the same updates, in the same order, but in groups: before anything that
     reads the meters (a step log, step-cadence work, the end of the pass, an error) and every
     `_HELD_LOSSES` batches; an update costs less in a run of them than between two steps.
@@ -116,9 +116,11 @@ def fused_train_pass(runner: Any) -> FusedPass | None:
     device = runner.device
     on_cpu, non_blocking = device.type == "cpu", device.type == "cuda"
 
+    engine = runner.loop.passes
+
     def run(batches: Iterable, *pace: Any) -> tuple[int, bool]:
         held, supervisor, count = _HeldLosses(runner.meters), runner.supervisor, 0
-        paced = _Pacing(runner, held, *pace) if _is_paced(*pace) else None
+        paced = _Pacing(runner, engine, held, *pace) if _is_paced(*pace) else None
         try:
             for data in batches:
                 if type(data) in _PAIRS and len(data) == 2:
@@ -178,8 +180,8 @@ def fused_train_pass(runner: Any) -> FusedPass | None:
                         return count, False
                 else:
                     position.batch += 1
-                    if runner._stop_latched or supervisor.stop_requested:
-                        runner._stop_latched = True
+                    if engine.stop_latched or supervisor.stop_requested:
+                        engine.stop_latched = True
                         return count, False  # every batch closes its window: stop now
             return count, True
         finally:
@@ -218,25 +220,25 @@ class _HeldLosses:
 class _Pacing:
     """What the general loop does after a batch besides counting: step logs, step-cadence work, stops, budget."""
 
-    def __init__(self, runner: Any, held: _HeldLosses, *pace: Any) -> None:
-        self.runner, self.held = runner, held
+    def __init__(self, runner: Any, engine: Any, held: _HeldLosses, *pace: Any) -> None:
+        self.runner, self.engine, self.held = runner, engine, held
         self.split, self.length, self.interval, self.track_progress, self.budget, self.poll, self.agree = pace
         self.counters = runner.state.train.__dict__
 
     def stops(self, count: int) -> bool:
         """Pace batch `count` (from 1); whether the pass stops after it."""
-        runner, interval, length, budget = self.runner, self.interval, self.length, self.budget
+        runner, engine, interval, length, budget = self.runner, self.engine, self.interval, self.length, self.budget
         if interval and (count % interval == 0 or count == length):
             self.held.record()
-            runner._log_step(self.split, count, length, True)
+            engine._log_step(self.split, count, length, True)
         runner.loop_state.batch += 1
-        if self.track_progress and self.counters["global_step"] != runner._seen_step:
+        if self.track_progress and self.counters["global_step"] != engine._seen_step:
             self.held.record()
-            runner._after_optimizer_progress(budget)  # may evaluate: after the step log
+            engine._after_optimizer_progress(budget)  # may evaluate: after the step log
         poll = self.poll
-        if runner._stop_latched or (
-            runner.supervisor.stop_requested if poll is None else runner._stop_now(poll, self.agree and count == length)
+        if engine.stop_latched or (
+            runner.supervisor.stop_requested if poll is None else engine._stop_now(poll, self.agree and count == length)
         ):
-            runner._stop_latched = True
+            engine.stop_latched = True
             return True  # every batch closes its window: stop now
-        return budget is not None and (self.counters["global_step"] >= budget or runner._stopping_early)
+        return budget is not None and (self.counters["global_step"] >= budget or engine.stopping_early)

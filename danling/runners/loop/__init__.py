@@ -23,9 +23,11 @@ from .events import (
     Subscription,
     on,
 )
-from .hooks import RunnerMode, StepHooks
-from .loops import LoopMixin
-from .passes import PassMixin
+from .hooks import StepHooks
+from .host import LoopHost
+from .loops import Loop
+from .mode import RunnerMode
+from .passes import PassEngine
 from .position import LoopState
 
 __all__ = [
@@ -38,10 +40,11 @@ __all__ = [
     "FailureContext",
     "InferenceContext",
     "LogContext",
-    "LoopMixin",
+    "Loop",
+    "LoopHost",
     "LoopState",
     "PassContext",
-    "PassMixin",
+    "PassEngine",
     "ProgressMixin",
     "RunContext",
     "RunnerMode",

@@ -45,67 +45,6 @@ class ProgressMixin:
 
     config: RunnerConfig
 
-    def check_training_budget(self, train_splits: Sequence[str], evaluate_splits: Sequence[str] = ()) -> None:
-        """Refuse a training budget or data that would train nothing (or score nothing), before the first step.
-
-        Raises:
-            ValueError: `epochs` or `steps` is 0 (without progress to resume past it), or a train
-                or evaluation split's loader yields no batch (an empty dataset, or `drop_last` with
-                a batch larger than the dataset: an evaluation split would give rows of NaN); the
-                message names the value and what is accepted.
-        """
-        config, state = self.config, self.train_state
-        for key, done in (("epochs", state.epoch), ("steps", state.global_step)):
-            if config.get(key) == 0 and done == 0 and (key == "epochs" or config.get("epochs") is None):
-                raise ValueError(f"{key}=0 trains nothing: set {key} to a positive int (or call evaluate())")
-        if config.get("steps") is not None and config.get("epochs") is not None:
-            self.logger.warning(
-                "steps=%s and epochs=%s are both set: epochs selects epoch mode, and steps is not a budget "
-                "there (it only paces progress and logging); set one of them",
-                config.steps,
-                config.epochs,
-            )
-        for split in train_splits:
-            if length_of(self.dataloaders[split]) == 0:
-                raise ValueError(f"training split {split!r} yields no batch: {_why_empty(self.dataloaders[split])}")
-        for split in evaluate_splits:
-            if length_of(self.dataloaders[split]) == 0:
-                raise ValueError(
-                    f"evaluation split {split!r} yields no batch: {_why_empty(self.dataloaders[split])}; its result "
-                    "rows would hold NaN: give it data or leave it out of evaluate_splits"
-                )
-
-    def budget_spent(self) -> bool:
-        """Whether a resumed run has already trained its whole budget; if so, say so in the log.
-
-        The budget (`epochs`, `steps`) is not part of the run's identity: raising it continues the
-        run for what is new, and lowering it to or below what is done finishes at once. Epoch mode
-        compares the finished epochs with `epochs`; step mode compares `global_step` with the step
-        budget and also needs the final row of that step stored (a run killed between its last
-        step and its final evaluation still evaluates).
-        """
-        state = self.train_state
-        if self.epochs is not None:
-            key, budget, done, finished = "epochs", self.epochs, state.epoch, state.epoch
-        else:
-            budget = self.steps
-            key, done, finished = "steps", state.global_step, state.global_step in self.results
-        if budget is None or done == 0 or done < budget or not finished:
-            return False
-        unit = "epochs" if key == "epochs" else "optimizer steps"
-        log = self.logger.warning if done > budget else self.logger.info
-        log(
-            "training budget already spent: %d %s are done and %s=%d, so there is nothing to train; "
-            "raise %s above %d to train more (the run continues where it stopped)",
-            done,
-            unit,
-            key,
-            budget,
-            key,
-            done,
-        )
-        return True
-
     # ------------------------------------------------------------------ budgets and cadence
     @property
     def epochs(self) -> int | None:

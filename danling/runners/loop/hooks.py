@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from contextlib import AbstractContextManager, nullcontext
-from enum import Enum
 from typing import Any
 
 import torch
@@ -21,16 +20,9 @@ from danling.utils import RoundDict
 
 from ..update import UpdateStrategy
 from .events import Events, SkippedStepContext
+from .mode import RunnerMode
 
 __all__ = ["RunnerMode", "StepHooks"]
-
-
-class RunnerMode(str, Enum):
-    """What the runner is doing: `train`, `evaluate` or `infer`."""
-
-    train = "train"
-    evaluate = "evaluate"
-    infer = "infer"
 
 
 class StepHooks:
@@ -54,7 +46,7 @@ class StepHooks:
     # ------------------------------------------------------------------ mode
     @property
     def mode(self) -> RunnerMode:
-        """Current [`RunnerMode`][danling.runners.loop.hooks.RunnerMode]; backends override the setter to
+        """Current [`RunnerMode`][danling.runners.loop.mode.RunnerMode]; backends override the setter to
         switch their modules between training and evaluation behaviour."""
         return self._mode
 
