@@ -17,6 +17,7 @@ import time
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import suppress
+from functools import cached_property
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -31,7 +32,8 @@ from danling.utils.io import save as save_file
 
 from .checkpointing import CheckpointMixin
 from .config import RunnerConfig
-from .loop import EventBus, Events, LogContext, Loop, LoopState, ProgressMixin, StepHooks
+from .loop import EventBus, Events, LogContext, Loop, LoopState, StepHooks
+from .loop.budget import checked_count, default_interval, evaluation_default, length_of, selected_splits, step_budget
 from .services import ObservabilityMixin, ResultsMixin, RunnerSupervisor, RunnerWorkspace, Trackers
 from .services.errors import report_errors_briefly
 from .state import RunnerElasticState, RunnerRNGState, RunnerState, RunnerTrainState
@@ -66,7 +68,7 @@ class MetaRunner(type):
         return instance
 
 
-class BaseRunner(CheckpointMixin, ResultsMixin, ObservabilityMixin, StepHooks, ProgressMixin, metaclass=MetaRunner):
+class BaseRunner(CheckpointMixin, ResultsMixin, ObservabilityMixin, StepHooks, metaclass=MetaRunner):
     """Backend-free runner: lifecycle, bookkeeping, checkpoint API and loop skeletons.
 
     Construction runs in this order (concrete runners customise it through the hooks, never by
@@ -483,16 +485,157 @@ class BaseRunner(CheckpointMixin, ResultsMixin, ObservabilityMixin, StepHooks, P
     # The split of the pass under way (or the last one); the loops set it when a pass opens.
     split: str | None = None
 
+    # ------------------------------------------------------------------ budgets, cadences and splits (typed config)
+    @property
+    def epochs(self) -> int | None:
+        """Number of epochs to train (`config.epochs`); `None` selects step mode."""
+        return self.config.epochs
+
+    @epochs.setter
+    def epochs(self, value: int | None) -> None:
+        self.config.epochs = checked_count("epochs", value, accepted="a non-negative int or None")
+
+    @property
+    def steps(self) -> int | None:
+        """Optimizer-step budget.
+
+        `config.steps` when set; otherwise `epochs` times the optimizer steps per epoch, when
+        every train dataloader has a length; otherwise `None`.
+        """
+        loaders = [self.dataloaders.get(split) for split in self.train_splits]
+        return step_budget(self.config.steps, self.epochs, loaders, self.accum_steps)
+
+    @steps.setter
+    def steps(self, value: int | None) -> None:
+        self.config.steps = checked_count("steps", value, accepted="a non-negative int or None")
+
+    @property
+    def is_step_mode(self) -> bool:
+        """Whether training counts optimizer steps (no `epochs` configured) instead of epochs."""
+        return self.epochs is None
+
+    @cached_property  # cached, not mirrored: an elastic resume stores the resized value in its place
+    def accum_steps(self) -> int:
+        """Micro-batches per optimizer step (`config.accum_steps`, default 1)."""
+        return checked_count("accum_steps", self.config.accum_steps or 1, minimum=1, accepted="a positive int")
+
+    @property
+    def precision(self) -> str | None:
+        """Autocast precision requested by the config (`"fp32"`, `"fp16"`, `"bf16"`), or `None`."""
+        precision = self.config.precision
+        if isinstance(precision, str):
+            return self.config.PRECISIONS.get(precision.lower(), precision)
+        return precision
+
+    @property
+    def max_grad_value(self) -> float | None:
+        """Gradient value clipping threshold (`config.max_grad_value`), or `None`."""
+        return self.config.max_grad_value
+
+    @property
+    def max_grad_norm(self) -> float | None:
+        """Gradient norm clipping threshold (`config.max_grad_norm`), or `None`."""
+        return self.config.max_grad_norm
+
+    @property
+    def skip_nonfinite_grad(self) -> bool:
+        """Whether updates with NaN/inf gradients are skipped (`config.skip_nonfinite_grad`)."""
+        return bool(self.config.skip_nonfinite_grad)
+
+    @property
+    def progress(self) -> float:
+        """Fraction of the training budget done, in `[0, 1]` (by steps when known, else epochs)."""
+        steps, state = self.steps, self.train_state
+        if steps:
+            value = state.global_step / steps
+        elif self.epochs:
+            value = state.epoch / self.epochs
+        else:
+            return 0.0
+        return min(max(value, 0.0), 1.0)
+
+    @property
+    def batch_size(self) -> int:
+        """Batch size from `dataloader.batch_size`, else from the first dataloader that has one."""
+        size = self.config.dataloader.batch_size
+        if size:
+            return size
+        for loader in self.dataloaders.values():
+            size = getattr(loader, "batch_size", None)
+            if size:
+                return size
+        raise ValueError("cannot infer the batch size: set dataloader.batch_size or bind a dataloader with batch_size")
+
+    @property
+    def log_interval(self) -> int:
+        """Iterations between step logs: `config.log_interval`, else a tenth of the first train loader.
+
+        `0` (configured) turns step logs off; results of each round are still logged.
+        """
+        loader = next((self.dataloaders[s] for s in self.train_splits if s in self.dataloaders), None)
+        return self._log_interval_for(length_of(loader))
+
+    def _log_interval_for(self, length: int | None) -> int:
+        """The step-log interval of a pass over `length` batches (`config.log_interval` when set)."""
+        configured = self.config.log_interval
+        if configured is not None:
+            return checked_count("log_interval", configured, accepted="an int >= 0 (0: no step logs) or None")
+        return default_interval(length, self.steps, fallback=100)
+
+    @property
+    def evaluate_interval(self) -> int:
+        """Optimizer steps between evaluations in step mode.
+
+        `config.evaluate_interval` when set (`0`: only the evaluation after the last step);
+        otherwise a tenth of the step budget, at least 1, which is also the default checkpoint
+        cadence, so every default checkpoint holds evaluated weights. Epoch mode evaluates after
+        every epoch and does not read it.
+        """
+        configured = self.config.evaluate_interval
+        if configured is not None:
+            return checked_count("evaluate_interval", configured, accepted="an int >= 0 (0: after the last step)")
+        return default_interval(None, self.steps, fallback=0)
+
+    @property
+    def checkpoint_interval(self) -> int:
+        """Checkpoint cadence: `checkpoint.interval`, else every epoch (epoch mode) or a tenth of `steps`."""
+        configured = self.config.checkpoint.interval
+        if configured:
+            return configured
+        if not self.is_step_mode:
+            return 1
+        return default_interval(None, self.config.steps, fallback=1)
+
+    @property
+    def train_splits(self) -> list[str]:
+        """Splits trained on: `config.train_splits`, else every split whose name starts with `train`."""
+        return selected_splits(self.config.train_splits, [s for s in self._known_splits() if s.startswith("train")])
+
+    @property
+    def evaluate_splits(self) -> list[str]:
+        """Splits evaluated: `config.evaluate_splits` (`[]`: none), else every split not trained or inferred."""
+        configured = self.config.evaluate_splits
+        if configured is not None:  # `[]`: evaluate nothing
+            return selected_splits(configured, [])
+        return evaluation_default(self._known_splits(), self.train_splits)
+
+    def _known_splits(self) -> list[str]:
+        return list(dict.fromkeys([*self.datasets.keys(), *self.dataloaders.keys()]))
+
+    def _resolve_splits(self, requested: str | Sequence[str] | None, default: list[str], kind: str) -> list[str]:
+        """The `requested` splits (default: `default`); each must have a dataloader."""
+        splits = selected_splits(requested, default)
+        missing = [split for split in splits if split not in self.dataloaders]
+        if missing:
+            raise ValueError(f"{kind} split(s) {missing} have no dataloader; available: {list(self.dataloaders)}")
+        return splits
+
     def train(
         self, train_splits: Sequence[str] | None = None, evaluate_splits: Sequence[str] | None = None
     ) -> RoundDict:
         """Train until the budget is spent: epoch mode when `epochs` is set, step mode otherwise.
 
-        With `config.dry_run` set, a dry run instead
-        ([`Loop.dry_run`][danling.runners.loop.loops.Loop.dry_run]): a few batches of every split
-        and one checkpoint round trip. With `spikes.policy` set to `"rollback"`, a loss spike
-        reloads the newest checkpoint that verifies and training goes on from there (see
-        [`Loop.roll_back`][danling.runners.loop.loops.Loop.roll_back]).
+        See [`Loop.train`][danling.runners.loop.loops.Loop.train] (dry runs, loss-spike rollback).
 
         Args:
             train_splits: Splits to train on; defaults to `self.train_splits`.
@@ -522,7 +665,13 @@ class BaseRunner(CheckpointMixin, ResultsMixin, ObservabilityMixin, StepHooks, P
         return self.loop.train_epochs(train_splits, evaluate_splits)
 
     def train_epoch(self, split: str = "train") -> RoundDict:
-        """One full pass over `self.dataloaders[split]` in training mode; returns the split's result."""
+        """One full pass over `self.dataloaders[split]` in training mode; returns the split's result.
+
+        Called when: by `train_epochs`, once per train split and epoch (and by user code).
+        Holds on entry: inside the training loop's run scope; `train_state.epoch` is the epoch under way.
+        Side effects: runs `train_step` on every batch (updates, counters, the loop position).
+        Overrides must not: skip `super()` (the pass, its position and its metrics live there).
+        """
         return self.loop.train_epoch(split)
 
     def train_steps(
@@ -546,7 +695,13 @@ class BaseRunner(CheckpointMixin, ResultsMixin, ObservabilityMixin, StepHooks, P
         return self.loop.evaluate(evaluate_splits)
 
     def evaluate_epoch(self, split: str = "val") -> RoundDict:
-        """One full pass over `self.dataloaders[split]` in evaluation mode; returns the split's result."""
+        """One full pass over `self.dataloaders[split]` in evaluation mode; returns the split's result.
+
+        Called when: by `evaluate` and by each round's evaluation (whole splits), once per evaluation split.
+        Holds on entry: the model is materialized; no training pass is open on this split.
+        Side effects: runs `evaluate_step` on every batch, inside `inference_context()`.
+        Overrides must not: change weights or `train_state` (evaluation must not alter training).
+        """
         return self.loop.evaluate_epoch(split)
 
     def evaluate_steps(self, split: str = "val", steps: int | None = None) -> RoundDict:

@@ -4,7 +4,7 @@
 [`EventBus`][danling.runners.loop.events.EventBus] the loops emit them on.
 """
 
-from .budget import ProgressMixin, length_of
+from .budget import length_of
 from .events import (
     CheckpointContext,
     EpochContext,
@@ -45,7 +45,6 @@ __all__ = [
     "LoopState",
     "PassContext",
     "PassEngine",
-    "ProgressMixin",
     "RunContext",
     "RunnerMode",
     "SkippedStepContext",

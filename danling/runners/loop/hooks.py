@@ -33,9 +33,6 @@ class StepHooks:
     train_metrics: Any = None
     evaluate_metrics: Any = None
     _mode: RunnerMode = RunnerMode.train
-    # Whether the training pass under way (or the last one) runs a backend's fused equivalent of the
-    # default step instead of the hooks (see `danling.runners.torch_fused_step`).
-    fused_step: bool = False
     # Whether the hooked training pass under way discards what `train_step` returns as its output (no
     # subscriber watches the steps); the default torch step then lets the output go before backward.
     _step_output_unused: bool = False
@@ -66,12 +63,12 @@ class StepHooks:
         """
         raise NotImplementedError(f"{type(self).__name__} must implement train_step(data) -> (pred, loss)")
 
-    def _fused_train_pass(self) -> Any:
-        """A backend's fused equivalent of a training pass through the hooks, or `None` (here: always).
+    def _plain_train_step(self) -> Any:
+        """A backend's one-call equivalent of `train_step` for this pass, or `None` (here: always).
 
-        Asked when a training pass starts that no per-batch subscriber, watchdog or spike guard
-        watches. The returned callable takes `(batches, split, length, interval, track_progress,
-        budget, stop_poll, agree)`, runs the pass and returns `(batches consumed, ran out)`.
+        Asked once when a training pass starts that no per-batch subscriber, watchdog or spike
+        guard watches; the pass's loop then calls the returned `step(data) -> (None, loss)` in
+        place of `train_step`.
         """
         return None
 

@@ -21,7 +21,7 @@ from danling.distributed import barrier, is_distributed
 from danling.utils import RoundDict
 
 from ..update.spikes import LossSpike, TrainingDivergedError
-from .budget import _why_empty, length_of
+from .budget import _why_empty, checked_count, length_of
 from .events import EpochContext, EventBus, Events, StopContext
 from .host import LoopHost
 from .mode import RunnerMode
@@ -52,7 +52,7 @@ class Loop:
 
     @property
     def fused_step(self) -> bool:
-        """Whether the last training pass ran the backend's fused default step instead of the step hooks."""
+        """Whether the last training pass called the backend's plain default step instead of `train_step`."""
         return self.passes.fused_step
 
     def check_training_budget(self, train_splits: Sequence[str], evaluate_splits: Sequence[str] = ()) -> None:
@@ -65,10 +65,10 @@ class Loop:
                 message names the value and what is accepted.
         """
         config, state = self.host.config, self.host.train_state
-        for key, done in (("epochs", state.epoch), ("steps", state.global_step)):
-            if config.get(key) == 0 and done == 0 and (key == "epochs" or config.get("epochs") is None):
+        for key, value, done in (("epochs", config.epochs, state.epoch), ("steps", config.steps, state.global_step)):
+            if value == 0 and done == 0 and (key == "epochs" or config.epochs is None):
                 raise ValueError(f"{key}=0 trains nothing: set {key} to a positive int (or call evaluate())")
-        if config.get("steps") is not None and config.get("epochs") is not None:
+        if config.steps is not None and config.epochs is not None:
             self.host.logger.warning(
                 "steps=%s and epochs=%s are both set: epochs selects epoch mode, and steps is not a budget "
                 "there (it only paces progress and logging); set one of them",
@@ -389,12 +389,12 @@ class Loop:
             raise ValueError(f"steps must be a non-negative int or None, got {steps!r}")
         if split not in self.host.dataloaders:
             raise ValueError(f"infer split {split!r} has no dataloader; available: {list(self.host.dataloaders)}")
-        section = self.host.config.get("inference") or {}
-        output = output if output is not None else section.get("output")
+        section = self.host.config.inference
+        output = output if output is not None else section.output
         if output is not None:
             if stream:
                 raise ValueError("infer(output=...) writes a file; stream=True cannot be combined with it")
-            resume = section.get("resume", True) if resume is None else resume
+            resume = section.resume if resume is None else resume
             return self._infer_to_output(split, output, steps=steps, resume=bool(resume))
         loader = self.host.dataloaders[split]
         sized = length_of(loader) is not None
@@ -431,7 +431,7 @@ class Loop:
         result = RoundDict()
         if not splits:
             return result
-        limit = self.host.evaluate_batches
+        limit = self.evaluate_batches
         for split in splits:
             if limit is None:
                 result[split] = self.host.evaluate_epoch(split)
@@ -455,12 +455,10 @@ class Loop:
         self._periodic_splits = list(splits) if splits and interval else None
         if not splits:
             return
-        limit = self.host.evaluate_batches
+        limit = self.evaluate_batches
         extent = "whole splits" if limit is None else f"{limit} batches of each split"
         if interval:
-            origin = (
-                "config.evaluate_interval" if self.host.config.get("evaluate_interval") is not None else "steps // 10"
-            )
+            origin = "config.evaluate_interval" if self.host.config.evaluate_interval is not None else "steps // 10"
             when = f"every {interval} steps ({origin}) and after step {budget}"
         else:
             when = f"after step {budget} only (evaluate_interval=0)"
@@ -495,12 +493,23 @@ class Loop:
 
     # ------------------------------------------------------------------ dry run and rollback
     @property
+    def evaluate_batches(self) -> int | None:
+        """Batches of each evaluation split in an evaluation run while training (`None`: the whole split).
+
+        `config.evaluate_batches`; a dry run (`config.dry_run`) caps it at its batch count.
+        """
+        config = self.host.config
+        limits = [config.evaluate_batches, config.dry_run]
+        for value in limits:
+            checked_count("evaluate_batches and dry_run", value, minimum=1, accepted="positive ints or None")
+        given = [value for value in limits if value is not None]
+        return min(given) if given else None
+
+    @property
     def dry_run_batches(self) -> int | None:
         """Batches per split of a dry run (`config.dry_run`), or `None` when this is no dry run."""
-        value = self.host.config.get("dry_run")
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise ValueError(f"dry_run must be a positive int (batches per split) or None, got {value!r}")
-        return value
+        value = self.host.config.dry_run
+        return checked_count("dry_run", value, minimum=1, accepted="a positive int (batches per split) or None")
 
     def dry_run(self, train_splits: Sequence[str], evaluate_splits: Sequence[str]) -> RoundDict:
         """Run `dry_run_batches` batches of each split, save one checkpoint and load it back.

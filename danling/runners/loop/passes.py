@@ -65,7 +65,7 @@ class PassEngine:
         self.stopping_early = False
         self._seen_step = 0
         self.step_window = StepWindow()
-        # Whether the last training pass ran the backend's fused equivalent of the default step.
+        # Whether the last training pass called the backend's plain default step instead of `train_step`.
         self.fused_step = False
 
     def run_split(
@@ -121,47 +121,45 @@ class PassEngine:
         # Batches that spiked before a rollback (empty and falsy without a spike guard), and the
         # watchdog (multi-process runs), told the phase of every batch.
         skipped, watchdog = self._spiked_batches() if training else None, supervisor.watchdog
-        # A training pass nobody watches batch by batch may run the backend's fused default step instead.
-        fused = self.host._fused_train_pass() if training and not (observed or skipped or watchdog) else None
+        # A training pass nobody watches batch by batch may call the backend's plain default step instead
+        # of `train_step` (the same work without the hook calls); the loop around it is the same.
+        plain = self.host._plain_train_step() if training and not (observed or skipped or watchdog) else None
         if training:
-            self.fused_step = fused is not None
+            self.fused_step = plain is not None
         pace = (split, length, interval, track_progress, budget, stop_poll, agree)
         # An evaluation pass runs in one inference context (entering it per batch costs more than
         # some small models' forward passes); it is left before a stop saves its checkpoint.
         with nullcontext() if training else self.host.inference_context(), self._spike_scope(split):
             batches_in = islice(loader, max_batches)
-            if fused is not None:
-                batches, ran_out = fused(batches_in, *pace)
-            else:
-                batches, ran_out = self._hooked_batches(batches_in, pace, training, observed, skipped)
+            batches, ran_out = self._hooked_batches(batches_in, pace, training, observed, skipped, plain)
             if ran_out:
                 self._pass_ran_out(agree and length is None, training)
         self._close_pass(training, budget)
         return self.host.collect_result(split), batches
 
     def _hooked_batches(
-        self, batches_in: Iterable, pace: tuple, training: bool, observed: bool, skipped: Any
+        self, batches_in: Iterable, pace: tuple, training: bool, observed: bool, skipped: Any, plain: Any = None
     ) -> tuple[int, bool]:
         """Run each batch through the step hook (`train_step`/`evaluate_step`) and pace the pass after it.
 
         Returns the number of batches run and whether the loader ran out (rather than a stop or the budget).
         """
         # Nothing reads a training step's output unless a subscriber watches the steps: the default step
-        # may then let it go before its backward pass (see `TorchBatchMixin.train_step`).
+        # may then let it go before its backward pass (see `TorchRunner.train_step`).
         self.host._step_output_unused = training and not observed
         try:
-            return self._run_hooked_batches(batches_in, pace, training, observed, skipped)
+            return self._run_hooked_batches(batches_in, pace, training, observed, skipped, plain)
         finally:
             self.host._step_output_unused = False
 
     def _run_hooked_batches(
-        self, batches_in: Iterable, pace: tuple, training: bool, observed: bool, skipped: Any
+        self, batches_in: Iterable, pace: tuple, training: bool, observed: bool, skipped: Any, plain: Any
     ) -> tuple[int, bool]:
         split, length, interval, track_progress, budget, stop_poll, agree = pace
         # Looked up once per pass rather than once per batch; none of them is rebound by a step.
         meters, supervisor, update = self.host.meters, self.host.supervisor, self.host.update
         state, position, watchdog = self.host.train_state, self.host.loop_state, supervisor.watchdog
-        step = self.host.train_step if training else self.host.evaluate_step
+        step = plain or (self.host.train_step if training else self.host.evaluate_step)
         phase = "forward" if training else "evaluation"
         batches, loss_meter = 0, None
         for data in batches_in:
