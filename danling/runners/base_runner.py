@@ -17,9 +17,11 @@ import random
 import sys
 import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import suppress
-from typing import Any
+from functools import cached_property
+from pathlib import Path
+from typing import Any, NoReturn
 
 import numpy as np
 from chanfig import FlatDict
@@ -32,7 +34,8 @@ from danling.utils.io import save as save_file
 
 from .checkpointing import CheckpointMixin
 from .config import RunnerConfig
-from .loop import EventBus, Events, LogContext, LoopMixin, LoopState, ProgressMixin, StepContext
+from .loop import EventBus, Events, LogContext, Loop, LoopState, StepContext, StepHooks
+from .loop.budget import checked_count, default_interval, evaluation_default, length_of, selected_splits, step_budget
 from .services import RunnerResults, RunnerSupervisor, RunnerWorkspace, Trackers
 from .services.errors import report_errors_briefly
 from .services.observability import RunStatus, Throughput, is_train_step_log
@@ -70,7 +73,7 @@ class MetaRunner(type):
         return instance
 
 
-class BaseRunner(CheckpointMixin, LoopMixin, ProgressMixin, metaclass=MetaRunner):
+class BaseRunner(CheckpointMixin, StepHooks, metaclass=MetaRunner):
     """Backend-free runner: lifecycle, bookkeeping, checkpoint API and loop skeletons.
 
     Construction runs in this order (concrete runners customise it through the hooks, never by
@@ -110,6 +113,8 @@ class BaseRunner(CheckpointMixin, LoopMixin, ProgressMixin, metaclass=MetaRunner
         checkpoint_manager: Where checkpoints are written and read.
         workspace: Run directory, logging and metadata.
         supervisor: Signal handling, heartbeat and GC pacing.
+        loop: The [`Loop`][danling.runners.loop.loops.Loop] running the training, evaluation and
+            inference loops; the loop methods below delegate to it.
         trackers: The [`Trackers`][danling.runners.services.trackers.Trackers] fan-out every logged value
             goes to; `runner.trackers.append(MyTracker())` adds one.
         throughput: The [`Throughput`][danling.runners.services.observability.Throughput] of the
@@ -228,6 +233,7 @@ class BaseRunner(CheckpointMixin, LoopMixin, ProgressMixin, metaclass=MetaRunner
         self.events = EventBus()
         self.events.subscribe(Events.LOG, self._forward_to_trackers)
         self.loop_state = LoopState()
+        self.loop = Loop(self, self.events)
         self.meters = AverageMeters()
         self.trackers = Trackers()
         self.throughput = Throughput(lambda: self.train_state.global_step).attach(self.events)
@@ -490,6 +496,286 @@ class BaseRunner(CheckpointMixin, LoopMixin, ProgressMixin, metaclass=MetaRunner
 
     # ==== loop surface: thin delegations to the loop component ====
     # (keep this marker; add this component's public names right below it)
+    # The split of the pass under way (or the last one); the loops set it when a pass opens.
+    split: str | None = None
+
+    # ------------------------------------------------------------------ budgets, cadences and splits (typed config)
+    @property
+    def epochs(self) -> int | None:
+        """Number of epochs to train (`config.epochs`); `None` selects step mode."""
+        return self.config.epochs
+
+    @epochs.setter
+    def epochs(self, value: int | None) -> None:
+        self.config.epochs = checked_count("epochs", value, accepted="a non-negative int or None")
+
+    @property
+    def steps(self) -> int | None:
+        """Optimizer-step budget.
+
+        `config.steps` when set; otherwise `epochs` times the optimizer steps per epoch, when
+        every train dataloader has a length; otherwise `None`.
+        """
+        loaders = [self.dataloaders.get(split) for split in self.train_splits]
+        return step_budget(self.config.steps, self.epochs, loaders, self.accum_steps)
+
+    @steps.setter
+    def steps(self, value: int | None) -> None:
+        self.config.steps = checked_count("steps", value, accepted="a non-negative int or None")
+
+    @property
+    def is_step_mode(self) -> bool:
+        """Whether training counts optimizer steps (no `epochs` configured) instead of epochs."""
+        return self.epochs is None
+
+    @cached_property  # cached, not mirrored: an elastic resume stores the resized value in its place
+    def accum_steps(self) -> int:
+        """Micro-batches per optimizer step (`config.accum_steps`, default 1)."""
+        return checked_count("accum_steps", self.config.accum_steps or 1, minimum=1, accepted="a positive int")
+
+    @property
+    def precision(self) -> str | None:
+        """Autocast precision requested by the config (`"fp32"`, `"fp16"`, `"bf16"`), or `None`."""
+        precision = self.config.precision
+        if isinstance(precision, str):
+            return self.config.PRECISIONS.get(precision.lower(), precision)
+        return precision
+
+    @property
+    def max_grad_value(self) -> float | None:
+        """Gradient value clipping threshold (`config.max_grad_value`), or `None`."""
+        return self.config.max_grad_value
+
+    @property
+    def max_grad_norm(self) -> float | None:
+        """Gradient norm clipping threshold (`config.max_grad_norm`), or `None`."""
+        return self.config.max_grad_norm
+
+    @property
+    def skip_nonfinite_grad(self) -> bool:
+        """Whether updates with NaN/inf gradients are skipped (`config.skip_nonfinite_grad`)."""
+        return bool(self.config.skip_nonfinite_grad)
+
+    @property
+    def progress(self) -> float:
+        """Fraction of the training budget done, in `[0, 1]` (by steps when known, else epochs)."""
+        steps, state = self.steps, self.train_state
+        if steps:
+            value = state.global_step / steps
+        elif self.epochs:
+            value = state.epoch / self.epochs
+        else:
+            return 0.0
+        return min(max(value, 0.0), 1.0)
+
+    @property
+    def batch_size(self) -> int:
+        """Batch size from `dataloader.batch_size`, else from the first dataloader that has one."""
+        size = self.config.dataloader.batch_size
+        if size:
+            return size
+        for loader in self.dataloaders.values():
+            size = getattr(loader, "batch_size", None)
+            if size:
+                return size
+        raise ValueError("cannot infer the batch size: set dataloader.batch_size or bind a dataloader with batch_size")
+
+    @property
+    def log_interval(self) -> int:
+        """Iterations between step logs: `config.log_interval`, else a tenth of the first train loader.
+
+        `0` (configured) turns step logs off; results of each round are still logged.
+        """
+        loader = next((self.dataloaders[s] for s in self.train_splits if s in self.dataloaders), None)
+        return self._log_interval_for(length_of(loader))
+
+    def _log_interval_for(self, length: int | None) -> int:
+        """The step-log interval of a pass over `length` batches (`config.log_interval` when set)."""
+        configured = self.config.log_interval
+        if configured is not None:
+            return checked_count("log_interval", configured, accepted="an int >= 0 (0: no step logs) or None")
+        return default_interval(length, self.steps, fallback=100)
+
+    @property
+    def evaluate_interval(self) -> int:
+        """Optimizer steps between evaluations in step mode.
+
+        `config.evaluate_interval` when set (`0`: only the evaluation after the last step);
+        otherwise a tenth of the step budget, at least 1, which is also the default checkpoint
+        cadence, so every default checkpoint holds evaluated weights. Epoch mode evaluates after
+        every epoch and does not read it.
+        """
+        configured = self.config.evaluate_interval
+        if configured is not None:
+            return checked_count("evaluate_interval", configured, accepted="an int >= 0 (0: after the last step)")
+        return default_interval(None, self.steps, fallback=0)
+
+    @property
+    def checkpoint_interval(self) -> int:
+        """Checkpoint cadence: `checkpoint.interval`, else every epoch (epoch mode) or a tenth of `steps`."""
+        configured = self.config.checkpoint.interval
+        if configured:
+            return configured
+        if not self.is_step_mode:
+            return 1
+        return default_interval(None, self.config.steps, fallback=1)
+
+    @property
+    def train_splits(self) -> list[str]:
+        """Splits trained on: `config.train_splits`, else every split whose name starts with `train`."""
+        return selected_splits(self.config.train_splits, [s for s in self._known_splits() if s.startswith("train")])
+
+    @property
+    def evaluate_splits(self) -> list[str]:
+        """Splits evaluated: `config.evaluate_splits` (`[]`: none), else every split not trained or inferred."""
+        configured = self.config.evaluate_splits
+        if configured is not None:  # `[]`: evaluate nothing
+            return selected_splits(configured, [])
+        return evaluation_default(self._known_splits(), self.train_splits)
+
+    def _known_splits(self) -> list[str]:
+        return list(dict.fromkeys([*self.datasets.keys(), *self.dataloaders.keys()]))
+
+    def _resolve_splits(self, requested: str | Sequence[str] | None, default: list[str], kind: str) -> list[str]:
+        """The `requested` splits (default: `default`); each must have a dataloader."""
+        splits = selected_splits(requested, default)
+        missing = [split for split in splits if split not in self.dataloaders]
+        if missing:
+            raise ValueError(f"{kind} split(s) {missing} have no dataloader; available: {list(self.dataloaders)}")
+        return splits
+
+    def train(
+        self, train_splits: Sequence[str] | None = None, evaluate_splits: Sequence[str] | None = None
+    ) -> RoundDict:
+        """Train until the budget is spent: epoch mode when `epochs` is set, step mode otherwise.
+
+        See [`Loop.train`][danling.runners.loop.loops.Loop.train] (dry runs, loss-spike rollback).
+
+        Args:
+            train_splits: Splits to train on; defaults to `self.train_splits`.
+            evaluate_splits: Splits to evaluate; defaults to `self.evaluate_splits`.
+
+        Returns:
+            All result rows (`self.results`).
+
+        Raises:
+            ValueError: A requested split has no dataloader, there is no training split, or the
+                budget or data would train nothing
+                (see [`Loop.check_training_budget`][danling.runners.loop.loops.Loop.check_training_budget]).
+            TrainingDivergedError: Non-finite updates or loss spikes came too often (`nonfinite.*`, `spikes.*`).
+        """
+        return self.loop.train(train_splits, evaluate_splits)
+
+    def train_epochs(
+        self, train_splits: Sequence[str] | None = None, evaluate_splits: Sequence[str] | None = None
+    ) -> RoundDict:
+        """Run epochs from `train_state.epoch` up to `epochs`.
+
+        See [`Loop.train_epochs`][danling.runners.loop.loops.Loop.train_epochs] for what each epoch does.
+
+        Raises:
+            ValueError: `epochs` is not configured.
+        """
+        return self.loop.train_epochs(train_splits, evaluate_splits)
+
+    def train_epoch(self, split: str = "train") -> RoundDict:
+        """One full pass over `self.dataloaders[split]` in training mode; returns the split's result.
+
+        Called when: by `train_epochs`, once per train split and epoch (and by user code).
+        Holds on entry: inside the training loop's run scope; `train_state.epoch` is the epoch under way.
+        Side effects: runs `train_step` on every batch (updates, counters, the loop position).
+        Overrides must not: skip `super()` (the pass, its position and its metrics live there).
+        """
+        return self.loop.train_epoch(split)
+
+    def train_steps(
+        self, train_splits: Sequence[str] | None = None, evaluate_splits: Sequence[str] | None = None
+    ) -> RoundDict:
+        """Train until `train_state.global_step` reaches `steps`, evaluating along the way and at the end
+        (see [`Loop.train_steps`][danling.runners.loop.loops.Loop.train_steps]).
+
+        Raises:
+            ValueError: No step budget can be resolved.
+            RuntimeError: A full round over the train splits applied no optimizer step.
+        """
+        return self.loop.train_steps(train_splits, evaluate_splits)
+
+    def evaluate(self, evaluate_splits: Sequence[str] | None = None) -> RoundDict:
+        """Evaluate each split once and return `{split: result}`; the row is also sent to the trackers.
+
+        Raises:
+            ValueError: A requested split has no dataloader, or there is nothing to evaluate.
+        """
+        return self.loop.evaluate(evaluate_splits)
+
+    def evaluate_epoch(self, split: str = "val") -> RoundDict:
+        """One full pass over `self.dataloaders[split]` in evaluation mode; returns the split's result.
+
+        Called when: by `evaluate` and by each round's evaluation (whole splits), once per evaluation split.
+        Holds on entry: the model is materialized; no training pass is open on this split.
+        Side effects: runs `evaluate_step` on every batch, inside `inference_context()`.
+        Overrides must not: change weights or `train_state` (evaluation must not alter training).
+        """
+        return self.loop.evaluate_epoch(split)
+
+    def evaluate_steps(self, split: str = "val", steps: int | None = None) -> RoundDict:
+        """Evaluate the first `steps` batches of `split` (default `max(self.steps // 20, 1)`).
+
+        Raises:
+            ValueError: `steps` is negative, cannot be inferred, or the loader runs out first.
+        """
+        return self.loop.evaluate_steps(split, steps)
+
+    def infer(
+        self,
+        split: str = "infer",
+        *,
+        steps: int | None = None,
+        stream: bool | None = None,
+        output: str | os.PathLike[str] | None = None,
+        resume: bool | None = None,
+    ) -> list[Any] | Iterator[list[Any]] | Path:
+        """Predict on `split`: a flat list of outputs, an iterator of per-batch lists, or a file.
+
+        See [`Loop.infer`][danling.runners.loop.loops.Loop.infer] for the arguments and the
+        Inference guide for `output` files (streamed, resumable, merged across ranks).
+        """
+        return self.loop.infer(split, steps=steps, stream=stream, output=output, resume=resume)
+
+    def log_values(self, values: Mapping[str, Any], step: int | None = None) -> None:
+        """Send `values` to the trackers (every `LOG` subscriber) at `step` (default: the global step)."""
+        step = self.train_state.global_step if step is None else step
+        self.events.emit(Events.LOG, LogContext(self, values, step))
+
+    def prepare_for_shutdown_checkpoint(self) -> None:
+        """Bring the state to a consistent point before the shutdown checkpoint is written.
+
+        Called when: once, by the loops' graceful stop (a signal or `supervisor.request_stop()`), on
+            every rank, right before the `shutdown` checkpoint of a training loop is saved.
+        Holds on entry: the loop stands at an accumulation-window boundary or at the end of a
+            pass; evaluation's inference context has been left.
+        Side effects: the default applies a window the pass left open, so the checkpoint never
+            holds gradients that were computed but not applied.
+        Overrides must not: save checkpoints, step the loops or skip `super()` (an open window
+            would then be lost on resume).
+        """
+        self._close_window()
+
+    def _stop_requested(self) -> bool:
+        """Whether to stop after this batch (agreed across ranks while training); asked after every batch."""
+        return self.loop.passes.stop_requested()
+
+    def _shutdown(self) -> NoReturn:
+        """Save a `shutdown` checkpoint (when training), close the runner and exit (see `PassEngine.shutdown`)."""
+        self.loop.passes.shutdown()
+
+    @property
+    def _loop_depth(self) -> int:
+        return self.loop.passes.loop_depth
+
+    @property
+    def _step_window(self) -> Any:
+        return self.loop.passes.step_window
 
     # ==== checkpoint surface: thin delegations to the checkpoint component ====
     # (keep this marker; add this component's public names right below it)

@@ -1,8 +1,9 @@
 """`TorchRunner`: the PyTorch runner (single process or DDP), registered for the stacks `auto`, `torch` and `ddp`.
 
-The class assembles construction, component building and the update strategy (this module), the
-default batch contract ([`TorchBatchMixin`][danling.runners.torch_batch.TorchBatchMixin]) and checkpoint
-payloads ([`TorchCheckpointMixin`][danling.runners.checkpointing.torch_state.TorchCheckpointMixin]) on top of the
+The class assembles construction, component building, the update strategy and the default batch
+contract (the step hooks `train_step`, `evaluate_step`, `infer_step` and their contexts, this
+module) and checkpoint payloads
+([`TorchCheckpointMixin`][danling.runners.checkpointing.torch_state.TorchCheckpointMixin]) on top of the
 backend-free [`BaseRunner`][danling.runners.base_runner.BaseRunner]. Loaders come from
 [`torch_data`][danling.runners.torch_data], the start-of-run summary from
 [`torch_insight`][danling.runners.torch_insight] and the step profiler from
@@ -14,18 +15,22 @@ from __future__ import annotations
 import os
 import random
 from collections.abc import Callable, Iterator, Mapping
+from contextlib import AbstractContextManager, nullcontext
 from datetime import timedelta
 from functools import cached_property
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.data import IterableDataset
+from torch.utils.data import DistributedSampler, IterableDataset
 
 from danling.checkpoint.manifest import verification_scope
-from danling.data import build_dataloader, resolve_loader_options
+from danling.data import build_dataloader, resolve_loader_options, split_batch
 from danling.distributed import (
+    all_gather_strided,
+    all_reduce_mean,
     broadcast_object,
     init_process_group_from_env,
     is_distributed,
@@ -33,16 +38,18 @@ from danling.distributed import (
     wrap_ddp,
 )
 from danling.optim import build_optimizer, build_scheduler, is_metric_scheduler
+from danling.utils import to_device
 
 from .base_runner import BaseRunner
 from .checkpointing import TorchCheckpointMixin
 from .checkpointing.api import OPTIONAL_RANK_LOCAL_KEYS, RANK_LOCAL_KEYS
+from .loop import RunnerMode
 from .loop.events import Events
 from .runner import register_runner
 from .services import Compiler
 from .services.profiling import StepProfiler
-from .torch_batch import TorchBatchMixin
 from .torch_data import build_sampler, epoch_budget, why_no_steps
+from .torch_fused_step import STEP_HOOKS, PlainStep, label_range_message, plain_train_step
 from .torch_insight import format_run_summary, run_summary
 from .update import EMA, GradientAccumulator, OptimizerContainer, Precision, TorchUpdateStrategy, gradient_sync_for
 from .update.scheduling import advance_round_scheduler
@@ -51,61 +58,62 @@ from .update.spikes import guard_options
 __all__ = ["TorchRunner"]
 
 
-class TorchRunner(TorchCheckpointMixin, TorchBatchMixin, BaseRunner):
+class TorchRunner(TorchCheckpointMixin, BaseRunner):
     """PyTorch runner for training, evaluation and inference, in one process or under DDP.
 
-    Subclass it and, in `__init__` after `super().__init__(config)`, bind `self.model` (required),
-    usually `self.criterion`, datasets (`self.datasets.<split>`) or ready dataloaders
-    (`self.dataloaders.<split>`) and optionally `self.metrics` (or separate `self.train_metrics` /
-    `self.evaluate_metrics`). The optimizer and scheduler come from `config.optim` and
-    `config.scheduler` (or `config.sched`) unless you assign them yourself.
+        Subclass it and, in `__init__` after `super().__init__(config)`, bind `self.model` (required),
+        usually `self.criterion`, datasets (`self.datasets.<split>`) or ready dataloaders
+        (`self.dataloaders.<split>`) and optionally `self.metrics` (or separate `self.train_metrics` /
+        `self.evaluate_metrics`). The optimizer and scheduler come from `config.optim` and
+        `config.scheduler` (or `config.sched`) unless you assign them yourself.
 
-    When the subclass `__init__` returns, `__post_init__` runs, in order: `materialize_model`
-    (device, EMA copy when `ema.enabled`, `torch.compile` when `compile.enable`, DDP when more than
-    one process), `build_optimizer`, `build_scheduler`, `build_dataloaders` (resumable torchdata
-    loaders; train splits shuffle and drop the last partial batch by default) and the restore asked
-    for by `resume` / `auto_resume` / `pretrained`.
+        When the subclass `__init__` returns, `__post_init__` runs, in order: `materialize_model`
+        (device, EMA copy when `ema.enabled`, `torch.compile` when `compile.enable`, DDP when more than
+        one process), `build_optimizer`, `build_scheduler`, `build_dataloaders` (resumable torchdata
+        loaders; train splits shuffle and drop the last partial batch by default) and the restore asked
+        for by `resume` / `auto_resume` / `pretrained`.
 
-    The default steps read batches as mappings (`input`, `target`), sequences (items 0 and 1) or a
-    bare input; override `train_step`, `evaluate_step` or `infer_step` for anything else.
+        The default steps read batches as mappings (`input`, `target`), sequences (items 0 and 1) or a
+        bare input; override `train_step`, `evaluate_step` or `infer_step` for anything else.
 
-    Attributes:
-        model: The model after materialization (moved to `device`, possibly compiled and DDP-wrapped).
-        ema: The [`EMA`][danling.runners.update.ema.EMA] copy (or your own module) used by
-            evaluation and inference when set.
-        criterion: Loss function `criterion(pred, target)` of the default steps.
-        optimizer: The optimizer, built from `config.optim` unless assigned.
-        scheduler: The learning-rate scheduler, built from the scheduler section unless assigned.
-        optimizer_container: The [`OptimizerContainer`][danling.runners.update.optimizer.OptimizerContainer]
-            that applies each update (clipping, non-finite skip, step-interval scheduler).
-        accumulator: The [`GradientAccumulator`][danling.runners.update.accumulation.GradientAccumulator]
-            deciding which micro-steps update.
-        precision_policy: The [`Precision`][danling.runners.update.precision.Precision] of `config.precision`.
-        compiler: The [`Compiler`][danling.runners.services.compiler.Compiler] of the `compile` section.
-        scheduler_interval: When the scheduler steps: `"step"` (each update) or `"epoch"`/`"validation"`.
-        scheduler_monitor: Dotted result path a metric scheduler watches, or `None` for the score metric.
-        collate_fn: Batch collation used by `build_dataloaders` (`None`: torch's default).
+        Attributes:
+            model: The model after materialization (moved to `device`, possibly compiled and DDP-wrapped).
+            ema: The [`EMA`][danling.runners.update.ema.EMA] copy (or your own module) used by
+                evaluation and inference when set.
+            criterion: Loss function `criterion(pred, target)` of the default steps.
+            optimizer: The optimizer, built from `config.optim` unless assigned.
+            scheduler: The learning-rate scheduler, built from the scheduler section unless assigned.
+            optimizer_container: The [`OptimizerContainer`][danling.runners.update.optimizer.OptimizerContainer]
+                that applies each update (clipping, non-finite skip, step-interval scheduler).
+            accumulator: The [`GradientAccumulator`][danling.runners.update.accumulation.GradientAccumulator]
+                deciding which micro-steps update.
+            precision_policy: The [`Precision`][danling.runners.update.precision.Precision] of `config.precision`.
+            compiler: The [`Compiler`][danling.runners.services.compiler.Compiler] of the `compile` section.
+            scheduler_interval: When the scheduler steps: `"step"` (each update) or `"epoch"`/`"validation"`.
+            scheduler_monitor: Dotted result path a metric scheduler watches, or `None` for the score metric.
+            collate_fn: Batch collation used by `build_dataloaders` (`None`: torch's default).
 
-    Examples:
-        >>> import tempfile
-        >>> import torch
-        >>> from torch import nn
-        >>> class Regression(TorchRunner):
-        ...     def __init__(self, config):
-        ...         super().__init__(config)
-        ...         self.model = nn.Linear(2, 1)
-        ...         self.criterion = nn.MSELoss()
-        ...         x = torch.randn(32, 2)
-        ...         y = x.sum(dim=1, keepdim=True)
-        ...         self.datasets.train = list(zip(x, y))
-        ...         self.datasets.val = list(zip(x[:8], y[:8]))
-        >>> config = {"epochs": 2, "seed": 1, "optim.type": "sgd", "optim.lr": 0.1, "dataloader.batch_size": 8,
-        ...           "workspace_root": tempfile.mkdtemp(), "log": False, "checkpoint.async_enabled": False}
-        >>> with Regression(config) as runner:
-        ...     results = runner.train()
-        ...     predictions = runner.infer("val")
-        >>> runner.train_state.global_step, sorted(runner.latest_result), len(predictions)
-        (8, ['index', 'train', 'val'], 8)
+        Examples:
+            >>> import tempfile
+            >>> import torch
+            >>> from torch import nn
+    from torch.utils.data import DistributedSampler
+            >>> class Regression(TorchRunner):
+            ...     def __init__(self, config):
+            ...         super().__init__(config)
+            ...         self.model = nn.Linear(2, 1)
+            ...         self.criterion = nn.MSELoss()
+            ...         x = torch.randn(32, 2)
+            ...         y = x.sum(dim=1, keepdim=True)
+            ...         self.datasets.train = list(zip(x, y))
+            ...         self.datasets.val = list(zip(x[:8], y[:8]))
+            >>> config = {"epochs": 2, "seed": 1, "optim.type": "sgd", "optim.lr": 0.1, "dataloader.batch_size": 8,
+            ...           "workspace_root": tempfile.mkdtemp(), "log": False, "checkpoint.async_enabled": False}
+            >>> with Regression(config) as runner:
+            ...     results = runner.train()
+            ...     predictions = runner.infer("val")
+            >>> runner.train_state.global_step, sorted(runner.latest_result), len(predictions)
+            (8, ['index', 'train', 'val'], 8)
     """
 
     supported_features = ("profiling",)
@@ -116,6 +124,14 @@ class TorchRunner(TorchCheckpointMixin, TorchBatchMixin, BaseRunner):
     _owns_process_group: bool = False
     _deterministic_before: tuple | None = None
     _profiler: StepProfiler | None = None
+    # The first step hook (of `torch_fused_step.STEP_HOOKS`) this class overrides, recorded when the class
+    # is created: its training passes then call the hooks instead of the plain default step.
+    _overridden_step_hook: str | None = None
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        below = cls.__mro__[: cls.__mro__.index(TorchRunner)]  # the subclass and the mixins it puts first
+        cls._overridden_step_hook = next((name for name in STEP_HOOKS if any(name in vars(k) for k in below)), None)
 
     def __post_init__(self) -> None:
         """Materialize the model, build optimizer, scheduler and dataloaders, then restore and record metadata."""
@@ -443,6 +459,289 @@ class TorchRunner(TorchCheckpointMixin, TorchBatchMixin, BaseRunner):
 
     # ==== torch loop surface ====
     # (keep this marker; add this area's public names right below it)
+    # ------------------------------------------------------------------ mode and contexts
+    @property
+    def mode(self) -> RunnerMode:
+        """Current [`RunnerMode`][danling.runners.loop.mode.RunnerMode]; setting it switches `model` between
+        `train()` and `eval()` (the EMA copy always stays in evaluation mode).
+
+        Called when: the setter, by the loops when a pass opens (and by periodic evaluation to switch back).
+        Holds on entry: the model is materialized.
+        Side effects: `model.train(mode == "train")`, `ema.eval()`.
+        Overrides must not: skip `super()`'s setter (the loops read `mode` back, and dropout would stay on).
+        """
+        return self._mode
+
+    @mode.setter
+    def mode(self, mode: RunnerMode | str) -> None:
+        self._mode = RunnerMode(mode)
+        if isinstance(self.model, nn.Module):
+            self.model.train(self._mode is RunnerMode.train)
+        if isinstance(self.ema, nn.Module):
+            self.ema.eval()
+
+    def to_device(self, data: Any) -> Any:
+        """Move one batch (any nesting of tensors) to `self.device`.
+
+        Called when: by the default step hooks, once per batch, before the batch is split.
+        Holds on entry: `self.device` is settled (the model is materialized).
+        Side effects: none; returns the moved batch (tensors already there are kept).
+        Overrides must not: change the batch's structure (the default steps split it afterwards).
+        """
+        device = self.device
+        return to_device(data, device, non_blocking=device.type == "cuda")
+
+    def forward_context(self) -> AbstractContextManager:
+        """Autocast context of the configured precision, entered around every forward pass.
+
+        Called when: by `evaluate_step` and `infer_step` once per batch (and by `train_context`).
+        Holds on entry: the update strategy is built (`self.update`).
+        Side effects: none; entering the context switches autocast on for the block.
+        Overrides must not: disable autograd or sync gradients (evaluation and training share it).
+        """
+        update = self.update
+        fixed = update.fixed_context
+        return fixed if fixed is not None else update.forward_context()
+
+    def train_context(self) -> AbstractContextManager:
+        """Context of one training forward pass: autocast, plus gradient sync switched off for a
+        micro-step that does not close its accumulation window (see the update strategy's
+        [`train_context`][danling.runners.update.strategy.TorchUpdateStrategy.train_context]).
+
+        The backward pass may run after the block.
+
+        Called when: by `train_step`, once per training micro-batch, around the forward pass and loss.
+        Holds on entry: the accumulation window position of this micro-step is known to `self.update`.
+        Side effects: none; the context's block runs under autocast and, inside a window, without gradient sync.
+        Overrides must not: step the optimizer or advance the window (`step()` does that).
+        """
+        update = self.update
+        fixed = update.fixed_context
+        return fixed if fixed is not None else update.train_context()
+
+    def inference_context(self) -> AbstractContextManager:
+        """`torch.inference_mode()`: evaluation passes and inference steps build no autograd graph.
+
+        Called when: once around every evaluation pass (loader, steps and meters), and around each
+            `infer_step` of inference.
+        Holds on entry: `self.mode` is `evaluate` or `infer`.
+        Side effects: none; the block builds no autograd graph.
+        Overrides must not: return a context that enables gradients for parameters (evaluation would then
+            keep graphs alive and could change weights).
+        """
+        return torch.inference_mode()
+
+    # ------------------------------------------------------------------ step hooks
+    def train_step(self, data: Any) -> tuple[Any, torch.Tensor | None]:
+        """Forward, loss, metrics, backward and accumulation for one training micro-batch.
+
+        Called once per batch by the training loops with `self.mode == "train"`. The batch is moved
+        to `self.device` and split by [`split_batch`][danling.data.split_batch] (`input`/`target` of a
+        mapping, items 0/1 of a sequence, otherwise input only). The forward pass and the loss run
+        in `train_context()`; the training metrics are updated; then `backward(loss)` and `step()`.
+        Override it when batches or losses look different, keeping the `backward` and `step` calls;
+        do not zero gradients, step the optimizer or touch the counters here.
+
+        Called when: by the training loops, once per micro-batch of each train split.
+        Holds on entry: `self.mode == "train"`, the split's pass is open (meters and metrics reset).
+        Side effects: updates the training metrics, back-propagates, and calls `step()` (which may
+            apply an optimizer update and increment `train_state.global_step`).
+        Overrides must not: skip `step()`, call `optimizer_step()` themselves, zero gradients or
+            change `train_state` (the accumulation window and the counters would drift).
+
+        Returns:
+            The model output and the detached loss. Inside a training pass whose loop discards the
+            output (no step subscriber), this default step returns `None` for it and drops it
+            before `backward`, so the output does not sit in memory through the backward pass; an
+            override that calls `super().train_step` still gets the output.
+
+        Raises:
+            ValueError: `self.model` or `self.criterion` is not set, or the criterion returned None.
+        """
+        model = self.model
+        if model is None:
+            raise ValueError("train_step() needs self.model; set it in __init__")
+        data = self.to_device(data)
+        input, target = split_batch(data)
+        context = self.train_context()
+        if type(context) is nullcontext:  # full precision, no sync suppression: entering it does nothing
+            pred = model(input)
+            loss = self._criterion_loss(pred, target, required=True)
+        else:
+            with context:
+                pred = model(input)
+                loss = self._criterion_loss(pred, target, required=True)
+        self._update_metrics(pred, target)
+        if self._step_output_unused and type(self)._overridden_step_hook != "train_step":
+            # The loop discards the output and no override of this step reads it: holding it through the
+            # backward pass kept one more output-sized tensor (a language model's logits) alive at the
+            # memory peak, 12% of GPT-2 small's peak on an H200 (docs/gpu.md).
+            pred = None
+        self.backward(loss)
+        self.step()
+        return pred, loss.detach()
+
+    def evaluate_step(self, data: Any) -> tuple[Any, torch.Tensor | None]:
+        """Forward (through the EMA copy when there is one), optional loss and metrics for one batch.
+
+        Called by the evaluation loops inside `inference_context()`. The loss is computed only when
+        `self.criterion` is set and the batch has a target. Never call `backward`/`step` or change
+        counters here.
+
+        Called when: by the evaluation loops, once per batch of each evaluation split.
+        Holds on entry: `self.mode == "evaluate"`, inside `inference_context()`, the pass's metrics reset.
+        Side effects: updates the evaluation metrics.
+        Overrides must not: call `backward`/`step`, step the optimizer or change counters.
+
+        Raises:
+            ValueError: neither `self.ema` nor `self.model` is set.
+        """
+        model = self._inference_model()
+        data = self.to_device(data)
+        input, target = split_batch(data)
+        with self.forward_context():
+            pred = model(input)
+            loss = None if target is None else self._criterion_loss(pred, target, required=False)
+        self._update_metrics(pred, target)
+        return pred, None if loss is None else loss.detach()
+
+    def infer_step(self, data: Any) -> list[Any]:
+        """Predictions for one batch as a Python list (one number per example by default).
+
+        The input is taken as in `evaluate_step` (the target, if any, is ignored), run through the
+        EMA copy or the model under `forward_context()`, and converted with
+        `pred.squeeze(-1).cpu().tolist()`. Override it for outputs that are not one number per
+        example; return a list, never a tensor, and leave metrics alone.
+
+        Called when: by `infer`, once per batch of the inferred split.
+        Holds on entry: `self.mode == "infer"`, inside `inference_context()`.
+        Side effects: none.
+        Overrides must not: update metrics or counters, or return a tensor (the outputs are concatenated as lists).
+
+        Raises:
+            ValueError: neither `self.ema` nor `self.model` is set.
+        """
+        model = self._inference_model()
+        input, _ = split_batch(data)
+        input = self.to_device(input)
+        with self.forward_context():
+            pred = model(input)
+        values = pred.detach().squeeze(-1).cpu().tolist()
+        return values if isinstance(values, list) else [values]
+
+    def infer(
+        self,
+        split: str = "infer",
+        *,
+        steps: int | None = None,
+        stream: bool | None = None,
+        output: str | os.PathLike[str] | None = None,
+        resume: bool | None = None,
+    ) -> list[Any] | Iterator[list[Any]] | Path:
+        """Predict on `split` like [`Loop.infer`][danling.runners.loop.loops.Loop.infer]; under DDP a
+        list result covers the whole split, in dataset order, on every rank.
+
+        The split's sampler shards the data over the ranks (rank `r` gets items `r, r + W, ...`
+        when it does not shuffle), so each rank predicts its shard and the lists are then merged
+        back in order and cut to the dataset's length (dropping the sampler's padding). This is
+        a collective: call it on every rank. Streams, and loaders whose sampler shuffles or is not
+        a `DistributedSampler`, return this rank's own predictions. With `output`, the file is
+        written and merged as described in the Inference guide, and its path returned on every rank.
+        """
+        outputs = super().infer(split, steps=steps, stream=stream, output=output, resume=resume)
+        if not isinstance(outputs, list) or not is_distributed():
+            return outputs
+        sampler = getattr(self.dataloaders[split], "sampler", None)
+        if not isinstance(sampler, DistributedSampler) or sampler.shuffle:
+            return outputs
+        total = None if sampler.drop_last else len(sampler.dataset)
+        return all_gather_strided(outputs, total, group=self.topology.group("data"))
+
+    def _inference_model(self) -> Any:
+        model = self.ema if self.ema is not None else self.model
+        if model is None:
+            raise ValueError(f"{type(self).__name__} needs self.model (or self.ema) to evaluate or infer")
+        return model
+
+    def _criterion_loss(self, pred: Any, target: Any, *, required: bool) -> torch.Tensor | None:
+        if self.criterion is None:
+            if required:
+                raise ValueError("the default train_step needs self.criterion; set it or override train_step")
+            return None
+        try:
+            loss = self.criterion(pred, target)
+        except (IndexError, RuntimeError) as err:
+            self._criterion_failed(pred, target, err)
+            raise
+        if loss is None and required:
+            raise ValueError(f"criterion {self.criterion!r} returned None; train_step needs a loss tensor")
+        if required and getattr(loss, "ndim", 0) and loss.numel() != 1:  # shape reads: no device synchronisation
+            raise self._non_scalar_loss(loss)
+        return loss
+
+    def _non_scalar_loss(self, loss: Any) -> ValueError:
+        """The error for a criterion that returned one loss per sample instead of one per batch."""
+        return ValueError(
+            f"criterion {self.criterion!r} returned a loss of shape {tuple(loss.shape)}, not one number: "
+            "training needs a scalar loss per batch; reduce it (reduction='mean' for torch losses, or "
+            ".mean() in your criterion), or override train_step"
+        )
+
+    def _criterion_failed(self, pred: Any, target: Any, err: Exception) -> None:
+        """Turn a criterion's refusal of a class label into a `ValueError` naming the split and the range.
+
+        Returns (the caller re-raises `err`) when the error is about something else.
+        """
+        if "out of bounds" in str(err) or "out of range" in str(err):
+            raise ValueError(label_range_message(self, pred, target, err)) from err
+
+    def _plain_train_step(self) -> PlainStep | None:
+        """The plain default step when this pass needs nothing else (see `plain_train_step`)."""
+        return plain_train_step(self)
+
+    # ------------------------------------------------------------------ collectives
+    def all_reduce(self, tensor: torch.Tensor, *, op: Any = dist.ReduceOp.SUM, group: Any = None) -> torch.Tensor:
+        """`tensor` reduced with `op` over `group` (default: all ranks); a copy, or the input itself alone.
+
+        Called when: by `reduce_loss_for_logging` and user code; a collective every rank of `group` enters.
+        Holds on entry: the process group (if any) is running.
+        Side effects: none on `tensor`; returns the reduced copy.
+        Overrides must not: skip the collective on some ranks only (the others would wait forever).
+        """
+        if not is_distributed(group):
+            return tensor
+        out = tensor.detach().clone()
+        dist.all_reduce(out, op=op, group=group)
+        return out
+
+    def reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Mean of `tensor` over the metrics domain (all ranks under plain DDP).
+
+        Called when: by `reduce_loss_for_logging` and user code; a collective over the metrics domain.
+        Holds on entry: the topology's `metrics` group is set up.
+        Side effects: none; returns the mean.
+        Overrides must not: skip the collective on some ranks only.
+        """
+        return all_reduce_mean(tensor, group=self.topology.group("metrics"))
+
+    def reduce_loss_for_logging(self, loss: torch.Tensor | None, loss_n: int | None) -> torch.Tensor | None:
+        """Detached loss averaged over ranks, weighted by each rank's `loss_n` samples when given.
+
+        Called when: by user code that logs a loss; a collective when distributed.
+        Holds on entry: `loss` is this rank's loss (or `None`).
+        Side effects: none; returns the reduced, detached loss.
+        Overrides must not: return a tensor that requires grad, or skip the collective on some ranks.
+        """
+        if loss is None:
+            return None
+        loss = loss.detach()
+        if not is_distributed():
+            return loss
+        if loss_n is None:
+            return self.reduce(loss)
+        weighted = self.all_reduce(loss.float() * loss_n)
+        total = self.all_reduce(torch.tensor(float(loss_n), device=loss.device))
+        return weighted / total
 
     # ==== torch checkpoint surface ====
     # (keep this marker; add this area's public names right below it)

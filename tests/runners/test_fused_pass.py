@@ -46,7 +46,7 @@ def wrapping_criterion(cls, wrap):
 def _run(cls, root, overrides):
     with cls(tiny_config(root, **{"deterministic": True, "epochs": 3, **overrides})) as runner:
         runner.train()
-        return runner.fused_step, {
+        return runner.loop.fused_step, {
             "weights": model_state(runner),
             "optimizer": runner.optimizer.state_dict(),
             "lr": [group["lr"] for group in runner.optimizer.param_groups],
@@ -108,7 +108,7 @@ def test_a_stop_requested_in_a_fused_pass_stops_where_the_hooks_stop(tmp_path):
         config = tiny_config(tmp_path / name, deterministic=True, log_interval=0)  # the stop flag alone is read
         with pytest.raises(SystemExit), wrapping_criterion(cls, watched)(config) as runner:
             runner.train()
-        seen[name] = (runner.fused_step, runner.train_state.state_dict(), runner.loop_state.state_dict())
+        seen[name] = (runner.loop.fused_step, runner.train_state.state_dict(), runner.loop_state.state_dict())
         seen[name] += (repr(runner.meters["loss"]._sum), model_state(runner))
     assert seen["fused"][0] and not seen["hooks"][0]
     assert seen["fused"][1] == seen["hooks"][1] == {"epoch": 1, "global_step": 10, "micro_step": 10}
@@ -141,32 +141,32 @@ def test_anything_but_the_plain_update_keeps_the_hooks(tmp_path, overrides):
     with TinyRunner(tiny_config(tmp_path, **overrides)) as runner:
         assert general_step_reason(runner) is not None
         runner.train()
-        assert not runner.fused_step and runner.train_state.global_step > 0
+        assert not runner.loop.fused_step and runner.train_state.global_step > 0
 
 
 def test_an_overridden_hook_or_a_step_subscriber_keeps_the_hooks(tmp_path):
     with TinyRunner(tiny_config(tmp_path / "plain")) as runner:
         assert general_step_reason(runner) is None
         runner.train()
-        assert runner.fused_step
+        assert runner.loop.fused_step
 
     with BackwardRunner(tiny_config(tmp_path / "class")) as runner:
         assert general_step_reason(runner) == "backward is overridden"
         runner.train()
-        assert not runner.fused_step
+        assert not runner.loop.fused_step
 
     with TinyRunner(tiny_config(tmp_path / "instance")) as runner:
         calls = []
         default = runner.to_device
         runner.to_device = lambda data: calls.append(runner.model.training) or default(data)
         runner.train()
-        assert not runner.fused_step and sum(calls) == runner.train_state.micro_step
+        assert not runner.loop.fused_step and sum(calls) == runner.train_state.micro_step
 
     with TinyRunner(tiny_config(tmp_path / "subscriber")) as runner:
         ends = []
         runner.events.subscribe(Events.STEP_END, lambda context: ends.append(context.runner.model.training))
         runner.train()
-        assert not runner.fused_step and sum(ends) == runner.train_state.micro_step
+        assert not runner.loop.fused_step and sum(ends) == runner.train_state.micro_step
 
 
 def test_a_loss_the_meter_refuses_fails_at_its_own_batch(tmp_path):
@@ -185,7 +185,7 @@ def test_a_loss_the_meter_refuses_fails_at_its_own_batch(tmp_path):
         config = tiny_config(tmp_path / name, log_interval=0)  # no step logs: nothing reads the meter sooner
         with pytest.raises(ValueError, match="shape"), wrapping_criterion(cls, reshaping)(config) as runner:
             runner.train()
-        seen[name] = (runner.fused_step, runner.train_state.state_dict())
+        seen[name] = (runner.loop.fused_step, runner.train_state.state_dict())
     assert seen["fused"][0] and not seen["hooks"][0]
     assert seen["fused"][1] == seen["hooks"][1] == {"epoch": 0, "global_step": 3, "micro_step": 3}
 
@@ -210,7 +210,7 @@ def test_the_fused_pass_lets_the_output_go_before_the_backward_pass(tmp_path):
     with cls(tiny_config(tmp_path, epochs=1)) as runner:
         runner.alive = []
         runner.train()
-        assert runner.fused_step
+        assert runner.loop.fused_step
         assert runner.alive == [False] * 5  # 5 training batches, none holding its output during backward
 
 
@@ -243,7 +243,7 @@ def test_the_hooked_default_step_lets_the_output_go_unless_something_reads_it(tm
     # memory for GPT-2 small on an H200, docs/gpu.md) although the loop discards them.
     with WatchedOutputRunner(tiny_config(tmp_path / "a", epochs=1, precision="bf16")) as runner:
         runner.train()
-        assert not runner.fused_step and runner.alive == [False] * 5
+        assert not runner.loop.fused_step and runner.alive == [False] * 5
         assert runner.train_step(next(iter(runner.dataloaders["train"])))[0] is not None  # called directly: kept
     with OutputReadingRunner(tiny_config(tmp_path / "b", epochs=1, precision="bf16")) as runner:
         runner.outputs = []

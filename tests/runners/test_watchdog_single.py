@@ -126,7 +126,7 @@ def test_the_single_process_watchdog_keeps_the_fused_pass(tmp_path):
         watchdog = runner.supervisor.local_watchdog
         assert isinstance(watchdog, LocalWatchdog) and watchdog._thread.is_alive()
         assert runner.supervisor.watchdog is None  # the loops report to no one
-        assert runner.fused_step is True
+        assert runner.loop.fused_step is True
     assert runner.supervisor.local_watchdog is None and watchdog._thread is None
     with TinyRunner(tiny_config(tmp_path / "off", **{"watchdog.enabled": False})) as runner:
         runner.train()

@@ -155,7 +155,7 @@ def run_inference(
     """Run `runner.infer_step` over `split`, streaming the outputs into `output`; return its path.
 
     A collective under data or pipeline parallelism: every rank calls it. See
-    [`LoopMixin.infer`][danling.runners.loop.loops.LoopMixin.infer] for the arguments.
+    [`Loop.infer`][danling.runners.loop.loops.Loop.infer] for the arguments.
 
     Raises:
         ValueError: No sink for the suffix, a shuffled split, or a progress record that does not

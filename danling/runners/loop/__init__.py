@@ -4,7 +4,7 @@
 [`EventBus`][danling.runners.loop.events.EventBus] the loops emit them on.
 """
 
-from .budget import ProgressMixin, length_of
+from .budget import length_of
 from .events import (
     CheckpointContext,
     EpochContext,
@@ -23,9 +23,11 @@ from .events import (
     Subscription,
     on,
 )
-from .hooks import RunnerMode, StepHooks
-from .loops import LoopMixin
-from .passes import PassMixin
+from .hooks import StepHooks
+from .host import LoopHost
+from .loops import Loop
+from .mode import RunnerMode
+from .passes import PassEngine
 from .position import LoopState
 
 __all__ = [
@@ -38,11 +40,11 @@ __all__ = [
     "FailureContext",
     "InferenceContext",
     "LogContext",
-    "LoopMixin",
+    "Loop",
+    "LoopHost",
     "LoopState",
     "PassContext",
-    "PassMixin",
-    "ProgressMixin",
+    "PassEngine",
     "RunContext",
     "RunnerMode",
     "SkippedStepContext",

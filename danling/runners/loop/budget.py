@@ -1,21 +1,17 @@
-"""Budgets, cadences and split selection derived from the config and the bound dataloaders.
+"""Budgets, cadences and split selection: the rules the runner's budget properties apply.
 
-[`ProgressMixin`][danling.runners.loop.budget.ProgressMixin] answers "how long do we train, how
-often do we log and checkpoint, and on which splits" for `BaseRunner`; every answer is read
-from `config` first and inferred from `dataloaders` otherwise.
+The runner's properties (`epochs`, `steps`, `log_interval`, `train_splits`, ...) read the typed
+config and the bound dataloaders and hand them to these functions, which hold the rules: how
+long a run trains, how often it logs, and on which splits.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from functools import cached_property
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterable, Sequence
+from typing import Any
 
-if TYPE_CHECKING:
-    from ..config import RunnerConfig
-
-__all__ = ["ProgressMixin"]
+__all__ = ["checked_count", "default_interval", "length_of", "selected_splits", "step_budget"]
 
 _INFER_PREFIXES = ("infer", "predict")
 
@@ -40,255 +36,42 @@ def _why_empty(loader: Any) -> str:
     )
 
 
-class ProgressMixin:
-    """Budget, cadence and split properties; mixed into `BaseRunner`."""
+def checked_count(name: str, value: Any, *, minimum: int = 0, accepted: str = "an int >= 0 or None") -> Any:
+    """`value` when it is `None` or an int (not a bool) of at least `minimum`; else a one-line `ValueError`."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < minimum):
+        raise ValueError(f"{name} must be {accepted}, got {value!r}")
+    return value
 
-    config: RunnerConfig
 
-    def check_training_budget(self, train_splits: Sequence[str], evaluate_splits: Sequence[str] = ()) -> None:
-        """Refuse a training budget or data that would train nothing (or score nothing), before the first step.
+def step_budget(steps: int | None, epochs: int | None, loaders: Iterable[Any], accum_steps: int) -> int | None:
+    """`steps` when set; else `epochs` times the optimizer steps of one epoch over `loaders`
+    (when every loader has a length); else `None`."""
+    if steps is not None or epochs is None:
+        return steps
+    per_epoch = 0
+    for loader in loaders:
+        length = length_of(loader)
+        if length is None:
+            return None
+        per_epoch += math.ceil(length / accum_steps)
+    return epochs * per_epoch if per_epoch else None
 
-        Raises:
-            ValueError: `epochs` or `steps` is 0 (without progress to resume past it), or a train
-                or evaluation split's loader yields no batch (an empty dataset, or `drop_last` with
-                a batch larger than the dataset: an evaluation split would give rows of NaN); the
-                message names the value and what is accepted.
-        """
-        config, state = self.config, self.train_state
-        for key, done in (("epochs", state.epoch), ("steps", state.global_step)):
-            if config.get(key) == 0 and done == 0 and (key == "epochs" or config.get("epochs") is None):
-                raise ValueError(f"{key}=0 trains nothing: set {key} to a positive int (or call evaluate())")
-        if config.get("steps") is not None and config.get("epochs") is not None:
-            self.logger.warning(
-                "steps=%s and epochs=%s are both set: epochs selects epoch mode, and steps is not a budget "
-                "there (it only paces progress and logging); set one of them",
-                config.steps,
-                config.epochs,
-            )
-        for split in train_splits:
-            if length_of(self.dataloaders[split]) == 0:
-                raise ValueError(f"training split {split!r} yields no batch: {_why_empty(self.dataloaders[split])}")
-        for split in evaluate_splits:
-            if length_of(self.dataloaders[split]) == 0:
-                raise ValueError(
-                    f"evaluation split {split!r} yields no batch: {_why_empty(self.dataloaders[split])}; its result "
-                    "rows would hold NaN: give it data or leave it out of evaluate_splits"
-                )
 
-    def budget_spent(self) -> bool:
-        """Whether a resumed run has already trained its whole budget; if so, say so in the log.
+def default_interval(length: int | None, steps: int | None, *, fallback: int) -> int:
+    """A tenth of `length` (a loader's batches), else a tenth of `steps`, at least 1; `fallback` without either."""
+    if length:
+        return max(length // 10, 1)
+    return max(steps // 10, 1) if steps else fallback
 
-        The budget (`epochs`, `steps`) is not part of the run's identity: raising it continues the
-        run for what is new, and lowering it to or below what is done finishes at once. Epoch mode
-        compares the finished epochs with `epochs`; step mode compares `global_step` with the step
-        budget and also needs the final row of that step stored (a run killed between its last
-        step and its final evaluation still evaluates).
-        """
-        state = self.train_state
-        if self.epochs is not None:
-            key, budget, done, finished = "epochs", self.epochs, state.epoch, state.epoch
-        else:
-            budget = self.steps
-            key, done, finished = "steps", state.global_step, state.global_step in self.results
-        if budget is None or done == 0 or done < budget or not finished:
-            return False
-        unit = "epochs" if key == "epochs" else "optimizer steps"
-        log = self.logger.warning if done > budget else self.logger.info
-        log(
-            "training budget already spent: %d %s are done and %s=%d, so there is nothing to train; "
-            "raise %s above %d to train more (the run continues where it stopped)",
-            done,
-            unit,
-            key,
-            budget,
-            key,
-            done,
-        )
-        return True
 
-    # ------------------------------------------------------------------ budgets and cadence
-    @property
-    def epochs(self) -> int | None:
-        """Number of epochs to train (`config.epochs`); `None` selects step mode."""
-        return self.config.get("epochs")
+def selected_splits(configured: str | Sequence[str] | None, default: Sequence[str]) -> list[str]:
+    """The configured splits (a name or a list; `[]` is a choice), else `default`, without duplicates."""
+    if configured is None:
+        return list(default)
+    return [configured] if isinstance(configured, str) else list(dict.fromkeys(configured))
 
-    @epochs.setter
-    def epochs(self, value: int | None) -> None:
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-            raise ValueError(f"epochs must be a non-negative int or None, got {value!r}")
-        self.config.epochs = value
 
-    @property
-    def steps(self) -> int | None:
-        """Optimizer-step budget.
-
-        `config.steps` when set; otherwise `epochs` times the optimizer steps per epoch, when
-        every train dataloader has a length; otherwise `None`.
-        """
-        steps = self.config.get("steps")
-        if steps is not None or self.epochs is None:
-            return steps
-        per_epoch = 0
-        for split in self.train_splits:
-            length = length_of(self.dataloaders.get(split))
-            if length is None:
-                return None
-            per_epoch += math.ceil(length / self.accum_steps)
-        return self.epochs * per_epoch if per_epoch else None
-
-    @steps.setter
-    def steps(self, value: int | None) -> None:
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-            raise ValueError(f"steps must be a non-negative int or None, got {value!r}")
-        self.config.steps = value
-
-    @property
-    def is_step_mode(self) -> bool:
-        """Whether training counts optimizer steps (no `epochs` configured) instead of epochs."""
-        return self.epochs is None
-
-    @cached_property
-    def accum_steps(self) -> int:
-        """Micro-batches per optimizer step (`config.accum_steps`, default 1)."""
-        value = self.config.get("accum_steps") or 1
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"accum_steps must be a positive int, got {value!r}")
-        return value
-
-    @cached_property
-    def precision(self) -> str | None:
-        """Autocast precision requested by the config (`"fp32"`, `"fp16"`, `"bf16"`), or `None`."""
-        precision = self.config.get("precision")
-        if isinstance(precision, str):
-            return self.config.PRECISIONS.get(precision.lower(), precision)
-        return precision
-
-    @cached_property
-    def max_grad_value(self) -> float | None:
-        """Gradient value clipping threshold (`config.max_grad_value`), or `None`."""
-        return self.config.get("max_grad_value")
-
-    @cached_property
-    def max_grad_norm(self) -> float | None:
-        """Gradient norm clipping threshold (`config.max_grad_norm`), or `None`."""
-        return self.config.get("max_grad_norm")
-
-    @cached_property
-    def skip_nonfinite_grad(self) -> bool:
-        """Whether updates with NaN/inf gradients are skipped (`config.skip_nonfinite_grad`)."""
-        return bool(self.config.get("skip_nonfinite_grad"))
-
-    @property
-    def progress(self) -> float:
-        """Fraction of the training budget done, in `[0, 1]` (by steps when known, else epochs)."""
-        steps = self.steps
-        if steps:
-            value = self.train_state.global_step / steps
-        elif self.epochs:
-            value = self.train_state.epoch / self.epochs
-        else:
-            return 0.0
-        return min(max(value, 0.0), 1.0)
-
-    @property
-    def batch_size(self) -> int:
-        """Batch size from `dataloader.batch_size`, else from the first dataloader that has one."""
-        size = self.config.get("dataloader.batch_size")
-        if size:
-            return size
-        for loader in self.dataloaders.values():
-            size = getattr(loader, "batch_size", None)
-            if size:
-                return size
-        raise ValueError("cannot infer the batch size: set dataloader.batch_size or bind a dataloader with batch_size")
-
-    @property
-    def log_interval(self) -> int:
-        """Iterations between step logs: `config.log_interval`, else a tenth of the first train loader.
-
-        `0` (configured) turns step logs off; results of each round are still logged.
-        """
-        loader = next((self.dataloaders[s] for s in self.train_splits if s in self.dataloaders), None)
-        return self._log_interval_for(length_of(loader))
-
-    def _log_interval_for(self, length: int | None) -> int:
-        configured = self.config.get("log_interval")
-        if configured is not None:
-            if isinstance(configured, bool) or not isinstance(configured, int) or configured < 0:
-                raise ValueError(f"log_interval must be an int >= 0 (0: no step logs) or None, got {configured!r}")
-            return configured
-        if length:
-            return max(length // 10, 1)
-        return max(self.steps // 10, 1) if self.steps else 100
-
-    @property
-    def evaluate_interval(self) -> int:
-        """Optimizer steps between evaluations in step mode.
-
-        `config.evaluate_interval` when set (`0`: only the evaluation after the last step);
-        otherwise a tenth of the step budget, at least 1, which is also the default checkpoint
-        cadence, so every default checkpoint holds evaluated weights. Epoch mode evaluates after
-        every epoch and does not read it.
-        """
-        configured = self.config.get("evaluate_interval")
-        if configured is not None:
-            if isinstance(configured, bool) or not isinstance(configured, int) or configured < 0:
-                raise ValueError(f"evaluate_interval must be an int >= 0 (0: after the last step), got {configured!r}")
-            return configured
-        steps = self.steps
-        return max(steps // 10, 1) if steps else 0
-
-    @property
-    def evaluate_batches(self) -> int | None:
-        """Batches of each evaluation split in an evaluation run while training (`None`: the whole split).
-
-        `config.evaluate_batches`; a dry run (`config.dry_run`) caps it at its batch count.
-        """
-        limits = [self.config.get("evaluate_batches"), self.config.get("dry_run")]
-        for value in limits:
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ValueError(f"evaluate_batches and dry_run must be positive ints or None, got {value!r}")
-        given = [value for value in limits if value is not None]
-        return min(given) if given else None
-
-    @property
-    def checkpoint_interval(self) -> int:
-        """Checkpoint cadence: `checkpoint.interval`, else every epoch (epoch mode) or a tenth of `steps`."""
-        configured = self.config.get("checkpoint.interval")
-        if configured:
-            return configured
-        if not self.is_step_mode:
-            return 1
-        steps = self.config.get("steps")
-        return max(steps // 10, 1) if steps else 1
-
-    # ------------------------------------------------------------------ splits
-    def _known_splits(self) -> list[str]:
-        return list(dict.fromkeys([*self.datasets.keys(), *self.dataloaders.keys()]))
-
-    @property
-    def train_splits(self) -> list[str]:
-        """Splits trained on: `config.train_splits`, else every split whose name starts with `train`."""
-        configured = self.config.get("train_splits")
-        if configured is not None:  # `[]` is a choice, not "unset"
-            return [configured] if isinstance(configured, str) else list(dict.fromkeys(configured))
-        return [split for split in self._known_splits() if split.startswith("train")]
-
-    @property
-    def evaluate_splits(self) -> list[str]:
-        """Splits evaluated: `config.evaluate_splits` (`[]`: none), else every split not trained or inferred."""
-        configured = self.config.get("evaluate_splits")
-        if configured is not None:  # `[]`: evaluate nothing
-            return [configured] if isinstance(configured, str) else list(dict.fromkeys(configured))
-        train = set(self.train_splits)
-        return [s for s in self._known_splits() if s not in train and not s.startswith(_INFER_PREFIXES)]
-
-    def _resolve_splits(self, requested: str | Sequence[str] | None, default: list[str], kind: str) -> list[str]:
-        if requested is None:
-            splits = default
-        else:
-            splits = [requested] if isinstance(requested, str) else list(dict.fromkeys(requested))
-        missing = [split for split in splits if split not in self.dataloaders]
-        if missing:
-            raise ValueError(f"{kind} split(s) {missing} have no dataloader; available: {list(self.dataloaders)}")
-        return splits
+def evaluation_default(known: Sequence[str], train: Sequence[str]) -> list[str]:
+    """Every known split that is not trained and not named for inference (`infer*`, `predict*`)."""
+    trained = set(train)
+    return [split for split in known if split not in trained and not split.startswith(_INFER_PREFIXES)]

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from contextlib import AbstractContextManager, nullcontext
-from enum import Enum
 from typing import Any
 
 import torch
@@ -21,16 +20,9 @@ from danling.utils import RoundDict
 
 from ..update import UpdateStrategy
 from .events import Events, SkippedStepContext
+from .mode import RunnerMode
 
 __all__ = ["RunnerMode", "StepHooks"]
-
-
-class RunnerMode(str, Enum):
-    """What the runner is doing: `train`, `evaluate` or `infer`."""
-
-    train = "train"
-    evaluate = "evaluate"
-    infer = "infer"
 
 
 class StepHooks:
@@ -41,9 +33,6 @@ class StepHooks:
     train_metrics: Any = None
     evaluate_metrics: Any = None
     _mode: RunnerMode = RunnerMode.train
-    # Whether the training pass under way (or the last one) runs a backend's fused equivalent of the
-    # default step instead of the hooks (see `danling.runners.torch_fused_step`).
-    fused_step: bool = False
     # Whether the hooked training pass under way discards what `train_step` returns as its output (no
     # subscriber watches the steps); the default torch step then lets the output go before backward.
     _step_output_unused: bool = False
@@ -54,7 +43,7 @@ class StepHooks:
     # ------------------------------------------------------------------ mode
     @property
     def mode(self) -> RunnerMode:
-        """Current [`RunnerMode`][danling.runners.loop.hooks.RunnerMode]; backends override the setter to
+        """Current [`RunnerMode`][danling.runners.loop.mode.RunnerMode]; backends override the setter to
         switch their modules between training and evaluation behaviour."""
         return self._mode
 
@@ -74,12 +63,12 @@ class StepHooks:
         """
         raise NotImplementedError(f"{type(self).__name__} must implement train_step(data) -> (pred, loss)")
 
-    def _fused_train_pass(self) -> Any:
-        """A backend's fused equivalent of a training pass through the hooks, or `None` (here: always).
+    def _plain_train_step(self) -> Any:
+        """A backend's one-call equivalent of `train_step` for this pass, or `None` (here: always).
 
-        Asked when a training pass starts that no per-batch subscriber, watchdog or spike guard
-        watches. The returned callable takes `(batches, split, length, interval, track_progress,
-        budget, stop_poll, agree)`, runs the pass and returns `(batches consumed, ran out)`.
+        Asked once when a training pass starts that no per-batch subscriber, watchdog or spike
+        guard watches; the pass's loop then calls the returned `step(data) -> (None, loss)` in
+        place of `train_step`.
         """
         return None
 

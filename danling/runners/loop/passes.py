@@ -1,15 +1,16 @@
 """One pass over a split: the per-batch loop every training, evaluation and inference loop runs.
 
-[`PassMixin`][danling.runners.loop.passes.PassMixin] iterates a loader, calls the step hook of
-the mode, records losses on the device, paces logging, checkpoints, heartbeats and garbage
-collection, and stops gracefully at an accumulation-window boundary when asked to. Optional
-services cost nothing per batch when they are off: the pass looks them up once when it starts.
+[`PassEngine`][danling.runners.loop.passes.PassEngine] (the `passes` of a
+[`Loop`][danling.runners.loop.loops.Loop]) iterates a loader, calls the step hook of the mode,
+records losses on the device, paces logging, checkpoints, heartbeats and garbage collection,
+and stops gracefully at an accumulation-window boundary when asked to. Optional services cost
+nothing per batch when they are off: the pass looks them up once when it starts.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager, nullcontext
 from itertools import islice
 from typing import Any, NoReturn
@@ -17,7 +18,7 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
-from danling.distributed import all_reduce_any, barrier, is_distributed
+from danling.distributed import all_reduce_any, is_distributed
 from danling.distributed.collectives import _on_backend_device
 from danling.utils import RoundDict
 
@@ -27,39 +28,47 @@ from ..update.spikes import LossSpike, TrainingDivergedError
 from .budget import length_of
 from .events import (
     EvaluationContext,
+    EventBus,
     Events,
     FailureContext,
-    LogContext,
     PassContext,
     RunContext,
     StepContext,
     StopContext,
 )
-from .hooks import RunnerMode, StepHooks
-from .position import LoopState
+from .host import LoopHost
+from .mode import RunnerMode
 
-__all__ = ["PassMixin"]
+__all__ = ["PassEngine"]
 
 _FLOAT32_OVERFLOW = 2.0**128 - 2.0**103  # the float64 values from here up round to an infinite float32
 _STOP_POLL_EVERY = 8  # batches between the cross-rank agreements on a stop request while training
 
 
-class PassMixin(StepHooks):
-    """The pass engine and the graceful-stop machinery; mixed into `BaseRunner`."""
+class PassEngine:
+    """The pass engine and the graceful-stop machinery of one runner.
 
-    split: str | None = None
-    loop_state: LoopState
-    _loop_depth: int = 0
-    _training: bool = False
-    # A stop request was seen; the loop exits at the next accumulation-window boundary.
-    _stop_latched: bool = False
-    _stop_polls: int = 0
-    # A periodic evaluation ran out of `patience`: the step-mode training pass ends at this step.
-    _stopping_early: bool = False
-    _seen_step: int = 0
-    _step_window: StepWindow
+    Built by [`Loop`][danling.runners.loop.loops.Loop] with the runner it drives (through the
+    [`LoopHost`][danling.runners.loop.host.LoopHost] protocol), the event bus the passes are
+    announced on, and `on_optimizer_step`: the loop's check for a periodic evaluation, called
+    after each applied optimizer step of a step-mode training pass.
+    """
 
-    def _run_split(
+    def __init__(self, host: LoopHost, events: EventBus, on_optimizer_step: Callable[[int], None]) -> None:
+        self.host, self.events, self._on_optimizer_step = host, events, on_optimizer_step
+        self.loop_depth = 0  # nesting of the loops under way (0: none); the outermost owns the run scope
+        self.training = False  # whether the outermost loop under way trains
+        # A stop request was seen; the loop exits at the next accumulation-window boundary.
+        self.stop_latched = False
+        self._stop_polls = 0
+        # A periodic evaluation ran out of `patience`: the step-mode training pass ends at this step.
+        self.stopping_early = False
+        self._seen_step = 0
+        self.step_window = StepWindow()
+        # Whether the last training pass called the backend's plain default step instead of `train_step`.
+        self.fused_step = False
+
+    def run_split(
         self, split: str, mode: RunnerMode, *, budget: int | None = None, max_batches: int | None = None
     ) -> tuple[RoundDict, int]:
         """Iterate one split in `mode`; return its result and the number of batches consumed.
@@ -68,13 +77,15 @@ class PassMixin(StepHooks):
         for evaluation passes); the end events fire even when the pass fails.
         """
         events = self.events
-        length = length_of(self.dataloaders[split])
+        length = length_of(self.host.dataloaders[split])
         if max_batches is not None:
             length = max_batches if length is None else min(length, max_batches)
-        with events.pair(Events.PASS_START, Events.PASS_END, PassContext(self, split, mode.value, length)) as context:
+        with events.pair(
+            Events.PASS_START, Events.PASS_END, PassContext(self.host, split, mode.value, length)
+        ) as context:
             if mode is RunnerMode.evaluate:
                 with events.pair(
-                    Events.EVALUATION_START, Events.EVALUATION_END, EvaluationContext(self, split)
+                    Events.EVALUATION_START, Events.EVALUATION_END, EvaluationContext(self.host, split)
                 ) as evaluation:
                     result, batches = self._iterate_split(split, mode, budget=budget, max_batches=max_batches)
                     evaluation.result = result
@@ -86,7 +97,7 @@ class PassMixin(StepHooks):
     def _iterate_split(
         self, split: str, mode: RunnerMode, *, budget: int | None = None, max_batches: int | None = None
     ) -> tuple[RoundDict, int]:
-        loader = self.dataloaders[split]
+        loader = self.host.dataloaders[split]
         length = length_of(loader)
         training = mode is RunnerMode.train
         self._open_pass(split, mode, training, length)
@@ -94,64 +105,61 @@ class PassMixin(StepHooks):
             length = max_batches if length is None else min(length, max_batches)
         # Like the per-batch subscribers below, the readers of step logs are looked up once per pass:
         # when nobody reads them, the pass does not pace them at all.
-        interval = self._log_interval_for(length) if self._step_logs_read(training) else 0
-        state = self.train_state
+        interval = self.host._log_interval_for(length) if self._step_logs_read(training) else 0
+        state = self.host.train_state
         self._seen_step = state.global_step
-        supervisor = self.supervisor
+        supervisor = self.host.supervisor
         # Per-batch subscribers (progress bar, heartbeat, yours) are looked up once per pass: with
         # none, a batch costs no event at all.
         observed = self.events.has_subscribers(Events.STEP_START) or self.events.has_subscribers(Events.STEP_END)
         track_progress = training and (budget is not None or supervisor.gc_interval is not None)
         # Inside a training loop (its evaluation passes included) ranks agree on a stop, so they stop
         # at the same batch; otherwise (evaluate() or infer() alone) the local flag answers.
-        # An overridden check is asked after every batch too.
-        agree = self._training and is_distributed()
-        overridden = type(self)._stop_requested is not PassMixin._stop_requested
-        stop_poll = self._stop_requested if agree or overridden else None
+        # The runner's check (`_stop_requested`, which a subclass may override) is asked after every batch.
+        agree = self.training and is_distributed()
+        stop_poll = self.host._stop_requested
         # Batches that spiked before a rollback (empty and falsy without a spike guard), and the
         # watchdog (multi-process runs), told the phase of every batch.
         skipped, watchdog = self._spiked_batches() if training else None, supervisor.watchdog
-        # A training pass nobody watches batch by batch may run the backend's fused default step instead.
-        fused = self._fused_train_pass() if training and not (observed or skipped or watchdog) else None
+        # A training pass nobody watches batch by batch may call the backend's plain default step instead
+        # of `train_step` (the same work without the hook calls); the loop around it is the same.
+        plain = self.host._plain_train_step() if training and not (observed or skipped or watchdog) else None
         if training:
-            self.fused_step = fused is not None
+            self.fused_step = plain is not None
         pace = (split, length, interval, track_progress, budget, stop_poll, agree)
         # An evaluation pass runs in one inference context (entering it per batch costs more than
         # some small models' forward passes); it is left before a stop saves its checkpoint.
-        with nullcontext() if training else self.inference_context(), self._spike_scope(split):
+        with nullcontext() if training else self.host.inference_context(), self._spike_scope(split):
             batches_in = islice(loader, max_batches)
-            if fused is not None:
-                batches, ran_out = fused(batches_in, *pace)
-            else:
-                batches, ran_out = self._hooked_batches(batches_in, pace, training, observed, skipped)
+            batches, ran_out = self._hooked_batches(batches_in, pace, training, observed, skipped, plain)
             if ran_out:
                 self._pass_ran_out(agree and length is None, training)
         self._close_pass(training, budget)
-        return self.collect_result(split), batches
+        return self.host.collect_result(split), batches
 
     def _hooked_batches(
-        self, batches_in: Iterable, pace: tuple, training: bool, observed: bool, skipped: Any
+        self, batches_in: Iterable, pace: tuple, training: bool, observed: bool, skipped: Any, plain: Any = None
     ) -> tuple[int, bool]:
         """Run each batch through the step hook (`train_step`/`evaluate_step`) and pace the pass after it.
 
         Returns the number of batches run and whether the loader ran out (rather than a stop or the budget).
         """
         # Nothing reads a training step's output unless a subscriber watches the steps: the default step
-        # may then let it go before its backward pass (see `TorchBatchMixin.train_step`).
-        self._step_output_unused = training and not observed
+        # may then let it go before its backward pass (see `TorchRunner.train_step`).
+        self.host._step_output_unused = training and not observed
         try:
-            return self._run_hooked_batches(batches_in, pace, training, observed, skipped)
+            return self._run_hooked_batches(batches_in, pace, training, observed, skipped, plain)
         finally:
-            self._step_output_unused = False
+            self.host._step_output_unused = False
 
     def _run_hooked_batches(
-        self, batches_in: Iterable, pace: tuple, training: bool, observed: bool, skipped: Any
+        self, batches_in: Iterable, pace: tuple, training: bool, observed: bool, skipped: Any, plain: Any
     ) -> tuple[int, bool]:
         split, length, interval, track_progress, budget, stop_poll, agree = pace
         # Looked up once per pass rather than once per batch; none of them is rebound by a step.
-        meters, supervisor, update = self.meters, self.supervisor, self.update
-        state, position, watchdog = self.train_state, self.loop_state, supervisor.watchdog
-        step = self.train_step if training else self.evaluate_step
+        meters, supervisor, update = self.host.meters, self.host.supervisor, self.host.update
+        state, position, watchdog = self.host.train_state, self.host.loop_state, supervisor.watchdog
+        step = plain or (self.host.train_step if training else self.host.evaluate_step)
         phase = "forward" if training else "evaluation"
         batches, loss_meter = 0, None
         for data in batches_in:
@@ -179,17 +187,17 @@ class PassMixin(StepHooks):
                 if track_progress and state.global_step != self._seen_step:
                     self._after_optimizer_progress(budget)  # may evaluate: after the step log
             # Without a poll the flag is read in place: one call less per batch.
-            if self._stop_latched or (
+            if self.stop_latched or (
                 supervisor.stop_requested
                 if stop_poll is None
                 else self._stop_now(stop_poll, agree and batches == length)
             ):
                 # Stop only at a window boundary: applying a partial window (or dropping its
                 # gradients) would make the resumed run diverge from an uninterrupted one.
-                self._stop_latched = True
+                self.stop_latched = True
                 if not (training and update.pending):
                     return batches, False  # the stop after the pass shuts down
-            if budget is not None and (state.global_step >= budget or self._stopping_early):
+            if budget is not None and (state.global_step >= budget or self.stopping_early):
                 return batches, False
         return batches, True
 
@@ -199,29 +207,29 @@ class PassMixin(StepHooks):
         A training pass that continues a restored position (`loop_state.batch > 0`) takes back the
         running meters and train metrics its mid-pass checkpoint saved.
         """
-        self.mode, self.split = mode, split
-        self.meters.reset()
-        self._step_window = StepWindow()  # step logs average the steps since the previous log of this pass
+        self.host.mode, self.host.split = mode, split
+        self.host.meters.reset()
+        self.step_window = StepWindow()  # step logs average the steps since the previous log of this pass
         if training:
-            position = self.loop_state
+            position = self.host.loop_state
             if position.split != split:
                 position.batch = 0
             position.split = split
-            self.update.start_pass(length)
-        self._start_metrics(mode)
+            self.host.update.start_pass(length)
+        self.host._start_metrics(mode)
         if training:  # a pass a mid-pass checkpoint interrupted continues its averages; the rest start afresh
-            self._continue_pass_meters(split)
-        watchdog = self.supervisor.watchdog
+            self.host._continue_pass_meters(split)
+        watchdog = self.host.supervisor.watchdog
         if watchdog is not None:
-            watchdog.enter("data loading", self.train_state.global_step)
+            watchdog.enter("data loading", self.host.train_state.global_step)
 
     def _close_pass(self, training: bool, budget: int | None) -> None:
         """Apply a window the pass left open, shut down on a latched stop, check the loss (`nonfinite.check`)."""
-        if training and self._close_window():
+        if training and self.host._close_window():
             self._after_optimizer_progress(budget)
-        if self._stop_latched:  # at a window boundary (the break above) or at the end of the pass
-            self._shutdown()
-        if training and self.update.watch_nonfinite_loss:
+        if self.stop_latched:  # at a window boundary (the break above) or at the end of the pass
+            self.shutdown()
+        if training and self.host.update.watch_nonfinite_loss:
             self._check_pass_loss()  # before the pass's result (and the epoch's checkpoint) is kept
 
     def _check_pass_loss(self) -> None:
@@ -232,7 +240,7 @@ class PassMixin(StepHooks):
         keep producing NaN losses, so a later check catches an earlier NaN too.
         """
         # Every rank takes part in the agreement, with or without a loss (a pipeline's first stages have none).
-        meter = self.meters["loss"] if "loss" in self.meters else None  # noqa: SIM401 (no dict get)
+        meter = self.host.meters["loss"] if "loss" in self.host.meters else None  # noqa: SIM401 (no dict get)
         bad: Any = False
         if meter is not None:
             total = meter._sum
@@ -242,32 +250,34 @@ class PassMixin(StepHooks):
                 bad = not abs(total.item()) < _FLOAT32_OVERFLOW
             else:
                 bad = ~torch.isfinite(torch.as_tensor(total, dtype=torch.float32)).all()
-        if self._training and is_distributed():
-            bad = all_reduce_any(torch.as_tensor(bad), group=self.topology.group("world"))
+        if self.training and is_distributed():
+            bad = all_reduce_any(torch.as_tensor(bad), group=self.host.topology.group("world"))
         if not bool(bad):
             return
-        step = self.train_state.global_step
+        step = self.host.train_state.global_step
         raise TrainingDivergedError(
-            f"the training loss of the {self.split} pass is not finite (global step {step}): updates "
+            f"the training loss of the {self.host.split} pass is not finite (global step {step}): updates "
             "with non-finite gradients reached the weights; stopping. Set skip_nonfinite_grad=True to skip such "
             "updates, or nonfinite.check=update to drop every non-finite update before it is applied"
         )
 
-    def _watch_phase(self, phase: str) -> None:
+    def watch_phase(self, phase: str) -> None:
         """Tell the watchdog (when there is one) that this rank enters `phase`."""
-        watchdog = self.supervisor.watchdog
+        watchdog = self.host.supervisor.watchdog
         if watchdog is not None:
-            watchdog.enter(phase, self.train_state.global_step)
+            watchdog.enter(phase, self.host.train_state.global_step)
 
     def _spiked_batches(self) -> set[tuple[str, int, int]] | None:
-        guard = getattr(self.update, "spike_guard", None)
+        guard = getattr(self.host.update, "spike_guard", None)
         return None if guard is None else guard.skipped_batches
 
     def _skip_spiked_batch(self, split: str, index: int) -> None:
         """Leave out a batch that spiked before a rollback: its micro-step adds no gradient."""
-        epoch = self.train_state.epoch
-        self.logger.warning("skipping batch %d of %s in epoch %d: it spiked before a rollback", index, split, epoch)
-        self.step()  # the window closes (and the schedule advances) where it would have
+        epoch = self.host.train_state.epoch
+        self.host.logger.warning(
+            "skipping batch %d of %s in epoch %d: it spiked before a rollback", index, split, epoch
+        )
+        self.host.step()  # the window closes (and the schedule advances) where it would have
 
     @contextmanager
     def _spike_scope(self, split: str) -> Iterator[None]:
@@ -276,112 +286,70 @@ class PassMixin(StepHooks):
         try:
             yield
         except LossSpike as spike:
-            last, epoch = self.loop_state.batch, self.train_state.epoch
+            last, epoch = self.host.loop_state.batch, self.host.train_state.epoch
             spike.batches = [(split, epoch, index) for index in range(last - spike.micro_steps + 1, last + 1)]
-            spike.step = self.train_state.global_step
+            spike.step = self.host.train_state.global_step
             raise
-
-    def roll_back(self, spike: LossSpike) -> None:
-        """Recover from a loss spike: reload the newest checkpoint that verifies, skip the spiked batches
-        from now on and lower the learning rates for a cooldown (see `spikes.*`).
-
-        Raises:
-            TrainingDivergedError: there is no checkpoint to roll back to.
-        """
-        guard = self.update.spike_guard
-        manager = self.checkpoint_manager
-        manager.wait()  # a save still being written may be the one to return to
-        if is_distributed():
-            barrier()  # the main process's save is on disk before any rank looks for it
-        path = manager.latest_valid()
-        if path is None:
-            raise TrainingDivergedError(
-                f"loss spike at global step {spike.step} ({spike}) and no checkpoint in {manager.directory} "
-                "to roll back to; save earlier (checkpoint.interval) or use spikes.policy=skip"
-            ) from spike
-        seen = guard.state_dict()
-        self.load_checkpoint(path)
-        guard.skipped_batches.update((s, e, b) for s, e, b in seen["skipped_batches"])
-        guard.rollbacks, guard.spikes = seen["rollbacks"], seen["spikes"]
-        guard.start_cooldown(spike.batches)
-        self.logger.warning(
-            "%s at global step %s; rolled back to %s (rollback %d of at most %d), skipping batches %s, "
-            "learning rates x%g for %d steps",
-            spike,
-            spike.step,
-            path,
-            guard.rollbacks,
-            guard.max_rollbacks,
-            spike.batches,
-            guard.lr_factor,
-            guard.cooldown_steps,
-        )
 
     def _observed_step(self, step: Any, data: Any, split: str, index: int) -> Any:
         """Run one step between `STEP_START` and `STEP_END` (which fires with the error if the step fails)."""
-        context = StepContext(self, split, index, self.train_state.global_step)
+        context = StepContext(self.host, split, index, self.host.train_state.global_step)
         with self.events.pair(Events.STEP_START, Events.STEP_END, context):
             _, loss = step(data)
-            context.loss, context.global_step = loss, self.train_state.global_step
+            context.loss, context.global_step = loss, self.host.train_state.global_step
         return loss
 
     def _after_optimizer_progress(self, budget: int | None) -> None:
         """GC pacing and step-cadence checkpoints, once per applied optimizer step."""
-        global_step = self.train_state.global_step
+        global_step = self.host.train_state.global_step
         if global_step == self._seen_step:
             return
         self._seen_step = global_step
-        self.supervisor.gc_step(global_step)
+        self.host.supervisor.gc_step(global_step)
         # The final step-mode evaluation and checkpoint are train_steps' own. An evaluation due
         # now runs first, so this step's checkpoint holds the weights its row scores.
         if budget is not None and global_step < budget:
-            if self.update.watch_nonfinite_loss and self.checkpoint_manager.should_save(global_step):
+            if self.host.update.watch_nonfinite_loss and self.host.checkpoint_manager.should_save(global_step):
                 self._check_pass_loss()  # a checkpoint never holds weights a NaN loss went into
-            self._evaluate_if_due(global_step)
-            self._watch_phase("checkpoint save")
-            self.save_checkpoint()
-
-    def _evaluate_if_due(self, global_step: int) -> None:
-        """Run a periodic evaluation when one is due at `global_step` (see `EvaluationMixin`)."""
+            self._on_optimizer_step(global_step)
+            self.watch_phase("checkpoint save")
+            self.host.save_checkpoint()
 
     def _step_logs_read(self, training: bool) -> bool:
         """Whether anyone reads step logs: an INFO log, a tracker or `LOG` subscriber (training), or
         the other ranks (under several processes the read is a collective every rank joins)."""
-        return self.logger.isEnabledFor(logging.INFO) or (training and self._log_listened()) or self.distributed
+        return (
+            self.host.logger.isEnabledFor(logging.INFO) or (training and self._log_listened()) or self.host.distributed
+        )
 
     def _log_step(self, split: str, iteration: int, length: int | None, training: bool) -> None:
-        to_log, to_track = self.logger.isEnabledFor(logging.INFO), training and self._log_listened()
-        if not (to_log or to_track or self.distributed):
+        to_log, to_track = self.host.logger.isEnabledFor(logging.INFO), training and self._log_listened()
+        if not (to_log or to_track or self.host.distributed):
             # Nobody reads the values: skip the read, which synchronises with the device.
             return
         # The one place step values are read back: the mean over the steps since the previous log,
         # shown on the terminal and sent to the trackers alike.
-        values = self._step_window.read(self.meters)
-        if training and self.update.skipped_steps:  # every update dropped so far, NaN/inf or spike
-            values["skipped"] = self.update.skipped_steps
+        values = self.step_window.read(self.host.meters)
+        if training and self.host.update.skipped_steps:  # every update dropped so far, NaN/inf or spike
+            values["skipped"] = self.host.update.skipped_steps
         if to_log:
-            self.logger.info(self.bookkeeping.format_step_result(values, split, iteration, length))
+            self.host.logger.info(self.host.bookkeeping.format_step_result(values, split, iteration, length))
         if to_track and values:
-            self.log_values({f"{split}_step": values.dict()})
-
-    def log_values(self, values: Mapping[str, Any], step: int | None = None) -> None:
-        """Send `values` to the trackers (every `LOG` subscriber) at `step` (default: the global step)."""
-        step = self.train_state.global_step if step is None else step
-        self.events.emit(Events.LOG, LogContext(self, values, step))
+            self.host.log_values({f"{split}_step": values.dict()})
 
     def _log_listened(self) -> bool:
         """Whether anyone records logged values: a tracker, or a `LOG` subscriber of the user's."""
-        return len(self.trackers) > 0 or len(self.events.handlers(Events.LOG)) > 1
+        return len(self.host.trackers) > 0 or len(self.events.handlers(Events.LOG)) > 1
 
-    def _stop_requested(self) -> bool:
+    def stop_requested(self) -> bool:
         """A stop request, agreed across ranks while training so that all of them stop at the same batch.
 
         The agreement is a collective, made every few batches to keep the hot path free of host
         synchronisations; outside training (evaluation or inference possibly run on one rank
         only) the local flag is used.
         """
-        if not (self._training and is_distributed()):
-            return self.supervisor.stop_requested
+        if not (self.training and is_distributed()):
+            return self.host.supervisor.stop_requested
         self._stop_polls += 1
         if self._stop_polls % _STOP_POLL_EVERY:
             return False
@@ -390,10 +358,10 @@ class PassMixin(StepHooks):
     def _pass_ran_out(self, ask: bool, training: bool) -> None:
         """The loader is exhausted: latch a stop the ranks agree on (`ask`: an unsized pass, whose
         end is only known here), else record that the training pass ran to its end."""
-        if ask and not self._stop_latched and self._agree_on_stop():
-            self._stop_latched = True
+        if ask and not self.stop_latched and self._agree_on_stop():
+            self.stop_latched = True
         elif training:
-            self.loop_state.split, self.loop_state.batch = None, 0
+            self.host.loop_state.split, self.host.loop_state.batch = None, 0
 
     def _stop_now(self, stop_poll: Callable[[], bool] | None, at_end: bool) -> bool:
         """Whether a stop is requested after this batch (agreed across ranks while training).
@@ -403,7 +371,7 @@ class PassMixin(StepHooks):
         it nor lost when the run ends first.
         """
         if stop_poll is None:
-            return self.supervisor.stop_requested
+            return self.host.supervisor.stop_requested
         return stop_poll() or (at_end and self._agree_on_stop())
 
     def _agree_on_stop(self) -> bool:
@@ -412,67 +380,59 @@ class PassMixin(StepHooks):
         A signal one rank received is adopted by the others, so every rank saves the same
         shutdown checkpoint and exits with the same status (143 after a SIGTERM to any of them).
         """
-        supervisor = self.supervisor
+        supervisor = self.host.supervisor
         local = supervisor.exit_code if supervisor.signum is not None else int(supervisor.stop_requested)
-        code = _max_across_ranks(local, self.topology.group("world"))
+        code = _max_across_ranks(local, self.host.topology.group("world"))
         if code and not supervisor.stop_requested:
             supervisor.request_stop(code - 128 if code > 128 else None)
-            self.logger.warning("another rank asked to stop (exit code %d); stopping at the same step", code)
+            self.host.logger.warning("another rank asked to stop (exit code %d); stopping at the same step", code)
         return code > 0
 
-    def prepare_for_shutdown_checkpoint(self) -> None:
-        """Bring the state to a consistent point before the shutdown checkpoint is written.
-
-        The default applies a window the pass left open, so the checkpoint never holds gradients
-        that were computed but not applied.
-        """
-        self._close_window()
-
     @contextmanager
-    def _loop_scope(self, *, training: bool, mode: RunnerMode | None = None) -> Iterator[None]:
+    def scope(self, *, training: bool, mode: RunnerMode | None = None) -> Iterator[None]:
         """Keep stop-signal handlers installed while a loop runs (outermost loop only).
 
         The outermost loop is announced with `RUN_START`/`RUN_END`; an exception leaving it is
         announced with `FAILURE` first.
         """
-        depth = self._loop_depth
+        depth = self.loop_depth
         if depth:
             yield
             return
-        self._loop_depth = 1
-        self._training = training
-        self.supervisor.install_signal_handlers()
-        watchdog = watch_runner(self) if training else self.supervisor.watchdog
+        self.loop_depth = 1
+        self.training = training
+        self.host.supervisor.install_signal_handlers()
+        watchdog = watch_runner(self.host) if training else self.host.supervisor.watchdog
         if watchdog is not None:
             watchdog.active = True
-            self.update.watch(watchdog)
+            self.host.update.watch(watchdog)
         mode = mode or (RunnerMode.train if training else RunnerMode.evaluate)
         try:
-            with self.events.pair(Events.RUN_START, Events.RUN_END, RunContext(self, mode.value)):
+            with self.events.pair(Events.RUN_START, Events.RUN_END, RunContext(self.host, mode.value)):
                 try:
-                    if self._stop_requested():
-                        self._shutdown()
+                    if self.host._stop_requested():
+                        self.shutdown()
                     yield
                     if training:
-                        self.finish_checkpoints()  # the run's last checkpoint is on disk before it returns
-                    self.bookkeeping.flush()  # a finished loop leaves its result files complete on disk
+                        self.host.finish_checkpoints()  # the run's last checkpoint is on disk before it returns
+                    self.host.bookkeeping.flush()  # a finished loop leaves its result files complete on disk
                 except LossSpike:
                     raise  # not a failure: `train` rolls back and goes on
                 except Exception as error:
-                    self.events.emit(Events.FAILURE, FailureContext(self, error))
+                    self.events.emit(Events.FAILURE, FailureContext(self.host, error))
                     if training:
-                        self.finish_checkpoints(failing=True)
+                        self.host.finish_checkpoints(failing=True)
                     raise
         finally:
-            self._loop_depth = 0
-            self._training = False
+            self.loop_depth = 0
+            self.training = False
             if watchdog is not None:
                 watchdog.active = False  # outside loops a rank is never judged stalled
-                watchdog.enter("idle", self.train_state.global_step)
-            if not self.__dict__.get("_closed", False):
-                self.supervisor.restore_signal_handlers()
+                watchdog.enter("idle", self.host.train_state.global_step)
+            if not getattr(self.host, "_closed", False):
+                self.host.supervisor.restore_signal_handlers()
 
-    def _shutdown(self) -> NoReturn:
+    def shutdown(self) -> NoReturn:
         """Save a `shutdown` checkpoint (when training), close the runner and exit.
 
         The training loops call it only at an accumulation-window boundary (a stop request that
@@ -481,19 +441,19 @@ class PassMixin(StepHooks):
         uninterrupted one. The exit status is 128 + the signal number, or 0 when the stop was
         requested in code (`supervisor.request_stop()`) rather than by a signal.
         """
-        code = self.supervisor.exit_code
+        code = self.host.supervisor.exit_code
         reason = "signal" if code > 128 else "request"
-        self.events.emit(Events.STOP_REQUESTED, StopContext(self, reason, code - 128 if code > 128 else None))
-        state = self.train_state
-        self.logger.warning(
+        self.events.emit(Events.STOP_REQUESTED, StopContext(self.host, reason, code - 128 if code > 128 else None))
+        state = self.host.train_state
+        self.host.logger.warning(
             "stopping on request at epoch %d, global step %d (exit code %d)", state.epoch, state.global_step, code
         )
-        if self._training:
-            self.prepare_for_shutdown_checkpoint()
-            self._watch_phase("checkpoint save")
-            self.save_checkpoint(name="shutdown", force=True, save_best=False)
-        self.supervisor.exiting_code = code  # from here on signals are ignored while it leaves with `code`
-        self.close()
+        if self.training:
+            self.host.prepare_for_shutdown_checkpoint()
+            self.watch_phase("checkpoint save")
+            self.host.save_checkpoint(name="shutdown", force=True, save_best=False)
+        self.host.supervisor.exiting_code = code  # from here on signals are ignored while it leaves with `code`
+        self.host.close()
         raise SystemExit(code)
 
 

@@ -158,7 +158,7 @@ class RunStatus:
 
 
 def is_train_step_log(values: Mapping[str, Any]) -> bool:
-    """A training step log is `{"<split>_step": {...}}` (see `LoopMixin._log_step`)."""
+    """A training step log is `{"<split>_step": {...}}` (see `PassEngine` in `danling.runners.loop.passes`)."""
     return len(values) == 1 and next(iter(values)).endswith("_step")
 
 

@@ -128,6 +128,17 @@ class UpdateStrategy:
             raise TypeError(f"backward() needs a loss with a backward() method, got {type(loss).__name__}")
         self.accumulator.normalize(loss).backward()
 
+    def plain_update_reason(self, optimizer: Any, scheduler: Any) -> str | None:
+        """Why an update is more than `loss.backward()` plus the optimizer's plain step, or `None` when it is not.
+
+        Asked once per training pass by a backend that can run the plain default step without its
+        hooks (the torch runner): `None` means every micro-step closes its window, nothing
+        divides, scales, weighs, clips, checks or lowers the gradients, no window is open, and
+        `container.step_plain()` applies the update of `optimizer` and `scheduler` exactly as
+        `apply()` would. This strategy applies no update of its own, so it always gives a reason.
+        """
+        return f"update strategy {type(self).__name__}"
+
     def advance(self) -> bool:
         """Record one finished micro-step; `True` when it closed its window (apply the update now)."""
         return self.accumulator.advance()
@@ -218,6 +229,28 @@ class TorchUpdateStrategy(UpdateStrategy):
         self._multiplier: float | None = None  # rescales a window a pass left open
         self._weight: Any = None  # sum of the open window's micro-step weights, when weighted
         self._settle_fast_paths()
+
+    def plain_update_reason(self, optimizer: Any, scheduler: Any) -> str | None:
+        """Why an update is more than `loss.backward()` plus the container's plain step, or `None`.
+
+        See [`UpdateStrategy.plain_update_reason`][danling.runners.update.strategy.UpdateStrategy.plain_update_reason].
+        """
+        if type(self) is not TorchUpdateStrategy or type(self.accumulator) is not GradientAccumulator:
+            return f"update strategy {type(self).__name__}"  # a subclass may change any step of the update
+        if self.accum_steps != 1 or not self.plain_backward or self.fixed_context is None:
+            return "gradient accumulation, mixed precision, a spike guard or a multi-process watchdog"
+        if self._multiplier is not None or self._weight is not None or self.spike_guard is not None:
+            return "an open window"
+        container = self.container
+        if type(container) is not OptimizerContainer or container.optimizer is not optimizer:
+            return "no optimizer bound yet"
+        if container.scheduler is not scheduler or container.scaler is not None:
+            return "a scheduler to bind or a gradient scaler"
+        if container.max_grad_norm is not None or container.max_grad_value is not None or container.lr_scale != 1.0:
+            return "gradient clipping or a lowered learning rate"
+        if container.skip_nonfinite_grad or container.check_nonfinite:
+            return "non-finite gradient checks"
+        return None
 
     def _settle_fast_paths(self) -> None:
         # Settled once (window size, wrapper and precision do not change during a pass), so the
