@@ -27,6 +27,7 @@ from ..reconcile import newest_valid_checkpoint, reconcile_on_start
 from ._keys import without as _without
 from .resume import check_identity, report_code_change, report_other_runs, resolve_resume_path, take_run_dir
 from .resume import describe_source as _describe
+from .saves import SaveFacts, save_when_due
 
 if TYPE_CHECKING:
     from ..base_runner import BaseRunner
@@ -141,17 +142,24 @@ class CheckpointMixin:
         last_step: bool = False,
         force: bool = False,
     ) -> Path | None:
-        """Save a checkpoint through `self.checkpoint_manager.save_checkpoint(self, ...)` when due.
+        """Save a checkpoint through `self.checkpoint_manager` when one is due.
 
-        The manager decides
-        ([`CheckpointManager.save_checkpoint`][danling.checkpoint.CheckpointManager.save_checkpoint]).
-        By default the checkpoint directory is named `epoch-<epochs>` when `epochs` is given
-        (epoch loops pass the index of the epoch just finished) and `step-<global_step>`
-        otherwise, and the `name` alias and `latest` are pointed at it, plus `best` when
-        `save_best` is set and
+        Called when: by the training loops after each epoch (epoch mode) or every
+            `checkpoint_interval` steps, at the end of training (`last_step`), on a graceful
+            shutdown (`name="shutdown"`), and by `save_seed_checkpoint`; on every rank.
+        Holds on entry: the counters, results and components describe the state to save; an
+            earlier background save may still be writing.
+        Side effects: writes a checkpoint and moves its aliases when due (on the writing ranks),
+            emits `CHECKPOINT_SAVED` after a write.
+        Overrides must not: skip calling it on some ranks only (collective backends need all of
+            them), or change the runner's state; call `super().save_checkpoint(...)` to write.
+
+        The decision is [`save_when_due`][danling.runners.checkpointing.saves.save_when_due]: the
+        checkpoint directory is named `epoch-<epochs>` when `epochs` is given (epoch loops pass
+        the index of the epoch just finished) and `step-<global_step>` otherwise, and the `name`
+        alias and `latest` are pointed at it, plus `best` when `save_best` is set and
         [`publishes_best`][danling.runners.checkpointing.api.CheckpointMixin.publishes_best] holds.
-        A `CHECKPOINT_SAVED` event follows a write. Call it on every rank: collective backends
-        need all of them, and the file backend writes on the main process only.
+        To change the policy (cadence, names, aliases), override this method.
 
         Args:
             name: Alias to publish (`"latest"`, `"shutdown"`, any valid name).
@@ -168,8 +176,15 @@ class CheckpointMixin:
         while True:
             earlier = manager.pending_path
             try:
-                path = manager.save_checkpoint(
-                    self, name=name, epochs=epochs, save_best=save_best, last_step=last_step, force=force
+                path = save_when_due(
+                    manager,
+                    self._save_facts(),
+                    lambda: self.checkpoint_payload(last_step=last_step),
+                    name=name,
+                    epochs=epochs,
+                    save_best=save_best,
+                    last_step=last_step,
+                    force=force,
                 )
             except CheckpointSaveError as err:
                 if earlier is None or err.path != earlier:
@@ -181,6 +196,18 @@ class CheckpointMixin:
             self._save_failure = None
             self.events.emit(Events.CHECKPOINT_SAVED, CheckpointContext(self, path, name))
         return path
+
+    def _save_facts(self) -> SaveFacts:
+        state = self.train_state
+        return SaveFacts(
+            epoch=state.epoch,
+            global_step=state.global_step,
+            step_mode=self.is_step_mode,
+            run_id=self.id,
+            best=self.publishes_best(),
+            score=self.checkpoint_score(),
+            lower_is_better=self.lower_is_better,
+        )
 
     def _save_failed(self, error: CheckpointSaveError) -> None:
         """The newest save failed: hand it to `checkpoint_save_failed`, and fail the run if no later save lands."""
@@ -239,9 +266,9 @@ class CheckpointMixin:
         Meant to be called before training advances, so runs with different parallel layouts can
         start from identical weights (`resume`/`pretrained` pointing at it). It is a final save
         through [`save_checkpoint`][danling.runners.checkpointing.api.CheckpointMixin.save_checkpoint]
-        (so a custom manager's `save_checkpoint` policy applies, and a backend's model-only export
-        setting): written whatever the cadence, never published as `best`. With the default
-        manager the directory is `step-<global_step>` and `latest` points at it too.
+        (so an overriding `save_checkpoint` applies, and a backend's model-only export setting):
+        written whatever the cadence, never published as `best`. By default the directory is
+        `step-<global_step>` and `latest` points at it too.
         """
         return self.save_checkpoint(name=name, save_best=False, last_step=True, force=True)
 
