@@ -29,8 +29,9 @@ from danling.utils import RoundDict
 from danling.utils.io import save as save_file
 
 from .checkpointing import CheckpointMixin
+from .checkpointing.resume import LoopState
 from .config import RunnerConfig
-from .loop import EventBus, Events, LoopMixin, LoopState, ProgressMixin
+from .loop import EventBus, Events, LoopMixin, ProgressMixin
 from .services import ObservabilityMixin, ResultsMixin, RunnerSupervisor, RunnerWorkspace, Trackers
 from .services.errors import report_errors_briefly
 from .state import RunnerElasticState, RunnerRNGState, RunnerState, RunnerTrainState

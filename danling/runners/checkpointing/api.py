@@ -22,10 +22,20 @@ from danling.checkpoint.manifest import CheckpointError
 from danling.utils import RoundDict
 
 from ..config import RunnerConfig, recorded_config
+from ..loop import RunnerMode
 from ..loop.events import CheckpointContext, Events
 from ..reconcile import newest_valid_checkpoint, reconcile_on_start
 from ._keys import without as _without
-from .resume import check_identity, report_code_change, report_other_runs, resolve_resume_path, take_run_dir
+from .resume import (
+    check_identity,
+    continue_pass_meters,
+    pass_meters_state,
+    report_code_change,
+    report_other_runs,
+    resolve_resume_path,
+    shares_data_rank,
+    take_run_dir,
+)
 from .resume import describe_source as _describe
 from .saves import SaveFacts, save_when_due
 
@@ -58,6 +68,8 @@ class CheckpointMixin:
     _scored_progress: tuple[int, int] | None = None
     # The newest save's failure until a later save is written; a training loop ending with one fails.
     _save_failure: CheckpointSaveError | None = None
+    # Running meters and train metrics of the pass a mid-pass checkpoint interrupted, until that pass reopens.
+    _restored_pass_meters: Mapping[str, Any] | None = None
 
     def append_result(self, result: Mapping[str, Any], index: int | None = None) -> None:
         """Store a result row (see `ResultsMixin.append_result`) and remember which training state it scored."""
@@ -132,6 +144,25 @@ class CheckpointMixin:
             self.config.seed = saved["seed"]
         if saved != self.config.dict():  # equal (a resume of this very run): nothing to compare, no config to build
             check_identity(self, recorded_config(saved))  # budget keys may differ; identity keys only when allowed
+
+    # ------------------------------------------------------------------ the running meters of a pass
+    def _pass_meters_state(self) -> dict[str, Any]:
+        """The `pass_meters` entry of a checkpoint (see `resume.pass_meters_state`)."""
+        return pass_meters_state(
+            self.loop_state,
+            training_split=self.split if self.mode is RunnerMode.train else None,
+            shares_rank=shares_data_rank(getattr(self, "topology", None), self.world_size),
+            meters=self.meters,
+            metrics=self._active_metrics,
+        )
+
+    def _continue_pass_meters(self, split: str) -> None:
+        """Put back the meters and train metrics of the interrupted `split` pass (after the pass reset them)."""
+        state, self._restored_pass_meters = self._restored_pass_meters, None
+        device, batch = getattr(self, "device", None), self.loop_state.batch
+        if continue_pass_meters(state, split, batch, self.meters, self._active_metrics, device, self.logger):
+            # The step logs average the steps since the previous log: the restored ones are not new.
+            self._step_window._marks = {name: (meter._sum, meter._count) for name, meter in self.meters.items()}
 
     # ------------------------------------------------------------------ saving
     def save_checkpoint(

@@ -26,7 +26,6 @@ from .events import (
 from .hooks import RunnerMode, StepHooks
 from .loops import LoopMixin
 from .passes import PassMixin
-from .position import LoopState
 
 __all__ = [
     "CheckpointContext",
@@ -39,7 +38,6 @@ __all__ = [
     "InferenceContext",
     "LogContext",
     "LoopMixin",
-    "LoopState",
     "PassContext",
     "PassMixin",
     "ProgressMixin",

@@ -21,6 +21,7 @@ from danling.distributed import all_reduce_any, barrier, is_distributed
 from danling.distributed.collectives import _on_backend_device
 from danling.utils import RoundDict
 
+from ..checkpointing.resume import LoopState
 from ..services.step_window import StepWindow
 from ..services.watchdog import watch_runner
 from ..update.spikes import LossSpike, TrainingDivergedError
@@ -36,7 +37,6 @@ from .events import (
     StopContext,
 )
 from .hooks import RunnerMode, StepHooks
-from .position import LoopState
 
 __all__ = ["PassMixin"]
 
