@@ -312,6 +312,15 @@ class TorchCheckpointMixin:
     def load_dataloaders(self, state_dict: Mapping[str, Any] | None) -> None:
         """Restore loader progress after checking each loader against the fingerprint in the checkpoint.
 
+        Called when: once per `load_checkpoint`, after the runner state, model, EMA, optimizer and
+            scheduler are restored (unless `dataloaders` is excluded from loading).
+        Holds on entry: `loop_state` holds the checkpoint's position; the loaders are built.
+        Side effects: moves each training loader to its saved position (see
+            [`restore_loader_positions`][danling.runners.checkpointing.resume.restore_loader_positions]),
+            or, on another data-parallel size, to the global position of its pass.
+        Overrides must not: skip the fingerprint check and load a position into a loader that would
+            yield other batches; call `super().load_dataloaders(state_dict)`.
+
         Raises:
             DataResumeError: a rebuilt loader would yield a different next batch than the saved one.
         """
