@@ -188,8 +188,9 @@ class CheckpointMixin:
         The decision is [`save_when_due`][danling.runners.checkpointing.saves.save_when_due]: the
         checkpoint directory is named `epoch-<epochs>` when `epochs` is given (epoch loops pass
         the index of the epoch just finished) and `step-<global_step>` otherwise, and the `name`
-        alias and `latest` are pointed at it, plus `best` when `save_best` is set and
-        [`publishes_best`][danling.runners.checkpointing.api.CheckpointMixin.publishes_best] holds.
+        alias and `latest` are pointed at it, plus `best` when `save_best` is set and the newest
+        result row is the best one and no training happened since it was stored (so a mid-epoch
+        save never inherits the score of the weights evaluated before it).
         To change the policy (cadence, names, aliases), override this method.
 
         Args:
@@ -235,8 +236,8 @@ class CheckpointMixin:
             global_step=state.global_step,
             step_mode=self.is_step_mode,
             run_id=self.id,
-            best=self.publishes_best(),
-            score=self.checkpoint_score(),
+            best=self._publishes_best(),
+            score=self._checkpoint_score(),
             lower_is_better=self.lower_is_better,
         )
 
@@ -278,14 +279,14 @@ class CheckpointMixin:
                 errno=failure.errno,
             ) from failure
 
-    def publishes_best(self) -> bool:
+    def _publishes_best(self) -> bool:
         """Whether a checkpoint saved now may be published as `best`: the newest result row is the best
         one (`is_best`) and no training happened since it was stored, so a mid-epoch save never
         inherits the score of the weights evaluated before it."""
         return bool(self.results) and self.is_best and self._scored_progress == self._progress_marker()
 
-    def checkpoint_score(self) -> float | None:
-        """Score of the weights a checkpoint saved now holds (the newest row's, when `publishes_best`'s
+    def _checkpoint_score(self) -> float | None:
+        """Score of the weights a checkpoint saved now holds (the newest row's, when `_publishes_best`'s
         condition on progress holds), else `None`; `checkpoint.save_top_k` ranks checkpoints by it."""
         scored = bool(self.results) and self._scored_progress == self._progress_marker()
         score = self.latest_score if scored else None
