@@ -29,7 +29,6 @@ import torch.distributed as dist
 
 from danling.distributed.collectives import _on_backend_device
 
-from .base import CheckpointManager
 from .manifest import CheckpointError, read_manifest, verify_directory, vouch_for
 
 __all__ = ["load_together", "shares"]
@@ -61,7 +60,9 @@ def shares(files: Mapping[str, Mapping[str, Any]], world_size: int, skip: tuple[
 
 
 def load_together(manager: Any, checkpoint: str | os.PathLike, map_location: Any) -> dict[str, Any]:
-    """`manager.load(checkpoint)` with the verification split over the ranks of its group (see the module)."""
+    """`manager.load(checkpoint)` with the verification split over the ranks of its group (see the module).
+
+    The share of each rank is verified through the manager's one verification path (`_verified`)."""
     group, rank = manager.process_group, manager.rank
     world_size = dist.get_world_size(group)
     payload: dict[str, Any] | None = None
@@ -72,17 +73,19 @@ def load_together(manager: Any, checkpoint: str | os.PathLike, map_location: Any
         path = manager.resolve(checkpoint)
         directory = path if path.is_dir() else path.parent
         if not (directory / _METADATA).is_file():  # not a DCP checkpoint: read (and verified) whole, here
-            payload = CheckpointManager.load(manager, checkpoint, map_location=map_location)
+            payload = manager._load(checkpoint, map_location)
         else:
             manifest = read_manifest(directory)
             parts = shares(manifest["files"], world_size, skip=(_METADATA,))
             others = set().union(*parts) - parts[rank]
             identity = f"{os.path.realpath(directory)}|{manifest.get('name')}|{manifest.get('created_ns')}"
-            plan, verification = manager._start(directory, manifest, parts[rank])
-            try:
-                payload = manager._load_dcp(directory, (plan, verification), map_location)
+            verification = None
+            try:  # the manager's one verification path, hashing this rank's share only
+                with manager._verified(directory, share=parts[rank]) as verified:
+                    verification = verified.background
+                    payload = manager._read_payload(directory, verified, map_location)
             finally:
-                status = _DAMAGED if verification.failure is not None else _OK
+                status = _DAMAGED if verification is not None and verification.failure is not None else _OK
     except BaseException as err:  # every rank must reach the exchange, whatever happened here
         error, status = err, status if status == _DAMAGED else _FAILED
     verdicts = _exchange(group, world_size, identity, status, error)

@@ -4,9 +4,11 @@ Every backend shares one layout under `directory`: one directory per checkpoint 
 plus `manifest.json`, the size and checksum of each) and one-line `<alias>.pointer` files naming
 the checkpoint an alias points at (see [`danling.checkpoint.layout`][]). A save fills `.tmp-<name>-<token>/`,
 fsyncs it, renames it into place, rewrites the alias pointers, and only then prunes old history.
-Backends implement the private payload hooks (`_write_payload`, `_read_payload`, `_read_file`) and,
-when several ranks write, the `_temp_dir`, `_gather_records` and `_barrier` seams; everything else
-lives here, so a distributed backend only changes where bytes come from and which ranks take part.
+The public `save`, `load` and `load_into` are final: a backend implements the protected hooks
+(`_write_payload`, `_read_payload`, `_read_file`, `_read_into`, `_extend_metadata`, ... ; see
+"Writing another backend" in the checkpoint docs) and, when several ranks write, the `_temp_dir`,
+`_gather_records` and `_barrier` seams. Every load is checked by one path, `_verified`, whatever the
+backend, so a corrupt checkpoint is refused the same way by all of them.
 """
 
 from __future__ import annotations
@@ -20,11 +22,12 @@ import re
 import shutil
 import sys
 import weakref
-from collections.abc import Mapping, MutableMapping, Sequence
+from collections.abc import Iterator, Mapping, MutableMapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeoutError
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, final
 
 from .failures import raise_save_error
 from .layout import (
@@ -46,17 +49,38 @@ from .manifest import (
     MANIFEST_NAME,
     CheckpointError,
     CheckpointNotFoundError,
+    read_manifest,
     seal_directory,
+    streamed_verification,
     verify_directory,
+    verify_in_background,
 )
 from .payload import capture_state, check_objects, drop_key, normalize_excludes, restore_objects, snapshot_state
 from .retention import prunable
-from .runner_saves import RunnerSaves
 
-__all__ = ["CheckpointManager"]
+__all__ = ["CheckpointManager", "Verified"]
+
+# The public entry points every backend shares as they are; backends implement the protected hooks.
+_FINAL = ("save", "load", "load_into")
 
 
-class CheckpointManager(RunnerSaves):
+@dataclass
+class Verified:
+    """What `CheckpointManager._verified` hands a reader.
+
+    Attributes:
+        path: The resolved checkpoint directory, or the single file to read.
+        manifest: The directory's manifest (`None` for a file read on its own).
+        background: The verification still running while the reader reads (DCP), else `None`:
+            the reader waits on it before each byte range and calls `finish` once done.
+    """
+
+    path: Path
+    manifest: dict[str, Any] | None
+    background: Any = None
+
+
+class CheckpointManager:
     r"""Save, find, verify and load checkpoints under one directory.
 
     This base class owns the policy shared by all backends; subclasses supply the payload I/O
@@ -86,6 +110,21 @@ class CheckpointManager(RunnerSaves):
     backend: ClassVar[str] = "base"
     is_collective: ClassVar[bool] = False
     history_pattern: ClassVar[re.Pattern] = re.compile(r"^(epoch|step|iter)-\d+$")
+    required_entries: tuple[str, ...] = ()
+    """Manifest entries every checkpoint directory of this backend lists (its format check on load)."""
+    streamed_entries: tuple[str, ...] = ()
+    """Entries whose checksum the backend's reader checks while it reads them (see `_verified`)."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        overridden = [
+            name for name in _FINAL if name in vars(cls) and vars(cls)[name] is not vars(CheckpointManager)[name]
+        ]
+        if overridden:
+            raise TypeError(
+                f"{cls.__qualname__} overrides {overridden} of CheckpointManager, which are final: implement the "
+                "protected hooks instead (_write_payload, _read_payload, _read_file, _read_into, _extend_metadata)"
+            )
 
     def __init__(
         self,
@@ -155,6 +194,7 @@ class CheckpointManager(RunnerSaves):
 
     # saving ----------------------------------------------------------------------------------
 
+    @final
     def save(
         self,
         state: Mapping[str, Any],
@@ -194,7 +234,7 @@ class CheckpointManager(RunnerSaves):
             check_name(alias, "checkpoint alias")
         if history is None:
             history = bool(self.history_pattern.match(name))
-        metadata = dict(metadata or {})
+        metadata = self._extend_metadata(state, dict(metadata or {}))
         try:
             json.dumps(metadata)
         except (TypeError, ValueError) as err:
@@ -355,6 +395,13 @@ class CheckpointManager(RunnerSaves):
 
     # backend hooks ---------------------------------------------------------------------------
 
+    def _extend_metadata(self, state: Mapping[str, Any], metadata: dict[str, Any]) -> dict[str, Any]:
+        """Add what this backend records in the manifest about `state` (called by `save`, before any write).
+
+        `metadata` is the caller's copy; raise `ValueError` for a key the backend reserves.
+        """
+        return metadata
+
     def _write_payload(self, state: Mapping[str, Any], directory: Path) -> Mapping[str, Mapping[str, Any]]:
         """Write the payload files of `state` into the empty `directory` and fsync them.
 
@@ -363,9 +410,13 @@ class CheckpointManager(RunnerSaves):
         """
         raise NotImplementedError(f"{type(self).__name__} does not implement checkpoint writing")
 
-    def _read_payload(self, directory: Path, manifest: Mapping[str, Any], map_location: Any) -> dict[str, Any]:
-        """Load the payload of a verified checkpoint directory."""
+    def _read_payload(self, directory: Path, verified: Verified, map_location: Any) -> dict[str, Any]:
+        """Load the payload of checkpoint `directory`, inside `_verified` (its manifest is `verified.manifest`)."""
         raise NotImplementedError(f"{type(self).__name__} does not implement checkpoint reading")
+
+    def _read_into(self, verified: Verified, objects: Mapping[str, Any], map_location: Any) -> dict[str, Any]:
+        """Read the entries of `objects` straight into them and return the plain rest (when `_reads_in_place`)."""
+        raise NotImplementedError(f"{type(self).__name__} does not read into live objects")
 
     def _read_file(self, path: Path, map_location: Any) -> dict[str, Any]:
         """Load a single payload file (a file inside a checkpoint, or a plain external file)."""
@@ -410,8 +461,12 @@ class CheckpointManager(RunnerSaves):
             return verify_directory(path.parent, [path.name])
         raise CheckpointError(f"{path} is not part of a checkpoint with a {MANIFEST_NAME}; nothing to verify")
 
+    @final
     def load(self, checkpoint: str | os.PathLike, *, map_location: Any = "cpu") -> dict[str, Any]:
         """Verify and load a checkpoint, then drop the `exclude_from_loading` keys.
+
+        Every backend loads through `_verified`,
+        the one verification path, then its `_read_payload` (or `_read_file` for a single file).
 
         Args:
             checkpoint: Alias (`"latest"`, `"best"`, ...), checkpoint name, checkpoint
@@ -420,31 +475,31 @@ class CheckpointManager(RunnerSaves):
             map_location: Forwarded to `torch.load`.
 
         Raises:
-            CheckpointError: The checkpoint is torn, corrupt or unreadable (the message names the file).
+            CheckpointError: The checkpoint is torn, corrupt, of another backend or unreadable
+                (the message names the file).
             CheckpointNotFoundError: Nothing matches `checkpoint`.
         """
+        return self._load_agreed(checkpoint, map_location)
+
+    def _load_agreed(self, checkpoint: str | os.PathLike, map_location: Any) -> dict[str, Any]:
+        """`load` as the processes that load together agree on it (collective backends wrap `_load`)."""
+        return self._load(checkpoint, map_location)
+
+    def _load(self, checkpoint: str | os.PathLike, map_location: Any) -> dict[str, Any]:
         self.wait()
-        path = self.resolve(checkpoint)
-        if path.is_dir():
-            manifest = verify_directory(path)
-            if manifest.get("backend", self.backend) != self.backend:
-                raise CheckpointError(
-                    f"checkpoint {path} was written by the {manifest['backend']!r} backend; "
-                    f"{type(self).__name__} reads {self.backend!r} checkpoints"
-                )
-            payload = self._read_payload(path, manifest, map_location)
-        else:
-            if (path.parent / MANIFEST_NAME).is_file():
-                verify_directory(path.parent, [path.name])
+        path = self._read_whole(self.resolve(checkpoint))
+        with self._verified(path) as verified:
+            if path.is_dir():
+                payload = self._read_payload(path, verified, map_location)
             else:
-                self.logger.debug("loading %s without verification: no %s beside it", path, MANIFEST_NAME)
-            payload = self._read_file(path, map_location)
+                payload = self._read_file(path, map_location)
         if not isinstance(payload, MutableMapping):
             raise CheckpointError(f"checkpoint {path} holds a {type(payload).__name__}, expected a mapping")
         for key in self.exclude_from_loading:
             drop_key(payload, key)
         return payload
 
+    @final
     def load_into(
         self, checkpoint: str | os.PathLike, objects: Mapping[str, Any], *, map_location: Any = "cpu"
     ) -> dict[str, Any]:
@@ -453,14 +508,80 @@ class CheckpointManager(RunnerSaves):
         `checkpoint` is what [`load`][danling.checkpoint.CheckpointManager.load] accepts; `objects`
         maps top-level keys to live objects ([`Stateful`][danling.checkpoint.Stateful]), and each
         gets `load_state_dict(payload[key])` unless its key is in `exclude_from_loading`. Returns
-        the payload without the objects' entries (config, results, counters, ...).
+        the payload without the objects' entries (config, results, counters, ...). A backend that
+        reads straight into live tensors (DCP) does so through `_read_into`, after the same
+        verification as `load`.
 
         Raises:
             CheckpointError: The checkpoint is unusable or lacks an entry for one of `objects`.
         """
         objects = check_objects(objects)
-        payload = self.load(checkpoint, map_location=map_location)
-        return dict(restore_objects(payload, objects, self.exclude_from_loading, checkpoint))
+        self.wait()
+        path = self.resolve(checkpoint)
+        if not self._reads_in_place(path):
+            payload = self.load(path, map_location=map_location)
+            return dict(restore_objects(payload, objects, self.exclude_from_loading, checkpoint))
+        with self._verified(self._read_whole(path)) as verified:
+            return self._read_into(verified, objects, map_location)
+
+    @contextlib.contextmanager
+    def _verified(self, path: Path, share: Any = None) -> Iterator[Verified]:
+        """The one verification path of every load, whatever the backend.
+
+        For a checkpoint directory: its manifest is read, the writing backend must be this one and
+        the manifest must list the backend's `required_entries` (its format check), then every
+        listed file is checked for presence, size and checksum. Backends differ only in *when*
+        the checksums are compared: up front (the default), while the reader streams the
+        `streamed_entries` through a hashing reader (file backend), or on helper threads while the
+        reader reads (`_verifies_while_reading`: DCP; `share` limits the hashing to the entries this
+        process checks for a group). A file inside a checkpoint is checked against the manifest
+        beside it; a file with no manifest beside it loads unverified. Any mismatch raises
+        `CheckpointError` naming the file.
+        """
+        with streamed_verification(*self.streamed_entries):
+            if not path.is_dir():
+                if (path.parent / MANIFEST_NAME).is_file():
+                    verify_directory(path.parent, [path.name])
+                else:
+                    self.logger.debug("loading %s without verification: no %s beside it", path, MANIFEST_NAME)
+                yield Verified(path, None)
+                return
+            if not self._verifies_while_reading(path):
+                yield Verified(path, self._check_manifest(path, verify_directory(path)))
+                return
+            manifest, background = verify_in_background(
+                path, now=self.required_entries, manifest=read_manifest(path), share=share
+            )
+            try:
+                yield Verified(path, self._check_manifest(path, manifest), background)
+            finally:
+                background.stop()
+
+    def _check_manifest(self, directory: Path, manifest: dict[str, Any]) -> dict[str, Any]:
+        """Refuse a checkpoint of another backend, or one that lacks this backend's `required_entries`."""
+        if manifest.get("backend", self.backend) != self.backend:
+            raise CheckpointError(
+                f"checkpoint {directory} was written by the {manifest['backend']!r} backend; "
+                f"{type(self).__name__} reads {self.backend!r} checkpoints"
+            )
+        for entry in self.required_entries:
+            if entry not in manifest["files"]:
+                raise CheckpointError(
+                    f"checkpoint {directory} has no {entry} in its manifest: it is not a {self.backend!r} checkpoint"
+                )
+        return manifest
+
+    def _read_whole(self, path: Path) -> Path:
+        """What a load of `path` reads: the path itself, or the checkpoint directory holding it (DCP)."""
+        return path
+
+    def _verifies_while_reading(self, directory: Path) -> bool:
+        """Whether the checksums of `directory` are compared on helper threads while it is read (see `_verified`)."""
+        return False
+
+    def _reads_in_place(self, path: Path) -> bool:
+        """Whether `load_into` reads `path` straight into live objects through `_read_into`."""
+        return False
 
     def latest_valid(self) -> Path | None:
         """Return the newest checkpoint that passes verification, logging every one it skips.

@@ -11,7 +11,7 @@ needs no collective besides DCP's own (see `danling.checkpoint._dcp_save`).
 
 Loading needs no collective, unless `verify_together` asks the ranks of a restore to share the
 hashing (see `danling.checkpoint._dcp_shared`).
-[`load_into`][danling.checkpoint.dcp.TorchDistributedCheckpointManager.load_into] reads each
+[`load_into`][danling.checkpoint.CheckpointManager.load_into] reads each
 live object's entries straight into its own tensors (a DTensor gets only its local shard), and
 the small plain entries next to them; `load` reads the whole checkpoint into CPU
 tensors, for tools and inspection. Per-rank entries follow [`danling.checkpoint.ranks`][].
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -37,16 +37,15 @@ from ._dcp_plain import read_whole
 from ._dcp_read import unpack_plain
 from ._dcp_save import CollectiveSaves
 from ._dcp_shared import load_together
-from .base import CheckpointManager
+from .base import CheckpointManager, Verified
 from .checksums import BackgroundVerification
 from .manifest import (
     DEFAULT_CHECKSUM,
     CheckpointError,
     check_checksum,
     parsed_once,
-    verify_in_background,
 )
-from .payload import check_objects, drop_key
+from .payload import drop_key
 from .ranks import RANK_LAYOUT_KEY, layout_record, plan_rank_entries, read_layout
 from .training import ModelState, OptimizerState, TrainingState, get_training_state, set_training_state
 from .unpickling import SAFE_GLOBALS, UnsafePickleError, torch_load
@@ -152,6 +151,8 @@ class TorchDistributedCheckpointManager(CollectiveSaves, CheckpointManager):
 
     backend = "dcp"
     is_collective = True
+    required_entries = (_METADATA,)
+    """The DCP index, checked before it is unpickled (the data files are hashed while they are read)."""
     pack_plain = True
     """Store each top-level mapping without tensors as one entry (see `danling.checkpoint._dcp_read`)."""
 
@@ -190,33 +191,21 @@ class TorchDistributedCheckpointManager(CollectiveSaves, CheckpointManager):
         self._announced = False
         super().__init__(directory, **kwargs)
 
-    def save(
-        self,
-        state: Mapping[str, Any],
-        name: str,
-        *,
-        aliases: Sequence[str] = ("latest",),
-        history: bool | None = None,
-        metadata: Mapping[str, Any] | None = None,
-    ) -> Path | None:
-        """Collectively write `state` as checkpoint `name`; every rank must call this.
+    def _extend_metadata(self, state: Mapping[str, Any], metadata: dict[str, Any]) -> dict[str, Any]:
+        """Record the checkpoint's layout under ``"rank_layout"`` (data size, keys, per-rank keys).
 
-        Arguments are those of [`CheckpointManager.save`][danling.checkpoint.CheckpointManager.save];
-        the manifest metadata also records the checkpoint's layout under ``"rank_layout"`` (data
-        size, keys, per-rank keys). Every rank returns the checkpoint path (``None`` when the
-        manager is load-only).
+        `save` is collective here: every rank must call it with the same name and aliases, and every
+        rank returns the checkpoint path (``None`` when the manager is load-only).
 
         Raises:
-            TypeError: the state holds a mapping key that is not a string.
             ValueError: `metadata` uses the reserved ``"rank_layout"`` key.
         """
-        metadata = dict(metadata or {})
         if RANK_LAYOUT_KEY in metadata:
             raise ValueError(f"checkpoint metadata key {RANK_LAYOUT_KEY!r} is reserved for the DCP manager's layout")
         keys = [str(key) for key in state] if isinstance(state, Mapping) else []
         local = [key for key in keys if key in self.rank_local_keys]
         metadata[RANK_LAYOUT_KEY] = layout_record(keys, local, self.data_size)
-        return super().save(state, name, aliases=aliases, history=history, metadata=metadata)
+        return metadata
 
     def _capture(self, state: Mapping[str, Any]) -> dict[str, Any]:
         state = super()._capture(state)
@@ -229,104 +218,57 @@ class TorchDistributedCheckpointManager(CollectiveSaves, CheckpointManager):
         if self.is_main_process:
             super()._recover()
 
-    def load_into(
-        self, checkpoint: str | os.PathLike, objects: Mapping[str, Any], *, map_location: Any = "cpu"
-    ) -> dict[str, Any]:
-        """Restore live objects in place from a checkpoint and return its remaining plain entries.
+    def _read_whole(self, path: Path) -> Path:
+        # A file inside a DCP checkpoint stands for the whole checkpoint; a torch.save file is read alone.
+        directory = path if path.is_dir() else path.parent
+        return directory if (directory / _METADATA).is_file() else path
 
-        Each object's entries are read straight into the tensors of its `state_dict_to_load()`
-        (or `state_dict()`), so a DTensor receives only its local shard and nothing else of the
-        object is materialised; then the object gets `load_state_dict(...)`. Entries the object
-        asks for but the checkpoint lacks are left out of what it gets (its `load_state_dict`
-        decides: [`ModelState`][danling.checkpoint.training.ModelState] with ``strict`` raises).
-        No collective is involved. A torch.save file is read whole, as by the base class.
+    def _reads_in_place(self, path: Path) -> bool:
+        # A DCP checkpoint's entries go straight into live tensors.
+        return self._verifies_while_reading(self._read_whole(path))
 
-        Args:
-            checkpoint: Alias, checkpoint name, directory, pointer file or file inside a checkpoint.
-            objects: Top-level key -> live object. Keys in `exclude_from_loading` are skipped.
-            map_location: Device for the returned plain entries.
+    def _verifies_while_reading(self, directory: Path) -> bool:
+        # A DCP checkpoint is verified while it is read: each entry is read once the bytes it covers
+        # matched the manifest, and the read returns once every file did.
+        return (directory / _METADATA).is_file()
 
-        Returns:
-            The plain entries (config, results, per-rank positions, ...) with per-rank keys
-            resolved to this data rank's copy.
+    def _read_into(self, verified: Verified, objects: Mapping[str, Any], map_location: Any) -> dict[str, Any]:
+        """Read each object's entries straight into its tensors, then hand it its state.
+
+        The entries go into the tensors of its `state_dict_to_load()` (or `state_dict()`), so a
+        DTensor receives only its local shard and nothing else of the object is materialised; then
+        the object gets `load_state_dict(...)`. Entries the object asks for but the checkpoint lacks
+        are left out of what it gets (its `load_state_dict` decides:
+        [`ModelState`][danling.checkpoint.training.ModelState] with ``strict`` raises). No
+        collective is involved. Plain entries come back with per-rank keys resolved to this data
+        rank's copy.
 
         Raises:
-            CheckpointError: The checkpoint is unusable or lacks an entry for one of `objects`.
+            CheckpointError: The checkpoint lacks an entry for one of `objects`.
             CheckpointResizeError: It was written by another data size and a loaded per-rank
                 key is not optional.
         """
-        objects = check_objects(objects)
-        self.wait()
-        path = self.resolve(checkpoint)
-        directory = path if path.is_dir() else path.parent
-        if not (directory / _METADATA).is_file():
-            return super().load_into(checkpoint, objects, map_location=map_location)
-        plan, verification = self._start(directory)
-        try:
-            live = {key: obj for key, obj in objects.items() if key not in self.exclude_from_loading}
-            missing = [key for key in live if key not in plan.layout.keys]
-            if missing:
-                raise CheckpointError(
-                    f"checkpoint {directory} has no {missing} entries to load into; it holds "
-                    f"{sorted(plan.layout.keys)}. Add {missing} to exclude_from_loading to keep those objects' "
-                    "current state"
-                )
-            live = {key: obj for key, obj in live.items() if key in plan.wanted}  # optional per-rank keys may drop
-            payload = self._read(directory, plan, {key: _template(obj) for key, obj in live.items()}, verification)
-        finally:
-            verification.stop()
+        directory = verified.path
+        plan = self._plan(directory, verified.manifest)
+        live = {key: obj for key, obj in objects.items() if key not in self.exclude_from_loading}
+        missing = [key for key in live if key not in plan.layout.keys]
+        if missing:
+            raise CheckpointError(
+                f"checkpoint {directory} has no {missing} entries to load into; it holds "
+                f"{sorted(plan.layout.keys)}. Add {missing} to exclude_from_loading to keep those objects' "
+                "current state"
+            )
+        live = {key: obj for key, obj in live.items() if key in plan.wanted}  # optional per-rank keys may drop
+        payload = self._read(directory, plan, {key: _template(obj) for key, obj in live.items()}, verified.background)
         for key, obj in live.items():
             obj.load_state_dict(payload.pop(key))
         return _to_location(payload, map_location)
 
-    def load(self, checkpoint: str | os.PathLike, *, map_location: Any = "cpu") -> dict[str, Any]:
-        """Verify and read a whole checkpoint, as [`CheckpointManager.load`][danling.checkpoint.CheckpointManager.load].
-
-        A DCP checkpoint is verified while it is read: each entry is read once the bytes it covers
-        matched the manifest, and the call returns once every file did.
-        """
+    def _load_agreed(self, checkpoint: str | os.PathLike, map_location: Any) -> dict[str, Any]:
+        # With `verify_together`, the ranks of the group share the hashing and agree on the verdict.
         if self.verify_together and self._world_size > 1 and not self.trusted:
             return load_together(self, checkpoint, map_location)
-        self.wait()
-        path = self.resolve(checkpoint)
-        directory = path if path.is_dir() else path.parent
-        if not (directory / _METADATA).is_file():
-            return super().load(checkpoint, map_location=map_location)
-        return self._load_dcp(directory, self._start(directory), map_location)
-
-    def _load_dcp(
-        self, directory: Path, started: tuple[_Plan, BackgroundVerification], map_location: Any
-    ) -> dict[str, Any]:
-        plan, verification = started
-        try:
-            payload = self._read(directory, plan, {}, verification)
-        finally:
-            verification.stop()
-        for key in self.exclude_from_loading:
-            drop_key(payload, key)
-        return _to_location(payload, map_location)
-
-    def _start(
-        self, directory: Path, manifest: Mapping[str, Any] | None = None, share: Collection[str] | None = None
-    ) -> tuple[_Plan, BackgroundVerification]:
-        # The payload files are hashed on helper threads from here on (those of `share` only, when
-        # given), while this thread plans and then reads them (.metadata is checked before it is unpickled).
-        manifest, verification = verify_in_background(directory, now=(_METADATA,), manifest=manifest, share=share)
-        try:
-            return self._plan(directory, self._check_manifest(directory, manifest)), verification
-        except BaseException:
-            verification.stop()
-            raise
-
-    def _check_manifest(self, directory: Path, manifest: Mapping[str, Any]) -> Mapping[str, Any]:
-        if manifest.get("backend", self.backend) != self.backend:
-            raise CheckpointError(
-                f"checkpoint {directory} was written by the {manifest['backend']!r} backend; "
-                f"{type(self).__name__} reads {self.backend!r} checkpoints"
-            )
-        if _METADATA not in manifest["files"]:
-            raise CheckpointError(f"checkpoint {directory} has no DCP {_METADATA} in its manifest")
-        return manifest
+        return self._load(checkpoint, map_location)
 
     def _plan(self, directory: Path, manifest: Mapping[str, Any]) -> _Plan:
         """Decide what this rank reads, from the manifest and DCP metadata alone (same on every rank)."""
@@ -409,9 +351,12 @@ class TorchDistributedCheckpointManager(CollectiveSaves, CheckpointManager):
                 drop_key(payload, key)
         return payload
 
-    def _read_payload(self, directory: Path, manifest: Mapping[str, Any], map_location: Any) -> dict[str, Any]:
-        plan = self._plan(directory, self._check_manifest(directory, manifest))
-        return _to_location(self._read(directory, plan, {}), map_location)
+    def _read_payload(self, directory: Path, verified: Verified, map_location: Any) -> dict[str, Any]:
+        plan = self._plan(directory, verified.manifest)
+        payload = self._read(directory, plan, {}, verified.background)
+        for key in self.exclude_from_loading:
+            drop_key(payload, key)
+        return _to_location(payload, map_location)
 
     def _read_file(self, path: Path, map_location: Any) -> dict[str, Any]:
         return torch_load(path, map_location=map_location, trusted=self.trusted)

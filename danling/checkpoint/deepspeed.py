@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from .base import CheckpointManager
+from .base import Verified
 from .dcp import TorchDistributedCheckpointManager
 from .file import _torch_load
 from .manifest import CheckpointError
@@ -196,6 +196,8 @@ class DeepSpeedCheckpointManager(TorchDistributedCheckpointManager):
     """
 
     backend = "deepspeed"
+    required_entries = (GLOBAL_FILE,)
+    """danling's own file of the tag: a tag DeepSpeed wrote without danling lacks it."""
 
     def __init__(self, directory: str | os.PathLike, **kwargs: Any) -> None:
         kwargs["async_save"] = False
@@ -246,11 +248,13 @@ class DeepSpeedCheckpointManager(TorchDistributedCheckpointManager):
 
     # loading ---------------------------------------------------------------------------------
 
-    load_into = CheckpointManager.load_into
+    def _reads_in_place(self, path: Path) -> bool:
+        return False  # the engine restores its own state; `load_into` reads danling's files whole
 
-    def _read_payload(self, directory: Path, manifest: Mapping[str, Any], map_location: Any) -> dict[str, Any]:
-        if GLOBAL_FILE not in manifest.get("files", {}):
-            raise CheckpointError(f"checkpoint {directory} has no {GLOBAL_FILE}: it was not written by danling")
+    def _verifies_while_reading(self, directory: Path) -> bool:
+        return False  # plain torch.save files: verified up front
+
+    def _read_payload(self, directory: Path, verified: Verified, map_location: Any) -> dict[str, Any]:
         payload = _torch_load(directory / GLOBAL_FILE, map_location, directory / GLOBAL_FILE, self.trusted)
         ranks = sorted(directory.glob("danling-rank*.pt"))
         mine = directory / _rank_file(self.data_rank)
@@ -260,7 +264,7 @@ class DeepSpeedCheckpointManager(TorchDistributedCheckpointManager):
 
     def _read_file(self, path: Path, map_location: Any) -> dict[str, Any]:
         if path.parent.is_dir() and (path.parent / GLOBAL_FILE).is_file():
-            return self._read_payload(path.parent, {"files": {GLOBAL_FILE: {}}}, map_location)
+            return self._read_payload(path.parent, Verified(path.parent, None), map_location)
         return _torch_load(path, map_location, path, self.trusted)
 
 

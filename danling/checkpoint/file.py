@@ -10,14 +10,12 @@ from typing import Any, BinaryIO
 import torch
 
 from ._writeback import WritebackWriter
-from .base import CheckpointManager
+from .base import CheckpointManager, Verified
 from .manifest import (
     DEFAULT_CHECKSUM,
-    CheckpointError,
     HashingReader,
     check_checksum,
     mark_verified,
-    streamed_verification,
     take_streamed,
 )
 from .unpickling import torch_load
@@ -67,6 +65,15 @@ class FileCheckpointManager(CheckpointManager):
     backend = "file"
     payload_name = "state.pt"
 
+    @property
+    def required_entries(self) -> tuple[str, ...]:  # type: ignore[override]
+        return (self.payload_name,)
+
+    @property
+    def streamed_entries(self) -> tuple[str, ...]:  # type: ignore[override]
+        # The payload is checksummed while torch.load reads it (see `_read_file`), not in a pass before.
+        return (self.payload_name,)
+
     def __init__(self, directory: str | os.PathLike, *, checksum: str = DEFAULT_CHECKSUM, **kwargs: Any) -> None:
         self.checksum = check_checksum(checksum)
         super().__init__(directory, **kwargs)
@@ -74,11 +81,6 @@ class FileCheckpointManager(CheckpointManager):
     def _payload_stream(self, raw: BinaryIO) -> WritebackWriter:
         """Wrap the open payload file; the writer hashes bytes as `torch.save` emits them."""
         return WritebackWriter(raw, getattr(self, "checksum", DEFAULT_CHECKSUM))
-
-    def load(self, checkpoint: str | os.PathLike, *, map_location: Any = "cpu") -> dict[str, Any]:
-        # the payload file is checksummed while torch.load reads it (see _read_file), not in a pass before
-        with streamed_verification(self.payload_name):
-            return super().load(checkpoint, map_location=map_location)
 
     def _write_payload(self, state: Mapping[str, Any], directory: Path) -> dict[str, dict[str, Any]]:
         with open(directory / self.payload_name, "wb") as raw:
@@ -93,9 +95,7 @@ class FileCheckpointManager(CheckpointManager):
             os.fsync(raw.fileno())
         return {self.payload_name: stream.record()}
 
-    def _read_payload(self, directory: Path, manifest: Mapping[str, Any], map_location: Any) -> dict[str, Any]:
-        if self.payload_name not in manifest["files"]:
-            raise CheckpointError(f"checkpoint {directory} has no {self.payload_name} in its manifest")
+    def _read_payload(self, directory: Path, verified: Verified, map_location: Any) -> dict[str, Any]:
         return self._read_file(directory / self.payload_name, map_location)
 
     def _read_file(self, path: Path, map_location: Any) -> dict[str, Any]:

@@ -21,7 +21,7 @@
   turns losses into updates (`runner.update`, built by `build_update_strategy()`).
 - [`Events`][danling.runners.loop.events.Events], [`EventBus`][danling.runners.loop.events.EventBus]
   and [`on`][danling.runners.loop.events.on]: what the loops announce (`runner.events`), and
-  [`LoopState`][danling.runners.loop.position.LoopState]: where they stand.
+  [`LoopState`][danling.runners.checkpointing.resume.LoopState]: where they stand.
 - [`RunnerState`][danling.runners.state.RunnerState],
   [`RunnerWorkspace`][danling.runners.services.workspace.RunnerWorkspace],
   [`RunnerSupervisor`][danling.runners.services.supervisor.RunnerSupervisor] and the trackers: the services a runner
@@ -31,9 +31,10 @@
 """
 
 from .base_runner import BaseRunner, MetaRunner
+from .checkpointing.resume import LoopState
 from .config import RunnerConfig
 from .deepspeed_runner import DeepSpeedRunner
-from .loop import EventBus, Events, LoopState, RunnerMode, on
+from .loop import EventBus, Events, RunnerMode, on
 from .parallel_runner import ParallelRunner
 from .reconcile import reconcile_run
 from .runner import RUNNERS, Runner, register_runner, resolve_runner

@@ -33,8 +33,9 @@ from danling.utils import RoundDict
 from danling.utils.io import save as save_file
 
 from .checkpointing import CheckpointMixin
+from .checkpointing.resume import LoopState
 from .config import RunnerConfig
-from .loop import EventBus, Events, LogContext, Loop, LoopState, StepContext, StepHooks
+from .loop import EventBus, Events, LogContext, Loop, StepContext, StepHooks
 from .loop.budget import checked_count, default_interval, evaluation_default, length_of, selected_splits, step_budget
 from .services import RunnerResults, RunnerSupervisor, RunnerWorkspace, Trackers
 from .services.errors import report_errors_briefly

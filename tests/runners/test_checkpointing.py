@@ -204,30 +204,21 @@ def test_save_seed_checkpoint(make_runner):
     assert fresh.train_state.epoch == 0 and fresh.model.weight == 0.0
 
 
-def test_save_seed_checkpoint_goes_through_the_managers_save_checkpoint(make_runner):
-    from danling.checkpoint import FileCheckpointManager
-
-    class InMemoryManager(FileCheckpointManager):
-        """A user's manager that keeps payloads in memory: `save_checkpoint` is its only way in."""
-
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            self.saved = {}
-
-        def save_checkpoint(self, runner, name="latest", epochs=None, save_best=True, last_step=False, force=False):
-            self.saved[name] = (dict(runner.checkpoint_payload(last_step=last_step)), save_best, last_step)
-            return self.directory / name
-
-        def save(self, *args, **kwargs):
-            raise NotImplementedError("InMemoryManager stores through save_checkpoint only")
-
+def test_save_seed_checkpoint_goes_through_save_checkpoint(make_runner):
     runner = make_runner()
-    manager = InMemoryManager(runner.workspace.checkpoint_dir, is_main_process=True)
-    runner.set_checkpoint_manager(manager)
-    assert runner.save_seed_checkpoint() == manager.directory / "seed"
-    payload, save_best, last_step = manager.saved["seed"]
+    saved = {}
+
+    def save_checkpoint(name="latest", epochs=None, save_best=True, last_step=False, force=False):
+        """A user's override that keeps payloads in memory: `save_checkpoint` is the only way in."""
+        saved[name] = (dict(runner.checkpoint_payload(last_step=last_step)), save_best, last_step)
+        return runner.checkpoint_manager.directory / name
+
+    runner.save_checkpoint = save_checkpoint
+    assert runner.save_seed_checkpoint() == runner.checkpoint_manager.directory / "seed"
+    payload, save_best, last_step = saved["seed"]
     assert last_step and not save_best  # the final-save payload, never published as `best`
     assert payload["model"]["weight"] == runner.model.weight == 0.0
+    assert runner.checkpoint_manager.checkpoints() == []  # nothing reached the manager
 
 
 def test_load_only_never_writes(make_runner):

@@ -73,28 +73,25 @@ def test_stack_auto_is_resolved_to_ddp(tmp_path):
         assert again.train_state.epoch == 1
 
 
-def test_save_checkpoint_delegates_to_the_managers_save_checkpoint(tmp_path):
-    from danling.checkpoint import FileCheckpointManager
-
-    class RecordingManager(FileCheckpointManager):
-        """A user's manager: records each request, and writes every other one with the default policy."""
+def test_save_checkpoint_overrides_change_the_save_policy(tmp_path):
+    class RecordingRunner(ToyRunner):
+        """A user's policy: records each request, and writes every other one with the default policy."""
 
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             self.requests = []
 
-        def save_checkpoint(self, runner, name="latest", epochs=None, save_best=True, last_step=False, force=False):
+        def save_checkpoint(self, name="latest", epochs=None, save_best=True, last_step=False, force=False):
             self.requests.append((name, epochs, last_step, force))
             if len(self.requests) % 2:
                 return None
-            return super().save_checkpoint(runner, name, epochs, save_best, last_step, force)
+            return super().save_checkpoint(name, epochs, save_best, last_step, force)
 
-    with ToyRunner(toy_config(tmp_path, epochs=3)) as runner:
-        manager = RecordingManager(runner.workspace.checkpoint_dir, is_main_process=True)
-        runner.set_checkpoint_manager(manager)
+    with RecordingRunner(toy_config(tmp_path, epochs=3)) as runner:
+        manager = runner.checkpoint_manager
         runner.train()
         expected = [("latest", 0, False, False), ("latest", 1, False, False), ("latest", 2, True, False)]
-        assert manager.requests == expected
+        assert runner.requests == expected
         assert [path.name for path in manager.checkpoints()] == ["epoch-000001"]  # the policy above: 2nd only
         assert manager.alias("best") is not None and manager.latest.name == "epoch-000001"
         assert runner.save_checkpoint(name="manual", force=True).name == "step-000015"  # the 4th request

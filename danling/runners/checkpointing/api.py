@@ -22,11 +22,22 @@ from danling.checkpoint.manifest import CheckpointError
 from danling.utils import RoundDict
 
 from ..config import RunnerConfig, recorded_config
+from ..loop import RunnerMode
 from ..loop.events import CheckpointContext, Events
 from ..reconcile import newest_valid_checkpoint, reconcile_on_start
 from ._keys import without as _without
-from .resume import check_identity, report_code_change, report_other_runs, resolve_resume_path, take_run_dir
+from .resume import (
+    check_identity,
+    continue_pass_meters,
+    pass_meters_state,
+    report_code_change,
+    report_other_runs,
+    resolve_resume_path,
+    shares_data_rank,
+    take_run_dir,
+)
 from .resume import describe_source as _describe
+from .saves import SaveFacts, save_when_due
 
 if TYPE_CHECKING:
     from ..base_runner import BaseRunner
@@ -57,6 +68,8 @@ class CheckpointMixin:
     _scored_progress: tuple[int, int] | None = None
     # The newest save's failure until a later save is written; a training loop ending with one fails.
     _save_failure: CheckpointSaveError | None = None
+    # Running meters and train metrics of the pass a mid-pass checkpoint interrupted, until that pass reopens.
+    _restored_pass_meters: Mapping[str, Any] | None = None
 
     def _progress_marker(self) -> tuple[int, int]:
         state = self.train_state
@@ -127,6 +140,25 @@ class CheckpointMixin:
         if saved != self.config.dict():  # equal (a resume of this very run): nothing to compare, no config to build
             check_identity(self, recorded_config(saved))  # budget keys may differ; identity keys only when allowed
 
+    # ------------------------------------------------------------------ the running meters of a pass
+    def _pass_meters_state(self) -> dict[str, Any]:
+        """The `pass_meters` entry of a checkpoint (see `resume.pass_meters_state`)."""
+        return pass_meters_state(
+            self.loop_state,
+            training_split=self.split if self.mode is RunnerMode.train else None,
+            shares_rank=shares_data_rank(getattr(self, "topology", None), self.world_size),
+            meters=self.meters,
+            metrics=self._active_metrics,
+        )
+
+    def _continue_pass_meters(self, split: str) -> None:
+        """Put back the meters and train metrics of the interrupted `split` pass (after the pass reset them)."""
+        state, self._restored_pass_meters = self._restored_pass_meters, None
+        device, batch = getattr(self, "device", None), self.loop_state.batch
+        if continue_pass_meters(state, split, batch, self.meters, self._active_metrics, device, self.logger):
+            # The step logs average the steps since the previous log: the restored ones are not new.
+            self._step_window._marks = {name: (meter._sum, meter._count) for name, meter in self.meters.items()}
+
     # ------------------------------------------------------------------ saving
     def save_checkpoint(
         self,
@@ -136,17 +168,25 @@ class CheckpointMixin:
         last_step: bool = False,
         force: bool = False,
     ) -> Path | None:
-        """Save a checkpoint through `self.checkpoint_manager.save_checkpoint(self, ...)` when due.
+        """Save a checkpoint through `self.checkpoint_manager` when one is due.
 
-        The manager decides
-        ([`CheckpointManager.save_checkpoint`][danling.checkpoint.CheckpointManager.save_checkpoint]).
-        By default the checkpoint directory is named `epoch-<epochs>` when `epochs` is given
-        (epoch loops pass the index of the epoch just finished) and `step-<global_step>`
-        otherwise, and the `name` alias and `latest` are pointed at it, plus `best` when
-        `save_best` is set and
-        [`publishes_best`][danling.runners.checkpointing.api.CheckpointMixin.publishes_best] holds.
-        A `CHECKPOINT_SAVED` event follows a write. Call it on every rank: collective backends
-        need all of them, and the file backend writes on the main process only.
+        Called when: by the training loops after each epoch (epoch mode) or every
+            `checkpoint_interval` steps, at the end of training (`last_step`), on a graceful
+            shutdown (`name="shutdown"`), and by `save_seed_checkpoint`; on every rank.
+        Holds on entry: the counters, results and components describe the state to save; an
+            earlier background save may still be writing.
+        Side effects: writes a checkpoint and moves its aliases when due (on the writing ranks),
+            emits `CHECKPOINT_SAVED` after a write.
+        Overrides must not: skip calling it on some ranks only (collective backends need all of
+            them), or change the runner's state; call `super().save_checkpoint(...)` to write.
+
+        The decision is [`save_when_due`][danling.runners.checkpointing.saves.save_when_due]: the
+        checkpoint directory is named `epoch-<epochs>` when `epochs` is given (epoch loops pass
+        the index of the epoch just finished) and `step-<global_step>` otherwise, and the `name`
+        alias and `latest` are pointed at it, plus `best` when `save_best` is set and the newest
+        result row is the best one and no training happened since it was stored (so a mid-epoch
+        save never inherits the score of the weights evaluated before it).
+        To change the policy (cadence, names, aliases), override this method.
 
         Args:
             name: Alias to publish (`"latest"`, `"shutdown"`, any valid name).
@@ -163,8 +203,15 @@ class CheckpointMixin:
         while True:
             earlier = manager.pending_path
             try:
-                path = manager.save_checkpoint(
-                    self, name=name, epochs=epochs, save_best=save_best, last_step=last_step, force=force
+                path = save_when_due(
+                    manager,
+                    self._save_facts(),
+                    lambda: self.checkpoint_payload(last_step=last_step),
+                    name=name,
+                    epochs=epochs,
+                    save_best=save_best,
+                    last_step=last_step,
+                    force=force,
                 )
             except CheckpointSaveError as err:
                 if earlier is None or err.path != earlier:
@@ -176,6 +223,18 @@ class CheckpointMixin:
             self._save_failure = None
             self.events.emit(Events.CHECKPOINT_SAVED, CheckpointContext(self, path, name))
         return path
+
+    def _save_facts(self) -> SaveFacts:
+        state = self.train_state
+        return SaveFacts(
+            epoch=state.epoch,
+            global_step=state.global_step,
+            step_mode=self.is_step_mode,
+            run_id=self.id,
+            best=self._publishes_best(),
+            score=self._checkpoint_score(),
+            lower_is_better=self.bookkeeping.lower_is_better,
+        )
 
     def _save_failed(self, error: CheckpointSaveError) -> None:
         """The newest save failed: hand it to `checkpoint_save_failed`, and fail the run if no later save lands."""
@@ -215,14 +274,14 @@ class CheckpointMixin:
                 errno=failure.errno,
             ) from failure
 
-    def publishes_best(self) -> bool:
+    def _publishes_best(self) -> bool:
         """Whether a checkpoint saved now may be published as `best`: the newest result row is the best
         one (`is_best`) and no training happened since it was stored, so a mid-epoch save never
         inherits the score of the weights evaluated before it."""
         return bool(self.results) and self.is_best and self._scored_progress == self._progress_marker()
 
-    def checkpoint_score(self) -> float | None:
-        """Score of the weights a checkpoint saved now holds (the newest row's, when `publishes_best`'s
+    def _checkpoint_score(self) -> float | None:
+        """Score of the weights a checkpoint saved now holds (the newest row's, when `_publishes_best`'s
         condition on progress holds), else `None`; `checkpoint.save_top_k` ranks checkpoints by it."""
         scored = bool(self.results) and self._scored_progress == self._progress_marker()
         score = self.latest_score if scored else None
@@ -234,9 +293,9 @@ class CheckpointMixin:
         Meant to be called before training advances, so runs with different parallel layouts can
         start from identical weights (`resume`/`pretrained` pointing at it). It is a final save
         through [`save_checkpoint`][danling.runners.checkpointing.api.CheckpointMixin.save_checkpoint]
-        (so a custom manager's `save_checkpoint` policy applies, and a backend's model-only export
-        setting): written whatever the cadence, never published as `best`. With the default
-        manager the directory is `step-<global_step>` and `latest` points at it too.
+        (so an overriding `save_checkpoint` applies, and a backend's model-only export setting):
+        written whatever the cadence, never published as `best`. By default the directory is
+        `step-<global_step>` and `latest` points at it too.
         """
         return self.save_checkpoint(name=name, save_best=False, last_step=True, force=True)
 

@@ -36,10 +36,10 @@ import torch
 
 from danling.checkpoint import detect_format, open_checkpoint_reader
 from danling.checkpoint.manifest import verification_scope
-from danling.data import DataResumeError, ResumableSampler, batch_fingerprint, check_batch_fingerprint
 
 from .api import OPTIONAL_RANK_LOCAL_KEYS, RANK_LOCAL_KEYS, CheckpointSource, _describe, _is_path
 from .elastic import data_positions, elastic_accum_steps, restore_positions
+from .resume import loader_fingerprint, restore_loader_positions, shares_data_rank
 
 __all__ = ["RANK_LOCAL_KEYS", "TorchCheckpointMixin"]
 
@@ -108,7 +108,10 @@ class TorchCheckpointMixin:
             micro_batches_per_update=self.micro_batches_per_update,
         )
         # Per rank, like the loader positions they check.
-        payload["fingerprints"] = cls((split, self._fingerprint(split, state)) for split, state in loaders.items())
+        dataloaders = self.dataloaders
+        payload["fingerprints"] = cls(
+            (split, loader_fingerprint(dataloaders.get(split), state)) for split, state in loaders.items()
+        )
         # Per rank: the running loss meters and train metrics of a pass this checkpoint interrupts.
         payload["pass_meters"] = self._pass_meters_state()
         payload["backend"] = cls(stack="torch", world_size=self.world_size, checkpoint=self.checkpoint_manager.backend)
@@ -135,15 +138,6 @@ class TorchCheckpointMixin:
         if self.scheduler is not None:
             objects["scheduler"] = _ThroughHook(self.scheduler, self.load_scheduler)
         return objects
-
-    def _fingerprint(self, split: str, state: Mapping[str, Any]) -> str | None:
-        loader = self.dataloaders.get(split)
-        if getattr(loader, "batch_sampler", None) is None and getattr(loader, "sampler", None) is None:
-            return None
-        try:
-            return batch_fingerprint(loader, state)
-        except TypeError:  # a custom sampler that cannot be copied: no resume check for this split
-            return None
 
     def checkpoint_payload(self, *, last_step: bool) -> Mapping[str, Any]:
         """The live components and the runner state; a model-only export for the final save when
@@ -209,7 +203,7 @@ class TorchCheckpointMixin:
         if split is None or not int(loop.get("batch") or 0):
             return  # not a mid-pass checkpoint (old checkpoints have no `pass_meters` either)
         single_copy = getattr(self.checkpoint_manager, "backend", None) == "file" and self.topology.size("data") > 1
-        shared = self.topology.size("data") < self.world_size  # see loop.hooks._shares_data_rank
+        shared = shares_data_rank(self.topology, self.world_size)
         if self._resized(checkpoint) or single_copy or shared:
             self.logger.info(
                 "the interrupted %s pass restarts its loss meters and train metrics (%s): its row's training values "
@@ -318,6 +312,15 @@ class TorchCheckpointMixin:
     def load_dataloaders(self, state_dict: Mapping[str, Any] | None) -> None:
         """Restore loader progress after checking each loader against the fingerprint in the checkpoint.
 
+        Called when: once per `load_checkpoint`, after the runner state, model, EMA, optimizer and
+            scheduler are restored (unless `dataloaders` is excluded from loading).
+        Holds on entry: `loop_state` holds the checkpoint's position; the loaders are built.
+        Side effects: moves each training loader to its saved position (see
+            [`restore_loader_positions`][danling.runners.checkpointing.resume.restore_loader_positions]),
+            or, on another data-parallel size, to the global position of its pass.
+        Overrides must not: skip the fingerprint check and load a position into a loader that would
+            yield other batches; call `super().load_dataloaders(state_dict)`.
+
         Raises:
             DataResumeError: a rebuilt loader would yield a different next batch than the saved one.
         """
@@ -326,47 +329,14 @@ class TorchCheckpointMixin:
             train = {split: self.dataloaders[split] for split in self.train_splits if split in self.dataloaders}
             restore_positions(train, self._elastic_positions, cursor, self.config.get("seed"))
             return
-        fingerprints = self._restored_fingerprints or {}
-        states = dict(state_dict or {})
-        if cursor is not None:
-            self._check_resumable(cursor, states)
-        for split, state in states.items():
-            loader = self.dataloaders.get(split)
-            if loader is None or not callable(getattr(loader, "load_state_dict", None)):
-                self.logger.warning("checkpoint has progress for split %r, which has no resumable loader now", split)
-                continue
-            sampler = getattr(loader, "sampler", None)
-            if isinstance(sampler, ResumableSampler) and self.config.get("seed") is not None:
-                sampler.seed = int(self.config.seed)  # a seed adopted from the checkpoint (see set_seed)
-            expected = fingerprints.get(split)
-            if split == cursor and expected is None:
-                self.logger.warning(
-                    "resuming split %r mid-pass without verifying the data position: its loader has no "
-                    "fingerprintable index sampler (an iterable dataset, or a sampler that cannot be copied); "
-                    "the loader's own state decides where the pass continues",
-                    split,
-                )
-            check_batch_fingerprint(loader, state, expected)
-            loader.load_state_dict(state)
-
-    def _check_resumable(self, split: str, states: Mapping[str, Any]) -> None:
-        """Refuse a mid-pass resume of `split` whose loader would start the pass again (and replay its batches)."""
-        loader = self.dataloaders.get(split)
-        if loader is None or f"dataloaders.{split}" in self.checkpoint_manager.exclude_from_loading:
-            return  # the split is gone (the loops will not continue it) or its position is skipped on purpose
-        restorable = callable(getattr(loader, "load_state_dict", None))
-        if split in states and restorable:
-            return
-        reason = (
-            f"the checkpoint holds no position for it (its loader, a {type(loader).__name__}, had no state_dict)"
-            if split not in states
-            else f"its loader, a {type(loader).__name__}, has no load_state_dict"
-        )
-        raise DataResumeError(
-            f"cannot resume split {split!r} mid-pass: {reason}, so the pass would start over and replay "
-            "the batches already trained on. Let the runner build the loader from self.datasets (or bind a "
-            "torchdata StatefulDataLoader), resume from a checkpoint saved at an epoch boundary, or add "
-            "'dataloaders' to checkpoint.exclude_from_loading to restart the pass deliberately"
+        restore_loader_positions(
+            self.dataloaders,
+            dict(state_dict or {}),
+            self._restored_fingerprints or {},
+            cursor=cursor,
+            seed=self.config.get("seed"),
+            excluded=self.checkpoint_manager.exclude_from_loading,
+            logger=self.logger,
         )
 
     # ------------------------------------------------------------------ in-place restore (DCP)

@@ -28,7 +28,6 @@ from .host import LoopHost
 from .loops import Loop
 from .mode import RunnerMode
 from .passes import PassEngine
-from .position import LoopState
 
 __all__ = [
     "CheckpointContext",
@@ -42,7 +41,6 @@ __all__ = [
     "LogContext",
     "Loop",
     "LoopHost",
-    "LoopState",
     "PassContext",
     "PassEngine",
     "RunContext",

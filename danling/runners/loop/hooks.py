@@ -13,8 +13,6 @@ from collections.abc import Mapping
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
-import torch
-
 from danling.checkpoint.failures import CheckpointSaveError
 from danling.utils import RoundDict
 
@@ -37,8 +35,6 @@ class StepHooks:
     # subscriber watches the steps); the default torch step then lets the output go before backward.
     _step_output_unused: bool = False
     _active_metrics: Any = None  # the metric container of the pass under way (None outside a pass)
-    # Running meters and train metrics of the pass a mid-pass checkpoint interrupted, until that pass reopens.
-    _restored_pass_meters: Mapping[str, Any] | None = None
 
     # ------------------------------------------------------------------ mode
     @property
@@ -200,53 +196,6 @@ class StepHooks:
                 metrics.group = group
             metrics.reset()
 
-    def _pass_meters_state(self) -> dict[str, Any]:
-        """This rank's running loss meters and train metrics, when a training pass is under way.
-
-        A checkpoint written in the middle of a training pass carries them, so that the resumed
-        pass averages every batch of the pass, as an uninterrupted one does. Outside a training
-        pass only `{"split": None}`: evaluation passes always start afresh.
-        """
-        position = self.loop_state
-        if self.mode is not RunnerMode.train or position.split is None or position.split != self.split:
-            return {"split": None}
-        if _shares_data_rank(self):  # per-rank entries are per data rank: its ranks' meters would collide
-            return {"split": None}
-        if not position.batch:  # nothing trained in this pass yet
-            return {"split": None}
-        state: dict[str, Any] = {"split": position.split, "batch": position.batch, "meters": self.meters.state_dict()}
-        metrics, saved = self._active_metrics, None
-        if metrics is not None and callable(getattr(metrics, "state_dict", None)):
-            saved = metrics.state_dict()
-        state["metrics"] = saved  # None with a container that has no state: the resume resets it (warning)
-        return state
-
-    def _continue_pass_meters(self, split: str) -> None:
-        """Put back the meters and train metrics of the interrupted `split` pass (after `_start_metrics` reset them)."""
-        state, self._restored_pass_meters = self._restored_pass_meters, None
-        if state is None or state.get("split") != split or state.get("batch") != self.loop_state.batch:
-            return
-        device = getattr(self, "device", None)
-        self.meters.load_state_dict(_to_device(state["meters"], device))
-        # The step logs average the steps since the previous log: the restored ones are not new.
-        self._step_window._marks = {name: (meter._sum, meter._count) for name, meter in self.meters.items()}
-        metrics = self._active_metrics
-        if metrics is None:
-            return
-        saved, load = state.get("metrics"), getattr(metrics, "load_state_dict", None)
-        try:
-            if saved is None or not callable(load):
-                raise ValueError(f"{type(metrics).__name__} has no checkpointed state (state_dict/load_state_dict)")
-            load(_to_device(saved, device))
-        except ValueError as error:
-            metrics.reset()
-            self.logger.warning(
-                "the train metrics of the interrupted %s pass restart at the resume (%s): the row's metrics "
-                "cover the batches after it; its loss covers the whole pass",
-                split,
-                error,
-            )
-
     def _update_metrics(self, pred: Any, target: Any) -> None:
         """Feed one batch to the metrics of the pass under way (by mode outside a pass)."""
         if target is None:
@@ -266,26 +215,3 @@ class StepHooks:
         if metrics is not None:
             result.update(metrics.avg)
         return RoundDict.from_flat(result)  # flat results skip chanfig's generic constructor
-
-
-def _to_device(state: Any, device: Any) -> Any:
-    """`state` with its tensors moved to `device` (checkpoints are read onto the CPU); `None` keeps them."""
-    if device is None:
-        return state
-    if isinstance(state, torch.Tensor):
-        return state.to(device)
-    if isinstance(state, Mapping):
-        return {key: _to_device(value, device) for key, value in state.items()}
-    if isinstance(state, (list, tuple)):
-        return type(state)(_to_device(value, device) for value in state)
-    return state
-
-
-def _shares_data_rank(runner: Any) -> bool:
-    """Whether several processes share this data-parallel rank (pipeline stages, tensor shards).
-
-    Checkpoints keep one entry per data rank, and the stages of a pipeline keep different meters
-    (only the last one has a loss), so such runs do not checkpoint the running meters of a pass.
-    """
-    topology = getattr(runner, "topology", None)
-    return topology is not None and topology.size("data") < runner.world_size

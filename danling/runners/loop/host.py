@@ -15,12 +15,12 @@ if TYPE_CHECKING:
     from danling.distributed import Topology
     from danling.metrics import AverageMeters
 
+    from ..checkpointing.resume import LoopState
     from ..config import RunnerConfig
     from ..services import RunnerSupervisor, RunnerWorkspace, Trackers
     from ..services.results import RunnerResults
     from ..state import RunnerState, RunnerTrainState
     from ..update import UpdateStrategy
-    from .position import LoopState
 
 __all__ = ["LoopHost"]
 

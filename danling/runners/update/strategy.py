@@ -153,7 +153,7 @@ class UpdateStrategy:
 
     def state_dict(self) -> dict[str, Any]:
         """State of the update machinery; the window position is checkpointed with the loop's
-        [`LoopState`][danling.runners.loop.position.LoopState]."""
+        [`LoopState`][danling.runners.checkpointing.resume.LoopState]."""
         return {}
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
