@@ -156,7 +156,7 @@ class ParallelRunner(PipelineMixin, TorchRunner):
         """
         if self.model is None and self.model_parts:
             self.model = self.model_parts[0]
-        self._require_model()
+        self.require_model()
         self._check_layout()
         pipelined = self.topology.size("pipeline") > 1
         if self.model_parts:
@@ -170,7 +170,7 @@ class ParallelRunner(PipelineMixin, TorchRunner):
         self.model = parts[0]
         if pipelined and self.pipeline_schedule is None:
             self.pipeline_schedule = self.build_pipeline_schedule(parts if len(parts) > 1 else parts[0])
-        self._materialize_ema()
+        self.materialize_ema()
 
     def _materialize_part(self, part: nn.Module, *, strict: bool) -> nn.Module:
         part = part.to(self.device)

@@ -165,7 +165,7 @@ def fused_train_pass(runner: Any) -> FusedPass | None:
                     step_plain()
                     counters["global_step"] += 1
                     if not runner._train_timeout_applied:
-                        runner._apply_train_timeout()
+                        runner.apply_train_timeout()
                 # What the general loop does after `train_step`.
                 loss = loss.detach()
                 held.losses.append(loss)

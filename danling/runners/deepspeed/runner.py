@@ -6,7 +6,7 @@ and a user's script does not change. It is a thin [`TorchRunner`][danling.runner
 - `materialize_model` moves and compiles the model (no DDP: the engine wraps it);
 - `build_update_strategy` creates the engine with `deepspeed.initialize` from the user's model,
   optimizer and, for a step-interval scheduler, scheduler, and returns a
-  [`DeepSpeedUpdateStrategy`][danling.runners.update.deepspeed.DeepSpeedUpdateStrategy];
+  [`DeepSpeedUpdateStrategy`][danling.runners.deepspeed.update.DeepSpeedUpdateStrategy];
 - checkpoints go through a [`DeepSpeedCheckpointManager`][danling.checkpoint.deepspeed.DeepSpeedCheckpointManager]
   (`engine.save_checkpoint` into a tag directory plus danling's state, pointers after success)
   and are restored with `engine.load_checkpoint`.
@@ -32,14 +32,14 @@ from danling.data import resolve_loader_options
 from danling.distributed import is_distributed
 from danling.utils.imports import optional_import
 
-from .checkpointing.api import OPTIONAL_RANK_LOCAL_KEYS, RANK_LOCAL_KEYS, CheckpointSource, _describe, _is_path
-from .checkpointing.resume import resolve_resume_path
-from .deepspeed_config import build_deepspeed_config
-from .runner import register_runner
-from .torch_runner import TorchRunner
-from .update import EMA
-from .update.deepspeed import DeepSpeedUpdateStrategy, gathered_parameters
-from .update.gradient_sync import OwnsAccumulationBoundary
+from ..checkpointing.api import OPTIONAL_RANK_LOCAL_KEYS, RANK_LOCAL_KEYS, CheckpointSource
+from ..checkpointing.resume import describe_source, resolve_resume_path
+from ..runner import register_runner
+from ..torch_runner import TorchRunner
+from ..update import EMA
+from ..update.gradient_sync import OwnsAccumulationBoundary
+from .config import build_deepspeed_config
+from .update import DeepSpeedUpdateStrategy, gathered_parameters
 
 __all__ = ["DeepSpeedRunner"]
 
@@ -50,7 +50,7 @@ class DeepSpeedRunner(TorchRunner):
     The engine runs with `gradient_accumulation_steps: 1`; danling's `accum_steps` decides where a
     window ends and tells the engine through its boundary flag. Configure DeepSpeed in the
     `deepspeed` section of the config (any DeepSpeed key; see
-    [`get_deepspeed_config`][danling.runners.deepspeed_runner.DeepSpeedRunner.get_deepspeed_config]).
+    [`get_deepspeed_config`][danling.runners.deepspeed.runner.DeepSpeedRunner.get_deepspeed_config]).
 
     Attributes:
         model: The `DeepSpeedEngine` once the runner is built (the user's module before).
@@ -94,8 +94,8 @@ class DeepSpeedRunner(TorchRunner):
         self.checkpoint_backend  # noqa: B018 - validates checkpoint.backend
         from danling.checkpoint.deepspeed import DeepSpeedCheckpointManager
 
-        options = self._checkpoint_options()
-        options.pop("async_save", None)
+        options = self.checkpoint_options()
+        options.pop("async_save", None)  # the engine writes its own files synchronously
         manager = DeepSpeedCheckpointManager(
             self.workspace.checkpoint_dir,
             rank_local_keys=RANK_LOCAL_KEYS,
@@ -114,7 +114,7 @@ class DeepSpeedRunner(TorchRunner):
             ValueError: `self.model` is not set.
             TypeError: `self.model` is not an `nn.Module`.
         """
-        self._require_model()
+        self.require_model()
         self.model = self.compiler.compile(self.model.to(self.device), distributed=self.distributed)
         if self.ema is None and self.config.ema.enabled:
             self.ema = EMA(self.model, decay=self.config.ema.decay)
@@ -137,15 +137,28 @@ class DeepSpeedRunner(TorchRunner):
                 the runner's (both values are named), or a runner setting has no DeepSpeed
                 counterpart (`max_grad_value`; `skip_nonfinite_grad` in fp32 without ZeRO).
         """
-        return build_deepspeed_config(self)
+        return build_deepspeed_config(
+            self.config.get("deepspeed"),
+            accum_steps=self.accum_steps,
+            micro_batch_size=self._micro_batch_size(),
+            world_size=self.world_size,
+            precision=self.precision,
+            max_grad_norm=self.max_grad_norm,
+            max_grad_value=self.max_grad_value,
+            skip_nonfinite_grad=self.skip_nonfinite_grad,
+            model=self.model,
+            client_optimizer=self.optimizer is not None,
+        )
 
     def _micro_batch_size(self) -> int | None:
+        """The first training split's batch size: its loader's, else what `config.dataloader` gives it."""
         for split in self.train_splits:
             loader = self.dataloaders.get(split)
             if loader is not None and getattr(loader, "batch_size", None):
                 return int(loader.batch_size)
             if split in self.datasets:
-                return int(resolve_loader_options(self._loader_config(), split, is_train=True).get("batch_size", 1))
+                options = resolve_loader_options(self.config.dataloader.dict(), split, is_train=True)
+                return int(options.get("batch_size", 1))
         return None
 
     def build_update_strategy(self) -> DeepSpeedUpdateStrategy:
@@ -195,8 +208,7 @@ class DeepSpeedRunner(TorchRunner):
                 module = self.unwrap(self.model)
                 with gathered_parameters(self.model, module.parameters()):
                     self.ema.update(module)
-            if not self._train_timeout_applied:
-                self._apply_train_timeout()
+            self.apply_train_timeout()
         return applied
 
     def unwrap(self, model: Any) -> Any:
@@ -232,7 +244,7 @@ class DeepSpeedRunner(TorchRunner):
     # ------------------------------------------------------------------ checkpoints
     def checkpoint_payload(self, *, last_step: bool) -> Mapping[str, Any]:
         """Danling's state; the engine writes module, optimizer and its scheduler itself."""
-        payload = self._payload()
+        payload = self.runner_payload()
         if self.ema is not None:
             payload["ema"] = self.unwrap(self.ema).state_dict()
         if self.scheduler is not None and not self.engine_owns_scheduler:
@@ -240,7 +252,7 @@ class DeepSpeedRunner(TorchRunner):
         return payload
 
     def _is_deepspeed_source(self, checkpoint: CheckpointSource) -> bool:
-        if not _is_path(checkpoint):
+        if not _is_path_source(checkpoint):
             return False
         from danling.checkpoint import detect_format
 
@@ -364,7 +376,7 @@ class DeepSpeedRunner(TorchRunner):
         another data-parallel size.
         """
         given = checkpoint
-        if _is_path(checkpoint):  # a run directory, its checkpoints/ or an alias path: see resolve_resume_path
+        if _is_path_source(checkpoint):  # a run directory, its checkpoints/ or an alias path: see resolve_resume_path
             checkpoint = resolve_resume_path(checkpoint, self.config.checkpoint.dir_name)
         if not self._is_deepspeed_source(checkpoint):
             return super().load_pretrained(checkpoint, *args, **kwargs)
@@ -380,7 +392,7 @@ class DeepSpeedRunner(TorchRunner):
             )
             source = "model"
         self.config.pretrained = os.fspath(given)
-        self.logger.info("loaded %s weights from %s", source, _describe(given))
+        self.logger.info("loaded %s weights from %s", source, describe_source(given))
 
     def export_consolidated(self, checkpoint: CheckpointSource, file: str | os.PathLike) -> Path:
         """Write the fp32 weights of a DeepSpeed checkpoint as one `torch.save` state dict, usable without DeepSpeed.
@@ -402,6 +414,10 @@ class DeepSpeedRunner(TorchRunner):
         if is_distributed():
             dist.barrier()
         return target
+
+
+def _is_path_source(checkpoint: Any) -> bool:
+    return isinstance(checkpoint, (str, os.PathLike))
 
 
 def _detect(path: Path) -> bool:
