@@ -108,7 +108,7 @@ class TorchBatchMixin:
             with context:
                 pred = model(input)
                 loss = self._criterion_loss(pred, target, required=True)
-        self._update_metrics(pred, target)
+        self.update_metrics(pred, target)
         if self._step_output_unused and type(self).train_step is TorchBatchMixin.train_step:
             # The loop discards the output and no override of this step reads it: holding it through the
             # backward pass kept one more output-sized tensor (a language model's logits) alive at the
@@ -134,7 +134,7 @@ class TorchBatchMixin:
         with self.forward_context():
             pred = model(input)
             loss = None if target is None else self._criterion_loss(pred, target, required=False)
-        self._update_metrics(pred, target)
+        self.update_metrics(pred, target)
         return pred, None if loss is None else loss.detach()
 
     def infer_step(self, data: Any) -> list[Any]:

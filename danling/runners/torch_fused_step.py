@@ -1,7 +1,7 @@
 """The fused default training pass: what `TorchRunner`'s hooks do in the plain case, without the calls.
 
 A training step through the hooks is a dozen Python calls (`train_step`, `to_device`,
-`train_context`, `_criterion_loss`, `_update_metrics`, `backward`, `step`, `optimizer_step`,
+`train_context`, `_criterion_loss`, `update_metrics`, `backward`, `step`, `optimizer_step`,
 `_apply_update`, the update strategy, the optimizer container ...), each asking again what the
 configuration settled long ago; on a small model they cost a few percent of the step. When a
 training pass starts that no per-batch subscriber watches,
@@ -38,7 +38,7 @@ _STEP_HOOKS = (
     "train_context",
     "forward_context",
     "_criterion_loss",
-    "_update_metrics",
+    "update_metrics",
     "_metrics_for",
     "backward",
     "step",
@@ -141,7 +141,7 @@ def fused_train_pass(runner: Any) -> FusedPass | None:
                     metrics = runner._active_metrics
                     if metrics is None:
                         metrics = runner._metrics_for(runner.mode)
-                    if metrics is not None:  # what `_update_metrics` hands over (the flag read without `getattr`)
+                    if metrics is not None:  # what `update_metrics` hands over (the flag read without `getattr`)
                         grad = pred.requires_grad if type(pred) is Tensor else getattr(pred, "requires_grad", False)
                         metrics.update(pred.detach() if grad else pred, target)
                 # The output is not needed past here: dropping it lets a criterion that saves only its own
