@@ -42,7 +42,7 @@ BACKEND_GLOBS = (
 
 # (module path, expression) -> why a third-party private is used.
 FOREIGN: dict[tuple[str, str], str] = {
-    ("danling/runners/deepspeed/runner.py", "engine._config"): (
+    ("danling/runners/deepspeed/checkpoint.py", "engine._config"): (
         "DeepSpeed reads `load_universal_checkpoint` from the engine's config; there is no per-call argument"
     ),
     ("danling/runners/deepspeed/runner.py", "groups._WORLD_GROUP"): (

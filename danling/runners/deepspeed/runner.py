@@ -17,7 +17,6 @@ and a user's script does not change. It is a thin [`TorchRunner`][danling.runner
 from __future__ import annotations
 
 import os
-import shutil
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -27,9 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from danling.checkpoint import register_format
-from danling.checkpoint.manifest import CheckpointError
 from danling.data import resolve_loader_options
-from danling.distributed import is_distributed
 from danling.utils.imports import optional_import
 
 from ..checkpointing.api import OPTIONAL_RANK_LOCAL_KEYS, RANK_LOCAL_KEYS, CheckpointSource
@@ -38,6 +35,7 @@ from ..runner import register_runner
 from ..torch_runner import TorchRunner
 from ..update import EMA
 from ..update.gradient_sync import OwnsAccumulationBoundary
+from .checkpoint import export_fp32, load_tag
 from .config import build_deepspeed_config
 from .update import DeepSpeedUpdateStrategy, gathered_parameters
 
@@ -288,85 +286,17 @@ class DeepSpeedRunner(TorchRunner):
         return path if path.is_dir() else path.parent
 
     def _engine_load(self, tag: Path, *, expected_step: int | None = None, **options: Any) -> None:
-        """`engine.load_checkpoint` of one tag directory, making sure this tag is the one loaded.
-
-        A ZeRO-3 load without optimizer states goes through a [`tag_view`][danling.checkpoint.deepspeed.tag_view]
-        (DeepSpeed would read the weights of its directory's `latest` tag); optimizer partitions
-        of another data-parallel size go through DeepSpeed's universal format.
-
-        Raises:
-            CheckpointError: the engine loaded nothing, or another tag than `tag` (its recorded
-                step differs).
-        """
-        from danling.checkpoint.deepspeed import CLIENT_STEP_KEY, restricted_deepspeed_loads, tag_view, zero_data_size
-
-        engine = self.model
-        with_optimizer = options.get("load_optimizer_states", True) and not options.get("load_module_only", False)
-        saved = zero_data_size(tag)
-        with restricted_deepspeed_loads(self.config.checkpoint.trust_pickle):  # DeepSpeed unpickles with no limits
-            if with_optimizer and saved is not None and saved != engine.dp_world_size:
-                load_path, client = self._load_resized(tag, saved, **options)
-            elif engine.zero_optimization_stage() >= 3 and not options.get("load_optimizer_states", True):
-                with tag_view(tag) as view:
-                    load_path, client = engine.load_checkpoint(str(view), tag=tag.name, **options)
-            else:
-                load_path, client = engine.load_checkpoint(str(tag.parent), tag=tag.name, **options)
-        if load_path is None:
-            raise CheckpointError(f"DeepSpeed could not load checkpoint tag {tag}")
-        loaded = (client or {}).get(CLIENT_STEP_KEY)
-        if expected_step is not None and loaded is not None and loaded != expected_step:
-            raise CheckpointError(
-                f"DeepSpeed loaded a checkpoint of global step {loaded} when tag {tag} (step {expected_step}) "
-                "was requested"
-            )
-
-    def _load_resized(self, tag: Path, saved: int, **options: Any) -> tuple[Any, Any]:
-        """Load ZeRO partitions of `saved` data-parallel ranks on another number: through DeepSpeed's universal format.
-
-        The main process converts the tag (`ds_to_universal`) into `<checkpoint dir>/.universal/`;
-        every rank learns whether that worked (one broadcast) before any rank loads, so a failed
-        conversion is the same `CheckpointError` everywhere instead of a hang. The engine then
-        loads it with `load_universal` switched on for this one call, and the converted copy is
-        removed.
-        """
-        from danling.checkpoint.deepspeed import convert_to_universal
-
-        engine = self.model
-        root = self.checkpoint_manager.directory / ".universal"
-        error = None
-        if self.is_main_process:
-            try:
-                shutil.rmtree(root, ignore_errors=True)
-                convert_to_universal(tag, root)
-            except Exception as exc:  # reported to every rank below
-                error = f"{type(exc).__name__}: {exc}"
-        if is_distributed():
-            message = [error]
-            dist.broadcast_object_list(message, src=0)
-            error = message[0]
-        if error is not None:
-            raise CheckpointError(
-                f"checkpoint {tag} holds ZeRO partitions of {saved} data-parallel ranks and this run has "
-                f"{engine.dp_world_size}; converting it to DeepSpeed's universal format failed: {error}"
-            )
-        self.logger.info(
-            "checkpoint %s holds ZeRO partitions of %d data-parallel ranks and this run has %d: "
-            "converted it to DeepSpeed's universal format, loading it with load_universal",
+        """[`load_tag`][danling.runners.deepspeed.checkpoint.load_tag] of `tag` into the engine."""
+        load_tag(
+            self.model,
             tag,
-            saved,
-            engine.dp_world_size,
+            trust_pickle=self.config.checkpoint.trust_pickle,
+            universal_dir=self.checkpoint_manager.directory / ".universal",
+            is_main_process=self.is_main_process,
+            logger=self.logger,
+            expected_step=expected_step,
+            **options,
         )
-        config = engine._config
-        previous, config.load_universal_checkpoint = config.load_universal_checkpoint, True
-        try:
-            result = engine.load_checkpoint(str(root), tag=tag.name, **options)
-        finally:
-            config.load_universal_checkpoint = previous
-        if is_distributed():
-            dist.barrier()
-        if self.is_main_process:
-            shutil.rmtree(root, ignore_errors=True)
-        return result
 
     def load_pretrained(self, checkpoint: CheckpointSource, *args: Any, **kwargs: Any) -> None:
         """Load model weights only: the EMA weights when danling's state has them, else the engine's module.
@@ -397,23 +327,12 @@ class DeepSpeedRunner(TorchRunner):
     def export_consolidated(self, checkpoint: CheckpointSource, file: str | os.PathLike) -> Path:
         """Write the fp32 weights of a DeepSpeed checkpoint as one `torch.save` state dict, usable without DeepSpeed.
 
-        Reads the ZeRO partitions on the main process only (no collective), so it also works after
+        Reads the ZeRO partitions on the main process only (see
+        [`export_fp32`][danling.runners.deepspeed.checkpoint.export_fp32]), so it also works after
         training. Returns the path written (on every rank).
         """
-        tag = self._tag_directory(checkpoint)
-        target = Path(file)
-        if self.is_main_process:
-            from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-            from danling.checkpoint.deepspeed import restricted_deepspeed_loads
-
-            with restricted_deepspeed_loads(self.config.checkpoint.trust_pickle):
-                state = get_fp32_state_dict_from_zero_checkpoint(str(tag.parent), tag=tag.name)
-            target.parent.mkdir(parents=True, exist_ok=True)
-            torch.save(dict(state), target)
-        if is_distributed():
-            dist.barrier()
-        return target
+        tag, trust = self._tag_directory(checkpoint), self.config.checkpoint.trust_pickle
+        return export_fp32(tag, Path(file), trust_pickle=trust, is_main_process=self.is_main_process)
 
 
 def _is_path_source(checkpoint: Any) -> bool:
