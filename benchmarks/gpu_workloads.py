@@ -451,7 +451,7 @@ def check_fsdp2(ctx: Context) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
 
     from danling.checkpoint.dcp import ModelState, OptimizerState, TorchDistributedCheckpointManager
-    from danling.runners.parallel.fsdp import apply_fsdp
+    from danling.distributed.fsdp import apply_fsdp
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     dist.init_process_group("nccl" if ctx.cuda else "gloo", rank=0, world_size=1)

@@ -6,7 +6,7 @@
   checkpoint API and loops.
 - [`TorchRunner`][danling.runners.torch_runner.TorchRunner]: the PyTorch backend (single process or
   DDP), registered for the stacks `auto`, `torch` and `ddp`.
-- [`DeepSpeedRunner`][danling.runners.deepspeed_runner.DeepSpeedRunner]: DeepSpeed ZeRO owning backward and
+- [`DeepSpeedRunner`][danling.runners.deepspeed.runner.DeepSpeedRunner]: DeepSpeed ZeRO owning backward and
   step, registered for the stacks `deepspeed` and `ds` (DeepSpeed is imported only when it builds).
 - [`ParallelRunner`][danling.runners.parallel_runner.ParallelRunner]: FSDP2, tensor and pipeline
   parallelism over the axes of `config.parallel.axes`, registered for the stack `parallel`.
@@ -33,7 +33,7 @@
 from .base_runner import BaseRunner, MetaRunner
 from .checkpointing.resume import LoopState
 from .config import RunnerConfig
-from .deepspeed_runner import DeepSpeedRunner
+from .deepspeed import DeepSpeedRunner
 from .loop import EventBus, Events, RunnerMode, on
 from .parallel_runner import ParallelRunner
 from .reconcile import reconcile_run

@@ -254,10 +254,18 @@ class BaseRunner(CheckpointMixin, StepHooks, metaclass=MetaRunner):
         )
 
     def _build_file_checkpoint_manager(self) -> FileCheckpointManager:
-        return FileCheckpointManager(self.workspace.checkpoint_dir, **self._checkpoint_options())
+        return FileCheckpointManager(self.workspace.checkpoint_dir, **self.checkpoint_options())
 
-    def _checkpoint_options(self) -> dict[str, Any]:
-        """Keyword arguments every checkpoint manager takes, read from `config.checkpoint`."""
+    def checkpoint_options(self) -> dict[str, Any]:
+        """Keyword arguments every checkpoint manager takes, read from `config.checkpoint`.
+
+        Called when: once, when the runner binds its checkpoint manager (`__post_init__` and the
+            backends' `init_checkpoint_manager`), on every rank.
+        Holds on entry: `config.checkpoint` is final; the process group (if any) is started.
+        Side effects: none; returns a new dict each call.
+        Overrides must not: drop keys (every manager takes them all); a backend that cannot honour
+            one (DeepSpeed: `async_save`) removes it from its own copy.
+        """
         checkpoint = self.config.checkpoint
         return {
             "interval": self.checkpoint_interval,

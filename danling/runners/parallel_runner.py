@@ -11,7 +11,7 @@ and metrics over the data domain, gradient norms over the pipeline) and the chec
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -19,17 +19,19 @@ import torch.distributed as dist
 from torch import nn
 
 from danling.distributed import Topology, wrap_ddp
-
-from .parallel import (
-    apply_fsdp,
-    apply_tensor_plan,
-    block_modules,
-    checkpoint_blocks,
-    fsdp_mixed_precision,
-    fsdp_offload,
-    merge_parts,
+from danling.distributed.fsdp import apply_fsdp, block_modules, fsdp_mesh, fsdp_mixed_precision, fsdp_offload
+from danling.distributed.layout import check_axes, check_layout
+from danling.distributed.parts import merge_parts
+from danling.distributed.pipeline import (
+    PipelineRuntime,
+    build_stage_part,
+    stage_count,
+    stage_indices,
+    train_batch_size,
 )
-from .parallel.pipeline import PipelineMixin
+from danling.distributed.tensor_parallel import checkpoint_blocks, parallelize
+
+from .parallel import PipelineSteps
 from .runner import register_runner
 from .torch_runner import TorchRunner
 from .update import GradientSync, TorchUpdateStrategy, gradient_sync_for
@@ -38,7 +40,7 @@ from .update.spikes import guard_options
 __all__ = ["ParallelRunner"]
 
 
-class ParallelRunner(PipelineMixin, TorchRunner):
+class ParallelRunner(TorchRunner):
     """Torch runner for explicit parallel layouts: FSDP2/HSDP, tensor parallel and pipeline parallel.
 
     Configure the layout with `parallel.axes` (`replicate`, `shard`, `context`, `pipeline`,
@@ -61,15 +63,29 @@ class ParallelRunner(PipelineMixin, TorchRunner):
         model_parts: The local model parts after materialization (one, or this rank's pipeline
             stages); `model` is the first of them.
         pipeline_schedule: The `torch.distributed.pipelining` schedule when `pipeline > 1`.
+        pipeline_stages: The `PipelineStage` of each local part.
         pipeline_has_first_stage: Whether this rank feeds the pipeline its inputs.
         pipeline_has_last_stage: Whether this rank computes the loss.
+        pipeline: The [`PipelineSteps`][danling.runners.parallel.pipeline.PipelineSteps] component that
+            runs the train/evaluate/infer steps through the schedule (`pipeline.runtime` holds the
+            built [`PipelineRuntime`][danling.distributed.pipeline.PipelineRuntime]).
     """
 
     supported_features = ("parallel", "fsdp")
     model_parts: list[nn.Module] | None = None
     pipeline_schedule: Any = None
+    pipeline_stages: tuple[Any, ...] = ()
     pipeline_has_first_stage: bool = True
     pipeline_has_last_stage: bool = True
+    _pipeline_num_stages: int | None = None  # fixed once the parts are built
+
+    @property
+    def pipeline(self) -> PipelineSteps:
+        """The pipeline steps component (created on first use)."""
+        steps = self.__dict__.get("_pipeline_steps")
+        if steps is None:
+            steps = self._pipeline_steps = PipelineSteps(self)
+        return steps
 
     # ------------------------------------------------------------------ layout
     @property
@@ -85,22 +101,10 @@ class ParallelRunner(PipelineMixin, TorchRunner):
         Raises:
             ValueError: A degree is not a positive integer (or the one -1), or the degrees do not
                 multiply to the world size (the message names each degree and the world size).
-            RuntimeError: `context > 1` on a CPU device (see below).
+            RuntimeError: `context > 1` on a CPU device (see [`check_axes`][danling.distributed.layout.check_axes]).
         """
         axes = {name: value for name, value in self.config.parallel.axes.dict().items() if value is not None}
-        if axes.get("context", 1) not in (1, -1) and self.device.type == "cpu":
-            # Measured with torch 2.13 on CPU: SDPA has no CPU sharding strategy for context_parallel
-            # and FlexAttention has no CPU backward, so a context-parallel step cannot run here.
-            raise RuntimeError(
-                f"parallel.axes.context={axes['context']} needs CUDA devices: torch's context parallelism shards "
-                "attention over the sequence, and on CPU neither scaled-dot-product attention (no CPU sharding "
-                "strategy) nor FlexAttention (no CPU backward) can be sharded; set parallel.axes.context to 1"
-            )
-        if axes.get("context", 1) not in (1, -1):
-            raise NotImplementedError(
-                f"parallel.axes.context={axes['context']}: context parallelism is not built in this version of "
-                "danling; shard the sequence in your model or set parallel.axes.context to 1"
-            )
+        check_axes(axes, self.device.type)
         return Topology.from_axes(axes, device_type=self.device.type)
 
     @property
@@ -116,32 +120,6 @@ class ParallelRunner(PipelineMixin, TorchRunner):
             )
         return "dcp"
 
-    def _check_layout(self) -> None:
-        """Refuse layouts whose axes nothing would implement, before any model work."""
-        degrees, fsdp = self.topology.degrees, bool(self.config.fsdp.enabled)
-        if self.topology.world_size == 1:
-            return
-        if degrees["shard"] > 1 and not fsdp:
-            raise ValueError(
-                f"parallel.axes.shard={degrees['shard']} shards parameters with FSDP2: set fsdp.enabled to true, "
-                "or use parallel.axes.replicate for plain data parallelism"
-            )
-        if fsdp and degrees["shard"] == 1:
-            raise ValueError(
-                "fsdp.enabled shards over parallel.axes.shard, which is 1 here: set parallel.axes.shard above 1 "
-                f"(degrees: {degrees})"
-            )
-        if degrees["tensor"] > 1 and self.topology.size("data") > 1 and not fsdp:
-            raise ValueError(
-                f"tensor parallelism with {self.topology.size('data')} data-parallel ranks needs FSDP2 over the data "
-                "axes: set fsdp.enabled and parallel.axes.shard"
-            )
-        if self.config.ema.enabled and (fsdp or degrees["tensor"] > 1 or degrees["pipeline"] > 1):
-            raise ValueError(
-                "ema.enabled is not supported with FSDP2, tensor or pipeline parallelism in this version: the "
-                "averaged copy would need the same sharding; disable ema or use replicate-only layouts"
-            )
-
     # ------------------------------------------------------------------ model
     def materialize_model(self) -> None:
         """Materialize the local model parts: device, tensor parallel, activation checkpointing, FSDP2/DDP, compile.
@@ -156,8 +134,14 @@ class ParallelRunner(PipelineMixin, TorchRunner):
         """
         if self.model is None and self.model_parts:
             self.model = self.model_parts[0]
-        self._require_model()
-        self._check_layout()
+        self.require_model()
+        check_layout(
+            self.topology.degrees,
+            world_size=self.topology.world_size,
+            data_size=self.topology.size("data"),
+            fsdp=bool(self.config.fsdp.enabled),
+            ema=bool(self.config.ema.enabled),
+        )
         pipelined = self.topology.size("pipeline") > 1
         if self.model_parts:
             parts = list(self.model_parts)
@@ -170,7 +154,7 @@ class ParallelRunner(PipelineMixin, TorchRunner):
         self.model = parts[0]
         if pipelined and self.pipeline_schedule is None:
             self.pipeline_schedule = self.build_pipeline_schedule(parts if len(parts) > 1 else parts[0])
-        self._materialize_ema()
+        self.materialize_ema()
 
     def _materialize_part(self, part: nn.Module, *, strict: bool) -> nn.Module:
         part = part.to(self.device)
@@ -181,8 +165,8 @@ class ParallelRunner(PipelineMixin, TorchRunner):
         if fsdp.enabled and self.distributed:
             apply_fsdp(
                 part,
-                self._fsdp_mesh(),
-                units=(block_modules if strict else _units)(part, fsdp.modules),
+                fsdp_mesh(self.topology),
+                units=block_modules(part, fsdp.modules, strict=strict),
                 reshard_after_forward=fsdp.reshard_after_forward,
                 mp_policy=fsdp_mixed_precision(fsdp.mp_policy, self.precision),
                 offload_policy=fsdp_offload(fsdp.offload_policy),
@@ -193,52 +177,30 @@ class ParallelRunner(PipelineMixin, TorchRunner):
             part = wrap_ddp(part, self.device, process_group=self.topology.group("data"))
         return part
 
-    def _fsdp_mesh(self) -> Any:
-        mesh = self.topology.mesh
-        if self.topology.degrees["replicate"] > 1:
-            return mesh["replicate", "shard"]  # HSDP: replicate across, shard within
-        return mesh["shard"]
-
     def parallelize_model(self, model: nn.Module) -> nn.Module:
         """Apply tensor parallelism to one local part (before activation checkpointing, FSDP and compile).
 
-        The model's own `parallelize(parallel)` method wins (it may change the model in place and
-        return None, or return the new module); otherwise `parallel.tensor_plan` is applied over
-        the tensor axis. Without either, a tensor axis above 1 is an error, since it would only
-        duplicate work.
+        The model's own `parallelize(parallel)` method wins; otherwise `parallel.tensor_plan` is applied
+        over the tensor axis (see [`parallelize`][danling.distributed.tensor_parallel.parallelize]).
 
         Raises:
             TypeError: `model.parallelize` returned something other than a module or None.
             NotImplementedError: `tensor > 1` with neither a `parallelize` method nor a plan.
         """
-        hook = getattr(model, "parallelize", None)
-        if callable(hook):
-            result = hook(self.parallel)
-            if result is not None and not isinstance(result, nn.Module):
-                raise TypeError(f"{type(model).__name__}.parallelize() must return a module or None, got {result!r}")
-            return model if result is None else result
-        plan = self.config.parallel.tensor_plan
-        if self.topology.degrees["tensor"] == 1 or not self.distributed:
-            return model
-        if not plan:
-            raise NotImplementedError(
-                f"parallel.axes.tensor={self.topology.degrees['tensor']} but {type(model).__name__} has no "
-                "parallelize(parallel) method and parallel.tensor_plan is empty: give one of them"
-            )
-        return apply_tensor_plan(model, self.topology.mesh["tensor"], dict(plan))
+        return parallelize(model, self.parallel, self.config.parallel.tensor_plan, distributed=self.distributed)
 
     def apply_activation_checkpointing(self, model: nn.Module) -> nn.Module:
         """Recompute activations of the part's blocks in backward, per `parallel.activation_checkpointing`.
 
         `none` leaves the part alone; `block` and `selective` apply to the modules `fsdp.modules`
         names, or every member of an `nn.ModuleList` (see
-        [`checkpoint_blocks`][danling.runners.parallel.tensor.checkpoint_blocks]). Runs before FSDP2
+        [`checkpoint_blocks`][danling.distributed.tensor_parallel.checkpoint_blocks]). Runs before FSDP2
         wraps the part; parameter names do not change.
         """
         mode = self.config.parallel.activation_checkpointing or "none"
         if mode == "none":
             return model
-        checkpoint_blocks(_units(model, self.config.fsdp.modules), mode)
+        checkpoint_blocks(block_modules(model, self.config.fsdp.modules, strict=False), mode)
         return model
 
     def iter_optimizer_named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
@@ -250,7 +212,7 @@ class ParallelRunner(PipelineMixin, TorchRunner):
 
     @property
     def checkpoint_model(self) -> nn.Module:
-        """All local parts as one module (see [`merge_parts`][danling.runners.parallel.parts.merge_parts])."""
+        """All local parts as one module (see [`merge_parts`][danling.distributed.parts.merge_parts])."""
         parts = self.model_parts or [self.model]
         return merge_parts([self.unwrap(part) for part in parts]) if len(parts) > 1 else parts[0]
 
@@ -259,6 +221,106 @@ class ParallelRunner(PipelineMixin, TorchRunner):
         TorchRunner.mode.fset(self, mode)
         for part in (self.model_parts or [])[1:]:
             part.train(self.mode.value == "train")
+
+    # ------------------------------------------------------------------ pipeline
+    def pipeline_stage_indices(self, num_stages: int | None = None) -> tuple[int, ...]:
+        """Indices of the pipeline stages this rank owns, in increasing order.
+
+        Stages are looped over the pipeline ranks (rank `r` of `pp` owns `r, r + pp, ...`); the V
+        schedules (`ZBVZeroBubble`, `DualPipeV`) place them down and back up (see
+        [`stage_indices`][danling.distributed.pipeline.stage_indices]).
+
+        Called when: by `build_pipeline_model_parts` and `build_pipeline_schedule`, once each, on every rank.
+        Holds on entry: the topology is built; `config.parallel` is final.
+        Side effects: none.
+        Overrides must not: give ranks disagreeing stage counts or break a V schedule's placement;
+            override it for other placements.
+
+        Args:
+            num_stages: Total number of stages; by default from `parallel.module_fqns_per_model_part`,
+                the model's `pipeline_num_stages`, or the schedule (see
+                [`stage_count`][danling.distributed.pipeline.stage_count]).
+
+        Raises:
+            ValueError: `num_stages` is not a positive multiple of the pipeline degree, or a
+                single-stage schedule is given more stages than ranks.
+        """
+        if num_stages is None:
+            num_stages = self._stage_count(self.model)
+        schedule = self.config.parallel.pipeline_schedule
+        return stage_indices(
+            self.topology.rank("pipeline"), self.topology.size("pipeline"), num_stages, schedule=schedule
+        )
+
+    def _stage_count(self, model: nn.Module | None) -> int:
+        if self._pipeline_num_stages is not None:
+            return self._pipeline_num_stages
+        parallel = self.config.parallel
+        return stage_count(
+            self.topology.size("pipeline"),
+            schedule=parallel.pipeline_schedule,
+            module_fqns=parallel.module_fqns_per_model_part,
+            model=model,
+        )
+
+    def build_pipeline_model_part(self, model: nn.Module, stage_index: int | None = None) -> nn.Module:
+        """The module of one pipeline stage (by default the first stage this rank owns).
+
+        If `model` defines `build_pipeline_model_part(stage_index, num_stages)`, its result is used
+        as is; otherwise the stage is cut out by `parallel.module_fqns_per_model_part` (see
+        [`build_stage_part`][danling.distributed.pipeline.build_stage_part]): the listed submodules at
+        their original paths, shared with `model`, not copied.
+
+        Called when: by `build_pipeline_model_parts`, once per local stage, before materialization.
+        Holds on entry: `model` is the user's whole model, on its original device.
+        Side effects: none on the runner.
+        Overrides must not: rename parameters (checkpoints are keyed by the whole model's names).
+
+        Raises:
+            ValueError: neither the hook nor `module_fqns_per_model_part` is available, or the names
+                do not fit the model or the pipeline degree.
+            TypeError: the model's hook returned something other than a module.
+        """
+        num_stages = self._stage_count(model)
+        if stage_index is None:
+            stage_index = self.pipeline_stage_indices(num_stages)[0]
+        degree, fqns = self.topology.size("pipeline"), self.config.parallel.module_fqns_per_model_part
+        return build_stage_part(model, stage_index, num_stages, degree=degree, module_fqns=fqns)
+
+    def build_pipeline_model_parts(self, model: nn.Module) -> list[nn.Module]:
+        """The modules of every stage this rank owns, in stage order (see `pipeline_stage_indices`)."""
+        num_stages = self._stage_count(model)
+        parts = [self.build_pipeline_model_part(model, index) for index in self.pipeline_stage_indices(num_stages)]
+        self._pipeline_num_stages = num_stages
+        return parts
+
+    def build_pipeline_schedule(self, stage_model: nn.Module | Sequence[nn.Module]) -> Any:
+        """The PyTorch schedule over this rank's stage modules (the final, wrapped ones).
+
+        Builds a [`PipelineRuntime`][danling.distributed.pipeline.PipelineRuntime] (one `PipelineStage`
+        per part, the class named by `parallel.pipeline_schedule`, the microbatch count of
+        `parallel.pipeline_n_microbatches`/`pipeline_microbatch_size`, the normalising loss of
+        `pipeline.loss`, `scale_grads=False`) and binds it to `pipeline.runtime`; sets `pipeline_stages`,
+        `pipeline_has_first_stage` and `pipeline_has_last_stage`. The caller binds the returned
+        schedule to `pipeline_schedule`.
+
+        Raises:
+            ValueError: an unknown schedule name, a bad microbatch count, or a number of parts that
+                does not match the schedule (one per rank for GPipe/1F1B).
+        """
+        parts = [stage_model] if isinstance(stage_model, nn.Module) else list(stage_model)
+        runtime = PipelineRuntime.from_config(
+            parts,
+            self.config.parallel,
+            batch_size=train_batch_size(self.config.dataloader),
+            topology=self.topology,
+            device=self.device,
+            loss_fn=self.pipeline.loss,
+        )
+        self.pipeline.runtime, self._pipeline_num_stages = runtime, runtime.num_stages
+        self.pipeline_stages = runtime.stages
+        self.pipeline_has_first_stage, self.pipeline_has_last_stage = runtime.has_first_stage, runtime.has_last_stage
+        return runtime.schedule
 
     # ------------------------------------------------------------------ updates
     def build_update_strategy(self) -> TorchUpdateStrategy:
@@ -288,21 +350,21 @@ class ParallelRunner(PipelineMixin, TorchRunner):
 
     # ------------------------------------------------------------------ steps
     def train_step(self, data: Any) -> tuple[Any, torch.Tensor | None]:
-        """The pipeline step when a schedule is set (see `pipeline_train_step`), else TorchRunner's."""
+        """The pipeline step when a schedule is set (see `pipeline.train_step`), else TorchRunner's."""
         if self.pipeline_schedule is not None:
-            return self.pipeline_train_step(data)
+            return self.pipeline.train_step(data)
         return super().train_step(data)
 
     def evaluate_step(self, data: Any) -> tuple[Any, torch.Tensor | None]:
         """The pipeline evaluation step when a schedule is set, else TorchRunner's."""
         if self.pipeline_schedule is not None:
-            return self.pipeline_evaluate_step(data)
+            return self.pipeline.evaluate_step(data)
         return super().evaluate_step(data)
 
     def infer_step(self, data: Any) -> list[Any]:
         """The pipeline inference step when a schedule is set, else TorchRunner's."""
         if self.pipeline_schedule is not None:
-            return self.pipeline_infer_step(data)
+            return self.pipeline.infer_step(data)
         return super().infer_step(data)
 
     def build_dataloaders(self) -> None:
@@ -310,15 +372,7 @@ class ParallelRunner(PipelineMixin, TorchRunner):
         super().build_dataloaders()
         if self.pipeline_schedule is not None:
             for split, loader in list(self.dataloaders.items()):
-                self.dataloaders[split] = self.pipeline_loader(loader)
-
-
-def _units(model: nn.Module, patterns: Any) -> list[nn.Module]:
-    """Block modules of one part; patterns may match nothing in a part that holds none of those blocks."""
-    try:
-        return block_modules(model, patterns)
-    except ValueError:
-        return []
+                self.dataloaders[split] = self.pipeline.runtime.loader(loader)
 
 
 register_runner("parallel", ParallelRunner)

@@ -1,7 +1,7 @@
 """The plain default training step: what `TorchRunner`'s step hooks do in the plain case, without the calls.
 
 A training step through the hooks is a dozen Python calls (`train_step`, `to_device`,
-`train_context`, `_criterion_loss`, `_update_metrics`, `backward`, `step`, `optimizer_step`,
+`train_context`, `_criterion_loss`, `update_metrics`, `backward`, `step`, `optimizer_step`,
 `_apply_update`, the update strategy, the optimizer container ...), each asking again what the
 configuration settled long ago; on a small model they cost a few percent of the step. When a
 training pass starts that no per-batch subscriber watches, the pass engine asks the runner once
@@ -39,7 +39,7 @@ STEP_HOOKS = (
     "train_context",
     "forward_context",
     "_criterion_loss",
-    "_update_metrics",
+    "update_metrics",
     "_metrics_for",
     "backward",
     "step",
@@ -105,7 +105,7 @@ def plain_train_step(runner: Any) -> PlainStep | None:
             metrics = runner._active_metrics
             if metrics is None:
                 metrics = runner._metrics_for(runner.mode)
-            if metrics is not None:  # what `_update_metrics` hands over (the flag read without `getattr`)
+            if metrics is not None:  # what `update_metrics` hands over (the flag read without `getattr`)
                 grad = pred.requires_grad if type(pred) is Tensor else getattr(pred, "requires_grad", False)
                 metrics.update(pred.detach() if grad else pred, target)
         # The output is not needed past here: dropping it lets a criterion that saves only its own
@@ -129,7 +129,7 @@ def plain_train_step(runner: Any) -> PlainStep | None:
             step_plain()
             counters["global_step"] += 1
             if not runner._train_timeout_applied:
-                runner._apply_train_timeout()
+                runner.apply_train_timeout()
         return None, loss.detach()
 
     return step

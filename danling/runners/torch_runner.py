@@ -228,7 +228,7 @@ class TorchRunner(TorchCheckpointMixin, BaseRunner):
             optional_rank_local_keys=OPTIONAL_RANK_LOCAL_KEYS,
             data_rank=self.topology.rank("data"),
             data_size=self.topology.size("data"),
-            **self._checkpoint_options(),
+            **self.checkpoint_options(),
         )
         self.set_checkpoint_manager(manager)
 
@@ -274,16 +274,25 @@ class TorchRunner(TorchCheckpointMixin, BaseRunner):
             ValueError: `self.model` is not set.
             TypeError: `self.model` is not an `nn.Module`.
         """
-        self._require_model()
+        self.require_model()
         self.model = self.model.to(self.device)
         self.model = self.compiler.compile(self.model, distributed=self.distributed)
         trainable = any(param.requires_grad for param in self.model.parameters())
         if self.distributed and trainable:
             self.model = wrap_ddp(self.model, self.device)  # also broadcasts rank 0's weights
-        self._materialize_ema()
+        self.materialize_ema()
 
-    def _materialize_ema(self) -> None:
-        """The EMA copy of the materialized model (`ema.enabled`), or a user's own EMA module moved and synced."""
+    def materialize_ema(self) -> None:
+        """The EMA copy of the materialized model (`ema.enabled`), or a user's own EMA module moved and synced.
+
+        Called when: once, at the end of `materialize_model` (also the backends' overrides), on every rank.
+        Holds on entry: `self.model` is materialized (on its device, wrapped); `self.ema` is unset or
+            the user's own module.
+        Side effects: sets `self.ema` (a new EMA copy), or moves the user's and broadcasts its weights
+            over the data group.
+        Overrides must not: copy the model before it is materialized (the average would start from
+            weights other ranks do not share).
+        """
         if self.ema is None and self.config.ema.enabled:
             # Copied after the DDP broadcast, so every rank starts from the same average.
             self.ema = EMA(self.model, decay=self.config.ema.decay)
@@ -293,8 +302,18 @@ class TorchRunner(TorchCheckpointMixin, BaseRunner):
                 for tensor in self.ema.state_dict().values():
                     dist.broadcast(tensor, group=self.topology.group("data"), group_src=0)
 
-    def _require_model(self) -> None:
-        """`self.model` must be a bound `nn.Module` before it is materialized."""
+    def require_model(self) -> None:
+        """Check that `self.model` is a bound `nn.Module` whose parameters all have elements.
+
+        Called when: first thing in `materialize_model` (and in the backends' overrides), once, on every rank.
+        Holds on entry: the user's `__init__` has run; `self.model` is whatever it bound.
+        Side effects: none.
+        Overrides must not: accept a model that is not an `nn.Module` (every later step assumes one).
+
+        Raises:
+            ValueError: `self.model` is unset, or a parameter has no element (a size of 0).
+            TypeError: `self.model` is not an `nn.Module`.
+        """
         if self.model is None:
             raise ValueError(f"{type(self).__name__} needs self.model: assign an nn.Module in __init__")
         if not isinstance(self.model, nn.Module):
@@ -427,12 +446,21 @@ class TorchRunner(TorchCheckpointMixin, BaseRunner):
         if applied:
             if isinstance(self.ema, EMA):
                 self.ema.update(self.model)
-            if not self._train_timeout_applied:
-                self._apply_train_timeout()
+            self.apply_train_timeout()
         return applied
 
-    def _apply_train_timeout(self) -> None:
-        """Switch the default group to `comm.train_timeout_seconds` once the first update went through."""
+    def apply_train_timeout(self) -> None:
+        """Switch the default group to `comm.train_timeout_seconds` once the first update went through.
+
+        Called when: after every applied optimizer update (`optimizer_step`, the backends' and the fused
+            step's); only the first call changes anything.
+        Holds on entry: an update was applied, so every rank has passed its first (slow) collective.
+        Side effects: the first time, sets the default process group's timeout (distributed runs with
+            `comm.train_timeout_seconds` set).
+        Overrides must not: shorten the timeout before the first update (first steps compile and warm up).
+        """
+        if self._train_timeout_applied:
+            return
         self._train_timeout_applied = True
         seconds = self.config.comm.train_timeout_seconds
         set_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
@@ -571,7 +599,7 @@ class TorchRunner(TorchCheckpointMixin, BaseRunner):
             with context:
                 pred = model(input)
                 loss = self._criterion_loss(pred, target, required=True)
-        self._update_metrics(pred, target)
+        self.update_metrics(pred, target)
         if self._step_output_unused and type(self)._overridden_step_hook != "train_step":
             # The loop discards the output and no override of this step reads it: holding it through the
             # backward pass kept one more output-sized tensor (a language model's logits) alive at the
@@ -602,7 +630,7 @@ class TorchRunner(TorchCheckpointMixin, BaseRunner):
         with self.forward_context():
             pred = model(input)
             loss = None if target is None else self._criterion_loss(pred, target, required=False)
-        self._update_metrics(pred, target)
+        self.update_metrics(pred, target)
         return pred, None if loss is None else loss.detach()
 
     def infer_step(self, data: Any) -> list[Any]:

@@ -1,16 +1,15 @@
-"""A minimal host for `PipelineMixin` and the single-process reference it is compared with.
+"""A minimal host for the pipeline steps component and the single-process reference it is compared with.
 
-`PipelineHost` provides exactly the attributes the parallel runner gives the mixin (topology,
-config sections, device, criterion, the real torch update strategy, `step`, `forward_context`,
-`to_device`, `_update_metrics`) and materialises the model the way the runner does: split into
-local parts, build the schedule over them, keep only the parts.
+`PipelineHost` provides exactly what the `PipelineHost` protocol names (criterion, the real torch
+update strategy, `pipeline_schedule`, `step`, `forward_context`, `to_device`, `update_metrics`) and
+materialises the model the way the parallel runner does, with the functions of
+`danling.distributed.pipeline`: split into local parts, build the schedule over them, keep only the parts.
 """
 
 from __future__ import annotations
 
 import copy
 from collections.abc import Callable
-from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -18,8 +17,15 @@ import torch.distributed as dist
 from torch import nn
 
 from danling.distributed import Topology
-from danling.runners.parallel.pipeline import PipelineMixin
-from danling.runners.parallel.pipeline_parts import PipelineModelPart
+from danling.distributed.pipeline import (
+    PipelineRuntime,
+    build_stage_part,
+    microbatch_count,
+    stage_count,
+    stage_indices,
+)
+from danling.distributed.pipeline_parts import PipelineModelPart
+from danling.runners.parallel import PipelineSteps
 from danling.runners.update.precision import Precision
 from danling.runners.update.strategy import TorchUpdateStrategy
 
@@ -77,8 +83,8 @@ def make_batches(count: int, batch_size: int, seed: int = 1) -> list[tuple[torch
     ]
 
 
-class PipelineHost(PipelineMixin):
-    """What the parallel runner provides to the pipeline mixin, and nothing more."""
+class PipelineHost:
+    """What the parallel runner provides to the pipeline steps, and nothing more."""
 
     def __init__(
         self,
@@ -95,25 +101,32 @@ class PipelineHost(PipelineMixin):
         wrap: Callable[[nn.Module, Topology], nn.Module] | None = None,
         loss_scale: float | None = None,
     ) -> None:
-        self.topology = Topology.from_axes(axes or {"pipeline": dist.get_world_size()})
-        self.config = SimpleNamespace(
-            parallel=SimpleNamespace(
-                pipeline_schedule=schedule,
-                pipeline_microbatch_size=microbatch_size,
-                pipeline_n_microbatches=n_microbatches,
-                module_fqns_per_model_part=fqns,
-            ),
-            dataloader=SimpleNamespace(batch_size=batch_size),
-        )
+        self.topology = topology = Topology.from_axes(axes or {"pipeline": dist.get_world_size()})
+        self.schedule_name = schedule
         self.device = torch.device("cpu")
         self.criterion = nn.MSELoss()
         self.metric_updates: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.metrics = self.metric_updates  # any metrics make the last stage keep its outputs
         self.model = model
-        parts = self.build_pipeline_model_parts(model)
+        degree, rank = topology.size("pipeline"), topology.rank("pipeline")
+        num_stages = stage_count(degree, schedule=schedule, module_fqns=fqns, model=model)
+        indices = stage_indices(rank, degree, num_stages, schedule=schedule)
+        parts = [build_stage_part(model, i, num_stages, degree=degree, module_fqns=fqns) for i in indices]
         if wrap is not None:  # as the runner shards or wraps each part before building the schedule
             parts = [wrap(part, self.topology) for part in parts]
-        self.pipeline_schedule = self.build_pipeline_schedule(parts)
+        self.pipeline = PipelineSteps(self)
+        self.pipeline.runtime = runtime = PipelineRuntime(
+            parts,
+            schedule=schedule,
+            microbatches=microbatch_count(batch_size, n_microbatches=n_microbatches, microbatch_size=microbatch_size),
+            rank=rank,
+            ranks=topology.ranks("pipeline"),
+            group=topology.group("pipeline"),
+            device=self.device,
+            loss_fn=self.pipeline.loss,
+        )
+        self.pipeline_schedule = runtime.schedule
+        self.pipeline_has_last_stage = runtime.has_last_stage
         self.model_parts, self.model = parts, parts[0]
         self.optimizer = torch.optim.SGD([p for part in parts for p in part.parameters()], lr=lr)
         precision = Precision()
@@ -133,7 +146,10 @@ class PipelineHost(PipelineMixin):
         if self.update.advance():
             self.update.apply()
 
-    def _update_metrics(self, pred: Any, target: Any) -> None:
+    def pipeline_stage_indices(self) -> tuple[int, ...]:
+        return self.pipeline.runtime.indices
+
+    def update_metrics(self, pred: Any, target: Any) -> None:
         if target is not None:
             self.metric_updates.append((pred.detach().clone(), target.clone()))
 

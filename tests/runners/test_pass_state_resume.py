@@ -91,8 +91,8 @@ def test_rows_after_a_mid_pass_resume_of_the_dcp_backend(tmp_path):
 class OldWriter(MetricRunner):
     """Writes checkpoints as before `pass_meters` existed."""
 
-    def _payload(self, cls: type = dict) -> Any:
-        payload = super()._payload(cls)
+    def runner_payload(self, cls: type = dict) -> Any:
+        payload = super().runner_payload(cls)
         del payload["pass_meters"]
         return payload
 

@@ -16,11 +16,19 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from danling.data import build_dataloader
 from danling.distributed import Topology
+from danling.distributed.pipeline import (
+    build_stage_part,
+    check_forward_only,
+    microbatch_count,
+    pipeline_loader,
+    stage_count,
+    stage_indices,
+    train_batch_size,
+)
+from danling.distributed.pipeline_loader import StepProxyLoader
+from danling.distributed.pipeline_parts import PipelineModelPart, stage_placement, validate_module_fqns
+from danling.distributed.pipeline_runtime import ScheduleCache
 from danling.runners.config import RunnerConfig
-from danling.runners.parallel.pipeline import PipelineMixin
-from danling.runners.parallel.pipeline_loader import StepProxyLoader
-from danling.runners.parallel.pipeline_parts import PipelineModelPart, stage_placement, validate_module_fqns
-from danling.runners.parallel.pipeline_runtime import ScheduleCache
 from tests.dist import process_group, run_distributed
 from tests.runners._pipeline_harness import (
     PipelineHost,
@@ -46,8 +54,11 @@ SCHEDULE_CASES = {
 
 
 # ---------------------------------------------------------------------- in-process
-class LayoutHost(PipelineMixin):
-    """Just enough of a runner to ask layout questions: a topology without process groups."""
+class LayoutHost:
+    """Just enough of a runner to ask layout questions of `danling.distributed.pipeline`: no process groups.
+
+    Its methods are what `ParallelRunner` computes with those functions from its config sections.
+    """
 
     def __init__(self, rank: int = 0, degree: int = 2, model: nn.Module | None = None, **parallel) -> None:
         self.topology = Topology({"pipeline": degree}, rank=rank)
@@ -60,6 +71,37 @@ class LayoutHost(PipelineMixin):
         options.update(parallel)
         self.config = SimpleNamespace(parallel=SimpleNamespace(**options), dataloader=SimpleNamespace(batch_size=8))
         self.model = model
+
+    def _count(self, model=None) -> int:
+        parallel = self.config.parallel
+        return stage_count(
+            self.topology.size("pipeline"),
+            schedule=parallel.pipeline_schedule,
+            module_fqns=parallel.module_fqns_per_model_part,
+            model=model if model is not None else self.model,
+        )
+
+    def pipeline_stage_indices(self, num_stages=None):
+        num_stages = self._count() if num_stages is None else num_stages
+        schedule = self.config.parallel.pipeline_schedule
+        return stage_indices(
+            self.topology.rank("pipeline"), self.topology.size("pipeline"), num_stages, schedule=schedule
+        )
+
+    def pipeline_microbatches(self):
+        parallel = self.config.parallel
+        return microbatch_count(
+            train_batch_size(self.config.dataloader),
+            n_microbatches=parallel.pipeline_n_microbatches,
+            microbatch_size=parallel.pipeline_microbatch_size,
+        )
+
+    def build_pipeline_model_part(self, model, stage_index=None):
+        num_stages = self._count(model)
+        if stage_index is None:
+            stage_index = self.pipeline_stage_indices(num_stages)[0]
+        degree, fqns = self.topology.size("pipeline"), self.config.parallel.module_fqns_per_model_part
+        return build_stage_part(model, stage_index, num_stages, degree=degree, module_fqns=fqns)
 
 
 def test_stage_indices_loop_and_v():
@@ -200,23 +242,23 @@ def test_step_proxy_loader_counts_and_resumes():
 
 
 def test_v_schedules_refuse_forward_only_steps():
-    host = LayoutHost(0, pipeline_schedule="DualPipeV")
+    # What PipelineSteps.evaluate_step and infer_step check first, on every rank.
     with pytest.raises(NotImplementedError, match=r"'DualPipeV' trains, but torch's V schedules"):
-        host.pipeline_evaluate_step(None)
+        check_forward_only("DualPipeV")
     with pytest.raises(NotImplementedError, match=r"cannot run forward-only \(evaluate/infer\)"):
-        host.pipeline_infer_step(None)
+        check_forward_only("ZBVZeroBubble")
+    check_forward_only("Interleaved1F1B")
 
 
 def test_pipeline_loader_gives_data_only_to_edge_stages():
-    host, loader = LayoutHost(0), DataLoader(list(range(4)))
+    loader = DataLoader(list(range(4)))
     for first, last, target, proxied in [
         (True, False, True, False),
         (False, True, True, False),
         (False, True, False, True),  # inference: the last stage needs no target
         (False, False, True, True),
     ]:
-        host.pipeline_has_first_stage, host.pipeline_has_last_stage = first, last
-        result = host.pipeline_loader(loader, needs_target=target)
+        result = pipeline_loader(loader, first, last, needs_target=target)
         assert isinstance(result, StepProxyLoader) is proxied and (proxied or result is loader)
 
 
@@ -246,7 +288,7 @@ def test_schedule_cache_picks_equal_microbatches_per_shape():
 def _train(host, reference, batches, accum_steps=1):
     """Pipeline losses and the reference losses/weights for the same batches."""
     ref_losses, ref_state = reference_training(reference, batches, accum_steps=accum_steps)
-    losses = [host.pipeline_train_step(batch)[1].item() for batch in batches]
+    losses = [host.pipeline.train_step(batch)[1].item() for batch in batches]
     return {
         "loss": max(abs(a - b) for a, b in zip(losses, ref_losses)),
         "weights": max_weight_diff(host.state(), ref_state),
@@ -297,9 +339,9 @@ def _evaluate_and_infer(model):
     (x, y), train = make_batches(2, 8, seed=5)
     out = {}
     with torch.inference_mode():
-        _, loss = host.pipeline_evaluate_step((x, y))
-        predictions = host.pipeline_infer_step(x)
-        _, no_target = host.pipeline_evaluate_step(x[:5])  # another batch size, and no target
+        _, loss = host.pipeline.evaluate_step((x, y))
+        predictions = host.pipeline.infer_step(x)
+        _, no_target = host.pipeline.evaluate_step(x[:5])  # another batch size, and no target
     with torch.no_grad():
         expected = model(x)
     out["eval_loss"] = abs(loss.item() - nn.functional.mse_loss(expected, y).item())
@@ -309,7 +351,7 @@ def _evaluate_and_infer(model):
         (pred - expected).abs().max().item() if host.pipeline_has_last_stage else None
         for pred, _ in host.metric_updates
     ]
-    _, trained = host.pipeline_train_step(train)
+    _, trained = host.pipeline.train_step(train)
     with torch.no_grad():
         out["train_after_eval"] = abs(trained.item() - nn.functional.mse_loss(model(train[0]), train[1]).item())
     return out
@@ -369,11 +411,11 @@ def _four_rank_hosts():
     reference = copy.deepcopy(model)
     host = PipelineHost(model, schedule="1F1B", fqns=FQNS_4, n_microbatches=4, batch_size=4)
     xs, ys = zip(*make_batches(3, 4, seed=7))
-    loader = host.pipeline_loader(DataLoader(TensorDataset(torch.cat(xs), torch.cat(ys)), batch_size=4))
+    loader = host.pipeline.runtime.loader(DataLoader(TensorDataset(torch.cat(xs), torch.cat(ys)), batch_size=4))
     losses, seen = [], []
     for batch in loader:
         seen.append(batch is None)
-        losses.append(host.pipeline_train_step(batch)[1].item())
+        losses.append(host.pipeline.train_step(batch)[1].item())
     ref_losses, ref_state = reference_training(reference, list(zip(xs, ys)))
     out["proxied"], out["seen_none"] = isinstance(loader, StepProxyLoader), seen
     out["loss"] = max(abs(a - b) for a, b in zip(losses, ref_losses))
@@ -383,7 +425,7 @@ def _four_rank_hosts():
     host = PipelineHost(copy.deepcopy(model), schedule="GPipe", fqns=FQNS_2, axes={"replicate": 2, "pipeline": 2})
     batches = make_batches(2, 8, seed=10 + host.topology.rank("replicate"))
     with torch.inference_mode():
-        out["replica_infer"] = host.pipeline_infer_step(batches[0][0])
+        out["replica_infer"] = host.pipeline.infer_step(batches[0][0])
     with torch.no_grad():
         out["replica_expected"] = model(batches[0][0]).squeeze(-1).tolist()
     out["replica"] = _train(host, model, batches)
@@ -399,7 +441,7 @@ def _four_rank_hosts():
     )
     shard, full = host.topology.rank("shard"), make_batches(4, 16, seed=20)
     for x, y in full:
-        host.pipeline_train_step((x[8 * shard : 8 * shard + 8], y[8 * shard : 8 * shard + 8]))
+        host.pipeline.train_step((x[8 * shard : 8 * shard + 8], y[8 * shard : 8 * shard + 8]))
     out["fsdp"] = max_weight_diff(host.state(), reference_training(model, full, accum_steps=2)[1])
     return out
 

@@ -90,12 +90,20 @@ class TorchCheckpointMixin:
         Args:
             cls: Mapping type used for the payload and its sections.
         """
-        payload = self._payload(cls)
+        payload = self.runner_payload(cls)
         payload.update((key, live.state_dict()) for key, live in self._live_objects().items())
         return payload
 
-    def _payload(self, cls: type = dict) -> Any:
-        """Everything but the live components: runner state, results, loaders, loop position."""
+    def runner_payload(self, cls: type = dict) -> Any:
+        """The checkpoint payload without the live components: runner state, results, loaders, loop position.
+
+        Called when: by `state_dict` and `checkpoint_payload` on every checkpoint save, on every rank;
+            a backend whose engine writes model and optimizer itself (DeepSpeed) saves only this.
+        Holds on entry: the runner is built; the loop state is that of the step being saved.
+        Side effects: none (captures nothing; the RNG state is captured by `state_dict`).
+        Overrides must not: drop `loop`, `dataloaders` or `results` (an exact resume needs them); extend the
+            returned mapping instead (`payload = super().runner_payload(cls)`).
+        """
         payload = super().state_dict(cls)
         payload["results"] = cls((str(index), row) for index, row in payload["results"].items())
         keep = {*self.train_splits, self.loop_state.split}
@@ -144,7 +152,7 @@ class TorchCheckpointMixin:
         `checkpoint.last_save_model_only` is set."""
         checkpoint = self.config.checkpoint
         if not (last_step and checkpoint.last_save_model_only):
-            return {**self._payload(), **self._live_objects()}
+            return {**self.runner_payload(), **self._live_objects()}
         dtype = _EXPORT_DTYPES.get(checkpoint.export_dtype) if checkpoint.export_dtype else None
 
         def export(state: Mapping[str, Any]) -> dict[str, Any]:

@@ -196,8 +196,16 @@ class StepHooks:
                 metrics.group = group
             metrics.reset()
 
-    def _update_metrics(self, pred: Any, target: Any) -> None:
-        """Feed one batch to the metrics of the pass under way (by mode outside a pass)."""
+    def update_metrics(self, pred: Any, target: Any) -> None:
+        """Feed one batch to the metrics of the pass under way (by mode outside a pass).
+
+        Called when: once per batch by `train_step`/`evaluate_step` (and the pipeline steps, on the
+            ranks with the last stage), after the forward pass.
+        Holds on entry: `pred` is the batch's output, `target` its target (`None`: nothing is fed).
+        Side effects: updates the active metrics (train or evaluate) with the detached prediction.
+        Overrides must not: keep `pred` with its graph (it would hold the whole backward's memory),
+            or skip batches on some ranks only (metrics synchronise across ranks when read).
+        """
         if target is None:
             return
         metrics = self._active_metrics if self._active_metrics is not None else self._metrics_for(self.mode)

@@ -1,24 +1,11 @@
-"""Building blocks of [`ParallelRunner`][danling.runners.parallel_runner.ParallelRunner]: FSDP2 units and
-policies, tensor-parallel plans, activation checkpointing, pipeline stages and schedules, and the merged
-view of local model parts."""
+"""The runner-level part of [`ParallelRunner`][danling.runners.parallel_runner.ParallelRunner]'s pipeline:
+[`PipelineSteps`][danling.runners.parallel.pipeline.PipelineSteps], the train/evaluate/infer steps through the
+schedule, over the explicit [`PipelineHost`][danling.runners.parallel.pipeline.PipelineHost] protocol.
 
-from .fsdp import apply_fsdp, block_modules, fsdp_mixed_precision, fsdp_offload
-from .parts import merge_parts
-from .pipeline import PipelineMixin
-from .pipeline_loader import StepProxyLoader
-from .pipeline_parts import PipelineModelPart
-from .tensor import TENSOR_PARALLEL_STYLES, apply_tensor_plan, checkpoint_blocks
+The mechanics (FSDP2, tensor parallelism, stages and schedules) are functions in
+[`danling.distributed`][danling.distributed]: `fsdp`, `tensor_parallel`, `parts`, `pipeline`,
+`pipeline_parts`, `pipeline_runtime`, `pipeline_loader`."""
 
-__all__ = [
-    "PipelineMixin",
-    "PipelineModelPart",
-    "StepProxyLoader",
-    "TENSOR_PARALLEL_STYLES",
-    "apply_fsdp",
-    "apply_tensor_plan",
-    "block_modules",
-    "checkpoint_blocks",
-    "fsdp_mixed_precision",
-    "fsdp_offload",
-    "merge_parts",
-]
+from .pipeline import PipelineHost, PipelineSteps
+
+__all__ = ["PipelineHost", "PipelineSteps"]

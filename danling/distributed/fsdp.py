@@ -9,24 +9,29 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["apply_fsdp", "block_modules", "fsdp_mixed_precision", "fsdp_offload"]
+__all__ = ["apply_fsdp", "block_modules", "fsdp_mesh", "fsdp_mixed_precision", "fsdp_offload"]
 
 
-def block_modules(model: nn.Module, patterns: Sequence[str] | None = None) -> list[nn.Module]:
+def block_modules(model: nn.Module, patterns: Sequence[str] | None = None, *, strict: bool = True) -> list[nn.Module]:
     """The modules of `model` that form units of their own (for sharding or activation checkpointing).
 
     With `patterns`, every module whose qualified name matches one of them (`fnmatch`, e.g.
     ``"layers.*"``); without, every member of an `nn.ModuleList` (the repeated blocks of most
     models).
 
+    With `strict=False` a pattern that matches nothing gives no units instead of an error (a
+    pipeline stage may hold none of the blocks the patterns name).
+
     Raises:
-        ValueError: A pattern matches no module (the message lists some module names).
+        ValueError: A pattern matches no module (the message lists some module names), with `strict`.
     """
     named = [(name, module) for name, module in model.named_modules() if name]
     if patterns:
         units = []
         for pattern in patterns:
             matched = [module for name, module in named if fnmatchcase(name, pattern)]
+            if not matched and not strict:
+                return []
             if not matched:
                 sample = ", ".join(name for name, _ in named[:8])
                 raise ValueError(f"module pattern {pattern!r} matches no module of the model; names include: {sample}")
@@ -86,3 +91,9 @@ def apply_fsdp(
             fully_shard(unit, **options)
     fully_shard(model, **options)
     return model
+
+
+def fsdp_mesh(topology: Any) -> Any:
+    """The mesh FSDP2 shards over: `shard`, or `replicate x shard` (HSDP: replicate across, shard within)."""
+    mesh = topology.mesh
+    return mesh["replicate", "shard"] if topology.degrees["replicate"] > 1 else mesh["shard"]

@@ -1,6 +1,6 @@
 """The update strategy of a DeepSpeed engine: danling keeps the windows, the engine does backward and step.
 
-[`DeepSpeedUpdateStrategy`][danling.runners.update.deepspeed.DeepSpeedUpdateStrategy] reuses the
+[`DeepSpeedUpdateStrategy`][danling.runners.deepspeed.update.DeepSpeedUpdateStrategy] reuses the
 windows and loss normalisation of
 [`TorchUpdateStrategy`][danling.runners.update.strategy.TorchUpdateStrategy] and hands the rest to
 the engine:
@@ -15,7 +15,7 @@ the engine:
   scheduler it was given, and zeroes the gradients.
 
 Nothing here imports DeepSpeed at import time: the engine is duck-typed, and
-[`gathered_parameters`][danling.runners.update.deepspeed.gathered_parameters] imports it only under ZeRO-3.
+[`gathered_parameters`][danling.runners.deepspeed.update.gathered_parameters] imports it only under ZeRO-3.
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ import torch.distributed as dist
 
 from danling.distributed import is_distributed
 
-from .gradient_sync import OwnsAccumulationBoundary, gradient_sync_for
-from .precision import Precision
-from .strategy import TorchUpdateStrategy
+from ..update.gradient_sync import OwnsAccumulationBoundary, gradient_sync_for
+from ..update.precision import Precision
+from ..update.strategy import TorchUpdateStrategy
 
 __all__ = ["DeepSpeedUpdateStrategy", "gathered_parameters"]
 

@@ -5,7 +5,7 @@ a later batch of another shape (the short last batch of an evaluation split, ano
 length) would be received into buffers of the old shape. So before each step the rank with the
 first stage broadcasts the shapes of its inputs over the pipeline group, and every rank runs the
 schedule built for exactly those shapes (see
-[`ScheduleCache`][danling.runners.parallel.pipeline_runtime.ScheduleCache]).
+[`ScheduleCache`][danling.distributed.pipeline_runtime.ScheduleCache]).
 """
 
 from __future__ import annotations

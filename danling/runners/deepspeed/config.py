@@ -2,6 +2,8 @@
 
 It is the user's `deepspeed` section plus what danling owns (accumulation, batch size, precision,
 clipping, the non-finite skip); a setting that disagrees with the runner's is an error naming both.
+[`build_deepspeed_config`][danling.runners.deepspeed.config.build_deepspeed_config] takes those
+settings as explicit values, not the runner, so it can be called (and tested) on its own.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+from torch import nn
 from torch.utils import deterministic
 
 __all__ = ["build_deepspeed_config"]
@@ -19,47 +22,74 @@ _PRECISION_SECTIONS = {"bf16": "bf16", "fp16": "fp16"}
 _DEFAULT_BUCKET = 500_000_000  # DeepSpeed's default ZeRO bucket sizes, in elements
 
 
-def build_deepspeed_config(runner: Any) -> dict[str, Any]:
-    """`runner.config.deepspeed` completed and checked against the runner's own settings.
+def build_deepspeed_config(
+    section: Mapping[str, Any] | None,
+    *,
+    accum_steps: int = 1,
+    micro_batch_size: int | None = None,
+    world_size: int = 1,
+    precision: str | None = None,
+    max_grad_norm: float | None = None,
+    max_grad_value: float | None = None,
+    skip_nonfinite_grad: bool = False,
+    model: nn.Module | None = None,
+    client_optimizer: bool = False,
+) -> dict[str, Any]:
+    """`section` (the `deepspeed` config section) completed and checked against the runner's own settings.
 
-    See [`DeepSpeedRunner.get_deepspeed_config`][danling.runners.deepspeed_runner.DeepSpeedRunner.get_deepspeed_config].
+    See [`DeepSpeedRunner.get_deepspeed_config`][danling.runners.deepspeed.runner.DeepSpeedRunner.get_deepspeed_config]
+    for what is filled in and refused.
+
+    Args:
+        section: The user's DeepSpeed settings (`config.deepspeed`); `None` is an empty one.
+        accum_steps: danling's accumulation window (the engine's own is forced to 1).
+        micro_batch_size: The training loader's batch size per rank, when known.
+        world_size: Number of ranks (for `train_batch_size`).
+        precision: `config.precision` (`bf16`/`fp16` enable DeepSpeed's section).
+        max_grad_norm: `config.max_grad_norm`, becomes `gradient_clipping`.
+        max_grad_value: `config.max_grad_value`; DeepSpeed has no counterpart, so a value is refused.
+        skip_nonfinite_grad: `config.skip_nonfinite_grad`; keeps the ZeRO optimizer's agreed skip on.
+        model: The user's module, to size ZeRO buckets in deterministic mode.
+        client_optimizer: Whether danling built the optimizer (`zero_allow_untested_optimizer` defaults on).
+
+    Raises:
+        ValueError: `section` is not a mapping, or a setting conflicts (both values are named).
+
+    Examples:
+        >>> config = build_deepspeed_config({"zero_optimization": {"stage": 1}}, micro_batch_size=4, world_size=2)
+        >>> config["train_micro_batch_size_per_gpu"], config["gradient_accumulation_steps"], config["gradient_clipping"]
+        (4, 1, 0.0)
     """
-    section = runner.config.get("deepspeed")
     if section is None:
         section = {}
     if not isinstance(section, Mapping):
         raise ValueError(f"config.deepspeed must be a mapping of DeepSpeed settings, got {type(section).__name__}")
     config = copy.deepcopy(section.dict() if callable(getattr(section, "dict", None)) else dict(section))
-    _agree(config, "gradient_accumulation_steps", 1, f"accum_steps={runner.accum_steps} (danling owns accumulation)")
+    _agree(config, "gradient_accumulation_steps", 1, f"accum_steps={accum_steps} (danling owns accumulation)")
     config["gradient_accumulation_steps"] = 1
-    micro = runner._micro_batch_size()
-    if micro is not None:
+    if micro_batch_size is not None:
+        micro = micro_batch_size
         _agree(config, "train_micro_batch_size_per_gpu", micro, f"the loader's batch_size={micro}")
         config["train_micro_batch_size_per_gpu"] = micro
-        _agree(
-            config,
-            "train_batch_size",
-            micro * runner.world_size,
-            f"batch_size x world size = {micro}x{runner.world_size}",
-        )
-    if runner.precision in _PRECISION_SECTIONS:
-        key = _PRECISION_SECTIONS[runner.precision]
+        _agree(config, "train_batch_size", micro * world_size, f"batch_size x world size = {micro}x{world_size}")
+    if precision in _PRECISION_SECTIONS:
+        key = _PRECISION_SECTIONS[precision]
         sub = config.setdefault(key, {})
         if sub.get("enabled") is False:
-            raise ValueError(f"config.deepspeed.{key}.enabled=False conflicts with precision={runner.precision!r}")
+            raise ValueError(f"config.deepspeed.{key}.enabled=False conflicts with precision={precision!r}")
         sub["enabled"] = True
-    if runner.max_grad_norm is not None:
-        _agree(config, "gradient_clipping", runner.max_grad_norm, f"max_grad_norm={runner.max_grad_norm}")
-        config["gradient_clipping"] = runner.max_grad_norm
+    if max_grad_norm is not None:
+        _agree(config, "gradient_clipping", max_grad_norm, f"max_grad_norm={max_grad_norm}")
+        config["gradient_clipping"] = max_grad_norm
     config.setdefault("gradient_clipping", 0.0)  # DeepSpeed clips at 1.0 unless told; danling does not
-    if runner.config.get("max_grad_value"):
-        raise ValueError(f"max_grad_value={runner.config.get('max_grad_value')!r} is not supported by DeepSpeedRunner")
-    if runner.config.get("skip_nonfinite_grad"):
+    if max_grad_value:
+        raise ValueError(f"max_grad_value={max_grad_value!r} is not supported by DeepSpeedRunner")
+    if skip_nonfinite_grad:
         _skip_nonfinite(config)
     if torch.are_deterministic_algorithms_enabled() and deterministic.fill_uninitialized_memory:
-        _size_buckets(config, runner.model)
+        _size_buckets(config, model)
     config.setdefault("steps_per_print", 2**31 - 1)  # the runner logs; keep DeepSpeed quiet
-    if runner.optimizer is not None:  # the user chose it (config.optim): ZeRO may shard any torch optimizer
+    if client_optimizer:  # the user chose it (config.optim): ZeRO may shard any torch optimizer
         config.setdefault("zero_allow_untested_optimizer", True)
     return config
 

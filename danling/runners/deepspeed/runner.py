@@ -6,7 +6,7 @@ and a user's script does not change. It is a thin [`TorchRunner`][danling.runner
 - `materialize_model` moves and compiles the model (no DDP: the engine wraps it);
 - `build_update_strategy` creates the engine with `deepspeed.initialize` from the user's model,
   optimizer and, for a step-interval scheduler, scheduler, and returns a
-  [`DeepSpeedUpdateStrategy`][danling.runners.update.deepspeed.DeepSpeedUpdateStrategy];
+  [`DeepSpeedUpdateStrategy`][danling.runners.deepspeed.update.DeepSpeedUpdateStrategy];
 - checkpoints go through a [`DeepSpeedCheckpointManager`][danling.checkpoint.deepspeed.DeepSpeedCheckpointManager]
   (`engine.save_checkpoint` into a tag directory plus danling's state, pointers after success)
   and are restored with `engine.load_checkpoint`.
@@ -17,7 +17,6 @@ and a user's script does not change. It is a thin [`TorchRunner`][danling.runner
 from __future__ import annotations
 
 import os
-import shutil
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -27,19 +26,18 @@ import torch.distributed as dist
 from torch import nn
 
 from danling.checkpoint import register_format
-from danling.checkpoint.manifest import CheckpointError
 from danling.data import resolve_loader_options
-from danling.distributed import is_distributed
 from danling.utils.imports import optional_import
 
-from .checkpointing.api import OPTIONAL_RANK_LOCAL_KEYS, RANK_LOCAL_KEYS, CheckpointSource, _describe, _is_path
-from .checkpointing.resume import resolve_resume_path
-from .deepspeed_config import build_deepspeed_config
-from .runner import register_runner
-from .torch_runner import TorchRunner
-from .update import EMA
-from .update.deepspeed import DeepSpeedUpdateStrategy, gathered_parameters
-from .update.gradient_sync import OwnsAccumulationBoundary
+from ..checkpointing.api import OPTIONAL_RANK_LOCAL_KEYS, RANK_LOCAL_KEYS, CheckpointSource
+from ..checkpointing.resume import describe_source, resolve_resume_path
+from ..runner import register_runner
+from ..torch_runner import TorchRunner
+from ..update import EMA
+from ..update.gradient_sync import OwnsAccumulationBoundary
+from .checkpoint import export_fp32, load_tag
+from .config import build_deepspeed_config
+from .update import DeepSpeedUpdateStrategy, gathered_parameters
 
 __all__ = ["DeepSpeedRunner"]
 
@@ -50,7 +48,7 @@ class DeepSpeedRunner(TorchRunner):
     The engine runs with `gradient_accumulation_steps: 1`; danling's `accum_steps` decides where a
     window ends and tells the engine through its boundary flag. Configure DeepSpeed in the
     `deepspeed` section of the config (any DeepSpeed key; see
-    [`get_deepspeed_config`][danling.runners.deepspeed_runner.DeepSpeedRunner.get_deepspeed_config]).
+    [`get_deepspeed_config`][danling.runners.deepspeed.runner.DeepSpeedRunner.get_deepspeed_config]).
 
     Attributes:
         model: The `DeepSpeedEngine` once the runner is built (the user's module before).
@@ -94,8 +92,8 @@ class DeepSpeedRunner(TorchRunner):
         self.checkpoint_backend  # noqa: B018 - validates checkpoint.backend
         from danling.checkpoint.deepspeed import DeepSpeedCheckpointManager
 
-        options = self._checkpoint_options()
-        options.pop("async_save", None)
+        options = self.checkpoint_options()
+        options.pop("async_save", None)  # the engine writes its own files synchronously
         manager = DeepSpeedCheckpointManager(
             self.workspace.checkpoint_dir,
             rank_local_keys=RANK_LOCAL_KEYS,
@@ -114,7 +112,7 @@ class DeepSpeedRunner(TorchRunner):
             ValueError: `self.model` is not set.
             TypeError: `self.model` is not an `nn.Module`.
         """
-        self._require_model()
+        self.require_model()
         self.model = self.compiler.compile(self.model.to(self.device), distributed=self.distributed)
         if self.ema is None and self.config.ema.enabled:
             self.ema = EMA(self.model, decay=self.config.ema.decay)
@@ -137,15 +135,28 @@ class DeepSpeedRunner(TorchRunner):
                 the runner's (both values are named), or a runner setting has no DeepSpeed
                 counterpart (`max_grad_value`; `skip_nonfinite_grad` in fp32 without ZeRO).
         """
-        return build_deepspeed_config(self)
+        return build_deepspeed_config(
+            self.config.get("deepspeed"),
+            accum_steps=self.accum_steps,
+            micro_batch_size=self._micro_batch_size(),
+            world_size=self.world_size,
+            precision=self.precision,
+            max_grad_norm=self.max_grad_norm,
+            max_grad_value=self.max_grad_value,
+            skip_nonfinite_grad=self.skip_nonfinite_grad,
+            model=self.model,
+            client_optimizer=self.optimizer is not None,
+        )
 
     def _micro_batch_size(self) -> int | None:
+        """The first training split's batch size: its loader's, else what `config.dataloader` gives it."""
         for split in self.train_splits:
             loader = self.dataloaders.get(split)
             if loader is not None and getattr(loader, "batch_size", None):
                 return int(loader.batch_size)
             if split in self.datasets:
-                return int(resolve_loader_options(self._loader_config(), split, is_train=True).get("batch_size", 1))
+                options = resolve_loader_options(self.config.dataloader.dict(), split, is_train=True)
+                return int(options.get("batch_size", 1))
         return None
 
     def build_update_strategy(self) -> DeepSpeedUpdateStrategy:
@@ -195,8 +206,7 @@ class DeepSpeedRunner(TorchRunner):
                 module = self.unwrap(self.model)
                 with gathered_parameters(self.model, module.parameters()):
                     self.ema.update(module)
-            if not self._train_timeout_applied:
-                self._apply_train_timeout()
+            self.apply_train_timeout()
         return applied
 
     def unwrap(self, model: Any) -> Any:
@@ -232,7 +242,7 @@ class DeepSpeedRunner(TorchRunner):
     # ------------------------------------------------------------------ checkpoints
     def checkpoint_payload(self, *, last_step: bool) -> Mapping[str, Any]:
         """Danling's state; the engine writes module, optimizer and its scheduler itself."""
-        payload = self._payload()
+        payload = self.runner_payload()
         if self.ema is not None:
             payload["ema"] = self.unwrap(self.ema).state_dict()
         if self.scheduler is not None and not self.engine_owns_scheduler:
@@ -240,7 +250,7 @@ class DeepSpeedRunner(TorchRunner):
         return payload
 
     def _is_deepspeed_source(self, checkpoint: CheckpointSource) -> bool:
-        if not _is_path(checkpoint):
+        if not _is_path_source(checkpoint):
             return False
         from danling.checkpoint import detect_format
 
@@ -276,85 +286,17 @@ class DeepSpeedRunner(TorchRunner):
         return path if path.is_dir() else path.parent
 
     def _engine_load(self, tag: Path, *, expected_step: int | None = None, **options: Any) -> None:
-        """`engine.load_checkpoint` of one tag directory, making sure this tag is the one loaded.
-
-        A ZeRO-3 load without optimizer states goes through a [`tag_view`][danling.checkpoint.deepspeed.tag_view]
-        (DeepSpeed would read the weights of its directory's `latest` tag); optimizer partitions
-        of another data-parallel size go through DeepSpeed's universal format.
-
-        Raises:
-            CheckpointError: the engine loaded nothing, or another tag than `tag` (its recorded
-                step differs).
-        """
-        from danling.checkpoint.deepspeed import CLIENT_STEP_KEY, restricted_deepspeed_loads, tag_view, zero_data_size
-
-        engine = self.model
-        with_optimizer = options.get("load_optimizer_states", True) and not options.get("load_module_only", False)
-        saved = zero_data_size(tag)
-        with restricted_deepspeed_loads(self.config.checkpoint.trust_pickle):  # DeepSpeed unpickles with no limits
-            if with_optimizer and saved is not None and saved != engine.dp_world_size:
-                load_path, client = self._load_resized(tag, saved, **options)
-            elif engine.zero_optimization_stage() >= 3 and not options.get("load_optimizer_states", True):
-                with tag_view(tag) as view:
-                    load_path, client = engine.load_checkpoint(str(view), tag=tag.name, **options)
-            else:
-                load_path, client = engine.load_checkpoint(str(tag.parent), tag=tag.name, **options)
-        if load_path is None:
-            raise CheckpointError(f"DeepSpeed could not load checkpoint tag {tag}")
-        loaded = (client or {}).get(CLIENT_STEP_KEY)
-        if expected_step is not None and loaded is not None and loaded != expected_step:
-            raise CheckpointError(
-                f"DeepSpeed loaded a checkpoint of global step {loaded} when tag {tag} (step {expected_step}) "
-                "was requested"
-            )
-
-    def _load_resized(self, tag: Path, saved: int, **options: Any) -> tuple[Any, Any]:
-        """Load ZeRO partitions of `saved` data-parallel ranks on another number: through DeepSpeed's universal format.
-
-        The main process converts the tag (`ds_to_universal`) into `<checkpoint dir>/.universal/`;
-        every rank learns whether that worked (one broadcast) before any rank loads, so a failed
-        conversion is the same `CheckpointError` everywhere instead of a hang. The engine then
-        loads it with `load_universal` switched on for this one call, and the converted copy is
-        removed.
-        """
-        from danling.checkpoint.deepspeed import convert_to_universal
-
-        engine = self.model
-        root = self.checkpoint_manager.directory / ".universal"
-        error = None
-        if self.is_main_process:
-            try:
-                shutil.rmtree(root, ignore_errors=True)
-                convert_to_universal(tag, root)
-            except Exception as exc:  # reported to every rank below
-                error = f"{type(exc).__name__}: {exc}"
-        if is_distributed():
-            message = [error]
-            dist.broadcast_object_list(message, src=0)
-            error = message[0]
-        if error is not None:
-            raise CheckpointError(
-                f"checkpoint {tag} holds ZeRO partitions of {saved} data-parallel ranks and this run has "
-                f"{engine.dp_world_size}; converting it to DeepSpeed's universal format failed: {error}"
-            )
-        self.logger.info(
-            "checkpoint %s holds ZeRO partitions of %d data-parallel ranks and this run has %d: "
-            "converted it to DeepSpeed's universal format, loading it with load_universal",
+        """[`load_tag`][danling.runners.deepspeed.checkpoint.load_tag] of `tag` into the engine."""
+        load_tag(
+            self.model,
             tag,
-            saved,
-            engine.dp_world_size,
+            trust_pickle=self.config.checkpoint.trust_pickle,
+            universal_dir=self.checkpoint_manager.directory / ".universal",
+            is_main_process=self.is_main_process,
+            logger=self.logger,
+            expected_step=expected_step,
+            **options,
         )
-        config = engine._config
-        previous, config.load_universal_checkpoint = config.load_universal_checkpoint, True
-        try:
-            result = engine.load_checkpoint(str(root), tag=tag.name, **options)
-        finally:
-            config.load_universal_checkpoint = previous
-        if is_distributed():
-            dist.barrier()
-        if self.is_main_process:
-            shutil.rmtree(root, ignore_errors=True)
-        return result
 
     def load_pretrained(self, checkpoint: CheckpointSource, *args: Any, **kwargs: Any) -> None:
         """Load model weights only: the EMA weights when danling's state has them, else the engine's module.
@@ -364,7 +306,7 @@ class DeepSpeedRunner(TorchRunner):
         another data-parallel size.
         """
         given = checkpoint
-        if _is_path(checkpoint):  # a run directory, its checkpoints/ or an alias path: see resolve_resume_path
+        if _is_path_source(checkpoint):  # a run directory, its checkpoints/ or an alias path: see resolve_resume_path
             checkpoint = resolve_resume_path(checkpoint, self.config.checkpoint.dir_name)
         if not self._is_deepspeed_source(checkpoint):
             return super().load_pretrained(checkpoint, *args, **kwargs)
@@ -380,28 +322,21 @@ class DeepSpeedRunner(TorchRunner):
             )
             source = "model"
         self.config.pretrained = os.fspath(given)
-        self.logger.info("loaded %s weights from %s", source, _describe(given))
+        self.logger.info("loaded %s weights from %s", source, describe_source(given))
 
     def export_consolidated(self, checkpoint: CheckpointSource, file: str | os.PathLike) -> Path:
         """Write the fp32 weights of a DeepSpeed checkpoint as one `torch.save` state dict, usable without DeepSpeed.
 
-        Reads the ZeRO partitions on the main process only (no collective), so it also works after
+        Reads the ZeRO partitions on the main process only (see
+        [`export_fp32`][danling.runners.deepspeed.checkpoint.export_fp32]), so it also works after
         training. Returns the path written (on every rank).
         """
-        tag = self._tag_directory(checkpoint)
-        target = Path(file)
-        if self.is_main_process:
-            from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+        tag, trust = self._tag_directory(checkpoint), self.config.checkpoint.trust_pickle
+        return export_fp32(tag, Path(file), trust_pickle=trust, is_main_process=self.is_main_process)
 
-            from danling.checkpoint.deepspeed import restricted_deepspeed_loads
 
-            with restricted_deepspeed_loads(self.config.checkpoint.trust_pickle):
-                state = get_fp32_state_dict_from_zero_checkpoint(str(tag.parent), tag=tag.name)
-            target.parent.mkdir(parents=True, exist_ok=True)
-            torch.save(dict(state), target)
-        if is_distributed():
-            dist.barrier()
-        return target
+def _is_path_source(checkpoint: Any) -> bool:
+    return isinstance(checkpoint, (str, os.PathLike))
 
 
 def _detect(path: Path) -> bool:

@@ -1,7 +1,7 @@
 """Pipeline stage modules cut out of a model by module names, and the placement of stages on ranks.
 
 A pipeline stage built from `parallel.module_fqns_per_model_part` is a
-[`PipelineModelPart`][danling.runners.parallel.pipeline_parts.PipelineModelPart]: it holds the
+[`PipelineModelPart`][danling.distributed.pipeline_parts.PipelineModelPart]: it holds the
 named submodules of the original model at their original dotted paths, so its `state_dict()`
 keys are exactly the keys those parameters have in the whole model. Checkpoints written by one
 pipeline layout therefore load into another layout (or into the unsplit model) key for key.

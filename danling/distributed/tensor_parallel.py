@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["TENSOR_PARALLEL_STYLES", "apply_tensor_plan", "checkpoint_blocks"]
+__all__ = ["TENSOR_PARALLEL_STYLES", "apply_tensor_plan", "checkpoint_blocks", "parallelize"]
 
 TENSOR_PARALLEL_STYLES = ("colwise", "rowwise", "sequence")
 """Styles a `parallel.tensor_plan` entry may name: torch's ColwiseParallel, RowwiseParallel, SequenceParallel."""
@@ -57,6 +57,34 @@ def apply_tensor_plan(model: nn.Module, mesh: Any, plan: Mapping[str, str]) -> n
             raise ValueError(f"parallel.tensor_plan pattern {pattern!r} matches no module; names include: {names[:8]}")
         styles[pattern] = _style(style)
     return parallelize_module(model, mesh, styles)
+
+
+def parallelize(model: nn.Module, topology: Any, plan: Mapping[str, str] | None, *, distributed: bool) -> nn.Module:
+    """Tensor parallelism for one local part: the model's own `parallelize(topology)` hook, else `plan`.
+
+    The hook may change the model in place and return None, or return the new module. Without a
+    hook, `plan` (`parallel.tensor_plan`) is applied over the tensor axis of `topology`; without
+    either, a tensor axis above 1 is an error, since it would only duplicate work.
+
+    Raises:
+        TypeError: `model.parallelize` returned something other than a module or None.
+        NotImplementedError: `tensor > 1` with neither a `parallelize` method nor a plan.
+    """
+    hook = getattr(model, "parallelize", None)
+    if callable(hook):
+        result = hook(topology)
+        if result is not None and not isinstance(result, nn.Module):
+            raise TypeError(f"{type(model).__name__}.parallelize() must return a module or None, got {result!r}")
+        return model if result is None else result
+    degree = topology.degrees["tensor"]
+    if degree == 1 or not distributed:
+        return model
+    if not plan:
+        raise NotImplementedError(
+            f"parallel.axes.tensor={degree} but {type(model).__name__} has no parallelize(parallel) method and "
+            "parallel.tensor_plan is empty: give one of them"
+        )
+    return apply_tensor_plan(model, topology.mesh["tensor"], dict(plan))
 
 
 def _flatten(plan: Mapping, prefix: str = "") -> dict[str, Any]:

@@ -1,0 +1,70 @@
+"""Parallel layouts that nothing would implement, refused before any model work."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+__all__ = ["check_axes", "check_layout"]
+
+
+def check_axes(axes: Mapping[str, Any], device_type: str) -> None:
+    """Refuse a context axis above one (`parallel.axes.context`).
+
+    Raises:
+        RuntimeError: `context > 1` on a CPU device.
+        NotImplementedError: `context > 1` elsewhere (context parallelism is not built in this version).
+    """
+    context = axes.get("context", 1)
+    if context in (1, -1, None):
+        return
+    if device_type == "cpu":
+        # Measured with torch 2.13 on CPU: SDPA has no CPU sharding strategy for context_parallel
+        # and FlexAttention has no CPU backward, so a context-parallel step cannot run here.
+        raise RuntimeError(
+            f"parallel.axes.context={context} needs CUDA devices: torch's context parallelism shards "
+            "attention over the sequence, and on CPU neither scaled-dot-product attention (no CPU sharding "
+            "strategy) nor FlexAttention (no CPU backward) can be sharded; set parallel.axes.context to 1"
+        )
+    raise NotImplementedError(
+        f"parallel.axes.context={context}: context parallelism is not built in this version of "
+        "danling; shard the sequence in your model or set parallel.axes.context to 1"
+    )
+
+
+def check_layout(degrees: Mapping[str, int], *, world_size: int, data_size: int, fsdp: bool, ema: bool = False) -> None:
+    """Refuse parallel layouts whose axes nothing would implement, before any model work.
+
+    Args:
+        degrees: The degree of each axis (`replicate`, `shard`, `context`, `pipeline`, `tensor`).
+        world_size: Number of ranks (one process has nothing to lay out).
+        data_size: Ranks of the data-parallel domain.
+        fsdp: `fsdp.enabled`.
+        ema: `ema.enabled`.
+
+    Raises:
+        ValueError: `shard > 1` without FSDP2, FSDP2 with `shard == 1`, tensor parallelism over
+            several data ranks without FSDP2, or an EMA copy with sharded or split parameters.
+    """
+    if world_size == 1:
+        return
+    if degrees["shard"] > 1 and not fsdp:
+        raise ValueError(
+            f"parallel.axes.shard={degrees['shard']} shards parameters with FSDP2: set fsdp.enabled to true, "
+            "or use parallel.axes.replicate for plain data parallelism"
+        )
+    if fsdp and degrees["shard"] == 1:
+        raise ValueError(
+            "fsdp.enabled shards over parallel.axes.shard, which is 1 here: set parallel.axes.shard above 1 "
+            f"(degrees: {dict(degrees)})"
+        )
+    if degrees["tensor"] > 1 and data_size > 1 and not fsdp:
+        raise ValueError(
+            f"tensor parallelism with {data_size} data-parallel ranks needs FSDP2 over the data "
+            "axes: set fsdp.enabled and parallel.axes.shard"
+        )
+    if ema and (fsdp or degrees["tensor"] > 1 or degrees["pipeline"] > 1):
+        raise ValueError(
+            "ema.enabled is not supported with FSDP2, tensor or pipeline parallelism in this version: the "
+            "averaged copy would need the same sharding; disable ema or use replicate-only layouts"
+        )
