@@ -80,7 +80,7 @@ def endings(root: Path, runs: int) -> dict[str, Any]:
 def unverifiable(root: Path, runs: int) -> dict[str, Any]:
     """Make every checkpoint of a run unverifiable, then `auto_resume`; count what the new run touched."""
     from tests.runners._toy import ToyRunner, toy_config
-    from tests.runners.test_run_identity import _damage, _snapshot
+    from tests.runners.services.test_run_identity import _damage, _snapshot
 
     counts = {"runs": 0, "checkpoints_overwritten": 0, "not_a_new_version": 0}
     for how in DAMAGES:
@@ -174,7 +174,7 @@ def _plant_and_load(root: Path, tag: Path, runs: int, counts: dict[str, int]) ->
     from danling.checkpoint.unpickling import UnsafePickleError
     from tests.checkpoint.test_safe_loading import _rehash
     from tests.runners._deepspeed_toy import Regression, ds_config
-    from tests.runners.test_deepspeed_safe_loading import Planted  # runs os.system when unpickled
+    from tests.runners.deepspeed.test_safe_loading import Planted  # runs os.system when unpickled
 
     for run in range(runs):
         for name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"):

@@ -7,13 +7,18 @@ import json
 import math
 import random
 import signal
+import threading
 
 import pytest
+import torch
 
+from danling.checkpoint import FileCheckpointManager
+from danling.checkpoint.manifest import HashingWriter
 from danling.runners import BaseRunner, RunnerConfig, RunnerMode, Tracker
 from danling.runners.services import trackers as tracker_module
 from danling.utils import RoundDict
 from tests.dist import run_distributed
+from tests.runners._torch_toy import TinyRunner, model_state, tiny_config
 from tests.runners._toy import TRAIN, VAL, ToyRunner, toy_config
 
 
@@ -488,3 +493,73 @@ def test_standalone_evaluate_logs_at_the_global_step(make_runner):
     runner.evaluate()
     steps = [step for step, _ in tracker.logged]
     assert steps == sorted(steps) and steps[-1] == runner.train_state.global_step
+
+
+def test_close_with_timeout_reports_a_stalled_save_which_still_completes(tmp_path):
+    release = threading.Event()
+
+    class StalledWriter(HashingWriter):
+        def write(self, data):
+            release.wait()
+            return super().write(data)
+
+    class StalledManager(FileCheckpointManager):
+        def _payload_stream(self, raw):
+            return StalledWriter(raw)
+
+    with TinyRunner(tiny_config(tmp_path / "run")) as runner:
+        manager = StalledManager(tmp_path / "checkpoints", async_save=True)
+        runner.set_checkpoint_manager(manager)
+        expected = model_state(runner)
+        runner.save_checkpoint(force=True)
+        try:
+            with pytest.warns(RuntimeWarning, match="still running"):
+                assert runner.close(timeout=0) is False  # the write is stuck: not drained
+        finally:
+            release.set()
+    assert manager.wait()  # the abandoned write finished in the background
+    payload = FileCheckpointManager(tmp_path / "checkpoints").load("latest")
+    assert payload["model"].keys() == expected.keys()
+    for key, value in expected.items():
+        assert torch.equal(payload["model"][key], value)
+
+
+def test_split_lists_are_deduplicated(tmp_path):
+    overrides = {"train_splits": ["train", "train"], "evaluate_splits": ["val", "val", "infer", "val"], "epochs": 1}
+    with ToyRunner(toy_config(tmp_path, **overrides)) as runner:
+        assert runner.train_splits == ["train"] and runner.evaluate_splits == ["val", "infer"]
+        assert runner._resolve_splits(["val", "val"], [], "evaluate") == ["val"]
+        runner.train()
+        assert runner.train_state.global_step == 5  # one pass over the 5 training items, not two
+
+
+def test_close_after_a_timeout_warns_and_a_second_close_drains(tmp_path):
+    import threading
+
+    from danling.checkpoint import FileCheckpointManager
+    from danling.checkpoint.manifest import HashingWriter
+
+    release = threading.Event()
+
+    class StalledWriter(HashingWriter):
+        def write(self, data):
+            release.wait()
+            return super().write(data)
+
+    class StalledManager(FileCheckpointManager):
+        def _payload_stream(self, raw):
+            return StalledWriter(raw)
+
+    runner = TinyRunner(tiny_config(tmp_path / "run"))
+    manager = StalledManager(tmp_path / "checkpoints", async_save=True)
+    runner.set_checkpoint_manager(manager)
+    runner.save_checkpoint(force=True)
+    try:
+        with pytest.warns(RuntimeWarning, match="still running"):
+            assert runner.close(timeout=0) is False
+    finally:
+        release.set()
+    assert manager._pending is not None  # left in flight by the first call
+    assert runner.close() is True  # waits for the write the first call left behind
+    assert manager._pending is None and FileCheckpointManager(tmp_path / "checkpoints").load("latest")["model"]
+    assert runner.close() is True  # and a closed runner stays closed

@@ -395,3 +395,49 @@ def test_score_mode_is_a_validated_config_key():
         RunnerConfig(score_mode="up")
     with pytest.raises(ValueError, match=r"ema\.decay"):
         RunnerConfig(**{"ema.decay": 1.5})
+
+
+@pytest.mark.parametrize("passes", [1, 3])
+def test_epoch_interval_scheduler_steps_once_per_pass_in_step_mode(tmp_path, passes):
+    class Scheduled(TinyRunner):
+        def __init__(self, config):
+            super().__init__(config)
+            self.optimizer = torch.optim.SGD(self.model.parameters(), lr=1.0)
+            self.scheduler = torch.optim.lr_scheduler.StepLR(self.optimizer, step_size=1, gamma=0.5)
+
+    batches = TinyRunner.n_train // 4  # batch size 4: one pass is 5 optimizer steps
+    # lr=1 diverges to NaN (which nonfinite.check would stop); only the scheduler's steps matter here
+    options = {"scheduler.interval": "epoch", "nonfinite.check": "off"}
+    config = tiny_config(tmp_path, epochs=None, steps=passes * batches, **options)
+    with Scheduled(config) as runner:
+        runner.train()
+        assert runner.train_state.global_step == passes * batches
+        assert runner.train_state.epoch == passes and runner.scheduler.last_epoch == passes
+        assert runner.optimizer.param_groups[0]["lr"] == 0.5**passes
+    # A budget that ends inside a pass leaves that pass uncounted.
+    config = tiny_config(tmp_path / "partial", epochs=None, steps=batches + 2, **options)
+    with Scheduled(config) as runner:
+        runner.train()
+        assert runner.train_state.epoch == 1 and runner.scheduler.last_epoch == 1
+
+
+def test_a_scheduler_that_needs_a_length_without_a_budget_says_to_set_one(tmp_path):
+    config = tiny_config(tmp_path, epochs=None, **{"scheduler.type": "cosine"})
+    with pytest.raises(
+        ValueError, match=r"scheduler 'cosine' needs the run length, but this run has no length: set epochs .* or steps"
+    ):
+        TinyRunner(config)
+
+
+@pytest.mark.filterwarnings("ignore:Initializing zero-element tensors")  # torch's own, at nn.Linear(4, 0)
+def test_a_model_with_a_size_of_zero_is_refused_naming_the_parameter(tmp_path):
+    # `hidden: 0` in a config built nn.Linear(4, 0): the run trained a model that computes nothing, silently.
+    from torch import nn
+
+    class ZeroWidth(TinyRunner):
+        def __init__(self, config):
+            super().__init__(config)
+            self.model = nn.Sequential(nn.Linear(4, 0), nn.ReLU(), nn.Linear(0, 1))
+
+    with pytest.raises(ValueError, match=r"model parameter '0.weight' has shape \(0, 4\), no element: a size of 0"):
+        ZeroWidth(tiny_config(tmp_path))
