@@ -1,9 +1,10 @@
 """Suite-wide guards: a test module leaves the process as it found it.
 
-A module that leaves a default process group or launcher variables behind changes what the next
-module in the same xdist worker sees (a one-rank group left by in-process DeepSpeed runners made
-`dist.is_initialized()` true for the process-group tests that ran after them): each module is
-checked when it ends, so a leak fails where it happens, not in whichever test runs next.
+A module that leaves a default process group, launcher variables or a running thread behind
+changes what the next module in the same xdist worker sees (a one-rank group left by in-process
+DeepSpeed runners made `dist.is_initialized()` true for the process-group tests that ran after
+them): each module is checked when it ends, so a leak fails where it happens, not in whichever
+test runs next.
 
 Stop-signal handlers are put back instead of checked: a runner keeps its handlers until `close`,
 and one that ended in a graceful stop ignores SIGTERM/SIGINT while its process leaves (by design,
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 
 import pytest
 
@@ -30,13 +32,34 @@ def _process_state() -> dict:
     return {"process group": bool(group), **{name: os.environ.get(name) for name in _LAUNCHER_VARIABLES}}
 
 
+# Threads made once per process by design and reused by every later user: danling's hashing and
+# pointer-writing pools (`checkpoint.checksums`, `checkpoint.layout`) and tqdm's monitor.
+_PROCESS_WIDE_THREADS = ("danling-hash_", "danling-pointers_", "tqdm_monitor")
+
+
+def _new_threads(before: set[threading.Thread]) -> list[str]:
+    """Threads started during the module that are still running (each gets a moment to finish ending)."""
+    left = []
+    for thread in threading.enumerate():
+        if thread in before or thread is threading.current_thread() or thread.name.startswith(_PROCESS_WIDE_THREADS):
+            continue
+        thread.join(timeout=5.0)  # a component closed at the module's end may still be leaving
+        if thread.is_alive():
+            left.append(f"{thread.name} ({type(thread).__name__}{', daemon' if thread.daemon else ''})")
+    return left
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _module_leaves_no_process_state(request):
     before, handlers = _process_state(), {sig: signal.getsignal(sig) for sig in _STOP_SIGNALS}
+    threads = set(threading.enumerate())
     yield
+    leaked = _new_threads(threads)
     for sig, handler in handlers.items():
         signal.signal(sig, handler)
     after = _process_state()
     changed = {key: (before[key], after[key]) for key in before if before[key] != after[key]}
+    if leaked:
+        changed["threads"] = ([], leaked)
     if changed:
         pytest.fail(f"{request.module.__name__} left process state behind (before, after): {changed}", pytrace=False)

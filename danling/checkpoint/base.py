@@ -304,7 +304,7 @@ class CheckpointManager:
                 )
             self._staging_buffers.clear()  # a running write keeps its own references
             if drained:
-                self._discard.drain()
+                self._discard.close()
             if self._executor is not None:
                 self._executor.shutdown(wait=False)
                 self._executor = None

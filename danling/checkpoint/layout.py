@@ -209,6 +209,14 @@ class Discard:
         for future in pending:
             future.result()
 
+    def close(self) -> None:
+        """Drain, then end the helper thread (a later `flush` starts a new one): a closed manager leaves no thread."""
+        self.drain()
+        with self._lock:
+            executor, self._executor = self._executor, None
+        if executor is not None:
+            executor.shutdown(wait=True)
+
 
 def _remove(path: Path) -> None:
     try:
