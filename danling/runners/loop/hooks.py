@@ -61,7 +61,7 @@ class StepHooks:
 
         Called when: by the training loops, once per batch of `self.dataloaders[split]`.
         Holds on entry: `self.mode == "train"`, `self.split` is the split; its meters and metrics were
-            reset when the pass opened.
+            reset when the pass opened (or restored, when it resumes a pass a checkpoint interrupted).
         Side effects: whatever `backward` and `step` do (gradients, possibly an update that advances
             `train_state.global_step`); the loop records the returned loss in `self.meters`.
         Overrides must not: touch `train_state`, save checkpoints, zero gradients or call
