@@ -352,36 +352,53 @@ class BaseRunner(CheckpointMixin, StepHooks, metaclass=MetaRunner):
 
     # ------------------------------------------------------------------ early hooks
     def init_distributed(self) -> None:
-        """Set up the process group.
+        """Set up the process group; the default does nothing (one process needs no group).
 
-        Called once during construction, before the checkpoint manager hook; the runner has its
-        config, workspace and default checkpoint manager but no model yet. The default does
-        nothing (a single process needs no group); backends initialise `torch.distributed` here.
+        Called when: once during construction (step 3), first of the early hooks, on every rank.
+        Holds on entry: config, state, workspace, the default checkpoint manager and the supervisor
+            are bound; there is no model, topology or log file yet.
+        Side effects: backends start their process group here (and may adjust `timestamp` so every
+            rank names the run alike); `close` tears down a group the runner started.
+        Overrides must not: read `self.topology` (built right after) or start a group they do not
+            release in `close`.
         """
 
     def build_topology(self) -> Topology:
         """Who this rank is along each parallel axis, and the process group of each reduction domain.
 
-        Called once during construction, right after `init_distributed`. The default is plain
-        data parallelism ([`Topology.data_parallel`][danling.distributed.topology.Topology.data_parallel]):
-        the data, metrics and gradient domains are the whole world, so every collective uses the
-        default group. Samplers, loader sharding, the inference gather, metric reduction, the
-        per-rank seed offset and per-rank checkpoint entries follow the `data` domain; gradient
-        synchronisation follows the `gradient` domain. Backends with model parallelism return a
-        topology built from their axes.
+        The default is plain data parallelism
+        ([`Topology.data_parallel`][danling.distributed.topology.Topology.data_parallel]): the data,
+        metrics and gradient domains are the whole world, so every collective uses the default
+        group. Samplers, loader sharding, the inference gather, metric reduction, the per-rank seed
+        offset and per-rank checkpoint entries follow the `data` domain; gradient synchronisation
+        follows the `gradient` domain. Backends with model parallelism return their axes' topology.
+
+        Called when: once during construction, right after `init_distributed`, on every rank.
+        Holds on entry: the process group (if any) is running; no model exists yet.
+        Side effects: none here; the returned topology is bound to `self.topology`.
+        Overrides must not: return a topology whose sizes disagree between ranks, or build
+            process groups on some ranks only (group creation is collective).
         """
         return Topology.data_parallel()
 
     def init_checkpoint_manager(self) -> None:
-        """Swap in the checkpoint backend this runner needs.
+        """Swap in the checkpoint backend this runner needs; the default keeps the file manager.
 
-        Called once during construction after `init_distributed`. The default keeps the
-        `FileCheckpointManager` bound in step 2; backends call
-        [`set_checkpoint_manager`][danling.runners.base_runner.BaseRunner.set_checkpoint_manager] to replace it.
+        Called when: once during construction, after `build_topology`, on every rank.
+        Holds on entry: the process group and `self.topology` exist; `checkpoint_manager` is the
+            `FileCheckpointManager` bound in step 2.
+        Side effects: backends build their manager and bind it with
+            [`set_checkpoint_manager`][danling.runners.base_runner.BaseRunner.set_checkpoint_manager].
+        Overrides must not: assign `self.checkpoint_manager` directly (the previous manager would
+            stay open) or build a collective manager on some ranks only.
         """
 
     def set_checkpoint_manager(self, manager: CheckpointManager) -> None:
-        """Bind `manager`, closing the previous one without waiting."""
+        """Bind `manager`, closing the previous one without waiting.
+
+        Raises:
+            TypeError: `manager` is not a [`CheckpointManager`][danling.checkpoint.CheckpointManager].
+        """
         if not isinstance(manager, CheckpointManager):
             raise TypeError(f"expected a CheckpointManager, got {type(manager).__name__}: {manager!r}")
         previous = self.__dict__.get("checkpoint_manager")
@@ -390,10 +407,13 @@ class BaseRunner(CheckpointMixin, StepHooks, metaclass=MetaRunner):
             previous.close(timeout=0)
 
     def init_fault_tolerance(self) -> None:
-        """Bind a fault-tolerance runtime to `self.ft`.
+        """Bind a fault-tolerance runtime to `self.ft`; the base runner has none.
 
-        The base runner has no fault-tolerance backend, so enabling `ft.enabled` here is an error;
-        backends that support TorchFT override this hook.
+        Called when: once during construction, after `init_checkpoint_manager`, on every rank.
+        Holds on entry: process group, topology and checkpoint manager are bound; `self.ft` is `None`.
+        Side effects: the default only refuses `ft.enabled` (`ValueError`); backends that support
+            TorchFT bind their runtime to `self.ft`.
+        Overrides must not: ignore `ft.enabled` silently (a run would believe it is protected).
         """
         if self.config.get("ft.enabled"):
             raise ValueError(
@@ -404,6 +424,14 @@ class BaseRunner(CheckpointMixin, StepHooks, metaclass=MetaRunner):
     # ------------------------------------------------------------------ randomness
     def set_seed(self, seed: int | None = None, bias: int | bool | None = None) -> int:
         """Seed Python's and NumPy's generators and snapshot the RNG state.
+
+        Called when: twice during construction: `set_seed(bias=False)` in step 4 (every rank alike,
+            so the model builds identically) and `set_seed()` in `__post_init__` (per data rank).
+        Holds on entry: `self.topology` is built; `config.seed` may be unset.
+        Side effects: seeds the generators, may store a drawn seed in `config.seed`, and captures
+            `rng_state`.
+        Overrides must not: skip `super()` or return a seed other than the one used (checkpoints
+            record it, and a resume adopts it).
 
         Args:
             seed: Base seed; defaults to `config.seed`. When that is unset too, a random seed is
@@ -434,15 +462,27 @@ class BaseRunner(CheckpointMixin, StepHooks, metaclass=MetaRunner):
         return seed
 
     def set_deterministic(self) -> None:
-        """Make backend kernels deterministic.
+        """Make backend kernels deterministic; the base runner has nothing to switch.
 
-        Python and NumPy are deterministic once seeded, so the base runner has nothing to switch;
-        backends override this to configure their libraries (cuDNN, deterministic algorithms).
+        Called when: once during construction, right after `set_seed(bias=False)`, when
+            `config.deterministic` is set.
+        Holds on entry: seeded; no model exists yet.
+        Side effects: backends switch their libraries (cuDNN, deterministic algorithms) and remember
+            the previous settings.
+        Overrides must not: change process-wide settings that `close` does not put back.
         """
 
     # ------------------------------------------------------------------ misc
     def unwrap(self, model: Any) -> Any:
-        """Return the plain model inside any backend wrapper; the base runner adds no wrapper."""
+        """Return the plain model inside any backend wrapper; the base runner adds no wrapper.
+
+        Called when: by the checkpoint payloads and loaders (`model`, `ema`), by the optimizer's
+            parameter names and by user code, any number of times.
+        Holds on entry: `model` is the runner's model, its EMA copy, or a part of either.
+        Side effects: none.
+        Overrides must not: return a copy (loading a checkpoint into it would change nothing) or
+            fail on an object they do not wrap (return it unchanged).
+        """
         return model
 
     def save(self, obj: Any, file: str | os.PathLike, main_process_only: bool = True, *args: Any, **kwargs: Any) -> Any:
@@ -459,6 +499,13 @@ class BaseRunner(CheckpointMixin, StepHooks, metaclass=MetaRunner):
         closes the log files. A checkpoint write still running after `timeout` is left to finish
         in the background with a `RuntimeWarning`; calling `close()` again waits for it (and for
         anything else the first call could not close).
+
+        Called when: by user code or `with` on exit, by a graceful stop before the process exits,
+            and with `timeout=0` when construction fails part-way (attributes may be missing).
+        Holds on entry: nothing beyond `__new__`; the runner may be half-built or closed already.
+        Side effects: the releases above; `self._closed` once nothing is left in flight.
+        Overrides must not: skip `super().close()`, or release their own resources before it
+            returns (pending checkpoint writes may still read them); do it in a `finally` after it.
 
         Returns:
             `True` when no checkpoint write was left in flight.

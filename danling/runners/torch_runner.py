@@ -61,59 +61,58 @@ __all__ = ["TorchRunner"]
 class TorchRunner(TorchCheckpointMixin, BaseRunner):
     """PyTorch runner for training, evaluation and inference, in one process or under DDP.
 
-        Subclass it and, in `__init__` after `super().__init__(config)`, bind `self.model` (required),
-        usually `self.criterion`, datasets (`self.datasets.<split>`) or ready dataloaders
-        (`self.dataloaders.<split>`) and optionally `self.metrics` (or separate `self.train_metrics` /
-        `self.evaluate_metrics`). The optimizer and scheduler come from `config.optim` and
-        `config.scheduler` (or `config.sched`) unless you assign them yourself.
+    Subclass it and, in `__init__` after `super().__init__(config)`, bind `self.model` (required),
+    usually `self.criterion`, datasets (`self.datasets.<split>`) or ready dataloaders
+    (`self.dataloaders.<split>`) and optionally `self.metrics` (or separate `self.train_metrics` /
+    `self.evaluate_metrics`). The optimizer and scheduler come from `config.optim` and
+    `config.scheduler` (or `config.sched`) unless you assign them yourself.
 
-        When the subclass `__init__` returns, `__post_init__` runs, in order: `materialize_model`
-        (device, EMA copy when `ema.enabled`, `torch.compile` when `compile.enable`, DDP when more than
-        one process), `build_optimizer`, `build_scheduler`, `build_dataloaders` (resumable torchdata
-        loaders; train splits shuffle and drop the last partial batch by default) and the restore asked
-        for by `resume` / `auto_resume` / `pretrained`.
+    When the subclass `__init__` returns, `__post_init__` runs, in order: `materialize_model`
+    (device, EMA copy when `ema.enabled`, `torch.compile` when `compile.enable`, DDP when more than
+    one process), `build_optimizer`, `build_scheduler`, `build_dataloaders` (resumable torchdata
+    loaders; train splits shuffle and drop the last partial batch by default) and the restore asked
+    for by `resume` / `auto_resume` / `pretrained`.
 
-        The default steps read batches as mappings (`input`, `target`), sequences (items 0 and 1) or a
-        bare input; override `train_step`, `evaluate_step` or `infer_step` for anything else.
+    The default steps read batches as mappings (`input`, `target`), sequences (items 0 and 1) or a
+    bare input; override `train_step`, `evaluate_step` or `infer_step` for anything else.
 
-        Attributes:
-            model: The model after materialization (moved to `device`, possibly compiled and DDP-wrapped).
-            ema: The [`EMA`][danling.runners.update.ema.EMA] copy (or your own module) used by
-                evaluation and inference when set.
-            criterion: Loss function `criterion(pred, target)` of the default steps.
-            optimizer: The optimizer, built from `config.optim` unless assigned.
-            scheduler: The learning-rate scheduler, built from the scheduler section unless assigned.
-            optimizer_container: The [`OptimizerContainer`][danling.runners.update.optimizer.OptimizerContainer]
-                that applies each update (clipping, non-finite skip, step-interval scheduler).
-            accumulator: The [`GradientAccumulator`][danling.runners.update.accumulation.GradientAccumulator]
-                deciding which micro-steps update.
-            precision_policy: The [`Precision`][danling.runners.update.precision.Precision] of `config.precision`.
-            compiler: The [`Compiler`][danling.runners.services.compiler.Compiler] of the `compile` section.
-            scheduler_interval: When the scheduler steps: `"step"` (each update) or `"epoch"`/`"validation"`.
-            scheduler_monitor: Dotted result path a metric scheduler watches, or `None` for the score metric.
-            collate_fn: Batch collation used by `build_dataloaders` (`None`: torch's default).
+    Attributes:
+        model: The model after materialization (moved to `device`, possibly compiled and DDP-wrapped).
+        ema: The [`EMA`][danling.runners.update.ema.EMA] copy (or your own module) used by
+            evaluation and inference when set.
+        criterion: Loss function `criterion(pred, target)` of the default steps.
+        optimizer: The optimizer, built from `config.optim` unless assigned.
+        scheduler: The learning-rate scheduler, built from the scheduler section unless assigned.
+        optimizer_container: The [`OptimizerContainer`][danling.runners.update.optimizer.OptimizerContainer]
+            that applies each update (clipping, non-finite skip, step-interval scheduler).
+        accumulator: The [`GradientAccumulator`][danling.runners.update.accumulation.GradientAccumulator]
+            deciding which micro-steps update.
+        precision_policy: The [`Precision`][danling.runners.update.precision.Precision] of `config.precision`.
+        compiler: The [`Compiler`][danling.runners.services.compiler.Compiler] of the `compile` section.
+        scheduler_interval: When the scheduler steps: `"step"` (each update) or `"epoch"`/`"validation"`.
+        scheduler_monitor: Dotted result path a metric scheduler watches, or `None` for the score metric.
+        collate_fn: Batch collation used by `build_dataloaders` (`None`: torch's default).
 
-        Examples:
-            >>> import tempfile
-            >>> import torch
-            >>> from torch import nn
-    from torch.utils.data import DistributedSampler
-            >>> class Regression(TorchRunner):
-            ...     def __init__(self, config):
-            ...         super().__init__(config)
-            ...         self.model = nn.Linear(2, 1)
-            ...         self.criterion = nn.MSELoss()
-            ...         x = torch.randn(32, 2)
-            ...         y = x.sum(dim=1, keepdim=True)
-            ...         self.datasets.train = list(zip(x, y))
-            ...         self.datasets.val = list(zip(x[:8], y[:8]))
-            >>> config = {"epochs": 2, "seed": 1, "optim.type": "sgd", "optim.lr": 0.1, "dataloader.batch_size": 8,
-            ...           "workspace_root": tempfile.mkdtemp(), "log": False, "checkpoint.async_enabled": False}
-            >>> with Regression(config) as runner:
-            ...     results = runner.train()
-            ...     predictions = runner.infer("val")
-            >>> runner.train_state.global_step, sorted(runner.latest_result), len(predictions)
-            (8, ['index', 'train', 'val'], 8)
+    Examples:
+        >>> import tempfile
+        >>> import torch
+        >>> from torch import nn
+        >>> class Regression(TorchRunner):
+        ...     def __init__(self, config):
+        ...         super().__init__(config)
+        ...         self.model = nn.Linear(2, 1)
+        ...         self.criterion = nn.MSELoss()
+        ...         x = torch.randn(32, 2)
+        ...         y = x.sum(dim=1, keepdim=True)
+        ...         self.datasets.train = list(zip(x, y))
+        ...         self.datasets.val = list(zip(x[:8], y[:8]))
+        >>> config = {"epochs": 2, "seed": 1, "optim.type": "sgd", "optim.lr": 0.1, "dataloader.batch_size": 8,
+        ...           "workspace_root": tempfile.mkdtemp(), "log": False, "checkpoint.async_enabled": False}
+        >>> with Regression(config) as runner:
+        ...     results = runner.train()
+        ...     predictions = runner.infer("val")
+        >>> runner.train_state.global_step, sorted(runner.latest_result), len(predictions)
+        (8, ['index', 'train', 'val'], 8)
     """
 
     supported_features = ("profiling",)
@@ -186,10 +185,14 @@ class TorchRunner(TorchCheckpointMixin, BaseRunner):
     def init_distributed(self) -> None:
         """Start the default process group from `WORLD_SIZE`/`RANK`/`LOCAL_RANK` when there are several processes.
 
-        Called once during construction, before the checkpoint manager is chosen; no model exists yet.
-        The runner owns the group's lifecycle: it starts it here and `close` destroys it. Rank 0's
-        timestamp is broadcast so every rank names the run alike, and `TORCHELASTIC_RESTART_COUNT`
-        is recorded in `elastic_state`.
+        Called when: once during construction (step 3), first of the early hooks, on every rank.
+        Holds on entry: config, workspace, default checkpoint manager and supervisor are bound; no
+            model or topology yet.
+        Side effects: starts the group (timeout `comm.init_timeout_seconds`) and owns it (`close`
+            destroys it), broadcasts rank 0's `timestamp` so every rank names the run alike, and
+            records `TORCHELASTIC_RESTART_COUNT` in `elastic_state`.
+        Overrides must not: leave a group running that `close` does not destroy, or skip the
+            timestamp broadcast (ranks would write to different run directories).
 
         Raises:
             RuntimeError: `WORLD_SIZE` > 1 and a default process group is already running (started
@@ -204,8 +207,12 @@ class TorchRunner(TorchCheckpointMixin, BaseRunner):
     def init_checkpoint_manager(self) -> None:
         """Bind the DCP checkpoint manager when `checkpoint_backend` is `"dcp"`; keep the file manager otherwise.
 
-        Runs right after `init_distributed`, on every rank (building a DCP manager with a dedicated
-        asynchronous process group is collective).
+        Called when: once during construction, after `build_topology`, on every rank.
+        Holds on entry: the process group and `self.topology` exist; the file manager is bound.
+        Side effects: with `"dcp"`, builds a `TorchDistributedCheckpointManager` (collective when it
+            gets a dedicated asynchronous process group) and binds it with `set_checkpoint_manager`.
+        Overrides must not: build the manager on some ranks only, or assign `checkpoint_manager`
+            without `set_checkpoint_manager` (the file manager would stay open).
 
         Raises:
             ValueError: `checkpoint.backend` names a backend this runner cannot write.
@@ -238,6 +245,12 @@ class TorchRunner(TorchCheckpointMixin, BaseRunner):
         Arguments are those of [`BaseRunner.set_seed`][danling.runners.base_runner.BaseRunner.set_seed]. In a
         distributed run without a configured seed, rank 0 draws one and broadcasts it, so all ranks
         shuffle the data alike (their own offset `bias` still differs).
+
+        Called when: as `BaseRunner.set_seed`: during construction (`bias=False`) and in `__post_init__`.
+        Holds on entry: the process group (if any) and `self.topology` exist.
+        Side effects: seeds every generator, may store the drawn seed in `config.seed` (a collective
+            then), and captures `rng_state`.
+        Overrides must not: skip `super()`, or draw a seed on each rank separately (data order would differ).
         """
         if seed is None and self.config.get("seed") is None and is_distributed():
             self.config.seed = broadcast_object(random.SystemRandom().randrange(2**31), group=None)
@@ -250,7 +263,11 @@ class TorchRunner(TorchCheckpointMixin, BaseRunner):
     def set_deterministic(self) -> None:
         """Request deterministic kernels (`torch.use_deterministic_algorithms`, cuDNN).
 
-        `close` puts the previous settings back, since they are global to the process.
+        Called when: once during construction, after `set_seed(bias=False)`, when `config.deterministic` is set.
+        Holds on entry: seeded; no model exists yet.
+        Side effects: sets `CUBLAS_WORKSPACE_CONFIG` (unless set), switches deterministic algorithms on
+            and cuDNN benchmarking off, and remembers the previous settings, which `close` puts back.
+        Overrides must not: change further process-wide settings without restoring them in `close`.
         """
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         cudnn = torch.backends.cudnn
@@ -327,7 +344,15 @@ class TorchRunner(TorchCheckpointMixin, BaseRunner):
                 )
 
     def iter_optimizer_named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
-        """`(name, parameter)` of every trainable parameter, named as in the unwrapped model."""
+        """`(name, parameter)` of every trainable parameter, named as in the unwrapped model.
+
+        Called when: by `build_optimizer` (the names match `optim.param_groups` patterns) and by
+            `iter_optimizer_parameters`.
+        Holds on entry: the model is materialized (wrapped, on its device).
+        Side effects: none.
+        Overrides must not: yield frozen parameters, or names other than the unwrapped model's
+            (parameter-group patterns and checkpoints use those).
+        """
         for name, param in self.unwrap(self.model).named_parameters():
             if param.requires_grad:
                 yield name, param
@@ -353,9 +378,17 @@ class TorchRunner(TorchCheckpointMixin, BaseRunner):
     def build_scheduler(self) -> None:
         """Build `self.scheduler` from `config.scheduler` (alias `sched`) unless one is bound; set its interval.
 
-        Called by `__post_init__` after `build_optimizer`. Schedulers that take a run length get
-        the optimizer-step budget. `interval` defaults to `"step"`, or `"epoch"` for metric
-        schedulers such as `ReduceLROnPlateau`, which step with the value at `monitor`.
+        Schedulers that take a run length get the optimizer-step budget. `interval` defaults to
+        `"step"`, or `"epoch"` for metric schedulers such as `ReduceLROnPlateau`, which step with
+        the value at `monitor`.
+
+        Called when: once by `__post_init__` after `build_optimizer`, and again when an elastic
+            resume changes `accum_steps` (the scheduler is rebuilt for the new number of updates).
+        Holds on entry: `self.optimizer` is built (or `None`: nothing is built); the loaders may not be
+            built yet (the run length is then estimated from the datasets).
+        Side effects: sets `self.scheduler` (unless bound), `scheduler_interval` and `scheduler_monitor`.
+        Overrides must not: replace a scheduler the user bound, or leave `scheduler_interval` unset
+            (the update strategy and `advance_schedulers` read it).
 
         Raises:
             ValueError: a metric scheduler is configured with `interval="step"`.
@@ -395,11 +428,16 @@ class TorchRunner(TorchCheckpointMixin, BaseRunner):
     def build_update_strategy(self) -> TorchUpdateStrategy:
         """The [`TorchUpdateStrategy`][danling.runners.update.strategy.TorchUpdateStrategy] of this run.
 
-        Called once by `__post_init__` after `materialize_model`, `build_optimizer` and
-        `build_scheduler` (the optimizer and scheduler are bound to it right after). It reads
-        `accum_steps`, `precision`, the clipping and non-finite settings, and takes the model's
-        gradient-sync control (DDP `no_sync`, FSDP2's sync flag) and the gradient domain's group.
-        Backends whose engine owns backward and step return their own strategy.
+        It reads `accum_steps`, `precision`, the clipping and non-finite settings, and takes the
+        model's gradient-sync control (DDP `no_sync`, FSDP2's sync flag) and the gradient domain's
+        group. Backends whose engine owns backward and step return their own strategy.
+
+        Called when: once by `__post_init__`, after `materialize_model`, `build_optimizer` and `build_scheduler`.
+        Holds on entry: the model is materialized (wrapped); `self.precision_policy` is set.
+        Side effects: none here; `__post_init__` binds the optimizer and scheduler to the result
+            and stores it as `self.update`.
+        Overrides must not: take the gradient-sync control of an unwrapped model (DDP's `no_sync`
+            lives on the wrapper), or a window size other than `accum_steps`.
         """
         return TorchUpdateStrategy(
             self.accum_steps,
@@ -472,6 +510,13 @@ class TorchRunner(TorchCheckpointMixin, BaseRunner):
 
         The value is `scheduler.monitor` (a dotted path in the row), else the score metric of
         `score_split`, or of the first validation split that has it.
+
+        Called when: once per round (each epoch, or each full round over the train splits in step
+            mode), before the round's row is stored.
+        Holds on entry: `result` maps the round's splits to their metrics; `scheduler_interval` is set.
+        Side effects: steps `self.scheduler` when its interval is not `"step"`.
+        Overrides must not: step a `"step"`-interval scheduler (the optimizer container already does),
+            or modify `result`.
         """
         if self.scheduler is None or self.scheduler_interval == "step":
             return  # nothing steps per round (and nothing to look up)
@@ -914,14 +959,30 @@ class TorchRunner(TorchCheckpointMixin, BaseRunner):
 
     # ------------------------------------------------------------------ misc
     def unwrap(self, model: Any) -> Any:
-        """The plain module inside DDP / `torch.compile` wrappers (the averaged module for an `EMA`)."""
+        """The plain module inside DDP / `torch.compile` wrappers (the averaged module for an `EMA`).
+
+        Called when: by the checkpoint payloads and loaders, the optimizer's parameter names, the run
+            summary and user code, any number of times.
+        Holds on entry: `model` is the model, its EMA copy, a part of either, or anything else.
+        Side effects: none.
+        Overrides must not: return a copy (a checkpoint loaded into it would be lost), or fail on
+            objects they do not wrap (return those unchanged).
+        """
         if isinstance(model, EMA):
             model = model.module
         return unwrap_model(model) if isinstance(model, nn.Module) else model
 
     def close(self, timeout: float | None = None) -> bool:
         """Close the runner (see [`BaseRunner.close`][danling.runners.base_runner.BaseRunner.close]), restore the
-        deterministic-kernel settings and destroy a process group this runner started."""
+        deterministic-kernel settings and destroy a process group this runner started.
+
+        Called when: as `BaseRunner.close`: by user code or `with`, a graceful stop, a failed construction.
+        Holds on entry: the runner may be half-built or closed already.
+        Side effects: `BaseRunner.close`, then stops the profiler, restores the deterministic settings
+            and, after waiting briefly for every rank, destroys the group this runner started.
+        Overrides must not: destroy the process group before `super().close()` returns (pending
+            checkpoint writes may still use it).
+        """
         if self.__dict__.get("_closed", True):
             return True
         try:

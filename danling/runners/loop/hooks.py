@@ -51,11 +51,26 @@ class StepHooks:
     def train_step(self, data: Any) -> tuple[Any, Any]:
         """Process one training micro-batch and return `(prediction, loss)`.
 
-        Called by the training loops once per batch of `self.dataloaders[split]`. Implementations
-        compute the loss, call `self.backward(loss)` (when there are gradients) and then
-        `self.step()`, which advances the accumulation window and the optimizer. Return
-        `(pred, None)` when there is no loss to record. Do not touch `train_state`, save
-        checkpoints or zero gradients here: the loop and `optimizer_step` own those.
+        Implementations compute the loss, call `self.backward(loss)` (when there are gradients) and
+        then `self.step()`, which advances the accumulation window and the optimizer. Return
+        `(pred, None)` when there is no loss to record.
+
+        Called when: by the training loops, once per batch of `self.dataloaders[split]`.
+        Holds on entry: `self.mode == "train"`, `self.split` is the split; its meters and metrics were
+            reset when the pass opened (or restored, when it resumes a pass a checkpoint interrupted).
+        Side effects: whatever `backward` and `step` do (gradients, possibly an update that advances
+            `train_state.global_step`); the loop records the returned loss in `self.meters`.
+        Overrides must not: touch `train_state`, save checkpoints, zero gradients or call
+            `optimizer_step` (the loop and `step` own those).
+
+        Examples:
+            >>> from danling.runners import BaseRunner
+            >>> class Runner(BaseRunner):
+            ...     def train_step(self, data):
+            ...         loss = self.model(data).mean()
+            ...         self.backward(loss)
+            ...         self.step()
+            ...         return None, loss.detach()
         """
         raise NotImplementedError(f"{type(self).__name__} must implement train_step(data) -> (pred, loss)")
 
@@ -71,23 +86,40 @@ class StepHooks:
     def evaluate_step(self, data: Any) -> tuple[Any, Any]:
         """Process one evaluation batch and return `(prediction, loss or None)`.
 
-        Runs inside `inference_context()`; must not step the optimizer or change counters.
+        Called when: by the evaluation passes (`evaluate`, each round's evaluation, step-mode periodic
+            evaluation), once per batch of the evaluated split.
+        Holds on entry: `self.mode == "evaluate"`, inside `inference_context()`; the pass's meters and
+            metrics were reset when it opened.
+        Side effects: may update the evaluation metrics; the loop records the returned loss.
+        Overrides must not: call `backward`/`step`, step the optimizer or change `train_state`
+            (a periodic evaluation runs in the middle of training).
         """
         raise NotImplementedError(f"{type(self).__name__} must implement evaluate_step(data) -> (pred, loss)")
 
     def infer_step(self, data: Any) -> list[Any]:
         """Return the predictions for one batch as a list (one entry per example).
 
-        Runs inside `inference_context()`; must not update metrics or counters.
+        Called when: by `infer`, once per batch of the inferred split (lazily, as a stream is read).
+        Holds on entry: `self.mode == "infer"`, inside `inference_context()`.
+        Side effects: none expected.
+        Overrides must not: update metrics or counters, or return something other than a list
+            (outputs are concatenated and written per example).
         """
         raise NotImplementedError(f"{type(self).__name__} must implement infer_step(data) -> list")
 
     def build_update_strategy(self) -> UpdateStrategy:
         """The [`UpdateStrategy`][danling.runners.update.strategy.UpdateStrategy] that turns losses into updates.
 
-        Called once by `__post_init__`, after the model, optimizer and scheduler are built. The
-        base runner's strategy only counts accumulation windows; backends return theirs (torch:
+        The base runner's strategy only counts accumulation windows; backends return theirs (torch:
         precision, gradient-sync suppression, clipping, the optimizer step).
+
+        Called when: once, in `__post_init__` (after model, optimizer and scheduler are built), unless
+            `self.update` is already set.
+        Holds on entry: `accum_steps` and the rest of the config are final; the model is materialized.
+        Side effects: none here; the result becomes `self.update`, which `backward`, `step` and
+            `optimizer_step` go through.
+        Overrides must not: return a strategy whose window size differs from `accum_steps` (budgets
+            and resumes count updates with it).
         """
         return UpdateStrategy(self.accum_steps)
 
@@ -96,8 +128,16 @@ class StepHooks:
 
         The loss is divided by the size of its accumulation window. With `weight` (e.g. the number
         of valid tokens the loss averages over), it is weighted instead, and the update applies
-        the weight-normalised mean gradient over the window and the ranks. Do not step the
-        optimizer or change counters here.
+        the weight-normalised mean gradient over the window and the ranks.
+
+        Called when: by `train_step`, once per micro-batch, before `step()`.
+        Holds on entry: `loss` is a scalar of this micro-batch; inside a training pass.
+        Side effects: accumulates gradients (gradient sync follows the strategy's window).
+        Overrides must not: step the optimizer, change counters, or bypass `self.update` (scaling,
+            sync suppression and weighting live there).
+
+        Raises:
+            ValueError: `loss` is not a single number.
         """
         update = self.update
         try:
@@ -117,7 +157,8 @@ class StepHooks:
         """Count one micro-step and call `optimizer_step` when it closes its accumulation window.
 
         Call exactly once per micro-batch from `train_step`, after `backward`; never together with
-        `optimizer_step`. A window left open at the end of a pass is applied by the loop.
+        `optimizer_step`. A window left open at the end of a pass is applied by the loop. Not a hook:
+        the accumulation state machine must count every micro-step; change updates in `optimizer_step`.
         """
         state = self.state.train
         # The counters are validated ints; an increment keeps them so, so it bypasses the check.
@@ -129,9 +170,15 @@ class StepHooks:
         """Apply one parameter update; return whether it was applied.
 
         Waits until a pending asynchronous checkpoint no longer reads the state, then lets the
-        update strategy apply the window (a non-finite window may be skipped). An applied update
-        increments `train_state.global_step`; a skipped one does not. Overrides call `super()`
-        and add what follows an update (the torch runner refreshes the EMA copy).
+        update strategy apply the window (a non-finite window may be skipped).
+
+        Called when: by `step()` when a micro-step closes its window, and by the loop for a window a
+            pass (or a graceful stop) leaves open; once per update.
+        Holds on entry: the window's gradients are accumulated; inside a training pass.
+        Side effects: an applied update increments `train_state.global_step` (a skipped one emits
+            `OPTIMIZER_STEP_SKIPPED` instead).
+        Overrides must not: skip `super()` or increment `global_step` themselves; add what follows an
+            update after it (the torch runner refreshes the EMA copy).
         """
         return self._apply_update()
 
@@ -141,6 +188,12 @@ class StepHooks:
         By default the error propagates and the run stops; the checkpoint before it stays
         loadable. With `checkpoint.continue_on_save_error` the error is logged and training goes
         on; the next save the cadence asks for tries again.
+
+        Called when: by `save_checkpoint`, or at the next optimizer step for an asynchronous save,
+            once per failed save, on the rank that saw the failure.
+        Holds on entry: the failed checkpoint was not published; the previous one is intact.
+        Side effects: raises `error`, or logs it and returns.
+        Overrides must not: retry the save themselves or swallow the error without a record.
         """
         if not self.config.checkpoint.continue_on_save_error:
             raise error
@@ -168,15 +221,24 @@ class StepHooks:
     def inference_context(self) -> AbstractContextManager:
         """Context for evaluation and inference; backends disable autograd here.
 
-        An evaluation pass runs entirely inside one such context (loader iteration, steps, meter
-        updates); inference enters it around each `infer_step`, since its batches are yielded to
-        the caller in between.
+        Called when: once around each evaluation pass (loader iteration, steps, meter updates), and
+            around each `infer_step` (inference yields its batches to the caller in between).
+        Holds on entry: `self.mode` is `evaluate` or `infer`.
+        Side effects: none here (a `nullcontext`).
+        Overrides must not: enable gradients or switch the mode (the pass owns it).
         """
         return nullcontext()
 
     def advance_schedulers(self, result: Mapping[str, Any]) -> None:
-        """Called once per epoch with the epoch's row, before it is stored; backends step
-        epoch-interval and metric-driven schedulers here. The base runner has none."""
+        """Step epoch-interval and metric-driven schedulers with the round's row; the base runner has none.
+
+        Called when: once per round: after each epoch's evaluation (epoch mode), or after each full
+            round over the train splits (step mode), before the row is stored.
+        Holds on entry: `result` maps each split of the round to its metrics.
+        Side effects: backends step their schedulers (the torch runner: epoch-interval ones).
+        Overrides must not: modify `result` (it is stored as the round's row) or step step-interval
+            schedulers (the update strategy steps those).
+        """
 
     # ------------------------------------------------------------------ metrics of a pass
     def _metrics_for(self, mode: RunnerMode) -> Any:
@@ -215,8 +277,12 @@ class StepHooks:
     def collect_result(self, split: str) -> RoundDict:
         """The split's averaged step losses plus the values of its metrics.
 
-        Reading meters and metrics synchronises ranks, so every rank calls this together (the
-        loops do, at the end of each split).
+        Called when: at the end of each pass over a split, and for the training values of a step-mode
+            row before a periodic evaluation; on every rank together.
+        Holds on entry: `self.meters` and the pass's metrics hold the pass's batches.
+        Side effects: reading meters and metrics synchronises ranks; the pass's metrics are released.
+        Overrides must not: skip the read on some ranks (the others would wait), or reset the meters
+            (the loop does).
         """
         result = dict(self.meters.avg)
         metrics, self._active_metrics = self._active_metrics, None

@@ -58,6 +58,11 @@ class Loop:
     def check_training_budget(self, train_splits: Sequence[str], evaluate_splits: Sequence[str] = ()) -> None:
         """Refuse a training budget or data that would train nothing (or score nothing), before the first step.
 
+        Called when: by `train`, once per call, after the splits are resolved and before anything runs.
+        Holds on entry: every split has a dataloader; `train_state` holds the progress to resume from.
+        Side effects: logs a warning when `steps` and `epochs` are both set; nothing else.
+        Overrides must not: accept a budget of 0 or an empty split (the run would end with no row).
+
         Raises:
             ValueError: `epochs` or `steps` is 0 (without progress to resume past it), or a train
                 or evaluation split's loader yields no batch (an empty dataset, or `drop_last` with
@@ -96,6 +101,11 @@ class Loop:
         compares the finished epochs with `epochs`; step mode compares `global_step` with the step
         budget and also needs the final row of that step stored (a run killed between its last
         step and its final evaluation still evaluates).
+
+        Called when: by `train`, once per call, after the budget checks and before the first pass.
+        Holds on entry: a checkpoint (if any) is restored, so `train_state` and `results` are the run's.
+        Side effects: logs that the budget is spent (a warning when it was lowered below progress).
+        Overrides must not: report a run as finished whose final step-mode row is missing.
         """
         state = self.host.train_state
         if self.host.epochs is not None:
@@ -143,6 +153,12 @@ class Loop:
             ValueError: A requested split has no dataloader, there is no training split, or the
                 budget or data would train nothing (see `check_training_budget`).
             TrainingDivergedError: Non-finite updates or loss spikes came too often (`nonfinite.*`, `spikes.*`).
+
+        Called when: by `runner.train()`, once per call.
+        Holds on entry: the runner is fully constructed (and restored, when the config asked).
+        Side effects: trains, evaluates, stores and writes rows, saves checkpoints; may roll back.
+        Overrides must not: call `train_epochs`/`train_steps` other than through the runner (a
+            runner override of those would be bypassed).
         """
         train_splits = self.host._resolve_splits(train_splits, self.host.train_splits, "train")
         if not train_splits:
@@ -179,6 +195,12 @@ class Loop:
         Each epoch trains every train split, evaluates every evaluation split, stores and writes
         the row (index = epoch index), then saves a checkpoint at the configured cadence (always
         after the last epoch). Stops early once `patience` epochs pass without a new best score.
+
+        Called when: by `runner.train_epochs` (which `train` calls in epoch mode), once per run.
+        Holds on entry: `train_state.epoch` is the first epoch to run (the resumed position).
+        Side effects: advances `train_state.epoch`, stores a row per epoch, saves checkpoints.
+        Overrides must not: store a row before the epoch's evaluation, or save before the row is
+            stored (a checkpoint must hold the scored state).
 
         Raises:
             ValueError: `epochs` is not configured.
@@ -220,7 +242,13 @@ class Loop:
         return self.host.results
 
     def train_epoch(self, split: str = "train") -> RoundDict:
-        """One full pass over `runner.dataloaders[split]` in training mode; returns the split's result."""
+        """One full pass over `runner.dataloaders[split]` in training mode; returns the split's result.
+
+        Called when: by `runner.train_epoch`, once per train split and epoch.
+        Holds on entry: inside a training scope (`train_epochs`, or a user's own loop).
+        Side effects: runs `train_step` per batch, updates the loop position, meters and counters.
+        Overrides must not: bypass the pass engine (graceful stops and resumable positions live there).
+        """
         return self.passes.run_split(split, RunnerMode.train)[0]
 
     def train_steps(
@@ -236,6 +264,12 @@ class Loop:
         it. After the last step a final evaluation stores the last row and a final checkpoint is
         saved. Each row's training values cover the batches since the previous row. Once more than
         `patience` evaluations pass without a better score, training stops after that evaluation.
+
+        Called when: by `runner.train_steps` (which `train` calls in step mode), once per run.
+        Holds on entry: `train_state.global_step` is the resumed position; `steps` resolves.
+        Side effects: advances the counters, stores rows by global step, saves checkpoints.
+        Overrides must not: evaluate at other steps than the cadence's (the checkpoint of a step
+            must follow its row).
 
         Raises:
             ValueError: No step budget can be resolved.
@@ -319,6 +353,11 @@ class Loop:
     def evaluate(self, evaluate_splits: Sequence[str] | None = None) -> RoundDict:
         """Evaluate each split once and return `{split: result}`; the row is also sent to the trackers.
 
+        Called when: by `runner.evaluate`, once per call (not by training, which uses `evaluate_for_row`).
+        Holds on entry: the runner is constructed; no training pass is open.
+        Side effects: runs `evaluate_epoch` per split; logs the result; stores no row.
+        Overrides must not: store the result as a row (rows belong to training progress).
+
         Raises:
             ValueError: A requested split has no dataloader, or there is nothing to evaluate.
         """
@@ -334,11 +373,22 @@ class Loop:
         return result
 
     def evaluate_epoch(self, split: str = "val") -> RoundDict:
-        """One full pass over `runner.dataloaders[split]` in evaluation mode; returns the split's result."""
+        """One full pass over `runner.dataloaders[split]` in evaluation mode; returns the split's result.
+
+        Called when: by `runner.evaluate_epoch`, once per evaluation split of `evaluate` or of a row.
+        Holds on entry: no training pass is open on `split`.
+        Side effects: runs `evaluate_step` per batch inside `inference_context()`.
+        Overrides must not: change `train_state` (a periodic evaluation runs in the middle of training).
+        """
         return self.passes.run_split(split, RunnerMode.evaluate)[0]
 
     def evaluate_steps(self, split: str = "val", steps: int | None = None) -> RoundDict:
         """Evaluate the first `steps` batches of `split` (default `max(runner.steps // 20, 1)`).
+
+        Called when: by `runner.evaluate_steps`, once per call.
+        Holds on entry: `split` has a dataloader.
+        Side effects: runs `evaluate_step` on `steps` batches; stores no row.
+        Overrides must not: return a result over fewer batches than asked without raising.
 
         Raises:
             ValueError: `steps` is negative, cannot be inferred, or the loader runs out first.
@@ -386,6 +436,11 @@ class Loop:
             ValueError: `steps` is negative, or a flat list is requested from an unsized loader
                 without `steps`; with `output`, see
                 [`run_inference`][danling.runners.inference.writer.run_inference].
+
+        Called when: by `runner.infer`, once per call (a stream runs as it is read).
+        Holds on entry: the runner is constructed; no pass is open.
+        Side effects: runs `infer_step` per batch; with `output`, writes and commits the file.
+        Overrides must not: update metrics or counters (inference leaves the run's state alone).
         """
         if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 0):
             raise ValueError(f"steps must be a non-negative int or None, got {steps!r}")
@@ -429,7 +484,14 @@ class Loop:
     # ------------------------------------------------------------------ rows and periodic evaluation
     def evaluate_for_row(self, splits: Sequence[str]) -> RoundDict:
         """Evaluate each split once for a result row: `evaluate_epoch(split)` (the whole split), or the
-        first `evaluate_batches` batches of it when that limit is set."""
+        first `evaluate_batches` batches of it when that limit is set.
+
+        Called when: once per row: after each epoch, at each periodic and the final step-mode
+            evaluation, and in a dry run.
+        Holds on entry: inside a training scope; the row's training values are collected.
+        Side effects: runs the evaluation passes; stores nothing (the caller stores the row).
+        Overrides must not: change `train_state` or the training meters.
+        """
         result = RoundDict()
         if not splits:
             return result
@@ -521,6 +583,11 @@ class Loop:
         verification and its restore), so their errors surface in seconds. The row is stored at
         the usual index; no step-cadence checkpoint is written.
 
+        Called when: by `train` in place of training, when `config.dry_run` is set.
+        Holds on entry: the splits are resolved and the budget checked.
+        Side effects: trains a few batches, stores one row, saves and reloads one checkpoint.
+        Overrides must not: write step-cadence checkpoints or skip the reload (its errors are the point).
+
         Returns:
             All result rows (`runner.results`).
         """
@@ -551,6 +618,11 @@ class Loop:
     def roll_back(self, spike: LossSpike) -> None:
         """Recover from a loss spike: reload the newest checkpoint that verifies, skip the spiked batches
         from now on and lower the learning rates for a cooldown (see `spikes.*`).
+
+        Called when: by `train` when a loss spike is raised under `spikes.policy=rollback`, once per spike.
+        Holds on entry: the training scope has been left; a save may still be in flight.
+        Side effects: reloads the checkpoint, keeps the spike guard's history, starts its cooldown.
+        Overrides must not: load a checkpoint that does not verify, or forget the skipped batches.
 
         Raises:
             TrainingDivergedError: there is no checkpoint to roll back to.
