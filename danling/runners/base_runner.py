@@ -37,6 +37,7 @@ from .checkpointing.resume import LoopState
 from .config import RunnerConfig
 from .loop import EventBus, Events, LogContext, Loop, StepContext, StepHooks
 from .loop.budget import checked_count, default_interval, evaluation_default, length_of, selected_splits, step_budget
+from .registry import RUNNERS
 from .services import RunnerResults, RunnerSupervisor, RunnerWorkspace, Trackers
 from .services.errors import report_errors_briefly
 from .services.observability import RunStatus, Throughput, is_train_step_log
@@ -212,8 +213,6 @@ class BaseRunner(CheckpointMixin, StepHooks, metaclass=MetaRunner):
         """
         if str(self.config.get("stack") or "auto").strip().lower() != "auto":
             return
-        from .runner import RUNNERS  # runner.py imports this module
-
         backends = {backend for name, backend in RUNNERS.items() if name != "auto" and isinstance(self, backend)}
         derived = [b for b in backends if not any(o is not b and issubclass(o, b) for o in backends)]
         if len(derived) != 1:

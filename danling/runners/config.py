@@ -52,6 +52,7 @@ from .config_sections import (
     WandbConfig,
     _TypedConfig,
 )
+from .registry import RUNNERS, runner_stacks
 
 # Section classes are importable from this module (and config_sections) but kept out of the package namespace.
 __all__ = ["RunnerConfig"]
@@ -438,7 +439,7 @@ class RunnerConfig(_TypedConfig):
         """`check_supported` for a runner class: the check a runner runs first thing when constructed.
 
         The stacks come from the runner registry
-        ([`runner_stacks`][danling.runners.runner.runner_stacks]); the features are the union of
+        ([`runner_stacks`][danling.runners.registry.runner_stacks]); the features are the union of
         `supported_features` over `runner` and its bases. A stack registered to a different runner
         class is reported with that class's name. Values that are not mappings are left to the
         runner's own type check.
@@ -446,8 +447,6 @@ class RunnerConfig(_TypedConfig):
         Raises:
             ValueError: See `check_supported`; also for unknown keys of typed sections.
         """
-        from .runner import RUNNERS, runner_stacks  # runner.py imports this module
-
         if not isinstance(config, RunnerConfig):
             if not isinstance(config, Mapping):
                 return
@@ -474,8 +473,6 @@ class RunnerConfig(_TypedConfig):
         unset section does not change it. `"ddp"`/`"torch"` (what a runner records for `"auto"`)
         count as `"auto"`.
         """
-        from .runner import RUNNERS  # runner.py imports this module
-
         ignores = tuple(tuple(pattern.split(".")) for pattern in self.CONFIG_ID_IGNORES)
         return auto_stack(semantic(self.dict(), (), ignores), RUNNERS)
 

@@ -26,23 +26,22 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import zipfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from danling.checkpoint.layout import POINTER_SUFFIX, follow_pointer, recover_directory, scan_checkpoints, write_pointer
+from danling.checkpoint.layout import POINTER_SUFFIX, follow_pointer, recover_directory, write_pointer
 from danling.checkpoint.manifest import CheckpointError, verify_directory
 from danling.utils import save
 
 from .config import RunnerConfig, recorded_config
 from .services.results import RunnerResults
+from .services.run_dirs import newest_valid_checkpoint
 from .services.run_lock import RunDirectoryLockedError, live_lock_holder
 
 __all__ = ["reconcile_run", "reconcile_on_start", "newest_valid_checkpoint"]
 
-_HISTORY = re.compile(r"^(epoch|step|iter)-\d+$")
 _RESULT_FILES = ("results.json", "latest.json", "best.json")
 
 
@@ -90,26 +89,6 @@ def _writing(name: str) -> bool:
     except OSError:
         return True
     return True
-
-
-def newest_valid_checkpoint(
-    checkpoint_dir: Path, logger: logging.Logger | None = None, refused: list[Path] | None = None
-) -> Path | None:
-    """The newest history checkpoint under `checkpoint_dir` that verifies, logging each one skipped
-    (and appending it to `refused` when given)."""
-    for path, manifest in scan_checkpoints(checkpoint_dir, _HISTORY):
-        if not manifest.get("history"):
-            continue
-        try:
-            verify_directory(path)
-        except CheckpointError as err:
-            if logger is not None:
-                logger.warning("reconcile: skipping checkpoint %s: %s", path, err)
-            if refused is not None:
-                refused.append(path)
-            continue
-        return path
-    return None
 
 
 def _pointer(checkpoint_dir: Path, alias: str) -> Path | None:

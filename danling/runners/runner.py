@@ -11,7 +11,7 @@ register_runner(("torch", "ddp", "auto"), TorchRunner)
 (`--stack deepspeed` swaps the backend without touching the script).
 
 The registry also says which stacks a runner class implements
-([`runner_stacks`][danling.runners.runner.runner_stacks]): a runner built directly, say a
+([`runner_stacks`][danling.runners.registry.runner_stacks]): a runner built directly, say a
 `TorchRunner` subclass, refuses a `config.stack` it does not implement (see
 [`RunnerConfig.check_runner`][danling.runners.config.RunnerConfig.check_runner]). A stack that
 `RunnerConfig.STACKS` names but no runner is registered for is not built in this version yet.
@@ -24,13 +24,12 @@ from typing import Any, TypeVar
 
 from .base_runner import BaseRunner
 from .config import RunnerConfig
+from .registry import RUNNERS, runner_stacks
 
 __all__ = ["RUNNERS", "Runner", "register_runner", "resolve_runner", "runner_stacks"]
 
 R = TypeVar("R", bound=type[BaseRunner])
 
-RUNNERS: dict[str, type[BaseRunner]] = {}
-"""Registered backend runner classes by stack name (lower case)."""
 
 _COMBINED: dict[tuple[type, type], type] = {}
 
@@ -84,23 +83,6 @@ def resolve_runner(stack: str) -> type[BaseRunner]:
             )
         raise ValueError(f"no runner is registered for stack {stack!r}; registered stacks: {registered}")
     return RUNNERS[key]
-
-
-def runner_stacks(runner: type) -> tuple[str, ...]:
-    """Stacks `runner` implements: `"auto"` and every name registered for it or one of its bases.
-
-    `"auto"` always counts: it asks for no particular backend, so a runner class used directly
-    (even one outside the registry) runs it as itself.
-
-    Examples:
-        >>> from danling.runners import TorchRunner
-        >>> runner_stacks(TorchRunner)
-        ('auto', 'ddp', 'torch')
-        >>> runner_stacks(BaseRunner)
-        ('auto',)
-    """
-    names = {name for name, backend in RUNNERS.items() if isinstance(runner, type) and issubclass(runner, backend)}
-    return tuple(sorted(names | {"auto"}))
 
 
 def _stack_of(config: Any) -> str:

@@ -24,7 +24,8 @@ from danling.utils import RoundDict
 from ..config import RunnerConfig, recorded_config
 from ..loop import RunnerMode
 from ..loop.events import CheckpointContext, Events
-from ..reconcile import newest_valid_checkpoint, reconcile_on_start
+from ..reconcile import reconcile_on_start
+from ..services.run_dirs import newest_valid_checkpoint, resolve_resume_path
 from ._keys import without as _without
 from .resume import (
     check_identity,
@@ -32,7 +33,6 @@ from .resume import (
     pass_meters_state,
     report_code_change,
     report_other_runs,
-    resolve_resume_path,
     shares_data_rank,
     take_run_dir,
 )

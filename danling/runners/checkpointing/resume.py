@@ -3,7 +3,7 @@
 Used by [`CheckpointMixin`][danling.runners.checkpointing.api.CheckpointMixin] and
 [`TorchCheckpointMixin`][danling.runners.checkpointing.torch_state.TorchCheckpointMixin]:
 
-- [`resolve_resume_path`][danling.runners.checkpointing.resume.resolve_resume_path] turns every
+- [`resolve_resume_path`][danling.runners.services.run_dirs.resolve_resume_path] turns every
   form a user may give (`resume: <run dir>`, its `checkpoints/` directory, `.../checkpoints/latest`,
   a pointer file, a checkpoint directory, a payload file) into what the checkpoint manager loads;
 - [`check_identity`][danling.runners.checkpointing.resume.check_identity] refuses a checkpoint
@@ -33,13 +33,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from danling.checkpoint.layout import NAME_PATTERN, POINTER_SUFFIX
-from danling.checkpoint.manifest import MANIFEST_NAME, CheckpointNotFoundError
 from danling.data import DataResumeError, ResumableSampler, batch_fingerprint, check_batch_fingerprint
 from danling.utils import RoundDict
 
-from ..reconcile import newest_valid_checkpoint
-from ..services.run_dirs import format_differences, identity_differences, recorded_run_config, sibling_runs
+from ..services.run_dirs import (
+    format_differences,
+    identity_differences,
+    recorded_run_config,
+    sibling_runs,
+)
 
 if TYPE_CHECKING:
     from ..base_runner import BaseRunner
@@ -53,58 +55,10 @@ __all__ = [
     "pass_meters_state",
     "report_code_change",
     "report_other_runs",
-    "resolve_resume_path",
     "restore_loader_positions",
     "shares_data_rank",
     "take_run_dir",
 ]
-
-
-def _checkpoint_in(directory: Path) -> Path | None:
-    """The `latest` pointer of a checkpoint directory, else its newest checkpoint that verifies."""
-    pointer = directory / f"latest{POINTER_SUFFIX}"
-    if pointer.is_file():
-        return pointer
-    return newest_valid_checkpoint(directory)
-
-
-def resolve_resume_path(source: str | os.PathLike, dir_name: str = "checkpoints") -> str | os.PathLike:
-    """What to hand the checkpoint manager for a resume `source` given as a name or a path.
-
-    Accepted forms: an alias or checkpoint name of the run's own checkpoint directory (returned as
-    is: the manager looks it up), a checkpoint directory (it holds `manifest.json`), a payload or
-    pointer file, a run directory (its `<dir_name>/latest`), a checkpoint directory of a run (its
-    `latest`), and an alias path `<checkpoints>/<alias>` (the `<alias>.pointer` beside it). A run
-    or checkpoint directory without a `latest` alias resumes its newest checkpoint that verifies.
-
-    Raises:
-        CheckpointNotFoundError: Nothing usable is there; the message lists every place looked at.
-    """
-    text = os.fspath(source)
-    path = Path(os.path.expanduser(text))
-    if isinstance(source, str) and NAME_PATTERN.match(text) and not path.exists():
-        return source  # an alias or checkpoint name: the manager searches its own directory
-    if path.is_file() or (path / MANIFEST_NAME).is_file():
-        return source
-    looked = [f"{path / MANIFEST_NAME} (a checkpoint directory)"]
-    if path.is_dir():
-        for directory in dict.fromkeys((path / dir_name, path / "checkpoints", path)):
-            found = _checkpoint_in(directory) if directory.is_dir() else None
-            if found is not None:
-                return found
-            looked.append(f"{directory / ('latest' + POINTER_SUFFIX)} or a checkpoint in {directory}")
-        if not any(path.iterdir()):
-            looked.append(f"anything in {path}, which is empty")
-    else:
-        pointer = path.with_name(path.name + POINTER_SUFFIX)
-        if pointer.is_file():
-            return pointer
-        looked[0:1] = [f"{path} (no such file or directory)", f"{pointer} (an alias path)"]
-    raise CheckpointNotFoundError(
-        f"cannot resume from {text!r}: found no checkpoint; looked for: " + "; ".join(looked) + ". "
-        "Give a run directory, its checkpoint directory, an alias (latest, best), an alias path "
-        "(<run>/checkpoints/latest), a pointer file or a checkpoint directory"
-    )
 
 
 def check_identity(runner: BaseRunner, saved: RunnerConfig) -> None:

@@ -30,8 +30,9 @@ from danling.data import resolve_loader_options
 from danling.utils.imports import optional_import
 
 from ..checkpointing.api import OPTIONAL_RANK_LOCAL_KEYS, RANK_LOCAL_KEYS, CheckpointSource
-from ..checkpointing.resume import describe_source, resolve_resume_path
+from ..checkpointing.resume import describe_source
 from ..runner import register_runner
+from ..services.run_dirs import resolve_resume_path
 from ..torch_runner import TorchRunner
 from ..update import EMA
 from ..update.gradient_sync import OwnsAccumulationBoundary

@@ -19,6 +19,7 @@ workspace, and the first save needs every rank), so all ranks pick the same dire
 from __future__ import annotations
 
 import json
+import logging
 import os
 import platform
 import re
@@ -26,6 +27,9 @@ import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
+
+from danling.checkpoint.layout import NAME_PATTERN, POINTER_SUFFIX, scan_checkpoints
+from danling.checkpoint.manifest import MANIFEST_NAME, CheckpointError, CheckpointNotFoundError, verify_directory
 
 __all__ = [
     "atomic_write",
@@ -57,9 +61,6 @@ def has_checkpoints(run_dir: Path, dir_name: str = "checkpoints") -> bool:
 
 def refused_checkpoints(run_dir: Path, dir_name: str = "checkpoints") -> dict[str, str]:
     """Why each checkpoint of `run_dir` cannot be resumed, or `{}` as soon as one verifies (newest first)."""
-    from danling.checkpoint.layout import scan_checkpoints
-    from danling.checkpoint.manifest import CheckpointError, verify_directory
-
     refused = {}
     for path, _ in scan_checkpoints(run_dir / dir_name, _ANY_NAME):
         try:
@@ -112,8 +113,6 @@ def choose_run_dir(
     if resume:
         target = Path(os.path.expanduser(resume))
         if target.is_absolute() or target.exists() or os.sep in resume:
-            from ..checkpointing.resume import resolve_resume_path  # the runner's checkpointing imports this module
-
             resolve_resume_path(resume, dir_name)  # a bad path fails now, before anything is written
             for version in versions:
                 if _inside(target, version):
@@ -304,3 +303,74 @@ def atomic_write(path: Path, text: str) -> None:
     finally:
         if temporary.exists():
             temporary.unlink()
+
+
+def _checkpoint_in(directory: Path) -> Path | None:
+    """The `latest` pointer of a checkpoint directory, else its newest checkpoint that verifies."""
+    pointer = directory / f"latest{POINTER_SUFFIX}"
+    if pointer.is_file():
+        return pointer
+    return newest_valid_checkpoint(directory)
+
+
+def resolve_resume_path(source: str | os.PathLike, dir_name: str = "checkpoints") -> str | os.PathLike:
+    """What to hand the checkpoint manager for a resume `source` given as a name or a path.
+
+    Accepted forms: an alias or checkpoint name of the run's own checkpoint directory (returned as
+    is: the manager looks it up), a checkpoint directory (it holds `manifest.json`), a payload or
+    pointer file, a run directory (its `<dir_name>/latest`), a checkpoint directory of a run (its
+    `latest`), and an alias path `<checkpoints>/<alias>` (the `<alias>.pointer` beside it). A run
+    or checkpoint directory without a `latest` alias resumes its newest checkpoint that verifies.
+
+    Raises:
+        CheckpointNotFoundError: Nothing usable is there; the message lists every place looked at.
+    """
+    text = os.fspath(source)
+    path = Path(os.path.expanduser(text))
+    if isinstance(source, str) and NAME_PATTERN.match(text) and not path.exists():
+        return source  # an alias or checkpoint name: the manager searches its own directory
+    if path.is_file() or (path / MANIFEST_NAME).is_file():
+        return source
+    looked = [f"{path / MANIFEST_NAME} (a checkpoint directory)"]
+    if path.is_dir():
+        for directory in dict.fromkeys((path / dir_name, path / "checkpoints", path)):
+            found = _checkpoint_in(directory) if directory.is_dir() else None
+            if found is not None:
+                return found
+            looked.append(f"{directory / ('latest' + POINTER_SUFFIX)} or a checkpoint in {directory}")
+        if not any(path.iterdir()):
+            looked.append(f"anything in {path}, which is empty")
+    else:
+        pointer = path.with_name(path.name + POINTER_SUFFIX)
+        if pointer.is_file():
+            return pointer
+        looked[0:1] = [f"{path} (no such file or directory)", f"{pointer} (an alias path)"]
+    raise CheckpointNotFoundError(
+        f"cannot resume from {text!r}: found no checkpoint; looked for: " + "; ".join(looked) + ". "
+        "Give a run directory, its checkpoint directory, an alias (latest, best), an alias path "
+        "(<run>/checkpoints/latest), a pointer file or a checkpoint directory"
+    )
+
+
+# The checkpoints a run keeps as history (the aliases and named saves are not).
+HISTORY_NAME = re.compile(r"^(epoch|step|iter)-\d+$")
+
+
+def newest_valid_checkpoint(
+    checkpoint_dir: Path, logger: logging.Logger | None = None, refused: list[Path] | None = None
+) -> Path | None:
+    """The newest history checkpoint under `checkpoint_dir` that verifies, logging each one skipped
+    (and appending it to `refused` when given)."""
+    for path, manifest in scan_checkpoints(checkpoint_dir, HISTORY_NAME):
+        if not manifest.get("history"):
+            continue
+        try:
+            verify_directory(path)
+        except CheckpointError as err:
+            if logger is not None:
+                logger.warning("reconcile: skipping checkpoint %s: %s", path, err)
+            if refused is not None:
+                refused.append(path)
+            continue
+        return path
+    return None
