@@ -96,7 +96,12 @@ class ParallelRunner(TorchRunner):
     def build_topology(self) -> Topology:
         """The grid of `config.parallel.axes` with a device mesh over its axes above degree one.
 
-        Called right after `init_distributed`, on every rank (building the mesh is collective).
+        Called when: once during construction, right after `init_distributed`, on every rank.
+        Holds on entry: the process group (if any) is up; `config.parallel.axes` is final; no model is
+            materialized yet.
+        Side effects: creates the device mesh and its process groups (collective).
+        Overrides must not: return degrees that differ between ranks or do not multiply to the world size,
+            or skip a rank (building the mesh is collective).
 
         Raises:
             ValueError: A degree is not a positive integer (or the one -1), or the degrees do not
@@ -124,9 +129,16 @@ class ParallelRunner(TorchRunner):
     def materialize_model(self) -> None:
         """Materialize the local model parts: device, tensor parallel, activation checkpointing, FSDP2/DDP, compile.
 
-        Called once by `__post_init__`, before the optimizer is built (it must see the sharded
-        parameters). With `pipeline > 1` the model is first split with
-        `build_pipeline_model_parts`, and the schedule is built from the materialized parts.
+        Called when: once, by `__post_init__` during construction, on every rank; first of the components.
+        Holds on entry: the topology (mesh and groups), precision policy and compiler are set up;
+            `self.model` (or preset `model_parts`) is the user's module; no optimizer is built yet.
+        Side effects: binds `model_parts` and `model` (their first), with `pipeline > 1` also
+            `pipeline_schedule` and the pipeline attributes; creates the EMA copy.
+        Overrides must not: build the optimizer (it must see the sharded parameters) or run collectives on
+            some ranks only (FSDP2 and DDP wrapping are collective).
+
+        With `pipeline > 1` the model is first split with `build_pipeline_model_parts`, and the
+        schedule is built from the materialized parts.
 
         Raises:
             ValueError: No model is bound, or the layout cannot be implemented (see the class).
@@ -180,6 +192,12 @@ class ParallelRunner(TorchRunner):
     def parallelize_model(self, model: nn.Module) -> nn.Module:
         """Apply tensor parallelism to one local part (before activation checkpointing, FSDP and compile).
 
+        Called when: by `materialize_model`, once per local part, first after the device move, on every rank.
+        Holds on entry: the part is on `self.device`; the topology's tensor axis and groups exist.
+        Side effects: shards the part's parameters over the tensor axis (in place, or a returned module).
+        Overrides must not: rename parameters (checkpoints and `param_groups` use the full model's names) or wrap in
+            FSDP/DDP (done afterwards).
+
         The model's own `parallelize(parallel)` method wins; otherwise `parallel.tensor_plan` is applied
         over the tensor axis (see [`parallelize`][danling.distributed.tensor_parallel.parallelize]).
 
@@ -191,6 +209,13 @@ class ParallelRunner(TorchRunner):
 
     def apply_activation_checkpointing(self, model: nn.Module) -> nn.Module:
         """Recompute activations of the part's blocks in backward, per `parallel.activation_checkpointing`.
+
+        Called when: by `materialize_model`, once per local part, after `parallelize_model` and before FSDP2/DDP and
+            compile.
+        Holds on entry: the part is on `self.device` and tensor-parallel where configured.
+        Side effects: wraps the selected blocks' forward in place so backward recomputes their activations; returns the
+            part.
+        Overrides must not: change parameter names or move parameters (FSDP2 shards the same modules next).
 
         `none` leaves the part alone; `block` and `selective` apply to the modules `fsdp.modules`
         names, or every member of an `nn.ModuleList` (see
@@ -204,7 +229,15 @@ class ParallelRunner(TorchRunner):
         return model
 
     def iter_optimizer_named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
-        """`(name, parameter)` of every trainable parameter of every local part, with the full model's names."""
+        """`(name, parameter)` of every trainable parameter of every local part, with the full model's names.
+
+        Called when: by `build_optimizer` (and `iter_optimizer_parameters`), once during construction, after
+            `materialize_model`.
+        Holds on entry: `model_parts` holds the materialized (sharded, wrapped) local parts.
+        Side effects: none.
+        Overrides must not: yield a parameter twice, parameters of another rank's stage, or names without the full
+            model's prefixes.
+        """
         for part in self.model_parts or [self.model]:
             for name, param in self.unwrap(part).named_parameters():
                 if param.requires_grad:
@@ -288,7 +321,15 @@ class ParallelRunner(TorchRunner):
         return build_stage_part(model, stage_index, num_stages, degree=degree, module_fqns=fqns)
 
     def build_pipeline_model_parts(self, model: nn.Module) -> list[nn.Module]:
-        """The modules of every stage this rank owns, in stage order (see `pipeline_stage_indices`)."""
+        """The modules of every stage this rank owns, in stage order (see `pipeline_stage_indices`).
+
+        Called when: by `materialize_model`, once during construction when `pipeline > 1` and no `model_parts` are
+            preset.
+        Holds on entry: the topology is built; `model` is the user's whole model, on its original device.
+        Side effects: fixes the pipeline's stage count on the runner; the parts share modules with `model`.
+        Overrides must not: return parts out of stage order or for stages `pipeline_stage_indices` does not give this
+            rank.
+        """
         num_stages = self._stage_count(model)
         parts = [self.build_pipeline_model_part(model, index) for index in self.pipeline_stage_indices(num_stages)]
         self._pipeline_num_stages = num_stages
@@ -296,6 +337,15 @@ class ParallelRunner(TorchRunner):
 
     def build_pipeline_schedule(self, stage_model: nn.Module | Sequence[nn.Module]) -> Any:
         """The PyTorch schedule over this rank's stage modules (the final, wrapped ones).
+
+        Called when: by `materialize_model`, once during construction when `pipeline > 1`, after the parts are
+            materialized.
+        Holds on entry: the parts are final (sharded, wrapped, compiled); `config.parallel` and `config.dataloader` are
+            final.
+        Side effects: binds `pipeline.runtime`, the stage count, `pipeline_stages`, `pipeline_has_first_stage` and
+            `pipeline_has_last_stage`.
+        Overrides must not: bind `pipeline_schedule` itself (the caller does) or build stages over unwrapped copies of
+            the parts.
 
         Builds a [`PipelineRuntime`][danling.distributed.pipeline.PipelineRuntime] (one `PipelineStage`
         per part, the class named by `parallel.pipeline_schedule`, the microbatch count of
@@ -324,8 +374,17 @@ class ParallelRunner(TorchRunner):
 
     # ------------------------------------------------------------------ updates
     def build_update_strategy(self) -> TorchUpdateStrategy:
-        """The torch strategy over every local part: gradient-sync control of each part, the gradient
-        domain's group, and gradient norms summed over the pipeline stages.
+        """The torch update strategy over every local part.
+
+        Called when: once during construction, by `__post_init__` after `build_optimizer` and `build_scheduler`, on
+            every rank.
+        Holds on entry: `model_parts` are materialized; the topology's gradient, pipeline and world groups exist.
+        Side effects: none: returns a new strategy, which the caller binds to the optimizer and scheduler.
+        Overrides must not: return a strategy whose gradient-norm or skip decisions differ between ranks (they must use
+            the given groups).
+
+        It has the gradient-sync control of each part, the gradient domain's group, and gradient
+        norms summed over the pipeline stages.
 
         Pipeline schedules decide gradient synchronisation per microbatch themselves, so windows do
         not suppress it there.
@@ -350,25 +409,55 @@ class ParallelRunner(TorchRunner):
 
     # ------------------------------------------------------------------ steps
     def train_step(self, data: Any) -> tuple[Any, torch.Tensor | None]:
-        """The pipeline step when a schedule is set (see `pipeline.train_step`), else TorchRunner's."""
+        """The pipeline step when a schedule is set (see `pipeline.train_step`), else TorchRunner's.
+
+        Called when: by the training loop, once per micro-batch, on every rank (pipeline ranks without inputs too).
+        Holds on entry: the model is in train mode; `data` is the batch (a placeholder on ranks that do not feed the
+            pipeline).
+        Side effects: runs forward and backward (through the schedule when pipelined) and counts the micro-step.
+        Overrides must not: call the schedule on some pipeline ranks only, or skip `step()` (the accumulation window
+            would stall).
+        """
         if self.pipeline_schedule is not None:
             return self.pipeline.train_step(data)
         return super().train_step(data)
 
     def evaluate_step(self, data: Any) -> tuple[Any, torch.Tensor | None]:
-        """The pipeline evaluation step when a schedule is set, else TorchRunner's."""
+        """The pipeline evaluation step when a schedule is set, else TorchRunner's.
+
+        Called when: by the evaluation loop, once per batch, on every rank (pipeline ranks without inputs too).
+        Holds on entry: the model is in eval mode; `data` is the batch or a placeholder.
+        Side effects: runs forward (through the schedule when pipelined) and updates the metrics; no gradients.
+        Overrides must not: call the schedule on some pipeline ranks only (it is collective across stages).
+        """
         if self.pipeline_schedule is not None:
             return self.pipeline.evaluate_step(data)
         return super().evaluate_step(data)
 
     def infer_step(self, data: Any) -> list[Any]:
-        """The pipeline inference step when a schedule is set, else TorchRunner's."""
+        """The pipeline inference step when a schedule is set, else TorchRunner's.
+
+        Called when: by `infer`, once per batch, on every rank (pipeline ranks without inputs too).
+        Holds on entry: the model is in eval mode; `data` is the batch or a placeholder.
+        Side effects: runs forward (through the schedule when pipelined); returns this rank's outputs.
+        Overrides must not: call the schedule on some pipeline ranks only (it is collective across stages).
+        """
         if self.pipeline_schedule is not None:
             return self.pipeline.infer_step(data)
         return super().infer_step(data)
 
     def build_dataloaders(self) -> None:
-        """TorchRunner's loaders; ranks whose stages neither feed inputs nor compute the loss get placeholders."""
+        """TorchRunner's loaders; ranks whose stages neither feed inputs nor compute the loss get placeholders.
+
+        Called when: once during construction, by `__post_init__` after the update strategy is built, when datasets are
+            given.
+        Holds on entry: the model is materialized and, when pipelined, `pipeline_schedule` and `pipeline.runtime` are
+            set.
+        Side effects: binds `self.dataloaders`; with a schedule, wraps each so non-feeding pipeline ranks get
+            placeholders.
+        Overrides must not: give pipeline ranks loaders of different lengths (every stage must run the same number of
+            steps).
+        """
         super().build_dataloaders()
         if self.pipeline_schedule is not None:
             for split, loader in list(self.dataloaders.items()):

@@ -284,8 +284,13 @@ class TorchRunner(TorchCheckpointMixin, BaseRunner):
     def materialize_model(self) -> None:
         """Put `self.model` on `self.device`, create the EMA copy, compile, and wrap in DDP when distributed.
 
-        Called once by `__post_init__`, before the optimizer is built (it must see the final
-        parameters). Overrides must keep the device move and must not wrap an already wrapped model.
+        Called when: once, by `__post_init__` during construction, on every rank; first of the components.
+        Holds on entry: the process group, topology, precision policy and compiler are set up; `self.model` is
+            the user's module; no optimizer is built yet.
+        Side effects: rebinds `self.model` (moved, compiled, DDP-wrapped when distributed and trainable) and
+            creates the EMA copy.
+        Overrides must not: skip the device move, wrap an already wrapped model, or build the optimizer (it
+            must see the final parameters, and `build_optimizer` runs next).
 
         Raises:
             ValueError: `self.model` is not set.
@@ -365,9 +370,14 @@ class TorchRunner(TorchCheckpointMixin, BaseRunner):
     def build_optimizer(self) -> None:
         """Build `self.optimizer` from `config.optim` (alias `optimizer`) unless one is already bound.
 
-        Called by `__post_init__` after `materialize_model`. Nothing is built while the section
-        has no `type`. `optim.param_groups` patterns are searched in the names of
-        `iter_optimizer_named_parameters` (see [`build_optimizer`][danling.optim.build_optimizer]).
+        Called when: once, by `__post_init__` right after `materialize_model`, on every rank.
+        Holds on entry: the model is materialized (moved, compiled, wrapped); no scheduler is built yet.
+        Side effects: binds `self.optimizer` when the section has a `type`; nothing is built otherwise.
+        Overrides must not: build over parameters other than those the model trains with (a wrapper's
+            copies), or replace an optimizer the user already bound.
+
+        `optim.param_groups` patterns are searched in the names of `iter_optimizer_named_parameters`
+        (see [`build_optimizer`][danling.optim.build_optimizer]).
         """
         if self.optimizer is not None:
             return
@@ -469,6 +479,14 @@ class TorchRunner(TorchCheckpointMixin, BaseRunner):
         non-finite gradients (all ranks agree), clip, step optimizer and step-interval scheduler and
         zero the gradients. An applied update increments `train_state.global_step` and refreshes
         the EMA copy; a skipped one changes neither.
+
+        Called when: by `step()` when a micro-step closes its window, by the loop for a window a pass
+            leaves open, and by the fused step when the optimizer or scheduler was reassigned; once per update.
+        Holds on entry: the window's gradients are accumulated; inside a training pass.
+        Side effects: rebinds the update strategy when `self.optimizer` / `self.scheduler` were reassigned; steps
+            the optimizer (and a step-interval scheduler), zeroes gradients, increments `global_step`, updates EMA.
+        Overrides must not: increment `global_step` themselves or skip `super()` (the skip decision is
+            collective, and the EMA copy and train timeout follow an applied update).
 
         Raises:
             RuntimeError: no optimizer is bound (set `config.optim.type` or `self.optimizer`).

@@ -79,6 +79,13 @@ class CheckpointMixin:
     def state_dict(self, cls: type = dict) -> Mapping:
         """Return the backend-neutral checkpoint payload.
 
+        Called when: by `checkpoint_payload`, once per save (interval, best, final and seed saves), on every rank.
+        Holds on entry: the runner is fully constructed; `state`, `rng_state`, `results`, `topology` and the dataloaders
+            are bound.
+        Side effects: captures the current RNG state into `rng_state`; nothing else changes.
+        Overrides must not: drop a key `load_state_dict` reads back, or mutate a component (a save must leave the
+            run exactly as it was).
+
         Keys: `runner` (the config as a plain mapping, used to refuse resuming a different
         experiment), `state` (the counters: one copy, the same on every rank), `rng` (this
         rank's RNG snapshots), `dataloaders` (progress of every dataloader that has a
@@ -108,6 +115,15 @@ class CheckpointMixin:
 
     def load_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         """Restore the runner state, RNG state and result rows from a payload.
+
+        Called when: by `load_checkpoint` (and so `from_checkpoint`, `auto_restore`, spike rollback and the dry run),
+            once per restore, on every rank.
+        Holds on entry: the payload passed the config, layout and missing-component checks of `load_checkpoint`; the
+            model and optimizer are built.
+        Side effects: replaces the counters, the RNG state (unless the data-parallel size changed) and `results`; may
+            adopt the saved seed.
+        Overrides must not: restore the model, optimizer or dataloaders here (`load_checkpoint` does that afterwards) or
+            skip the config check.
 
         Model, optimizer, scheduler and dataloader state are not touched here; `load_checkpoint`
         restores those through the component loaders.
@@ -244,6 +260,15 @@ class CheckpointMixin:
     def finish_checkpoints(self, *, failing: bool = False) -> None:
         """Wait until the saves the run started are durable; called as the outermost training loop ends.
 
+        Called when: once, as the outermost training loop (`train`) ends, normally or with an exception
+            (`failing=True`), on every rank.
+        Holds on entry: every save the run started has been handed to `self.checkpoint_manager`; some may still be
+            writing.
+        Side effects: blocks until pending saves are durable (or the manager's timeout passes); clears the recorded save
+            failure.
+        Overrides must not: return before the last save is on disk, or raise when `failing` (that would hide the
+            exception ending the loop).
+
         Background saves let training go on while they write, so the run's last checkpoint is still
         being written when the loop is done: `train()` returns (and the process may exit) only once
         it is on disk. A run whose newest save failed (with `checkpoint.continue_on_save_error` too)
@@ -290,6 +315,13 @@ class CheckpointMixin:
     def save_seed_checkpoint(self, name: str = "seed") -> Path | None:
         """Save the initial state now, under the alias `name`, which retention never prunes.
 
+        Called when: only when the user calls it, typically after construction and before `train()`; never by the runner
+            itself.
+        Holds on entry: the model (and optimizer) are built; training has not advanced yet.
+        Side effects: one forced, final save through `save_checkpoint` under the alias `name`; never published as
+            `best`.
+        Overrides must not: bypass `save_checkpoint` (an override of it would no longer apply) or advance any counter.
+
         Meant to be called before training advances, so runs with different parallel layouts can
         start from identical weights (`resume`/`pretrained` pointing at it). It is a final save
         through [`save_checkpoint`][danling.runners.checkpointing.api.CheckpointMixin.save_checkpoint]
@@ -302,6 +334,12 @@ class CheckpointMixin:
     def checkpoint_payload(self, *, last_step: bool) -> Mapping[str, Any]:
         """What one save hands to `self.checkpoint_manager`.
 
+        Called when: by `save_checkpoint` (and so `save_seed_checkpoint`), once per save that is written, on every rank.
+        Holds on entry: the runner is fully constructed; the step being saved has finished.
+        Side effects: none beyond what `state_dict` does (an RNG capture).
+        Overrides must not: change any state, or return objects the manager cannot serialize (plain state or objects
+            with `state_dict()`).
+
         Called by `save_checkpoint` and `save_seed_checkpoint` on every rank. Values may be
         plain state or live stateful objects (the manager calls their `state_dict()` in the
         caller's thread). Backends return a model-only payload for final exports when configured
@@ -312,6 +350,13 @@ class CheckpointMixin:
     # ------------------------------------------------------------------ loading
     def read_checkpoint(self, checkpoint: CheckpointSource, *args: Any, **kwargs: Any) -> Mapping[str, Any]:
         """Turn a checkpoint source into a payload mapping.
+
+        Called when: by `read_restore_payload` and `load_pretrained` (and `from_checkpoint` / `from_pretrained` through
+            them), once per restore.
+        Holds on entry: `self.checkpoint_manager` is bound; `checkpoint` is a path, alias, bytes or mapping.
+        Side effects: reads files or unpickles bytes; returns a new mapping, never changing the caller's.
+        Overrides must not: ignore `checkpoint.exclude_from_loading` or `map_location`, or bypass the manager's
+            verification and the `checkpoint.trust_pickle` setting.
 
         Strings or paths go through `self.checkpoint_manager.load`, so aliases (`"latest"`,
         `"best"`), checkpoint names, directories and files all work and are verified against their
@@ -331,6 +376,14 @@ class CheckpointMixin:
 
     def load_checkpoint(self, checkpoint: CheckpointSource, *args: Any, **kwargs: Any) -> None:
         """Restore a full checkpoint: runner state, RNG, results, model/EMA, optimizer, scheduler, dataloaders.
+
+        Called when: by `auto_restore` (`resume` / `auto_resume`), `from_checkpoint`, spike rollback and the dry run;
+            once per restore, on every rank.
+        Holds on entry: the runner is fully constructed: model, optimizer, scheduler and dataloaders are built.
+        Side effects: replaces runner state, RNG, results, model/EMA, optimizer, scheduler and dataloader positions;
+            sets `config.resume` for a path; emits `CHECKPOINT_LOADED`.
+        Overrides must not: change any component before the checks have passed (a refused resume must leave the runner
+            untouched) or skip a rank (the restore may be collective).
 
         Args:
             checkpoint: Payload mapping, bytes, alias, or path.
@@ -385,6 +438,13 @@ class CheckpointMixin:
     def in_place_components(self, checkpoint: CheckpointSource, excluded: set[str]) -> tuple[str, ...]:
         """Components restored in place from `checkpoint` rather than from a payload read into memory.
 
+        Called when: first by `load_checkpoint`, once per restore, on every rank.
+        Holds on entry: `checkpoint` is a payload or a resolved path; `excluded` holds the keys of
+            `checkpoint.exclude_from_loading`.
+        Side effects: none: it only inspects `checkpoint`.
+        Overrides must not: change state, or decide differently on different ranks (the split decides which collective
+            reads run).
+
         Called first by `load_checkpoint`, on every rank. None by default; backends whose checkpoint
         format reads into live tensors (DCP, an engine's loader) list the keys here, and
         `read_restore_payload` / `restore_in_place` then split the restore in two."""
@@ -392,6 +452,12 @@ class CheckpointMixin:
 
     def read_restore_payload(self, checkpoint: CheckpointSource, in_place: tuple[str, ...], map_location: Any) -> Any:
         """The payload a restore reads into memory, without the components restored in place.
+
+        Called when: by `load_checkpoint`, once per restore, right after `in_place_components`, on every rank.
+        Holds on entry: `in_place` lists the components `restore_in_place` will restore later.
+        Side effects: reads the checkpoint; changes nothing on the runner.
+        Overrides must not: restore anything (the checks run on the payload afterwards), or include components listed in
+            `in_place`.
 
         `load_checkpoint` runs its checks (config, layout, missing components) on it before
         anything is changed.
@@ -402,6 +468,12 @@ class CheckpointMixin:
         self, checkpoint: CheckpointSource, keys: tuple[str, ...], map_location: Any, *args: Any, **kwargs: Any
     ) -> None:
         """Restore the components `in_place_components` listed, after every check has passed.
+
+        Called when: by `load_checkpoint`, once per restore and only when `in_place_components` listed keys, after
+            `load_state_dict`.
+        Holds on entry: every check on the restore payload has passed; the counters and RNG are already restored.
+        Side effects: loads the listed components into the live model/optimizer tensors.
+        Overrides must not: restore a component not in `keys`, or skip a rank (backend readers are collective).
 
         `args`/`kwargs` are those of `load_checkpoint` (they reach `load_model`).
         """
@@ -444,28 +516,64 @@ class CheckpointMixin:
         return {key for key in self.checkpoint_manager.exclude_from_loading if "." not in key}
 
     def load_model(self, state_dict: Mapping[str, Any], *args: Any, **kwargs: Any) -> None:
-        """Load weights into `self.model` (through `unwrap`)."""
+        """Load weights into `self.model` (through `unwrap`).
+
+        Called when: by `load_checkpoint` and `load_pretrained` (and the in-place readers), once per restore that
+            carries model weights.
+        Holds on entry: `self.model` is built; `state_dict` holds weights for the unwrapped model.
+        Side effects: replaces the model's weights in place.
+        Overrides must not: replace `self.model` with a new object (the optimizer holds its parameters) or load into the
+            wrapper instead of `unwrap(model)`.
+        """
         if self.model is None:
             raise ValueError("cannot load model weights: self.model is not set")
         self.unwrap(self.model).load_state_dict(state_dict, *args, **kwargs)
 
     def load_ema(self, state_dict: Mapping[str, Any] | None, *args: Any, **kwargs: Any) -> None:
-        """Load EMA weights when both the state and `self.ema` exist."""
+        """Load EMA weights when both the state and `self.ema` exist.
+
+        Called when: by `load_checkpoint`, once per restore unless `ema` is excluded from loading; `state_dict` may be
+            `None`.
+        Holds on entry: the model is restored; `self.ema` is bound if the run uses one.
+        Side effects: replaces the EMA weights in place.
+        Overrides must not: fail on `None` state (a checkpoint without EMA) or rebind `self.ema`.
+        """
         if state_dict is not None and self.ema is not None:
             self.unwrap(self.ema).load_state_dict(state_dict, *args, **kwargs)
 
     def load_optimizer(self, state_dict: Mapping[str, Any] | None, *args: Any, **kwargs: Any) -> None:
-        """Load optimizer state when both the state and `self.optimizer` exist."""
+        """Load optimizer state when both the state and `self.optimizer` exist.
+
+        Called when: by `load_checkpoint`, once per restore unless `optimizer` is excluded from loading, after the model
+            is restored.
+        Holds on entry: the optimizer is built over the restored model's parameters; `state_dict` may be `None`.
+        Side effects: replaces the optimizer state (moments, step counts, param-group hyper-parameters).
+        Overrides must not: rebuild or rebind `self.optimizer` (the update strategy and scheduler hold it).
+        """
         if state_dict is not None and self.optimizer is not None:
             self.optimizer.load_state_dict(state_dict, *args, **kwargs)
 
     def load_scheduler(self, state_dict: Mapping[str, Any] | None, *args: Any, **kwargs: Any) -> None:
-        """Load scheduler state when both the state and `self.scheduler` exist."""
+        """Load scheduler state when both the state and `self.scheduler` exist.
+
+        Called when: by `load_checkpoint`, once per restore unless `scheduler` is excluded from loading, after the
+            optimizer.
+        Holds on entry: the scheduler is built over the restored optimizer; `state_dict` may be `None`.
+        Side effects: replaces the scheduler state (its step count and learning rates).
+        Overrides must not: rebind `self.scheduler` (the update strategy steps the bound one).
+        """
         if state_dict is not None and self.scheduler is not None:
             self.scheduler.load_state_dict(state_dict, *args, **kwargs)
 
     def load_dataloaders(self, state_dict: Mapping[str, Any] | None) -> None:
-        """Restore the progress of each dataloader that has saved state and a `load_state_dict`."""
+        """Restore the progress of each dataloader that has saved state and a `load_state_dict`.
+
+        Called when: by `load_checkpoint`, last of the component loaders, unless `dataloaders` is excluded from loading.
+        Holds on entry: the dataloaders are built; the counters are restored.
+        Side effects: sets each matching loader's position so the interrupted pass continues where it stopped.
+        Overrides must not: fail on a split the run no longer has, or rebuild the loaders (their position would be
+            lost).
+        """
         for split, state in (state_dict or {}).items():
             loader = self.dataloaders.get(split)
             if loader is not None and callable(getattr(loader, "load_state_dict", None)):
@@ -473,6 +581,13 @@ class CheckpointMixin:
 
     def load_pretrained(self, checkpoint: CheckpointSource, *args: Any, **kwargs: Any) -> None:
         """Load model weights only, preferring the EMA weights when the checkpoint has them.
+
+        Called when: by `auto_restore` when `pretrained` is set and no checkpoint is resumed, and by
+            `from_pretrained`; once per run.
+        Holds on entry: the runner is constructed and `self.model` is built.
+        Side effects: replaces the model weights only (EMA weights preferred); sets `config.pretrained` for a path.
+        Overrides must not: restore the optimizer, scheduler, counters or dataloaders (that is a resume:
+            `load_checkpoint`).
 
         Optimizer, scheduler, counters and dataloaders stay as they are: use this to fine-tune
         from another run, and `load_checkpoint` to resume one.
@@ -500,6 +615,12 @@ class CheckpointMixin:
 
     def auto_restore(self) -> None:
         """Restore what the config asks for: `resume`, else `auto_resume`, else `pretrained`.
+
+        Called when: once, at the end of `TorchRunner.__post_init__` (unless a restore already happened), on every rank.
+        Holds on entry: the model, optimizer, scheduler, update strategy and dataloaders are built.
+        Side effects: may take the run-directory lock, reconcile the run directory, and restore a checkpoint or
+            pretrained weights.
+        Overrides must not: restore on some ranks only, or train (construction has not finished).
 
         First, on the main process of a writing run, the run directory is reconciled with its
         checkpoints ([`reconcile_run`][danling.runners.reconcile.reconcile_run]: aliases, result

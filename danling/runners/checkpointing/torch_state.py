@@ -83,6 +83,12 @@ class TorchCheckpointMixin:
     def state_dict(self, cls: type = dict) -> Mapping:
         """The full checkpoint payload: base runner state plus model, optimizer, EMA, scheduler and loop state.
 
+        Called when: only by callers that want the payload in memory (`load_checkpoint(runner.state_dict())`, tests); a
+            save does not call it: `checkpoint_payload` hands the manager `runner_payload` plus the live objects.
+        Holds on entry: the runner is built; the loop state is that of the current step.
+        Side effects: captures the RNG state; every live component is copied through its own `state_dict()`.
+        Overrides must not: drop a key `load_state_dict` / `load_checkpoint` reads back, or change a component.
+
         Model and optimizer are keyed by parameter name, result-row indices are strings (DCP only
         stores string keys), and dataloader progress is kept for the training splits only:
         evaluation always starts a fresh pass. The RNG state is captured first.
@@ -148,8 +154,17 @@ class TorchCheckpointMixin:
         return objects
 
     def checkpoint_payload(self, *, last_step: bool) -> Mapping[str, Any]:
-        """The live components and the runner state; a model-only export for the final save when
-        `checkpoint.last_save_model_only` is set."""
+        """The live components and the runner state, or a model-only export for a final save.
+
+        Called when: by `save_checkpoint` (and so `save_seed_checkpoint`), once per save that is written, on every rank.
+        Holds on entry: the step being saved has finished; model, optimizer, EMA and scheduler are the live ones.
+        Side effects: none: the live objects are handed over as they are and the manager asks each for its state.
+        Overrides must not: change any state, or leave out `runner_payload`'s keys from a full save (a resume needs
+            them).
+
+        The model-only export (model and EMA weights, cast to `checkpoint.export_dtype` when set) is
+        returned for the final save when `checkpoint.last_save_model_only` is set.
+        """
         checkpoint = self.config.checkpoint
         if not (last_step and checkpoint.last_save_model_only):
             return {**self.runner_payload(), **self._live_objects()}
@@ -179,6 +194,13 @@ class TorchCheckpointMixin:
     # ------------------------------------------------------------------ restoring
     def load_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         """Restore the runner state (counters, RNG, results) and the loop position of an exact resume.
+
+        Called when: by `load_checkpoint`, once per restore, on every rank, before any component is loaded.
+        Holds on entry: the payload passed the config and layout checks; the loaders and the update strategy are built.
+        Side effects: restores counters, RNG, results and `loop_state`; keeps the fingerprints, update and pass-meter
+            state for the later loaders; may change `accum_steps` on another data-parallel size.
+        Overrides must not: load the model, optimizer or loader positions here, or skip `super().load_state_dict` (the
+            base checks the config).
 
         Model, optimizer, scheduler and dataloaders are restored by `load_checkpoint`. On another
         data-parallel size the interrupted pass continues as a new pass over its remaining samples,
@@ -276,6 +298,14 @@ class TorchCheckpointMixin:
     def load_checkpoint(self, checkpoint: CheckpointSource, *args: Any, **kwargs: Any) -> None:
         """Restore a full checkpoint, then rebind the optimizer container to the restored optimizer and scheduler.
 
+        Called when: by `auto_restore` (`resume` / `auto_resume`), `from_checkpoint`, spike rollback and the dry run;
+            once per restore, on every rank.
+        Holds on entry: the runner is fully constructed: model, optimizer, scheduler, update strategy and dataloaders
+            are built.
+        Side effects: restores everything the base `load_checkpoint` does, then rebinds `self.update` to the restored
+            optimizer and scheduler and restores its accumulation state.
+        Overrides must not: skip the rebinding of `self.update`, or the fingerprint check of the training loaders.
+
         Besides the checks of the base runner, the next-batch fingerprint of every training loader
         is verified before its state is loaded.
 
@@ -296,6 +326,12 @@ class TorchCheckpointMixin:
     def load_model(self, state_dict: Mapping[str, Any], *args: Any, **kwargs: Any) -> None:
         """Load weights keyed by parameter name into `self.model`, whatever wrapper it has.
 
+        Called when: by `load_checkpoint` (directly or through the DCP in-place reader) and `load_pretrained`, once per
+            restore that carries model weights.
+        Holds on entry: `self.model` is built (and wrapped or sharded); `state_dict` is keyed by parameter name.
+        Side effects: replaces the model weights in place; a sharded parameter receives its local shard.
+        Overrides must not: replace `self.model` or its parameters with new objects (the optimizer holds them).
+
         `strict` may be given as the first positional argument or as a keyword (default `True`).
         """
         from danling.checkpoint.dcp import set_training_state
@@ -306,7 +342,14 @@ class TorchCheckpointMixin:
         set_training_state(self.checkpoint_model, None, {"model": state_dict}, strict=strict)
 
     def load_optimizer(self, state_dict: Mapping[str, Any] | None, *args: Any, **kwargs: Any) -> None:
-        """Load optimizer state keyed by parameter name (or torch's positional layout) into `self.optimizer`."""
+        """Load optimizer state keyed by parameter name (or torch's positional layout) into `self.optimizer`.
+
+        Called when: by `load_checkpoint` (directly or through the DCP in-place reader), once per restore unless
+            `optimizer` is excluded.
+        Holds on entry: the model is restored; the optimizer is built over its parameters; `state_dict` may be `None`.
+        Side effects: replaces the optimizer state in place.
+        Overrides must not: rebind `self.optimizer` (the update strategy and the scheduler hold it).
+        """
         from danling.checkpoint.dcp import set_training_state
 
         if state_dict is None or self.optimizer is None:
@@ -349,7 +392,13 @@ class TorchCheckpointMixin:
 
     # ------------------------------------------------------------------ in-place restore (DCP)
     def in_place_components(self, checkpoint: CheckpointSource, excluded: set[str]) -> tuple[str, ...]:
-        """Model, optimizer, EMA and scheduler of a DCP checkpoint load straight into the live objects."""
+        """Model, optimizer, EMA and scheduler of a DCP checkpoint load straight into the live objects.
+
+        Called when: first by `load_checkpoint`, once per restore, on every rank.
+        Holds on entry: `excluded` holds the top-level keys of `checkpoint.exclude_from_loading`.
+        Side effects: none: it only inspects the checkpoint's format.
+        Overrides must not: answer differently on different ranks (the DCP read that follows is collective).
+        """
         if not _is_path(checkpoint) or detect_format(self.checkpoint_manager.resolve(checkpoint)) != "dcp":
             return ()
         return tuple(key for key in self._live_objects() if key not in excluded)
@@ -364,8 +413,17 @@ class TorchCheckpointMixin:
         )
 
     def read_restore_payload(self, checkpoint: CheckpointSource, in_place: tuple[str, ...], map_location: Any) -> Any:
-        """The plain entries of a DCP checkpoint; every rank restores, so each verifies a share of its files
-        (see `danling.checkpoint._dcp_shared`) and `restore_in_place` later finds them all verified."""
+        """The plain entries of a DCP checkpoint, without the components restored in place.
+
+        Called when: by `load_checkpoint`, once per restore, right after `in_place_components`, on every rank.
+        Holds on entry: `in_place` lists what `restore_in_place` will read into the live objects.
+        Side effects: reads and verifies this rank's share of the checkpoint files; changes nothing on the runner.
+        Overrides must not: read the in-place components into memory, or skip a rank (verification is shared out over
+            ranks).
+
+        Every rank restores, so each verifies a share of the files (see `danling.checkpoint._dcp_shared`)
+        and `restore_in_place` later finds them all verified.
+        """
         if not in_place:
             return super().read_restore_payload(checkpoint, in_place, map_location)
         path = self.checkpoint_manager.resolve(checkpoint)
@@ -376,6 +434,14 @@ class TorchCheckpointMixin:
     def restore_in_place(
         self, checkpoint: CheckpointSource, keys: tuple[str, ...], map_location: Any, *args: Any, **kwargs: Any
     ) -> None:
+        """Read the listed components of a DCP checkpoint straight into the live model, optimizer, EMA and scheduler.
+
+        Called when: by `load_checkpoint`, once per restore of a DCP checkpoint, after `load_state_dict`, on every rank.
+        Holds on entry: every check has passed; the counters, RNG and results are restored.
+        Side effects: loads the listed components into the live model, optimizer, EMA and scheduler through the `load_*`
+            hooks.
+        Overrides must not: restore keys not in `keys`, or skip a rank (the DCP read is collective).
+        """
         path = self.checkpoint_manager.resolve(checkpoint)
         objects = {key: live for key, live in self._live_objects(*args, **kwargs).items() if key in keys}
         reader = self._dcp_reader(path.parent, self.checkpoint_manager.exclude_from_loading)
@@ -384,6 +450,13 @@ class TorchCheckpointMixin:
     # ------------------------------------------------------------------ reading
     def read_checkpoint(self, checkpoint: CheckpointSource, *args: Any, **kwargs: Any) -> Mapping[str, Any]:
         """Payload of a mapping, bytes, alias or path of any registered format, whatever the current backend.
+
+        Called when: by `read_restore_payload` and `load_pretrained` (and `from_checkpoint` / `from_pretrained` through
+            them), once per restore.
+        Holds on entry: `self.checkpoint_manager` is bound; `checkpoint` is a path, alias, bytes or mapping.
+        Side effects: reads (and verifies) files, opening a reader of the checkpoint's format when it is not the
+            manager's own.
+        Overrides must not: change the runner or the caller's mapping, or ignore `checkpoint.exclude_from_loading`.
 
         The format comes from the checkpoint registry
         ([`detect_format`][danling.checkpoint.detect_format]); the runner's own manager reads its

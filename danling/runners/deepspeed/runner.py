@@ -62,6 +62,13 @@ class DeepSpeedRunner(TorchRunner):
     def init_distributed(self) -> None:
         """Start (or adopt) the default process group; a single process gets a one-rank gloo group.
 
+        Called when: once during construction (step 3), first of the early hooks, on every rank.
+        Holds on entry: config, state, workspace and supervisor are bound; no model or topology yet.
+        Side effects: starts the process group (a one-rank gloo group for one process, kept for the process's life) and
+            sets the launcher variables DeepSpeed reads.
+        Overrides must not: leave a single process without a default group (`deepspeed.initialize` needs one) or destroy
+            the adopted one-rank group.
+
         DeepSpeed always talks through `torch.distributed` and caches the groups it derives from
         the default one for the life of the process, so the one-rank group is left in place when
         the runner closes: a later runner in the same process adopts it.
@@ -89,7 +96,15 @@ class DeepSpeedRunner(TorchRunner):
         return "deepspeed"
 
     def init_checkpoint_manager(self) -> None:
-        """Bind a [`DeepSpeedCheckpointManager`][danling.checkpoint.deepspeed.DeepSpeedCheckpointManager]."""
+        """Bind a [`DeepSpeedCheckpointManager`][danling.checkpoint.deepspeed.DeepSpeedCheckpointManager].
+
+        Called when: once during construction, right after `build_topology`, on every rank.
+        Holds on entry: the topology is built; `checkpoint.backend` is `auto` or `deepspeed`.
+        Side effects: binds a DeepSpeed checkpoint manager (synchronous saves); the engine is bound to it later, by
+            `build_update_strategy`.
+        Overrides must not: bind a manager of another format (the engine's files are only read by this one) or enable
+            asynchronous saves.
+        """
         self.checkpoint_backend  # noqa: B018 - validates checkpoint.backend
         from danling.checkpoint.deepspeed import DeepSpeedCheckpointManager
 
@@ -109,6 +124,12 @@ class DeepSpeedRunner(TorchRunner):
     def materialize_model(self) -> None:
         """Move the model to `device`, compile it and create the EMA copy; the engine wraps it later.
 
+        Called when: once, by `__post_init__` during construction, on every rank; first of the components.
+        Holds on entry: the process group, topology, precision policy and compiler are set up; `self.model` is the
+            user's module.
+        Side effects: rebinds `self.model` (moved and compiled) and creates or moves the EMA copy.
+        Overrides must not: wrap the model in DDP or an engine (`build_update_strategy` creates the engine later).
+
         Raises:
             ValueError: `self.model` is not set.
             TypeError: `self.model` is not an `nn.Module`.
@@ -122,6 +143,13 @@ class DeepSpeedRunner(TorchRunner):
 
     def get_deepspeed_config(self) -> dict[str, Any]:
         """The effective DeepSpeed config: `config.deepspeed` plus what danling owns.
+
+        Called when: by `build_update_strategy`, once during construction, right before `deepspeed.initialize`.
+        Holds on entry: the model is materialized, the optimizer and scheduler are built (or not), dataloaders may not
+            exist yet.
+        Side effects: none: returns a new mapping, which the caller stores in `deepspeed_config`.
+        Overrides must not: re-enable DeepSpeed's gradient accumulation or clipping defaults (danling owns windows and
+            clipping).
 
         `gradient_accumulation_steps` is forced to 1 (danling owns the windows);
         `train_micro_batch_size_per_gpu` is filled from the training loader's batch size;
@@ -163,6 +191,15 @@ class DeepSpeedRunner(TorchRunner):
     def build_update_strategy(self) -> DeepSpeedUpdateStrategy:
         """Create the DeepSpeed engine and return the strategy that drives it.
 
+        Called when: once during construction, by `__post_init__` after `build_optimizer` and `build_scheduler`, on
+            every rank.
+        Holds on entry: the model is materialized; `self.checkpoint_manager` is the DeepSpeed manager; the process group
+            is up.
+        Side effects: creates the engine (collective), rebinds `self.model`, `self.optimizer` and a step-interval
+            `self.scheduler` to the engine's, seeds the EMA copy, binds the engine to the checkpoint manager.
+        Overrides must not: call `deepspeed.initialize` on some ranks only, or keep references to the pre-engine model
+            or optimizer.
+
         Runs after `build_optimizer` and `build_scheduler`: `deepspeed.initialize` receives the
         model, the optimizer (or builds one from the DeepSpeed config when none is bound) and the
         scheduler when its interval is `"step"` (the engine steps it); `self.model`,
@@ -199,6 +236,13 @@ class DeepSpeedRunner(TorchRunner):
     def optimizer_step(self) -> bool:
         """Step the engine at danling's window boundary; count the update and refresh the EMA copy.
 
+        Called when: by `step()` when a micro-step closes its window, and by the loop for a window a pass leaves open;
+            once per update, on every rank.
+        Holds on entry: the window's gradients are accumulated in the engine; inside a training pass.
+        Side effects: steps the engine; an applied update increments `global_step` and refreshes the EMA copy (gathering
+            ZeRO-3 parameters).
+        Overrides must not: skip a rank (the ZeRO-3 gather is collective) or increment `global_step` themselves.
+
         Under ZeRO-3 the EMA update gathers the partitioned parameters (a collective on every rank).
         """
         applied = super(TorchRunner, self).optimizer_step()  # the engine, not an OptimizerContainer
@@ -211,13 +255,25 @@ class DeepSpeedRunner(TorchRunner):
         return applied
 
     def unwrap(self, model: Any) -> Any:
-        """The user's module inside the engine (and DDP / `torch.compile` wrappers)."""
+        """The user's module inside the engine (and DDP / `torch.compile` wrappers).
+
+        Called when: wherever the user's module is needed: checkpoint loading and saving, EMA updates and seeding,
+            parameter iteration.
+        Holds on entry: `model` is an engine, a DDP or compiled wrapper, or a plain module.
+        Side effects: none.
+        Overrides must not: return a wrapper (parameter names would carry its prefix) or a copy of the module.
+        """
         if isinstance(model, OwnsAccumulationBoundary) and isinstance(getattr(model, "module", None), nn.Module):
             model = model.module
         return super().unwrap(model)
 
     def model_state_dict(self) -> dict[str, torch.Tensor]:
         """The module's whole state dict as detached CPU copies, on every rank.
+
+        Called when: only when the user calls it (e.g. to export weights); never by the runner itself.
+        Holds on entry: the engine is built (`build_update_strategy` has run).
+        Side effects: gathers ZeRO-3 partitions temporarily (a collective on every rank); returns CPU copies.
+        Overrides must not: skip a rank under ZeRO-3 (the gather is collective) or return views of live tensors.
 
         Under ZeRO-3 the partitioned parameters are gathered first, so every rank must call it.
         """
@@ -227,6 +283,14 @@ class DeepSpeedRunner(TorchRunner):
 
     def load_model(self, state_dict: Mapping[str, Any], *args: Any, **kwargs: Any) -> None:
         """Load a whole (unpartitioned) state dict into the engine's module, on every rank.
+
+        Called when: by `load_checkpoint` for a non-DeepSpeed source and by `load_pretrained` for EMA weights, once per
+            restore, on every rank.
+        Holds on entry: the engine is built; `state_dict` is a whole (unpartitioned) state dict.
+        Side effects: replaces the module's weights (gathered and re-partitioned under ZeRO-3) and refreshes the ZeRO
+            fp32 master copy.
+        Overrides must not: skip the master-copy refresh (the next step would write the old weights back) or load on
+            some ranks only.
 
         Under ZeRO-3 the parameters are gathered, loaded and partitioned again; the ZeRO
         optimizer's fp32 master copy is then refreshed from them, or its next step would write
@@ -242,7 +306,13 @@ class DeepSpeedRunner(TorchRunner):
 
     # ------------------------------------------------------------------ checkpoints
     def checkpoint_payload(self, *, last_step: bool) -> Mapping[str, Any]:
-        """Danling's state; the engine writes module, optimizer and its scheduler itself."""
+        """Danling's state; the engine writes module, optimizer and its scheduler itself.
+
+        Called when: by `save_checkpoint` (and so `save_seed_checkpoint`), once per save, on every rank.
+        Holds on entry: the engine is built and bound to the checkpoint manager; the step being saved has finished.
+        Side effects: none.
+        Overrides must not: add the module or optimizer state (the engine writes them itself) or change any state.
+        """
         payload = self.runner_payload()
         if self.ema is not None:
             payload["ema"] = self.unwrap(self.ema).state_dict()
@@ -258,13 +328,27 @@ class DeepSpeedRunner(TorchRunner):
         return detect_format(self.checkpoint_manager.resolve(checkpoint)) == "deepspeed"
 
     def in_place_components(self, checkpoint: CheckpointSource, excluded: set[str]) -> tuple[str, ...]:
-        """Model, optimizer and the engine's scheduler of a DeepSpeed tag load through `engine.load_checkpoint`."""
+        """Model, optimizer and the engine's scheduler of a DeepSpeed tag load through `engine.load_checkpoint`.
+
+        Called when: first by `load_checkpoint`, once per restore, on every rank.
+        Holds on entry: the engine is built; `excluded` holds the top-level keys of `checkpoint.exclude_from_loading`.
+        Side effects: none: it only inspects the checkpoint's format.
+        Overrides must not: answer differently on different ranks (the engine's load is collective) or drop `model` from
+            a DeepSpeed tag.
+        """
         if not self._is_deepspeed_source(checkpoint):
             return super().in_place_components(checkpoint, excluded)
         keys = ["model", "optimizer"] + (["scheduler"] if self.engine_owns_scheduler else [])
         return tuple(key for key in keys if key not in excluded or key == "model")
 
     def read_restore_payload(self, checkpoint: CheckpointSource, in_place: tuple[str, ...], map_location: Any) -> Any:
+        """Danling's state of a DeepSpeed tag (the engine's files are read later, in place).
+
+        Called when: by `load_checkpoint`, once per restore, right after `in_place_components`, on every rank.
+        Holds on entry: `in_place` lists what the engine will load in `restore_in_place`.
+        Side effects: reads danling's state; changes nothing on the runner.
+        Overrides must not: load the engine's files here (the checks on the payload run first).
+        """
         if in_place and self._is_deepspeed_source(checkpoint):
             return self.read_checkpoint(checkpoint, map_location=map_location)
         return super().read_restore_payload(checkpoint, in_place, map_location)
@@ -272,6 +356,15 @@ class DeepSpeedRunner(TorchRunner):
     def restore_in_place(
         self, checkpoint: CheckpointSource, keys: tuple[str, ...], map_location: Any, *args: Any, **kwargs: Any
     ) -> None:
+        """Load the listed components of a DeepSpeed tag through the engine's own loader.
+
+        Called when: by `load_checkpoint`, once per restore that lists in-place keys, after `load_state_dict`, on every
+            rank.
+        Holds on entry: every check has passed; the counters, RNG and results are restored.
+        Side effects: loads module, optimizer and the engine's scheduler through `engine.load_checkpoint`, checking the
+            saved step.
+        Overrides must not: load on some ranks only (the engine's load is collective) or load keys not in `keys`.
+        """
         if not self._is_deepspeed_source(checkpoint):
             return super().restore_in_place(checkpoint, keys, map_location, *args, **kwargs)
         tag = self._tag_directory(checkpoint)
@@ -302,6 +395,13 @@ class DeepSpeedRunner(TorchRunner):
     def load_pretrained(self, checkpoint: CheckpointSource, *args: Any, **kwargs: Any) -> None:
         """Load model weights only: the EMA weights when danling's state has them, else the engine's module.
 
+        Called when: by `auto_restore` when `pretrained` is set and no checkpoint is resumed, and by `from_pretrained`;
+            once per run.
+        Holds on entry: the engine is built (`self.model` is the engine).
+        Side effects: replaces the model weights (EMA weights preferred) and the ZeRO master copy; sets
+            `config.pretrained`.
+        Overrides must not: restore optimizer state, scheduler, counters or dataloaders, or load on some ranks only.
+
         Optimizer state, scheduler, counters and dataloaders stay as they are; the ZeRO
         optimizer's fp32 master weights follow the loaded weights. Works under ZeRO-3 and on
         another data-parallel size.
@@ -327,6 +427,11 @@ class DeepSpeedRunner(TorchRunner):
 
     def export_consolidated(self, checkpoint: CheckpointSource, file: str | os.PathLike) -> Path:
         """Write the fp32 weights of a DeepSpeed checkpoint as one `torch.save` state dict, usable without DeepSpeed.
+
+        Called when: only when the user calls it, during or after training; never by the runner itself.
+        Holds on entry: `checkpoint` names a DeepSpeed tag written by this run's manager or another.
+        Side effects: the main process writes `file`; every rank returns its path.
+        Overrides must not: write on every rank, or need the engine (it must work after training).
 
         Reads the ZeRO partitions on the main process only (see
         [`export_fp32`][danling.runners.deepspeed.checkpoint.export_fp32]), so it also works after
