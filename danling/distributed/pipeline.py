@@ -201,7 +201,8 @@ class PipelineRuntime:
         parts: This rank's stage modules (the final, wrapped ones), in stage order.
         schedule: `parallel.pipeline_schedule`.
         microbatches: Microbatches per batch.
-        rank, ranks: This rank's pipeline rank, and the global ranks of its pipeline group in order.
+        rank: This rank's pipeline rank.
+        ranks: The global ranks of its pipeline group, in order.
         group: The pipeline process group (`None`: the default group).
         device: The stages' device.
         loss_fn: The loss of one microbatch on the last stage, `(pred, target) -> loss`.
