@@ -115,6 +115,8 @@ class BaseRunner(CheckpointMixin, StepHooks, metaclass=MetaRunner):
         checkpoint_manager: Where checkpoints are written and read.
         workspace: Run directory, logging and metadata.
         supervisor: Signal handling, heartbeat and GC pacing.
+        update: The [`UpdateStrategy`][danling.runners.update.strategy.UpdateStrategy] that turns
+            micro-steps into optimizer updates (`update.accumulator` holds the accumulation window).
         loop: The [`Loop`][danling.runners.loop.loops.Loop] running the training, evaluation and
             inference loops; the loop methods below delegate to it.
         trackers: The [`Trackers`][danling.runners.services.trackers.Trackers] fan-out every logged value

@@ -51,7 +51,7 @@ from .services.profiling import StepProfiler
 from .torch_data import build_sampler, epoch_budget, why_no_steps
 from .torch_fused_step import STEP_HOOKS, PlainStep, label_range_message, plain_train_step
 from .torch_insight import format_run_summary, run_summary
-from .update import EMA, GradientAccumulator, OptimizerContainer, Precision, TorchUpdateStrategy, gradient_sync_for
+from .update import EMA, OptimizerContainer, Precision, TorchUpdateStrategy, gradient_sync_for
 from .update.scheduling import advance_round_scheduler
 from .update.spikes import guard_options
 
@@ -85,8 +85,6 @@ class TorchRunner(TorchCheckpointMixin, BaseRunner):
         scheduler: The learning-rate scheduler, built from the scheduler section unless assigned.
         optimizer_container: The [`OptimizerContainer`][danling.runners.update.optimizer.OptimizerContainer]
             that applies each update (clipping, non-finite skip, step-interval scheduler).
-        accumulator: The [`GradientAccumulator`][danling.runners.update.accumulation.GradientAccumulator]
-            deciding which micro-steps update.
         precision_policy: The [`Precision`][danling.runners.update.precision.Precision] of `config.precision`.
         compiler: The [`Compiler`][danling.runners.services.compiler.Compiler] of the `compile` section.
         scheduler_interval: When the scheduler steps: `"step"` (each update) or `"epoch"`/`"validation"`.
@@ -460,11 +458,6 @@ class TorchRunner(TorchCheckpointMixin, BaseRunner):
             skip_group=self.topology.group("world"),
             **guard_options(self.config, self.logger),
         )
-
-    @property
-    def accumulator(self) -> GradientAccumulator:
-        """The accumulation window state of the update strategy."""
-        return self.update.accumulator
 
     @property
     def optimizer_container(self) -> OptimizerContainer | None:

@@ -52,7 +52,7 @@ def _run(cls, root, overrides):
             "lr": [group["lr"] for group in runner.optimizer.param_groups],
             "state": runner.train_state.state_dict(),
             "loop": runner.loop_state.state_dict(),
-            "accumulator": runner.accumulator.state_dict(),
+            "accumulator": runner.update.accumulator.state_dict(),
             "results": runner.results.dict(),
             "meter": (runner.meters["loss"].sum, runner.meters["loss"].count),  # a Python float: its repr is exact
             "metrics": runner.train_metrics.state_dict(),
