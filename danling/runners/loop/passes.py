@@ -61,6 +61,7 @@ class PassEngine:
         # A stop request was seen; the loop exits at the next accumulation-window boundary.
         self.stop_latched = False
         self._stop_polls = 0
+        self._agrees = False  # whether the loop under way trains on several processes (ranks agree on stops)
         # A periodic evaluation ran out of `patience`: the step-mode training pass ends at this step.
         self.stopping_early = False
         self._seen_step = 0
@@ -116,7 +117,7 @@ class PassEngine:
         # Inside a training loop (its evaluation passes included) ranks agree on a stop, so they stop
         # at the same batch; otherwise (evaluate() or infer() alone) the local flag answers.
         # The runner's check (`_stop_requested`, which a subclass may override) is asked after every batch.
-        agree = self.training and is_distributed()
+        agree = self._agrees
         stop_poll = self.host._stop_requested
         # Batches that spiked before a rollback (empty and falsy without a spike guard), and the
         # watchdog (multi-process runs), told the phase of every batch.
@@ -250,7 +251,7 @@ class PassEngine:
                 bad = not abs(total.item()) < _FLOAT32_OVERFLOW
             else:
                 bad = ~torch.isfinite(torch.as_tensor(total, dtype=torch.float32)).all()
-        if self.training and is_distributed():
+        if self._agrees:
             bad = all_reduce_any(torch.as_tensor(bad), group=self.host.topology.group("world"))
         if not bool(bad):
             return
@@ -348,7 +349,7 @@ class PassEngine:
         synchronisations; outside training (evaluation or inference possibly run on one rank
         only) the local flag is used.
         """
-        if not (self.training and is_distributed()):
+        if not self._agrees:
             return self.host.supervisor.stop_requested
         self._stop_polls += 1
         if self._stop_polls % _STOP_POLL_EVERY:
@@ -401,6 +402,9 @@ class PassEngine:
             return
         self.loop_depth = 1
         self.training = training
+        # Settled once per loop (the process group does not change inside one): the stop check
+        # after every batch then costs no query of the distributed state.
+        self._agrees = training and is_distributed()
         self.host.supervisor.install_signal_handlers()
         watchdog = watch_runner(self.host) if training else self.host.supervisor.watchdog
         if watchdog is not None:
@@ -425,7 +429,7 @@ class PassEngine:
                     raise
         finally:
             self.loop_depth = 0
-            self.training = False
+            self.training = self._agrees = False
             if watchdog is not None:
                 watchdog.active = False  # outside loops a rank is never judged stalled
                 watchdog.enter("idle", self.host.train_state.global_step)

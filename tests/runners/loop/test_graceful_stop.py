@@ -90,3 +90,20 @@ def test_an_overridden_stop_check_is_asked_after_every_batch(tmp_path):
     with pytest.raises(SystemExit), StopAfterThreeBatches(tiny_config(tmp_path)) as runner:
         runner.train()
     assert runner.train_state.micro_step == 3 and runner.asked == 4
+
+
+def test_the_stop_check_after_each_batch_does_not_query_the_process_group(tmp_path, monkeypatch):
+    """Whether ranks must agree on a stop is settled once per loop, not asked of torch.distributed per batch.
+
+    The query cost ten Python calls a batch: 1.8% of a small model's step with the runner's own
+    loaders (benchmarks/bench_runner_calls.py).
+    """
+    from danling.runners.loop import passes
+
+    queries = []
+    real = passes.is_distributed
+    monkeypatch.setattr(passes, "is_distributed", lambda *args: queries.append(args) or real(*args))
+    with TinyRunner(tiny_config(tmp_path)) as runner:
+        runner.train()
+        batches = runner.train_state.micro_step
+    assert batches >= 10 and len(queries) <= 2, f"{len(queries)} queries for {batches} training batches"
