@@ -17,6 +17,8 @@ rest = manager.load_into("latest", {"model": ModelState(model), "optimizer": Opt
 
 from __future__ import annotations
 
+import copy
+from collections import defaultdict
 from collections.abc import Mapping
 from typing import Any
 
@@ -98,6 +100,14 @@ class ModelState:
         set_model_state_dict(self.model, _containers_copy(dict(state_dict)), options=options)
 
 
+def _like(value: Any, param: torch.Tensor, key: str) -> Any:
+    """An optimizer state entry placed as torch places it on load: on the parameter's device, in its
+    floating dtype; the `step` counter and non-tensor entries as they are."""
+    if key == "step" or not torch.is_tensor(value):
+        return value
+    return value.to(param.device, param.dtype if value.is_floating_point() else value.dtype)
+
+
 class OptimizerState:
     """An optimizer's state keyed by parameter name, as a live object for checkpoint managers.
 
@@ -105,9 +115,16 @@ class OptimizerState:
     instead of letting DCP initialise it with a zero-learning-rate step, which would advance
     counters such as Adam's ``step`` before training. Loading works into a fresh optimizer too.
 
+    An optimizer may also update tensors that are not parameters of the model (a learnable loss
+    temperature in the criterion, a separate head): name them in `extras`. Their state is stored
+    under those names beside the model's, as plain (unsharded) tensors, and their values under
+    `parameters` (no model state holds them), restored with the optimizer's state.
+
     Args:
         model: The model whose parameters the optimizer updates (names come from it).
         optimizer: The optimizer.
+        extras: Names of the optimizer's parameters that are not in `model` (e.g. `criterion.scale`);
+            a parameter in neither is an error naming its shape.
 
     Examples:
         >>> model = nn.Linear(2, 1)
@@ -115,13 +132,23 @@ class OptimizerState:
         >>> state = OptimizerState(model, optimizer).state_dict()
         >>> state["state"], state["param_groups"][0]["params"]
         ({}, ['weight', 'bias'])
+        >>> scale = nn.Parameter(torch.ones(()))
+        >>> both = torch.optim.Adam([*model.parameters(), scale])
+        >>> OptimizerState(model, both, {"criterion.scale": scale}).state_dict()["param_groups"][0]["params"]
+        ['weight', 'bias', 'criterion.scale']
     """
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        extras: Mapping[str, torch.Tensor] | None = None,
+    ) -> None:
         self.model = _check_module(model, "OptimizerState")
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"OptimizerState needs a torch.optim.Optimizer, got {type(optimizer).__name__}")
         self.optimizer = optimizer
+        self.extras = dict(extras or {})
 
     def __repr__(self) -> str:
         return f"OptimizerState({type(self.optimizer).__name__})"
@@ -129,24 +156,69 @@ class OptimizerState:
     def state_dict(self) -> dict[str, Any]:
         """State and parameter groups keyed by parameter name (live tensors, not copies)."""
         if self.optimizer.state:
-            return get_optimizer_state_dict(self.model, self.optimizer)
+            return self._named_state()
         groups = []
         for group, names in zip(self.optimizer.param_groups, self._group_names()):
             hyper = {key: value for key, value in group.items() if key != "params"}
             groups.append({**hyper, "params": names})
-        return {"state": {}, "param_groups": groups}
+        return self._with_values({"state": {}, "param_groups": groups})
+
+    def _with_values(self, state: dict[str, Any]) -> dict[str, Any]:
+        if self.extras:
+            state["parameters"] = {name: param.data for name, param in self.extras.items()}
+        return state
 
     def _group_names(self) -> list[list[str]]:
         """The parameter names of each live parameter group."""
-        names = {}
+        names = {id(param): name for name, param in self.extras.items()}
         for name, param in self.model.named_parameters():
             names[id(param)] = next(iter(_get_fqns(self.model, name)))
         groups = []
         for group in self.optimizer.param_groups:
-            if any(id(param) not in names for param in group["params"]):
-                raise ValueError(f"the {type(self.optimizer).__name__} updates parameters that are not in the model")
+            for param in group["params"]:
+                if id(param) not in names:
+                    optimizer = type(self.optimizer).__name__
+                    raise ValueError(
+                        f"the {optimizer} updates a parameter of shape {tuple(param.shape)} that is "
+                        "neither in the model nor named in `extras`; hold it in a module of the runner (e.g. the "
+                        "criterion) or pass its name"
+                    )
             groups.append([names[id(param)] for param in group["params"]])
         return groups
+
+    def _model_view(self) -> torch.optim.Optimizer:
+        """The optimizer restricted to the model's parameters: a shallow copy sharing the live tensors.
+
+        torch's name-keyed state functions map every parameter of the optimizer to a name of the
+        model and fail on any other; the extras are handled beside them by name.
+        """
+        if not self.extras:
+            return self.optimizer
+        outside = {id(param) for param in self.extras.values()}
+        view = copy.copy(self.optimizer)
+        # Its own state mapping, holding the model's entries (the same dicts of live tensors).
+        view.state = defaultdict(dict, ((p, v) for p, v in self.optimizer.state.items() if id(p) not in outside))
+        view.param_groups = [
+            {**group, "params": [param for param in group["params"] if id(param) not in outside]}
+            for group in self.optimizer.param_groups
+        ]
+        return view
+
+    def _named_state(self) -> dict[str, Any]:
+        view = self._model_view()
+        state = get_optimizer_state_dict(self.model, view)
+        if view is self.optimizer:
+            return state
+        live = self.optimizer.state
+        for group, names in zip(state["param_groups"], self._extra_names()):
+            group["params"] = [*group["params"], *names]
+        state["state"].update((name, live[param]) for name, param in self.extras.items() if param in live)
+        return self._with_values(state)
+
+    def _extra_names(self) -> list[list[str]]:
+        """The extras' names in each live parameter group, in the group's order."""
+        named = {id(param): name for name, param in self.extras.items()}
+        return [[named[id(p)] for p in group["params"] if id(p) in named] for group in self.optimizer.param_groups]
 
     def state_dict_to_load(self) -> dict[str, Any]:
         """The structure a checkpoint is loaded into: every parameter's state, created if it does not exist yet.
@@ -165,13 +237,44 @@ class OptimizerState:
             finally:
                 for param, grad in zip(params, grads):
                     param.grad = grad
-        return get_optimizer_state_dict(self.model, self.optimizer)
+        return self._named_state()
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Replace the optimizer's state and hyperparameters with `state_dict` (keyed by parameter name)."""
         state = dict(state_dict)
         state.setdefault("state", {})  # DCP stores no empty mappings: a never-stepped optimizer comes back without it
-        set_optimizer_state_dict(self.model, self.optimizer, _containers_copy(self._own_groups(state)))
+        state = self._own_groups(state)
+        if not self.extras:
+            set_optimizer_state_dict(self.model, self.optimizer, _containers_copy(state))
+            return
+        extras = set(self.extras)
+        values = state.pop("parameters", None) or {}
+        missing = sorted(extras - set(values))
+        if missing:
+            raise ValueError(f"the optimizer state to load has no values for {missing}; it was saved without them")
+        with torch.no_grad():
+            for name, param in self.extras.items():
+                if values[name] is not param.data:  # DCP read them in place already
+                    param.copy_(values[name])
+        outside = {name: state["state"][name] for name in extras if name in state["state"]}
+        inside = {
+            "state": {name: value for name, value in state["state"].items() if name not in extras},
+            "param_groups": [
+                {**group, "params": [name for name in group["params"] if name not in extras]}
+                for group in state["param_groups"]
+            ],
+        }
+        view = self._model_view()
+        set_optimizer_state_dict(self.model, view, _containers_copy(inside))
+        # `load_state_dict` replaced the view's state and groups: carry them back to the optimizer.
+        live = self.optimizer.state
+        live.clear()
+        live.update(view.state)
+        for group, loaded in zip(self.optimizer.param_groups, view.param_groups):
+            group.update((key, value) for key, value in loaded.items() if key != "params")
+        for name, value in outside.items():
+            param = self.extras[name]
+            live[param] = {key: _like(tensor, param, key) for key, tensor in value.items()}
 
     def _own_groups(self, state: dict[str, Any]) -> dict[str, Any]:
         """`state` with each group listing this optimizer's own parameters, when the checkpoint's list others.

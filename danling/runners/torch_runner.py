@@ -52,6 +52,7 @@ from .torch_data import build_sampler, epoch_budget, why_no_steps
 from .torch_fused_step import STEP_HOOKS, PlainStep, label_range_message, plain_train_step
 from .torch_insight import format_run_summary, run_summary
 from .update import EMA, OptimizerContainer, Precision, TorchUpdateStrategy, gradient_sync_for
+from .update.optimizer import outside_parameters
 from .update.scheduling import advance_round_scheduler
 from .update.spikes import guard_options
 
@@ -134,11 +135,13 @@ class TorchRunner(TorchCheckpointMixin, BaseRunner):
         """Materialize the model, build optimizer, scheduler and dataloaders, then restore and record metadata."""
         self.precision_policy = Precision(self.precision, self.device)
         self.compiler = Compiler(dict(self.config.compile))
+        bound = self._bound_parameter_names()
         self.materialize_model()
+        self._follow_materialized_parameters(bound)
         self.build_optimizer()
         self.build_scheduler()
         self.update = self.build_update_strategy()
-        self.update.bind(self.optimizer, self.scheduler, self.scheduler_interval)
+        self._bind_update()
         if self.datasets:
             self.build_dataloaders()
         self._init_profiler()
@@ -433,6 +436,51 @@ class TorchRunner(TorchCheckpointMixin, BaseRunner):
         return {key: value for key, value in plain.items() if value is not None}
 
     # ------------------------------------------------------------------ updates
+    def _bound_parameter_names(self) -> dict[int, str]:
+        """Names of the model's parameters a user-bound optimizer holds, before materialization may replace them."""
+        if self.optimizer is None or self.model is None:
+            return {}
+        held = {id(param) for group in self.optimizer.param_groups for param in group["params"]}
+        return {id(param): name for name, param in self.model.named_parameters() if id(param) in held}
+
+    def _follow_materialized_parameters(self, bound: dict[int, str]) -> None:
+        """Point a user-bound optimizer at the parameters that replaced the ones it was built over.
+
+        Sharding (FSDP2, tensor parallel) puts new parameters (DTensors) in the model; an optimizer
+        bound in `__init__` would otherwise step the old tensors, which the model no longer uses.
+        They are matched by name; an optimizer that has already stepped is refused, since its state
+        has the old layout.
+        """
+        if not bound:
+            return
+        now = dict(self.unwrap(self.model).named_parameters())
+        if all(now.get(name) is None or id(now[name]) == key for key, name in bound.items()):
+            return  # nothing was replaced (DDP and torch.compile keep the parameters)
+        if self.optimizer.state:
+            raise ValueError(
+                f"{type(self).__name__}: the bound {type(self.optimizer).__name__} has state for parameters that "
+                "materialize_model replaced (sharding); bind a fresh optimizer or set config.optim instead"
+            )
+        for group in self.optimizer.param_groups:
+            group["params"] = [now[bound[id(param)]] if id(param) in bound else param for param in group["params"]]
+
+    def _bind_update(self) -> None:
+        """Bind the optimizer and scheduler to the update strategy, naming the optimizer's parameters
+        that are not in the model by the runner attribute that holds them (the criterion's
+        `criterion.<name>`, a bare `self.<name>`), so that they are averaged over the ranks and
+        checkpointed by name; one held nowhere is refused (see `outside_parameters`)."""
+        outside = {}
+        if self.optimizer is not None and self.update.steps_bound_optimizer:
+            holders = {
+                name: value
+                for name, value in vars(self).items()
+                if not name.startswith("_")
+                and name not in ("model", "ema")
+                and isinstance(value, (nn.Module, torch.Tensor))
+            }
+            outside = outside_parameters(self.checkpoint_model, self.optimizer, holders)
+        self.update.bind(self.optimizer, self.scheduler, self.scheduler_interval, outside)
+
     def build_update_strategy(self) -> TorchUpdateStrategy:
         """The [`TorchUpdateStrategy`][danling.runners.update.strategy.TorchUpdateStrategy] of this run.
 
@@ -486,7 +534,7 @@ class TorchRunner(TorchCheckpointMixin, BaseRunner):
         """
         container = self.update.container
         if container is None or container.optimizer is not self.optimizer or container.scheduler is not self.scheduler:
-            self.update.bind(self.optimizer, self.scheduler, self.scheduler_interval)  # reassigned by the user
+            self._bind_update()  # reassigned by the user
             if self.update.container is None:
                 raise RuntimeError(
                     f"{type(self).__name__} has no optimizer to step: set config.optim.type or assign self.optimizer"

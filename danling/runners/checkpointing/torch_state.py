@@ -146,7 +146,8 @@ class TorchCheckpointMixin:
         if model is not None:
             objects["model"] = _ThroughHook(ModelState(model), lambda state: self.load_model(state, *args, **kwargs))
         if self.optimizer is not None:
-            objects["optimizer"] = _ThroughHook(OptimizerState(model, self.optimizer), self.load_optimizer)
+            optimizer = OptimizerState(model, self.optimizer, self.update.outside_parameters)
+            objects["optimizer"] = _ThroughHook(optimizer, self.load_optimizer)
         if self.ema is not None:
             objects["ema"] = _ThroughHook(ModelState(self.unwrap(self.ema)), self.load_ema)
         if self.scheduler is not None:
@@ -319,7 +320,7 @@ class TorchCheckpointMixin:
         finally:
             update_state = self.__dict__.pop("_restored_update_state", None)
             self._restored_fingerprints = self._elastic_positions = None
-        self.update.bind(self.optimizer, self.scheduler, self.scheduler_interval)
+        self._bind_update()
         if update_state:
             self.update.load_state_dict(update_state)
 
@@ -350,7 +351,7 @@ class TorchCheckpointMixin:
         Side effects: replaces the optimizer state in place.
         Overrides must not: rebind `self.optimizer` (the update strategy and the scheduler hold it).
         """
-        from danling.checkpoint.dcp import set_training_state
+        from danling.checkpoint.training import OptimizerState
 
         if state_dict is None or self.optimizer is None:
             return
@@ -358,7 +359,8 @@ class TorchCheckpointMixin:
         if groups and all(isinstance(param, int) for group in groups for param in group["params"]):
             self.optimizer.load_state_dict(state_dict)  # written by optimizer.state_dict() itself
             return
-        set_training_state(self.checkpoint_model, self.optimizer, {"model": {}, "optimizer": state_dict})
+        live = OptimizerState(self.checkpoint_model, self.optimizer, self.update.outside_parameters)
+        live.load_state_dict(state_dict)
 
     def load_dataloaders(self, state_dict: Mapping[str, Any] | None) -> None:
         """Restore loader progress after checking each loader against the fingerprint in the checkpoint.

@@ -211,6 +211,13 @@ class DeepSpeedRunner(TorchRunner):
         self.deepspeed_config = self.get_deepspeed_config()
         scheduler = self.scheduler if self.scheduler_interval == "step" else None
         parameters = None if self.optimizer is not None else [p for p in self.model.parameters() if p.requires_grad]
+        if self.optimizer is not None:
+            inside = {id(param) for param in self.model.parameters()}
+            if any(id(param) not in inside for group in self.optimizer.param_groups for param in group["params"]):
+                raise ValueError(
+                    f"DeepSpeedRunner: the bound {type(self.optimizer).__name__} updates parameters outside the model; "
+                    "the engine partitions and steps the model's parameters only: make them part of the model"
+                )
         engine, optimizer, _, engine_scheduler = deepspeed.initialize(
             model=self.model,
             optimizer=self.optimizer,

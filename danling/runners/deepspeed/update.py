@@ -55,6 +55,8 @@ class DeepSpeedUpdateStrategy(TorchUpdateStrategy):
         TypeError: `engine` cannot be told where a window ends.
     """
 
+    steps_bound_optimizer = False  # the engine steps its own optimizer: `bind` binds nothing
+
     def __init__(
         self, engine: Any, accum_steps: int = 1, *, precision: Precision | None = None, group: Any = None
     ) -> None:
@@ -73,7 +75,7 @@ class DeepSpeedUpdateStrategy(TorchUpdateStrategy):
         stage = getattr(self.engine, "zero_optimization_stage", None)
         return int(stage()) if callable(stage) else 0
 
-    def bind(self, optimizer: Any, scheduler: Any = None, interval: str = "step") -> None:
+    def bind(self, optimizer: Any, scheduler: Any = None, interval: str = "step", outside: Any = None) -> None:
         """Nothing to bind: the engine steps its own optimizer (and the scheduler it was given)."""
 
     @property

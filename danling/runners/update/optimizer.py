@@ -14,7 +14,52 @@ from danling.distributed import all_reduce_any, is_distributed
 from .precision import Precision
 from .spikes import TrainingDivergedError
 
-__all__ = ["OptimizerContainer", "clip_gradients", "has_nonfinite_gradients", "scale_gradients"]
+__all__ = ["OptimizerContainer", "clip_gradients", "has_nonfinite_gradients", "outside_parameters", "scale_gradients"]
+
+
+def outside_parameters(
+    model: torch.nn.Module | None, optimizer: torch.optim.Optimizer, holders: Mapping[str, Any]
+) -> dict[str, torch.Tensor]:
+    """The parameters `optimizer` updates that are not in `model`, named by where they are held.
+
+    `holders` maps attribute names to what the runner holds under them (the criterion, other
+    modules, bare parameters); a parameter of the criterion is named `criterion.<name>`, a bare
+    one by its attribute. A checkpoint stores their optimizer state under these names, so the
+    names must not depend on the order the optimizer lists them in.
+
+    Raises:
+        ValueError: a parameter is held nowhere in `holders` (it could not be named, so its state
+            could not be restored to it).
+
+    Examples:
+        >>> from torch import nn
+        >>> model, criterion = nn.Linear(2, 1), nn.Module()
+        >>> criterion.scale = nn.Parameter(torch.ones(()))
+        >>> optimizer = torch.optim.SGD([*model.parameters(), criterion.scale], lr=0.1)
+        >>> list(outside_parameters(model, optimizer, {"criterion": criterion}))
+        ['criterion.scale']
+    """
+    inside = {id(param) for param in model.parameters()} if model is not None else set()
+    outside = [param for group in optimizer.param_groups for param in group["params"] if id(param) not in inside]
+    if not outside:
+        return {}
+    names: dict[int, str] = {}
+    for holder, value in holders.items():
+        if isinstance(value, torch.nn.Module):
+            for name, param in value.named_parameters():
+                names.setdefault(id(param), f"{holder}.{name}")
+        elif isinstance(value, torch.Tensor):
+            names.setdefault(id(value), holder)
+    found = {}
+    for param in outside:
+        if id(param) not in names:
+            raise ValueError(
+                f"the {type(optimizer).__name__} updates a parameter of shape {tuple(param.shape)} that is not in the "
+                "model and not held by the runner; assign it to the runner (self.<name> = it) or to a module the "
+                "runner holds (e.g. the criterion), so that checkpoints can name it"
+            )
+        found[names[id(param)]] = param
+    return found
 
 
 def _grads(parameters: Iterable[torch.Tensor]) -> list[torch.Tensor]:

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
@@ -71,6 +71,9 @@ class UpdateStrategy:
     spike_guard: SpikeGuard | None = None
     # The hang watchdog, told when backward and the optimizer step start (see `watch`).
     watchdog: Any = None
+
+    # Whether `bind` makes the strategy step an optimizer it is given (see `TorchUpdateStrategy`).
+    steps_bound_optimizer = False
 
     def __init__(self, accum_steps: int = 1) -> None:
         self.accumulator = GradientAccumulator(accum_steps)
@@ -191,6 +194,9 @@ class TorchUpdateStrategy(UpdateStrategy):
     and scheduler before the first update.
     """
 
+    # Whether `bind` makes this strategy step the given optimizer (an engine that owns its step says no).
+    steps_bound_optimizer = True
+
     def __init__(
         self,
         accum_steps: int = 1,
@@ -226,6 +232,7 @@ class TorchUpdateStrategy(UpdateStrategy):
         self.max_grad_value = max_grad_value
         self.skip_nonfinite_grad = skip_nonfinite_grad
         self.container: OptimizerContainer | None = None
+        self.outside_parameters: dict[str, torch.Tensor] = {}  # see `bind`
         self._multiplier: float | None = None  # rescales a window a pass left open
         self._weight: Any = None  # sum of the open window's micro-step weights, when weighted
         self._settle_fast_paths()
@@ -250,6 +257,8 @@ class TorchUpdateStrategy(UpdateStrategy):
             return "gradient clipping or a lowered learning rate"
         if container.skip_nonfinite_grad or container.check_nonfinite:
             return "non-finite gradient checks"
+        if self.outside_parameters and is_distributed(self.group):
+            return "parameters outside the model to average over the ranks"
         return None
 
     def _settle_fast_paths(self) -> None:
@@ -275,8 +284,21 @@ class TorchUpdateStrategy(UpdateStrategy):
         super().set_accum_steps(accum_steps)
         self._settle_fast_paths()
 
-    def bind(self, optimizer: torch.optim.Optimizer | None, scheduler: Any = None, interval: str = "step") -> None:
-        """Step `optimizer` (and `scheduler` when `interval == "step"`) from now on; counters carry over."""
+    def bind(
+        self,
+        optimizer: torch.optim.Optimizer | None,
+        scheduler: Any = None,
+        interval: str = "step",
+        outside: Mapping[str, torch.Tensor] | None = None,
+    ) -> None:
+        """Step `optimizer` (and `scheduler` when `interval == "step"`) from now on; counters carry over.
+
+        `outside` names the optimizer's parameters that are not in the (wrapped) model, such as a
+        learnable temperature in the criterion: no wrapper synchronises their gradients, so every
+        update averages them over the gradient domain first (each rank holds a replica), and
+        checkpoints store their state under these names (`outside_parameters`).
+        """
+        self.outside_parameters = dict(outside or {})
         previous = self.container
         if optimizer is None:
             self.container = None
@@ -377,6 +399,8 @@ class TorchUpdateStrategy(UpdateStrategy):
             raise RuntimeError("no optimizer to step: set config.optim.type or assign runner.optimizer")
         if self.watchdog is not None:
             self.watchdog.enter("optimizer step", self.watchdog.step)
+        if self.outside_parameters and is_distributed(self.group):
+            _average_replicas(self.outside_parameters.values(), self.group)
         multiplier, self._multiplier = self._multiplier, None
         if self._weight is not None:
             multiplier, self._weight = self._weight_factor(self._weight), None
@@ -451,6 +475,16 @@ class TorchUpdateStrategy(UpdateStrategy):
 
 
 @contextlib.contextmanager
+def _average_replicas(parameters: Iterable[torch.Tensor], group: Any) -> None:
+    """Average the gradients of replicated parameters over `group`; a rank whose replica got no
+    gradient in this window contributes zeros (as a rank whose batch did not use it)."""
+    replicas = list(parameters)
+    for param in replicas:
+        if param.grad is None:
+            param.grad = torch.zeros_like(param)
+    all_reduce_gradients(replicas, group=group)
+
+
 def _entered_together(outer: AbstractContextManager, inner: AbstractContextManager) -> Iterator[None]:
     with outer, inner:
         yield
