@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from danling.distributed import Topology
+from danling.distributed import ParallelContext, ParallelTopology
 from danling.distributed.fsdp import block_modules, wrap_data_parallel
 from danling.distributed.layout import check_axes, check_layout
 from danling.distributed.parts import merge_parts
@@ -42,6 +42,10 @@ class ParallelRunner(TorchRunner):
     reshards on load, so checkpoints move between layouts.
 
     Attributes:
+        topology: The [`ParallelTopology`][danling.distributed.topology.ParallelTopology]: axis degrees,
+            this rank's coordinates, the reduction domains and the mesh shape.
+        parallel: The [`ParallelContext`][danling.distributed.topology.ParallelContext] built from it: the
+            device mesh and each domain's process group.
         model_parts: The materialized local parts (one, or this rank's stages); `model` is the first.
         pipeline_schedule: The `torch.distributed.pipelining` schedule when `pipeline > 1`.
         pipeline_stages: The `PipelineStage` of each local part.
@@ -68,16 +72,17 @@ class ParallelRunner(TorchRunner):
 
     # ------------------------------------------------------------------ layout
     @property
-    def parallel(self) -> Topology:
-        """The topology, under the name a model's `parallelize(parallel)` hook receives it."""
-        return self.topology
+    def parallel(self) -> ParallelContext:
+        """The device mesh and process groups of `topology`; a model's `parallelize(parallel)` hook receives it."""
+        context = self.topology.context
+        return context if context is not None else ParallelContext(self.topology)
 
-    def build_topology(self) -> Topology:
-        """The grid of `config.parallel.axes` with a device mesh over its axes above degree one.
+    def build_topology(self) -> ParallelTopology:
+        """The grid of `config.parallel.axes`, with its context (a device mesh over the axes above degree one).
 
         Called when: once during construction, right after `init_distributed`, on every rank.
         Holds on entry: the process group (if any) is up; `config.parallel.axes` is final; no model exists.
-        Side effects: creates the device mesh and its process groups (collective).
+        Side effects: builds the topology's `ParallelContext`: the device mesh and process groups (collective).
         Overrides must not: return degrees that differ between ranks or do not multiply to the world size,
             or skip a rank (building the mesh is collective).
 
@@ -87,7 +92,7 @@ class ParallelRunner(TorchRunner):
         """
         axes = {name: value for name, value in self.config.parallel.axes.dict().items() if value is not None}
         check_axes(axes, self.device.type)
-        return Topology.from_axes(axes, device_type=self.device.type)
+        return ParallelTopology.from_axes(axes, device_type=self.device.type)
 
     @property
     def checkpoint_backend(self) -> str:

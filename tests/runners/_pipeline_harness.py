@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from danling.distributed import Topology
+from danling.distributed import ParallelTopology
 from danling.distributed.pipeline_parts import PipelineModelPart
 from danling.runners.parallel import PipelineSteps
 from danling.runners.update.precision import Precision
@@ -92,10 +92,10 @@ class PipelineHost:
         accum_steps: int = 1,
         lr: float = 0.1,
         axes: dict[str, int] | None = None,
-        wrap: Callable[[nn.Module, Topology], nn.Module] | None = None,
+        wrap: Callable[[nn.Module, ParallelTopology], nn.Module] | None = None,
         loss_scale: float | None = None,
     ) -> None:
-        self.topology = topology = Topology.from_axes(axes or {"pipeline": dist.get_world_size()})
+        self.topology = topology = ParallelTopology.from_axes(axes or {"pipeline": dist.get_world_size()})
         self.schedule_name = schedule
         self.device = torch.device("cpu")
         self.criterion = nn.MSELoss()
