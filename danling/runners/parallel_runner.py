@@ -120,7 +120,7 @@ class ParallelRunner(TorchRunner):
             some ranks only (FSDP2 and DDP wrapping are collective).
 
         Raises:
-            ValueError: No model is bound, or the layout cannot be implemented (see the class).
+            ValueError: No model is bound, or a layout nothing implements (see the class).
             TypeError: `self.model` is not an `nn.Module`.
         """
         if self.model is None and self.model_parts:
@@ -152,10 +152,9 @@ class ParallelRunner(TorchRunner):
         Overrides must not: rename parameters (checkpoints and `param_groups` use the full model's names) or
             wrap in FSDP/DDP (done afterwards).
 
-        See [`parallelize`][danling.distributed.tensor_parallel.parallelize].
-
         Raises:
-            TypeError: `model.parallelize` returned something other than a module or None.
+            TypeError: `model.parallelize` returned something other than a module or None (see
+                [`parallelize`][danling.distributed.tensor_parallel.parallelize]).
             NotImplementedError: `tensor > 1` with neither a `parallelize` method nor a plan.
         """
         return parallelize(model, self.parallel, self.config.parallel.tensor_plan, distributed=self.distributed)
@@ -214,11 +213,8 @@ class ParallelRunner(TorchRunner):
         Side effects: none.
         Overrides must not: give ranks disagreeing stage counts or break a V schedule's placement.
 
-        Args:
-            num_stages: Stages in all (default: `pipeline.stage_count(model)`).
-
-        Raises:
-            ValueError: `num_stages` is not a positive multiple of the pipeline degree (or exceeds it for GPipe/1F1B).
+        `num_stages` (stages in all) defaults to `pipeline.stage_count(model)`; a ValueError names one that
+        is not a positive multiple of the pipeline degree (or exceeds it for GPipe/1F1B).
         """
         return self.pipeline.stage_indices(self.pipeline.stage_count(self.model) if num_stages is None else num_stages)
 
@@ -268,9 +264,7 @@ class ParallelRunner(TorchRunner):
 
         See [`build_runtime`][danling.runners.parallel.pipeline.PipelineSteps.build_runtime] (and its errors).
         """
-        runtime = self.pipeline.build_runtime(
-            [stage_model] if isinstance(stage_model, nn.Module) else list(stage_model)
-        )
+        runtime = self.pipeline.build_runtime(stage_model)
         self.pipeline_stages = runtime.stages
         self.pipeline_has_first_stage, self.pipeline_has_last_stage = runtime.has_first_stage, runtime.has_last_stage
         return runtime.schedule

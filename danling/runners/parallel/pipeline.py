@@ -17,6 +17,7 @@ over the microbatches is then broadcast over the pipeline group, so every rank r
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
@@ -92,15 +93,15 @@ class PipelineSteps:
         degree, fqns = self.topology.size("pipeline"), self.parallel.module_fqns_per_model_part
         return build_stage_part(model, stage_index, num_stages, degree=degree, module_fqns=fqns)
 
-    def build_runtime(self, parts: list[nn.Module]) -> PipelineRuntime:
-        """The runtime over this rank's final (wrapped) stage modules, bound to `runtime`; fixes `num_stages`.
+    def build_runtime(self, parts: nn.Module | Sequence[nn.Module]) -> PipelineRuntime:
+        """The runtime over this rank's final (wrapped) stage module(s), bound to `runtime`; fixes `num_stages`.
 
         Raises:
             ValueError: an unknown schedule name, a bad microbatch count, or a number of parts that
                 does not match the schedule (one per rank for GPipe/1F1B).
         """
         runtime = PipelineRuntime.from_config(
-            parts,
+            [parts] if isinstance(parts, nn.Module) else list(parts),
             self.parallel,
             batch_size=self.batch_size,
             topology=self.topology,
