@@ -3,8 +3,9 @@
 Rank queries fall back to torchrun's environment variables and then to a single process; the
 collectives become local no-ops when no multi-rank group is active, so code written for
 ``torchrun --nproc_per_node N`` runs unchanged in a plain ``python`` process. Every collective
-takes a `group` (`None`: every rank); [`Topology`][danling.distributed.Topology] says which
-group each purpose (data, metrics, gradients, ...) should use.
+takes a `group` (`None`: every rank); a [`ParallelTopology`][danling.distributed.ParallelTopology]
+(also named `Topology`) says which group each purpose (data, metrics, gradients, ...) should use,
+through its [`ParallelContext`][danling.distributed.ParallelContext].
 """
 
 from .collectives import all_gather_strided, all_reduce_any, all_reduce_gradients, all_reduce_mean, broadcast_object
@@ -19,9 +20,11 @@ from .process_group import (
     is_distributed,
     is_main_process,
 )
-from .topology import Topology
+from .topology import ParallelContext, ParallelTopology, Topology
 
 __all__ = [
+    "ParallelContext",
+    "ParallelTopology",
     "Topology",
     "all_gather_strided",
     "all_reduce_any",

@@ -2,14 +2,34 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from fnmatch import fnmatchcase
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
-__all__ = ["apply_fsdp", "block_modules", "fsdp_mesh", "fsdp_mixed_precision", "fsdp_offload"]
+from .ddp import wrap_ddp
+
+__all__ = [
+    "FsdpSettings",
+    "apply_fsdp",
+    "block_modules",
+    "fsdp_mesh",
+    "fsdp_mixed_precision",
+    "fsdp_offload",
+    "wrap_data_parallel",
+]
+
+
+class FsdpSettings(Protocol):
+    """What [`wrap_data_parallel`][danling.distributed.fsdp.wrap_data_parallel] reads of the `fsdp` config section."""
+
+    enabled: bool | None
+    modules: list[str] | None
+    reshard_after_forward: bool | int | None
+    mp_policy: bool | int | None
+    offload_policy: bool | int | None
 
 
 def block_modules(model: nn.Module, patterns: Sequence[str] | None = None, *, strict: bool = True) -> list[nn.Module]:
@@ -97,3 +117,49 @@ def fsdp_mesh(topology: Any) -> Any:
     """The mesh FSDP2 shards over: `shard`, or `replicate x shard` (HSDP: replicate across, shard within)."""
     mesh = topology.mesh
     return mesh["replicate", "shard"] if topology.degrees["replicate"] > 1 else mesh["shard"]
+
+
+def wrap_data_parallel(
+    part: nn.Module,
+    topology: Any,
+    fsdp: FsdpSettings,
+    *,
+    precision: str | None,
+    device: torch.device,
+    distributed: bool,
+    compile: Callable[..., nn.Module],
+    strict: bool = True,
+) -> nn.Module:
+    """One local part made data parallel over the data axes of `topology`, and compiled.
+
+    With `fsdp.enabled` in a distributed run the part is sharded with FSDP2 (units from
+    `fsdp.modules`, see [`block_modules`][danling.distributed.fsdp.block_modules]) and compiled
+    after; otherwise it is compiled and, when the data domain has several ranks and the part has
+    trainable parameters, wrapped in DDP over the data domain's group (which broadcasts rank 0's
+    weights).
+
+    Args:
+        part: The local part, on `device`, tensor-parallel and checkpointed where configured.
+        topology: The run's topology (its mesh and the data domain's group).
+        fsdp: The `fsdp` config section.
+        precision: The runner's precision (`bf16`/`fp16` set FSDP2's parameter dtype).
+        device: The device DDP places the part on.
+        distributed: Whether a process group runs.
+        compile: `compile(module, distributed=...)`, the runner's compiler.
+        strict: Refuse `fsdp.modules` patterns that match nothing (off for pipeline stages).
+    """
+    if fsdp.enabled and distributed:
+        apply_fsdp(
+            part,
+            fsdp_mesh(topology),
+            units=block_modules(part, fsdp.modules, strict=strict),
+            reshard_after_forward=fsdp.reshard_after_forward,
+            mp_policy=fsdp_mixed_precision(fsdp.mp_policy, precision),
+            offload_policy=fsdp_offload(fsdp.offload_policy),
+        )
+        return compile(part, distributed=True)
+    trainable = any(param.requires_grad for param in part.parameters())
+    part = compile(part, distributed=distributed)
+    if topology.size("data") > 1 and trainable:
+        part = wrap_ddp(part, device, process_group=topology.group("data"))
+    return part

@@ -32,13 +32,11 @@ def check_axes(axes: Mapping[str, Any], device_type: str) -> None:
     )
 
 
-def check_layout(degrees: Mapping[str, int], *, world_size: int, data_size: int, fsdp: bool, ema: bool = False) -> None:
+def check_layout(topology: Any, *, fsdp: bool, ema: bool = False) -> None:
     """Refuse parallel layouts whose axes nothing would implement, before any model work.
 
     Args:
-        degrees: The degree of each axis (`replicate`, `shard`, `context`, `pipeline`, `tensor`).
-        world_size: Number of ranks (one process has nothing to lay out).
-        data_size: Ranks of the data-parallel domain.
+        topology: The run's topology (its `degrees`, `world_size` and data domain's size).
         fsdp: `fsdp.enabled`.
         ema: `ema.enabled`.
 
@@ -46,7 +44,8 @@ def check_layout(degrees: Mapping[str, int], *, world_size: int, data_size: int,
         ValueError: `shard > 1` without FSDP2, FSDP2 with `shard == 1`, tensor parallelism over
             several data ranks without FSDP2, or an EMA copy with sharded or split parameters.
     """
-    if world_size == 1:
+    degrees, data_size = topology.degrees, topology.size("data")
+    if topology.world_size == 1:
         return
     if degrees["shard"] > 1 and not fsdp:
         raise ValueError(

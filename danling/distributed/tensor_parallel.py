@@ -59,12 +59,13 @@ def apply_tensor_plan(model: nn.Module, mesh: Any, plan: Mapping[str, str]) -> n
     return parallelize_module(model, mesh, styles)
 
 
-def parallelize(model: nn.Module, topology: Any, plan: Mapping[str, str] | None, *, distributed: bool) -> nn.Module:
-    """Tensor parallelism for one local part: the model's own `parallelize(topology)` hook, else `plan`.
+def parallelize(model: nn.Module, parallel: Any, plan: Mapping[str, str] | None, *, distributed: bool) -> nn.Module:
+    """Tensor parallelism for one local part: the model's own `parallelize(parallel)` hook, else `plan`.
 
-    The hook may change the model in place and return None, or return the new module. Without a
-    hook, `plan` (`parallel.tensor_plan`) is applied over the tensor axis of `topology`; without
-    either, a tensor axis above 1 is an error, since it would only duplicate work.
+    `parallel` is the run's [`ParallelContext`][danling.distributed.topology.ParallelContext]. The
+    hook may change the model in place and return None, or return the new module. Without a hook,
+    `plan` (`parallel.tensor_plan`) is applied over the tensor axis's mesh; without either, a
+    tensor axis above 1 is an error, since it would only duplicate work.
 
     Raises:
         TypeError: `model.parallelize` returned something other than a module or None.
@@ -72,11 +73,11 @@ def parallelize(model: nn.Module, topology: Any, plan: Mapping[str, str] | None,
     """
     hook = getattr(model, "parallelize", None)
     if callable(hook):
-        result = hook(topology)
+        result = hook(parallel)
         if result is not None and not isinstance(result, nn.Module):
             raise TypeError(f"{type(model).__name__}.parallelize() must return a module or None, got {result!r}")
         return model if result is None else result
-    degree = topology.degrees["tensor"]
+    degree = parallel.topology.degrees["tensor"]
     if degree == 1 or not distributed:
         return model
     if not plan:
@@ -84,7 +85,7 @@ def parallelize(model: nn.Module, topology: Any, plan: Mapping[str, str] | None,
             f"parallel.axes.tensor={degree} but {type(model).__name__} has no parallelize(parallel) method and "
             "parallel.tensor_plan is empty: give one of them"
         )
-    return apply_tensor_plan(model, topology.mesh["tensor"], dict(plan))
+    return apply_tensor_plan(model, parallel.mesh["tensor"], dict(plan))
 
 
 def _flatten(plan: Mapping, prefix: str = "") -> dict[str, Any]:

@@ -16,9 +16,14 @@ purpose; each is a sub-grid over some of the axes, listed in
 - `"replicate"`, `"shard"`, `"context"`, `"pipeline"`, `"tensor"`: one axis each.
 - `"world"`: every rank.
 
-[`Topology.group`][danling.distributed.topology.Topology.group] returns `None` for a domain
-that spans every rank: torch reads `None` as its default group, so plain data-parallel runs
-keep using the default group and pay nothing for the abstraction.
+Two classes keep the arithmetic apart from the process groups:
+[`ParallelTopology`][danling.distributed.topology.ParallelTopology] is the layout (degrees, this
+rank's coordinates, the domains, the mesh shape) and builds nothing;
+[`ParallelContext`][danling.distributed.topology.ParallelContext] holds the device mesh and the
+process group of each domain, built collectively from a topology. A topology answers
+`group(domain)` through the context built for it, and `None` for a domain that spans every rank:
+torch reads `None` as its default group, so plain data-parallel runs keep using the default group
+and pay nothing for the abstraction. `Topology` is another name of `ParallelTopology`.
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ if TYPE_CHECKING:  # only for annotations: builds without distributed support la
     from torch.distributed import ProcessGroup
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["AXES", "DOMAINS", "Topology", "resolve_degrees"]
+__all__ = ["AXES", "DOMAINS", "ParallelContext", "ParallelTopology", "Topology", "resolve_degrees"]
 
 AXES: tuple[str, ...] = ("replicate", "shard", "context", "pipeline", "tensor")
 """Parallel axes, in the order of the rank grid's dimensions (the last one varies fastest)."""
@@ -113,47 +118,41 @@ def _format(degrees: Mapping[str, Any]) -> str:
     return ", ".join(f"{name}={degree!r}" for name, degree in degrees.items())
 
 
-class Topology:
-    r"""This rank's coordinates on the parallel grid and the process group of each reduction domain.
+class ParallelTopology:
+    r"""Where this rank sits on the parallel grid: axis degrees, coordinates, reduction domains, mesh shape.
 
-    Build one with [`data_parallel`][danling.distributed.topology.Topology.data_parallel] (plain
-    DDP or a single process: no groups beyond the default one) or
-    [`from_axes`][danling.distributed.topology.Topology.from_axes] (a device mesh over the
-    given degrees). Process groups are created while the topology is built, collectively,
-    except the one-rank group of a domain this rank is alone in: that one involves no other
-    rank and is made on first request.
+    A topology is arithmetic over the degrees and this rank's global rank; building one starts
+    nothing. [`data_parallel`][danling.distributed.topology.ParallelTopology.data_parallel] is plain
+    DDP (or a single process); [`from_axes`][danling.distributed.topology.ParallelTopology.from_axes]
+    also builds the [`ParallelContext`][danling.distributed.topology.ParallelContext] (device mesh and
+    process groups) over the given degrees, collectively.
 
     Attributes:
         degrees: Degree of each axis of [`AXES`][danling.distributed.topology.AXES].
         coordinates: This rank's index along each axis.
         world_size: Number of ranks (the product of the degrees).
         global_rank: This rank in the default group.
-        mesh: The device mesh over the axes of degree above one (`None` when the world is one
-            process or the topology is plain data parallel).
+        domains: The axes each reduction domain spans ([`DOMAINS`][danling.distributed.topology.DOMAINS]).
+        context: The process groups built for this topology, if any (set by `ParallelContext`).
 
     Args:
         degrees: Degree of every axis, multiplying to the world size (see
             [`resolve_degrees`][danling.distributed.topology.resolve_degrees]).
         rank: This process's global rank.
-        mesh: Device mesh the groups come from, if any.
-        groups: Process group of each domain that is neither the whole world nor this rank alone.
 
     Examples:
-        >>> topology = Topology.data_parallel()  # one process here
-        >>> topology.size("data"), topology.rank("data"), topology.group("metrics")
-        (1, 0, None)
-        >>> topology.describe()
-        {'world_size': 1, 'degrees': {'replicate': 1, 'shard': 1, ...}, 'data_size': 1}
+        >>> topology = ParallelTopology({"replicate": 2, "pipeline": 2, "tensor": 2}, rank=5)
+        >>> topology.coordinates
+        {'replicate': 1, 'shard': 0, 'context': 0, 'pipeline': 0, 'tensor': 1}
+        >>> topology.mesh_shape, topology.mesh_dim_names
+        ((2, 2, 2), ('replicate', 'pipeline', 'tensor'))
+        >>> topology.size("data"), topology.rank("data"), topology.ranks("tensor")
+        (2, 1, [4, 5])
     """
 
-    def __init__(
-        self,
-        degrees: Mapping[str, int],
-        *,
-        rank: int = 0,
-        mesh: DeviceMesh | None = None,
-        groups: Mapping[str, ProcessGroup] | None = None,
-    ) -> None:
+    domains: Mapping[str, tuple[str, ...]] = DOMAINS
+
+    def __init__(self, degrees: Mapping[str, int], *, rank: int = 0) -> None:
         # Resolved degrees are expected; checking them again catches names, types and signs.
         world_size = math.prod(d for d in degrees.values() if isinstance(d, numbers.Integral) and d > 0)
         self.degrees: dict[str, int] = resolve_degrees(degrees, world_size)
@@ -161,17 +160,13 @@ class Topology:
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank must be in [0, {self.world_size}) for degrees {_format(self.degrees)}, got {rank}")
         self.global_rank = rank
-        self.mesh = mesh
-        unknown = [domain for domain in groups or {} if domain not in DOMAINS]
-        if unknown:
-            raise ValueError(f"unknown domains {unknown}; known domains: {', '.join(DOMAINS)}")
-        self._groups: dict[str, ProcessGroup] = dict(groups or {})
+        self.context: ParallelContext | None = None
         # Row-major grid: the stride of an axis is the product of the degrees after it.
         self._strides = {axis: math.prod(self.degrees[a] for a in AXES[i + 1 :]) for i, axis in enumerate(AXES)}
         self.coordinates: dict[str, int] = {axis: (rank // self._strides[axis]) % self.degrees[axis] for axis in AXES}
 
     @classmethod
-    def data_parallel(cls) -> Topology:
+    def data_parallel(cls) -> ParallelTopology:
         """Every rank reads its own batch: data, metrics and gradient domains are the whole world.
 
         World size and rank come from the default process group when one runs, else from
@@ -182,12 +177,12 @@ class Topology:
         return cls(degrees, rank=get_rank())
 
     @classmethod
-    def from_axes(cls, axes: Mapping[str, int], *, device_type: str = "cpu") -> Topology:
-        """Lay the ranks out on a grid of the given degrees and build each domain's process group.
+    def from_axes(cls, axes: Mapping[str, int], *, device_type: str = "cpu") -> ParallelTopology:
+        """The grid of the given degrees, with its [`ParallelContext`][danling.distributed.topology.ParallelContext].
 
-        A collective: every rank must call it with the same `axes`, after the default process
-        group has started. Axes of degree one are left out of the mesh; a domain spanning
-        several axes gets one flattened group, shared by domains over the same axes.
+        A collective when several ranks run: every rank must call it with the same `axes`, after
+        the default process group has started (see
+        [`ParallelContext.build`][danling.distributed.topology.ParallelContext.build]).
 
         Args:
             axes: Degree of each axis (see
@@ -200,42 +195,43 @@ class Topology:
         """
         initialized = dist.is_available() and dist.is_initialized()
         world_size = dist.get_world_size() if initialized else get_world_size()
-        degrees = resolve_degrees(axes, world_size)
-        rank = dist.get_rank() if initialized else get_rank()
-        if world_size == 1:
-            return cls(degrees, rank=rank)
-        if not initialized:
-            raise RuntimeError(
-                f"Topology.from_axes needs the default process group of the {world_size} ranks; "
-                "start it first (e.g. with init_process_group_from_env())"
-            )
-        mesh, groups = _build_groups(degrees, device_type)
-        return cls(degrees, rank=rank, mesh=mesh, groups=groups)
+        topology = cls(resolve_degrees(axes, world_size), rank=dist.get_rank() if initialized else get_rank())
+        ParallelContext.build(topology, device_type)
+        return topology
 
     def _axes(self, domain: str) -> tuple[str, ...]:
-        axes = DOMAINS.get(domain)
+        axes = self.domains.get(domain)
         if axes is None:
-            raise ValueError(f"unknown domain {domain!r}; known domains: {', '.join(DOMAINS)}")
+            raise ValueError(f"unknown domain {domain!r}; known domains: {', '.join(self.domains)}")
         return axes
+
+    @property
+    def mesh_dim_names(self) -> tuple[str, ...]:
+        """The axes above degree one, in grid order: the dimensions of the device mesh."""
+        return tuple(axis for axis in AXES if self.degrees[axis] > 1)
+
+    @property
+    def mesh_shape(self) -> tuple[int, ...]:
+        """The device mesh's shape: the degree of each axis of `mesh_dim_names` (`()` for one process)."""
+        return tuple(self.degrees[axis] for axis in self.mesh_dim_names)
+
+    @property
+    def mesh(self) -> DeviceMesh | None:
+        """The device mesh of the context built for this topology (`None` without one, or in plain data parallel)."""
+        return None if self.context is None else self.context.mesh
 
     def group(self, domain: str) -> ProcessGroup | None:
         """Process group of this rank's `domain`, or `None` (torch's default group) when it spans every rank.
 
-        Without a running process group the answer is `None` too: there is no one to talk to.
+        Groups come from this topology's [`ParallelContext`][danling.distributed.topology.ParallelContext]
+        (an empty one is made on first need: it can still make the one-rank group of a domain this
+        rank is alone in). Without a running process group the answer is `None`: there is no one
+        to talk to.
         """
-        size = math.prod(self.degrees[axis] for axis in self._axes(domain))
-        if size == self.world_size or not (dist.is_available() and dist.is_initialized()):
+        if self.size(domain) == self.world_size or not (dist.is_available() and dist.is_initialized()):
             return None
-        group = self._groups.get(domain)
-        if group is None:
-            if size != 1:
-                raise RuntimeError(f"no process group was built for domain {domain!r} of {size} ranks")
-            # Only this rank is in it, so no other rank has to take part in creating it.
-            group = dist.new_group([self.global_rank], use_local_synchronization=True)
-            for name, axes in DOMAINS.items():  # one such group serves every one-rank domain
-                if math.prod(self.degrees[axis] for axis in axes) == 1:
-                    self._groups[name] = group
-        return group
+        context = self.context if self.context is not None else ParallelContext(self)
+        return context.group(domain)
 
     def size(self, domain: str = "world") -> int:
         """Number of ranks in `domain`."""
@@ -269,16 +265,99 @@ class Topology:
         return f"{type(self).__name__}(world_size={self.world_size}, rank={self.global_rank}{parallel})"
 
 
-def _build_groups(degrees: Mapping[str, int], device_type: str) -> tuple[DeviceMesh, dict[str, ProcessGroup]]:
+Topology = ParallelTopology
+"""Another name of [`ParallelTopology`][danling.distributed.topology.ParallelTopology] (the same class)."""
+
+
+class ParallelContext:
+    """The device mesh and the process group of each reduction domain of a topology.
+
+    Build it with [`build`][danling.distributed.topology.ParallelContext.build] (collective). It
+    binds itself to the topology (`topology.context`), so `topology.group(domain)` and
+    `topology.mesh` answer from it. `ParallelRunner.parallel` is this object, and a model's
+    `parallelize(parallel)` hook receives it: `parallel.mesh["tensor"]` is the tensor axis's mesh,
+    `parallel.topology.degrees` the degrees.
+
+    Args:
+        topology: The [`ParallelTopology`][danling.distributed.topology.ParallelTopology] the groups are built for.
+        mesh: The device mesh over `topology.mesh_dim_names`, if any.
+        groups: Process group of each domain that is neither the whole world nor this rank alone.
+
+    Raises:
+        ValueError: `groups` names an unknown domain.
+    """
+
+    def __init__(
+        self,
+        topology: ParallelTopology,
+        *,
+        mesh: DeviceMesh | None = None,
+        groups: Mapping[str, ProcessGroup] | None = None,
+    ) -> None:
+        unknown = [domain for domain in groups or {} if domain not in topology.domains]
+        if unknown:
+            raise ValueError(f"unknown domains {unknown}; known domains: {', '.join(topology.domains)}")
+        self.topology = topology
+        self.mesh = mesh
+        self._groups: dict[str, ProcessGroup] = dict(groups or {})
+        topology.context = self
+
+    @classmethod
+    def build(cls, topology: ParallelTopology, device_type: str = "cpu") -> ParallelContext:
+        """The device mesh over the topology's axes above degree one, and each domain's process group.
+
+        A collective: every rank calls it with the same degrees, after the default process group
+        has started. A domain spanning several axes gets one flattened group, shared by domains
+        over the same axes; the one-rank group of a domain this rank is alone in is made on request.
+
+        Raises:
+            RuntimeError: Several ranks are expected but no process group runs.
+        """
+        if topology.world_size == 1:
+            return cls(topology)
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError(
+                f"ParallelContext.build needs the default process group of the {topology.world_size} ranks; "
+                "start it first (e.g. with init_process_group_from_env())"
+            )
+        mesh, groups = _build_groups(topology, device_type)
+        return cls(topology, mesh=mesh, groups=groups)
+
+    @property
+    def groups(self) -> dict[str, ProcessGroup]:
+        """The process groups built so far, by domain (domains spanning every rank are absent: `None`)."""
+        return dict(self._groups)
+
+    def group(self, domain: str) -> ProcessGroup | None:
+        """Process group of this rank's `domain`; `None` (torch's default group) when it spans every rank."""
+        topology = self.topology
+        size = topology.size(domain)
+        if size == topology.world_size or not (dist.is_available() and dist.is_initialized()):
+            return None
+        group = self._groups.get(domain)
+        if group is None:
+            if size != 1:
+                raise RuntimeError(f"no process group was built for domain {domain!r} of {size} ranks")
+            # Only this rank is in it, so no other rank has to take part in creating it.
+            group = dist.new_group([topology.global_rank], use_local_synchronization=True)
+            for name in topology.domains:  # one such group serves every one-rank domain
+                if topology.size(name) == 1:
+                    self._groups[name] = group
+        return group
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.topology!r}, mesh={self.mesh!r})"
+
+
+def _build_groups(topology: ParallelTopology, device_type: str) -> tuple[DeviceMesh, dict[str, ProcessGroup]]:
     """Device mesh over the axes above degree one, and the group of every partial, multi-rank domain."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    world_size = math.prod(degrees.values())
-    active = tuple(axis for axis in AXES if degrees[axis] > 1)
-    mesh = init_device_mesh(device_type, tuple(degrees[axis] for axis in active), mesh_dim_names=active)
+    degrees, world_size = topology.degrees, topology.world_size
+    mesh = init_device_mesh(device_type, topology.mesh_shape, mesh_dim_names=topology.mesh_dim_names)
     groups: dict[str, ProcessGroup] = {}
     flattened: dict[tuple[str, ...], ProcessGroup] = {}
-    for domain, axes in DOMAINS.items():  # the same order on every rank: group creation is collective
+    for domain, axes in topology.domains.items():  # the same order on every rank: group creation is collective
         dims = tuple(axis for axis in axes if degrees[axis] > 1)
         size = math.prod(degrees[axis] for axis in dims)
         if size in (1, world_size):

@@ -1,4 +1,4 @@
-"""Topology: rank coordinates, reduction domains and their groups; metrics reduced over a domain.
+"""ParallelTopology and ParallelContext: rank coordinates, reduction domains and their groups; metrics over a domain.
 
 Two launches cover the distributed part: two ranks (the default topology, ``{"tensor": 2}`` and
 ``{"shard": -1}``) and four ranks (``{"replicate": 2, "tensor": 2}``).
@@ -14,6 +14,8 @@ import torch.distributed as dist
 from torch import nn
 
 from danling.distributed import (
+    ParallelContext,
+    ParallelTopology,
     Topology,
     all_gather_strided,
     all_reduce_any,
@@ -46,7 +48,7 @@ DATA_SIZES = [5, 7]  # batch length of data rank 0 and 1: uneven on purpose
 def test_data_parallel_in_one_process_is_the_world_of_one(monkeypatch):
     for name in ("RANK", "WORLD_SIZE"):
         monkeypatch.delenv(name, raising=False)
-    topology = Topology.data_parallel()
+    topology = ParallelTopology.data_parallel()
     assert (topology.world_size, topology.global_rank, topology.mesh) == (1, 0, None)
     for domain in DOMAINS:
         assert (topology.size(domain), topology.rank(domain), topology.ranks(domain)) == (1, 0, [0])
@@ -54,13 +56,13 @@ def test_data_parallel_in_one_process_is_the_world_of_one(monkeypatch):
     assert topology.coordinates == dict.fromkeys(AXES, 0)
     assert topology.is_data_parallel_only
     assert topology.describe() == {"world_size": 1, "degrees": dict.fromkeys(AXES, 1), "data_size": 1}
-    assert Topology.from_axes({"shard": -1, "expert": 1}).describe() == topology.describe()
+    assert ParallelTopology.from_axes({"shard": -1, "expert": 1}).describe() == topology.describe()
 
 
 def test_data_parallel_reads_torchrun_environment_without_a_group(monkeypatch):
     monkeypatch.setenv("RANK", "3")
     monkeypatch.setenv("WORLD_SIZE", "4")
-    topology = Topology.data_parallel()
+    topology = ParallelTopology.data_parallel()
     assert (topology.size("data"), topology.rank("data"), topology.size("tensor"), topology.ranks("tensor")) == (
         4,
         3,
@@ -69,24 +71,50 @@ def test_data_parallel_reads_torchrun_environment_without_a_group(monkeypatch):
     )
     assert topology.group("tensor") is None  # no process group: nothing to talk to
     with pytest.raises(RuntimeError, match="default process group of the 4 ranks"):
-        Topology.from_axes({"tensor": 2, "shard": 2})
+        ParallelTopology.from_axes({"tensor": 2, "shard": 2})
 
 
 def test_grid_is_row_major_in_axis_order():
     # Rank 5 of replicate=2 x pipeline=2 x tensor=2 sits at replicate 1, pipeline 0, tensor 1.
-    topology = Topology({"replicate": 2, "pipeline": 2, "tensor": 2}, rank=5)
+    topology = ParallelTopology({"replicate": 2, "pipeline": 2, "tensor": 2}, rank=5)
     assert topology.coordinates == {"replicate": 1, "shard": 0, "context": 0, "pipeline": 0, "tensor": 1}
     assert topology.ranks("data") == [1, 5] and topology.rank("data") == 1
     assert topology.ranks("tensor") == [4, 5] and topology.rank("tensor") == 1
     assert topology.ranks("pipeline") == [5, 7] and topology.rank("pipeline") == 0
     assert topology.ranks("world") == list(range(8)) and topology.rank() == 5
     assert not topology.is_data_parallel_only
-    assert repr(topology) == "Topology(world_size=8, rank=5, replicate=2, pipeline=2, tensor=2)"
+    assert repr(topology) == "ParallelTopology(world_size=8, rank=5, replicate=2, pipeline=2, tensor=2)"
+
+
+def test_topology_is_the_layout_and_builds_nothing():
+    assert Topology is ParallelTopology  # one class, two names
+    topology = ParallelTopology({"replicate": 2, "pipeline": 2, "tensor": 2}, rank=5)
+    assert (topology.mesh_shape, topology.mesh_dim_names) == ((2, 2, 2), ("replicate", "pipeline", "tensor"))
+    assert dict(topology.domains) == dict(DOMAINS) and topology.domains["gradient"] == ("replicate", "shard", "context")
+    assert (topology.context, topology.mesh) == (None, None)  # no process groups were built
+    alone = ParallelTopology.data_parallel()
+    assert (alone.mesh_shape, alone.mesh_dim_names) == ((), ())
+
+
+def test_context_holds_the_mesh_and_groups_of_its_topology(monkeypatch):
+    for name in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    topology = ParallelTopology.from_axes({"shard": -1})
+    context = topology.context
+    assert isinstance(context, ParallelContext) and context.topology is topology
+    assert (context.mesh, context.groups, context.group("data"), topology.group("data")) == (None, {}, None, None)
+    assert repr(context) == "ParallelContext(ParallelTopology(world_size=1, rank=0), mesh=None)"
+    bare = ParallelTopology({"tensor": 1})
+    assert ParallelContext.build(bare).topology is bare and bare.context is not None
+    with pytest.raises(ValueError, match=r"unknown domains \['batch'\]; known domains: world, data"):
+        ParallelContext(bare, groups={"batch": None})
+    with pytest.raises(RuntimeError, match="ParallelContext.build needs the default process group of the 4 ranks"):
+        ParallelContext.build(ParallelTopology({"tensor": 2, "shard": 2}, rank=1))
 
 
 def test_product_mismatch_names_every_degree_and_the_world_size():
     with pytest.raises(ValueError) as error:
-        Topology.from_axes({"tensor": 2, "shard": 3})  # one process here
+        ParallelTopology.from_axes({"tensor": 2, "shard": 3})  # one process here
     for part in ("replicate=1", "shard=3", "context=1", "pipeline=1", "tensor=2", "world size 1"):
         assert part in str(error.value)
     with pytest.raises(ValueError, match=r"shard=-1 x context=1 x pipeline=1 x tensor=3 .* world size 4"):
@@ -121,13 +149,13 @@ def test_resolution_fills_missing_axes_and_the_absorbing_one():
 
 
 def test_unknown_domain_and_rank_out_of_range_are_named():
-    topology = Topology.data_parallel()
+    topology = ParallelTopology.data_parallel()
     with pytest.raises(ValueError, match="unknown domain 'batch'; known domains: world, data, metrics, gradient"):
         topology.group("batch")
     with pytest.raises(ValueError, match="unknown domain"):
         topology.size("batch")
     with pytest.raises(ValueError, match=r"rank must be in \[0, 4\)"):
-        Topology({"tensor": 4}, rank=4)
+        ParallelTopology({"tensor": 4}, rank=4)
 
 
 # ----------------------------------------------------------------------------- two ranks
@@ -139,12 +167,22 @@ def _members(group):
 
 def _two_ranks(rank, world_size):
     out = {}
-    default = Topology.data_parallel()
+    default = ParallelTopology.data_parallel()
     out["default"] = {d: (default.size(d), default.rank(d), _members(default.group(d))) for d in DOMAINS}
     out["default_describe"] = default.describe()
 
-    tensor = Topology.from_axes({"tensor": 2})
+    tensor = ParallelTopology.from_axes({"tensor": 2})
     data_group = tensor.group("data")
+    context = tensor.context
+    out["context"] = (
+        type(context).__name__,
+        context.topology is tensor and context.mesh is tensor.mesh,
+        tensor.mesh_shape,
+        tuple(context.mesh.shape),
+        context.group("tensor") is tensor.group("tensor") is None,  # the whole world: torch's default group
+        context.group("pipeline") is tensor.group("pipeline") is data_group,  # the one-rank group, made once
+        sorted(context.groups),
+    )
     out["tensor"] = {d: (tensor.size(d), tensor.rank(d), tensor.ranks(d), _members(tensor.group(d))) for d in DOMAINS}
     out["tensor_info"] = (tensor.mesh.mesh_dim_names, tensor.is_data_parallel_only, tensor.describe())
     out["same_singleton"] = data_group is tensor.group("metrics") is tensor.group("pipeline")
@@ -168,7 +206,7 @@ def _two_ranks(rank, world_size):
     restored = pickle.loads(pickle.dumps(metrics))
     out["metrics_copies"] = (copy.deepcopy(metrics).group is data_group, restored.group)
 
-    shard = Topology.from_axes({"shard": -1})
+    shard = ParallelTopology.from_axes({"shard": -1})
     out["shard"] = (shard.degrees["shard"], shard.size("data"), shard.group("data"), shard.describe())
     return out
 
@@ -191,6 +229,8 @@ def test_two_ranks_default_tensor_and_shard_topologies():
             assert out["tensor"][domain] == (1, 0, [rank], [rank]), domain
         assert out["tensor"]["tensor"] == (2, rank, [0, 1], [0, 1])
         assert out["tensor"]["world"] == (2, rank, [0, 1], [0, 1])
+        one_rank = ["context", "data", "gradient", "metrics", "pipeline", "replicate", "shard"]
+        assert out["context"] == ("ParallelContext", True, (2,), (2,), True, True, one_rank)
         names, data_parallel_only, described = out["tensor_info"]
         assert names == ("tensor",) and not data_parallel_only
         assert described == {"world_size": 2, "degrees": {**dict.fromkeys(AXES, 1), "tensor": 2}, "data_size": 1}
@@ -215,7 +255,7 @@ def _batch(data_rank):
 
 
 def _four_ranks(rank, world_size):
-    topology = Topology.from_axes({"replicate": 2, "tensor": 2})
+    topology = ParallelTopology.from_axes({"replicate": 2, "tensor": 2})
     out = {"domains": {}}
     for domain in ("world", "data", "metrics", "gradient", "tensor", "pipeline"):
         group = topology.group(domain)

@@ -2,28 +2,22 @@
 
 `PipelineHost` provides exactly what the `PipelineHost` protocol names (criterion, the real torch
 update strategy, `pipeline_schedule`, `step`, `forward_context`, `to_device`, `update_metrics`) and
-materialises the model the way the parallel runner does, with the functions of
-`danling.distributed.pipeline`: split into local parts, build the schedule over them, keep only the parts.
+materialises the model the way the parallel runner does, through the component's layout methods:
+split into local parts, build the schedule over them, keep only the parts.
 """
 
 from __future__ import annotations
 
 import copy
 from collections.abc import Callable
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from danling.distributed import Topology
-from danling.distributed.pipeline import (
-    PipelineRuntime,
-    build_stage_part,
-    microbatch_count,
-    stage_count,
-    stage_indices,
-)
+from danling.distributed import ParallelTopology
 from danling.distributed.pipeline_parts import PipelineModelPart
 from danling.runners.parallel import PipelineSteps
 from danling.runners.update.precision import Precision
@@ -98,33 +92,29 @@ class PipelineHost:
         accum_steps: int = 1,
         lr: float = 0.1,
         axes: dict[str, int] | None = None,
-        wrap: Callable[[nn.Module, Topology], nn.Module] | None = None,
+        wrap: Callable[[nn.Module, ParallelTopology], nn.Module] | None = None,
         loss_scale: float | None = None,
     ) -> None:
-        self.topology = topology = Topology.from_axes(axes or {"pipeline": dist.get_world_size()})
+        self.topology = topology = ParallelTopology.from_axes(axes or {"pipeline": dist.get_world_size()})
         self.schedule_name = schedule
         self.device = torch.device("cpu")
         self.criterion = nn.MSELoss()
         self.metric_updates: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.metrics = self.metric_updates  # any metrics make the last stage keep its outputs
         self.model = model
-        degree, rank = topology.size("pipeline"), topology.rank("pipeline")
-        num_stages = stage_count(degree, schedule=schedule, module_fqns=fqns, model=model)
-        indices = stage_indices(rank, degree, num_stages, schedule=schedule)
-        parts = [build_stage_part(model, i, num_stages, degree=degree, module_fqns=fqns) for i in indices]
+        settings = SimpleNamespace(
+            pipeline_schedule=schedule,
+            pipeline_n_microbatches=n_microbatches,
+            pipeline_microbatch_size=microbatch_size,
+            module_fqns_per_model_part=fqns,
+        )
+        self.pipeline = PipelineSteps(self, settings, topology, self.device, batch_size)
+        num_stages = self.pipeline.stage_count(model)
+        indices = self.pipeline.stage_indices(num_stages)
+        parts = [self.pipeline.stage_part(model, index, num_stages) for index in indices]
         if wrap is not None:  # as the runner shards or wraps each part before building the schedule
             parts = [wrap(part, self.topology) for part in parts]
-        self.pipeline = PipelineSteps(self)
-        self.pipeline.runtime = runtime = PipelineRuntime(
-            parts,
-            schedule=schedule,
-            microbatches=microbatch_count(batch_size, n_microbatches=n_microbatches, microbatch_size=microbatch_size),
-            rank=rank,
-            ranks=topology.ranks("pipeline"),
-            group=topology.group("pipeline"),
-            device=self.device,
-            loss_fn=self.pipeline.loss,
-        )
+        runtime = self.pipeline.build_runtime(parts)
         self.pipeline_schedule = runtime.schedule
         self.pipeline_has_last_stage = runtime.has_last_stage
         self.model_parts, self.model = parts, parts[0]

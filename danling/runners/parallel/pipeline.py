@@ -2,9 +2,10 @@
 
 [`ParallelRunner`][danling.runners.parallel_runner.ParallelRunner] delegates them to this component.
 
-[`PipelineSteps`][danling.runners.parallel.pipeline.PipelineSteps] runs one batch through a
+[`PipelineSteps`][danling.runners.parallel.pipeline.PipelineSteps] lays the stages out (how many,
+which this rank owns, how each is cut from the model), builds the
 [`PipelineRuntime`][danling.distributed.pipeline.PipelineRuntime] (the schedule over this rank's
-stages) and calls back into the runner only through
+stages), runs one batch through it, and calls back into the runner only through
 [`PipelineHost`][danling.runners.parallel.pipeline.PipelineHost]: the criterion, the update strategy,
 `step()`, `forward_context()`, `to_device()` and `update_metrics()`.
 
@@ -16,12 +17,14 @@ over the microbatches is then broadcast over the pipeline group, so every rank r
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
 import torch
+from torch import nn
 
-from danling.distributed.pipeline import PipelineRuntime
+from danling.distributed.pipeline import PipelineRuntime, build_stage_part, stage_count, stage_indices
 from danling.distributed.pipeline_runtime import no_grad_outside_inference, without_loss
 
 __all__ = ["PipelineHost", "PipelineSteps"]
@@ -44,19 +47,71 @@ class PipelineHost(Protocol):
 
 
 class PipelineSteps:
-    """One training, evaluation or inference batch through the pipeline schedule.
+    """The stage layout, the schedule, and one training, evaluation or inference batch through it.
 
     Args:
         host: The runner (see [`PipelineHost`][danling.runners.parallel.pipeline.PipelineHost]).
+        parallel: The `parallel` config section (`pipeline_schedule`, `pipeline_n_microbatches`,
+            `pipeline_microbatch_size`, `module_fqns_per_model_part`).
+        topology: The run's topology (the pipeline domain's size, rank, ranks and group).
+        device: The device the stages run on.
+        batch_size: The training batch size the microbatches divide.
 
     Attributes:
-        runtime: The [`PipelineRuntime`][danling.distributed.pipeline.PipelineRuntime], bound once the
-            schedule is built (its loss function is `loss`).
+        runtime: The [`PipelineRuntime`][danling.distributed.pipeline.PipelineRuntime], bound by
+            `build_runtime` (its loss function is `loss`).
+        num_stages: The number of stages in all, fixed once the stages are cut (`None` before).
     """
 
-    def __init__(self, host: PipelineHost) -> None:
+    def __init__(self, host: PipelineHost, parallel: Any, topology: Any, device: torch.device, batch_size: int) -> None:
         self.host = host
+        self.parallel, self.topology, self.device, self.batch_size = parallel, topology, device, batch_size
         self.runtime: PipelineRuntime | None = None
+        self.num_stages: int | None = None
+
+    # ------------------------------------------------------------------ layout
+    def stage_count(self, model: nn.Module | None) -> int:
+        """Stages in all: fixed once cut; else from `module_fqns_per_model_part`, the model's
+        `pipeline_num_stages`, or the schedule (see [`stage_count`][danling.distributed.pipeline.stage_count])."""
+        if self.num_stages is not None:
+            return self.num_stages
+        return stage_count(
+            self.topology.size("pipeline"),
+            schedule=self.parallel.pipeline_schedule,
+            module_fqns=self.parallel.module_fqns_per_model_part,
+            model=model,
+        )
+
+    def stage_indices(self, num_stages: int) -> tuple[int, ...]:
+        """The stages this rank owns (see [`stage_indices`][danling.distributed.pipeline.stage_indices])."""
+        topology = self.topology
+        schedule = self.parallel.pipeline_schedule
+        return stage_indices(topology.rank("pipeline"), topology.size("pipeline"), num_stages, schedule=schedule)
+
+    def stage_part(self, model: nn.Module, stage_index: int, num_stages: int) -> nn.Module:
+        """Stage `stage_index` of `model` (see [`build_stage_part`][danling.distributed.pipeline.build_stage_part])."""
+        degree, fqns = self.topology.size("pipeline"), self.parallel.module_fqns_per_model_part
+        return build_stage_part(model, stage_index, num_stages, degree=degree, module_fqns=fqns)
+
+    def build_runtime(self, parts: nn.Module | Sequence[nn.Module]) -> PipelineRuntime:
+        """The runtime over this rank's final (wrapped) stage module(s), bound to `runtime`; fixes `num_stages`.
+
+        Raises:
+            ValueError: an unknown schedule name, a bad microbatch count, or a number of parts that
+                does not match the schedule (one per rank for GPipe/1F1B).
+        """
+        runtime = PipelineRuntime.from_config(
+            [parts] if isinstance(parts, nn.Module) else list(parts),
+            self.parallel,
+            batch_size=self.batch_size,
+            topology=self.topology,
+            device=self.device,
+            loss_fn=self.loss,
+        )
+        self.runtime, self.num_stages = runtime, runtime.num_stages
+        return runtime
+
+    # ------------------------------------------------------------------ steps
 
     def _runtime(self) -> PipelineRuntime:
         if self.runtime is None:

@@ -12,13 +12,17 @@ import os
 import re
 import subprocess
 import sys
+import typing
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
+from danling.distributed import ParallelContext, ParallelTopology
+from danling.runners import ParallelRunner
 from tests.dist import free_ports, run_distributed
-from tests.runners._parallel_toy import TENSOR_PLAN, ParallelRegression, full_weights, parallel_config
+from tests.runners._parallel_toy import TENSOR_PLAN, ParallelRegression, ResidualMLP, full_weights, parallel_config
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 _REPO = Path(__file__).resolve().parents[3]
@@ -79,12 +83,50 @@ def _layout_errors(root: str) -> dict:
     return errors
 
 
+class HookedMLP(ResidualMLP):
+    """Splits its own blocks over the tensor axis with the `ParallelContext` its `parallelize` receives."""
+
+    def parallelize(self, parallel: ParallelContext) -> None:
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        self.received = parallel
+        for block in self.layers:
+            parallelize_module(block, parallel.mesh["tensor"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+
+
+class HookedRegression(ParallelRegression):
+    def __init__(self, config) -> None:
+        super().__init__(config)
+        torch.manual_seed(0)  # the same initial weights as ResidualMLP
+        self.model = HookedMLP()
+
+
+def _topology_and_context(runner) -> dict:
+    """What `runner.topology` and `runner.parallel` say on this rank (a tensor=2 run)."""
+    topology, parallel = runner.topology, runner.parallel
+    return {
+        "types": (type(topology).__name__, type(parallel).__name__),
+        "layout": (topology.degrees["tensor"], topology.coordinates, topology.mesh_shape, topology.mesh_dim_names),
+        "domains": (topology.domains["metrics"], topology.size("tensor"), topology.rank("tensor")),
+        "context": (parallel.topology is topology, parallel.mesh is topology.mesh, parallel.mesh.mesh_dim_names),
+        "groups": (
+            parallel.group("data") is topology.group("data"),
+            dist.get_process_group_ranks(parallel.group("data")),
+        ),
+        "received": runner.unwrap(runner.model).received is parallel,
+    }
+
+
 def _train_layouts(rank: int, world_size: int, root: str) -> dict:
     results = {"errors": _layout_errors(root)}
     for name, layout in LAYOUTS.items():
         with ParallelRegression(parallel_config(root, name, **layout)) as runner:
             runner.train()
             results[name] = {"losses": runner.losses, "weights": full_weights(runner), "sharded": _sharded(runner)}
+    with HookedRegression(parallel_config(root, "tensor-hook", **{"parallel.axes.tensor": 2})) as runner:
+        runner.train()
+        results["tensor-hook"] = {"losses": runner.losses, "weights": full_weights(runner)}
+        results["tensor-hook"].update(_topology_and_context(runner))
     with ParallelRegression(parallel_config(root, "bf16", precision="bf16", **LAYOUTS["fsdp"])) as runner:
         runner.train()
         results["bf16"] = {"losses": runner.losses, "param_dtype": str(next(runner.model.parameters()).dtype)}
@@ -102,21 +144,48 @@ def _reference(tmp_path, name: str) -> dict:
         return {"losses": runner.losses, "weights": full_weights(runner)}
 
 
+def test_topology_and_context_types_in_one_process(tmp_path, monkeypatch):
+    for name in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    hints = typing.get_type_hints(ParallelRunner.build_topology)
+    assert hints["return"] is ParallelTopology
+    assert typing.get_type_hints(ParallelRunner.parallel.fget)["return"] is ParallelContext
+    with ParallelRegression(parallel_config(str(tmp_path), "one")) as runner:
+        assert isinstance(runner.topology, ParallelTopology) and isinstance(runner.parallel, ParallelContext)
+        assert runner.parallel.topology is runner.topology and runner.topology.mesh_shape == ()
+        assert (runner.parallel.mesh, runner.topology.coordinates["tensor"], runner.parallel.group("data")) == (
+            None,
+            0,
+            None,
+        )
+
+
 def test_fsdp_tensor_and_ddp_layouts_train_like_one_process(tmp_path):
     results = run_distributed(_train_layouts, str(tmp_path / "dist"), init_process_group=False)
     for name, (_, kind, pattern) in BAD_LAYOUTS.items():
         for rank in (0, 1):  # refused on every rank alike, before any training
             error = results[rank]["errors"][name]
             assert error is not None and error[0] is kind and re.search(pattern, error[1]), (name, error)
-    for name in LAYOUTS:
-        reference = _reference(tmp_path, name)
+    references = {name: _reference(tmp_path, name) for name in LAYOUTS}
+    for name in [*LAYOUTS, "tensor-hook"]:
+        reference = references["tensor" if name == "tensor-hook" else name]
         for rank in (0, 1):
             got = results[rank][name]
-            assert got["sharded"] is (name != "ddp"), name
+            assert got.get("sharded", True) is (name != "ddp"), name
             assert len(got["losses"]) == len(reference["losses"]), name
             assert got["losses"] == pytest.approx(reference["losses"], rel=1e-5, abs=1e-6), name
             for key, value in reference["weights"].items():
                 torch.testing.assert_close(got["weights"][key], value, rtol=1e-5, atol=1e-6, msg=f"{name}: {key}")
+    # The reference's ParallelTopology and ParallelContext, and the context a model's `parallelize` receives
+    for rank in (0, 1):
+        hooked = results[rank]["tensor-hook"]
+        assert hooked["types"] == ("ParallelTopology", "ParallelContext")
+        coordinates = {"replicate": 0, "shard": 0, "context": 0, "pipeline": 0, "tensor": rank}
+        assert hooked["layout"] == (2, coordinates, (2,), ("tensor",))
+        assert hooked["domains"] == (("replicate", "shard"), 2, rank)
+        assert hooked["context"] == (True, True, ("tensor",))
+        assert hooked["groups"] == (True, [rank])  # tensor peers read the same batch: a data domain of one
+        assert hooked["received"]
     # bf16 parameters in compute (FSDP2 mixed precision), fp32 master weights, finite losses
     bf16 = results[0]["bf16"]
     assert bf16["param_dtype"] == "torch.float32"

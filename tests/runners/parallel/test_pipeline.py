@@ -15,7 +15,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from danling.data import build_dataloader
-from danling.distributed import Topology
+from danling.distributed import ParallelTopology
 from danling.distributed.pipeline import (
     build_stage_part,
     check_forward_only,
@@ -61,7 +61,7 @@ class LayoutHost:
     """
 
     def __init__(self, rank: int = 0, degree: int = 2, model: nn.Module | None = None, **parallel) -> None:
-        self.topology = Topology({"pipeline": degree}, rank=rank)
+        self.topology = ParallelTopology({"pipeline": degree}, rank=rank)
         options = {
             "pipeline_schedule": "1F1B",
             "pipeline_microbatch_size": 1,
