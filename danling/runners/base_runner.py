@@ -368,7 +368,7 @@ class BaseRunner(CheckpointMixin, StepHooks, metaclass=MetaRunner):
         """Who this rank is along each parallel axis, and the process group of each reduction domain.
 
         The default is plain data parallelism
-        ([`Topology.data_parallel`][danling.distributed.topology.Topology.data_parallel]): the data,
+        ([`Topology.data_parallel`][danling.distributed.topology.ParallelTopology.data_parallel]): the data,
         metrics and gradient domains are the whole world, so every collective uses the default
         group. Samplers, loader sharding, the inference gather, metric reduction, the per-rank seed
         offset and per-rank checkpoint entries follow the `data` domain; gradient synchronisation
