@@ -138,6 +138,13 @@ class RunnerSupervisor:
             self._signal_watch = watch if watch.start() else None
         return True
 
+    def add_stop_signals(self, signals: Iterable[int]) -> None:
+        """Make `signals` stop signals too (Slurm's preemption signal, say); installed with the others."""
+        for sig in signals:
+            sig = signal.Signals(sig)
+            if sig not in self.signals:
+                self.signals += (sig,)
+
     def restore_signal_handlers(self) -> None:
         """Put back the handlers that were active before `install_signal_handlers`.
 
