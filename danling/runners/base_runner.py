@@ -942,7 +942,7 @@ class BaseRunner(CheckpointMixin, StepHooks, metaclass=MetaRunner):
         self.preemption = SlurmPreemption(
             slurm.signal, requeue=slurm.requeue, job=job, is_main_process=self.is_main_process, logger=self.logger
         ).attach(self.events)
-        self.supervisor.add_stop_signals(self.preemption.stop_signals())
+        self.supervisor.add_stop_signals(self.preemption.stop_signals(), repeatable=True)
 
     # ==== observability surface: thin delegations to the observability component ====
     # (keep this marker; add this component's public names right below it)

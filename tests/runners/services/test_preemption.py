@@ -154,3 +154,18 @@ def test_scontrol_timeout_is_handled(caplog):
 
     service = SlurmPreemption("USR1", requeue=True, job=SlurmJob("7"), is_main_process=True, run_command=slow)
     assert service.requeue_job() is False
+
+
+def test_repeated_preemption_signal_is_ignored_while_stopping():
+    # A torchrun agent forwards the signal its workers also got from Slurm: the second must not kill them.
+    from danling.runners.services.supervisor import RunnerSupervisor
+
+    supervisor = RunnerSupervisor()
+    supervisor.add_stop_signals([signal.SIGUSR1], repeatable=True)
+    assert supervisor.install_signal_handlers()
+    try:
+        os.kill(os.getpid(), signal.SIGUSR1)
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert supervisor.stop_requested and supervisor.exit_code == 128 + signal.SIGUSR1
+    finally:
+        supervisor.close()
