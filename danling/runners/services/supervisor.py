@@ -143,16 +143,17 @@ class RunnerSupervisor:
     def add_stop_signals(self, signals: Iterable[int], *, repeatable: bool = False) -> None:
         """Make `signals` stop signals too (Slurm's preemption signal, say); installed with the others.
 
-        With `repeatable`, the signal arriving again while the stop is under way is ignored instead
-        of ending the process: a scheduler may deliver one notice twice (to a torchrun agent, which
-        forwards it, and to its workers directly).
+        With `repeatable`, such a signal arriving again while the stop is under way is ignored
+        instead of ending the process: a scheduler may deliver one notice twice (to a torchrun
+        agent, which forwards it, and to its workers directly). A signal that already was a stop
+        signal (SIGTERM, SIGINT) keeps its meaning: sent twice, it ends a stuck run.
         """
         for sig in signals:
             sig = signal.Signals(sig)
             if sig not in self.signals:
                 self.signals += (sig,)
-            if repeatable:
-                self._repeatable.add(sig)
+                if repeatable:
+                    self._repeatable.add(sig)
 
     def restore_signal_handlers(self) -> None:
         """Put back the handlers that were active before `install_signal_handlers`.

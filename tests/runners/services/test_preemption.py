@@ -169,3 +169,12 @@ def test_repeated_preemption_signal_is_ignored_while_stopping():
         assert supervisor.stop_requested and supervisor.exit_code == 128 + signal.SIGUSR1
     finally:
         supervisor.close()
+
+
+def test_a_preemption_signal_that_is_sigterm_keeps_escalating():
+    from danling.runners.services.supervisor import RunnerSupervisor
+
+    supervisor = RunnerSupervisor()
+    supervisor.add_stop_signals([signal.SIGTERM, signal.SIGUSR2], repeatable=True)
+    assert supervisor.signals == (signal.SIGTERM, signal.SIGINT, signal.SIGUSR2)
+    assert supervisor._repeatable == {signal.SIGUSR2}
