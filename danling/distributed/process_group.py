@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from .slurm import apply_slurm_launch
+
 if TYPE_CHECKING:  # only for annotations: builds without distributed support lack the class
     from torch.distributed import ProcessGroup
 
@@ -116,12 +118,14 @@ def init_process_group_from_env(
     timeout: float | None = None,
     allow_existing: bool = False,
 ) -> bool:
-    """Start the default process group from torchrun's environment variables.
+    """Start the default process group from torchrun's (or `srun`'s) environment variables.
 
     Reads ``WORLD_SIZE``, ``RANK`` and ``LOCAL_RANK`` (and, for the default ``env://``
-    rendezvous, ``MASTER_ADDR``/``MASTER_PORT``). A run with ``WORLD_SIZE`` unset or 1 is left
-    single-process. On CUDA machines the current device is set to ``LOCAL_RANK`` before the group
-    starts (GPU-only branch).
+    rendezvous, ``MASTER_ADDR``/``MASTER_PORT``); inside an `srun` step that no torchrun placed,
+    they are first derived from ``SLURM_*``
+    ([`apply_slurm_launch`][danling.distributed.slurm.apply_slurm_launch]). A run with
+    ``WORLD_SIZE`` unset or 1 is left single-process. On CUDA machines the current device is set
+    to ``LOCAL_RANK`` before the group starts (GPU-only branch).
 
     Args:
         backend: Communication backend; ``None`` picks ``"nccl"`` on CUDA and ``"gloo"`` otherwise.
@@ -137,7 +141,8 @@ def init_process_group_from_env(
     Raises:
         RuntimeError: a default group is already running and `allow_existing` is false, or its
             world size disagrees with ``WORLD_SIZE``.
-        ValueError: a non-positive `timeout`, or ``RANK`` missing or out of range.
+        ValueError: a non-positive `timeout`, ``RANK`` missing or out of range, or a partial
+            launch environment inside a Slurm job.
 
     Examples:
         >>> init_process_group_from_env()  # WORLD_SIZE unset: single process, nothing to start
@@ -145,6 +150,7 @@ def init_process_group_from_env(
     """
     if timeout is not None and timeout <= 0:
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    apply_slurm_launch()
     world_size = _env_int("WORLD_SIZE", 1)
     if world_size <= 1:
         return False

@@ -28,6 +28,7 @@ from chanfig import FlatDict
 
 from danling.checkpoint import CheckpointManager, FileCheckpointManager
 from danling.distributed import Topology
+from danling.distributed.slurm import SlurmJob, apply_slurm_launch
 from danling.metrics import AverageMeters
 from danling.utils import RoundDict
 from danling.utils.io import save as save_file
@@ -41,6 +42,7 @@ from .registry import RUNNERS
 from .services import RunnerResults, RunnerSupervisor, RunnerWorkspace, Trackers
 from .services.errors import report_errors_briefly
 from .services.observability import RunStatus, Throughput, is_train_step_log
+from .services.preemption import SlurmPreemption
 from .services.progress_bar import ProgressBar
 from .services.tracking import TRACKERS, TrackerSetup, tensorboard_tracker, wandb_tracker
 from .state import RunnerElasticState, RunnerRNGState, RunnerState, RunnerTrainState
@@ -117,6 +119,8 @@ class BaseRunner(CheckpointMixin, StepHooks, metaclass=MetaRunner):
         supervisor: Signal handling, heartbeat and GC pacing.
         update: The [`UpdateStrategy`][danling.runners.update.strategy.UpdateStrategy] that turns
             micro-steps into optimizer updates (`update.accumulator` holds the accumulation window).
+        preemption: The [`SlurmPreemption`][danling.runners.services.preemption.SlurmPreemption] service:
+            `slurm.signal` stops the run at a checkpoint, then `slurm.requeue` requeues the job.
         loop: The [`Loop`][danling.runners.loop.loops.Loop] running the training, evaluation and
             inference loops; the loop methods below delegate to it.
         trackers: The [`Trackers`][danling.runners.services.trackers.Trackers] fan-out every logged value
@@ -152,6 +156,7 @@ class BaseRunner(CheckpointMixin, StepHooks, metaclass=MetaRunner):
 
     def __init__(self, config: RunnerConfig | Mapping[str, Any]) -> None:
         report_errors_briefly(None)  # an error ending the script is one line; _init_logging names the run log
+        apply_slurm_launch()  # `srun` without torchrun: RANK, WORLD_SIZE, ... from SLURM_*, before a rank is read
         RunnerConfig.check_runner(config, type(self))  # refuse stacks/features this class does not implement
         self.config = self._normalize_config(config)
         self._resolve_auto_stack()
@@ -173,6 +178,7 @@ class BaseRunner(CheckpointMixin, StepHooks, metaclass=MetaRunner):
         self._init_logging()
         self._init_trackers()
         self.workspace.route_print()
+        self._init_cluster()
         self.init_signal_handlers()
         self.init_heartbeat()
 
@@ -929,6 +935,16 @@ class BaseRunner(CheckpointMixin, StepHooks, metaclass=MetaRunner):
     def _row_index(self) -> int:
         """Row index for the current progress: the global step in step mode, else the epoch."""
         return self.train_state.global_step if self.is_step_mode else self.train_state.epoch
+
+    # ==== cluster surface: Slurm preemption and requeue (services/preemption.py) ====
+    def _init_cluster(self) -> None:
+        """Bind `preemption` (inert outside Slurm): `slurm.signal` stops the run like SIGTERM, then may requeue."""
+        slurm = self.config.slurm
+        job = SlurmJob.from_environ()
+        self.preemption = SlurmPreemption(
+            slurm.signal, requeue=slurm.requeue, job=job, is_main_process=self.is_main_process, logger=self.logger
+        ).attach(self.events)
+        self.supervisor.add_stop_signals(self.preemption.stop_signals(), repeatable=True)
 
     # ==== observability surface: thin delegations to the observability component ====
     # (keep this marker; add this component's public names right below it)

@@ -32,7 +32,14 @@ from ._config_utils import (
     unknown_keys,
     unsupported,
 )
-from .config_operations import HeartbeatConfig, InferenceConfig, NonFiniteConfig, SpikeConfig, WatchdogConfig
+from .config_operations import (
+    HeartbeatConfig,
+    InferenceConfig,
+    NonFiniteConfig,
+    SlurmConfig,
+    SpikeConfig,
+    WatchdogConfig,
+)
 from .config_sections import (
     CheckpointConfig,
     CommConfig,
@@ -132,6 +139,7 @@ class RunnerConfig(_TypedConfig):
         nonfinite: What NaN/inf updates do; see `NonFiniteConfig`.
         spikes: Loss-spike detection and recovery (off by default); see `SpikeConfig`.
         watchdog: Hang watchdog (on by default); see `WatchdogConfig`.
+        slurm: Slurm preemption signal and requeue; see `SlurmConfig`.
 
     Examples:
         >>> config = RunnerConfig()
@@ -161,8 +169,8 @@ class RunnerConfig(_TypedConfig):
         "bf16": "bf16",
         "bfloat16": "bf16",
     }
-    # Where predictions go and how a hang is caught do not define the experiment.
-    CONFIG_ID_IGNORES = (*CONFIG_ID_IGNORES, "inference", "watchdog")
+    # Where predictions go, how a hang is caught and how a cluster preempts do not define the experiment.
+    CONFIG_ID_IGNORES = (*CONFIG_ID_IGNORES, "inference", "watchdog", "slurm")
     # Features no runner of this version implements; a backend lifts one by naming it in its
     # `supported_features` (and the entry is dropped once every runner reads those keys).
     FEATURES = {
@@ -231,6 +239,7 @@ class RunnerConfig(_TypedConfig):
     nonfinite: NonFiniteConfig = NonFiniteConfig()
     spikes: SpikeConfig = SpikeConfig()
     watchdog: WatchdogConfig = WatchdogConfig()
+    slurm: SlurmConfig = SlurmConfig()
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__()

@@ -1,11 +1,11 @@
 """Sections of [`RunnerConfig`][danling.runners.config.RunnerConfig] about how a run is operated and
 protected rather than what it trains: heartbeats, the hang watchdog, non-finite checks, loss-spike
-recovery and inference into files. None of them is part of the experiment's identity.
+recovery, Slurm preemption and inference into files. None of them is part of the experiment's identity.
 """
 
 from .config_sections import _TypedConfig
 
-__all__ = ["HeartbeatConfig", "InferenceConfig", "NonFiniteConfig", "SpikeConfig", "WatchdogConfig"]
+__all__ = ["HeartbeatConfig", "InferenceConfig", "NonFiniteConfig", "SlurmConfig", "SpikeConfig", "WatchdogConfig"]
 
 
 class HeartbeatConfig(_TypedConfig):
@@ -100,3 +100,21 @@ class WatchdogConfig(_TypedConfig):
     timeout_seconds: float = 600.0
     interval_seconds: float | None = None
     exit_code: int = 124
+
+
+class SlurmConfig(_TypedConfig):
+    """Slurm preemption and requeue (`slurm.*`); used only inside a Slurm job (`SLURM_JOB_ID` set).
+
+    `signal` becomes a stop signal like SIGTERM: every rank stops at the same step, saves a
+    `shutdown` checkpoint and exits. With `requeue`, the main process then runs
+    `scontrol requeue $SLURM_JOB_ID`, and the requeued job resumes with `auto_resume` in the same
+    run directory. Slurm delivers the signal to the tasks of the job's steps with
+    `#SBATCH --signal=USR1@<seconds>` (`B:USR1` reaches only the batch shell); see the clusters guide.
+
+    Attributes:
+        signal: Signal that asks for a checkpoint and stop (`USR1`, `SIGUSR2`, `TERM`, ...); None disables it.
+        requeue: After the stop that `signal` caused, requeue the job with `scontrol requeue`.
+    """
+
+    signal: str | None = "USR1"
+    requeue: bool = False

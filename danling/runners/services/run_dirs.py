@@ -30,6 +30,7 @@ from typing import Any
 
 from danling.checkpoint.layout import NAME_PATTERN, POINTER_SUFFIX, scan_checkpoints
 from danling.checkpoint.manifest import MANIFEST_NAME, CheckpointError, CheckpointNotFoundError, verify_directory
+from danling.distributed.slurm import SlurmJob
 
 __all__ = [
     "atomic_write",
@@ -237,12 +238,16 @@ def read_json(path: Path) -> dict[str, Any] | None:
 
 
 def launch_record(config: Any, start_time: Any, code_id: str | None, git: Any, world_size: int) -> dict[str, Any]:
-    """One entry of `metadata.json["launches"]`: when, which code (commit, dirty flag), budget and seed."""
+    """One entry of `metadata.json["launches"]`: when, which code (commit, dirty flag), budget and seed.
+
+    Inside a Slurm job it also holds `slurm`: the job id, array job id and index, and restart count.
+    """
 
     def get(key: str) -> Any:
         return config.get(key) if isinstance(config, Mapping) else None
 
-    return {
+    job = SlurmJob.from_environ()
+    record = {
         "start_time": start_time.isoformat(),
         "code_id": code_id,
         "git": git,
@@ -253,6 +258,9 @@ def launch_record(config: Any, start_time: Any, code_id: str | None, git: Any, w
         "epochs": get("epochs"),
         "steps": get("steps"),
     }
+    if job is not None:
+        record["slurm"] = job.record()
+    return record
 
 
 def save_code_diff(run_dir: Path, index: int, git: Mapping[str, Any] | None) -> str | None:

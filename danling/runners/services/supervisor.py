@@ -89,6 +89,7 @@ class RunnerSupervisor:
         self.signum: int | None = None
         self._previous_handlers: dict[int, Any] = {}
         self._signal_watch: SignalWatch | None = None  # the second signal while the main thread is stuck in C
+        self._repeatable: set[signal.Signals] = set()  # stop signals whose repetition does not escalate
         self.exiting_code: int | None = None  # set by the loops once a stop's checkpoint is saved
         self._last_beat: float | None = None
         self._last_progress: dict[str, Any] = {}
@@ -134,9 +135,25 @@ class RunnerSupervisor:
                 self._previous_handlers[sig] = signal.getsignal(sig)
             signal.signal(sig, self._handle)
         if self._signal_watch is None:
-            watch = SignalWatch(self.signals, lambda: self.stop_requested, self.logger)
+            escalating = [sig for sig in self.signals if sig not in self._repeatable]
+            watch = SignalWatch(escalating, lambda: self.stop_requested, self.logger)
             self._signal_watch = watch if watch.start() else None
         return True
+
+    def add_stop_signals(self, signals: Iterable[int], *, repeatable: bool = False) -> None:
+        """Make `signals` stop signals too (Slurm's preemption signal, say); installed with the others.
+
+        With `repeatable`, such a signal arriving again while the stop is under way is ignored
+        instead of ending the process: a scheduler may deliver one notice twice (to a torchrun
+        agent, which forwards it, and to its workers directly). A signal that already was a stop
+        signal (SIGTERM, SIGINT) keeps its meaning: sent twice, it ends a stuck run.
+        """
+        for sig in signals:
+            sig = signal.Signals(sig)
+            if sig not in self.signals:
+                self.signals += (sig,)
+                if repeatable:
+                    self._repeatable.add(sig)
 
     def restore_signal_handlers(self) -> None:
         """Put back the handlers that were active before `install_signal_handlers`.
@@ -165,6 +182,9 @@ class RunnerSupervisor:
             self.signum = int(signum)
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self.stop_requested and signum in self._repeatable:
+            self.logger.info("received %s again; the stop is already under way", signal.Signals(signum).name)
+            return
         if self.stop_requested:
             self.logger.warning("received %s again; no longer waiting for a graceful stop", signal.Signals(signum).name)
             previous = self._previous_handlers.get(signum)
