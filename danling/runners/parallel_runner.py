@@ -127,7 +127,7 @@ class ParallelRunner(TorchRunner):
 
     # ------------------------------------------------------------------ model
     def materialize_model(self) -> None:
-        """Materialize the local model parts: device, tensor parallel, activation checkpointing, FSDP2/DDP, compile.
+        """Materialize the local parts: device, fp8, tensor parallel, activation checkpointing, FSDP2/DDP, compile.
 
         Called when: once, by `__post_init__` during construction, on every rank; first of the components.
         Holds on entry: the topology (mesh and groups), precision policy and compiler are set up;
@@ -170,10 +170,11 @@ class ParallelRunner(TorchRunner):
 
     def _materialize_part(self, part: nn.Module, *, strict: bool) -> nn.Module:
         part = part.to(self.device)
+        fsdp = self.config.fsdp
+        self.apply_fp8(part, fsdp=bool(fsdp.enabled and self.distributed))  # before sharding: swaps modules
         part = self.parallelize_model(part)
         part = self.apply_activation_checkpointing(part)
         trainable = any(param.requires_grad for param in part.parameters())
-        fsdp = self.config.fsdp
         if fsdp.enabled and self.distributed:
             apply_fsdp(
                 part,

@@ -167,11 +167,9 @@ class TorchRunner(TorchCheckpointMixin, BaseRunner):
         if self.fp8 is None:
             return
         done = self.fp8.apply(model, fsdp=fsdp)
+        kept = f": {done.skipped}" if done.skipped else ""
         self.logger.info(
-            "fp8: %d linears converted, %d kept in high precision %s",
-            len(done.converted),
-            len(done.skipped),
-            done.skipped or "",
+            "fp8: %d linears converted, %d kept in high precision%s", len(done.converted), len(done.skipped), kept
         )
 
     def _init_telemetry(self) -> None:
