@@ -47,6 +47,15 @@ def test_the_quick_check_passes_on_cpu_and_names_what_waits_for_a_gpu(tmp_path):
         # the runner's own telemetry: it counted the step as the benchmark did, and logged tflops and mfu
         assert values["runner_counted_flops"] == pytest.approx(values["flops_per_step"], rel=0.01)
         assert values["runner_logged_tflops"] > 0 and values["runner_logged_mfu"] > 0
+    # fp8 waits for a GPU of compute capability >= 8.9; on the CPU the comparison runs with float8 emulated
+    assert checks["fp8"]["status"] == "skip", checks["fp8"]
+    try:
+        import torchao.float8  # noqa: F401
+    except ImportError:
+        assert "needs torchao" in checks["fp8"]["reason"]
+    else:
+        assert checks["fp8"]["reason"].startswith("precision: fp8 needs a CUDA device of compute capability >= 8.9")
+        assert "float8 emulated on the CPU instead: validation loss bf16" in checks["fp8"]["reason"]
     table = (tmp_path / "gpu_check.md").read_text()
     assert table == markdown(report) and "| sync | skip |" in table
     assert "===== resume: pass" in (tmp_path / "gpu_check.log").read_text()
