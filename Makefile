@@ -78,12 +78,14 @@ GPU_WHEELS ?= .gpu-wheels
 GPU_PY ?= python3
 GPU_SITE ?= /tmp/danling-gpu-site
 GPU_OUT ?= gpu-check-out
+# torchao (the `fp8` extra) at a version whose float8 training runs with the image's torch 2.11.
+GPU_TORCHAO ?= torchao==0.17.0
 GPU_PLATFORMS := --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 --platform any
 
 gpu-wheels: $(STAMP)
 	rm -rf $(GPU_WHEELS) && mkdir -p $(GPU_WHEELS)
 	$(PY) -m pip download --quiet --no-deps --only-binary=:all: $(GPU_PLATFORMS) -d $(GPU_WHEELS) \
-		$$($(PY) -m pip freeze | grep -iE '^(chanfig|torchdata|lazy[-_]imports)==')
+		$$($(PY) -m pip freeze | grep -iE '^(chanfig|torchdata|lazy[-_]imports)==') $(GPU_TORCHAO)
 	ls $(GPU_WHEELS)
 
 gpu-check:

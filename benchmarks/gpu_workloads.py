@@ -30,6 +30,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import danling as dl
+from danling.runners.services.telemetry import peak_flops
 
 
 class Skip(Exception):
@@ -52,27 +53,6 @@ class Context:
 
 
 # --------------------------------------------------------------------------- shared pieces
-# Dense bf16 tensor-core peaks (FLOP/s) by device name, from the vendors' data sheets; the first
-# name contained in `torch.cuda.get_device_name()` wins, so the more specific names come first.
-PEAK_BF16_FLOPS = (
-    ("H200", 989e12),
-    ("H100 PCIe", 756e12),
-    ("H100", 989e12),
-    ("A100", 312e12),
-    ("L40S", 362e12),
-    ("L4", 121e12),
-    ("RTX 4090", 165e12),
-)
-
-
-def peak_bf16_flops(device_name: str) -> float | None:
-    """The dense bf16 peak of a known device, or None for one the table does not list."""
-    for name, peak in PEAK_BF16_FLOPS:
-        if name in device_name:
-            return peak
-    return None
-
-
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -303,7 +283,7 @@ def check_environment(ctx: Context) -> dict[str, Any]:
             memory_gib=round(props.total_memory / 2**30, 1),
             cuda=torch.version.cuda,
             bf16=torch.cuda.is_bf16_supported(),
-            peak_bf16_tflops=(peak_bf16_flops(props.name) or 0) / 1e12 or None,
+            peak_bf16_tflops=(peak_flops(props.name, "bf16") or 0) / 1e12 or None,
         )
     return info
 
@@ -674,6 +654,8 @@ def check_gpt2(ctx: Context) -> dict[str, Any]:
             log_interval=10**9,
             **{"optim.type": "adamw", "optim.lr": 1e-3, "dataloader.batch_size": batch},
             **{"dataloader.pin_memory": ctx.cuda, "checkpoint.load_only": True},
+            # A CPU has no peak in the table: a nominal one lets the quick run exercise the telemetry.
+            **({} if ctx.cuda else {"telemetry.peak_tflops": 1.0}),
         )
 
     def build_runner() -> dl.TorchRunner:
@@ -698,9 +680,29 @@ def check_gpt2(ctx: Context) -> dict[str, Any]:
     out["parameters_m"] = sum(p.numel() for p in runners[0].model.parameters()) / 1e6
     out["flops_per_step"] = step_flops(runners[0].model, dataset, batch, ctx)
     out["runner_tflops"] = out["flops_per_step"] / (out["runner_ms"] / 1e3) / 1e12
-    peak = peak_bf16_flops(torch.cuda.get_device_name(ctx.device)) if ctx.cuda else None
+    peak = peak_flops(torch.cuda.get_device_name(ctx.device), "bf16") if ctx.cuda else None
     out["runner_mfu"] = out["runner_tflops"] * 1e12 / peak if peak else None
+    out.update(logged_telemetry(runners[0]))
     return out
+
+
+def logged_telemetry(runner: dl.TorchRunner) -> dict[str, Any]:
+    """The runner's own `tflops` and `mfu` (its telemetry) from the last step log of its `metrics.csv`.
+
+    Its rate spans the whole last epoch (warm-up included), so it sits a little below the
+    benchmark's, which times the steps after the warm-up only.
+    """
+    import csv
+
+    with open(runner.workspace.path / "metrics.csv", newline="") as file:
+        rows = [row for row in csv.DictReader(file) if row.get("tflops")]
+    if not rows:
+        raise AssertionError("the runner logged no tflops: its telemetry did not run")
+    return {
+        "runner_counted_flops": runner.telemetry.flops_per_step,
+        "runner_logged_tflops": float(rows[-1]["tflops"]),
+        "runner_logged_mfu": float(rows[-1]["mfu"]),
+    }
 
 
 def step_flops(model: nn.Module, dataset: TensorDataset, batch: int, ctx: Context) -> float:
@@ -725,6 +727,7 @@ CHECKS: dict[str, Callable[[Context], dict[str, Any]]] = {
     "sync": check_sync,
     "speed-small": check_speed_small,
     "gpt2": check_gpt2,
+    "fp8": lambda ctx: __import__("gpu_fp8").check_fp8(ctx),  # in its own module (gpu_fp8.py): it imports this one
 }
 
 

@@ -48,6 +48,7 @@ from .config_sections import (
     DataloaderConfig,
     EmaConfig,
     FaultToleranceConfig,
+    Fp8Config,
     FsdpConfig,
     GcConfig,
     MLflowConfig,
@@ -56,6 +57,7 @@ from .config_sections import (
     ProfilingConfig,
     SchedulerConfig,
     ScoreConfig,
+    TelemetryConfig,
     WandbConfig,
     _TypedConfig,
 )
@@ -86,7 +88,7 @@ class RunnerConfig(_TypedConfig):
 
     Class attributes (not config keys):
         STACKS: Accepted values of `stack`; extend them with `register_stack`.
-        PRECISIONS: Accepted `precision` spellings, mapped to `"fp32"`, `"fp16"` or `"bf16"`.
+        PRECISIONS: Accepted `precision` spellings, mapped to `"fp32"`, `"fp16"`, `"bf16"` or `"fp8"`.
         CONFIG_ID_IGNORES: Dotted key patterns (`*` matches one level) left out of `config_id`.
         FEATURES: Documented keys that only some runners read, by feature name (`section.*` covers
             a section). A runner lists the features it implements in `supported_features`; for
@@ -107,6 +109,7 @@ class RunnerConfig(_TypedConfig):
         epochs: Epoch budget (epoch mode; takes precedence over `steps`).
         accum_steps: Micro-batches accumulated per optimizer step (>= 1).
         precision: Autocast precision (`"fp32"`, `"fp16"`, `"bf16"` or an alias); None disables autocast.
+            `"fp8"` trains the linears in float8 (torchao, CUDA compute capability >= 8.9) under bf16 autocast.
         max_grad_norm: Clip gradients to this total norm; None disables.
         max_grad_value: Clip each gradient element to this magnitude; None disables.
         skip_nonfinite_grad: Skip the optimizer update when a gradient is NaN/inf.
@@ -140,6 +143,8 @@ class RunnerConfig(_TypedConfig):
         spikes: Loss-spike detection and recovery (off by default); see `SpikeConfig`.
         watchdog: Hang watchdog (on by default); see `WatchdogConfig`.
         slurm: Slurm preemption signal and requeue; see `SlurmConfig`.
+        telemetry: TFLOP/s and MFU in the training step logs (on by default); see `TelemetryConfig`.
+        fp8: The float8 conversion of `precision: fp8`; see `Fp8Config`.
 
     Examples:
         >>> config = RunnerConfig()
@@ -168,9 +173,12 @@ class RunnerConfig(_TypedConfig):
         "half": "fp16",
         "bf16": "bf16",
         "bfloat16": "bf16",
+        "fp8": "fp8",
+        "float8": "fp8",
     }
-    # Where predictions go, how a hang is caught and how a cluster preempts do not define the experiment.
-    CONFIG_ID_IGNORES = (*CONFIG_ID_IGNORES, "inference", "watchdog", "slurm")
+    # Where predictions go, how a hang is caught, how a cluster preempts and what the step logs measure do not
+    # define the experiment.
+    CONFIG_ID_IGNORES = (*CONFIG_ID_IGNORES, "inference", "watchdog", "slurm", "telemetry")
     # Features no runner of this version implements; a backend lifts one by naming it in its
     # `supported_features` (and the entry is dropped once every runner reads those keys).
     FEATURES = {
@@ -240,6 +248,8 @@ class RunnerConfig(_TypedConfig):
     spikes: SpikeConfig = SpikeConfig()
     watchdog: WatchdogConfig = WatchdogConfig()
     slurm: SlurmConfig = SlurmConfig()
+    telemetry: TelemetryConfig = TelemetryConfig()
+    fp8: Fp8Config = Fp8Config()
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__()

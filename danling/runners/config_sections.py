@@ -30,6 +30,8 @@ __all__ = [
     "ProfilingConfig",
     "EmaConfig",
     "ScoreConfig",
+    "TelemetryConfig",
+    "Fp8Config",
 ]
 
 
@@ -422,3 +424,38 @@ class EmaConfig(_TypedConfig):
 
     enabled: bool = False
     decay: float = 0.999
+
+
+class TelemetryConfig(_TypedConfig):
+    """TFLOP/s and MFU in the training step logs (`telemetry.*`); see `danling.runners.services.telemetry`.
+
+    Attributes:
+        enabled: Add `tflops` and `mfu` to the training step logs (trackers: TensorBoard, CSV, ...).
+        flops_per_step: FLOPs of one optimizer step (forward and backward of all its micro-batches);
+            None counts them once over the first training step (eager models, known peak only).
+        peak_tflops: Peak TFLOP/s of one device; None looks the device up in `PEAK_TFLOPS` by the
+            run's precision (an unknown device shows no MFU and counts nothing).
+    """
+
+    enabled: bool = True
+    flops_per_step: float | None = None
+    peak_tflops: float | None = None
+
+
+class Fp8Config(_TypedConfig):
+    """How `precision: fp8` converts the model (`fp8.*`): torchao's float8 training of `nn.Linear` layers.
+
+    The defaults are None (so that the section leaves `config_id` alone until a key is set).
+
+    Attributes:
+        recipe: torchao's float8 recipe: `"tensorwise"` (None), `"rowwise"` or `"rowwise_with_gw_hp"`.
+        filter_fqns: Modules whose qualified name contains one of these strings stay in high
+            precision (e.g. `["lm_head"]`); linears with a dimension not divisible by 16 always do.
+        fsdp_all_gather: Under FSDP2, all-gather the weights in float8 (tensorwise recipe only; None: on).
+        emulate: Emulate the float8 matrix products in high precision (any device; for tests; None: off).
+    """
+
+    recipe: str | None = None
+    filter_fqns: list[str] | None = None
+    fsdp_all_gather: bool | None = None
+    emulate: bool | None = None

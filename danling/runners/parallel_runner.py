@@ -109,7 +109,7 @@ class ParallelRunner(TorchRunner):
 
     # ------------------------------------------------------------------ model
     def materialize_model(self) -> None:
-        """Materialize the local parts: device, tensor parallel, activation checkpointing, FSDP2/DDP, compile.
+        """Materialize the local parts: device, fp8, tensor parallel, activation checkpointing, FSDP2/DDP, compile.
 
         Called when: once, by `__post_init__` during construction, on every rank; first of the components.
         Holds on entry: topology, precision policy and compiler are set up; `self.model` (or preset
@@ -135,9 +135,11 @@ class ParallelRunner(TorchRunner):
             parts = self.build_pipeline_model_parts(self.model) if pipelined else [self.model]
         wrap = partial(wrap_data_parallel, topology=topology, fsdp=fsdp, precision=self.precision, device=self.device)
         wrap = partial(wrap, distributed=self.distributed, compile=self.compiler.compile, strict=not pipelined)
-        parts = [
-            wrap(self.apply_activation_checkpointing(self.parallelize_model(part.to(self.device)))) for part in parts
-        ]
+        sharded = bool(fsdp.enabled and self.distributed)
+        parts = [part.to(self.device) for part in parts]
+        for part in parts:
+            self.apply_fp8(part, fsdp=sharded)  # before sharding and tensor parallel: torchao swaps modules by name
+        parts = [wrap(self.apply_activation_checkpointing(self.parallelize_model(part))) for part in parts]
         self.model_parts, self.model = parts, parts[0]
         if pipelined and self.pipeline_schedule is None:
             self.pipeline_schedule = self.build_pipeline_schedule(parts if len(parts) > 1 else parts[0])

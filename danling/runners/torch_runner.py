@@ -48,10 +48,12 @@ from .loop.events import Events
 from .runner import register_runner
 from .services import Compiler
 from .services.profiling import StepProfiler
+from .services.telemetry import FlopsTelemetry, build_flops_telemetry
 from .torch_data import build_sampler, epoch_budget, why_no_steps
 from .torch_fused_step import STEP_HOOKS, PlainStep, label_range_message, plain_train_step
 from .torch_insight import format_run_summary, run_summary
 from .update import EMA, OptimizerContainer, Precision, TorchUpdateStrategy, gradient_sync_for
+from .update.fp8 import Fp8Policy, fp8_refusal
 from .update.optimizer import outside_parameters
 from .update.scheduling import advance_round_scheduler
 from .update.spikes import guard_options
@@ -88,6 +90,9 @@ class TorchRunner(TorchCheckpointMixin, BaseRunner):
             that applies each update (clipping, non-finite skip, step-interval scheduler).
         precision_policy: The [`Precision`][danling.runners.update.precision.Precision] of `config.precision`.
         compiler: The [`Compiler`][danling.runners.services.compiler.Compiler] of the `compile` section.
+        fp8: The [`Fp8Policy`][danling.runners.update.fp8.Fp8Policy] of `precision: fp8` (None otherwise).
+        telemetry: The [`FlopsTelemetry`][danling.runners.services.telemetry.FlopsTelemetry] adding
+            `tflops` and `mfu` to the training step logs (None with `telemetry.enabled` off).
         scheduler_interval: When the scheduler steps: `"step"` (each update) or `"epoch"`/`"validation"`.
         scheduler_monitor: Dotted result path a metric scheduler watches, or `None` for the score metric.
         collate_fn: Batch collation used by `build_dataloaders` (`None`: torch's default).
@@ -116,6 +121,69 @@ class TorchRunner(TorchCheckpointMixin, BaseRunner):
 
     supported_features = ("profiling",)
     collate_fn: Callable | None = None
+    fp8: Fp8Policy | None = None
+    telemetry: FlopsTelemetry | None = None
+
+    # ==== torch fp8 and telemetry surface ====
+    # (keep this marker; add this area's public names right below it)
+    @property
+    def fp8_enabled(self) -> bool:
+        """Whether the run trains its linears in float8 (`precision: fp8`)."""
+        return self.precision == "fp8"
+
+    def setup_fp8(self) -> None:
+        """Check that this run can train in float8 and build its `Fp8Policy` from `fp8.*`.
+
+        Called when: once, by `__post_init__`, before `materialize_model`, on every rank.
+        Holds on entry: `self.device` and the config are final; the model is the user's module.
+        Side effects: with `fp8_enabled`, sets `self.fp8`; without it, nothing.
+        Overrides must not: convert the model here (`materialize_model` does, before compiling and
+            wrapping), or let a device that cannot run float8 through (training would fail later).
+
+        Raises:
+            RuntimeError: fp8 on a device without float8 matrix products (not CUDA, or compute
+                capability below 8.9, named in the message), or without torchao.
+        """
+        if not self.fp8_enabled:
+            return
+        section = self.config.fp8
+        emulate = bool(section.emulate)
+        refusal = fp8_refusal(self.device, emulate=emulate)
+        if refusal is not None:
+            raise RuntimeError(refusal)
+        all_gather = section.fsdp_all_gather is not False
+        self.fp8 = Fp8Policy(section.recipe or "tensorwise", section.filter_fqns or (), all_gather, emulate)
+
+    def apply_fp8(self, model: nn.Module, *, fsdp: bool = False) -> None:
+        """Convert the eligible linears of `model` (a model or a model part) to float8, when `fp8_enabled`.
+
+        Called when: by `materialize_model` (each backend's), for each model part, after the device
+            move and before compiling and wrapping (`fsdp=True` when FSDP2 shards the part next).
+        Holds on entry: `setup_fp8` ran; `model` is on its device, not compiled or wrapped.
+        Side effects: replaces `nn.Linear` modules in place; logs what was converted and skipped.
+        Overrides must not: convert after compiling or wrapping (torchao swaps modules by name).
+        """
+        if self.fp8 is None:
+            return
+        done = self.fp8.apply(model, fsdp=fsdp)
+        kept = f": {done.skipped}" if done.skipped else ""
+        self.logger.info(
+            "fp8: %d linears converted, %d kept in high precision%s", len(done.converted), len(done.skipped), kept
+        )
+
+    def _init_telemetry(self) -> None:
+        self.telemetry = build_flops_telemetry(
+            self.config.telemetry,
+            device=self.device,
+            precision=self.precision,
+            compiled=self.compiler.enabled,
+            model=lambda: self.model,
+            progress=lambda: self.train_state.global_step,
+            logger=self.logger if self.is_main_process else None,
+        )
+        if self.telemetry is not None:
+            self.throughput.telemetry = self.telemetry.attach(self.events)
+
     scheduler_interval: str = "step"
     scheduler_monitor: str | None = None
     _train_timeout_applied: bool = False
@@ -135,6 +203,7 @@ class TorchRunner(TorchCheckpointMixin, BaseRunner):
         """Materialize the model, build optimizer, scheduler and dataloaders, then restore and record metadata."""
         self.precision_policy = Precision(self.precision, self.device)
         self.compiler = Compiler(dict(self.config.compile))
+        self.setup_fp8()
         bound = self._bound_parameter_names()
         self.materialize_model()
         self._follow_materialized_parameters(bound)
@@ -146,6 +215,7 @@ class TorchRunner(TorchCheckpointMixin, BaseRunner):
             self.build_dataloaders()
         self._init_profiler()
         super().__post_init__()
+        self._init_telemetry()
         if not self.__dict__.get("_restored", False):  # resume / auto_resume / pretrained
             with verification_scope():  # finding, checking and reading a checkpoint hash its files once
                 self.auto_restore()
@@ -288,8 +358,8 @@ class TorchRunner(TorchCheckpointMixin, BaseRunner):
         Called when: once, by `__post_init__` during construction, on every rank; first of the components.
         Holds on entry: the process group, topology, precision policy and compiler are set up; `self.model` is
             the user's module; no optimizer is built yet.
-        Side effects: rebinds `self.model` (moved, compiled, DDP-wrapped when distributed and trainable) and
-            creates the EMA copy.
+        Side effects: rebinds `self.model` (moved, its linears converted to float8 when `fp8_enabled`,
+            compiled, DDP-wrapped when distributed and trainable) and creates the EMA copy.
         Overrides must not: skip the device move, wrap an already wrapped model, or build the optimizer (it
             must see the final parameters, and `build_optimizer` runs next).
 
@@ -299,6 +369,7 @@ class TorchRunner(TorchCheckpointMixin, BaseRunner):
         """
         self.require_model()
         self.model = self.model.to(self.device)
+        self.apply_fp8(self.model)
         self.model = self.compiler.compile(self.model, distributed=self.distributed)
         trainable = any(param.requires_grad for param in self.model.parameters())
         if self.distributed and trainable:
@@ -654,6 +725,8 @@ class TorchRunner(TorchCheckpointMixin, BaseRunner):
     def inference_context(self) -> AbstractContextManager:
         """`torch.inference_mode()`: evaluation passes and inference steps build no autograd graph.
 
+        With fp8 it is `torch.no_grad()`: torchao's float8 weights cannot be cast under inference mode.
+
         Called when: once around every evaluation pass (loader, steps and meters), and around each
             `infer_step` of inference.
         Holds on entry: `self.mode` is `evaluate` or `infer`.
@@ -661,7 +734,7 @@ class TorchRunner(TorchCheckpointMixin, BaseRunner):
         Overrides must not: return a context that enables gradients for parameters (evaluation would then
             keep graphs alive and could change weights).
         """
-        return torch.inference_mode()
+        return torch.inference_mode() if self.fp8 is None else torch.no_grad()
 
     # ------------------------------------------------------------------ step hooks
     def train_step(self, data: Any) -> tuple[Any, torch.Tensor | None]:

@@ -14,7 +14,8 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 from gpu_check import LIMITS, markdown  # noqa: E402
-from gpu_workloads import peak_bf16_flops  # noqa: E402
+
+from danling.runners.services.telemetry import peak_flops  # noqa: E402
 
 
 def test_the_quick_check_passes_on_cpu_and_names_what_waits_for_a_gpu(tmp_path):
@@ -43,6 +44,18 @@ def test_the_quick_check_passes_on_cpu_and_names_what_waits_for_a_gpu(tmp_path):
         assert checks["gpt2"]["status"] == "pass", checks["gpt2"]
         values = checks["gpt2"]["values"]
         assert values["loss_after"] < values["loss_before"] and values["flops_per_step"] > 0
+        # the runner's own telemetry: it counted the step as the benchmark did, and logged tflops and mfu
+        assert values["runner_counted_flops"] == pytest.approx(values["flops_per_step"], rel=0.01)
+        assert values["runner_logged_tflops"] > 0 and values["runner_logged_mfu"] > 0
+    # fp8 waits for a GPU of compute capability >= 8.9; on the CPU the comparison runs with float8 emulated
+    assert checks["fp8"]["status"] == "skip", checks["fp8"]
+    try:
+        import torchao.float8  # noqa: F401
+    except ImportError:
+        assert "needs torchao" in checks["fp8"]["reason"]
+    else:
+        assert checks["fp8"]["reason"].startswith("precision: fp8 needs a CUDA device of compute capability >= 8.9")
+        assert "float8 emulated on the CPU instead: validation loss bf16" in checks["fp8"]["reason"]
     table = (tmp_path / "gpu_check.md").read_text()
     assert table == markdown(report) and "| sync | skip |" in table
     assert "===== resume: pass" in (tmp_path / "gpu_check.log").read_text()
@@ -85,7 +98,13 @@ def test_unknown_checks_and_a_missing_gpu_are_refused_before_any_work(tmp_path):
 
 @pytest.mark.parametrize(
     ("name", "peak"),
-    [("NVIDIA H100 PCIe", 756e12), ("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H200", 989e12), ("Tesla T4", None)],
+    [
+        ("NVIDIA H100 PCIe", 756.5e12),
+        ("NVIDIA H100 80GB HBM3", 989.4e12),
+        ("NVIDIA H200", 989.4e12),
+        ("Tesla T4", None),
+    ],
 )
 def test_peak_flops_come_from_the_most_specific_device_name(name, peak):
-    assert peak_bf16_flops(name) == peak
+    # the benchmark reads danling's one table (`PEAK_TFLOPS`), by dtype
+    assert peak_flops(name, "bf16") == peak

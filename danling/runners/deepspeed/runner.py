@@ -127,7 +127,8 @@ class DeepSpeedRunner(TorchRunner):
         Called when: once, by `__post_init__` during construction, on every rank; first of the components.
         Holds on entry: the process group, topology, precision policy and compiler are set up; `self.model` is the
             user's module.
-        Side effects: rebinds `self.model` (moved and compiled) and creates or moves the EMA copy.
+        Side effects: rebinds `self.model` (moved, its linears converted to float8 when `fp8_enabled`, and
+            compiled) and creates or moves the EMA copy.
         Overrides must not: wrap the model in DDP or an engine (`build_update_strategy` creates the engine later).
 
         Raises:
@@ -135,7 +136,9 @@ class DeepSpeedRunner(TorchRunner):
             TypeError: `self.model` is not an `nn.Module`.
         """
         self.require_model()
-        self.model = self.compiler.compile(self.model.to(self.device), distributed=self.distributed)
+        self.model = self.model.to(self.device)
+        self.apply_fp8(self.model)
+        self.model = self.compiler.compile(self.model, distributed=self.distributed)
         if self.ema is None and self.config.ema.enabled:
             self.ema = EMA(self.model, decay=self.config.ema.decay)
         elif isinstance(self.ema, nn.Module):

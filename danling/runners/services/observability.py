@@ -28,6 +28,7 @@ except ImportError:  # pragma: no cover - Windows has no getrusage
     resource = None  # type: ignore[assignment]
 
 from ..loop.events import EventBus, Events, PassContext, RunContext, StopContext
+from .telemetry import FlopsTelemetry
 
 __all__ = ["RunStatus", "Throughput", "is_train_step_log"]
 
@@ -48,6 +49,8 @@ class Throughput:
     def __init__(self, progress: Callable[[], int]) -> None:
         self.progress = progress
         self.tokens: Any = None  # a number or a 0-d tensor, summed on its device
+        # `tflops` and `mfu` from the steps per second (`runner.telemetry`, set by the torch runner)
+        self.telemetry: FlopsTelemetry | None = None
         self._mark: tuple[float, int, float | None] | None = None
 
     def count_tokens(self, tokens: int | Any) -> None:
@@ -74,7 +77,7 @@ class Throughput:
     ) -> dict[str, Any]:
         """What a training step log adds to the step losses: learning rates (of `optimizer`), the
         gradient norm (measured by clipping only), throughput since the previous call (samples per
-        second when `samples_per_step` is given) and peak memory."""
+        second when `samples_per_step` is given), `tflops` and `mfu` (with a `telemetry`) and peak memory."""
         rates: dict[str, Any] = {}
         groups = getattr(optimizer, "param_groups", None) or []
         lrs = {
@@ -97,6 +100,8 @@ class Throughput:
                 rates["throughput"]["samples_per_second"] = steps_per_second * samples_per_step
             if tokens is not None:
                 rates["throughput"]["tokens_per_second"] = (tokens - (mark[2] or 0.0)) / seconds
+            if self.telemetry is not None:
+                rates.update(self.telemetry.values(steps_per_second))
         rates["memory"] = _peak_memory()
         return rates
 

@@ -22,8 +22,11 @@ _PRECISIONS = {
     "float16": "fp16",
     "half": "fp16",
     "16": "fp16",
+    "fp8": "fp8",
+    "float8": "fp8",
 }
-_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+# fp8 runs its float8 linears (see `update/fp8.py`) inside bf16 autocast, which covers the rest.
+_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
 
 
 # `nullcontext` holds no state and may be entered any number of times: one instance serves every fp32 step.
@@ -39,8 +42,9 @@ class Precision:
     scaling, and bf16 needs no scaling because it has fp32's exponent range.
 
     Args:
-        precision: ``None``/``"fp32"`` (no autocast), ``"bf16"``/``"bfloat16"`` or
-            ``"fp16"``/``"float16"``/``"half"``.
+        precision: ``None``/``"fp32"`` (no autocast), ``"bf16"``/``"bfloat16"``,
+            ``"fp16"``/``"float16"``/``"half"`` or ``"fp8"``/``"float8"`` (bf16 autocast around the
+            float8 linears that `materialize_model` converts).
         device: The device the model runs on; selects the autocast device type.
 
     Raises:
@@ -52,9 +56,11 @@ class Precision:
         ...     out = torch.nn.Linear(4, 2)(torch.randn(3, 4))
         >>> out.dtype, policy.scaler is None
         (torch.bfloat16, True)
-        >>> Precision("fp8")
+        >>> Precision("fp8").dtype  # the float8 linears run inside bf16 autocast
+        torch.bfloat16
+        >>> Precision("int4")
         Traceback (most recent call last):
-        ValueError: unknown precision 'fp8'; accepted: ...
+        ValueError: unknown precision 'int4'; accepted: ...
     """
 
     def __init__(self, precision: str | None = None, device: torch.device | str = "cpu") -> None:
