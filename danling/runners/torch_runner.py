@@ -843,11 +843,17 @@ class TorchRunner(TorchCheckpointMixin, BaseRunner):
             or build it on some ranks of a group only (its manager is collective within the group).
 
         Raises:
-            ValueError: a bad `ft.*` value, no lighthouse address, or a layout TorchFT does not cover.
+            ValueError: a bad `ft.*` value, no lighthouse address, a layout TorchFT does not cover, or a
+                runner implementing the `parallel` feature (ParallelRunner).
         """
         config = self.config.ft
         if not config.enabled:
             return
+        if any("parallel" in vars(klass).get("supported_features", ()) for klass in type(self).__mro__):
+            raise ValueError(
+                f"ft.enabled=True is not supported by {type(self).__name__}: replicating FSDP2/HSDP or tensor/pipeline "
+                "parallel models across TorchFT replica groups is not built; use stack='ddp' or set ft.enabled=False"
+            )
         check_fault_tolerance(config, self.topology.degrees)
         self.ft = FaultTolerance(config, self, self.events, group_rank=self.rank, group_world_size=self.world_size)
 

@@ -56,10 +56,11 @@ def events(control: Path, name: str) -> list[dict]:
 class Job:
     """A lighthouse and the replica groups of one test, torn down (by process id) at the end."""
 
-    def __init__(self, tmp_path: Path, steps: int = 40, **ft: object) -> None:
+    def __init__(self, control: Path, steps: int = 40, workspace: Path | None = None, **ft: object) -> None:
+        control.mkdir(parents=True, exist_ok=True)
         self.steps = steps
-        self.control = tmp_path
-        self.tmp_path = tmp_path
+        self.control = control
+        self.workspace = workspace or control
         self.ft = ft
         self.procs: dict[str, subprocess.Popen] = {}
         port = _free_port()
@@ -67,14 +68,14 @@ class Job:
         command = [binary, "--bind", f"[::]:{port}", "--min_replicas", "1", "--quorum_tick_ms", "50"]
         # Heartbeats stop with a killed group: after a second the others form a quorum without it.
         command += ["--join_timeout_ms", "60000", "--heartbeat_timeout_ms", "1000"]
-        with open(tmp_path / "lighthouse.log", "w") as log:
+        with open(control / "lighthouse.log", "w") as log:
             self.lighthouse = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
         lighthouse = f"http://localhost:{port}"
         self.env = dict(os.environ, TORCHFT_LIGHTHOUSE=lighthouse, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
         for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
             self.env.pop(key, None)
 
-    def start(self, name: str) -> subprocess.Popen:
+    def start(self, name: str, **overrides: object) -> subprocess.Popen:
         (self.control / f"ready-{name}").unlink(missing_ok=True)
         config = {
             "steps": self.steps,
@@ -82,13 +83,14 @@ class Job:
             "optim.type": "sgd",
             "optim.lr": 0.01,
             "dataloader.batch_size": 4,
-            "workspace_root": str(self.tmp_path / f"workspace-{name}"),
+            "workspace_root": str(self.workspace / f"workspace-{name}"),
             "log": False,
             "checkpoint.async_enabled": False,
             "ft.enabled": True,
             "ft.replica_id": int(name),
             "ft.group_size": 2,
             **{f"ft.{key}": value for key, value in self.ft.items()},
+            **overrides,
         }
         spec = json.dumps({"control": str(self.control), "name": name, "config": config, "debug": True})
         with open(self.control / f"log-{name}-{len(self.procs)}", "w") as log:

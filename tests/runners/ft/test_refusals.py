@@ -70,3 +70,12 @@ def test_dataloader_checkpoint_keys_stay_refused():
     config = RunnerConfig(**{"checkpoint.enable_ft_dataloader_checkpoints": True})
     with pytest.raises(ValueError, match="needs the 'ft-dataloader-checkpoints' feature, which TinyRunner"):
         RunnerConfig.check_runner(config, TinyRunner)
+
+
+def test_parallel_runner_refuses_ft():
+    from danling.runners.parallel_runner import ParallelRunner
+
+    runner = object.__new__(ParallelRunner)  # unbuilt: the refusal needs only the class and the config
+    runner.__dict__["config"] = RunnerConfig(**{"ft.enabled": True})
+    with pytest.raises(ValueError, match="ft.enabled=True is not supported by ParallelRunner: replicating FSDP2/HSDP"):
+        runner.init_fault_tolerance()

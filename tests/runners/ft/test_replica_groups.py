@@ -23,8 +23,8 @@ STEPS = 40
 def job(tmp_path):
     made = []
 
-    def make(**ft):
-        made.append(Job(tmp_path, **ft))
+    def make(name: str = "job", **options):
+        made.append(Job(tmp_path / name, **options))
         return made[-1]
 
     yield make
@@ -88,3 +88,24 @@ def test_min_replica_size_two_waits_for_the_missing_group(job):
     results = ft.finish()
     assert results["0"]["summary"]["global_step"] == results["1"]["summary"]["global_step"] == STEPS
     assert _same_weights(results)
+
+
+def test_a_whole_job_restart_from_the_usual_checkpoints_resumes_exactly(job, tmp_path):
+    # The same job straight through, and stopped at step 24 then resumed (budget raised) from the
+    # checkpoints each group wrote: the weights must be the same to the bit.
+    straight = job("straight", steps=STEPS)
+    first = job("first", steps=24, workspace=tmp_path / "resumed")
+    for name in ("0", "1"):
+        straight.start(name)
+        first.start(name)
+    first.finish()
+    first.close()
+    second = job("second", steps=STEPS, workspace=tmp_path / "resumed")
+    for name in ("0", "1"):
+        second.start(name, auto_resume=True)
+    resumed, reference = second.finish(), straight.finish()
+    for name in ("0", "1"):
+        assert resumed[name]["summary"]["global_step"] == STEPS
+        for key, value in reference[name]["model"].items():
+            assert torch.equal(resumed[name]["model"][key], value), f"group {name}: {key} differs after the resume"
+    assert _same_weights(resumed)
