@@ -39,7 +39,7 @@ base-install: $(STAMP)
 	$(BASE_VENV)/bin/python -m pip install --quiet -r requirements/ci.txt
 	$(BASE_VENV)/bin/python -m pip install --quiet -c requirements/ci.txt .
 	cd /tmp && $(CURDIR)/$(BASE_VENV)/bin/python -c "import sys, danling; \
-	bad = [m for m in ('tensorboard', 'wandb', 'deepspeed', 'pandas', 'matplotlib', 'mlflow') if m in sys.modules]; \
+	bad = [m for m in ('tensorboard', 'wandb', 'deepspeed', 'pandas', 'matplotlib', 'mlflow', 'torchft') if m in sys.modules]; \
 	assert not bad, bad; print('base install imports danling', danling.__version__, 'without extras')"
 
 test: lint docs base-install

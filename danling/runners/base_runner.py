@@ -422,7 +422,7 @@ class BaseRunner(CheckpointMixin, StepHooks, metaclass=MetaRunner):
             TorchFT bind their runtime to `self.ft`.
         Overrides must not: ignore `ft.enabled` silently (a run would believe it is protected).
         """
-        if self.config.get("ft.enabled"):
+        if self.config.ft.enabled:
             raise ValueError(
                 f"ft.enabled=True but {type(self).__name__} has no fault-tolerance backend; "
                 "use a runner stack that supports TorchFT or set ft.enabled=False"

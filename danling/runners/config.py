@@ -185,8 +185,8 @@ class RunnerConfig(_TypedConfig):
         "parallel": ("parallel.*",),
         "fsdp": ("fsdp.*",),
         "profiling": ("profiling.*",),
-        "fault-tolerance": (
-            "ft.*",
+        "fault-tolerance": ("ft.*",),
+        "ft-dataloader-checkpoints": (
             "checkpoint.enable_ft_dataloader_checkpoints",
             "checkpoint.ft_replica_id",
             "checkpoint.ft_dataloader_checkpoint_prefix",

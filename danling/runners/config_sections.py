@@ -235,15 +235,16 @@ class MLflowConfig(_TypedConfig):
 
 
 class FaultToleranceConfig(_TypedConfig):
-    """TorchFT section (`ft.*`); not built yet, so every key must keep its default.
+    """TorchFT replica groups (`ft.*`; see docs/fault-tolerance.md). Needs `torchft` and a lighthouse.
 
     Attributes:
-        enabled: Run with TorchFT replica groups.
-        process_group: Backend of the fault-tolerant process group (`gloo` or `nccl`).
-        process_group_timeout_ms: Timeout of that process group, in milliseconds.
-        replica_id: Id of this replica group.
-        group_size: Number of replica groups.
-        min_replica_size: Fewest healthy replicas a step needs.
+        enabled: Run as one replica group of a TorchFT job (the lighthouse address comes from
+            `$TORCHFT_LIGHTHOUSE`).
+        process_group: Backend of the process group between the replica groups (`gloo` or `nccl`).
+        process_group_timeout_ms: Timeout of that group's collectives and of TorchFT's calls, in milliseconds.
+        replica_id: Id of this replica group, in `[0, group_size)`; it also picks the group's data shards.
+        group_size: Number of replica groups the data is sharded over.
+        min_replica_size: Fewest live replica groups an update needs; with fewer, training waits.
     """
 
     enabled: bool = False

@@ -43,6 +43,7 @@ from danling.utils import to_device
 from .base_runner import BaseRunner
 from .checkpointing import TorchCheckpointMixin
 from .checkpointing.api import OPTIONAL_RANK_LOCAL_KEYS, RANK_LOCAL_KEYS
+from .ft import FaultTolerance, check_fault_tolerance
 from .loop import RunnerMode
 from .loop.events import Events
 from .runner import register_runner
@@ -119,7 +120,7 @@ class TorchRunner(TorchCheckpointMixin, BaseRunner):
         (8, ['index', 'train', 'val'], 8)
     """
 
-    supported_features = ("profiling",)
+    supported_features = ("profiling", "fault-tolerance")
     collate_fn: Callable | None = None
     fp8: Fp8Policy | None = None
     telemetry: FlopsTelemetry | None = None
@@ -610,7 +611,7 @@ class TorchRunner(TorchCheckpointMixin, BaseRunner):
                 raise RuntimeError(
                     f"{type(self).__name__} has no optimizer to step: set config.optim.type or assign self.optimizer"
                 )
-        applied = self._apply_update()
+        applied = self._replicas_commit() and self._apply_update()
         if applied:
             if isinstance(self.ema, EMA):
                 self.ema.update(self.model)
@@ -948,6 +949,50 @@ class TorchRunner(TorchCheckpointMixin, BaseRunner):
         total = self.all_reduce(torch.tensor(float(loss_n), device=loss.device))
         return weighted / total
 
+    # ==== torch fault tolerance surface ====
+    def init_fault_tolerance(self) -> None:
+        """Bind a TorchFT runtime ([`FaultTolerance`][danling.runners.ft.runtime.FaultTolerance]) when `ft.enabled`.
+
+        Called when: once during construction, after `init_checkpoint_manager`, on every rank.
+        Holds on entry: the process group of this replica group (if any), the topology and the
+            checkpoint manager are bound; `self.ft` is `None`; no model exists yet.
+        Side effects: with `ft.enabled`, checks the section and the layout, starts the group's TorchFT
+            manager (it reports to the lighthouse at `$TORCHFT_LIGHTHOUSE`) and binds it to `self.ft`;
+            from then on every update waits for a quorum, averages gradients over the replica groups
+            and is applied only when they agree; data is sharded over every group's ranks.
+        Overrides must not: leave `self.ft` unset while `ft.enabled` (the run would train unprotected),
+            or build it on some ranks of a group only (its manager is collective within the group).
+
+        Raises:
+            ValueError: a bad `ft.*` value, no lighthouse address, a layout TorchFT does not cover, or a
+                runner implementing the `parallel` feature (ParallelRunner).
+        """
+        config = self.config.ft
+        if not config.enabled:
+            return
+        if any("parallel" in vars(klass).get("supported_features", ()) for klass in type(self).__mro__):
+            raise ValueError(
+                f"ft.enabled=True is not supported by {type(self).__name__}: replicating FSDP2/HSDP or tensor/pipeline "
+                "parallel models across TorchFT replica groups is not built; use stack='ddp' or set ft.enabled=False"
+            )
+        check_fault_tolerance(config, self.topology.degrees)
+        self.ft = FaultTolerance(config, self, self.events, group_rank=self.rank, group_world_size=self.world_size)
+
+    def _replicas_commit(self) -> bool:
+        """Average the window's gradients over the replica groups; whether they agree to apply it (no FT: yes)."""
+        ft, container = self.ft, self.update.container
+        if ft is None or container is None:
+            return True
+        if ft.commit(container.parameters()):
+            return True
+        container.drop()
+        return False
+
+    def _data_shard(self) -> tuple[int, int]:
+        """`(shards, shard)` of this rank's data: the data domain, spread over the replica groups under TorchFT."""
+        size, rank = self.topology.size("data"), self.topology.rank("data")
+        return (size, rank) if self.ft is None else self.ft.data_shard(size, rank)
+
     # ==== torch checkpoint surface ====
     # (keep this marker; add this area's public names right below it)
 
@@ -968,7 +1013,7 @@ class TorchRunner(TorchCheckpointMixin, BaseRunner):
         """
         config = self._loader_config()
         train_splits = set(self.train_splits)
-        topology = self.topology
+        shards, shard = self._data_shard()
         for split, dataset in self.datasets.items():
             if split in self.dataloaders:
                 continue
@@ -981,9 +1026,9 @@ class TorchRunner(TorchCheckpointMixin, BaseRunner):
                 dataset,
                 split=split,
                 config=config,
-                distributed=topology.size("data") > 1,
-                rank=topology.rank("data"),
-                world_size=topology.size("data"),
+                distributed=shards > 1,
+                rank=shard,
+                world_size=shards,
                 seed=self._data_seed,
                 is_train=is_train,
                 collate_fn=self.collate_fn,
@@ -1002,7 +1047,7 @@ class TorchRunner(TorchCheckpointMixin, BaseRunner):
         Overrides must not: return a sampler whose length differs between the two calls (the
             scheduler's budget would not match the epochs), or one without a saved position.
         """
-        topology = self.topology  # the data domain: ranks that read the same batch share a shard
+        shards, shard = self._data_shard()  # the data domain: ranks that read the same batch share a shard
         return build_sampler(
             dataset,
             loader_config=self._loader_config(),
@@ -1010,8 +1055,8 @@ class TorchRunner(TorchCheckpointMixin, BaseRunner):
             is_train=split in self.train_splits,
             shuffle=shuffle,
             seed=self._data_seed,
-            num_replicas=topology.size("data"),
-            rank=topology.rank("data"),
+            num_replicas=shards,
+            rank=shard,
         )
 
     def _loader_config(self) -> dict[str, Any]:
@@ -1122,6 +1167,9 @@ class TorchRunner(TorchCheckpointMixin, BaseRunner):
         finally:
             if self._profiler is not None:
                 self._profiler.stop()
+            if self.__dict__.get("ft") is not None:
+                self.ft.close()
+                self.ft = None
             before = self._deterministic_before
             if before is not None:
                 torch.use_deterministic_algorithms(before[0], warn_only=before[1])

@@ -121,6 +121,23 @@ class DeepSpeedRunner(TorchRunner):
         self.set_checkpoint_manager(manager)
 
     # ------------------------------------------------------------------ components
+    def init_fault_tolerance(self) -> None:
+        """Refuse `ft.enabled`: DeepSpeed's engine owns the gradient reduction and the step TorchFT must gate.
+
+        Called when: once during construction, after `init_checkpoint_manager`, on every rank.
+        Holds on entry: the process group and the DeepSpeed checkpoint manager are bound; `self.ft` is `None`.
+        Side effects: none; raises when `ft.enabled`.
+        Overrides must not: bind a runtime the engine's own step would bypass (the run would look protected).
+
+        Raises:
+            ValueError: `ft.enabled` is set.
+        """
+        if self.config.ft.enabled:
+            raise ValueError(
+                "ft.enabled=True is not supported by DeepSpeedRunner: the DeepSpeed engine reduces gradients and "
+                "steps itself, so TorchFT cannot gate its updates; use stack='ddp' or set ft.enabled=False"
+            )
+
     def materialize_model(self) -> None:
         """Move the model to `device`, compile it and create the EMA copy; the engine wraps it later.
 

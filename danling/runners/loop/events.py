@@ -33,6 +33,8 @@ __all__ = [
     "InferenceContext",
     "LogContext",
     "PassContext",
+    "QuorumContext",
+    "RecoveryContext",
     "RunContext",
     "SkippedStepContext",
     "StepContext",
@@ -176,6 +178,33 @@ class InferenceContext:
 
 
 @dataclass(slots=True)
+class QuorumContext:
+    """A TorchFT quorum at optimizer step `step`: `replicas` replica groups take part, `previous` did before.
+
+    For `REPLICA_UNCOMMITTED`, `reason` says why the step's update was dropped.
+    """
+
+    runner: Any
+    step: int
+    replicas: int
+    previous: int
+    reason: str | None = None
+
+
+@dataclass(slots=True)
+class RecoveryContext:
+    """This replica group loaded the live state of a peer at step `step`; it had reached `from_step`.
+
+    `steps_missed` is `step - from_step`: the updates the group did not take part in.
+    """
+
+    runner: Any
+    step: int
+    from_step: int
+    steps_missed: int
+
+
+@dataclass(slots=True)
 class FailureContext:
     """The run is failing with `error`, before the error leaves the runner."""
 
@@ -202,6 +231,10 @@ class Events:
     | `INFERENCE_START`, `INFERENCE_END` | `InferenceContext` | around `infer(split, output=...)` |
     | `INFERENCE_PROGRESS` | `InferenceContext` | after each committed inference progress record |
     | `INFERENCE_RESUMED` | `InferenceContext` | when `infer(split, output=...)` continues an earlier run |
+    | `QUORUM_CHANGED` | `QuorumContext` | TorchFT (`ft.enabled`): the number of live replica groups changed |
+    | `REPLICA_LEFT`, `REPLICA_JOINED` | `QuorumContext` | TorchFT: fewer / more groups than at the last quorum |
+    | `REPLICA_RECOVERED` | `RecoveryContext` | TorchFT: this group loaded a peer's live state (`steps_missed`) |
+    | `REPLICA_UNCOMMITTED` | `QuorumContext` | TorchFT: the replica groups did not agree to commit a step |
     """
 
     RUN_START = Event("run_start", RunContext)
@@ -225,6 +258,11 @@ class Events:
     INFERENCE_END = Event("inference_end", InferenceContext)
     INFERENCE_PROGRESS = Event("inference_progress", InferenceContext)
     INFERENCE_RESUMED = Event("inference_resumed", InferenceContext)
+    QUORUM_CHANGED = Event("quorum_changed", QuorumContext)
+    REPLICA_LEFT = Event("replica_left", QuorumContext)
+    REPLICA_JOINED = Event("replica_joined", QuorumContext)
+    REPLICA_RECOVERED = Event("replica_recovered", RecoveryContext)
+    REPLICA_UNCOMMITTED = Event("replica_uncommitted", QuorumContext)
 
 
 @dataclass(frozen=True, slots=True)

@@ -50,6 +50,7 @@ class LoopHost(Protocol):
     bookkeeping: RunnerResults
     topology: Topology
     logger: Any
+    ft: Any  # the TorchFT runtime (`None` without `ft.enabled`): step logs show its live replica count
     split: str | None
     mode: RunnerMode
     # Whether the hooked training pass under way discards what `train_step` returns (no step subscriber).

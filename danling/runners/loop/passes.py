@@ -333,6 +333,8 @@ class PassEngine:
         values = self.step_window.read(self.host.meters)
         if training and self.host.update.skipped_steps:  # every update dropped so far, NaN/inf or spike
             values["skipped"] = self.host.update.skipped_steps
+        if training and self.host.ft is not None:  # TorchFT: replica groups in the latest quorum
+            values["replicas"] = self.host.ft.replicas
         if to_log:
             self.host.logger.info(self.host.bookkeeping.format_step_result(values, split, iteration, length))
         if to_track and values:

@@ -1,0 +1,302 @@
+"""The TorchFT runtime of one replica group: quorum per step, cross-group gradient average, commit gate, recovery.
+
+A replica group is an ordinary run (one process, or a `torchrun` job whose ranks share a default
+process group). Several groups train the same model on disjoint shards of the data; a TorchFT
+`Manager` per group asks the lighthouse for a quorum before every update, averages the gradients
+over the groups in the quorum, and commits the update only when every group agrees. A group that
+dies is dropped from the next quorum and the others carry on; a group that starts (or restarts)
+receives the live runner payload of a healthy peer over TorchFT's checkpoint transport and
+continues at the quorum's step.
+
+`FaultTolerance` knows no runner: it calls back through [`ReplicaHost`][danling.runners.ft.runtime.ReplicaHost]
+(the payload hooks and the step counter) and announces what happens on the event bus it is given.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Iterable, Mapping
+from datetime import timedelta
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+from ..checkpointing.resume import loader_fingerprint
+from ..config_sections import FaultToleranceConfig
+from ..loop.events import EventBus, Events, QuorumContext, RecoveryContext
+
+__all__ = ["LIGHTHOUSE_ENV", "FaultTolerance", "RecoveryError", "ReplicaHost", "check_fault_tolerance"]
+
+LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"  # TorchFT's own variable: the lighthouse every group reports to
+_WAIT_REPORT_SECONDS = 10.0  # how often a group waiting for replicas says so
+
+
+class ReplicaHost(Protocol):
+    """What the fault-tolerance runtime calls back into: the runner's payload hooks, step counter, mode and logger."""
+
+    logger: logging.Logger
+    dataloaders: Mapping[str, Any]
+
+    def state_dict(self) -> Mapping[str, Any]: ...
+    def load_checkpoint(self, checkpoint: Any) -> None: ...
+    @property
+    def train_state(self) -> Any: ...
+    @property
+    def mode(self) -> Any: ...
+
+
+class FaultTolerance:
+    """One replica group's TorchFT `Manager`, driven once per optimizer update.
+
+    Per update: [`begin_step`][danling.runners.ft.runtime.FaultTolerance.begin_step] joins the
+    quorum before the first forward of the window (a group behind the others loads a peer's
+    live state there), [`commit`][danling.runners.ft.runtime.FaultTolerance.commit] averages the
+    gradients over the groups in the quorum and says whether the update may be applied.
+
+    Args:
+        config: The `ft` section.
+        host: The runner, as the payload hooks and the step counter the runtime calls back into.
+        events: Where quorum changes, recoveries and uncommitted steps are announced.
+        group_rank: Rank of this process inside its replica group.
+        group_world_size: Processes in the replica group.
+        lighthouse: Lighthouse address (`http://host:port`); defaults to `$TORCHFT_LIGHTHOUSE`.
+
+    Raises:
+        ValueError: No lighthouse address, or `ft.process_group` names a backend TorchFT cannot use here.
+        ImportError: `torchft` is not installed (`pip install danling[ft]`).
+    """
+
+    def __init__(
+        self,
+        config: FaultToleranceConfig,
+        host: ReplicaHost,
+        events: EventBus,
+        *,
+        group_rank: int = 0,
+        group_world_size: int = 1,
+        lighthouse: str | None = None,
+    ) -> None:
+        lighthouse = lighthouse or os.environ.get(LIGHTHOUSE_ENV)
+        if not lighthouse:
+            raise ValueError(
+                f"ft.enabled=True needs the lighthouse address in ${LIGHTHOUSE_ENV} (e.g. http://host:29510); "
+                "start one with `torchft_lighthouse --min_replicas 1` (see docs/fault-tolerance.md)"
+            )
+        try:
+            import torchft
+        except ImportError as error:
+            raise ImportError("ft.enabled=True needs torchft: pip install 'danling[ft]'") from error
+        self.config = config
+        self.host = host
+        self.events = events
+        self.replica_id = int(config.replica_id)
+        self.group_size = int(config.group_size)
+        self.min_replica_size = int(config.min_replica_size)
+        self.replicas = 0  # replica groups in the latest quorum
+        self.uncommitted = 0  # updates the groups did not agree to commit
+        self.recovered_steps = 0  # updates this group missed and took over from a peer
+        self._open = False  # a quorum is joined for the update under way
+        self._own_store = None
+        timeout = timedelta(milliseconds=int(config.process_group_timeout_ms))
+        store_addr, store_port = self._store(group_rank, group_world_size)
+        self.manager = torchft.Manager(
+            pg=_process_group(torchft, config.process_group, timeout),
+            load_state_dict=None,
+            state_dict=None,
+            min_replica_size=self.min_replica_size,
+            use_async_quorum=False,  # a recovering group loads the peer's state before its forward pass
+            timeout=timeout,
+            rank=group_rank,
+            world_size=group_world_size,
+            store_addr=store_addr,
+            store_port=store_port,
+            lighthouse_addr=lighthouse,
+            replica_id=str(self.replica_id),
+        )
+        self.manager.register_state_dict_fn("runner", self._load_peer_state, self._peer_state)
+        # A training run joins the quorum as it starts (a recovering group then resumes at the peer's
+        # loop position, before its loop reads it), and again before each update's first batch.
+        events.subscribe(Events.RUN_START, self._on_run_start)
+        events.subscribe(Events.STEP_START, self._on_step_start)
+
+    @property
+    def logger(self) -> logging.Logger:
+        return self.host.logger
+
+    def _on_run_start(self, context: Any) -> None:
+        if context.mode == "train":
+            self.begin_step()
+
+    def _on_step_start(self, context: Any) -> None:
+        if self.host.mode == "train":
+            self.begin_step()
+
+    def _store(self, group_rank: int, group_world_size: int) -> tuple[str, int]:
+        """The replica group's TCP store: the launcher's (torchrun, a running process group), else a private one."""
+        launched = (dist.is_available() and dist.is_initialized()) or os.environ.get("TORCHELASTIC_RUN_ID")
+        if launched and os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT"):
+            return os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+        if group_world_size != 1:
+            raise ValueError(
+                f"a replica group of {group_world_size} processes needs MASTER_ADDR/MASTER_PORT: start it with torchrun"
+            )
+        self._own_store = dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
+        return "localhost", self._own_store.port
+
+    # ------------------------------------------------------------------ per update
+    def begin_step(self) -> None:
+        """Join the quorum of the next update, waiting while fewer than `min_replica_size` groups are live.
+
+        A group behind the quorum's step loads a peer's live state here (runner payload through
+        `ReplicaHost.load_checkpoint`), before its forward pass. Idempotent within one update.
+        """
+        if self._open:
+            return
+        manager = self.manager
+        step = int(self.host.train_state.global_step)
+        # The manager counts committed updates; the runner's counter is the one checkpoints and
+        # recoveries carry, so every quorum starts from it.
+        manager.load_state_dict({"step": step, "batches_committed": manager.batches_committed()})
+        reported = None  # when this group last said it is waiting
+        while True:
+            try:
+                manager.start_quorum()
+                replicas = manager.num_participants()
+            except RecoveryError:
+                raise
+            except Exception as error:  # a quorum that timed out or failed is asked again
+                self.logger.warning("TorchFT quorum failed at step %d (%s); asking again", step, error)
+                # The manager re-raises a failed quorum's error at the next start; the failure is handled here.
+                manager._quorum_future = None
+                continue
+            if replicas != self.replicas:
+                self._announce_quorum(step, replicas, self.replicas)
+                self.replicas = replicas
+            if replicas >= self.min_replica_size:
+                break
+            if reported is None or time.monotonic() - reported >= _WAIT_REPORT_SECONDS:
+                reported = time.monotonic()
+                self.logger.warning(
+                    "training waits at step %d: %d live replica group(s), ft.min_replica_size=%d",
+                    step,
+                    replicas,
+                    self.min_replica_size,
+                )
+        self._open = True
+
+    def commit(self, parameters: Iterable[torch.Tensor]) -> bool:
+        """Average the gradients of `parameters` over the quorum's groups; whether the update may be applied.
+
+        Every group must call it once per update with the same parameters (a missing gradient
+        counts as zeros, as under DDP). `False` (a peer failed during the step, or too few groups)
+        means the caller drops the gradients: no group applied this update.
+        """
+        if not self._open:
+            self.begin_step()
+        params = [p for p in parameters if p.requires_grad]
+        if params:
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+            flat = torch.cat([g.detach().reshape(-1).float() for g in grads])
+            self.manager.allreduce(flat).wait()
+            offset = 0
+            for param, grad in zip(params, grads):
+                count = grad.numel()
+                param.grad = flat[offset : offset + count].view_as(grad).to(grad.dtype)
+                offset += count
+        committed = self.manager.should_commit()
+        self._open = False
+        if not committed:
+            self.uncommitted += 1
+            step = int(self.host.train_state.global_step)
+            reason = "a replica group failed during the step, or fewer than ft.min_replica_size took part"
+            self.events.emit(
+                Events.REPLICA_UNCOMMITTED, QuorumContext(self.host, step, self.replicas, self.replicas, reason)
+            )
+        return committed
+
+    def data_shard(self, size: int, rank: int) -> tuple[int, int]:
+        """`(shards, shard)` of this rank over all replica groups: group `r` reads shards `r*size` on."""
+        return size * self.group_size, self.replica_id * size + rank
+
+    def close(self) -> None:
+        """Leave the quorum and stop the manager's servers."""
+        self.manager.shutdown(wait=False)
+        self._own_store = None
+
+    # ------------------------------------------------------------------ recovery
+    def _peer_state(self) -> Mapping[str, Any]:
+        """The live runner payload a recovering peer receives (called on TorchFT's quorum thread)."""
+        return self.host.state_dict()
+
+    def _load_peer_state(self, payload: Mapping[str, Any]) -> None:
+        """Load a healthy peer's payload: model, optimizer, scheduler, loop position, RNG and results.
+
+        The peer's loader positions count batches of its own shard; the same count continues this
+        group's shard, so they are taken as they are, and the next-batch fingerprints the peer
+        recorded (of its shard) are replaced by this group's.
+        """
+        before = int(self.host.train_state.global_step)
+        payload = dict(payload)
+        loaders = payload.get("dataloaders") or {}
+        payload["fingerprints"] = {
+            split: loader_fingerprint(self.host.dataloaders.get(split), state) for split, state in loaders.items()
+        }
+        try:
+            self.host.load_checkpoint(payload)
+        except Exception as error:
+            raise RecoveryError(f"could not load the live state a peer sent at step {before}: {error}") from error
+        step = int(self.host.train_state.global_step)
+        self.recovered_steps += step - before
+        self.logger.info("recovered from a peer at step %d (this group was at step %d)", step, before)
+        self.events.emit(Events.REPLICA_RECOVERED, RecoveryContext(self.host, step, before, step - before))
+
+    def _announce_quorum(self, step: int, replicas: int, previous: int) -> None:
+        context = QuorumContext(self.host, step, replicas, previous)
+        self.logger.info("TorchFT quorum at step %d: %d live replica group(s), was %d", step, replicas, previous)
+        self.events.emit(Events.QUORUM_CHANGED, context)
+        if previous and replicas < previous:
+            self.events.emit(Events.REPLICA_LEFT, context)
+        elif previous and replicas > previous:
+            self.events.emit(Events.REPLICA_JOINED, context)
+
+
+class RecoveryError(RuntimeError):
+    """A peer's live state could not be loaded (not retried: the group would diverge)."""
+
+
+def _process_group(torchft: Any, backend: str, timeout: timedelta) -> Any:
+    """TorchFT's reconfigurable process group for `ft.process_group`."""
+    if backend == "gloo":
+        return torchft.ProcessGroupGloo(timeout=timeout)
+    if backend == "nccl":
+        if not torch.cuda.is_available():
+            raise ValueError("ft.process_group='nccl' needs CUDA; use 'gloo' on this machine")
+        return torchft.ProcessGroupNCCL(timeout=timeout)
+    raise ValueError(f"ft.process_group={backend!r} is not supported; use 'gloo' or 'nccl'")
+
+
+def check_fault_tolerance(config: FaultToleranceConfig, degrees: Mapping[str, int]) -> None:
+    """Refuse, before training, an `ft` section or a layout the TorchFT runtime does not cover.
+
+    Args:
+        config: The `ft` section (`enabled` is set).
+        degrees: The parallel degree of each topology axis of this replica group.
+
+    Raises:
+        ValueError: One line naming the key, its value and what is accepted.
+    """
+    # The config checks each value's type and sign; these are the relations between them.
+    group_size, replica_id, min_size = int(config.group_size), int(config.replica_id), int(config.min_replica_size)
+    if not 0 <= replica_id < group_size:
+        raise ValueError(f"ft.replica_id={replica_id} must be in [0, ft.group_size={group_size})")
+    if not 1 <= min_size <= group_size:
+        raise ValueError(f"ft.min_replica_size={min_size} must be in [1, ft.group_size={group_size}]")
+    others = {axis: degree for axis, degree in degrees.items() if axis != "replicate" and degree > 1}
+    if others:
+        raise ValueError(
+            f"ft.enabled=True covers replica groups of DDP (parallel.axes.replicate) only; this layout has {others}: "
+            "HSDP/FSDP2 sharding, tensor, pipeline, context and expert parallelism are not covered"
+        )

@@ -1,0 +1,118 @@
+"""Launch a TorchFT job for the tests and the benchmark: a lighthouse and replica-group processes.
+
+Each replica group is one process (`_replica_child.py`) with its own environment. The caller
+reads the groups' progress files and holds them at a step through `hold-<id>` files; every wait
+polls with a deadline.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+CHILD = Path(__file__).with_name("_replica_child.py")
+ROOT = Path(__file__).resolve().parents[3]
+DEADLINE = 150.0  # seconds any one wait may take on a loaded two-core machine
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("localhost", 0))
+        return sock.getsockname()[1]
+
+
+def wait(what: str, ready: Callable[[], bool], deadline: float = DEADLINE, procs: tuple = ()) -> None:
+    end = time.monotonic() + deadline
+    while not ready():
+        for proc in procs:
+            if proc.poll() is not None and proc.returncode != 0:
+                raise AssertionError(f"{what}: a replica group exited with {proc.returncode}")
+        if time.monotonic() > end:
+            raise AssertionError(f"timed out after {deadline:.0f}s waiting for {what}")
+        time.sleep(0.05)
+
+
+def step(control: Path, name: str) -> int:
+    try:
+        return int((control / f"progress-{name}").read_text() or -1)
+    except (FileNotFoundError, ValueError):
+        return -1
+
+
+def events(control: Path, name: str) -> list[dict]:
+    path = control / f"events-{name}.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+class Job:
+    """A lighthouse and the replica groups of one test, torn down (by process id) at the end."""
+
+    def __init__(self, control: Path, steps: int = 40, workspace: Path | None = None, **ft: object) -> None:
+        control.mkdir(parents=True, exist_ok=True)
+        self.steps = steps
+        self.control = control
+        self.workspace = workspace or control
+        self.ft = ft
+        self.procs: dict[str, subprocess.Popen] = {}
+        port = _free_port()
+        binary = shutil.which("torchft_lighthouse") or str(Path(sys.executable).with_name("torchft_lighthouse"))
+        command = [binary, "--bind", f"[::]:{port}", "--min_replicas", "1", "--quorum_tick_ms", "50"]
+        # Heartbeats stop with a killed group: after a second the others form a quorum without it.
+        command += ["--join_timeout_ms", "60000", "--heartbeat_timeout_ms", "1000"]
+        with open(control / "lighthouse.log", "w") as log:
+            self.lighthouse = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+        lighthouse = f"http://localhost:{port}"
+        self.env = dict(os.environ, TORCHFT_LIGHTHOUSE=lighthouse, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+        for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
+            self.env.pop(key, None)
+
+    def start(self, name: str, **overrides: object) -> subprocess.Popen:
+        (self.control / f"ready-{name}").unlink(missing_ok=True)
+        config = {
+            "steps": self.steps,
+            "seed": 1,
+            "optim.type": "sgd",
+            "optim.lr": 0.01,
+            "dataloader.batch_size": 4,
+            "workspace_root": str(self.workspace / f"workspace-{name}"),
+            "log": False,
+            "checkpoint.async_enabled": False,
+            "ft.enabled": True,
+            "ft.replica_id": int(name),
+            "ft.group_size": 2,
+            **{f"ft.{key}": value for key, value in self.ft.items()},
+            **overrides,
+        }
+        spec = json.dumps({"control": str(self.control), "name": name, "config": config, "debug": True})
+        with open(self.control / f"log-{name}-{len(self.procs)}", "w") as log:
+            command = [sys.executable, str(CHILD), spec]
+            proc = subprocess.Popen(command, env=self.env, stdout=log, stderr=subprocess.STDOUT)
+        self.procs[f"{name}-{len(self.procs)}"] = proc
+        return proc
+
+    def hold(self, name: str, step: int) -> None:
+        (self.control / f"hold-{name}").write_text(str(step))
+
+    def release(self, name: str) -> None:
+        (self.control / f"hold-{name}").unlink(missing_ok=True)
+
+    def finish(self) -> dict[str, dict]:
+        live = tuple(p for p in self.procs.values() if p.returncode is None)
+        done = lambda: all((self.control / f"done-{n}.pt").exists() for n in ("0", "1"))  # noqa: E731
+        wait("both replica groups to finish", done, procs=live)
+        return {n: torch.load(self.control / f"done-{n}.pt") for n in ("0", "1")}
+
+    def close(self) -> None:
+        for proc in (*self.procs.values(), self.lighthouse):
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(timeout=30)

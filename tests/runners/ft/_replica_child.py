@@ -1,0 +1,91 @@
+"""One TorchFT replica group for the fault-tolerance tests: `python worker.py <json>`.
+
+The JSON names the config overrides and a control directory. The worker records its progress
+there (`progress-<id>`: the global step after each batch, `events-<id>.jsonl`: fault-tolerance
+events, `ready-<id>`: constructed, `done-<id>.pt`: the final weights and counters) and, while
+`hold-<id>` exists and holds a step it has reached, waits at the end of a batch (the test's
+release; bounded by the test's own timeouts).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from danling.runners import TorchRunner
+from danling.runners.loop.events import Events
+
+
+class Replica(TorchRunner):
+    def __init__(self, config):
+        super().__init__(config)
+        self.model = nn.Linear(4, 1)
+        self.criterion = nn.MSELoss()
+        generator = torch.Generator().manual_seed(0)
+        x = torch.randn(1024, 4, generator=generator)
+        self.datasets.train = list(zip(x, x.sum(dim=1, keepdim=True)))
+
+
+def _write(path: Path, text: str) -> None:
+    partial = path.with_suffix(".partial")
+    partial.write_text(text)
+    os.replace(partial, path)
+
+
+def main() -> None:
+    spec = json.loads(sys.argv[1])
+    if spec.get("debug"):
+        import logging
+
+        logging.basicConfig(level=logging.INFO, format=f"[{spec['name']}] %(name)s %(message)s")
+    control, name = Path(spec["control"]), str(spec["name"])
+    runner = Replica(spec["config"])
+    progress, hold, events = control / f"progress-{name}", control / f"hold-{name}", control / f"events-{name}.jsonl"
+
+    def on_step_end(context) -> None:
+        _write(progress, str(runner.train_state.global_step))
+        while hold.exists():
+            try:
+                if runner.train_state.global_step < int(hold.read_text() or 0):
+                    break
+            except (OSError, ValueError):
+                pass
+            time.sleep(0.01)
+
+    def record(event):
+        def handler(context) -> None:
+            keys = ("step", "replicas", "previous", "from_step", "steps_missed")
+            fields = {k: getattr(context, k, None) for k in keys}
+            line = {"event": event.name, **{k: v for k, v in fields.items() if v is not None}}
+            with events.open("a") as file:
+                file.write(json.dumps(line) + "\n")
+
+        return handler
+
+    runner.events.subscribe(Events.STEP_END, on_step_end)
+    for event in (Events.QUORUM_CHANGED, Events.REPLICA_LEFT, Events.REPLICA_JOINED, Events.REPLICA_RECOVERED):
+        runner.events.subscribe(event, record(event))
+    runner.events.subscribe(Events.REPLICA_UNCOMMITTED, record(Events.REPLICA_UNCOMMITTED))
+
+    def saved(context) -> None:
+        with events.open("a") as file:
+            file.write(json.dumps({"event": "checkpoint_saved", "step": runner.train_state.global_step}) + "\n")
+
+    runner.events.subscribe(Events.CHECKPOINT_SAVED, saved)
+    _write(control / f"ready-{name}", "1")
+    runner.train()
+    state = {key: value.clone() for key, value in runner.unwrap(runner.model).state_dict().items()}
+    summary = {"global_step": runner.train_state.global_step, "uncommitted": runner.ft.uncommitted if runner.ft else 0}
+    torch.save({"model": state, "summary": summary}, control / f"done-{name}.pt.partial")
+    os.replace(control / f"done-{name}.pt.partial", control / f"done-{name}.pt")
+    runner.close()
+
+
+if __name__ == "__main__":
+    main()

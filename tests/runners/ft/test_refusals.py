@@ -1,0 +1,81 @@
+"""What `ft.enabled` refuses before training, each with one line naming the key."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from danling.runners import RunnerConfig
+from danling.runners.ft import LIGHTHOUSE_ENV, check_fault_tolerance
+from tests.runners._torch_toy import TinyRunner, tiny_config
+
+pytest.importorskip("torchft")
+
+DDP = {"replicate": 1, "shard": 1, "context": 1, "pipeline": 1, "tensor": 1, "expert": 1}
+
+
+def _section(**keys):
+    return RunnerConfig(**{"ft.enabled": True, **{f"ft.{key}": value for key, value in keys.items()}}).ft
+
+
+@pytest.mark.parametrize(
+    ("keys", "message"),
+    [
+        ({"group_size": 2, "replica_id": 2}, r"ft.replica_id=2 must be in \[0, ft.group_size=2\)"),
+        ({"group_size": 2, "min_replica_size": 3}, r"ft.min_replica_size=3 must be in \[1, ft.group_size=2\]"),
+    ],
+)
+def test_bad_ft_values_are_refused_naming_the_key(keys, message):
+    with pytest.raises(ValueError, match=message):
+        check_fault_tolerance(_section(**keys), DDP)
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        ("group_size", 0, "config.ft.group_size must be an integer >= 1"),
+        ("process_group_timeout_ms", 0, "config.ft.process_group_timeout_ms must be an integer >= 1"),
+        ("process_group", "mpi", "config.ft.process_group='mpi' is not supported; expected None or one of: gloo, nccl"),
+    ],
+)
+def test_the_config_refuses_values_out_of_range(key, value, message):
+    with pytest.raises(ValueError, match=message):
+        RunnerConfig(**{f"ft.{key}": value})
+
+
+@pytest.mark.parametrize("axis", ["shard", "tensor", "pipeline", "context", "expert"])
+def test_layouts_torchft_does_not_cover_are_refused(axis):
+    with pytest.raises(ValueError, match=rf"covers replica groups of DDP .* this layout has \{{'{axis}': 2\}}"):
+        check_fault_tolerance(_section(), {**DDP, axis: 2})
+    check_fault_tolerance(_section(), {**DDP, "replicate": 2})  # DDP inside a replica group is covered
+
+
+def test_no_lighthouse_address_is_refused_before_training(tmp_path, monkeypatch):
+    monkeypatch.delenv(LIGHTHOUSE_ENV, raising=False)
+    with pytest.raises(ValueError, match=rf"ft.enabled=True needs the lighthouse address in \${LIGHTHOUSE_ENV}"):
+        TinyRunner(tiny_config(tmp_path, **{"ft.enabled": True}))
+
+
+def test_deepspeed_refuses_ft():
+    from danling.runners.deepspeed.runner import DeepSpeedRunner
+
+    stub = SimpleNamespace(config=RunnerConfig(**{"ft.enabled": True}))
+    with pytest.raises(ValueError, match="ft.enabled=True is not supported by DeepSpeedRunner"):
+        DeepSpeedRunner.init_fault_tolerance(stub)
+    DeepSpeedRunner.init_fault_tolerance(SimpleNamespace(config=RunnerConfig()))  # off: nothing to refuse
+
+
+def test_dataloader_checkpoint_keys_stay_refused():
+    config = RunnerConfig(**{"checkpoint.enable_ft_dataloader_checkpoints": True})
+    with pytest.raises(ValueError, match="needs the 'ft-dataloader-checkpoints' feature, which TinyRunner"):
+        RunnerConfig.check_runner(config, TinyRunner)
+
+
+def test_parallel_runner_refuses_ft():
+    from danling.runners.parallel_runner import ParallelRunner
+
+    runner = object.__new__(ParallelRunner)  # unbuilt: the refusal needs only the class and the config
+    runner.__dict__["config"] = RunnerConfig(**{"ft.enabled": True})
+    with pytest.raises(ValueError, match="ft.enabled=True is not supported by ParallelRunner: replicating FSDP2/HSDP"):
+        runner.init_fault_tolerance()
