@@ -64,6 +64,7 @@ REFERENCE = frozenset(
         "evaluate_step",
         "evaluate_steps",
         "forward_context",
+        "fp8_enabled",
         "from_checkpoint",
         "from_pretrained",
         "get_deepspeed_config",
@@ -134,6 +135,7 @@ REFERENCE = frozenset(
         "set_checkpoint_manager",
         "set_deterministic",
         "set_seed",
+        "setup_fp8",
         "skip_nonfinite_grad",
         "split",
         "state",
@@ -190,6 +192,10 @@ DANLING_OWN = {
     "engine_owns_scheduler": "DeepSpeedRunner attribute: whether the engine steps the scheduler",
     "export_consolidated": "DeepSpeedRunner method: writes a consolidated model file from ZeRO shards",
     "model_state_dict": "DeepSpeedRunner method: the model's full state dict from the engine",
+    # Precision and telemetry.
+    "apply_fp8": "backend hook: converts a model (part) to float8 before compiling, sharding and wrapping",
+    "fp8": "attribute: the float8 policy of `precision: fp8` (None otherwise)",
+    "telemetry": "attribute: the TFLOP/s and MFU counter of the training step logs",
 }
 
 
