@@ -32,7 +32,15 @@ from ._config_utils import (
     unknown_keys,
     unsupported,
 )
-from .config_operations import HeartbeatConfig, InferenceConfig, NonFiniteConfig, SpikeConfig, WatchdogConfig
+from .config_operations import (
+    ConsistencyConfig,
+    HeartbeatConfig,
+    InferenceConfig,
+    NonFiniteConfig,
+    SpikeConfig,
+    StragglerConfig,
+    WatchdogConfig,
+)
 from .config_sections import (
     CheckpointConfig,
     CommConfig,
@@ -132,6 +140,8 @@ class RunnerConfig(_TypedConfig):
         nonfinite: What NaN/inf updates do; see `NonFiniteConfig`.
         spikes: Loss-spike detection and recovery (off by default); see `SpikeConfig`.
         watchdog: Hang watchdog (on by default); see `WatchdogConfig`.
+        stragglers: Slow ranks named at step logs (off by default); see `StragglerConfig`.
+        consistency: Replica consistency checks (off by default); see `ConsistencyConfig`.
 
     Examples:
         >>> config = RunnerConfig()
@@ -162,7 +172,7 @@ class RunnerConfig(_TypedConfig):
         "bfloat16": "bf16",
     }
     # Where predictions go and how a hang is caught do not define the experiment.
-    CONFIG_ID_IGNORES = (*CONFIG_ID_IGNORES, "inference", "watchdog")
+    CONFIG_ID_IGNORES = (*CONFIG_ID_IGNORES, "inference", "watchdog", "stragglers", "consistency")
     # Features no runner of this version implements; a backend lifts one by naming it in its
     # `supported_features` (and the entry is dropped once every runner reads those keys).
     FEATURES = {
@@ -231,6 +241,8 @@ class RunnerConfig(_TypedConfig):
     nonfinite: NonFiniteConfig = NonFiniteConfig()
     spikes: SpikeConfig = SpikeConfig()
     watchdog: WatchdogConfig = WatchdogConfig()
+    stragglers: StragglerConfig = StragglerConfig()
+    consistency: ConsistencyConfig = ConsistencyConfig()
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__()
