@@ -184,7 +184,8 @@ class BaseRunner(CheckpointMixin, StepHooks, metaclass=MetaRunner):
         """Finish construction once the subclass `__init__` has returned.
 
         Offsets the seed by the data rank (`set_seed()`), subscribes `@on` handlers, builds the
-        update strategy and writes the run metadata on the main process. The backend-free runner
+        update strategy and the diagnosis plug-ins the config turns on (`runner.diagnosis`), and
+        writes the run metadata on the main process. The backend-free runner
         restores nothing: it cannot know what a checkpoint's components load into. Concrete
         runners build their model, optimizer and dataloaders, call `super().__post_init__()` and
         then restore what `config.resume` / `config.auto_resume` / `config.pretrained` ask for with

@@ -1,7 +1,8 @@
 """Replica consistency sentinel: replicas that must hold the same weights are compared, bit for bit.
 
 Every `consistency.interval` optimizer steps each rank checksums the tensors that must be
-identical on every replica (the parameters and, when replicated, the optimizer state): each
+identical on every replica (the parameters and, when replicated and `consistency.optimizer_state`
+is set, the optimizer state): each
 tensor's bit pattern read as integers and summed in 64 bits, so any single flipped bit changes
 it. The per-tensor sums fold into one number per rank, and one all-gather of two numbers per rank
 (the digest and the replica group it belongs to) lets every rank see whether any replica group

@@ -1,4 +1,4 @@
-"""Slow ranks named: per-rank phase times, compared across ranks at the training step logs.
+"""Slow ranks named: per-rank phase times, compared across ranks at the training step logs (`stragglers.enabled`).
 
 The loops already mark, for the hang watchdog, which phase a rank enters (data loading, forward,
 backward, optimizer step) with `enter(phase, step)` calls. While a training run is under way,
@@ -95,10 +95,12 @@ class Straggler:
     waiting_ms: float
 
     def values(self) -> dict[str, Any]:
-        """What the step log and the trackers get under `straggler` (trackers keep the numbers)."""
+        """What the step log and the trackers get under `straggler`: scalar trackers keep the numbers,
+        so the phase is also given as `phase_id`, its index in `TRAINING_PHASES`."""
         return {
             "rank": self.rank,
             "phase": self.phase,
+            "phase_id": TRAINING_PHASES.index(self.phase) if self.phase in TRAINING_PHASES else -1,
             "slowdown": round(self.slowdown, 3),
             "lag_ms": round(self.lag_ms, 3),
             "waiting_ms": round(self.waiting_ms, 3),
