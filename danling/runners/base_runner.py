@@ -36,6 +36,7 @@ from danling.utils.io import save as save_file
 from .checkpointing import CheckpointMixin
 from .checkpointing.resume import LoopState
 from .config import RunnerConfig
+from .diagnosis import Diagnosis, DiagnosisSetup, build_diagnosis, replica_tensors
 from .loop import EventBus, Events, LogContext, Loop, StepContext, StepHooks
 from .loop.budget import checked_count, default_interval, evaluation_default, length_of, selected_splits, step_budget
 from .registry import RUNNERS
@@ -127,6 +128,9 @@ class BaseRunner(CheckpointMixin, StepHooks, metaclass=MetaRunner):
             goes to; `runner.trackers.append(MyTracker())` adds one.
         throughput: The [`Throughput`][danling.runners.services.observability.Throughput] of the
             training step logs (`runner.throughput.count_tokens(n)` adds tokens per second).
+        diagnosis: The [`Diagnosis`][danling.runners.diagnosis.Diagnosis] plug-ins: `diagnosis.stragglers`
+            names slow ranks at the step logs (`stragglers.*`), `diagnosis.consistency` compares the
+            replicas' weights (`consistency.*`); each is `None` while off.
         ft: Fault-tolerance runtime handle (`None` unless a backend provides one).
         timestamp: Wall-clock start of the run, `YYYYmmdd-HHMMSS`.
 
@@ -186,7 +190,8 @@ class BaseRunner(CheckpointMixin, StepHooks, metaclass=MetaRunner):
         """Finish construction once the subclass `__init__` has returned.
 
         Offsets the seed by the data rank (`set_seed()`), subscribes `@on` handlers, builds the
-        update strategy and writes the run metadata on the main process. The backend-free runner
+        update strategy and the diagnosis plug-ins the config turns on (`runner.diagnosis`), and
+        writes the run metadata on the main process. The backend-free runner
         restores nothing: it cannot know what a checkpoint's components load into. Concrete
         runners build their model, optimizer and dataloaders, call `super().__post_init__()` and
         then restore what `config.resume` / `config.auto_resume` / `config.pretrained` ask for with
@@ -199,6 +204,7 @@ class BaseRunner(CheckpointMixin, StepHooks, metaclass=MetaRunner):
         if "update" not in self.__dict__:
             self.update = self.build_update_strategy()
         self.loop_state.accumulator = self.update.accumulator
+        self.diagnosis = self._build_diagnosis()
         if self.is_main_process:
             self.workspace.write_metadata({"runner": type(self).__name__, "timestamp": self.timestamp})
 
@@ -1068,6 +1074,48 @@ class BaseRunner(CheckpointMixin, StepHooks, metaclass=MetaRunner):
     def _resume_trackers(self, context: Any) -> None:
         # The curves continue from the checkpoint's step: later points of the earlier run are dropped.
         self.trackers.resume_at(self.train_state.global_step)
+
+    # ==== diagnosis surface: the straggler monitor and the consistency sentinel (runner.diagnosis) ====
+    # (keep this marker; add this component's names right below it)
+    def _build_diagnosis(self) -> Diagnosis:
+        """The plug-ins `stragglers.*` and `consistency.*` turn on, subscribed to the event bus (none: no cost)."""
+        config = self.config
+        if not config.stragglers.enabled and config.consistency.interval is None:
+            return Diagnosis()
+        setup = DiagnosisSetup(
+            events=self.events,
+            supervisor=self.supervisor,
+            update=self.update,
+            tensors=self.replicated_tensors,
+            replicas=self.topology.ranks("replicate"),
+            replica_group=self.topology.group("replicate"),
+            rank=self.rank,
+            world_size=self.world_size,
+            global_step=lambda: self.train_state.global_step,
+            logger=self.logger,
+        )
+        return build_diagnosis(config.stragglers, config.consistency, setup)
+
+    def replicated_tensors(self) -> Iterator[tuple[str, Any]]:
+        """The `(name, tensor)` pairs every replica must hold identically, for the consistency sentinel.
+
+        Called when: by the consistency sentinel (`consistency.interval`), at each check, on every rank.
+        Holds on entry: the model (and optimizer) are built; no pass is between a forward and its update.
+        Side effects: none; yields the model's parameters (`model.<name>`) and, with
+            `consistency.optimizer_state`, the optimizer state (`optimizer.<name>.<key>`).
+        Overrides must not: yield tensors that legitimately differ between replicas (a partitioned
+            optimizer state, BatchNorm statistics) or yield them in a rank-dependent order.
+
+        Examples:
+            A backend that partitions its optimizer state compares the parameters only:
+
+            >>> from danling.runners.diagnosis import replica_tensors
+            >>> class ShardedStateRunner(BaseRunner):
+            ...     def replicated_tensors(self):
+            ...         return replica_tensors(self.unwrap(self.model))
+        """
+        optimizer = self.optimizer if self.config.consistency.optimizer_state else None
+        return replica_tensors(self.unwrap(self.model), optimizer)
 
     def __enter__(self) -> BaseRunner:
         return self

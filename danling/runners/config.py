@@ -33,11 +33,13 @@ from ._config_utils import (
     unsupported,
 )
 from .config_operations import (
+    ConsistencyConfig,
     HeartbeatConfig,
     InferenceConfig,
     NonFiniteConfig,
     SlurmConfig,
     SpikeConfig,
+    StragglerConfig,
     WatchdogConfig,
 )
 from .config_sections import (
@@ -145,6 +147,8 @@ class RunnerConfig(_TypedConfig):
         slurm: Slurm preemption signal and requeue; see `SlurmConfig`.
         telemetry: TFLOP/s and MFU in the training step logs (on by default); see `TelemetryConfig`.
         fp8: The float8 conversion of `precision: fp8`; see `Fp8Config`.
+        stragglers: Slow ranks named at step logs (off by default); see `StragglerConfig`.
+        consistency: Replica consistency checks (off by default); see `ConsistencyConfig`.
 
     Examples:
         >>> config = RunnerConfig()
@@ -176,9 +180,17 @@ class RunnerConfig(_TypedConfig):
         "fp8": "fp8",
         "float8": "fp8",
     }
-    # Where predictions go, how a hang is caught, how a cluster preempts and what the step logs measure do not
-    # define the experiment.
-    CONFIG_ID_IGNORES = (*CONFIG_ID_IGNORES, "inference", "watchdog", "slurm", "telemetry")
+    # Where predictions go, how a hang is caught, how a cluster preempts, what the step logs measure and what
+    # the diagnosis plug-ins watch do not define the experiment.
+    CONFIG_ID_IGNORES = (
+        *CONFIG_ID_IGNORES,
+        "inference",
+        "watchdog",
+        "slurm",
+        "telemetry",
+        "stragglers",
+        "consistency",
+    )
     # Features no runner of this version implements; a backend lifts one by naming it in its
     # `supported_features` (and the entry is dropped once every runner reads those keys).
     FEATURES = {
@@ -250,6 +262,8 @@ class RunnerConfig(_TypedConfig):
     slurm: SlurmConfig = SlurmConfig()
     telemetry: TelemetryConfig = TelemetryConfig()
     fp8: Fp8Config = Fp8Config()
+    stragglers: StragglerConfig = StragglerConfig()
+    consistency: ConsistencyConfig = ConsistencyConfig()
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__()

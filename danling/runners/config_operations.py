@@ -1,11 +1,21 @@
 """Sections of [`RunnerConfig`][danling.runners.config.RunnerConfig] about how a run is operated and
 protected rather than what it trains: heartbeats, the hang watchdog, non-finite checks, loss-spike
-recovery, Slurm preemption and inference into files. None of them is part of the experiment's identity.
+recovery, Slurm preemption, inference into files, and the diagnosis plug-ins (stragglers, replica
+consistency). None of them is part of the experiment's identity.
 """
 
 from .config_sections import _TypedConfig
 
-__all__ = ["HeartbeatConfig", "InferenceConfig", "NonFiniteConfig", "SlurmConfig", "SpikeConfig", "WatchdogConfig"]
+__all__ = [
+    "ConsistencyConfig",
+    "HeartbeatConfig",
+    "InferenceConfig",
+    "NonFiniteConfig",
+    "SlurmConfig",
+    "SpikeConfig",
+    "StragglerConfig",
+    "WatchdogConfig",
+]
 
 
 class HeartbeatConfig(_TypedConfig):
@@ -118,3 +128,52 @@ class SlurmConfig(_TypedConfig):
 
     signal: str | None = "USR1"
     requeue: bool = False
+
+
+class StragglerConfig(_TypedConfig):
+    """Slow ranks named (`stragglers.*`): per-rank phase times compared across ranks at step logs.
+
+    Every rank times its phases (data loading, forward, backward, optimizer step) from the phase
+    marks the loops already write for the hang watchdog; at each training step log the ranks
+    exchange their totals in one small collective, and the step log and the trackers carry the
+    slowest rank, its phase and how much slower it is than the median of the other ranks.
+
+    Attributes:
+        enabled: Time the phases and name the slowest rank (multi-process training runs only).
+        factor: A rank whose time per step (without waiting in collectives) exceeds `factor` x
+            the median of the other ranks' is slow; > 1.
+        window: Step-log intervals the comparison sums over (a rolling window); >= 1.
+        patience: Consecutive step logs the same rank must be slow before a WARNING names it; >= 1.
+        collective_phases: Phases holding a collective that every rank leaves together, so that a
+            fast rank waits there for a slow one (`backward` under DDP: the gradient all-reduce);
+            their time above the fastest rank's counts as waiting, not as work.
+    """
+
+    enabled: bool = False
+    factor: float = 1.5
+    window: int = 5
+    patience: int = 3
+    collective_phases: list[str] = ["backward"]
+
+
+class ConsistencyConfig(_TypedConfig):
+    """Replica consistency sentinel (`consistency.*`): replicas compared by checksum every `interval` steps.
+
+    The parameters (and the optimizer state) that must be identical on every replica of the
+    replicate domain (all ranks under DDP, the replicate axis of HSDP) are checksummed bit for bit
+    and compared in one small collective; a mismatch names the differing rank(s) and the first
+    differing tensor, then `policy` runs.
+
+    Attributes:
+        interval: Optimizer steps between checks; None (default) is off.
+        policy: `warn` (log and go on), `stop` (a graceful stop through the supervisor: the run
+            saves its shutdown checkpoint and exits) or `rollback` (reload the newest checkpoint
+            saved right after a check that passed, and go on).
+        optimizer_state: Also compare the optimizer state (when it is replicated).
+        max_rollbacks: Rollbacks allowed (`policy=rollback`); the next mismatch stops the run with an error.
+    """
+
+    interval: int | None = None
+    policy: str = "warn"
+    optimizer_state: bool = True
+    max_rollbacks: int = 3

@@ -186,6 +186,7 @@ DANLING_OWN = {
     "restore_in_place": "backend hook: restores components in place (DCP)",
     "runner_payload": "backend hook: the runner's own state in a checkpoint",
     "micro_batches_per_update": "attribute: micro-batches over all data ranks that one update covers",
+    "replicated_tensors": "backend hook: what replicas must hold identically (consistency sentinel; ZeRO differs)",
     # Backend-specific attributes and methods.
     "pipeline": "ParallelRunner attribute: the pipeline steps component",
     "pipeline_stages": "ParallelRunner attribute: this rank's pipeline stages",

@@ -17,7 +17,7 @@ and a user's script does not change. It is a thin [`TorchRunner`][danling.runner
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +31,7 @@ from danling.utils.imports import optional_import
 
 from ..checkpointing.api import OPTIONAL_RANK_LOCAL_KEYS, RANK_LOCAL_KEYS, CheckpointSource
 from ..checkpointing.resume import describe_source
+from ..diagnosis import replica_tensors
 from ..runner import register_runner
 from ..services.run_dirs import resolve_resume_path
 from ..torch_runner import TorchRunner
@@ -293,6 +294,19 @@ class DeepSpeedRunner(TorchRunner):
         if isinstance(model, OwnsAccumulationBoundary) and isinstance(getattr(model, "module", None), nn.Module):
             model = model.module
         return super().unwrap(model)
+
+    def replicated_tensors(self) -> Iterator[tuple[str, Any]]:
+        """What stays replicated under ZeRO, for the consistency sentinel (`consistency.*`).
+
+        Called when: by the consistency sentinel at each check, on every rank.
+        Holds on entry: the engine is built.
+        Side effects: none; yields the parameters below stage 3 and nothing at stage 3 (partitioned);
+            the optimizer state is partitioned from stage 1 and never compared.
+        Overrides must not: yield partitioned tensors (every check would then find a mismatch).
+        """
+        if self.model.zero_optimization_stage() >= 3:
+            return iter(())
+        return replica_tensors(self.unwrap(self.model))
 
     def model_state_dict(self) -> dict[str, torch.Tensor]:
         """The module's whole state dict as detached CPU copies, on every rank.

@@ -19,7 +19,7 @@ import logging
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from types import FunctionType
+from types import FunctionType, MappingProxyType
 from typing import Any, Generic, TypeVar
 
 __all__ = [
@@ -38,6 +38,7 @@ __all__ = [
     "RunContext",
     "SkippedStepContext",
     "StepContext",
+    "StepLogContext",
     "StopContext",
     "Subscription",
     "on",
@@ -112,6 +113,21 @@ class LogContext:
 
     runner: Any
     values: Mapping[str, Any]
+    step: int
+
+
+@dataclass(slots=True)
+class StepLogContext:
+    """A step log of `split` in `mode` about to be written at global step `step`.
+
+    Subscribers may add entries to `values` (the step log line and the trackers show them). Under
+    several processes every rank emits it at the same batch, so a subscriber may run a collective.
+    """
+
+    runner: Any
+    split: str
+    mode: str
+    values: Any
     step: int
 
 
@@ -222,6 +238,7 @@ class Events:
     | `PASS_START`, `PASS_END` | `PassContext` | around each pass over one split (training or evaluation) |
     | `STEP_START`, `STEP_END` | `StepContext` | around each batch |
     | `LOG` | `LogContext` | when step values or a result row are recorded (trackers listen) |
+    | `STEP_LOG` | `StepLogContext` | before a step log is written (subscribers may add values) |
     | `OPTIMIZER_STEP_SKIPPED` | `SkippedStepContext` | when non-finite gradients drop an optimizer step |
     | `EVALUATION_START`, `EVALUATION_END` | `EvaluationContext` | around each evaluation pass |
     | `CHECKPOINT_SAVED`, `CHECKPOINT_LOADED` | `CheckpointContext` | after a checkpoint is written or read |
@@ -254,6 +271,7 @@ class Events:
     STOP_REQUESTED = Event("stop_requested", StopContext)
     FAILURE = Event("failure", FailureContext)
     LOG = Event("log", LogContext)
+    STEP_LOG = Event("step_log", StepLogContext)
     INFERENCE_START = Event("inference_start", InferenceContext)
     INFERENCE_END = Event("inference_end", InferenceContext)
     INFERENCE_PROGRESS = Event("inference_progress", InferenceContext)
@@ -284,12 +302,18 @@ class EventBus:
 
     Handlers are stored as tuples replaced on every (un)subscription, so a handler may
     (un)subscribe while an event is emitted; the change applies from the next emission.
+
+    Attributes:
+        subscribed: A live read-only view, event -> handlers, of the events anyone listens to:
+            `event in bus.subscribed` asks what `has_subscribers` does without a function call,
+            for the loop's paths that must cost nothing while nobody listens.
     """
 
-    __slots__ = ("_handlers",)
+    __slots__ = ("_handlers", "subscribed")
 
     def __init__(self) -> None:
         self._handlers: dict[Event, tuple[Handler, ...]] = {}
+        self.subscribed: Mapping[Event, tuple[Handler, ...]] = MappingProxyType(self._handlers)
 
     def subscribe(self, event: Event[C], handler: Callable[[C], object]) -> Subscription:
         """Call `handler(context)` on every `event`; a handler may be subscribed to an event once.

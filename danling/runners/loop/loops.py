@@ -20,7 +20,7 @@ from typing import Any
 from danling.distributed import barrier, is_distributed
 from danling.utils import RoundDict
 
-from ..update.spikes import LossSpike, TrainingDivergedError
+from ..update.spikes import LossSpike, RollbackRequest, TrainingDivergedError
 from .budget import _why_empty, checked_count, length_of
 from .events import EpochContext, EventBus, Events, StopContext
 from .host import LoopHost
@@ -186,6 +186,8 @@ class Loop:
                 return self.host.train_epochs(train_splits, evaluate_splits)
             except LossSpike as spike:  # spikes.policy=rollback: reload, then carry on from there
                 self.roll_back(spike)
+            except RollbackRequest as request:  # a plug-in's rollback (consistency.policy=rollback)
+                self._reload(request)
 
     def train_epochs(
         self, train_splits: Sequence[str] | None = None, evaluate_splits: Sequence[str] | None = None
@@ -614,6 +616,15 @@ class Loop:
                 self.host.load_checkpoint(self.host.checkpoint_manager.resolve("latest") if path is None else path)
         self.host.logger.info("dry run passed: every split ran %d batch(es) and the checkpoint loaded back", batches)
         return self.host.results
+
+    def _reload(self, request: RollbackRequest) -> None:
+        """Reload the checkpoint a plug-in's
+        [`RollbackRequest`][danling.runners.update.spikes.RollbackRequest] names."""
+        self.host.checkpoint_manager.wait()  # the checkpoint to return to may still be being written
+        if is_distributed():
+            barrier()  # the main process's save is on disk before any rank reads it
+        self.host.load_checkpoint(request.path)
+        self.host.logger.warning("%s; rolled back to %s", request, request.path)
 
     def roll_back(self, spike: LossSpike) -> None:
         """Recover from a loss spike: reload the newest checkpoint that verifies, skip the spiked batches

@@ -24,7 +24,7 @@ from danling.utils import RoundDict
 
 from ..services.step_window import StepWindow
 from ..services.watchdog import watch_runner
-from ..update.spikes import LossSpike, TrainingDivergedError
+from ..update.spikes import LossSpike, RollbackRequest, TrainingDivergedError
 from .budget import length_of
 from .events import (
     EvaluationContext,
@@ -34,6 +34,7 @@ from .events import (
     PassContext,
     RunContext,
     StepContext,
+    StepLogContext,
     StopContext,
 )
 from .host import LoopHost
@@ -331,6 +332,10 @@ class PassEngine:
         # The one place step values are read back: the mean over the steps since the previous log,
         # shown on the terminal and sent to the trackers alike.
         values = self.step_window.read(self.host.meters)
+        if Events.STEP_LOG in self.events.subscribed:  # the straggler monitor (a collective); no call when off
+            mode = "train" if training else "evaluate"
+            context = StepLogContext(self.host, split, mode, values, self.host.train_state.global_step)
+            self.events.emit(Events.STEP_LOG, context)
         if training and self.host.update.skipped_steps:  # every update dropped so far, NaN/inf or spike
             values["skipped"] = self.host.update.skipped_steps
         if training and self.host.ft is not None:  # TorchFT: replica groups in the latest quorum
@@ -422,7 +427,7 @@ class PassEngine:
                     if training:
                         self.host.finish_checkpoints()  # the run's last checkpoint is on disk before it returns
                     self.host.bookkeeping.flush()  # a finished loop leaves its result files complete on disk
-                except LossSpike:
+                except RollbackRequest:
                     raise  # not a failure: `train` rolls back and goes on
                 except Exception as error:
                     self.events.emit(Events.FAILURE, FailureContext(self.host, error))

@@ -24,7 +24,7 @@ from collections import deque
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-__all__ = ["LossSpike", "SpikeDetector", "SpikeGuard", "TrainingDivergedError", "guard_options"]
+__all__ = ["LossSpike", "RollbackRequest", "SpikeDetector", "SpikeGuard", "TrainingDivergedError", "guard_options"]
 
 POLICIES = ("skip", "rollback")
 NONFINITE_CHECKS = ("log", "update", "off")
@@ -34,7 +34,22 @@ class TrainingDivergedError(RuntimeError):
     """The run stopped because its losses or gradients kept diverging (non-finite, or spiking too often)."""
 
 
-class LossSpike(Exception):
+class RollbackRequest(Exception):
+    """Raised inside a training pass to ask the training loop to reload a checkpoint and go on.
+
+    The loop leaves the pass (this is not a failure: no `FAILURE` event, no failure handling),
+    reloads `path` and trains on from the position it holds. [`LossSpike`][danling.runners.update.spikes.LossSpike]
+    is one (the loop picks its checkpoint); the replica consistency sentinel raises one naming the
+    newest checkpoint that verified consistent.
+
+    Attributes:
+        path: The checkpoint to reload (the same on every rank); `None` lets the loop choose.
+    """
+
+    path: str | None = None
+
+
+class LossSpike(RollbackRequest):
     """Raised by the update strategy to ask the training loop for a rollback (policy `"rollback"`).
 
     Attributes:

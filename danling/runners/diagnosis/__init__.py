@@ -1,0 +1,118 @@
+"""Diagnosis plug-ins of the event bus: slow ranks named, replicas checked for silent corruption.
+
+Each plug-in is off by default and then costs nothing: nothing is subscribed and no batch does
+any extra work. [`build_diagnosis`][danling.runners.diagnosis.build_diagnosis] builds the ones the
+config turns on and subscribes them; the runner keeps them as `runner.diagnosis`.
+
+- [`StragglerMonitor`][danling.runners.diagnosis.stragglers.StragglerMonitor] (`stragglers.*`):
+  per-rank phase times, compared across ranks at the training step logs.
+- [`ConsistencySentinel`][danling.runners.diagnosis.consistency.ConsistencySentinel]
+  (`consistency.*`): checksums of the replicated tensors compared every `consistency.interval` steps.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..config_operations import ConsistencyConfig, StragglerConfig
+from ..loop.events import EventBus
+from .consistency import ConsistencySentinel, ReplicaMismatch, ReplicaRollback, replica_tensors, tensor_checksum
+from .stragglers import PhaseClock, Straggler, StragglerMonitor, name_straggler
+
+__all__ = [
+    "ConsistencyConfig",
+    "ConsistencySentinel",
+    "Diagnosis",
+    "DiagnosisSetup",
+    "PhaseClock",
+    "ReplicaMismatch",
+    "ReplicaRollback",
+    "Straggler",
+    "StragglerConfig",
+    "StragglerMonitor",
+    "build_diagnosis",
+    "name_straggler",
+    "replica_tensors",
+    "tensor_checksum",
+]
+
+
+@dataclass
+class Diagnosis:
+    """The diagnosis plug-ins of one runner (`runner.diagnosis`); each is `None` while its section is off.
+
+    Attributes:
+        stragglers: The [`StragglerMonitor`][danling.runners.diagnosis.stragglers.StragglerMonitor]
+            (`stragglers.enabled`); `stragglers.latest` is the slowest rank of the latest step log.
+        consistency: The [`ConsistencySentinel`][danling.runners.diagnosis.consistency.ConsistencySentinel]
+            (`consistency.interval`); `consistency.mismatches` lists what it found.
+    """
+
+    stragglers: StragglerMonitor | None = None
+    consistency: ConsistencySentinel | None = None
+
+
+@dataclass(frozen=True)
+class DiagnosisSetup:
+    """What the plug-ins are built from (explicit pieces of the runner, never the runner itself).
+
+    Attributes:
+        events: The event bus they subscribe to.
+        supervisor: Holds the phase-mark slot (`watchdog`) and `request_stop`.
+        update: The update strategy, which reports backward and optimizer steps to its `watch`ed object.
+        tensors: The `(name, tensor)` pairs replicas must agree on, in rank-independent order.
+        replicas: Global ranks of this rank's replica group; replica_group: its process group.
+        rank: This process's global rank; world_size: the number of ranks.
+        global_step: The current global step.
+        logger: Where the plug-ins report.
+    """
+
+    events: EventBus
+    supervisor: Any
+    update: Any
+    tensors: Callable[[], Iterable[tuple[str, torch.Tensor]]]
+    replicas: list[int]
+    replica_group: Any
+    rank: int
+    world_size: int
+    global_step: Callable[[], int]
+    logger: logging.Logger
+
+
+def build_diagnosis(stragglers: StragglerConfig, consistency: ConsistencyConfig, setup: DiagnosisSetup) -> Diagnosis:
+    """Build and subscribe the plug-ins the two sections turn on; the others stay `None` and cost nothing.
+
+    Raises:
+        ValueError: A value of either section outside its range (the message names it).
+    """
+    diagnosis = Diagnosis()
+    if stragglers.enabled:
+        monitor = StragglerMonitor(
+            stragglers,
+            world_size=setup.world_size,
+            logger=setup.logger,
+            report=setup.rank == 0,
+            global_step=setup.global_step,
+        )
+        monitor.attach(setup.events, setup.supervisor, setup.update)
+        diagnosis.stragglers = monitor
+    if consistency.interval is not None:
+        sentinel = ConsistencySentinel(
+            consistency,
+            setup.tensors,
+            replicas=setup.replicas,
+            rank=setup.rank,
+            world_size=setup.world_size,
+            group=setup.replica_group,
+            request_stop=setup.supervisor.request_stop,
+            global_step=setup.global_step,
+            logger=setup.logger,
+        )
+        sentinel.attach(setup.events)
+        diagnosis.consistency = sentinel
+    return diagnosis
