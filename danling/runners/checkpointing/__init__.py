@@ -1,6 +1,14 @@
-"""The runner's checkpoint API (`api`) and the torch payload and exact-resume state (`torch_state`)."""
+"""The runner's checkpointing: the component (`component`, `torch_state`) and the runner's hooks over it (`hooks`)."""
 
-from .api import CheckpointMixin, CheckpointSource
-from .torch_state import TorchCheckpointMixin
+from .component import CheckpointHost, CheckpointSource, RunnerCheckpointing
+from .hooks import CheckpointHooks
+from .torch_state import TorchCheckpointHost, TorchCheckpointing
 
-__all__ = ["CheckpointMixin", "CheckpointSource", "TorchCheckpointMixin"]
+__all__ = [
+    "CheckpointHooks",
+    "CheckpointHost",
+    "CheckpointSource",
+    "RunnerCheckpointing",
+    "TorchCheckpointHost",
+    "TorchCheckpointing",
+]
