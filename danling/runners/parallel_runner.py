@@ -112,6 +112,7 @@ class ParallelRunner(TorchRunner):
         return Topology.from_axes(axes, device_type=self.device.type)
 
     checkpointing_class = ParallelCheckpointing  # DCP only when distributed; checkpoints hold every local part
+    checkpointing: ParallelCheckpointing
 
     # ------------------------------------------------------------------ model
     def materialize_model(self) -> None:

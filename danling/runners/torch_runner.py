@@ -829,6 +829,7 @@ class TorchRunner(BaseRunner):
     # ==== torch checkpoint surface ====
     # (keep this marker; add this area's public names right below it)
     checkpointing_class = TorchCheckpointing
+    checkpointing: TorchCheckpointing
 
     def _rescale_accumulation(self, accum_steps: int) -> None:
         """Use `accum_steps` from now on: an elastic resume keeps the global batch on another data-parallel size."""

@@ -82,6 +82,7 @@ class DeepSpeedRunner(TorchRunner):
                 os.environ.setdefault(key, value)
 
     checkpointing_class = DeepSpeedCheckpointing  # the engine writes and loads model and optimizer itself
+    checkpointing: DeepSpeedCheckpointing
 
     def init_checkpoint_manager(self) -> None:
         """Bind a [`DeepSpeedCheckpointManager`][danling.checkpoint.deepspeed.DeepSpeedCheckpointManager].
