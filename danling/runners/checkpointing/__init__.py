@@ -1,8 +1,9 @@
-"""The runner's checkpointing: the component (`component`, `torch_state`) and the runner's hooks over it (`hooks`)."""
+"""The runner's checkpointing: the component (`component`, `torch_state`), its host (`host`) and hooks (`hooks`)."""
 
-from .component import CheckpointHost, CheckpointSource, RunnerCheckpointing
+from .component import RunnerCheckpointing
 from .hooks import CheckpointHooks
-from .torch_state import TorchCheckpointHost, TorchCheckpointing
+from .host import CheckpointHost, CheckpointSource, TorchCheckpointHost
+from .torch_state import TorchCheckpointing
 
 __all__ = [
     "CheckpointHooks",

@@ -7,7 +7,7 @@ result rows), decides checkpoint names and aliases, and implements the resume po
 one as `runner.checkpointing` (its class is the runner's `checkpointing_class`) and keeps the
 documented hooks ([`CheckpointHooks`][danling.runners.checkpointing.hooks.CheckpointHooks]):
 this component calls them back through
-[`CheckpointHost`][danling.runners.checkpointing.component.CheckpointHost], so a user's override
+[`CheckpointHost`][danling.runners.checkpointing.host.CheckpointHost], so a user's override
 of `load_model` or `save_checkpoint` is what every restore and save uses. Backends subclass the
 component ([`TorchCheckpointing`][danling.runners.checkpointing.torch_state.TorchCheckpointing],
 the DeepSpeed and parallel ones) to change what a payload holds and how it is read.
@@ -16,10 +16,10 @@ the DeepSpeed and parallel ones) to change what a payload holds and how it is re
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Mapping
 from contextvars import ContextVar
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from danling.checkpoint import read_checkpoint as read_checkpoint_source
 from danling.checkpoint.failures import CheckpointSaveError
@@ -33,6 +33,7 @@ from ..loop.mode import RunnerMode
 from ..reconcile import reconcile_on_start
 from ..services.run_dirs import newest_valid_checkpoint, resolve_resume_path
 from ._keys import without as _without
+from .host import CheckpointHost, CheckpointSource
 from .resume import (
     check_identity,
     continue_pass_meters,
@@ -47,8 +48,6 @@ from .saves import SaveFacts, save_when_due
 
 if TYPE_CHECKING:
     from danling.checkpoint import CheckpointManager
-    from danling.distributed import Topology
-    from danling.metrics import AverageMeters
 
     from ..loop import EventBus
     from ..services import RunnerResults, RunnerWorkspace
@@ -57,7 +56,6 @@ if TYPE_CHECKING:
 
 __all__ = ["CheckpointHost", "CheckpointSource", "RunnerCheckpointing", "is_path", "read_source"]
 
-CheckpointSource = Mapping[str, Any] | bytes | str | os.PathLike
 # Components whose state a full checkpoint must carry when the runner has them bound.
 _REQUIRED_COMPONENTS = ("model", "optimizer", "scheduler")
 # Payload entries that differ between ranks; everything else is written once and read by every rank.
@@ -80,58 +78,12 @@ def read_source(checkpoint: CheckpointSource, map_location: Any = "cpu", trusted
     return read_checkpoint_source(checkpoint, map_location=map_location, trusted=trusted)
 
 
-class CheckpointHost(Protocol):
-    """The runner as its checkpointing sees it: the hooks it calls back and the live state it saves.
-
-    The manager, topology, logger, loaders and components are read when used, not copied: the
-    runner binds them during construction (and `set_checkpoint_manager` may swap the manager).
-    """
-
-    checkpoint_manager: CheckpointManager
-    topology: Topology
-    logger: Any
-    dataloaders: MutableMapping[str, Any]
-    meters: AverageMeters
-    model: Any
-    ema: Any
-    optimizer: Any
-    scheduler: Any
-    mode: RunnerMode
-    split: str | None
-    # The metric container of the pass under way (`StepHooks` keeps it; None outside a pass).
-    _active_metrics: Any
-
-    @property
-    def id(self) -> str: ...
-    @property
-    def is_step_mode(self) -> bool: ...
-    @property
-    def world_size(self) -> int: ...
-    @property
-    def is_main_process(self) -> bool: ...
-
-    # ------------------------------------------------------------------ the hooks a user may override
-    def state_dict(self, cls: type = ...) -> Mapping: ...
-    def load_state_dict(self, checkpoint: Mapping[str, Any]) -> None: ...
-    def save_checkpoint(self, *args: Any, **kwargs: Any) -> Path | None: ...
-    def checkpoint_save_failed(self, error: CheckpointSaveError) -> None: ...
-    def read_checkpoint(self, checkpoint: CheckpointSource, *args: Any, **kwargs: Any) -> Mapping[str, Any]: ...
-    def load_checkpoint(self, checkpoint: CheckpointSource, *args: Any, **kwargs: Any) -> None: ...
-    def load_model(self, state_dict: Mapping[str, Any], *args: Any, **kwargs: Any) -> None: ...
-    def load_ema(self, state_dict: Mapping[str, Any] | None, *args: Any, **kwargs: Any) -> None: ...
-    def load_optimizer(self, state_dict: Mapping[str, Any] | None, *args: Any, **kwargs: Any) -> None: ...
-    def load_scheduler(self, state_dict: Mapping[str, Any] | None, *args: Any, **kwargs: Any) -> None: ...
-    def load_dataloaders(self, state_dict: Mapping[str, Any] | None) -> None: ...
-    def load_pretrained(self, checkpoint: CheckpointSource, *args: Any, **kwargs: Any) -> None: ...
-    def unwrap(self, model: Any) -> Any: ...
-
-
 class RunnerCheckpointing:
     """Checkpoint payloads, saving with aliases, and the restore paths of one runner (`runner.checkpointing`).
 
     Args:
         host: The runner, through the hooks and live objects that
-            [`CheckpointHost`][danling.runners.checkpointing.component.CheckpointHost] names.
+            [`CheckpointHost`][danling.runners.checkpointing.host.CheckpointHost] names.
         config: The run's config (`checkpoint` section, `resume`, `auto_resume`, `pretrained`, `seed`).
         state: The runner's counters and RNG snapshots.
         loop_state: Where the loop stands (the split and batch of a pass under way).

@@ -30,29 +30,20 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any
 
 import torch
 
 from danling.checkpoint import detect_format, open_checkpoint_reader
 from danling.checkpoint.manifest import verification_scope
 
-from .component import (
-    OPTIONAL_RANK_LOCAL_KEYS,
-    RANK_LOCAL_KEYS,
-    CheckpointHost,
-    CheckpointSource,
-    RunnerCheckpointing,
-    is_path,
-)
+from .component import OPTIONAL_RANK_LOCAL_KEYS, RANK_LOCAL_KEYS, CheckpointSource, RunnerCheckpointing, is_path
 from .elastic import data_positions, elastic_accum_steps, restore_positions
+from .host import TorchCheckpointHost
 from .resume import describe_source as _describe
 from .resume import loader_fingerprint, restore_loader_positions, shares_data_rank
 
-if TYPE_CHECKING:
-    from ..update import UpdateStrategy
-
-__all__ = ["RANK_LOCAL_KEYS", "TorchCheckpointHost", "TorchCheckpointing"]
+__all__ = ["RANK_LOCAL_KEYS", "TorchCheckpointing"]
 
 _EXPORT_DTYPES = {
     "fp32": torch.float32,
@@ -73,24 +64,6 @@ _EXPORT_DTYPES = {
 _ELASTIC_OPTIONAL_KEYS = (*OPTIONAL_RANK_LOCAL_KEYS, "dataloaders")
 # Checkpoint backends whose runs keep the global batch on another data-parallel size.
 _ELASTIC_BACKENDS = ("file", "dcp")
-
-
-class TorchCheckpointHost(CheckpointHost, Protocol):
-    """What [`TorchCheckpointing`][danling.runners.checkpointing.torch_state.TorchCheckpointing] needs on top of
-    [`CheckpointHost`][danling.runners.checkpointing.component.CheckpointHost]: the update strategy, the
-    training splits and the accumulation it may rescale on another data-parallel size."""
-
-    update: UpdateStrategy
-
-    @property
-    def train_splits(self) -> list[str]: ...
-    @property
-    def accum_steps(self) -> int: ...
-    @property
-    def distributed(self) -> bool: ...
-    @property
-    def scheduler_interval(self) -> str: ...
-    def _rescale_accumulation(self, accum_steps: int) -> None: ...
 
 
 class TorchCheckpointing(RunnerCheckpointing):

@@ -29,7 +29,8 @@ from danling.checkpoint.manifest import CheckpointError
 from danling.distributed import is_distributed
 
 from ..checkpointing.component import CheckpointSource
-from ..checkpointing.torch_state import TorchCheckpointHost, TorchCheckpointing
+from ..checkpointing.host import TorchCheckpointHost
+from ..checkpointing.torch_state import TorchCheckpointing
 
 __all__ = ["DeepSpeedCheckpointHost", "DeepSpeedCheckpointing", "export_fp32", "load_tag"]
 

@@ -15,7 +15,8 @@ from torch import nn
 
 from danling.distributed.parts import merge_parts
 
-from ..checkpointing.torch_state import TorchCheckpointHost, TorchCheckpointing
+from ..checkpointing.host import TorchCheckpointHost
+from ..checkpointing.torch_state import TorchCheckpointing
 
 __all__ = ["ParallelCheckpointHost", "ParallelCheckpointing"]
 
