@@ -4,8 +4,9 @@ The class owns the construction lifecycle, process facts (rank, world size), see
 services every backend shares (workspace, logging, trackers, checkpoint manager, supervisor).
 Loops live in [`loops`][danling.runners.loop.loops], budgets and split selection in
 [`progress`][danling.runners.loop.budget], result bookkeeping in [`results`][danling.runners.services.results]
-and the checkpoint API in [`checkpointing`][danling.runners.checkpointing.api]; `BaseRunner` mixes
-the loop and checkpoint layers in and delegates result bookkeeping to its
+and checkpointing in [`RunnerCheckpointing`][danling.runners.checkpointing.component.RunnerCheckpointing]
+(`runner.checkpointing`, its hooks in [`CheckpointHooks`][danling.runners.checkpointing.hooks.CheckpointHooks]);
+`BaseRunner` delegates result bookkeeping to its
 [`RunnerResults`][danling.runners.services.results.RunnerResults] (`runner.bookkeeping`).
 """
 
@@ -27,13 +28,14 @@ import numpy as np
 from chanfig import FlatDict
 
 from danling.checkpoint import CheckpointManager, FileCheckpointManager
+from danling.checkpoint.failures import CheckpointSaveError
 from danling.distributed import Topology
 from danling.distributed.slurm import SlurmJob, apply_slurm_launch
 from danling.metrics import AverageMeters
 from danling.utils import RoundDict
 from danling.utils.io import save as save_file
 
-from .checkpointing import CheckpointMixin
+from .checkpointing import CheckpointHooks, RunnerCheckpointing
 from .checkpointing.resume import LoopState
 from .config import RunnerConfig
 from .diagnosis import Diagnosis, DiagnosisSetup, build_diagnosis, replica_tensors
@@ -78,7 +80,7 @@ class MetaRunner(type):
         return instance
 
 
-class BaseRunner(CheckpointMixin, StepHooks, metaclass=MetaRunner):
+class BaseRunner(CheckpointHooks, StepHooks, metaclass=MetaRunner):
     """Backend-free runner: lifecycle, bookkeeping, checkpoint API and loop skeletons.
 
     Construction runs in this order (concrete runners customise it through the hooks, never by
@@ -195,7 +197,7 @@ class BaseRunner(CheckpointMixin, StepHooks, metaclass=MetaRunner):
         restores nothing: it cannot know what a checkpoint's components load into. Concrete
         runners build their model, optimizer and dataloaders, call `super().__post_init__()` and
         then restore what `config.resume` / `config.auto_resume` / `config.pretrained` ask for with
-        [`auto_restore`][danling.runners.checkpointing.api.CheckpointMixin.auto_restore]
+        [`auto_restore`][danling.runners.checkpointing.hooks.CheckpointHooks.auto_restore]
         (`TorchRunner` does); a `BaseRunner` subclass does the same in its own `__post_init__`,
         or calls `auto_restore()` after construction.
         """
@@ -253,6 +255,7 @@ class BaseRunner(CheckpointMixin, StepHooks, metaclass=MetaRunner):
         self.throughput = Throughput(lambda: self.train_state.global_step).attach(self.events)
         self.ft = None
         self.checkpoint_manager = self._build_file_checkpoint_manager()
+        self.checkpointing = self._build_checkpointing()
         self.supervisor = self._build_supervisor(gc_interval=None)  # GC pacing: init_garbage_collection
 
     def _build_supervisor(self, *, gc_interval: int | None) -> RunnerSupervisor:
@@ -462,7 +465,7 @@ class BaseRunner(CheckpointMixin, StepHooks, metaclass=MetaRunner):
         if seed is None:
             seed = random.SystemRandom().randrange(2**31)
             self.config.seed = seed
-            self._seed_was_drawn = True  # a resumed checkpoint's seed replaces it (see load_state_dict)
+            self.checkpointing.seed_was_drawn = True  # a resumed checkpoint's seed replaces it (see load_state_dict)
         if bias is None or bias is True:
             topology = self.topology
             bias = self.rank if topology.is_data_parallel_only else topology.rank("data")
@@ -848,6 +851,30 @@ class BaseRunner(CheckpointMixin, StepHooks, metaclass=MetaRunner):
 
     # ==== checkpoint surface: thin delegations to the checkpoint component ====
     # (keep this marker; add this component's public names right below it)
+    # The class of `self.checkpointing`; backends name their subclass (the hooks are `CheckpointHooks`).
+    checkpointing_class: type[RunnerCheckpointing] = RunnerCheckpointing
+
+    def _build_checkpointing(self) -> RunnerCheckpointing:
+        """The checkpointing component, built in step 2 of construction (the manager is read from the runner)."""
+        return self.checkpointing_class(
+            self,
+            config=self.config,
+            state=self.state,
+            loop_state=self.loop_state,
+            bookkeeping=self.bookkeeping,
+            workspace=self.workspace,
+            events=self.events,
+        )
+
+    def _continue_pass_meters(self, split: str) -> None:
+        """Put back the meters and train metrics of the interrupted `split` pass (after the pass reset them)."""
+        if self.checkpointing.continue_pass_meters(split, getattr(self, "device", None)):
+            # The step logs average the steps since the previous log: the restored ones are not new.
+            self._step_window.mark_read(self.meters)
+
+    def _save_failed(self, error: CheckpointSaveError) -> None:
+        """A save failed (an asynchronous one is reported at the next optimizer step): see `checkpoint_save_failed`."""
+        return self.checkpointing.save_failed(error)
 
     # ==== results surface: thin delegations to the results component ====
     # (keep this marker; add this component's public names right below it)
@@ -916,7 +943,7 @@ class BaseRunner(CheckpointMixin, StepHooks, metaclass=MetaRunner):
         """Store `result` as the row at `index` (default: the global step in step mode, else the epoch)
         and remember which training state it scored (`best` may only go to a checkpoint of that state)."""
         self.bookkeeping.append(result, self._row_index() if index is None else index)
-        self._scored_progress = self._progress_marker()
+        self.checkpointing.mark_scored()
 
     def _save_result(self) -> None:
         """Send the newest row to the trackers (every process, at the global step) and, on the main

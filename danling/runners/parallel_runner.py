@@ -18,11 +18,10 @@ from torch import nn
 from danling.distributed import ParallelContext, ParallelTopology
 from danling.distributed.fsdp import block_modules, wrap_data_parallel
 from danling.distributed.layout import check_axes, check_layout
-from danling.distributed.parts import merge_parts
 from danling.distributed.pipeline import train_batch_size
 from danling.distributed.tensor_parallel import checkpoint_blocks, parallelize
 
-from .parallel import PipelineSteps
+from .parallel import ParallelCheckpointing, PipelineSteps
 from .runner import register_runner
 from .torch_runner import TorchRunner
 from .update import GradientSync, TorchUpdateStrategy, gradient_sync_for
@@ -94,18 +93,8 @@ class ParallelRunner(TorchRunner):
         check_axes(axes, self.device.type)
         return ParallelTopology.from_axes(axes, device_type=self.device.type)
 
-    @property
-    def checkpoint_backend(self) -> str:
-        """`"dcp"` for distributed runs (the only format that reshards); the file backend is refused there."""
-        backend = self.config.checkpoint.backend or "auto"
-        if not self.distributed:
-            return super().checkpoint_backend
-        if backend not in ("auto", "dcp"):
-            raise ValueError(
-                f"checkpoint.backend={backend!r} is not supported by ParallelRunner in a distributed run: its "
-                "checkpoints are sharded and only 'dcp' (or 'auto') can write and reshard them"
-            )
-        return "dcp"
+    checkpointing_class = ParallelCheckpointing  # DCP only when distributed; checkpoints hold every local part
+    checkpointing: ParallelCheckpointing
 
     # ------------------------------------------------------------------ model
     def materialize_model(self) -> None:
@@ -190,12 +179,6 @@ class ParallelRunner(TorchRunner):
             for name, param in self.unwrap(part).named_parameters():
                 if param.requires_grad:
                     yield name, param
-
-    @property
-    def checkpoint_model(self) -> nn.Module:
-        """All local parts as one module (see [`merge_parts`][danling.distributed.parts.merge_parts])."""
-        parts = self.model_parts or [self.model]
-        return merge_parts([self.unwrap(part) for part in parts]) if len(parts) > 1 else parts[0]
 
     @TorchRunner.mode.setter  # type: ignore[attr-defined]
     def mode(self, mode: Any) -> None:

@@ -2,8 +2,8 @@
 
 The class assembles construction, component building, the update strategy and the default batch
 contract (the step hooks `train_step`, `evaluate_step`, `infer_step` and their contexts, this
-module) and checkpoint payloads
-([`TorchCheckpointMixin`][danling.runners.checkpointing.torch_state.TorchCheckpointMixin]) on top of the
+module) and its checkpointing component
+([`TorchCheckpointing`][danling.runners.checkpointing.torch_state.TorchCheckpointing]) on top of the
 backend-free [`BaseRunner`][danling.runners.base_runner.BaseRunner]. Loaders come from
 [`torch_data`][danling.runners.torch_data], the start-of-run summary from
 [`torch_insight`][danling.runners.torch_insight] and the step profiler from
@@ -41,8 +41,8 @@ from danling.optim import build_optimizer, build_scheduler, is_metric_scheduler
 from danling.utils import to_device
 
 from .base_runner import BaseRunner
-from .checkpointing import TorchCheckpointMixin
-from .checkpointing.api import OPTIONAL_RANK_LOCAL_KEYS, RANK_LOCAL_KEYS
+from .checkpointing import TorchCheckpointing
+from .checkpointing.component import OPTIONAL_RANK_LOCAL_KEYS, RANK_LOCAL_KEYS
 from .ft import FaultTolerance, check_fault_tolerance
 from .loop import RunnerMode
 from .loop.events import Events
@@ -62,7 +62,7 @@ from .update.spikes import guard_options
 __all__ = ["TorchRunner"]
 
 
-class TorchRunner(TorchCheckpointMixin, BaseRunner):
+class TorchRunner(BaseRunner):
     """PyTorch runner for training, evaluation and inference, in one process or under DDP.
 
     Subclass it and, in `__init__` after `super().__init__(config)`, bind `self.model` (required),
@@ -217,7 +217,7 @@ class TorchRunner(TorchCheckpointMixin, BaseRunner):
         self._init_profiler()
         super().__post_init__()
         self._init_telemetry()
-        if not self.__dict__.get("_restored", False):  # resume / auto_resume / pretrained
+        if not self.checkpointing.restored:  # resume / auto_resume / pretrained
             with verification_scope():  # finding, checking and reading a checkpoint hash its files once
                 self.auto_restore()
         if self.is_main_process:
@@ -245,14 +245,6 @@ class TorchRunner(TorchCheckpointMixin, BaseRunner):
             return torch.device("cuda", self.local_rank)
         return torch.device("cpu")
 
-    @property
-    def checkpoint_backend(self) -> str:
-        """`checkpoint.backend` with `"auto"` resolved: `"dcp"` for distributed runs, `"file"` otherwise."""
-        backend = self.config.checkpoint.backend or "auto"
-        if backend == "auto":
-            return "dcp" if self.distributed else "file"
-        return backend
-
     # ------------------------------------------------------------------ early hooks
     def init_distributed(self) -> None:
         """Start the default process group from `WORLD_SIZE`/`RANK`/`LOCAL_RANK` when there are several processes.
@@ -277,7 +269,7 @@ class TorchRunner(TorchCheckpointMixin, BaseRunner):
         self.elastic_state.restart_count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
 
     def init_checkpoint_manager(self) -> None:
-        """Bind the DCP checkpoint manager when `checkpoint_backend` is `"dcp"`; keep the file manager otherwise.
+        """Bind the DCP checkpoint manager when `checkpointing.backend` is `"dcp"`; keep the file manager otherwise.
 
         Called when: once during construction, after `build_topology`, on every rank.
         Holds on entry: the process group and `self.topology` exist; the file manager is bound.
@@ -289,7 +281,7 @@ class TorchRunner(TorchCheckpointMixin, BaseRunner):
         Raises:
             ValueError: `checkpoint.backend` names a backend this runner cannot write.
         """
-        backend = self.checkpoint_backend
+        backend = self.checkpointing.backend
         if backend == "file":
             return
         if backend != "dcp":
@@ -326,7 +318,7 @@ class TorchRunner(TorchCheckpointMixin, BaseRunner):
         """
         if seed is None and self.config.get("seed") is None and is_distributed():
             self.config.seed = broadcast_object(random.SystemRandom().randrange(2**31), group=None)
-            self._seed_was_drawn = True
+            self.checkpointing.seed_was_drawn = True
         seed = super().set_seed(seed, bias)
         torch.manual_seed(seed)
         self.rng_state.capture()
@@ -550,7 +542,7 @@ class TorchRunner(TorchCheckpointMixin, BaseRunner):
                 and name not in ("model", "ema")
                 and isinstance(value, (nn.Module, torch.Tensor))
             }
-            outside = outside_parameters(self.checkpoint_model, self.optimizer, holders)
+            outside = outside_parameters(self.checkpointing.checkpoint_model, self.optimizer, holders)
         self.update.bind(self.optimizer, self.scheduler, self.scheduler_interval, outside)
 
     def build_update_strategy(self) -> TorchUpdateStrategy:
@@ -995,6 +987,16 @@ class TorchRunner(TorchCheckpointMixin, BaseRunner):
 
     # ==== torch checkpoint surface ====
     # (keep this marker; add this area's public names right below it)
+    checkpointing_class = TorchCheckpointing
+    checkpointing: TorchCheckpointing
+
+    def _rescale_accumulation(self, accum_steps: int) -> None:
+        """Use `accum_steps` from now on: an elastic resume keeps the global batch on another data-parallel size."""
+        self.__dict__["accum_steps"] = accum_steps  # the runner's cached value: budgets count updates with it
+        self.update.set_accum_steps(accum_steps)
+        if self.scheduler is not None and self._merged_section("sched", "scheduler").get("type"):
+            self.scheduler = None  # built for the old number of updates per epoch: build it for the new one
+            self.build_scheduler()
 
     # ==== torch data and insight surface ====
     # (keep this marker; add this area's public names right below it)
@@ -1115,7 +1117,7 @@ class TorchRunner(TorchCheckpointMixin, BaseRunner):
         """The [`run_summary`][danling.runners.torch_insight.run_summary] of this run (this rank's
         pipeline stages when the model is split into stages)."""
         return run_summary(
-            self.unwrap(self.checkpoint_model) if self.model is not None else None,
+            self.unwrap(self.checkpointing.checkpoint_model) if self.model is not None else None,
             precision=self.precision,
             device=self.device,
             world_size=self.world_size,

@@ -91,5 +91,5 @@ def full_weights(runner: Any) -> dict[str, torch.Tensor]:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     options = StateDictOptions(full_state_dict=dist.is_initialized())
-    state = get_model_state_dict(runner.checkpoint_model, options=options)
+    state = get_model_state_dict(runner.checkpointing.checkpoint_model, options=options)
     return {key: value.detach().cpu().clone() for key, value in state.items()}

@@ -75,7 +75,7 @@ def test_post_init_builds_components_in_order(tmp_path):
         assert isinstance(train, StatefulDataLoader) and isinstance(train.sampler, ResumableSampler)
         assert train.sampler.shuffle and train.drop_last and len(train) == 5
         assert not val.sampler.shuffle and not val.drop_last and val.batch_size == 3 and len(val) == 3
-        assert runner.checkpoint_backend == "file" and runner.device == torch.device("cpu")
+        assert runner.checkpointing.backend == "file" and runner.device == torch.device("cpu")
 
 
 def test_model_is_required(tmp_path):

@@ -1,6 +1,15 @@
-"""The runner's checkpoint API (`api`) and the torch payload and exact-resume state (`torch_state`)."""
+"""The runner's checkpointing: the component (`component`, `torch_state`), its host (`host`) and hooks (`hooks`)."""
 
-from .api import CheckpointMixin, CheckpointSource
-from .torch_state import TorchCheckpointMixin
+from .component import RunnerCheckpointing
+from .hooks import CheckpointHooks
+from .host import CheckpointHost, CheckpointSource, TorchCheckpointHost
+from .torch_state import TorchCheckpointing
 
-__all__ = ["CheckpointMixin", "CheckpointSource", "TorchCheckpointMixin"]
+__all__ = [
+    "CheckpointHooks",
+    "CheckpointHost",
+    "CheckpointSource",
+    "RunnerCheckpointing",
+    "TorchCheckpointHost",
+    "TorchCheckpointing",
+]

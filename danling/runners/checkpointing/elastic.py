@@ -9,7 +9,7 @@ training data position and of the global batch, both in the global `loop` entry:
 - `loop.micro_batches_per_update`: how many per-rank micro-batches, summed over the data-parallel
   ranks, one optimizer update covers (ranks x `accum_steps` of the run that started it).
 
-On a resize, [`TorchCheckpointMixin`][danling.runners.checkpointing.torch_state.TorchCheckpointMixin]
+On a resize, [`TorchCheckpointing`][danling.runners.checkpointing.torch_state.TorchCheckpointing]
 continues each interrupted pass from its global position
 ([`ResumableSampler.load_global_state`][danling.data.ResumableSampler.load_global_state]) and
 chooses `accum_steps` so that an update covers as many samples as before; see `docs/elastic.md`.

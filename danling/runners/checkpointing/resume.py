@@ -1,7 +1,8 @@
 """Resuming a run: where from, whether it is the same experiment, and where the loop and data stood.
 
-Used by [`CheckpointMixin`][danling.runners.checkpointing.api.CheckpointMixin] and
-[`TorchCheckpointMixin`][danling.runners.checkpointing.torch_state.TorchCheckpointMixin]:
+Used by the runner's checkpointing component
+([`RunnerCheckpointing`][danling.runners.checkpointing.component.RunnerCheckpointing] and
+[`TorchCheckpointing`][danling.runners.checkpointing.torch_state.TorchCheckpointing]):
 
 - [`resolve_resume_path`][danling.runners.services.run_dirs.resolve_resume_path] turns every
   form a user may give (`resume: <run dir>`, its `checkpoints/` directory, `.../checkpoints/latest`,
@@ -44,8 +45,8 @@ from ..services.run_dirs import (
 )
 
 if TYPE_CHECKING:
-    from ..base_runner import BaseRunner
     from ..config import RunnerConfig
+    from ..services import RunnerWorkspace
 
 __all__ = [
     "LoopState",
@@ -61,7 +62,7 @@ __all__ = [
 ]
 
 
-def check_identity(runner: BaseRunner, saved: RunnerConfig) -> None:
+def check_identity(config: RunnerConfig, saved: RunnerConfig, logger: Any) -> None:
     """Refuse a checkpoint whose run trained a different config, naming each differing key.
 
     With `resume_allow_changes: true` the checkpoint is accepted and each difference is logged as
@@ -70,7 +71,6 @@ def check_identity(runner: BaseRunner, saved: RunnerConfig) -> None:
     Raises:
         ValueError: Identity keys differ and `resume_allow_changes` is not set.
     """
-    config = runner.config
     saved = _judged_like(saved, config)
     if saved.config_id == config.config_id:
         return
@@ -85,7 +85,7 @@ def check_identity(runner: BaseRunner, saved: RunnerConfig) -> None:
             "to start a new run from its weights."
         )
     for key, old, new in differences:
-        runner.logger.warning("resume_allow_changes: %s was %r in the checkpoint's run, now %r", key, old, new)
+        logger.warning("resume_allow_changes: %s was %r in the checkpoint's run, now %r", key, old, new)
 
 
 def _judged_like(saved: RunnerConfig, config: RunnerConfig) -> RunnerConfig:
@@ -101,27 +101,26 @@ def _judged_like(saved: RunnerConfig, config: RunnerConfig) -> RunnerConfig:
     return judged(**saved.dict())
 
 
-def take_run_dir(runner: BaseRunner) -> None:
+def take_run_dir(workspace: RunnerWorkspace, config: RunnerConfig, logger: Any, is_main_process: bool) -> None:
     """Lock the run directory for this run and say when it is a new version beside an earlier run.
 
     Raises:
         RunDirectoryLockedError: Another live process trains in the directory.
     """
-    workspace = runner.workspace
-    workspace.lock(runner.logger)
-    if not runner.is_main_process:
+    workspace.lock(logger)
+    if not is_main_process:
         return
     for run_dir, reasons in workspace.refused.items():
-        runner.logger.warning(
+        logger.warning(
             "auto_resume: no checkpoint in %s verifies, so this run starts from scratch in %s and leaves them "
             "as they are; refused: %s",
-            Path(run_dir) / runner.config.checkpoint.dir_name,
+            Path(run_dir) / config.checkpoint.dir_name,
             workspace.path,
             "; ".join(f"{name}: {reason}" for name, reason in reasons.items()),
         )
     if workspace.version > 1 and not workspace.refused:
         earlier = workspace.base_path if workspace.version == 2 else f"{workspace.base_path}-v{workspace.version - 1}"
-        runner.logger.warning(
+        logger.warning(
             "%s already holds the checkpoints of an earlier run of this config, so this run writes into %s; "
             "to continue that run instead, set auto_resume: true or resume: <its run directory>",
             earlier,
@@ -129,16 +128,15 @@ def take_run_dir(runner: BaseRunner) -> None:
         )
 
 
-def report_code_change(runner: BaseRunner) -> None:
+def report_code_change(workspace: RunnerWorkspace, logger: Any, is_main_process: bool) -> None:
     """Warn when this launch continues a run whose previous launch ran another commit (or dirty code)."""
-    workspace = runner.workspace
     previous = workspace.previous_launch
-    if not runner.is_main_process or not previous:
+    if not is_main_process or not previous:
         return
     old, new = previous.get("code_id"), workspace.code_id
     old_dirty = bool((previous.get("git") or {}).get("dirty"))
     if old != new:
-        runner.logger.warning(
+        logger.warning(
             "continuing run %s with other code: its previous launch ran commit %s%s, this one runs commit %s "
             "(every launch is recorded in metadata.json under 'launches')",
             workspace.path,
@@ -148,18 +146,26 @@ def report_code_change(runner: BaseRunner) -> None:
         )
 
 
-def report_other_runs(runner: BaseRunner, limit: int = 3) -> None:
+def report_other_runs(
+    workspace: RunnerWorkspace,
+    config: RunnerConfig,
+    logger: Any,
+    *,
+    is_main_process: bool,
+    seed_was_drawn: bool,
+    limit: int = 3,
+) -> None:
     """Warn about runs of this experiment whose identity differs, naming each differing key.
 
     Called when `auto_resume` finds no checkpoint of this identity: the user may have expected one
-    of these runs to continue. At most `limit` runs (the newest) are described.
+    of these runs to continue. At most `limit` runs (the newest) are described; `seed_was_drawn`
+    (neither run chose a seed) leaves the seed out of the comparison.
     """
-    if not runner.is_main_process:
+    if not is_main_process:
         return
     from ..config import recorded_config
 
-    workspace = runner.workspace
-    current = runner.config.semantic_dict()
+    current = config.semantic_dict()
     for run_dir in sibling_runs(workspace.base_path, workspace.experiment)[:limit]:
         saved = recorded_run_config(run_dir)
         if saved is None:
@@ -168,10 +174,10 @@ def report_other_runs(runner: BaseRunner, limit: int = 3) -> None:
             differences = identity_differences(recorded_config(saved).semantic_dict(), current)
         except (TypeError, ValueError):  # a record this version cannot read as a config
             continue
-        if "_seed_was_drawn" in runner.__dict__:  # neither seed was chosen: drawn seeds always differ
+        if seed_was_drawn:  # neither seed was chosen: drawn seeds always differ
             differences = [item for item in differences if item[0] != "seed"]
         if differences:
-            runner.logger.warning(
+            logger.warning(
                 "auto_resume: run %s of experiment %r trained a different config, so it is not continued; "
                 "differences (that run -> this one): %s",
                 run_dir,

@@ -1,6 +1,6 @@
 """When a runner's checkpoint is due, what it is named, which aliases it gets, and what it records.
 
-The runner's [`save_checkpoint`][danling.runners.checkpointing.api.CheckpointMixin.save_checkpoint]
+The runner's [`save_checkpoint`][danling.runners.checkpointing.hooks.CheckpointHooks.save_checkpoint]
 decides through [`save_when_due`][danling.runners.checkpointing.saves.save_when_due] with explicit
 facts (counters, whether the weights are the best, their score) and hands the payload to the
 standalone [`CheckpointManager.save`][danling.checkpoint.CheckpointManager.save], which knows

@@ -1,8 +1,8 @@
 """Checkpoint payload and restore paths of [`TorchRunner`][danling.runners.TorchRunner].
 
-[`TorchCheckpointMixin`][danling.runners.checkpointing.torch_state.TorchCheckpointMixin] extends the
-backend-neutral payload of [`CheckpointMixin`][danling.runners.checkpointing.api.CheckpointMixin] with
-the torch components and everything an exact resume needs:
+[`TorchCheckpointing`][danling.runners.checkpointing.torch_state.TorchCheckpointing] extends the
+backend-neutral payload of [`RunnerCheckpointing`][danling.runners.checkpointing.component.RunnerCheckpointing]
+with the torch components and everything an exact resume needs:
 
 - `model` / `optimizer`: keyed by parameter name (through
   [`get_training_state`][danling.checkpoint.dcp.get_training_state]), so the same payload works
@@ -37,11 +37,13 @@ import torch
 from danling.checkpoint import detect_format, open_checkpoint_reader
 from danling.checkpoint.manifest import verification_scope
 
-from .api import OPTIONAL_RANK_LOCAL_KEYS, RANK_LOCAL_KEYS, CheckpointSource, _describe, _is_path
+from .component import OPTIONAL_RANK_LOCAL_KEYS, RANK_LOCAL_KEYS, CheckpointSource, RunnerCheckpointing, is_path
 from .elastic import data_positions, elastic_accum_steps, restore_positions
+from .host import TorchCheckpointHost
+from .resume import describe_source as _describe
 from .resume import loader_fingerprint, restore_loader_positions, shares_data_rank
 
-__all__ = ["RANK_LOCAL_KEYS", "TorchCheckpointMixin"]
+__all__ = ["RANK_LOCAL_KEYS", "TorchCheckpointing"]
 
 _EXPORT_DTYPES = {
     "fp32": torch.float32,
@@ -64,38 +66,44 @@ _ELASTIC_OPTIONAL_KEYS = (*OPTIONAL_RANK_LOCAL_KEYS, "dataloaders")
 _ELASTIC_BACKENDS = ("file", "dcp")
 
 
-class TorchCheckpointMixin:
-    """Torch checkpoint payload, exact-resume state and backend-agnostic reading; mixed into `TorchRunner`."""
+class TorchCheckpointing(RunnerCheckpointing):
+    """Torch checkpoint payload, exact-resume state and backend-agnostic reading; `TorchRunner.checkpointing`."""
 
-    _restored_fingerprints: dict[str, Any] | None = None
-    # Global data positions to continue from, set while a checkpoint of another data-parallel size loads.
-    _elastic_positions: dict[str, Any] | None = None
-    # Per-rank micro-batches summed over the data-parallel ranks that one update covers (None: this run's own).
-    _micro_batches_per_update: int | None = None
+    host: TorchCheckpointHost
+
+    def __init__(self, host: TorchCheckpointHost, **kwargs: Any) -> None:
+        super().__init__(host, **kwargs)
+        # Next-batch fingerprints of the training loaders, kept from `load_state_dict` for `load_dataloaders`.
+        self._restored_fingerprints: dict[str, Any] | None = None
+        # The update strategy's state, kept from `load_state_dict` until the optimizer container is rebound.
+        self._restored_update_state: Mapping[str, Any] | None = None
+        # Global data positions to continue from, set while a checkpoint of another data-parallel size loads.
+        self._elastic_positions: dict[str, Any] | None = None
+        # Per-rank micro-batches summed over the data-parallel ranks that one update covers (None: this run's own).
+        self._micro_batches_per_update: int | None = None
+
+    @property
+    def backend(self) -> str:
+        """`checkpoint.backend` with `"auto"` resolved: `"dcp"` for distributed runs, `"file"` otherwise."""
+        backend = self.config.checkpoint.backend or "auto"
+        if backend == "auto":
+            return "dcp" if self.host.distributed else "file"
+        return backend
 
     @property
     def checkpoint_model(self) -> Any:
-        """The module whose weights checkpoints hold and restore: `self.model` (a runner with several
+        """The module whose weights checkpoints hold and restore: the runner's `model` (a runner with several
         local model parts returns one module over all of them)."""
-        return self.model
+        return self.host.model
+
+    @property
+    def elastic_positions(self) -> dict[str, Any] | None:
+        """Global data positions a load on another data-parallel size continues from (`None` otherwise)."""
+        return self._elastic_positions
 
     # ------------------------------------------------------------------ saving
     def state_dict(self, cls: type = dict) -> Mapping:
-        """The full checkpoint payload: base runner state plus model, optimizer, EMA, scheduler and loop state.
-
-        Called when: only by callers that want the payload in memory (`load_checkpoint(runner.state_dict())`, tests); a
-            save does not call it: `checkpoint_payload` hands the manager `runner_payload` plus the live objects.
-        Holds on entry: the runner is built; the loop state is that of the current step.
-        Side effects: captures the RNG state; every live component is copied through its own `state_dict()`.
-        Overrides must not: drop a key `load_state_dict` / `load_checkpoint` reads back, or change a component.
-
-        Model and optimizer are keyed by parameter name, result-row indices are strings (DCP only
-        stores string keys), and dataloader progress is kept for the training splits only:
-        evaluation always starts a fresh pass. The RNG state is captured first.
-
-        Args:
-            cls: Mapping type used for the payload and its sections.
-        """
+        """The full payload: `runner_payload` plus the state of every live component (see the runner's hook)."""
         payload = self.runner_payload(cls)
         payload.update((key, live.state_dict()) for key, live in self._live_objects().items())
         return payload
@@ -106,33 +114,34 @@ class TorchCheckpointMixin:
         Called when: by `state_dict` and `checkpoint_payload` on every checkpoint save, on every rank;
             a backend whose engine writes model and optimizer itself (DeepSpeed) saves only this.
         Holds on entry: the runner is built; the loop state is that of the step being saved.
-        Side effects: none (captures nothing; the RNG state is captured by `state_dict`).
+        Side effects: captures the RNG state.
         Overrides must not: drop `loop`, `dataloaders` or `results` (an exact resume needs them); extend the
             returned mapping instead (`payload = super().runner_payload(cls)`).
         """
+        host = self.host
         payload = super().state_dict(cls)
         payload["results"] = cls((str(index), row) for index, row in payload["results"].items())
-        keep = {*self.train_splits, self.loop_state.split}
+        keep = {*host.train_splits, self.loop_state.split}
         loaders = cls((split, state) for split, state in payload["dataloaders"].items() if split in keep)
         payload["dataloaders"] = loaders
         payload["loop"] = cls(
             **self.loop_state.state_dict(),
-            update=self.update.state_dict(),
-            data=cls(data_positions(self.dataloaders, loaders)),
+            update=host.update.state_dict(),
+            data=cls(data_positions(host.dataloaders, loaders)),
             micro_batches_per_update=self.micro_batches_per_update,
         )
         # Per rank, like the loader positions they check.
-        dataloaders = self.dataloaders
+        dataloaders = host.dataloaders
         payload["fingerprints"] = cls(
             (split, loader_fingerprint(dataloaders.get(split), state)) for split, state in loaders.items()
         )
         # Per rank: the running loss meters and train metrics of a pass this checkpoint interrupts.
-        payload["pass_meters"] = self._pass_meters_state()
-        payload["backend"] = cls(stack="torch", world_size=self.world_size, checkpoint=self.checkpoint_manager.backend)
+        payload["pass_meters"] = self.pass_meters_state()
+        payload["backend"] = cls(stack="torch", world_size=host.world_size, checkpoint=self.manager.backend)
         return payload
 
     def _live_objects(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        """The runner's live components as stateful objects, restored through the `load_*` hooks.
+        """The runner's live components as stateful objects, restored through the runner's `load_*` hooks.
 
         Checkpoint managers take them as they are: a save asks each for its `state_dict()`, and an
         in-place load (DCP) reads each one's entries straight into its tensors (a sharded
@@ -141,23 +150,25 @@ class TorchCheckpointMixin:
         """
         from danling.checkpoint.training import ModelState, OptimizerState
 
+        host = self.host
         objects: dict[str, Any] = {}
         model = self.checkpoint_model
         if model is not None:
-            objects["model"] = _ThroughHook(ModelState(model), lambda state: self.load_model(state, *args, **kwargs))
-        if self.optimizer is not None:
-            optimizer = OptimizerState(model, self.optimizer, self.update.outside_parameters)
-            objects["optimizer"] = _ThroughHook(optimizer, self.load_optimizer)
-        if self.ema is not None:
-            objects["ema"] = _ThroughHook(ModelState(self.unwrap(self.ema)), self.load_ema)
-        if self.scheduler is not None:
-            objects["scheduler"] = _ThroughHook(self.scheduler, self.load_scheduler)
+            objects["model"] = _ThroughHook(ModelState(model), lambda state: host.load_model(state, *args, **kwargs))
+        if host.optimizer is not None:
+            optimizer = OptimizerState(model, host.optimizer, host.update.outside_parameters)
+            objects["optimizer"] = _ThroughHook(optimizer, host.load_optimizer)
+        if host.ema is not None:
+            objects["ema"] = _ThroughHook(ModelState(host.unwrap(host.ema)), host.load_ema)
+        if host.scheduler is not None:
+            objects["scheduler"] = _ThroughHook(host.scheduler, host.load_scheduler)
         return objects
 
     def checkpoint_payload(self, *, last_step: bool) -> Mapping[str, Any]:
         """The live components and the runner state, or a model-only export for a final save.
 
-        Called when: by `save_checkpoint` (and so `save_seed_checkpoint`), once per save that is written, on every rank.
+        Called when: by the runner's `save_checkpoint` (and so `save_seed_checkpoint`), once per save that is
+            written, on every rank.
         Holds on entry: the step being saved has finished; model, optimizer, EMA and scheduler are the live ones.
         Side effects: none: the live objects are handed over as they are and the manager asks each for its state.
         Overrides must not: change any state, or leave out `runner_payload`'s keys from a full save (a resume needs
@@ -166,7 +177,7 @@ class TorchCheckpointMixin:
         The model-only export (model and EMA weights, cast to `checkpoint.export_dtype` when set) is
         returned for the final save when `checkpoint.last_save_model_only` is set.
         """
-        checkpoint = self.config.checkpoint
+        checkpoint, host = self.config.checkpoint, self.host
         if not (last_step and checkpoint.last_save_model_only):
             return {**self.runner_payload(), **self._live_objects()}
         dtype = _EXPORT_DTYPES.get(checkpoint.export_dtype) if checkpoint.export_dtype else None
@@ -176,9 +187,9 @@ class TorchCheckpointMixin:
                 return dict(state)
             return {k: v.to(dtype) if torch.is_tensor(v) and v.is_floating_point() else v for k, v in state.items()}
 
-        payload = {"runner": self.config.dict(), "model": export(self.unwrap(self.model).state_dict())}
-        if self.ema is not None:
-            payload["ema"] = export(self.unwrap(self.ema).state_dict())
+        payload = {"runner": self.config.dict(), "model": export(host.unwrap(host.model).state_dict())}
+        if host.ema is not None:
+            payload["ema"] = export(host.unwrap(host.ema).state_dict())
         return payload
 
     @property
@@ -190,22 +201,14 @@ class TorchCheckpointMixin:
         """
         if self._micro_batches_per_update is not None:
             return self._micro_batches_per_update
-        return self.topology.size("data") * self.accum_steps
+        return self.host.topology.size("data") * self.host.accum_steps
 
     # ------------------------------------------------------------------ restoring
     def load_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        """Restore the runner state (counters, RNG, results) and the loop position of an exact resume.
+        """Restore counters, RNG, results and the loop position of an exact resume (see the runner's hook).
 
-        Called when: by `load_checkpoint`, once per restore, on every rank, before any component is loaded.
-        Holds on entry: the payload passed the config and layout checks; the loaders and the update strategy are built.
-        Side effects: restores counters, RNG, results and `loop_state`; keeps the fingerprints, update and pass-meter
-            state for the later loaders; may change `accum_steps` on another data-parallel size.
-        Overrides must not: load the model, optimizer or loader positions here, or skip `super().load_state_dict` (the
-            base checks the config).
-
-        Model, optimizer, scheduler and dataloaders are restored by `load_checkpoint`. On another
-        data-parallel size the interrupted pass continues as a new pass over its remaining samples,
-        and `accum_steps` is set to keep the global batch (see `_keep_global_batch`).
+        On another data-parallel size the interrupted pass continues as a new pass over its
+        remaining samples, and `accum_steps` is set to keep the global batch (see `_keep_global_batch`).
         """
         super().load_state_dict(checkpoint)
         loop = checkpoint.get("loop") or {}
@@ -214,7 +217,7 @@ class TorchCheckpointMixin:
         self._restored_update_state = loop.get("update")
         self._keep_pass_meters(checkpoint, loop)
         self._keep_global_batch(checkpoint)
-        if self._resized(checkpoint):
+        if self.resized(checkpoint):
             # The per-rank positions are not restored: the rest of the pass is dealt anew (or the pass
             # restarts, with `dataloaders` excluded), so its accumulation windows start over too.
             if self.loop_state.accumulator is not None:
@@ -223,7 +226,7 @@ class TorchCheckpointMixin:
                 self.loop_state.batch = 0  # batches of the dealt remainder, which is a pass of its own
 
     def _keep_pass_meters(self, checkpoint: Mapping[str, Any], loop: Mapping[str, Any]) -> None:
-        """Keep the running meters of the interrupted training pass for `_open_pass` to continue.
+        """Keep the running meters of the interrupted training pass for the pass to continue when it reopens.
 
         Only for the same data-parallel layout with one state per rank: on another number of ranks
         (or from a single-file checkpoint, which holds the main process's state only) the pass's
@@ -233,10 +236,11 @@ class TorchCheckpointMixin:
         split, saved = loop.get("split"), checkpoint.get("pass_meters")
         if split is None or not int(loop.get("batch") or 0):
             return  # not a mid-pass checkpoint (old checkpoints have no `pass_meters` either)
-        single_copy = getattr(self.checkpoint_manager, "backend", None) == "file" and self.topology.size("data") > 1
-        shared = shares_data_rank(self.topology, self.world_size)
-        if self._resized(checkpoint) or single_copy or shared:
-            self.logger.info(
+        host = self.host
+        single_copy = getattr(self.manager, "backend", None) == "file" and host.topology.size("data") > 1
+        shared = shares_data_rank(host.topology, host.world_size)
+        if self.resized(checkpoint) or single_copy or shared:
+            host.logger.info(
                 "the interrupted %s pass restarts its loss meters and train metrics (%s): its row's training values "
                 "cover the batches after the resume",
                 split,
@@ -251,7 +255,7 @@ class TorchCheckpointMixin:
 
     def _keep_global_batch(self, checkpoint: Mapping[str, Any]) -> None:
         """Set `accum_steps` so that an update covers as many micro-batches as in the run that wrote `checkpoint`."""
-        if getattr(self.checkpoint_manager, "backend", None) not in _ELASTIC_BACKENDS:
+        if getattr(self.manager, "backend", None) not in _ELASTIC_BACKENDS:
             return  # an engine's own checkpoints (DeepSpeed) keep their own resize rules
         loop, topology = checkpoint.get("loop") or {}, checkpoint.get("topology") or {}
         reference = loop.get("micro_batches_per_update")
@@ -261,19 +265,15 @@ class TorchCheckpointMixin:
                 return
             reference = int(topology["data_size"]) * int(saved_accum)
         self._micro_batches_per_update = int(reference)
-        loaders = [self.dataloaders[split] for split in self.train_splits if split in self.dataloaders]
+        host = self.host
+        loaders = [host.dataloaders[split] for split in host.train_splits if split in host.dataloaders]
         batch_size = getattr(loaders[0], "batch_size", None) if loaders else None
-        configured = int(self.config.get("accum_steps") or 1)
-        accum = elastic_accum_steps(int(reference), self.topology.size("data"), configured, batch_size, self.logger)
-        if accum == self.accum_steps:
-            return
-        self.__dict__["accum_steps"] = accum  # the runner's cached value: budgets count updates with it
-        self.update.set_accum_steps(accum)
-        if self.scheduler is not None and self._merged_section("sched", "scheduler").get("type"):
-            self.scheduler = None  # built for the old number of updates per epoch: build it for the new one
-            self.build_scheduler()
+        configured = int(self.config.accum_steps or 1)
+        accum = elastic_accum_steps(int(reference), host.topology.size("data"), configured, batch_size, host.logger)
+        if accum != host.accum_steps:
+            host._rescale_accumulation(accum)
 
-    def _check_resumable_layout(self, payload: Mapping[str, Any], excluded: set[str], source: Any) -> None:
+    def check_resumable_layout(self, payload: Mapping[str, Any], excluded: set[str], source: Any) -> None:
         """Accept a checkpoint of another data-parallel size that records global data positions.
 
         Its interrupted pass then continues from the global sample count (see
@@ -282,134 +282,94 @@ class TorchCheckpointMixin:
         """
         self._elastic_positions = None
         positions = (payload.get("loop") or {}).get("data")
-        elastic = getattr(self.checkpoint_manager, "backend", None) in _ELASTIC_BACKENDS
-        if not (elastic and self._resized(payload)) or "dataloaders" in excluded or positions is None:
-            super()._check_resumable_layout(payload, excluded, source)
+        elastic = getattr(self.manager, "backend", None) in _ELASTIC_BACKENDS
+        if not (elastic and self.resized(payload)) or "dataloaders" in excluded or positions is None:
+            super().check_resumable_layout(payload, excluded, source)
             return
         self._elastic_positions = dict(positions)
-        self.logger.warning(
+        self.host.logger.warning(
             "resuming checkpoint %s of %s data-parallel ranks on %d: each training pass continues from the "
             "samples consumed over all ranks %s; per-rank RNG state is re-seeded",
             _describe(source),
             payload["topology"].get("data_size"),
-            self.topology.size("data"),
+            self.host.topology.size("data"),
             {split: position.get("samples_consumed") for split, position in positions.items()},
         )
 
-    def load_checkpoint(self, checkpoint: CheckpointSource, *args: Any, **kwargs: Any) -> None:
-        """Restore a full checkpoint, then rebind the optimizer container to the restored optimizer and scheduler.
-
-        Called when: by `auto_restore` (`resume` / `auto_resume`), `from_checkpoint`, spike rollback and the dry run;
-            once per restore, on every rank.
-        Holds on entry: the runner is fully constructed: model, optimizer, scheduler, update strategy and dataloaders
-            are built.
-        Side effects: restores everything the base `load_checkpoint` does, then rebinds `self.update` to the restored
-            optimizer and scheduler and restores its accumulation state.
-        Overrides must not: skip the rebinding of `self.update`, or the fingerprint check of the training loaders.
-
-        Besides the checks of the base runner, the next-batch fingerprint of every training loader
-        is verified before its state is loaded.
-
-        Raises:
-            DataResumeError: a training loader would not continue the data stream of the checkpoint.
-        """
+    def load(self, checkpoint: CheckpointSource, *args: Any, **kwargs: Any) -> None:
+        """Restore a full checkpoint, then rebind the optimizer container to the restored optimizer and scheduler."""
         self._restored_fingerprints = None
         try:
             with verification_scope():  # the state and the in-place components read one directory: hash it once
-                super().load_checkpoint(checkpoint, *args, **kwargs)
+                super().load(checkpoint, *args, **kwargs)
         finally:
-            update_state = self.__dict__.pop("_restored_update_state", None)
+            update_state, self._restored_update_state = self._restored_update_state, None
             self._restored_fingerprints = self._elastic_positions = None
-        self._bind_update()
+        host = self.host
+        # The same optimizer object: the parameters outside its model found when it was bound still hold.
+        host.update.bind(host.optimizer, host.scheduler, host.scheduler_interval, host.update.outside_parameters)
         if update_state:
-            self.update.load_state_dict(update_state)
+            host.update.load_state_dict(update_state)
 
     def load_model(self, state_dict: Mapping[str, Any], *args: Any, **kwargs: Any) -> None:
-        """Load weights keyed by parameter name into `self.model`, whatever wrapper it has.
-
-        Called when: by `load_checkpoint` (directly or through the DCP in-place reader) and `load_pretrained`, once per
-            restore that carries model weights.
-        Holds on entry: `self.model` is built (and wrapped or sharded); `state_dict` is keyed by parameter name.
-        Side effects: replaces the model weights in place; a sharded parameter receives its local shard.
-        Overrides must not: replace `self.model` or its parameters with new objects (the optimizer holds them).
-
-        `strict` may be given as the first positional argument or as a keyword (default `True`).
-        """
+        """Load weights keyed by parameter name into the runner's model, whatever wrapper it has."""
         from danling.checkpoint.dcp import set_training_state
 
-        if self.model is None:
+        if self.host.model is None:
             raise ValueError("cannot load model weights: self.model is not set")
         strict = kwargs.pop("strict", args[0] if args else True)
         set_training_state(self.checkpoint_model, None, {"model": state_dict}, strict=strict)
 
     def load_optimizer(self, state_dict: Mapping[str, Any] | None, *args: Any, **kwargs: Any) -> None:
-        """Load optimizer state keyed by parameter name (or torch's positional layout) into `self.optimizer`.
-
-        Called when: by `load_checkpoint` (directly or through the DCP in-place reader), once per restore unless
-            `optimizer` is excluded.
-        Holds on entry: the model is restored; the optimizer is built over its parameters; `state_dict` may be `None`.
-        Side effects: replaces the optimizer state in place.
-        Overrides must not: rebind `self.optimizer` (the update strategy and the scheduler hold it).
-        """
+        """Load optimizer state keyed by parameter name (or torch's positional layout) into the runner's optimizer."""
         from danling.checkpoint.training import OptimizerState
 
-        if state_dict is None or self.optimizer is None:
+        optimizer = self.host.optimizer
+        if state_dict is None or optimizer is None:
             return
         groups = state_dict.get("param_groups") or []
         if groups and all(isinstance(param, int) for group in groups for param in group["params"]):
-            self.optimizer.load_state_dict(state_dict)  # written by optimizer.state_dict() itself
+            optimizer.load_state_dict(state_dict)  # written by optimizer.state_dict() itself
             return
-        live = OptimizerState(self.checkpoint_model, self.optimizer, self.update.outside_parameters)
+        live = OptimizerState(self.checkpoint_model, optimizer, self.host.update.outside_parameters)
         live.load_state_dict(state_dict)
 
     def load_dataloaders(self, state_dict: Mapping[str, Any] | None) -> None:
-        """Restore loader progress after checking each loader against the fingerprint in the checkpoint.
-
-        Called when: once per `load_checkpoint`, after the runner state, model, EMA, optimizer and
-            scheduler are restored (unless `dataloaders` is excluded from loading).
-        Holds on entry: `loop_state` holds the checkpoint's position; the loaders are built.
-        Side effects: moves each training loader to its saved position (see
-            [`restore_loader_positions`][danling.runners.checkpointing.resume.restore_loader_positions]),
-            or, on another data-parallel size, to the global position of its pass.
-        Overrides must not: skip the fingerprint check and load a position into a loader that would
-            yield other batches; call `super().load_dataloaders(state_dict)`.
-
-        Raises:
-            DataResumeError: a rebuilt loader would yield a different next batch than the saved one.
-        """
+        """Restore loader progress after checking each loader against the fingerprint in the checkpoint."""
+        host = self.host
         cursor = self.loop_state.split
         if self._elastic_positions is not None:  # another data-parallel size: per-rank states describe old shards
-            train = {split: self.dataloaders[split] for split in self.train_splits if split in self.dataloaders}
-            restore_positions(train, self._elastic_positions, cursor, self.config.get("seed"))
+            train = {split: host.dataloaders[split] for split in host.train_splits if split in host.dataloaders}
+            restore_positions(train, self._elastic_positions, cursor, self.config.seed)
             return
         restore_loader_positions(
-            self.dataloaders,
+            host.dataloaders,
             dict(state_dict or {}),
             self._restored_fingerprints or {},
             cursor=cursor,
-            seed=self.config.get("seed"),
-            excluded=self.checkpoint_manager.exclude_from_loading,
-            logger=self.logger,
+            seed=self.config.seed,
+            excluded=self.manager.exclude_from_loading,
+            logger=host.logger,
         )
 
     # ------------------------------------------------------------------ in-place restore (DCP)
     def in_place_components(self, checkpoint: CheckpointSource, excluded: set[str]) -> tuple[str, ...]:
         """Model, optimizer, EMA and scheduler of a DCP checkpoint load straight into the live objects.
 
-        Called when: first by `load_checkpoint`, once per restore, on every rank.
+        Called when: first by the runner's `load_checkpoint`, once per restore, on every rank.
         Holds on entry: `excluded` holds the top-level keys of `checkpoint.exclude_from_loading`.
         Side effects: none: it only inspects the checkpoint's format.
         Overrides must not: answer differently on different ranks (the DCP read that follows is collective).
         """
-        if not _is_path(checkpoint) or detect_format(self.checkpoint_manager.resolve(checkpoint)) != "dcp":
+        if not is_path(checkpoint) or detect_format(self.manager.resolve(checkpoint)) != "dcp":
             return ()
         return tuple(key for key in self._live_objects() if key not in excluded)
 
     def _dcp_reader(self, directory: Path, exclude: Any, **options: Any) -> Any:
         from danling.checkpoint.dcp import TorchDistributedCheckpointManager
 
-        options |= self._reader_options("dcp")
-        logger = self.checkpoint_manager.logger
+        options |= self.reader_options("dcp")
+        logger = self.manager.logger
         return TorchDistributedCheckpointManager(
             directory, load_only=True, exclude_from_loading=exclude, logger=logger, **options
         )
@@ -417,7 +377,8 @@ class TorchCheckpointMixin:
     def read_restore_payload(self, checkpoint: CheckpointSource, in_place: tuple[str, ...], map_location: Any) -> Any:
         """The plain entries of a DCP checkpoint, without the components restored in place.
 
-        Called when: by `load_checkpoint`, once per restore, right after `in_place_components`, on every rank.
+        Called when: by the runner's `load_checkpoint`, once per restore, right after `in_place_components`, on every
+            rank.
         Holds on entry: `in_place` lists what `restore_in_place` will read into the live objects.
         Side effects: reads and verifies this rank's share of the checkpoint files; changes nothing on the runner.
         Overrides must not: read the in-place components into memory, or skip a rank (verification is shared out over
@@ -428,8 +389,8 @@ class TorchCheckpointMixin:
         """
         if not in_place:
             return super().read_restore_payload(checkpoint, in_place, map_location)
-        path = self.checkpoint_manager.resolve(checkpoint)
-        exclude = [*self.checkpoint_manager.exclude_from_loading, *in_place]
+        path = self.manager.resolve(checkpoint)
+        exclude = [*self.manager.exclude_from_loading, *in_place]
         reader = self._dcp_reader(path.parent, exclude, verify_together=True)
         return reader.load(path, map_location=map_location)
 
@@ -438,49 +399,43 @@ class TorchCheckpointMixin:
     ) -> None:
         """Read the listed components of a DCP checkpoint straight into the live model, optimizer, EMA and scheduler.
 
-        Called when: by `load_checkpoint`, once per restore of a DCP checkpoint, after `load_state_dict`, on every rank.
+        Called when: by the runner's `load_checkpoint`, once per restore of a DCP checkpoint, after `load_state_dict`,
+            on every rank.
         Holds on entry: every check has passed; the counters, RNG and results are restored.
-        Side effects: loads the listed components into the live model, optimizer, EMA and scheduler through the `load_*`
-            hooks.
+        Side effects: loads the listed components into the live model, optimizer, EMA and scheduler through the
+            runner's `load_*` hooks.
         Overrides must not: restore keys not in `keys`, or skip a rank (the DCP read is collective).
         """
-        path = self.checkpoint_manager.resolve(checkpoint)
+        path = self.manager.resolve(checkpoint)
         objects = {key: live for key, live in self._live_objects(*args, **kwargs).items() if key in keys}
-        reader = self._dcp_reader(path.parent, self.checkpoint_manager.exclude_from_loading)
+        reader = self._dcp_reader(path.parent, self.manager.exclude_from_loading)
         reader.load_into(path, objects, map_location=map_location)
 
     # ------------------------------------------------------------------ reading
-    def read_checkpoint(self, checkpoint: CheckpointSource, *args: Any, **kwargs: Any) -> Mapping[str, Any]:
+    def read(self, checkpoint: CheckpointSource, *args: Any, **kwargs: Any) -> Mapping[str, Any]:
         """Payload of a mapping, bytes, alias or path of any registered format, whatever the current backend.
 
-        Called when: by `read_restore_payload` and `load_pretrained` (and `from_checkpoint` / `from_pretrained` through
-            them), once per restore.
-        Holds on entry: `self.checkpoint_manager` is bound; `checkpoint` is a path, alias, bytes or mapping.
-        Side effects: reads (and verifies) files, opening a reader of the checkpoint's format when it is not the
-            manager's own.
-        Overrides must not: change the runner or the caller's mapping, or ignore `checkpoint.exclude_from_loading`.
-
-        The format comes from the checkpoint registry
-        ([`detect_format`][danling.checkpoint.detect_format]); the runner's own manager reads its
-        own format, and a reader of the other format is opened for the rest.
+        The format comes from the checkpoint registry ([`detect_format`][danling.checkpoint.detect_format]);
+        the runner's own manager reads its own format, and a reader of the other format is opened for the rest.
         """
-        if not _is_path(checkpoint):
-            return super().read_checkpoint(checkpoint, *args, **kwargs)
-        manager = self.checkpoint_manager
+        if not is_path(checkpoint):
+            return super().read(checkpoint, *args, **kwargs)
+        manager = self.manager
         path = manager.resolve(checkpoint)
-        reader = open_checkpoint_reader(path, manager=manager, **self._reader_options(detect_format(path)))
+        reader = open_checkpoint_reader(path, manager=manager, **self.reader_options(detect_format(path)))
         return reader.load(path, map_location=kwargs.get("map_location", "cpu"))
 
-    def _reader_options(self, name: str) -> dict[str, Any]:
-        """Options of a reader of format `name`: a DCP reader takes this rank's place in the data domain."""
+    def reader_options(self, name: str) -> dict[str, Any]:
+        """Options of a checkpoint reader of format `name`: a DCP reader takes this rank's place in the data domain."""
         trusted = {"trusted": bool(self.config.checkpoint.trust_pickle)}
         if name != "dcp":
             return trusted
+        topology = self.host.topology
         return trusted | {
             "rank_local_keys": RANK_LOCAL_KEYS,
             "optional_rank_local_keys": _ELASTIC_OPTIONAL_KEYS,
-            "data_rank": self.topology.rank("data"),
-            "data_size": self.topology.size("data"),
+            "data_rank": topology.rank("data"),
+            "data_size": topology.size("data"),
         }
 
 

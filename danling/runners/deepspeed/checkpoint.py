@@ -1,4 +1,9 @@
-"""Loading a DeepSpeed tag into an engine: the tag asked for, on any data-parallel size, and its fp32 export.
+"""DeepSpeed checkpoints: the runner's checkpointing component, loading a tag into an engine, and its fp32 export.
+
+[`DeepSpeedCheckpointing`][danling.runners.deepspeed.checkpoint.DeepSpeedCheckpointing] is
+`DeepSpeedRunner.checkpointing`: the engine writes module, optimizer and its scheduler into a tag
+directory, danling's payload holds the rest, and a DeepSpeed tag is restored through the engine's
+own loader (any other format loads as for a torch runner).
 
 Functions of the engine, the tag directory and explicit settings (no runner):
 [`load_tag`][danling.runners.deepspeed.checkpoint.load_tag] wraps `engine.load_checkpoint` so that
@@ -11,9 +16,11 @@ merged fp32 weights of a tag as one `torch.save` file.
 from __future__ import annotations
 
 import logging
+import os
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -21,7 +28,129 @@ import torch.distributed as dist
 from danling.checkpoint.manifest import CheckpointError
 from danling.distributed import is_distributed
 
-__all__ = ["export_fp32", "load_tag"]
+from ..checkpointing.component import CheckpointSource
+from ..checkpointing.host import TorchCheckpointHost
+from ..checkpointing.torch_state import TorchCheckpointing
+
+__all__ = ["DeepSpeedCheckpointHost", "DeepSpeedCheckpointing", "export_fp32", "load_tag"]
+
+
+class DeepSpeedCheckpointHost(TorchCheckpointHost, Protocol):
+    """The DeepSpeed runner as its checkpointing sees it: the torch host plus who steps the scheduler."""
+
+    @property
+    def engine_owns_scheduler(self) -> bool: ...
+
+
+class DeepSpeedCheckpointing(TorchCheckpointing):
+    """Checkpoints written by the engine plus danling's state; `DeepSpeedRunner.checkpointing`."""
+
+    host: DeepSpeedCheckpointHost
+
+    @property
+    def backend(self) -> str:
+        """Always `"deepspeed"` (`checkpoint.backend` may be `"auto"` or `"deepspeed"`).
+
+        Raises:
+            ValueError: `checkpoint.backend` names another backend.
+        """
+        backend = self.config.checkpoint.backend or "auto"
+        if backend not in ("auto", "deepspeed"):
+            raise ValueError(
+                f"checkpoint.backend={backend!r} is not supported by DeepSpeedRunner; use 'auto' or 'deepspeed'"
+            )
+        return "deepspeed"
+
+    def checkpoint_payload(self, *, last_step: bool) -> Mapping[str, Any]:
+        """Danling's state; the engine writes module, optimizer and its scheduler itself.
+
+        Called when: by the runner's `save_checkpoint` (and so `save_seed_checkpoint`), once per save, on every rank.
+        Holds on entry: the engine is built and bound to the checkpoint manager; the step being saved has finished.
+        Side effects: none.
+        Overrides must not: add the module or optimizer state (the engine writes them itself) or change any state.
+        """
+        host = self.host
+        payload = self.runner_payload()
+        if host.ema is not None:
+            payload["ema"] = host.unwrap(host.ema).state_dict()
+        if host.scheduler is not None and not host.engine_owns_scheduler:
+            payload["scheduler"] = host.scheduler.state_dict()
+        return payload
+
+    def is_engine_source(self, checkpoint: CheckpointSource) -> bool:
+        """Whether `checkpoint` names a DeepSpeed tag (a path or alias the manager resolves to one)."""
+        if not isinstance(checkpoint, (str, os.PathLike)):
+            return False
+        from danling.checkpoint import detect_format
+
+        return detect_format(self.manager.resolve(checkpoint)) == "deepspeed"
+
+    def in_place_components(self, checkpoint: CheckpointSource, excluded: set[str]) -> tuple[str, ...]:
+        """Model, optimizer and the engine's scheduler of a DeepSpeed tag load through `engine.load_checkpoint`.
+
+        Called when: first by the runner's `load_checkpoint`, once per restore, on every rank.
+        Holds on entry: the engine is built; `excluded` holds the top-level keys of `checkpoint.exclude_from_loading`.
+        Side effects: none: it only inspects the checkpoint's format.
+        Overrides must not: answer differently on different ranks (the engine's load is collective) or drop `model` from
+            a DeepSpeed tag.
+        """
+        if not self.is_engine_source(checkpoint):
+            return super().in_place_components(checkpoint, excluded)
+        keys = ["model", "optimizer"] + (["scheduler"] if self.host.engine_owns_scheduler else [])
+        return tuple(key for key in keys if key not in excluded or key == "model")
+
+    def read_restore_payload(self, checkpoint: CheckpointSource, in_place: tuple[str, ...], map_location: Any) -> Any:
+        """Danling's state of a DeepSpeed tag (the engine's files are read later, in place).
+
+        Called when: by the runner's `load_checkpoint`, once per restore, right after `in_place_components`, on every
+            rank.
+        Holds on entry: `in_place` lists what the engine will load in `restore_in_place`.
+        Side effects: reads danling's state; changes nothing on the runner.
+        Overrides must not: load the engine's files here (the checks on the payload run first).
+        """
+        if in_place and self.is_engine_source(checkpoint):
+            return self.host.read_checkpoint(checkpoint, map_location=map_location)
+        return super().read_restore_payload(checkpoint, in_place, map_location)
+
+    def restore_in_place(
+        self, checkpoint: CheckpointSource, keys: tuple[str, ...], map_location: Any, *args: Any, **kwargs: Any
+    ) -> None:
+        """Load the listed components of a DeepSpeed tag through the engine's own loader.
+
+        Called when: by the runner's `load_checkpoint`, once per restore that lists in-place keys, after
+            `load_state_dict`, on every rank.
+        Holds on entry: every check has passed; the counters, RNG and results are restored.
+        Side effects: loads module, optimizer and the engine's scheduler through `engine.load_checkpoint`, checking the
+            saved step.
+        Overrides must not: load on some ranks only (the engine's load is collective) or load keys not in `keys`.
+        """
+        if not self.is_engine_source(checkpoint):
+            return super().restore_in_place(checkpoint, keys, map_location, *args, **kwargs)
+        self.engine_load(
+            self.tag_directory(checkpoint),
+            load_optimizer_states="optimizer" in keys,
+            load_lr_scheduler_states="scheduler" in keys,
+            expected_step=self.state.train.global_step,
+        )
+
+    def tag_directory(self, checkpoint: CheckpointSource) -> Path:
+        """The tag directory `checkpoint` names (a tag, a file in it, or an alias the manager resolves)."""
+        path = self.manager.resolve(checkpoint)
+        return path if path.is_dir() else path.parent
+
+    def engine_load(self, tag: Path, *, expected_step: int | None = None, **options: Any) -> None:
+        """[`load_tag`][danling.runners.deepspeed.checkpoint.load_tag] of `tag` into the runner's engine."""
+        host = self.host
+        load_tag(
+            host.model,
+            tag,
+            trust_pickle=self.config.checkpoint.trust_pickle,
+            universal_dir=self.manager.directory / ".universal",
+            is_main_process=host.is_main_process,
+            logger=host.logger,
+            expected_step=expected_step,
+            **options,
+        )
 
 
 def load_tag(

@@ -29,7 +29,7 @@ from danling.checkpoint import register_format
 from danling.data import resolve_loader_options
 from danling.utils.imports import optional_import
 
-from ..checkpointing.api import OPTIONAL_RANK_LOCAL_KEYS, RANK_LOCAL_KEYS, CheckpointSource
+from ..checkpointing.component import OPTIONAL_RANK_LOCAL_KEYS, RANK_LOCAL_KEYS, CheckpointSource
 from ..checkpointing.resume import describe_source
 from ..diagnosis import replica_tensors
 from ..runner import register_runner
@@ -37,7 +37,7 @@ from ..services.run_dirs import resolve_resume_path
 from ..torch_runner import TorchRunner
 from ..update import EMA
 from ..update.gradient_sync import OwnsAccumulationBoundary
-from .checkpoint import export_fp32, load_tag
+from .checkpoint import DeepSpeedCheckpointing, export_fp32
 from .config import build_deepspeed_config
 from .update import DeepSpeedUpdateStrategy, gathered_parameters
 
@@ -82,19 +82,8 @@ class DeepSpeedRunner(TorchRunner):
             for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_WORLD_SIZE", "1")):
                 os.environ.setdefault(key, value)
 
-    @property
-    def checkpoint_backend(self) -> str:
-        """Always `"deepspeed"` (`checkpoint.backend` may be `"auto"` or `"deepspeed"`).
-
-        Raises:
-            ValueError: `checkpoint.backend` names another backend.
-        """
-        backend = self.config.checkpoint.backend or "auto"
-        if backend not in ("auto", "deepspeed"):
-            raise ValueError(
-                f"checkpoint.backend={backend!r} is not supported by DeepSpeedRunner; use 'auto' or 'deepspeed'"
-            )
-        return "deepspeed"
+    checkpointing_class = DeepSpeedCheckpointing  # the engine writes and loads model and optimizer itself
+    checkpointing: DeepSpeedCheckpointing
 
     def init_checkpoint_manager(self) -> None:
         """Bind a [`DeepSpeedCheckpointManager`][danling.checkpoint.deepspeed.DeepSpeedCheckpointManager].
@@ -106,7 +95,7 @@ class DeepSpeedRunner(TorchRunner):
         Overrides must not: bind a manager of another format (the engine's files are only read by this one) or enable
             asynchronous saves.
         """
-        self.checkpoint_backend  # noqa: B018 - validates checkpoint.backend
+        self.checkpointing.backend  # noqa: B018 - validates checkpoint.backend
         from danling.checkpoint.deepspeed import DeepSpeedCheckpointManager
 
         options = self.checkpoint_options()
@@ -346,93 +335,6 @@ class DeepSpeedRunner(TorchRunner):
             refresh()
 
     # ------------------------------------------------------------------ checkpoints
-    def checkpoint_payload(self, *, last_step: bool) -> Mapping[str, Any]:
-        """Danling's state; the engine writes module, optimizer and its scheduler itself.
-
-        Called when: by `save_checkpoint` (and so `save_seed_checkpoint`), once per save, on every rank.
-        Holds on entry: the engine is built and bound to the checkpoint manager; the step being saved has finished.
-        Side effects: none.
-        Overrides must not: add the module or optimizer state (the engine writes them itself) or change any state.
-        """
-        payload = self.runner_payload()
-        if self.ema is not None:
-            payload["ema"] = self.unwrap(self.ema).state_dict()
-        if self.scheduler is not None and not self.engine_owns_scheduler:
-            payload["scheduler"] = self.scheduler.state_dict()
-        return payload
-
-    def _is_deepspeed_source(self, checkpoint: CheckpointSource) -> bool:
-        if not _is_path_source(checkpoint):
-            return False
-        from danling.checkpoint import detect_format
-
-        return detect_format(self.checkpoint_manager.resolve(checkpoint)) == "deepspeed"
-
-    def in_place_components(self, checkpoint: CheckpointSource, excluded: set[str]) -> tuple[str, ...]:
-        """Model, optimizer and the engine's scheduler of a DeepSpeed tag load through `engine.load_checkpoint`.
-
-        Called when: first by `load_checkpoint`, once per restore, on every rank.
-        Holds on entry: the engine is built; `excluded` holds the top-level keys of `checkpoint.exclude_from_loading`.
-        Side effects: none: it only inspects the checkpoint's format.
-        Overrides must not: answer differently on different ranks (the engine's load is collective) or drop `model` from
-            a DeepSpeed tag.
-        """
-        if not self._is_deepspeed_source(checkpoint):
-            return super().in_place_components(checkpoint, excluded)
-        keys = ["model", "optimizer"] + (["scheduler"] if self.engine_owns_scheduler else [])
-        return tuple(key for key in keys if key not in excluded or key == "model")
-
-    def read_restore_payload(self, checkpoint: CheckpointSource, in_place: tuple[str, ...], map_location: Any) -> Any:
-        """Danling's state of a DeepSpeed tag (the engine's files are read later, in place).
-
-        Called when: by `load_checkpoint`, once per restore, right after `in_place_components`, on every rank.
-        Holds on entry: `in_place` lists what the engine will load in `restore_in_place`.
-        Side effects: reads danling's state; changes nothing on the runner.
-        Overrides must not: load the engine's files here (the checks on the payload run first).
-        """
-        if in_place and self._is_deepspeed_source(checkpoint):
-            return self.read_checkpoint(checkpoint, map_location=map_location)
-        return super().read_restore_payload(checkpoint, in_place, map_location)
-
-    def restore_in_place(
-        self, checkpoint: CheckpointSource, keys: tuple[str, ...], map_location: Any, *args: Any, **kwargs: Any
-    ) -> None:
-        """Load the listed components of a DeepSpeed tag through the engine's own loader.
-
-        Called when: by `load_checkpoint`, once per restore that lists in-place keys, after `load_state_dict`, on every
-            rank.
-        Holds on entry: every check has passed; the counters, RNG and results are restored.
-        Side effects: loads module, optimizer and the engine's scheduler through `engine.load_checkpoint`, checking the
-            saved step.
-        Overrides must not: load on some ranks only (the engine's load is collective) or load keys not in `keys`.
-        """
-        if not self._is_deepspeed_source(checkpoint):
-            return super().restore_in_place(checkpoint, keys, map_location, *args, **kwargs)
-        tag = self._tag_directory(checkpoint)
-        self._engine_load(
-            tag,
-            load_optimizer_states="optimizer" in keys,
-            load_lr_scheduler_states="scheduler" in keys,
-            expected_step=self.train_state.global_step,
-        )
-
-    def _tag_directory(self, checkpoint: CheckpointSource) -> Path:
-        path = self.checkpoint_manager.resolve(checkpoint)
-        return path if path.is_dir() else path.parent
-
-    def _engine_load(self, tag: Path, *, expected_step: int | None = None, **options: Any) -> None:
-        """[`load_tag`][danling.runners.deepspeed.checkpoint.load_tag] of `tag` into the engine."""
-        load_tag(
-            self.model,
-            tag,
-            trust_pickle=self.config.checkpoint.trust_pickle,
-            universal_dir=self.checkpoint_manager.directory / ".universal",
-            is_main_process=self.is_main_process,
-            logger=self.logger,
-            expected_step=expected_step,
-            **options,
-        )
-
     def load_pretrained(self, checkpoint: CheckpointSource, *args: Any, **kwargs: Any) -> None:
         """Load model weights only: the EMA weights when danling's state has them, else the engine's module.
 
@@ -450,16 +352,17 @@ class DeepSpeedRunner(TorchRunner):
         given = checkpoint
         if _is_path_source(checkpoint):  # a run directory, its checkpoints/ or an alias path: see resolve_resume_path
             checkpoint = resolve_resume_path(checkpoint, self.config.checkpoint.dir_name)
-        if not self._is_deepspeed_source(checkpoint):
+        checkpointing = self.checkpointing
+        if not checkpointing.is_engine_source(checkpoint):
             return super().load_pretrained(checkpoint, *args, **kwargs)
         payload = self.read_checkpoint(checkpoint, map_location=kwargs.pop("map_location", "cpu"))
         if payload.get("ema") is not None:
             self.load_model(payload["ema"], *args, **kwargs)
             source = "ema"
         else:
-            tag = self._tag_directory(checkpoint)
+            tag = checkpointing.tag_directory(checkpoint)
             # ZeRO-3's module file holds no weights: its fp32 partitions are merged instead.
-            self._engine_load(
+            checkpointing.engine_load(
                 tag, load_module_only=True, load_optimizer_states=self.model.zero_optimization_stage() < 3
             )
             source = "model"
@@ -478,7 +381,7 @@ class DeepSpeedRunner(TorchRunner):
         [`export_fp32`][danling.runners.deepspeed.checkpoint.export_fp32]), so it also works after
         training. Returns the path written (on every rank).
         """
-        tag, trust = self._tag_directory(checkpoint), self.config.checkpoint.trust_pickle
+        tag, trust = self.checkpointing.tag_directory(checkpoint), self.config.checkpoint.trust_pickle
         return export_fp32(tag, Path(file), trust_pickle=trust, is_main_process=self.is_main_process)
 
 

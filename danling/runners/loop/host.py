@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from danling.distributed import Topology
     from danling.metrics import AverageMeters
 
+    from ..checkpointing import RunnerCheckpointing
     from ..checkpointing.resume import LoopState
     from ..config import RunnerConfig
     from ..services import RunnerSupervisor, RunnerWorkspace, Trackers
@@ -48,6 +49,7 @@ class LoopHost(Protocol):
     trackers: Trackers
     workspace: RunnerWorkspace
     bookkeeping: RunnerResults
+    checkpointing: RunnerCheckpointing
     topology: Topology
     logger: Any
     ft: Any  # the TorchFT runtime (`None` without `ft.enabled`): step logs show its live replica count
@@ -116,5 +118,4 @@ class LoopHost(Protocol):
     def log_values(self, values: Mapping[str, Any], step: int | None = ...) -> None: ...
     def save_checkpoint(self, *args: Any, **kwargs: Any) -> Any: ...
     def load_checkpoint(self, *args: Any, **kwargs: Any) -> Any: ...
-    def finish_checkpoints(self, failing: bool = ...) -> Any: ...
     def close(self, timeout: float | None = ...) -> bool: ...

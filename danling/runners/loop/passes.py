@@ -425,14 +425,15 @@ class PassEngine:
                         self.shutdown()
                     yield
                     if training:
-                        self.host.finish_checkpoints()  # the run's last checkpoint is on disk before it returns
+                        # the run's last checkpoint is on disk before it returns
+                        self.host.checkpointing.finish_checkpoints()
                     self.host.bookkeeping.flush()  # a finished loop leaves its result files complete on disk
                 except RollbackRequest:
                     raise  # not a failure: `train` rolls back and goes on
                 except Exception as error:
                     self.events.emit(Events.FAILURE, FailureContext(self.host, error))
                     if training:
-                        self.host.finish_checkpoints(failing=True)
+                        self.host.checkpointing.finish_checkpoints(failing=True)
                     raise
         finally:
             self.loop_depth = 0

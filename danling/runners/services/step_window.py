@@ -41,6 +41,14 @@ class StepWindow:
     def __init__(self) -> None:
         self._marks: dict[str, tuple[Any, Any]] = {}
 
+    def mark_read(self, meters: AverageMeters) -> None:
+        """Count what `meters` hold now as read: the next read averages only the values added after this.
+
+        A pass that continues the meters of an interrupted pass (a mid-pass resume) calls it, so its
+        first step log covers the steps since the resume, not the restored ones.
+        """
+        self._marks = {name: (meter._sum, meter._count) for name, meter in meters.items()}
+
     def read(self, meters: AverageMeters) -> RoundDict:
         """Mean of each meter over the values added since the previous read (a collective when distributed)."""
         names, views = [], []

@@ -211,7 +211,7 @@ def test_save_seed_checkpoint_goes_through_save_checkpoint(make_runner):
 
     def save_checkpoint(name="latest", epochs=None, save_best=True, last_step=False, force=False):
         """A user's override that keeps payloads in memory: `save_checkpoint` is the only way in."""
-        saved[name] = (dict(runner.checkpoint_payload(last_step=last_step)), save_best, last_step)
+        saved[name] = (dict(runner.checkpointing.checkpoint_payload(last_step=last_step)), save_best, last_step)
         return runner.checkpoint_manager.directory / name
 
     runner.save_checkpoint = save_checkpoint

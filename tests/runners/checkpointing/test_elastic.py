@@ -184,7 +184,7 @@ def test_a_checkpoint_without_global_positions_resumes_at_its_size_and_is_refuse
     with TinyRunner(config) as runner:  # with the global positions it continues, keeping 2 micro-batches per update
         loop = dict(payload["loop"], micro_batches_per_update=2)  # as 2 ranks x accum_steps 1 record it
         runner.load_checkpoint(dict(payload, loop=loop, topology=dict(old["topology"], data_size=2)))
-        assert runner.accum_steps == 2 and runner.micro_batches_per_update == 2
+        assert runner.accum_steps == 2 and runner.checkpointing.micro_batches_per_update == 2
 
 
 def test_a_pass_with_nothing_left_for_the_new_layout_ends():

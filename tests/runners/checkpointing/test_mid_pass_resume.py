@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from danling.metrics import regression_metrics
+from danling.runners.checkpointing import TorchCheckpointing
 from tests.runners._torch_toy import TinyRunner, model_state, tiny_config
 
 # 20 samples in batches of 4: a pass is 5 updates, so the checkpoint of step 3 is written mid-pass.
@@ -88,7 +89,7 @@ def test_rows_after_a_mid_pass_resume_of_the_dcp_backend(tmp_path):
     assert resumed == rows
 
 
-class OldWriter(MetricRunner):
+class OldPayload(TorchCheckpointing):
     """Writes checkpoints as before `pass_meters` existed."""
 
     def runner_payload(self, cls: type = dict) -> Any:
@@ -97,13 +98,17 @@ class OldWriter(MetricRunner):
         return payload
 
 
+class OldWriter(MetricRunner):
+    checkpointing_class = OldPayload
+
+
 def test_an_old_dcp_checkpoint_without_the_meters_loads_as_before(tmp_path):
     config = tiny_config(tmp_path, **STEP_MODE, **{"checkpoint.backend": "dcp"})
     with OldWriter(config) as old:
         old.train()
         checkpoint = old.checkpoint_manager.directory / "step-000003"
     with MetricRunner(dict(config, resume=str(checkpoint))) as resumed:
-        assert resumed._restored_pass_meters is None and resumed.loop_state.batch == 3
+        assert resumed.checkpointing.restored_pass_meters is None and resumed.loop_state.batch == 3
         resumed.train()
         assert resumed.train_state.global_step == 10
 
@@ -124,18 +129,18 @@ def test_only_a_mid_pass_checkpoint_of_the_same_layout_restores_the_meters(tmp_p
         directory = runner.checkpoint_manager.directory
         assert runner.read_checkpoint(directory / "step-000010")["pass_meters"] == {"split": None}  # after the pass
     with MetricRunner(dict(config, resume=str(directory / "step-000003"))) as resumed:
-        state = resumed._restored_pass_meters
+        state = resumed.checkpointing.restored_pass_meters
         assert state is not None and state["split"] == "train" and state["batch"] == 3
         assert state["meters"]["loss"]["count"] == 3 and state["metrics"]["count"] == 12
     with MetricRunner(tiny_config(tmp_path / "old", **STEP_MODE)) as old:
         payload = dict(old.read_checkpoint(directory / "step-000003"))
         del payload["pass_meters"]  # as written before the key existed
         old.load_checkpoint(payload)
-        assert old._restored_pass_meters is None and old.loop_state.batch == 3
+        assert old.checkpointing.restored_pass_meters is None and old.loop_state.batch == 3
     with MetricRunner(tiny_config(tmp_path / "elastic", **STEP_MODE)) as elastic, caplog.at_level(logging.INFO):
         payload = dict(elastic.read_checkpoint(directory / "step-000003"))
         payload["topology"] = dict(payload["topology"], data_size=2)  # as if written by two data-parallel ranks
         elastic.load_checkpoint(payload)
-        assert elastic._restored_pass_meters is None
+        assert elastic.checkpointing.restored_pass_meters is None
     notes = [record.getMessage() for record in caplog.records if "restarts its loss meters" in record.getMessage()]
     assert len(notes) == 1 and "cover the batches after the resume" in notes[0], notes

@@ -15,6 +15,7 @@ import sys
 import pytest
 import torch
 
+from danling.runners.deepspeed.checkpoint import DeepSpeedCheckpointing
 from tests.dist import process_group, run_distributed
 from tests.runners._deepspeed_toy import ROOT, Regression, ds_config, weights
 from tests.runners._torch_toy import make_model
@@ -31,16 +32,21 @@ class Poisoned(Regression):
     poison = (1, 2)  # rank 1's second micro-step: the second update of the first epoch
 
 
+class FailingPayload(DeepSpeedCheckpointing):
+    """The payload of a `FailingSave` runner: its rank `fail_rank` cannot pickle its per-rank entries."""
+
+    def checkpoint_payload(self, *, last_step):
+        payload = dict(super().checkpoint_payload(last_step=last_step))
+        if self.host.rank == self.host.fail_rank:
+            payload["rng"] = {"unpicklable": lambda: None}
+        return payload
+
+
 class FailingSave(Regression):
     """Its rank `fail_rank` cannot pickle its per-rank checkpoint entries."""
 
     fail_rank = None
-
-    def checkpoint_payload(self, *, last_step):
-        payload = dict(super().checkpoint_payload(last_step=last_step))
-        if self.rank == self.fail_rank:
-            payload["rng"] = {"unpicklable": lambda: None}
-        return payload
+    checkpointing_class = FailingPayload
 
 
 def _train(config, cls=Regression):
