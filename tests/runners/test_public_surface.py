@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from danling.runners import BaseRunner, DeepSpeedRunner, ParallelRunner, TorchRunner
+from danling.runners import BaseRunner, DeepSpeedRunner, GraphRunner, ParallelRunner, TorchRunner
 
-RUNNERS = (BaseRunner, TorchRunner, ParallelRunner, DeepSpeedRunner)
+RUNNERS = (BaseRunner, TorchRunner, ParallelRunner, DeepSpeedRunner, GraphRunner)
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 
 # Names the reference documents on its runner classes (members, attribute tables and the prose of
@@ -190,6 +190,8 @@ DANLING_OWN = {
     "engine_owns_scheduler": "DeepSpeedRunner attribute: whether the engine steps the scheduler",
     "export_consolidated": "DeepSpeedRunner method: writes a consolidated model file from ZeRO shards",
     "model_state_dict": "DeepSpeedRunner method: the model's full state dict from the engine",
+    "compiled_step": "GraphRunner attribute: the compiled training step and the graph breaks it saw",
+    "compile_artifacts": "GraphRunner attribute: the compiler cache artifacts saved and loaded across launches",
 }
 
 

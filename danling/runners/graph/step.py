@@ -13,6 +13,7 @@ them; with `fullgraph` a break is an error naming the same.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import types
 from collections.abc import Callable, Mapping
@@ -24,6 +25,7 @@ from torch import Tensor, nn
 __all__ = ["CompiledStep"]
 
 _STEP_KEYS = ("backend", "mode", "fullgraph", "dynamic", "options")
+_STEPS = itertools.count()
 
 
 def _break_reasons() -> list[Any]:
@@ -39,8 +41,24 @@ def _where(record: Any) -> str:
     return f"{frame.filename}:{frame.lineno} in {frame.name}"
 
 
+def _own_code(function: Callable) -> Callable:
+    """`function` with a code object of its own.
+
+    Dynamo caches compiled frames per code object and runs any entry whose guards pass, whatever
+    the options of the `torch.compile` call that reaches it: with its own code object, a runner
+    never runs graphs another runner compiled (with other options, or for another optimizer).
+    """
+    code = function.__code__.replace(co_name=f"{function.__name__}_{next(_STEPS)}")
+    return types.FunctionType(code, function.__globals__, code.co_name, None, function.__closure__)
+
+
 def _first_line(text: Any) -> str:
-    return str(text).strip().splitlines()[0] if str(text).strip() else repr(text)
+    """The headline of a dynamo message, with its `Explanation:` line when it has one (it names the call)."""
+    lines = [line.strip() for line in str(text).strip().splitlines() if line.strip()]
+    if not lines:
+        return repr(text)
+    explanation = next((line for line in lines[1:] if line.startswith("Explanation:")), None)
+    return lines[0] if explanation is None else f"{lines[0]} ({explanation})"
 
 
 class CompiledStep:
@@ -116,9 +134,7 @@ class CompiledStep:
             pred = model(input)
             return pred, criterion(pred, target)
 
-        # Modules reached through the closure are not guarded by identity: a second runner with a
-        # model of the same structure reuses the compiled graph instead of counting a recompilation.
-        return torch.compile(forward_loss, **self.kwargs)
+        return torch.compile(_own_code(forward_loss), **self.kwargs)
 
     def _report(self, records: list[Any]) -> None:
         for record in records:
@@ -150,7 +166,12 @@ class CompiledStep:
                 "(a recompilation per value); give the optimizer a tensor lr to compile its step"
             )
         eager = optimizer.step
-        compiled = torch.compile(eager, **{key: value for key, value in self.kwargs.items() if key != "fullgraph"})
+
+        def optimizer_step() -> Any:
+            return eager()
+
+        options = {key: value for key, value in self.kwargs.items() if key != "fullgraph"}
+        compiled = torch.compile(_own_code(optimizer_step), **options)
 
         def step(_optimizer: torch.optim.Optimizer, closure: Callable | None = None) -> Any:
             return compiled() if closure is None else eager(closure)
