@@ -66,7 +66,7 @@ class GraphRunner(TorchRunner):
     """
 
     supported_features = ("graph",)
-    compiled_step: CompiledStep
+    compiled_step: CompiledStep | None = None  # set by materialize_model
     compile_artifacts: CompileArtifacts | None = None
     _artifacts_due: bool = False
 
@@ -153,7 +153,7 @@ class GraphRunner(TorchRunner):
                 pred = model(input)
                 loss = criterion(pred, target)
             else:
-                pred, loss = self.compiled_step(model, criterion, input, target)
+                pred, loss = self.compiled_step(model, criterion, input, target)  # type: ignore[misc]
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
             raise ValueError(
