@@ -10,6 +10,8 @@
   step, registered for the stacks `deepspeed` and `ds` (DeepSpeed is imported only when it builds).
 - [`ParallelRunner`][danling.runners.parallel_runner.ParallelRunner]: FSDP2, tensor and pipeline
   parallelism over the axes of `config.parallel.axes`, registered for the stack `parallel`.
+- [`GraphRunner`][danling.runners.graph.runner.GraphRunner]: the whole training step compiled with
+  `torch.compile` (forward, loss, backward, optimizer step), registered for the stack `graph`.
 - [`Runner`][danling.runners.runner.Runner]: builds the backend runner named by `config.stack`
   (backends join through [`register_runner`][danling.runners.runner.register_runner]).
 - [`Precision`][danling.runners.update.precision.Precision],
@@ -34,6 +36,7 @@ from .base_runner import BaseRunner, MetaRunner
 from .checkpointing.resume import LoopState
 from .config import RunnerConfig
 from .deepspeed import DeepSpeedRunner
+from .graph import GraphRunner
 from .loop import EventBus, Events, RunnerMode, on
 from .parallel_runner import ParallelRunner
 from .reconcile import reconcile_run
@@ -58,6 +61,7 @@ __all__ = [
     "TorchRunner",
     "DeepSpeedRunner",
     "ParallelRunner",
+    "GraphRunner",
     "Precision",
     "GradientAccumulator",
     "OptimizerContainer",

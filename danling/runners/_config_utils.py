@@ -63,6 +63,11 @@ _CHOICES: dict[str, tuple] = {
     "ft.process_group": ("gloo", "nccl"),
     "gc.generation": (0, 1, 2),
     "parallel.activation_checkpointing": ("none", "block", "selective"),
+    "compile.memory_policy": ("default",),
+}
+# Why a choice outside the list is refused, where the list alone does not say.
+_CHOICE_REASONS = {
+    "compile.memory_policy": "rematerialisation and offload policies need a graph pass pipeline this version lacks",
 }
 # Choices read in any letter case ("DCP"); `RunnerConfig` stores them lower-cased.
 CASELESS_CHOICES = ("checkpoint.backend",)
@@ -127,6 +132,7 @@ def check_values(config: Mapping) -> None:
         if value is not None and value not in choices:
             raise ValueError(
                 f"config.{key}={value!r} is not supported; expected None or one of: {', '.join(map(str, choices))}"
+                + (f" ({_CHOICE_REASONS[key]})" if key in _CHOICE_REASONS else "")
             )
     for key in ("lineage", "experiment"):
         value = peek(config, key)

@@ -331,8 +331,9 @@ class CompileConfig(_TypedConfig):
         mode: Compile mode (`default`, `reduce-overhead`, `max-autotune`, ...).
         options: Backend options, as a mapping.
         optimize_ddp: How dynamo splits graphs at DDP bucket boundaries.
-        precompile_artifact_dir: Directory of precompiled artifacts (not built yet).
-        memory_policy: Memory policy of graph runs (not built yet).
+        precompile_artifact_dir: `GraphRunner`: directory of the compiler's cache artifacts, written
+            after the first update and loaded at start so a second launch skips compiling.
+        memory_policy: `GraphRunner`: memory policy of the compiled step; `None` or `"default"`.
     """
 
     enable: bool = False

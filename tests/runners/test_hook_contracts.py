@@ -23,9 +23,9 @@ from pathlib import Path
 
 import pytest
 
-from danling.runners import BaseRunner, DeepSpeedRunner, ParallelRunner, TorchRunner
+from danling.runners import BaseRunner, DeepSpeedRunner, GraphRunner, ParallelRunner, TorchRunner
 
-RUNNERS = (BaseRunner, TorchRunner, ParallelRunner, DeepSpeedRunner)
+RUNNERS = (BaseRunner, TorchRunner, ParallelRunner, DeepSpeedRunner, GraphRunner)
 LABELS = ("Called when:", "Holds on entry:", "Side effects:", "Overrides must not:")
 
 # Entry points and utilities that callers use; the extension points are the hooks they call.

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from danling.runners import BaseRunner, DeepSpeedRunner, ParallelRunner, TorchRunner
+from danling.runners import BaseRunner, DeepSpeedRunner, GraphRunner, ParallelRunner, TorchRunner
 
-RUNNERS = (BaseRunner, TorchRunner, ParallelRunner, DeepSpeedRunner)
+RUNNERS = (BaseRunner, TorchRunner, ParallelRunner, DeepSpeedRunner, GraphRunner)
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 
 # Names the reference documents on its runner classes (members, attribute tables and the prose of
@@ -189,6 +189,8 @@ DANLING_OWN = {
     "apply_fp8": "backend hook: converts a model (part) to float8 before compiling, sharding and wrapping",
     "fp8": "attribute: the float8 policy of `precision: fp8` (None otherwise)",
     "telemetry": "attribute: the TFLOP/s and MFU counter of the training step logs",
+    "compiled_step": "GraphRunner attribute: the compiled training step and the graph breaks it saw",
+    "compile_artifacts": "GraphRunner attribute: the compiler cache artifacts saved and loaded across launches",
 }
 
 
