@@ -156,6 +156,7 @@ class GPT2LM(nn.Module):
             eos_token_id=0,
         )
         self.gpt = GPT2LMHeadModel(gpt_config)
+        self.gpt.loss_type = "ForCausalLM"  # its class name names no loss: transformers would warn, then use this
         linearize(self.gpt)
         for block in self.gpt.transformer.h:
             block.attn.c_attn = QKV(block.attn.c_attn)
@@ -166,9 +167,16 @@ class GPT2LM(nn.Module):
     def parallelize(self, parallel: Any) -> None:
         """Split each block over the tensor axis: heads and MLP columns in, their projections out.
 
-        Called by ParallelRunner (on every layout, before FSDP2 or DDP wrap the model); does nothing
-        without a tensor axis. Each rank keeps `n_head / tensor` heads, so the attention's split of
-        the fused output into query, key and value uses the local width.
+        Each rank keeps `n_head / tensor` heads, so the attention's split of the fused output into
+        query, key and value uses the local width. Does nothing without a tensor axis.
+
+        Called when: by ParallelRunner's `parallelize_model`, once per run on every rank, any layout.
+        Holds on entry: the model is on its device, unwrapped; `parallel.mesh["tensor"]` exists.
+        Side effects: turns the blocks' linear weights into DTensors over the tensor axis.
+        Overrides must not: rename parameters or wrap the model in FSDP/DDP (the runner does that next).
+
+        Raises:
+            ValueError: the tensor degree does not divide `n_head`.
         """
         degree = parallel.topology.degrees["tensor"]
         if degree == 1:
