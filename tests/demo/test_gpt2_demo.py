@@ -1,7 +1,7 @@
 """demo/gpt2.py at a tiny size: one process, then DDP, FSDP2 and tensor parallel on 2 gloo ranks, FSDP2 x TP on 4.
 
 Each layout trains the same global batch of the same data from the same initial weights, so its
-per-step losses match the single-process run's within float tolerance (the layouts only change
+per-step losses match the single-process run's to 1e-5 relative (measured: under 1e-6; the layouts only change
 how the sums are split and reduced).
 """
 
@@ -55,8 +55,8 @@ def single(tmp_path_factory) -> dict:
 
 def _assert_matches(result: dict, reference: dict, name: str) -> None:
     assert len(result["losses"]) == STEPS, name
-    assert result["losses"] == pytest.approx(reference["losses"], rel=1e-4, abs=1e-5), name
-    assert result["val"] == pytest.approx(reference["val"], rel=1e-4), name
+    assert result["losses"] == pytest.approx(reference["losses"], rel=1e-5, abs=1e-6), name
+    assert result["val"] == pytest.approx(reference["val"], rel=1e-5), name
 
 
 def test_single_process_learns_the_synthetic_language(single):
