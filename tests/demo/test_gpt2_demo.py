@@ -1,8 +1,8 @@
 """demo/gpt2.py at a tiny size: one process, then DDP, FSDP2 and tensor parallel on 2 gloo ranks, FSDP2 x TP on 4.
 
 Each layout trains the same global batch of the same data from the same initial weights, so its
-per-step losses match the single-process run's to 1e-5 relative (measured: under 1e-6; the layouts only change
-how the sums are split and reduced).
+per-step losses match the single-process run's to 1e-5 relative (measured: under 1e-6; the
+layouts only change how the sums are split and reduced).
 """
 
 from __future__ import annotations
