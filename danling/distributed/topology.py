@@ -29,8 +29,10 @@ and pay nothing for the abstraction. `Topology` is another name of `ParallelTopo
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 import numbers
+import os
 from collections.abc import Mapping
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
@@ -43,7 +45,17 @@ if TYPE_CHECKING:  # only for annotations: builds without distributed support la
     from torch.distributed import ProcessGroup
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["AXES", "DOMAINS", "ParallelContext", "ParallelTopology", "Topology", "resolve_degrees"]
+__all__ = [
+    "AXES",
+    "DOMAINS",
+    "ParallelContext",
+    "ParallelTopology",
+    "Topology",
+    "axes_spanning_nodes",
+    "resolve_degrees",
+]
+
+logger = logging.getLogger("danling.distributed")
 
 AXES: tuple[str, ...] = ("replicate", "shard", "context", "pipeline", "tensor")
 """Parallel axes, in the order of the rank grid's dimensions (the last one varies fastest)."""
@@ -112,6 +124,48 @@ def resolve_degrees(axes: Mapping[str, int], world_size: int) -> dict[str, int]:
             f"world size {world_size}"
         )
     return degrees
+
+
+def axes_spanning_nodes(degrees: Mapping[str, int], local_world_size: int) -> tuple[str, ...]:
+    """The axes whose groups would hold ranks of more than one node, innermost last; `()` when none do.
+
+    Launchers number the ranks of a node consecutively, and the grid varies the tensor axis
+    fastest, so the groups of the axes inside `replicate` stay in a node as long as the product
+    of their degrees, taken from `tensor` outward, divides the processes per node. The first axis
+    (from the inside) where it stops dividing, and every axis inside it, are returned.
+
+    Examples:
+        >>> axes_spanning_nodes({"replicate": 2, "shard": 4}, 4)
+        ()
+        >>> axes_spanning_nodes({"shard": 4, "tensor": 2}, 4)
+        ('shard', 'tensor')
+        >>> axes_spanning_nodes({"replicate": 2, "tensor": 8}, 4)
+        ('tensor',)
+    """
+    product = 1
+    inner = [axis for axis in AXES[1:] if degrees.get(axis, 1) > 1]
+    for index in range(len(inner) - 1, -1, -1):
+        product *= degrees[inner[index]]
+        if local_world_size % product:
+            return tuple(inner[index:])
+    return ()
+
+
+def _warn_if_groups_span_nodes(topology: ParallelTopology) -> None:
+    """One WARNING (on rank 0) when a multi-node run's inner groups cross nodes (see `axes_spanning_nodes`)."""
+    local = os.environ.get("LOCAL_WORLD_SIZE", "")
+    if not local.isdigit() or int(local) < 1 or topology.world_size <= int(local) or topology.global_rank != 0:
+        return
+    spanning = axes_spanning_nodes(topology.degrees, int(local))
+    if spanning:
+        groups = " x ".join(f"{axis}={topology.degrees[axis]}" for axis in spanning)
+        logger.warning(
+            "parallel.axes %s: their groups span nodes of LOCAL_WORLD_SIZE=%s processes, so their collectives "
+            "cross the link between nodes; keep the product of these degrees a divisor of the processes per node "
+            "and put the rest in parallel.axes.replicate",
+            groups,
+            local,
+        )
 
 
 def _format(degrees: Mapping[str, Any]) -> str:
@@ -189,6 +243,10 @@ class ParallelTopology:
                 [`resolve_degrees`][danling.distributed.topology.resolve_degrees]).
             device_type: Device type of the mesh, e.g. ``"cpu"`` or ``"cuda"``.
 
+        On a multi-node run (`WORLD_SIZE` above `LOCAL_WORLD_SIZE`), rank 0 logs one WARNING when
+        the groups of some axes would span nodes (see
+        [`axes_spanning_nodes`][danling.distributed.topology.axes_spanning_nodes]).
+
         Raises:
             ValueError: Bad axis names or degrees, or a product other than the world size.
             RuntimeError: Several ranks are expected (``WORLD_SIZE``) but no process group runs.
@@ -196,6 +254,7 @@ class ParallelTopology:
         initialized = dist.is_available() and dist.is_initialized()
         world_size = dist.get_world_size() if initialized else get_world_size()
         topology = cls(resolve_degrees(axes, world_size), rank=dist.get_rank() if initialized else get_rank())
+        _warn_if_groups_span_nodes(topology)
         ParallelContext.build(topology, device_type)
         return topology
 

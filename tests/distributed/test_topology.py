@@ -338,3 +338,48 @@ def test_four_ranks_replicate_by_tensor_reduce_metrics_over_data_peers_only():
         assert out["any"] == (rank >= 2)
         assert out["gradient"] == pytest.approx(peers_mean)
     assert not math.isnan(results[0]["global"][0]["auroc"])
+
+
+@pytest.mark.parametrize(
+    ("degrees", "local", "spanning"),
+    [
+        ({"replicate": 2, "shard": 4}, 4, ()),  # HSDP on 2 nodes of 4: shards inside a node
+        ({"replicate": 4, "shard": 2, "tensor": 2}, 4, ()),
+        ({"shard": 8}, 4, ("shard",)),  # FSDP over both nodes
+        ({"shard": 4, "tensor": 2}, 4, ("shard", "tensor")),  # the product (8) spans; tensor pairs alone would not
+        ({"replicate": 2, "tensor": 8}, 4, ("tensor",)),
+        ({"replicate": 2, "shard": 3}, 4, ("shard",)),  # 3 does not divide 4: some groups straddle two nodes
+        ({"replicate": 8}, 1, ()),
+    ],
+)
+def test_axes_spanning_nodes(degrees, local, spanning):
+    from danling.distributed.topology import axes_spanning_nodes
+
+    assert axes_spanning_nodes(degrees, local) == spanning
+
+
+@pytest.mark.parametrize(
+    ("env", "degrees", "rank", "warned"),
+    [
+        ({"LOCAL_WORLD_SIZE": "4"}, {"shard": 4, "tensor": 2}, 0, True),
+        ({"LOCAL_WORLD_SIZE": "4"}, {"shard": 4, "tensor": 2}, 1, False),  # once per run: rank 0 only
+        ({"LOCAL_WORLD_SIZE": "4"}, {"replicate": 2, "shard": 2, "tensor": 2}, 0, False),
+        ({"LOCAL_WORLD_SIZE": "8"}, {"shard": 4, "tensor": 2}, 0, False),  # one node
+        ({}, {"shard": 4, "tensor": 2}, 0, False),  # no launcher said how many processes a node has
+    ],
+)
+def test_multi_node_groups_that_span_nodes_warn_once(monkeypatch, caplog, env, degrees, rank, warned):
+    from danling.distributed.topology import _warn_if_groups_span_nodes
+
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    full = {axis: degrees.get(axis, 1) for axis in AXES}
+    with caplog.at_level("WARNING", logger="danling.distributed"):
+        _warn_if_groups_span_nodes(ParallelTopology(full, rank=rank))
+    messages = [record.getMessage() for record in caplog.records if record.name == "danling.distributed"]
+    if warned:
+        (message,) = messages
+        assert "shard=4 x tensor=2" in message and "LOCAL_WORLD_SIZE=4" in message
+    else:
+        assert messages == []
