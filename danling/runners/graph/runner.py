@@ -17,13 +17,12 @@ __all__ = ["GraphRunner"]
 
 
 class GraphRunner(TorchRunner):
-    """`TorchRunner` whose training step runs as compiled graphs: forward, loss, backward and optimizer step.
+    """`TorchRunner` whose training step runs as compiled graphs: forward, loss and backward.
 
     Each training micro-batch runs `criterion(model(input), target)` through one `torch.compile`d
     function ([`CompiledStep`][danling.runners.graph.step.CompiledStep]); AOTAutograd compiles the
-    backward graph with it, so `loss.backward()` runs compiled code, and the optimizer's step is
-    compiled on its own (torch's optimizers, when the learning rate is a tensor or no scheduler
-    changes it; otherwise it stays eager and an INFO line says why). `compile.backend`, `mode`,
+    backward graph with it, so `loss.backward()` runs compiled code. The optimizer step stays eager
+    (see [`CompiledStep`][danling.runners.graph.step.CompiledStep] for why). `compile.backend`, `mode`,
     `fullgraph`, `dynamic` and `options` are passed to `torch.compile`; `compile.enable` is not
     needed. Graph breaks are logged once each as a WARNING naming the reason and the source line,
     and are an error with `compile.fullgraph: true`.
@@ -96,30 +95,6 @@ class GraphRunner(TorchRunner):
                 "GraphRunner: %s, so that step runs eagerly around the compiled model (torch.compile(model))", eager
             )
         super().materialize_model()
-
-    def build_optimizer(self) -> None:
-        """Build the optimizer as `TorchRunner` does, then compile its step where torch allows it.
-
-        Called when: once, by `__post_init__` right after `materialize_model`, on every rank.
-        Holds on entry: the model is materialized; a scheduler exists only when the user bound one.
-        Side effects: binds `self.optimizer` (unless bound) and replaces its `step` with a compiled one,
-            or logs once at INFO why the step stays eager (not a torch optimizer, a float learning rate
-            a scheduler changes, a scheduler bound before it, an eager training step).
-        Overrides must not: replace `self.optimizer` after `super()` without compiling the new one
-            (its step then runs eagerly, which is correct but slower).
-        """
-        super().build_optimizer()
-        if self.optimizer is None:
-            return
-        if self.compiler.enabled:
-            reason: str | None = "the training step runs eagerly"
-        elif self.scheduler is not None:
-            reason = "the scheduler bound in __init__ already wraps optimizer.step"
-        else:
-            scheduled = bool(self.config.scheduler.get("type"))  # built next, from the open scheduler section
-            reason = self.compiled_step.compile_optimizer(self.optimizer, lr_varies=scheduled)
-        if reason is not None:
-            self.logger.info("GraphRunner: the optimizer step runs eagerly: %s", reason)
 
     def train_step(self, data: Any) -> tuple[Any, torch.Tensor | None]:
         """Forward and loss through the compiled graph, then metrics, backward and `step()` as `TorchRunner`.

@@ -161,4 +161,4 @@ def test_memory_policy_accepts_default_only_and_other_runners_refuse_graph_keys(
     with GraphToy(config) as runner:
         assert runner.config.compile.memory_policy == "default"
     with pytest.raises(ValueError, match="compile.memory_policy='default' is not available"):
-        TorchRunner.check_runner({**config, "stack": "torch"}, TorchRunner)
+        RunnerConfig.check_runner({**config, "stack": "torch"}, TorchRunner)
