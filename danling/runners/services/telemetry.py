@@ -3,7 +3,7 @@
 [`FlopsTelemetry`][danling.runners.services.telemetry.FlopsTelemetry] (`runner.telemetry`) knows
 the FLOPs of one optimizer step, either from `telemetry.flops_per_step` or counted once with
 `torch.utils.flop_counter.FlopCounterMode` over the first training step, and the device's peak
-FLOP/s, either from `telemetry.peak_tflops` or from [`PEAK_TFLOPS`][danling.runners.services.telemetry.PEAK_TFLOPS].
+FLOP/s, either from `telemetry.peak_tflops` or from the table `PEAK_TFLOPS` of this module.
 [`Throughput`][danling.runners.services.observability.Throughput] asks it for `tflops` and `mfu`
 at each training step log, from the steps per second it measured: the values cost no
 host synchronisation, and nothing at all when the telemetry is off or has nothing to show.
