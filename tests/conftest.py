@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 
 import pytest
@@ -37,11 +38,22 @@ def _process_state() -> dict:
 _PROCESS_WIDE_THREADS = ("danling-hash_", "danling-pointers_", "tqdm_monitor")
 
 
+def _torch_pool_threads() -> set[threading.Thread]:
+    """Workers of inductor's compile pool: made at the process's first compile and kept for every later one."""
+    module = sys.modules.get("torch._inductor.async_compile")
+    pool = getattr(getattr(module, "AsyncCompile", None), "pool", None)
+    if pool is None or not getattr(pool, "cache_info", None) or not pool.cache_info().currsize:
+        return set()
+    return set(getattr(pool(), "_threads", ()))
+
+
 def _new_threads(before: set[threading.Thread]) -> list[str]:
     """Threads started during the module that are still running (each gets a moment to finish ending)."""
-    left = []
+    left, kept = [], _torch_pool_threads()
     for thread in threading.enumerate():
         if thread in before or thread is threading.current_thread() or thread.name.startswith(_PROCESS_WIDE_THREADS):
+            continue
+        if thread in kept:
             continue
         thread.join(timeout=5.0)  # a component closed at the module's end may still be leaving
         if thread.is_alive():

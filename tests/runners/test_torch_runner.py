@@ -341,8 +341,9 @@ class ViaRunner(Runner):
 def test_runner_dispatch_and_compile(tmp_path):
     for stack in ("auto", "torch", "ddp"):
         assert RUNNERS[stack] is TorchRunner
-    with pytest.raises(ValueError, match=r"registered stacks: \['auto', 'ddp', 'deepspeed', 'ds', 'parallel', 'torch'"):
-        Runner(tiny_config(tmp_path, stack="graph"))
+    stacks = r"registered stacks: \['auto', 'ddp', 'deepspeed', 'ds', 'graph', 'parallel', 'torch'"
+    with pytest.raises(ValueError, match=stacks):
+        Runner(tiny_config(tmp_path, stack="nonesuch"))
     config = tiny_config(tmp_path, epochs=1, stack="ddp", **{"compile.enable": True, "compile.backend": "eager"})
     with ViaRunner(config) as runner:
         assert isinstance(runner, TorchRunner) and isinstance(runner, ViaRunner)
