@@ -15,7 +15,7 @@ from typing import Any
 from torch import nn
 
 from danling.runners import Events, Runner
-from tests.runners._torch_toy import make_data
+from tests.runners._torch_toy import make_data, tiny_config
 
 
 class GraphToy(Runner):
@@ -32,20 +32,8 @@ class GraphToy(Runner):
 
 
 def graph_config(root: Any, **overrides: Any) -> dict[str, Any]:
-    """2 epochs of AdamW on the graph stack, batch size 4, synchronous checkpoints, no log file."""
-    config = {
-        "stack": "graph",
-        "workspace_root": str(root),
-        "epochs": 2,
-        "seed": 0,
-        "log": False,
-        "optim.type": "adamw",
-        "optim.lr": 0.01,
-        "dataloader.batch_size": 4,
-        "checkpoint.async_enabled": False,
-    }
-    config.update(overrides)
-    return config
+    """`tiny_config` on the graph stack: 2 epochs of AdamW, batch size 4, synchronous checkpoints, no log file."""
+    return tiny_config(root, **{"stack": "graph", **overrides})
 
 
 def main(root: str, artifact_dir: str) -> None:
