@@ -298,8 +298,13 @@ def _compare_end(reference: Path, chaos: Path, report: ChaosReport) -> None:
             report.notes.append(f"end: {alias} -> {got}, uninterrupted run: {ref}")
     _compare_results(ref_dir, run_dir, report)
     extra = sorted(_listing(run_dir) - _listing(ref_dir))
+    # A launch killed before its first checkpoint has its files moved to failed/launch-<start>/ by design
+    # (the workspace keeps them as evidence instead of mixing them into the next launch): not a leftover.
+    aside = [name for name in extra if name == "failed" or name.startswith("failed/launch-")]
+    extra = [name for name in extra if name not in aside]
     report.leftovers += len(extra)
     report.notes += [f"end: leftover {name}" for name in extra]
+    report.notes += [f"end: moved aside (a launch killed before its first checkpoint) {name}" for name in aside[:1]]
     same = all(
         _same_state(torch.load(reference / name, weights_only=True), torch.load(chaos / name, weights_only=True))
         for name in (f"final-rank{rank}.pt" for rank in range(report.world_size))
