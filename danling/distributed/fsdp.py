@@ -8,8 +8,10 @@ from typing import Any, Protocol
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from .ddp import wrap_ddp
+from .expert_parallel import expert_parameters, is_expert_parameter
 
 __all__ = [
     "FsdpSettings",
@@ -158,8 +160,13 @@ def wrap_data_parallel(
             offload_policy=fsdp_offload(fsdp.offload_policy),
         )
         return compile(part, distributed=True)
-    trainable = any(param.requires_grad for param in part.parameters())
     part = compile(part, distributed=distributed)
+    # Expert weights hold different experts on the ranks of an expert group: DDP must not average
+    # them (ExpertGradients reduces them over `expert_data` instead).
+    experts = [name for name, _ in expert_parameters(part)]
+    trainable = any(param.requires_grad and not is_expert_parameter(param) for param in part.parameters())
     if topology.size("data") > 1 and trainable:
+        if experts:
+            DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(part, experts)
         part = wrap_ddp(part, device, process_group=topology.group("data"))
     return part

@@ -14,7 +14,18 @@ purpose; each is a sub-grid over some of the axes, listed in
   must not be averaged together.
 - `"gradient"`: the ranks whose gradients are averaged (replicate x shard x context).
 - `"replicate"`, `"shard"`, `"context"`, `"pipeline"`, `"tensor"`: one axis each.
+- `"expert"`: the ranks that exchange tokens with all-to-all and hold one share each of a
+  mixture-of-experts layer's experts (`parallel.axes.expert`).
+- `"expert_data"`: the ranks that hold the same experts; expert gradients are reduced over it.
 - `"world"`: every rank.
+
+**Experts borrow data-parallel ranks.** The expert axis is not another factor of the world size:
+like torchtitan's, its ranks are data-parallel ranks (each reads its own batch) that also split
+the experts among them. The innermost data axis above one (`shard`, else `replicate`) is cut in
+two grid dimensions, `"<axis>_rest"` (outer) and `"expert"` (inner, so that token exchange stays
+between neighbouring ranks); `expert` must divide that axis. Dense parameters are still reduced
+over the whole data domain; expert parameters over `"expert_data"`, the data domain without the
+expert dimension.
 
 Two classes keep the arithmetic apart from the process groups:
 [`ParallelTopology`][danling.distributed.topology.ParallelTopology] is the layout (degrees, this
@@ -60,8 +71,11 @@ logger = logging.getLogger("danling.distributed")
 AXES: tuple[str, ...] = ("replicate", "shard", "context", "pipeline", "tensor")
 """Parallel axes, in the order of the rank grid's dimensions (the last one varies fastest)."""
 
-# Axes of the runner's `parallel.axes` config that this layout does not implement: degree 1 only.
-_DEGREE_ONE_AXES: tuple[str, ...] = ("expert", "expert_tensor")
+EXPERT = "expert"
+"""The expert axis (`parallel.axes.expert`): it borrows its ranks from the data axes (see the module)."""
+
+# Tensor parallelism inside each expert would need a mesh of its own for the expert weights; refused above 1.
+_DEGREE_ONE_AXES: tuple[str, ...] = ("expert_tensor",)
 
 DOMAINS: Mapping[str, tuple[str, ...]] = MappingProxyType(
     {
@@ -70,9 +84,15 @@ DOMAINS: Mapping[str, tuple[str, ...]] = MappingProxyType(
         "metrics": ("replicate", "shard"),
         "gradient": ("replicate", "shard", "context"),
         **{axis: (axis,) for axis in AXES},
+        EXPERT: (EXPERT,),
+        "expert_data": ("replicate", "shard"),
     }
 )
-"""Each reduction domain and the axes it spans (always in the order of `AXES`)."""
+"""Each reduction domain and the axes it spans (in grid order), without expert parallelism.
+
+With `expert > 1` a topology's own `domains` spell out the split axis (see the module): e.g.
+``"data": ("replicate_rest", "expert")`` and ``"expert_data": ("replicate_rest",)``.
+"""
 
 
 def resolve_degrees(axes: Mapping[str, int], world_size: int) -> dict[str, int]:
@@ -80,29 +100,39 @@ def resolve_degrees(axes: Mapping[str, int], world_size: int) -> dict[str, int]:
 
     Args:
         axes: Degree of each named axis; axes left out have degree 1 and one axis may be -1 to
-            take whatever the others leave of `world_size`. ``expert`` and ``expert_tensor``
-            (names of the runner's config) are accepted at degree 1.
-        world_size: Number of ranks the degrees must multiply to.
+            take whatever the others leave of `world_size`. ``expert`` borrows data-parallel
+            ranks, so it is not part of the product (it may not be -1); ``expert_tensor`` is
+            accepted at degree 1.
+        world_size: Number of ranks the degrees of [`AXES`][danling.distributed.topology.AXES] must multiply to.
 
     Returns:
-        The degree of every axis of [`AXES`][danling.distributed.topology.AXES], in that order.
+        The degree of every axis of [`AXES`][danling.distributed.topology.AXES], in that order, then ``expert``.
 
     Raises:
-        ValueError: An unknown axis name, a degree that is neither positive nor a single -1, an
-            expert axis above 1, or degrees whose product is not `world_size`.
+        ValueError: An unknown axis name, a degree that is neither positive nor a single -1,
+            ``expert_tensor`` above 1, degrees whose product is not `world_size`, or an expert
+            degree that does not divide the data axis it borrows from.
 
     Examples:
         >>> resolve_degrees({"tensor": 2, "shard": -1}, world_size=8)
-        {'replicate': 1, 'shard': 4, 'context': 1, 'pipeline': 1, 'tensor': 2}
+        {'replicate': 1, 'shard': 4, 'context': 1, 'pipeline': 1, 'tensor': 2, 'expert': 1}
+        >>> resolve_degrees({"replicate": 4, "expert": 2}, world_size=4)["expert"]
+        2
     """
     if not isinstance(axes, Mapping):
         raise TypeError(f"axes must be a mapping from axis names to degrees, got {type(axes).__name__}")
-    unknown = [name for name in axes if name not in AXES and name not in _DEGREE_ONE_AXES]
+    unknown = [name for name in axes if name not in (*AXES, EXPERT, *_DEGREE_ONE_AXES)]
     if unknown:
-        raise ValueError(f"unknown parallel axes {unknown}; accepted axes: {', '.join(AXES)}")
-    experts = {name: axes[name] for name in _DEGREE_ONE_AXES if name in axes and axes[name] != 1}
-    if experts:
-        raise ValueError(f"expert parallelism is not supported: {_format(experts)} must be 1")
+        raise ValueError(f"unknown parallel axes {unknown}; accepted axes: {', '.join((*AXES, EXPERT))}")
+    inner = {name: axes[name] for name in _DEGREE_ONE_AXES if name in axes and axes[name] != 1}
+    if inner:
+        raise ValueError(
+            f"tensor parallelism inside experts is not supported: {_format(inner)} must be 1 (experts are "
+            "split over parallel.axes.expert only; their weights would need a mesh of their own)"
+        )
+    expert = axes.get(EXPERT, 1)
+    if isinstance(expert, bool) or not isinstance(expert, numbers.Integral) or expert < 1:
+        raise ValueError(f"parallel.axes.expert must be a positive integer (it borrows data ranks), got {expert!r}")
     degrees = {name: axes.get(name, 1) for name in AXES}
     bad = {
         name: degree
@@ -123,7 +153,19 @@ def resolve_degrees(axes: Mapping[str, int], world_size: int) -> dict[str, int]:
             f"parallel degrees {' x '.join(f'{n}={d}' for n, d in degrees.items())} do not multiply to the "
             f"world size {world_size}"
         )
+    host = _expert_host(degrees)
+    if degrees[host] % expert:
+        raise ValueError(
+            f"parallel.axes.expert={expert} borrows data-parallel ranks from parallel.axes.{host}={degrees[host]} "
+            f"(the innermost data axis above 1), so it must divide it"
+        )
+    degrees[EXPERT] = int(expert)
     return degrees
+
+
+def _expert_host(degrees: Mapping[str, int]) -> str:
+    """The data axis the expert axis borrows from: `shard` when above one, else `replicate`."""
+    return "shard" if degrees["shard"] > 1 else "replicate"
 
 
 def axes_spanning_nodes(degrees: Mapping[str, int], local_world_size: int) -> tuple[str, ...]:
@@ -182,11 +224,12 @@ class ParallelTopology:
     process groups) over the given degrees, collectively.
 
     Attributes:
-        degrees: Degree of each axis of [`AXES`][danling.distributed.topology.AXES].
-        coordinates: This rank's index along each axis.
-        world_size: Number of ranks (the product of the degrees).
+        degrees: Degree of each axis of [`AXES`][danling.distributed.topology.AXES], then ``expert``.
+        coordinates: This rank's index along each of these axes.
+        world_size: Number of ranks (the product of the degrees of `AXES`; experts borrow data ranks).
         global_rank: This rank in the default group.
-        domains: The axes each reduction domain spans ([`DOMAINS`][danling.distributed.topology.DOMAINS]).
+        domains: The grid dimensions each reduction domain spans ([`DOMAINS`][danling.distributed.topology.DOMAINS]
+            without experts; with them the split data axis reads ``"<axis>_rest", "expert"``).
         context: The process groups built for this topology, if any (set by `ParallelContext`).
 
     Args:
@@ -197,27 +240,38 @@ class ParallelTopology:
     Examples:
         >>> topology = ParallelTopology({"replicate": 2, "pipeline": 2, "tensor": 2}, rank=5)
         >>> topology.coordinates
-        {'replicate': 1, 'shard': 0, 'context': 0, 'pipeline': 0, 'tensor': 1}
+        {'replicate': 1, 'shard': 0, 'context': 0, 'pipeline': 0, 'tensor': 1, 'expert': 0}
         >>> topology.mesh_shape, topology.mesh_dim_names
         ((2, 2, 2), ('replicate', 'pipeline', 'tensor'))
         >>> topology.size("data"), topology.rank("data"), topology.ranks("tensor")
         (2, 1, [4, 5])
+        >>> experts = ParallelTopology({"replicate": 4, "expert": 2}, rank=3)
+        >>> experts.mesh_dim_names, experts.coordinates["expert"], experts.ranks("expert"), experts.ranks("expert_data")
+        (('replicate_rest', 'expert'), 1, [2, 3], [1, 3])
     """
-
-    domains: Mapping[str, tuple[str, ...]] = DOMAINS
 
     def __init__(self, degrees: Mapping[str, int], *, rank: int = 0) -> None:
         # Resolved degrees are expected; checking them again catches names, types and signs.
-        world_size = math.prod(d for d in degrees.values() if isinstance(d, numbers.Integral) and d > 0)
+        sizes = [degrees.get(axis, 1) for axis in AXES]
+        world_size = math.prod(d for d in sizes if isinstance(d, numbers.Integral) and d > 0)
         self.degrees: dict[str, int] = resolve_degrees(degrees, world_size)
         self.world_size = world_size
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank must be in [0, {self.world_size}) for degrees {_format(self.degrees)}, got {rank}")
         self.global_rank = rank
         self.context: ParallelContext | None = None
-        # Row-major grid: the stride of an axis is the product of the degrees after it.
-        self._strides = {axis: math.prod(self.degrees[a] for a in AXES[i + 1 :]) for i, axis in enumerate(AXES)}
-        self.coordinates: dict[str, int] = {axis: (rank // self._strides[axis]) % self.degrees[axis] for axis in AXES}
+        self._grid, self.domains = _grid_and_domains(self.degrees)
+        # Row-major grid: the stride of a dimension is the product of the degrees after it.
+        dims = list(self._grid)
+        self._strides = {dim: math.prod(self._grid[d] for d in dims[i + 1 :]) for i, dim in enumerate(dims)}
+        self._coordinates = {dim: (rank // self._strides[dim]) % self._grid[dim] for dim in dims}
+        self.coordinates: dict[str, int] = {axis: self._logical_coordinate(axis) for axis in self.degrees}
+
+    def _logical_coordinate(self, axis: str) -> int:
+        """An axis's coordinate; a split data axis reads its two grid dimensions as one (`rest * expert + expert`)."""
+        if axis in self._grid:
+            return self._coordinates[axis]
+        return self._coordinates[f"{axis}_rest"] * self.degrees[EXPERT] + self._coordinates[EXPERT]
 
     @classmethod
     def data_parallel(cls) -> ParallelTopology:
@@ -258,21 +312,21 @@ class ParallelTopology:
         ParallelContext.build(topology, device_type)
         return topology
 
-    def _axes(self, domain: str) -> tuple[str, ...]:
-        axes = self.domains.get(domain)
-        if axes is None:
+    def _dims(self, domain: str) -> tuple[str, ...]:
+        dims = self.domains.get(domain)
+        if dims is None:
             raise ValueError(f"unknown domain {domain!r}; known domains: {', '.join(self.domains)}")
-        return axes
+        return dims
 
     @property
     def mesh_dim_names(self) -> tuple[str, ...]:
-        """The axes above degree one, in grid order: the dimensions of the device mesh."""
-        return tuple(axis for axis in AXES if self.degrees[axis] > 1)
+        """The grid dimensions above degree one, in grid order: the dimensions of the device mesh."""
+        return tuple(dim for dim, degree in self._grid.items() if degree > 1)
 
     @property
     def mesh_shape(self) -> tuple[int, ...]:
         """The device mesh's shape: the degree of each axis of `mesh_dim_names` (`()` for one process)."""
-        return tuple(self.degrees[axis] for axis in self.mesh_dim_names)
+        return tuple(self._grid[dim] for dim in self.mesh_dim_names)
 
     @property
     def mesh(self) -> DeviceMesh | None:
@@ -294,20 +348,20 @@ class ParallelTopology:
 
     def size(self, domain: str = "world") -> int:
         """Number of ranks in `domain`."""
-        return math.prod(self.degrees[axis] for axis in self._axes(domain))
+        return math.prod(self._grid[dim] for dim in self._dims(domain))
 
     def rank(self, domain: str = "world") -> int:
         """This rank's index within `domain` (its group rank), e.g. the sampler rank for ``"data"``."""
         index = 0
-        for axis in self._axes(domain):
-            index = index * self.degrees[axis] + self.coordinates[axis]
+        for dim in self._dims(domain):
+            index = index * self._grid[dim] + self._coordinates[dim]
         return index
 
     def ranks(self, domain: str = "world") -> list[int]:
         """Global ranks of this rank's `domain`, in increasing order (= group rank order)."""
-        axes = self._axes(domain)
-        base = self.global_rank - sum(self.coordinates[axis] * self._strides[axis] for axis in axes)
-        steps = [[i * self._strides[axis] for i in range(self.degrees[axis])] for axis in axes]
+        dims = self._dims(domain)
+        base = self.global_rank - sum(self._coordinates[dim] * self._strides[dim] for dim in dims)
+        steps = [[i * self._strides[dim] for i in range(self._grid[dim])] for dim in dims]
         return [base + sum(offsets) for offsets in itertools.product(*steps)]
 
     @property
@@ -322,6 +376,30 @@ class ParallelTopology:
     def __repr__(self) -> str:
         parallel = "".join(f", {axis}={degree}" for axis, degree in self.degrees.items() if degree > 1)
         return f"{type(self).__name__}(world_size={self.world_size}, rank={self.global_rank}{parallel})"
+
+
+def _grid_and_domains(degrees: Mapping[str, int]) -> tuple[dict[str, int], dict[str, tuple[str, ...]]]:
+    """The rank grid's dimensions (the borrowed data axis cut for the experts) and each domain's dimensions."""
+    expert = degrees[EXPERT]
+    if expert == 1:  # the expert axis is a dimension of degree one: every rank holds every expert
+        grid = {axis: degrees[axis] for axis in AXES}
+        grid[EXPERT] = 1
+        return grid, dict(DOMAINS)
+    host = _expert_host(degrees)
+    grid = {}
+    for axis in AXES:
+        if axis == host:  # expert innermost: the ranks exchanging tokens are neighbours
+            grid[f"{host}_rest"], grid[EXPERT] = degrees[axis] // expert, expert
+        else:
+            grid[axis] = degrees[axis]
+
+    def split(axes: tuple[str, ...]) -> tuple[str, ...]:
+        return tuple(dim for axis in axes for dim in ((f"{host}_rest", EXPERT) if axis == host else (axis,)))
+
+    domains = {name: split(axes) for name, axes in DOMAINS.items() if name not in (EXPERT, "expert_data")}
+    domains[EXPERT] = (EXPERT,)
+    domains["expert_data"] = tuple(dim for dim in domains["data"] if dim != EXPERT)
+    return grid, domains
 
 
 Topology = ParallelTopology
@@ -412,7 +490,7 @@ def _build_groups(topology: ParallelTopology, device_type: str) -> tuple[DeviceM
     """Device mesh over the axes above degree one, and the group of every partial, multi-rank domain."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    degrees, world_size = topology.degrees, topology.world_size
+    degrees, world_size = topology._grid, topology.world_size  # grid dimensions: the split data axis, if any
     mesh = init_device_mesh(device_type, topology.mesh_shape, mesh_dim_names=topology.mesh_dim_names)
     groups: dict[str, ProcessGroup] = {}
     flattened: dict[tuple[str, ...], ProcessGroup] = {}

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from danling.distributed import ParallelContext, ParallelTopology
+from danling.distributed.expert_parallel import ExpertGradients, expert_parameters
 from danling.distributed.fsdp import block_modules, wrap_data_parallel
 from danling.distributed.layout import check_axes, check_layout
 from danling.distributed.pipeline import train_batch_size
@@ -37,8 +38,10 @@ class ParallelRunner(TorchRunner):
     product is the world size, one may be -1), the sharding `fsdp.*`; the rest is bound as for
     [`TorchRunner`][danling.runners.TorchRunner]. `shard > 1` needs `fsdp.enabled` (with
     `replicate > 1`: HSDP); plain `replicate` is DDP; tensor parallelism over several data ranks
-    needs FSDP2; context parallelism needs CUDA. Distributed runs checkpoint with DCP, which
-    reshards on load, so checkpoints move between layouts.
+    needs FSDP2; context parallelism needs CUDA. `expert` splits a mixture-of-experts model's
+    experts over data-parallel ranks it borrows (over `replicate`, with DDP, in this version; see
+    [`expert_parallel`][danling.distributed.expert_parallel]). Distributed runs checkpoint with
+    DCP, which reshards on load, so checkpoints move between layouts.
 
     Attributes:
         topology: The [`ParallelTopology`][danling.distributed.topology.ParallelTopology]: axis degrees,
@@ -143,12 +146,23 @@ class ParallelRunner(TorchRunner):
         Overrides must not: rename parameters (checkpoints and `param_groups` use the full model's names) or
             wrap in FSDP/DDP (done afterwards).
 
+        With `parallel.axes.expert > 1` the model's hook must also split its experts (see
+        [`distribute_experts`][danling.distributed.expert_parallel.distribute_experts]).
+
         Raises:
             TypeError: `model.parallelize` returned something other than a module or None (see
                 [`parallelize`][danling.distributed.tensor_parallel.parallelize]).
-            NotImplementedError: `tensor > 1` with neither a `parallelize` method nor a plan.
+            NotImplementedError: `tensor > 1` with neither a `parallelize` method nor a plan, or
+                `expert > 1` and the part holds no expert parameters after the hook.
         """
-        return parallelize(model, self.parallel, self.config.parallel.tensor_plan, distributed=self.distributed)
+        model = parallelize(model, self.parallel, self.config.parallel.tensor_plan, distributed=self.distributed)
+        expert = self.topology.degrees["expert"]
+        if expert > 1 and self.distributed and next(expert_parameters(model), None) is None:
+            raise NotImplementedError(
+                f"parallel.axes.expert={expert} but {type(model).__name__} split no experts: its "
+                "parallelize(parallel) method must call danling.distributed.expert_parallel.distribute_experts"
+            )
+        return model
 
     def apply_activation_checkpointing(self, model: nn.Module) -> nn.Module:
         """Recompute activations of the part's blocks in backward, per `parallel.activation_checkpointing`.
@@ -277,7 +291,15 @@ class ParallelRunner(TorchRunner):
             skip_group=topology.group("world"),
             norm_group=(topology.group("pipeline") or dist.group.WORLD) if pipelined else None,
             **guard_options(self.config, self.logger, spikes_supported=not pipelined),
+            expert_gradients=self._expert_gradients(),
         )
+
+    def _expert_gradients(self) -> ExpertGradients | None:
+        """The reduction of the expert parameters DDP leaves out (`None` without expert parallelism)."""
+        if self.topology.degrees["expert"] == 1:
+            return None
+        parts = self.model_parts or [self.model]
+        return ExpertGradients([param for part in parts for _, param in expert_parameters(part)], self.topology)
 
     # ------------------------------------------------------------------ steps
     def train_step(self, data: Any) -> tuple[Any, torch.Tensor | None]:

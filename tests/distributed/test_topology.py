@@ -1,7 +1,8 @@
 """ParallelTopology and ParallelContext: rank coordinates, reduction domains and their groups; metrics over a domain.
 
 Two launches cover the distributed part: two ranks (the default topology, ``{"tensor": 2}`` and
-``{"shard": -1}``) and four ranks (``{"replicate": 2, "tensor": 2}``).
+``{"shard": -1}``) and four ranks (``{"replicate": 2, "tensor": 2}``, and ``{"replicate": 4, "expert": 2}``
+with a token exchange over its expert groups).
 """
 
 import copy
@@ -27,6 +28,7 @@ from danling.distributed import (
     get_world_size,
     is_distributed,
 )
+from danling.distributed.expert_parallel import combine_tokens, dispatch_tokens
 from danling.distributed.topology import AXES, DOMAINS, resolve_degrees
 from danling.metrics import (
     AverageMeter,
@@ -53,9 +55,9 @@ def test_data_parallel_in_one_process_is_the_world_of_one(monkeypatch):
     for domain in DOMAINS:
         assert (topology.size(domain), topology.rank(domain), topology.ranks(domain)) == (1, 0, [0])
         assert topology.group(domain) is None
-    assert topology.coordinates == dict.fromkeys(AXES, 0)
+    assert topology.coordinates == dict.fromkeys((*AXES, "expert"), 0)
     assert topology.is_data_parallel_only
-    assert topology.describe() == {"world_size": 1, "degrees": dict.fromkeys(AXES, 1), "data_size": 1}
+    assert topology.describe() == {"world_size": 1, "degrees": dict.fromkeys((*AXES, "expert"), 1), "data_size": 1}
     assert ParallelTopology.from_axes({"shard": -1, "expert": 1}).describe() == topology.describe()
 
 
@@ -77,7 +79,7 @@ def test_data_parallel_reads_torchrun_environment_without_a_group(monkeypatch):
 def test_grid_is_row_major_in_axis_order():
     # Rank 5 of replicate=2 x pipeline=2 x tensor=2 sits at replicate 1, pipeline 0, tensor 1.
     topology = ParallelTopology({"replicate": 2, "pipeline": 2, "tensor": 2}, rank=5)
-    assert topology.coordinates == {"replicate": 1, "shard": 0, "context": 0, "pipeline": 0, "tensor": 1}
+    assert topology.coordinates == {"replicate": 1, "shard": 0, "context": 0, "pipeline": 0, "tensor": 1, "expert": 0}
     assert topology.ranks("data") == [1, 5] and topology.rank("data") == 1
     assert topology.ranks("tensor") == [4, 5] and topology.rank("tensor") == 1
     assert topology.ranks("pipeline") == [5, 7] and topology.rank("pipeline") == 0
@@ -129,7 +131,10 @@ def test_product_mismatch_names_every_degree_and_the_world_size():
         ({"shard": 0, "pipeline": -2}, "positive integers .* got shard=0, pipeline=-2"),
         ({"tensor": 1.5}, "positive integers .* got tensor=1.5"),
         ({"replicate": True}, "positive integers .* got replicate=True"),
-        ({"expert": 2}, "expert parallelism is not supported: expert=2 must be 1"),
+        ({"expert_tensor": 2}, "tensor parallelism inside experts is not supported: expert_tensor=2 must be 1"),
+        ({"expert": -1, "replicate": 4}, "parallel.axes.expert must be a positive integer .* got -1"),
+        ({"replicate": 4, "expert": 3}, "expert=3 borrows data-parallel ranks from parallel.axes.replicate=4"),
+        ({"replicate": 2, "shard": 2, "expert": 4}, "expert=4 borrows data-parallel ranks from parallel.axes.shard=2"),
     ],
 )
 def test_bad_axes_are_named(axes, message):
@@ -144,8 +149,24 @@ def test_resolution_fills_missing_axes_and_the_absorbing_one():
         "context": 1,
         "pipeline": 1,
         "tensor": 2,
+        "expert": 1,
     }
-    assert resolve_degrees({}, 1) == dict.fromkeys(AXES, 1)
+    assert resolve_degrees({}, 1) == dict.fromkeys((*AXES, "expert"), 1)
+    assert resolve_degrees({"replicate": -1, "expert": 2}, 4)["replicate"] == 4  # experts borrow, not multiply
+
+
+def test_experts_split_the_innermost_data_axis():
+    # shard=4 x tensor=2 with expert=2: shard splits into shard_rest=2 (outer) x expert=2 (inner)
+    topology = ParallelTopology({"shard": 4, "tensor": 2, "expert": 2}, rank=5)
+    assert topology.world_size == 8 and topology.coordinates["shard"] == 2 and topology.coordinates["expert"] == 0
+    assert (topology.mesh_dim_names, topology.mesh_shape) == (("shard_rest", "expert", "tensor"), (2, 2, 2))
+    assert topology.domains["data"] == ("replicate", "shard_rest", "expert")
+    assert topology.ranks("data") == [1, 3, 5, 7] and topology.rank("data") == 2
+    assert topology.ranks("expert") == [5, 7] and topology.rank("expert") == 0
+    assert topology.ranks("expert_data") == [1, 5] and topology.rank("expert_data") == 1
+    assert topology.ranks("tensor") == [4, 5]
+    plain = ParallelTopology({"replicate": 2, "tensor": 2}, rank=3)
+    assert (plain.size("expert"), plain.ranks("expert"), plain.ranks("expert_data")) == (1, [3], plain.ranks("data"))
 
 
 def test_unknown_domain_and_rank_out_of_range_are_named():
@@ -221,7 +242,7 @@ def test_two_ranks_default_tensor_and_shard_topologies():
             assert out["default"][domain] == (1, 0, [rank]), domain  # a real one-rank group
         assert out["default_describe"] == {
             "world_size": 2,
-            "degrees": {**dict.fromkeys(AXES, 1), "replicate": 2},
+            "degrees": {**dict.fromkeys((*AXES, "expert"), 1), "replicate": 2},
             "data_size": 2,
         }
 
@@ -229,11 +250,12 @@ def test_two_ranks_default_tensor_and_shard_topologies():
             assert out["tensor"][domain] == (1, 0, [rank], [rank]), domain
         assert out["tensor"]["tensor"] == (2, rank, [0, 1], [0, 1])
         assert out["tensor"]["world"] == (2, rank, [0, 1], [0, 1])
-        one_rank = ["context", "data", "gradient", "metrics", "pipeline", "replicate", "shard"]
+        one_rank = ["context", "data", "expert", "expert_data", "gradient", "metrics", "pipeline", "replicate", "shard"]
         assert out["context"] == ("ParallelContext", True, (2,), (2,), True, True, one_rank)
         names, data_parallel_only, described = out["tensor_info"]
         assert names == ("tensor",) and not data_parallel_only
-        assert described == {"world_size": 2, "degrees": {**dict.fromkeys(AXES, 1), "tensor": 2}, "data_size": 1}
+        degrees = {**dict.fromkeys((*AXES, "expert"), 1), "tensor": 2}
+        assert described == {"world_size": 2, "degrees": degrees, "data_size": 1}
         assert out["same_singleton"]
         assert out["group_queries"] == (False, 1, 0) and out["world_queries"] == (True, 2, rank)
 
@@ -303,7 +325,24 @@ def _four_ranks(rank, world_size):
     layer.weight.grad = torch.full_like(layer.weight, float(rank))
     all_reduce_gradients(layer.parameters(), group=data)
     out["gradient"] = layer.weight.grad.item()
+    out["experts"] = _expert_exchange(rank)
     return out
+
+
+def _expert_exchange(rank):
+    """Expert groups of replicate=4 x expert=2, and one token per global expert sent there and back."""
+    experts = ParallelTopology.from_axes({"replicate": 4, "expert": 2})
+    group = experts.group("expert")
+    tokens = torch.arange(4.0).unsqueeze(1) + 10 * rank  # sorted by expert: token e goes to expert e
+    counts = torch.ones(4, dtype=torch.long)
+    received, received_counts = dispatch_tokens(tokens, counts, group)
+    back = combine_tokens(received * 2, counts, received_counts, group)
+    holders = experts.group("expert_data")
+    return (
+        (experts.ranks("expert"), _members(group), experts.ranks("expert_data"), _members(holders)),
+        (experts.coordinates["expert"], experts.mesh_dim_names, received_counts.tolist()),
+        (received.flatten().tolist(), torch.equal(back, tokens * 2)),
+    )
 
 
 @pytest.mark.distributed
@@ -337,6 +376,12 @@ def test_four_ranks_replicate_by_tensor_reduce_metrics_over_data_peers_only():
         assert out["broadcast"] == tensor_peers[1]
         assert out["any"] == (rank >= 2)
         assert out["gradient"] == pytest.approx(peers_mean)
+        expert_peers, holders, local = [rank - rank % 2, rank - rank % 2 + 1], [rank % 2, rank % 2 + 2], rank % 2
+        groups, layout, exchange = out["experts"]
+        assert groups == (expert_peers, expert_peers, holders, holders)
+        assert layout == (local, ("replicate_rest", "expert"), [[1, 1], [1, 1]])
+        # from each expert peer, in rank order, its tokens for this rank's experts 2 * local and 2 * local + 1
+        assert exchange == ([10.0 * peer + 2 * local + e for peer in expert_peers for e in (0, 1)], True)
     assert not math.isnan(results[0]["global"][0]["auroc"])
 
 

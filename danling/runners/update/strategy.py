@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from danling.distributed import all_reduce_gradients, is_distributed
+from danling.distributed.expert_parallel import ExpertGradients
 
 from .accumulation import GradientAccumulator
 from .gradient_sync import GradientSync
@@ -189,6 +190,8 @@ class TorchUpdateStrategy(UpdateStrategy):
         spike_guard: Loss-spike detection and its policy
             ([`SpikeGuard`][danling.runners.update.spikes.SpikeGuard]); `None` is off.
         logger: Where skipped updates and spikes are reported.
+        expert_gradients: Expert parameters no wrapper reduces, reduced before every step (see
+            [`ExpertGradients`][danling.distributed.expert_parallel.ExpertGradients]); `None` without experts.
 
     Call [`bind`][danling.runners.update.strategy.TorchUpdateStrategy.bind] with the optimizer
     and scheduler before the first update.
@@ -214,8 +217,10 @@ class TorchUpdateStrategy(UpdateStrategy):
         spike_guard: SpikeGuard | None = None,
         logger: logging.Logger | None = None,
         watch_nonfinite_loss: bool = False,
+        expert_gradients: ExpertGradients | None = None,
     ) -> None:
         super().__init__(accum_steps)
+        self.expert_gradients = expert_gradients
         self.check_nonfinite = check_nonfinite
         self.watch_nonfinite_loss = watch_nonfinite_loss
         self.max_nonfinite_updates = max_nonfinite_updates
@@ -259,6 +264,8 @@ class TorchUpdateStrategy(UpdateStrategy):
             return "non-finite gradient checks"
         if self.outside_parameters and is_distributed(self.group):
             return "parameters outside the model to average over the ranks"
+        if self.expert_gradients is not None:
+            return "expert gradients to reduce over the expert_data domain"
         return None
 
     def _settle_fast_paths(self) -> None:
@@ -383,7 +390,9 @@ class TorchUpdateStrategy(UpdateStrategy):
         window = accumulator.window_size
         accumulator.finish()
         if self.gradient_sync.suppresses and is_distributed() and self.container is not None:
-            all_reduce_gradients(self.container.parameters(), group=self.group)
+            experts = self.expert_gradients.ids if self.expert_gradients is not None else ()
+            dense = [param for param in self.container.parameters() if id(param) not in experts]
+            all_reduce_gradients(dense, group=self.group)  # experts: reduced in `apply` over their own domain
         if self._weight is None:
             self._multiplier = window / pending
         return True
@@ -401,6 +410,8 @@ class TorchUpdateStrategy(UpdateStrategy):
             self.watchdog.enter("optimizer step", self.watchdog.step)
         if self.outside_parameters and is_distributed(self.group):
             _average_replicas(self.outside_parameters.values(), self.group)
+        if self.expert_gradients is not None:
+            self.expert_gradients.reduce()
         multiplier, self._multiplier = self._multiplier, None
         if self._weight is not None:
             multiplier, self._weight = self._weight_factor(self._weight), None

@@ -180,7 +180,7 @@ def test_fsdp_tensor_and_ddp_layouts_train_like_one_process(tmp_path):
     for rank in (0, 1):
         hooked = results[rank]["tensor-hook"]
         assert hooked["types"] == ("ParallelTopology", "ParallelContext")
-        coordinates = {"replicate": 0, "shard": 0, "context": 0, "pipeline": 0, "tensor": rank}
+        coordinates = {"replicate": 0, "shard": 0, "context": 0, "pipeline": 0, "tensor": rank, "expert": 0}
         assert hooked["layout"] == (2, coordinates, (2,), ("tensor",))
         assert hooked["domains"] == (("replicate", "shard"), 2, rank)
         assert hooked["context"] == (True, True, ("tensor",))
