@@ -264,8 +264,10 @@ class ParallelAxesConfig(_TypedConfig):
         context: Context (sequence) parallel degree.
         pipeline: Pipeline stages.
         tensor: Tensor-parallel degree.
-        expert: Expert-parallel degree.
-        expert_tensor: Tensor-parallel degree inside each expert.
+        expert: Expert-parallel degree: the experts of a mixture-of-experts model are split over
+            this many data-parallel ranks (borrowed from the innermost data axis above 1, which it
+            must divide; not part of the world-size product). DDP (`replicate`) layouts only.
+        expert_tensor: Tensor-parallel degree inside each expert; must be 1 (refused above).
     """
 
     replicate: int = 1
