@@ -20,6 +20,7 @@ from tests.runners._parallel_toy import ParallelRegression, full_weights, parall
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 
 EXPERT = {"parallel.axes.replicate": 2, "parallel.axes.expert": 2}
+CLIPPED = {"accum_steps": 2, "max_grad_norm": 0.05}  # DDP's no_sync window, then a norm over DTensor experts
 STEPS_PER_EPOCH = 4  # 32 samples, 2 data ranks of 4 per batch
 
 REFUSED = {
@@ -87,6 +88,9 @@ def _train_experts(rank: int, world_size: int, root: str) -> dict:
         result["resumed_loaded"] = full_weights(runner)
         runner.train()
         result["resumed"] = {"losses": runner.losses, "weights": full_weights(runner)}
+    with MoERunner(parallel_config(root, "experts-clipped", **EXPERT, **CLIPPED)) as runner:
+        runner.train()
+        result["clipped"] = {"losses": runner.losses, "weights": full_weights(runner)}
     result["errors"] = _refusals(root)
     return result
 
@@ -98,6 +102,12 @@ def test_four_experts_on_two_ranks_train_resume_and_reshard_like_one_process(tmp
         runner.train()
         reference = {"losses": runner.losses, "weights": full_weights(runner)}
     assert reference["weights"]["experts.w1"].shape[0] == 4
+    config = parallel_config(
+        str(tmp_path), "reference-clipped", stack="torch", **{"dataloader.batch_size": 8}, **CLIPPED
+    )
+    with MoERunner(config) as runner:
+        runner.train()
+        clipped = {"losses": runner.losses, "weights": full_weights(runner)}
     for rank in (0, 1):
         got = results[rank]
         # the experts are split, the dense layers replicated; DDP leaves the experts to ExpertGradients
@@ -107,6 +117,9 @@ def test_four_experts_on_two_ranks_train_resume_and_reshard_like_one_process(tmp
         assert got["losses"] == pytest.approx(reference["losses"], rel=1e-5, abs=1e-6)
         for key, value in reference["weights"].items():
             torch.testing.assert_close(got["weights"][key], value, rtol=1e-5, atol=1e-6, msg=key)
+        assert got["clipped"]["losses"] == pytest.approx(clipped["losses"], rel=1e-5, abs=1e-6)
+        for key, value in clipped["weights"].items():
+            torch.testing.assert_close(got["clipped"]["weights"][key], value, rtol=1e-5, atol=1e-6, msg=key)
         # DCP resume on the same layout continues exactly
         assert got["resumed_start"] == STEPS_PER_EPOCH
         for key, value in got["saved"].items():
