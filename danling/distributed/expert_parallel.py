@@ -12,8 +12,8 @@ Both are differentiable: backward runs the reverse exchange.
 
 Gradients. Every rank of the expert group reads its own batch (the expert axis borrows
 data-parallel ranks), so a rank's expert gradient already sums the contributions of the tokens
-of the whole expert group. Dense parameters are averaged over the data domain as usual (DDP);
-expert parameters are left out of DDP and reduced by
+of the whole expert group. Dense parameters are averaged over the data domain as usual (DDP or FSDP2);
+expert parameters are left out of both and reduced by
 [`ExpertGradients`][danling.distributed.expert_parallel.ExpertGradients]: summed over the ranks
 holding the same experts (`expert_data`) and divided by the data domain's size. Both then equal
 the gradient of the mean loss over the global batch, as in one process.
@@ -77,15 +77,17 @@ def distribute_experts(module: nn.Module, parallel: ParallelContext, names: Sequ
     for name in chosen:
         param = params[name]
         # Every rank holds the same initial stack (same seed): each keeps its own slice, no communication.
-        sharded = distribute_tensor(param.data, mesh, [Shard(0)], src_data_rank=None)
-        setattr(module, name, nn.Parameter(sharded, requires_grad=param.requires_grad))
+        sharded = nn.Parameter(distribute_tensor(param.data, mesh, [Shard(0)], src_data_rank=None))
+        sharded.requires_grad_(param.requires_grad)
+        # Marked rather than recognised by mesh: FSDP2 may shard dense parameters over the same 1-D mesh.
+        sharded._danling_expert = True
+        setattr(module, name, sharded)
     return next(iter(counts)) // degree
 
 
 def is_expert_parameter(param: torch.Tensor) -> bool:
     """Whether `param` was split by [`distribute_experts`][danling.distributed.expert_parallel.distribute_experts]."""
-    mesh = getattr(param, "device_mesh", None)
-    return mesh is not None and mesh.mesh_dim_names == ("expert",)
+    return getattr(param, "_danling_expert", False)
 
 
 def expert_parameters(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
@@ -142,7 +144,7 @@ def combine_tokens(
 class ExpertGradients:
     """Reduce expert gradients over the ranks holding the same experts, once per update.
 
-    Expert parameters are left out of DDP, whose average over the data domain would mix
+    Expert parameters are left out of DDP and FSDP2, whose average over the data domain would mix
     different experts. Before each optimizer step their gradients are summed over `expert_data`
     and divided by the data domain's size (see the module for why this equals one process).
 

@@ -93,11 +93,13 @@ def apply_fsdp(
     reshard_after_forward: bool | int | None = None,
     mp_policy: Any = None,
     offload_policy: Any = None,
+    ignored_params: set[nn.Parameter] | None = None,
 ) -> nn.Module:
     """Shard each of `units`, then the root, over `mesh` (1-D: FSDP; 2-D replicate x shard: HSDP).
 
     Each unit gathers its parameters only for its own forward and backward, which is what bounds
-    peak memory; the root takes whatever parameters no unit holds.
+    peak memory; the root takes whatever parameters no unit holds. `ignored_params` (expert
+    weights, already split over their own mesh) stay as they are and get no gradient reduction.
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
@@ -106,6 +108,8 @@ def apply_fsdp(
         "mp_policy": mp_policy if mp_policy is not None else MixedPrecisionPolicy(),
         "offload_policy": offload_policy if offload_policy is not None else OffloadPolicy(),
     }
+    if ignored_params:
+        options["ignored_params"] = ignored_params
     if reshard_after_forward is not None:
         options["reshard_after_forward"] = reshard_after_forward
     for unit in units:
@@ -116,9 +120,17 @@ def apply_fsdp(
 
 
 def fsdp_mesh(topology: Any) -> Any:
-    """The mesh FSDP2 shards over: `shard`, or `replicate x shard` (HSDP: replicate across, shard within)."""
+    """The mesh FSDP2 shards over: `shard`, or `replicate x shard` (HSDP: replicate across, shard within).
+
+    With experts the shard axis is two grid dimensions (`shard_rest`, `expert`): their flattened
+    mesh (or the one above degree one) stands for it.
+    """
     mesh = topology.mesh
-    return mesh["replicate", "shard"] if topology.degrees["replicate"] > 1 else mesh["shard"]
+    dims = tuple(dim for dim in topology.domains["shard"] if dim in topology.mesh_dim_names)
+    shard = "_".join(dims)  # the name `ParallelContext.build` flattens several dimensions under
+    if len(dims) > 1:
+        mesh[dims]._flatten(shard)  # a shard domain spanning the world got no flattened group there
+    return mesh["replicate", shard] if topology.degrees["replicate"] > 1 else mesh[shard]
 
 
 def wrap_data_parallel(
@@ -151,6 +163,9 @@ def wrap_data_parallel(
         strict: Refuse `fsdp.modules` patterns that match nothing (off for pipeline stages).
     """
     if fsdp.enabled and distributed:
+        # Experts stay split over the expert axis and replicated over `expert_data`; FSDP2 shards the
+        # dense parameters only (ExpertGradients reduces the experts' gradients).
+        experts = {param for _, param in expert_parameters(part)}
         apply_fsdp(
             part,
             fsdp_mesh(topology),
@@ -158,6 +173,7 @@ def wrap_data_parallel(
             reshard_after_forward=fsdp.reshard_after_forward,
             mp_policy=fsdp_mixed_precision(fsdp.mp_policy, precision),
             offload_policy=fsdp_offload(fsdp.offload_policy),
+            ignored_params=experts or None,
         )
         return compile(part, distributed=True)
     part = compile(part, distributed=distributed)

@@ -43,7 +43,7 @@ def check_layout(topology: Any, *, fsdp: bool, ema: bool = False) -> None:
     Raises:
         ValueError: `shard > 1` without FSDP2, FSDP2 with `shard == 1`, tensor parallelism over
             several data ranks without FSDP2, an EMA copy with sharded or split parameters, or
-            expert parallelism combined with FSDP2, tensor or pipeline parallelism or an EMA.
+            expert parallelism combined with tensor or pipeline parallelism or an EMA.
     """
     degrees, data_size = topology.degrees, topology.size("data")
     if topology.world_size == 1:
@@ -63,7 +63,7 @@ def check_layout(topology: Any, *, fsdp: bool, ema: bool = False) -> None:
             f"tensor parallelism with {data_size} data-parallel ranks needs FSDP2 over the data "
             "axes: set fsdp.enabled and parallel.axes.shard"
         )
-    _check_experts(degrees, fsdp=fsdp, ema=ema)
+    _check_experts(degrees, ema=ema)
     if ema and (fsdp or degrees["tensor"] > 1 or degrees["pipeline"] > 1):
         raise ValueError(
             "ema.enabled is not supported with FSDP2, tensor or pipeline parallelism in this version: the "
@@ -71,17 +71,17 @@ def check_layout(topology: Any, *, fsdp: bool, ema: bool = False) -> None:
         )
 
 
-def _check_experts(degrees: Mapping[str, int], *, fsdp: bool, ema: bool) -> None:
-    """Expert parallelism composes with the replicate axis (DDP) only in this version."""
+def _check_experts(degrees: Mapping[str, int], *, ema: bool) -> None:
+    """Expert parallelism composes with the data axes (DDP, FSDP2, HSDP) only in this version."""
     expert = degrees.get("expert", 1)
     if expert == 1:
         return
     others = [f"{axis}={degrees[axis]}" for axis in ("tensor", "pipeline") if degrees[axis] > 1]
-    others += ["fsdp.enabled"] * fsdp + ["ema.enabled"] * ema
+    others += ["ema.enabled"] * ema
     if others:
-        # FSDP2 would need expert units sharded over `expert_data` with their own gradient divisor, pipeline
-        # stages their own expert groups, and an EMA a sharded copy: none of them is built for experts yet.
+        # Tensor peers would need the experts split inside (expert_tensor), pipeline stages expert groups
+        # of their own, and an EMA a copy split like the experts: none of them is built for experts yet.
         raise ValueError(
-            f"parallel.axes.expert={expert} is supported over parallel.axes.replicate (DDP) only in this version, "
-            f"not with {', '.join(others)}: drop those or set parallel.axes.expert to 1"
+            f"parallel.axes.expert={expert} is supported with the data axes (replicate, shard) only in this "
+            f"version, not with {', '.join(others)}: drop those or set parallel.axes.expert to 1"
         )

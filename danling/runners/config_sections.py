@@ -266,7 +266,7 @@ class ParallelAxesConfig(_TypedConfig):
         tensor: Tensor-parallel degree.
         expert: Expert-parallel degree: the experts of a mixture-of-experts model are split over
             this many data-parallel ranks (borrowed from the innermost data axis above 1, which it
-            must divide; not part of the world-size product). DDP (`replicate`) layouts only.
+            must divide; not part of the world-size product). Not with tensor or pipeline axes.
         expert_tensor: Tensor-parallel degree inside each expert; must be 1 (refused above).
     """
 

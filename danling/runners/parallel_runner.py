@@ -39,7 +39,7 @@ class ParallelRunner(TorchRunner):
     [`TorchRunner`][danling.runners.TorchRunner]. `shard > 1` needs `fsdp.enabled` (with
     `replicate > 1`: HSDP); plain `replicate` is DDP; tensor parallelism over several data ranks
     needs FSDP2; context parallelism needs CUDA. `expert` splits a mixture-of-experts model's
-    experts over data-parallel ranks it borrows (over `replicate`, with DDP, in this version; see
+    experts over data-parallel ranks it borrows (with DDP or FSDP2, in this version; see
     [`expert_parallel`][danling.distributed.expert_parallel]). Distributed runs checkpoint with
     DCP, which reshards on load, so checkpoints move between layouts.
 

@@ -1,7 +1,8 @@
 """Expert parallelism on real process groups (gloo, CPU): a 4-expert MoE on 2 ranks with expert=2.
 
-One launch trains the experts split over the two ranks (tokens exchanged with all-to-all), resumes
-that run from its first epoch's DCP checkpoint, and collects the refused layouts; the parent trains
+One launch trains the experts split over the two ranks (tokens exchanged with all-to-all) under DDP,
+with accumulation and clipping, and under FSDP2, resumes the DDP run from its first epoch's DCP
+checkpoint, and collects the refused layouts; the parent trains
 the same model in one process and loads the two-rank checkpoint there (DCP reshards the experts).
 """
 
@@ -12,6 +13,8 @@ import re
 import pytest
 import torch
 
+from danling.distributed import ParallelTopology
+from danling.distributed.layout import check_layout
 from danling.runners import ParallelRunner
 from tests.dist import run_distributed
 from tests.runners._moe_toy import MoERunner
@@ -21,15 +24,17 @@ pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 
 EXPERT = {"parallel.axes.replicate": 2, "parallel.axes.expert": 2}
 CLIPPED = {"accum_steps": 2, "max_grad_norm": 0.05}  # DDP's no_sync window, then a norm over DTensor experts
+# FSDP2 shards the dense layers over the data ranks; the experts stay split over the expert axis
+SHARDED = {"parallel.axes.replicate": 1, "parallel.axes.shard": 2, "parallel.axes.expert": 2, "fsdp.enabled": True}
 STEPS_PER_EPOCH = 4  # 32 samples, 2 data ranks of 4 per batch
 
 REFUSED = {
     "no-experts-split": (ParallelRegression, {}, NotImplementedError, r"expert=2 but ResidualMLP split no experts"),
-    "with-fsdp": (
+    "with-ema": (
         MoERunner,
-        {"parallel.axes.replicate": 1, "parallel.axes.shard": 2, "fsdp.enabled": True},
+        {"ema.enabled": True},
         ValueError,
-        r"expert=2 is supported over parallel.axes.replicate \(DDP\) only .* not with fsdp.enabled",
+        r"expert=2 is supported with the data axes \(replicate, shard\) only .* not with ema.enabled",
     ),
     "expert-tensor": (
         MoERunner,
@@ -91,6 +96,11 @@ def _train_experts(rank: int, world_size: int, root: str) -> dict:
     with MoERunner(parallel_config(root, "experts-clipped", **EXPERT, **CLIPPED)) as runner:
         runner.train()
         result["clipped"] = {"losses": runner.losses, "weights": full_weights(runner)}
+    with MoERunner(parallel_config(root, "experts-fsdp", **SHARDED)) as runner:
+        runner.train()
+        model = runner.unwrap(runner.model)
+        placements = (str(model.experts.w1.placements), str(model.inp.weight.placements))
+        result["fsdp"] = {"losses": runner.losses, "weights": full_weights(runner), "placements": placements}
     result["errors"] = _refusals(root)
     return result
 
@@ -117,6 +127,10 @@ def test_four_experts_on_two_ranks_train_resume_and_reshard_like_one_process(tmp
         assert got["losses"] == pytest.approx(reference["losses"], rel=1e-5, abs=1e-6)
         for key, value in reference["weights"].items():
             torch.testing.assert_close(got["weights"][key], value, rtol=1e-5, atol=1e-6, msg=key)
+        assert got["fsdp"]["placements"] == ("(Shard(dim=0),)", "(Shard(dim=0),)")  # experts: expert mesh; dense: FSDP2
+        assert got["fsdp"]["losses"] == pytest.approx(reference["losses"], rel=1e-5, abs=1e-6)
+        for key, value in reference["weights"].items():
+            torch.testing.assert_close(got["fsdp"]["weights"][key], value, rtol=1e-5, atol=1e-6, msg=f"fsdp: {key}")
         assert got["clipped"]["losses"] == pytest.approx(clipped["losses"], rel=1e-5, abs=1e-6)
         for key, value in clipped["weights"].items():
             torch.testing.assert_close(got["clipped"]["weights"][key], value, rtol=1e-5, atol=1e-6, msg=key)
@@ -136,3 +150,11 @@ def test_four_experts_on_two_ranks_train_resume_and_reshard_like_one_process(tmp
         assert isinstance(runner, ParallelRunner)
         for key, value in results[0]["saved"].items():
             assert torch.equal(full_weights(runner)[key], value), key
+
+
+@pytest.mark.parametrize("axis", ["tensor", "pipeline"])
+def test_experts_with_model_parallel_axes_are_refused(axis):
+    data = "shard" if axis == "tensor" else "replicate"  # tensor parallelism with several data ranks needs FSDP2
+    topology = ParallelTopology({data: 2, axis: 2, "expert": 2}, rank=0)
+    with pytest.raises(ValueError, match=rf"expert=2 is supported with the data axes .* not with {axis}=2"):
+        check_layout(topology, fsdp=data == "shard")
