@@ -91,7 +91,7 @@ DOMAINS: Mapping[str, tuple[str, ...]] = MappingProxyType(
 """Each reduction domain and the axes it spans (in grid order), without expert parallelism.
 
 With `expert > 1` a topology's own `domains` spell out the split axis (see the module): e.g.
-``"data": ("replicate_rest", "expert")`` and ``"expert_data": ("replicate_rest",)``.
+``"data": ("replicate_rest", "expert", "shard")`` and ``"expert_data": ("replicate_rest", "shard")``.
 """
 
 
