@@ -32,17 +32,16 @@ def check_axes(axes: Mapping[str, Any], device_type: str) -> None:
     )
 
 
-def check_layout(topology: Any, *, fsdp: bool, ema: bool = False) -> None:
+def check_layout(topology: Any, *, fsdp: bool) -> None:
     """Refuse parallel layouts whose axes nothing would implement, before any model work.
 
     Args:
         topology: The run's topology (its `degrees`, `world_size` and data domain's size).
         fsdp: `fsdp.enabled`.
-        ema: `ema.enabled`.
 
     Raises:
-        ValueError: `shard > 1` without FSDP2, FSDP2 with `shard == 1`, tensor parallelism over
-            several data ranks without FSDP2, or an EMA copy with sharded or split parameters.
+        ValueError: `shard > 1` without FSDP2, FSDP2 with `shard == 1`, or tensor parallelism over
+            several data ranks without FSDP2.
     """
     degrees, data_size = topology.degrees, topology.size("data")
     if topology.world_size == 1:
@@ -61,9 +60,4 @@ def check_layout(topology: Any, *, fsdp: bool, ema: bool = False) -> None:
         raise ValueError(
             f"tensor parallelism with {data_size} data-parallel ranks needs FSDP2 over the data "
             "axes: set fsdp.enabled and parallel.axes.shard"
-        )
-    if ema and (fsdp or degrees["tensor"] > 1 or degrees["pipeline"] > 1):
-        raise ValueError(
-            "ema.enabled is not supported with FSDP2, tensor or pipeline parallelism in this version: the "
-            "averaged copy would need the same sharding; disable ema or use replicate-only layouts"
         )

@@ -68,7 +68,6 @@ BAD_LAYOUTS = {
     ),
     "context-on-cpu": ({"parallel.axes.context": 2}, RuntimeError, "context=2 needs CUDA devices"),
     "file-backend": ({"parallel.axes.replicate": 2, "checkpoint.backend": "file"}, ValueError, "only 'dcp'"),
-    "ema-sharded": ({**LAYOUTS["fsdp"], "ema.enabled": True}, ValueError, "ema.enabled is not supported"),
 }
 
 
