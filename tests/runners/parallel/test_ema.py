@@ -12,12 +12,10 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from danling.runners.update import EMA
 from tests.dist import run_distributed
-from tests.runners._parallel_toy import TENSOR_PLAN, ParallelRegression, full_weights, parallel_config
+from tests.runners._parallel_toy import TENSOR_PLAN, ParallelRegression, ema_weights, full_weights, parallel_config
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 
@@ -31,13 +29,6 @@ LAYOUTS = {
 STEPS_PER_EPOCH = {"fsdp": 4, "tensor": 8, "pipeline": 8}
 EMA_CONFIG = {"ema.enabled": True, "ema.decay": 0.5}
 TOL = {"rtol": 1e-5, "atol": 1e-6}
-
-
-def ema_weights(runner: Any) -> dict[str, torch.Tensor]:
-    """This rank's view of the EMA weights: whole tensors (gathered when sharded; a pipeline stage's own only)."""
-    module = runner.unwrap(runner.ema)
-    options = StateDictOptions(full_state_dict=dist.is_initialized())
-    return {key: value.detach().cpu().clone() for key, value in get_model_state_dict(module, options=options).items()}
 
 
 class EmaRegression(ParallelRegression):

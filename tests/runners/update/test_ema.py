@@ -77,6 +77,5 @@ def test_weights_only_ema_averages_like_the_runnable_copy_and_swaps_into_the_mod
         torch.testing.assert_close(model(x), runnable.eval()(x))
     for key, value in model.state_dict().items():
         assert torch.equal(value, live[key]), key
-    with pytest.raises(ValueError, match="the EMA holds 8 tensors but the Linear has 2"):
-        with weights.swap(nn.Linear(2, 2)):
-            pass
+    with pytest.raises(ValueError, match="the EMA holds 8 tensors but the Linear has 2"), weights.swap(nn.Linear(2, 2)):
+        pass
