@@ -32,18 +32,18 @@ def check_axes(axes: Mapping[str, Any], device_type: str) -> None:
     )
 
 
-def check_layout(topology: Any, *, fsdp: bool, ema: bool = False) -> None:
+def check_layout(topology: Any, *, fsdp: bool, ema: bool) -> None:
     """Refuse parallel layouts whose axes nothing would implement, before any model work.
 
     Args:
         topology: The run's topology (its `degrees`, `world_size` and data domain's size).
         fsdp: `fsdp.enabled`.
-        ema: `ema.enabled`.
+        ema: `ema.enabled` (an EMA follows any sharded layout, but not split experts yet).
 
     Raises:
         ValueError: `shard > 1` without FSDP2, FSDP2 with `shard == 1`, tensor parallelism over
-            several data ranks without FSDP2, an EMA copy with sharded or split parameters, or
-            expert parallelism combined with tensor or pipeline parallelism or an EMA.
+            several data ranks without FSDP2, or expert parallelism combined with tensor or
+            pipeline parallelism or an EMA.
     """
     degrees, data_size = topology.degrees, topology.size("data")
     if topology.world_size == 1:
@@ -64,11 +64,6 @@ def check_layout(topology: Any, *, fsdp: bool, ema: bool = False) -> None:
             "axes: set fsdp.enabled and parallel.axes.shard"
         )
     _check_experts(degrees, ema=ema)
-    if ema and (fsdp or degrees["tensor"] > 1 or degrees["pipeline"] > 1):
-        raise ValueError(
-            "ema.enabled is not supported with FSDP2, tensor or pipeline parallelism in this version: the "
-            "averaged copy would need the same sharding; disable ema or use replicate-only layouts"
-        )
 
 
 def _check_experts(degrees: Mapping[str, int], *, ema: bool) -> None:

@@ -419,7 +419,8 @@ class EmaConfig(_TypedConfig):
     """Exponential moving average of the model weights (`ema.*`).
 
     When `enabled`, the torch runner keeps an averaged copy of the model, updates it after every
-    applied optimizer step and evaluates and infers with it.
+    applied optimizer step and evaluates and infers with it. On FSDP2, tensor and pipeline layouts
+    the copy is sharded like the model and swapped into it for evaluation and inference.
 
     Attributes:
         enabled: Keep an EMA copy of the model.

@@ -19,13 +19,14 @@ from danling.distributed import ParallelContext, ParallelTopology
 from danling.distributed.expert_parallel import ExpertGradients, expert_parameters
 from danling.distributed.fsdp import block_modules, wrap_data_parallel
 from danling.distributed.layout import check_axes, check_layout
+from danling.distributed.parts import merge_parts
 from danling.distributed.pipeline import train_batch_size
 from danling.distributed.tensor_parallel import checkpoint_blocks, parallelize
 
 from .parallel import ParallelCheckpointing, PipelineSteps
 from .runner import register_runner
 from .torch_runner import TorchRunner
-from .update import GradientSync, TorchUpdateStrategy, gradient_sync_for
+from .update import EMA, GradientSync, TorchUpdateStrategy, gradient_sync_for
 from .update.spikes import guard_options
 
 __all__ = ["ParallelRunner"]
@@ -136,6 +137,42 @@ class ParallelRunner(TorchRunner):
         if pipelined and self.pipeline_schedule is None:
             self.pipeline_schedule = self.build_pipeline_schedule(parts if len(parts) > 1 else parts[0])
         self.materialize_ema()
+
+    def materialize_ema(self) -> None:
+        """The EMA copy (`ema.enabled`): sharded like the model on FSDP2, tensor and pipeline layouts.
+
+        On those layouts the copy holds only this rank's weights, each tensor cloned with the model's
+        sharding (`EMA(..., runnable=False)`): a DTensor keeps its mesh and placements, a pipeline rank
+        holds its stages' weights under the whole model's names. It is updated shard by shard without
+        gathering, saved and resharded by DCP like the weights, and evaluation and inference run the
+        live parts with the averaged weights swapped in (see `inference_context`). Replicated layouts
+        (one process, DDP) keep TorchRunner's runnable copy (see `TorchRunner.materialize_ema`).
+
+        Called when: once, at the end of `materialize_model`, on every rank.
+        Holds on entry: `model_parts` are materialized (sharded, wrapped); `self.ema` is unset or the user's module.
+        Side effects: sets `self.ema`; a user's own module is moved and synced as on TorchRunner.
+        Overrides must not: copy the parts before they are sharded (each rank must clone its own shards), or
+            give the copy other parameter names than the model's (checkpoints pair them by name).
+        """
+        if self.ema is None and self.config.ema.enabled and self._splits_weights():
+            self.ema = EMA(self._local_model(), decay=self.config.ema.decay, runnable=False)
+            return
+        super().materialize_ema()
+
+    def _splits_weights(self) -> bool:
+        """Whether ranks hold different parts of the weights (FSDP2 shards, tensor slices, pipeline stages)."""
+        topology = self.topology
+        sharded = bool(self.config.fsdp.enabled) and topology.size("shard") > 1
+        return self.distributed and (sharded or topology.size("tensor") > 1 or topology.size("pipeline") > 1)
+
+    def _local_model(self) -> nn.Module:
+        """All local parts as one module under the whole model's names (cached while the parts stay the same)."""
+        parts = [self.unwrap(part) for part in self.model_parts or [self.model]]
+        key = tuple(map(id, parts))
+        cached = self.__dict__.get("_merged_parts")
+        if cached is None or cached[0] != key:
+            cached = self._merged_parts = (key, merge_parts(parts))
+        return cached[1]
 
     def parallelize_model(self, model: nn.Module) -> nn.Module:
         """Tensor parallelism for one local part: the model's `parallelize(parallel)`, else `parallel.tensor_plan`.

@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import random
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import timedelta
 from functools import cached_property
 from pathlib import Path
@@ -606,7 +606,7 @@ class TorchRunner(BaseRunner):
         applied = self._replicas_commit() and self._apply_update()
         if applied:
             if isinstance(self.ema, EMA):
-                self.ema.update(self.model)
+                self.ema.update(self._local_model())
             self.apply_train_timeout()
         return applied
 
@@ -719,15 +719,28 @@ class TorchRunner(BaseRunner):
         """`torch.inference_mode()`: evaluation passes and inference steps build no autograd graph.
 
         With fp8 it is `torch.no_grad()`: torchao's float8 weights cannot be cast under inference mode.
+        With an EMA that holds only (sharded) weights (`EMA(..., runnable=False)`, which `ParallelRunner`
+        makes for FSDP2, tensor and pipeline layouts), the averaged weights are swapped into the live
+        model for the block (see [`EMA.swap`][danling.runners.update.ema.EMA.swap]).
 
         Called when: once around every evaluation pass (loader, steps and meters), and around each
             `infer_step` of inference.
         Holds on entry: `self.mode` is `evaluate` or `infer`.
-        Side effects: none; the block builds no autograd graph.
+        Side effects: none outside the block (inside it, a weights-only EMA is loaded into the model); the
+            block builds no autograd graph.
         Overrides must not: return a context that enables gradients for parameters (evaluation would then
             keep graphs alive and could change weights).
         """
-        return torch.inference_mode() if self.fp8 is None else torch.no_grad()
+        grad_free = torch.inference_mode() if self.fp8 is None else torch.no_grad()
+        if not isinstance(self.ema, EMA) or self.ema.runnable:
+            return grad_free
+        return self._with_ema_weights(self.ema, grad_free)
+
+    @contextmanager
+    def _with_ema_weights(self, ema: EMA, grad_free: AbstractContextManager) -> Iterator[None]:
+        # swapped outside inference mode: the live weights must stay normal tensors for training
+        with ema.swap(self._local_model()), grad_free:
+            yield
 
     # ------------------------------------------------------------------ step hooks
     def train_step(self, data: Any) -> tuple[Any, torch.Tensor | None]:
@@ -856,7 +869,9 @@ class TorchRunner(BaseRunner):
         return all_gather_strided(outputs, total, group=self.topology.group("data"))
 
     def _inference_model(self) -> Any:
-        model = self.ema if self.ema is not None else self.model
+        ema = self.ema
+        # a weights-only EMA cannot run: `inference_context` swaps its weights into the model instead
+        model = ema if ema is not None and getattr(ema, "runnable", True) else self.model
         if model is None:
             raise ValueError(f"{type(self).__name__} needs self.model (or self.ema) to evaluate or infer")
         return model
@@ -1137,6 +1152,10 @@ class TorchRunner(BaseRunner):
         self.logger.info("%s", format_run_summary(self._run_summary()))
 
     # ------------------------------------------------------------------ misc
+    def _local_model(self) -> nn.Module:
+        """The module that holds all of this rank's weights: the model (a parallel runner's local parts as one)."""
+        return self.model
+
     def unwrap(self, model: Any) -> Any:
         """The plain module inside DDP / `torch.compile` wrappers (the averaged module for an `EMA`).
 

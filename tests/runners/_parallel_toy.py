@@ -93,3 +93,12 @@ def full_weights(runner: Any) -> dict[str, torch.Tensor]:
     options = StateDictOptions(full_state_dict=dist.is_initialized())
     state = get_model_state_dict(runner.checkpointing.checkpoint_model, options=options)
     return {key: value.detach().cpu().clone() for key, value in state.items()}
+
+
+def ema_weights(runner: Any) -> dict[str, torch.Tensor]:
+    """This rank's view of the EMA weights: whole tensors (gathered when sharded; a pipeline stage's own only)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    options = StateDictOptions(full_state_dict=dist.is_initialized())
+    state = get_model_state_dict(runner.unwrap(runner.ema), options=options)
+    return {key: value.detach().cpu().clone() for key, value in state.items()}

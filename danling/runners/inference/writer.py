@@ -179,8 +179,10 @@ class _Session:
         self.ranks = _Ranks()
         self.interval = _interval(runner)
         self.record_path = progress_dir(output) / f"rank-{self.ranks.rank}.json"
-        model = runner._inference_model() if hasattr(runner, "_inference_model") else getattr(runner, "model", None)
-        self.digest = model_digest(model)
+        # the weights that predict: the EMA's when there is one (one that holds only sharded weights is
+        # swapped into the model around each step, so the model itself would show the live weights)
+        model = getattr(runner, "ema", None)
+        self.digest = model_digest(model if model is not None else getattr(runner, "model", None))
         self.sink: Sink = _NullSink(self.plan.target)
         if self.plan.writes:
             self.sink = self.plan.sink_type(self.plan.target, self.plan.capacity)

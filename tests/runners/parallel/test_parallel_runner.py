@@ -22,7 +22,14 @@ import torch.distributed as dist
 from danling.distributed import ParallelContext, ParallelTopology
 from danling.runners import ParallelRunner
 from tests.dist import free_ports, run_distributed
-from tests.runners._parallel_toy import TENSOR_PLAN, ParallelRegression, ResidualMLP, full_weights, parallel_config
+from tests.runners._parallel_toy import (
+    TENSOR_PLAN,
+    ParallelRegression,
+    ResidualMLP,
+    ema_weights,
+    full_weights,
+    parallel_config,
+)
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 _REPO = Path(__file__).resolve().parents[3]
@@ -68,7 +75,6 @@ BAD_LAYOUTS = {
     ),
     "context-on-cpu": ({"parallel.axes.context": 2}, RuntimeError, "context=2 needs CUDA devices"),
     "file-backend": ({"parallel.axes.replicate": 2, "checkpoint.backend": "file"}, ValueError, "only 'dcp'"),
-    "ema-sharded": ({**LAYOUTS["fsdp"], "ema.enabled": True}, ValueError, "ema.enabled is not supported"),
 }
 
 
@@ -273,7 +279,13 @@ def test_dcp_checkpoints_reshard_between_layouts_and_training_continues(tmp_path
 
 
 FOUR_RANK_LAYOUTS = {
-    "fsdp+tensor": {"parallel.axes.shard": 2, "parallel.axes.tensor": 2, "fsdp.enabled": True, "max_grad_norm": 0.5},
+    "fsdp+tensor": {
+        "parallel.axes.shard": 2,
+        "parallel.axes.tensor": 2,
+        "fsdp.enabled": True,
+        "max_grad_norm": 0.5,
+        "ema.enabled": True,  # the EMA sharded over the 2x2 mesh too
+    },
     "hsdp": {"parallel.axes.replicate": 2, "parallel.axes.shard": 2, "fsdp.enabled": True},
 }
 
@@ -286,13 +298,14 @@ def _train_four_rank_layouts(rank: int, world_size: int, root: str) -> dict:
         with ParallelRegression(parallel_config(root, name, **layout)) as runner:
             runner.train()
             results[name] = {"losses": runner.losses, "weights": full_weights(runner), "mesh": runner.topology.mesh}
+            results[name]["ema"] = ema_weights(runner) if runner.ema is not None else {}
     return {name: {**result, "mesh": str(result["mesh"])} for name, result in results.items()}
 
 
 def test_two_dimensional_meshes_on_four_ranks_train_like_one_process(tmp_path):
     results = run_distributed(_train_four_rank_layouts, str(tmp_path / "dist"), world_size=4, init_process_group=False)
     references = {  # 2 data-parallel ranks of 4 (fsdp+tensor), 4 of 4 (hsdp)
-        "fsdp+tensor": {"dataloader.batch_size": 8, "max_grad_norm": 0.5},
+        "fsdp+tensor": {"dataloader.batch_size": 8, "max_grad_norm": 0.5, "ema.enabled": True},
         "hsdp": {"dataloader.batch_size": 16},
     }
     for name, overrides in references.items():
@@ -300,8 +313,12 @@ def test_two_dimensional_meshes_on_four_ranks_train_like_one_process(tmp_path):
         with ParallelRegression(config) as runner:
             runner.train()
             reference = {"losses": runner.losses, "weights": full_weights(runner)}
+            reference["ema"] = ema_weights(runner) if runner.ema is not None else {}
+        assert sorted(results[0][name]["ema"]) == sorted(reference["ema"]), name
         for rank in range(4):
             got = results[rank][name]
+            for key, value in reference["ema"].items():
+                torch.testing.assert_close(got["ema"][key], value, rtol=1e-5, atol=1e-6, msg=f"{name}: EMA {key}")
             assert got["losses"] == pytest.approx(reference["losses"], rel=1e-5, abs=1e-6), name
             for key, value in reference["weights"].items():
                 torch.testing.assert_close(got["weights"][key], value, rtol=1e-5, atol=1e-6, msg=f"{name}: {key}")

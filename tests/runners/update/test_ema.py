@@ -49,3 +49,33 @@ def test_ema_tracks_average_and_copies_buffers():
 def test_ema_decay_is_validated():
     with pytest.raises(ValueError, match=r"decay must be in \[0, 1\], got 1.5"):
         EMA(nn.Linear(1, 1), decay=1.5)
+
+
+def test_weights_only_ema_averages_like_the_runnable_copy_and_swaps_into_the_model():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2), nn.Linear(2, 2))
+    model[2].weight = model[0].weight  # tied weights stay one tensor in the copy
+    runnable, weights = EMA(model, decay=0.75), EMA(model, decay=0.75, runnable=False)
+    copied = dict(weights.module.named_children())
+    assert not weights.runnable and copied["2"].weight is copied["0"].weight
+    assert list(weights.module.state_dict()) == list(model.state_dict())
+    for _ in range(3):
+        with torch.no_grad():
+            model[0].weight.add_(1.0)
+        model.train()
+        model(torch.randn(4, 2))
+        runnable.update(model)
+        weights.update(model)
+    for key, value in runnable.module.state_dict().items():
+        assert torch.equal(weights.module.state_dict()[key], value), key
+    with pytest.raises(RuntimeError, match=r"holds only the \(sharded\) weights .* `ema.swap\(model\)`"):
+        weights(torch.randn(1, 2))
+    live = {key: value.clone() for key, value in model.state_dict().items()}
+    model.eval()
+    x = torch.randn(3, 2)
+    with weights.swap(model):
+        torch.testing.assert_close(model(x), runnable.eval()(x))
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, live[key]), key
+    with pytest.raises(ValueError, match="the EMA holds 8 tensors but the Linear has 2"), weights.swap(nn.Linear(2, 2)):
+        pass
