@@ -27,6 +27,7 @@ import torch.distributed as dist
 from ..checkpointing.resume import loader_fingerprint
 from ..config_sections import FaultToleranceConfig
 from ..loop.events import EventBus, Events, QuorumContext, RecoveryContext
+from .data import ReplicaPositions, data_position, with_own_position
 
 __all__ = ["LIGHTHOUSE_ENV", "FaultTolerance", "RecoveryError", "ReplicaHost", "check_fault_tolerance"]
 
@@ -39,6 +40,8 @@ class ReplicaHost(Protocol):
 
     logger: logging.Logger
     dataloaders: Mapping[str, Any]
+    train_splits: list[str]
+    loop_state: Any
 
     def state_dict(self) -> Mapping[str, Any]: ...
     def load_checkpoint(self, checkpoint: Any) -> None: ...
@@ -63,6 +66,9 @@ class FaultTolerance:
         group_rank: Rank of this process inside its replica group.
         group_world_size: Processes in the replica group.
         lighthouse: Lighthouse address (`http://host:port`); defaults to `$TORCHFT_LIGHTHOUSE`.
+        positions: Where the group keeps its own data position
+            (`checkpoint.enable_ft_dataloader_checkpoints`): saved before every update, and put in
+            place of the peer's when the group recovers; `None` takes the peer's batch count.
 
     Raises:
         ValueError: No lighthouse address, or `ft.process_group` names a backend TorchFT cannot use here.
@@ -78,6 +84,7 @@ class FaultTolerance:
         group_rank: int = 0,
         group_world_size: int = 1,
         lighthouse: str | None = None,
+        positions: ReplicaPositions | None = None,
     ) -> None:
         lighthouse = lighthouse or os.environ.get(LIGHTHOUSE_ENV)
         if not lighthouse:
@@ -91,6 +98,7 @@ class FaultTolerance:
             raise ImportError("ft.enabled=True needs torchft: pip install 'danling[ft]'") from error
         self.config = config
         self.host = host
+        self.positions = positions
         self.events = events
         self.replica_id = int(config.replica_id)
         self.group_size = int(config.group_size)
@@ -121,6 +129,9 @@ class FaultTolerance:
         # loop position, before its loop reads it), and again before each update's first batch.
         events.subscribe(Events.RUN_START, self._on_run_start)
         events.subscribe(Events.STEP_START, self._on_step_start)
+        self._saved_step: int | None = None  # the step of the group's newest saved data position
+        if positions is not None:
+            events.subscribe(Events.STEP_END, self._on_step_end)
 
     @property
     def logger(self) -> logging.Logger:
@@ -129,6 +140,7 @@ class FaultTolerance:
     def _on_run_start(self, context: Any) -> None:
         if context.mode == "train":
             self.begin_step()
+            self._saved_step = int(self.host.train_state.global_step)
 
     def _on_step_start(self, context: Any) -> None:
         if self.host.mode == "train":
@@ -224,6 +236,11 @@ class FaultTolerance:
     def close(self) -> None:
         """Leave the quorum and stop the manager's servers."""
         self.manager.shutdown(wait=False)
+        # torchft 0.2.0's non-blocking shutdown leaves its checkpoint server's thread serving (the flag
+        # it sets is one the server never reads); stopping that server itself ends the thread.
+        transport = getattr(self.manager, "_checkpoint_transport", None)
+        if callable(getattr(transport, "shutdown", None)):
+            transport.shutdown(wait=True)
         self._own_store = None
 
     # ------------------------------------------------------------------ recovery
@@ -239,11 +256,7 @@ class FaultTolerance:
         recorded (of its shard) are replaced by this group's.
         """
         before = int(self.host.train_state.global_step)
-        payload = dict(payload)
-        loaders = payload.get("dataloaders") or {}
-        payload["fingerprints"] = {
-            split: loader_fingerprint(self.host.dataloaders.get(split), state) for split, state in loaders.items()
-        }
+        payload = self._with_data_position(payload)
         try:
             self.host.load_checkpoint(payload)
         except Exception as error:
@@ -252,6 +265,38 @@ class FaultTolerance:
         self.recovered_steps += step - before
         self.logger.info("recovered from a peer at step %d (this group was at step %d)", step, before)
         self.events.emit(Events.REPLICA_RECOVERED, RecoveryContext(self.host, step, before, step - before))
+
+    def _with_data_position(self, payload: Mapping[str, Any]) -> dict[str, Any]:
+        """The peer's payload with this group's data position: its own saved one, else the peer's batch count."""
+        own = None if self.positions is None else self.positions.load_dataloaders()
+        if own is not None:
+            position = own.get("position") or {}
+            self.logger.info(
+                "resuming this group's own data position: split %s, batch %s (saved at step %s)",
+                position.get("split"),
+                position.get("batch"),
+                position.get("step"),
+            )
+            return with_own_position(payload, own, self.host.dataloaders)
+        if self.positions is not None:
+            self.logger.info("no dataloader checkpoint of this group yet: it continues at the peer's batch count")
+        payload = dict(payload)
+        loaders = payload.get("dataloaders") or {}
+        payload["fingerprints"] = {
+            split: loader_fingerprint(self.host.dataloaders.get(split), state) for split, state in loaders.items()
+        }
+        return payload
+
+    def _on_step_end(self, context: Any) -> None:
+        """Save the group's data position once an update is applied (not within a window, not after a failure)."""
+        host = self.host
+        step = int(host.train_state.global_step)
+        if host.mode != "train" or getattr(context, "error", None) is not None or step == self._saved_step:
+            return
+        self._saved_step, loop = step, host.loop_state
+        # STEP_END comes before the loop counts the batch it closes: that batch is trained.
+        state = data_position(host.dataloaders, list(host.train_splits), loop.split, loop.batch + 1, step)
+        self.positions.save_dataloaders(state, step)
 
     def _announce_quorum(self, step: int, replicas: int, previous: int) -> None:
         context = QuorumContext(self.host, step, replicas, previous)

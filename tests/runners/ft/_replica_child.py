@@ -73,6 +73,15 @@ def main() -> None:
         runner.events.subscribe(event, record(event))
     runner.events.subscribe(Events.REPLICA_UNCOMMITTED, record(Events.REPLICA_UNCOMMITTED))
 
+    def data_position(context) -> None:  # where the recovered group's loop and loader stand
+        loader = runner.dataloaders.get("train")
+        yielded = loader.state_dict().get("_num_yielded") if loader is not None else None
+        line = {"event": "data_position", "batch": runner.loop_state.batch, "yielded": yielded}
+        with events.open("a") as file:
+            file.write(json.dumps(line) + "\n")
+
+    runner.events.subscribe(Events.REPLICA_RECOVERED, data_position)
+
     def saved(context) -> None:
         with events.open("a") as file:
             file.write(json.dumps({"event": "checkpoint_saved", "step": runner.train_state.global_step}) + "\n")
@@ -81,7 +90,11 @@ def main() -> None:
     _write(control / f"ready-{name}", "1")
     runner.train()
     state = {key: value.clone() for key, value in runner.unwrap(runner.model).state_dict().items()}
-    summary = {"global_step": runner.train_state.global_step, "uncommitted": runner.ft.uncommitted if runner.ft else 0}
+    summary = {
+        "global_step": runner.train_state.global_step,
+        "uncommitted": runner.ft.uncommitted if runner.ft else 0,
+        "checkpoint_manager": type(runner.checkpoint_manager).__name__,
+    }
     torch.save({"model": state, "summary": summary}, control / f"done-{name}.pt.partial")
     os.replace(control / f"done-{name}.pt.partial", control / f"done-{name}.pt")
     runner.close()
