@@ -971,18 +971,15 @@ class TorchRunner(BaseRunner):
             or build it on some ranks of a group only (its manager is collective within the group).
 
         Raises:
-            ValueError: a bad `ft.*` value, no lighthouse address, a layout TorchFT does not cover, or a
-                runner implementing the `parallel` feature (ParallelRunner).
+            ValueError: a bad `ft.*` value, no lighthouse address, or a layout TorchFT does not cover
+                (TorchRunner: DDP inside a group; ParallelRunner: DDP or FSDP2 sharding inside a group).
         """
         config = self.config.ft
         if not config.enabled:
             return
-        if any("parallel" in vars(klass).get("supported_features", ()) for klass in type(self).__mro__):
-            raise ValueError(
-                f"ft.enabled=True is not supported by {type(self).__name__}: replicating FSDP2/HSDP or tensor/pipeline "
-                "parallel models across TorchFT replica groups is not built; use stack='ddp' or set ft.enabled=False"
-            )
-        check_fault_tolerance(config, self.topology.degrees)
+        # A runner with the `parallel` feature shards with FSDP2: its groups are HSDP's replicate dimension.
+        sharded = any("parallel" in vars(klass).get("supported_features", ()) for klass in type(self).__mro__)
+        check_fault_tolerance(config, self.topology.degrees, sharded=sharded)
         manager = self.checkpoint_manager
         positions = manager if isinstance(manager, ReplicaPositions) else None  # a TorchFTCheckpointManager
         rank, size = self.rank, self.world_size

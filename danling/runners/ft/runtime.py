@@ -106,6 +106,7 @@ class FaultTolerance:
         self.replicas = 0  # replica groups in the latest quorum
         self.uncommitted = 0  # updates the groups did not agree to commit
         self.recovered_steps = 0  # updates this group missed and took over from a peer
+        self._shard_hooks = False  # FSDP2 averages each gradient shard over the groups itself (see `reduce_shards`)
         self._open = False  # a quorum is joined for the update under way
         self._own_store = None
         timeout = timedelta(milliseconds=int(config.process_group_timeout_ms))
@@ -208,7 +209,7 @@ class FaultTolerance:
         """
         if not self._open:
             self.begin_step()
-        params = [p for p in parameters if p.requires_grad]
+        params = [] if self._shard_hooks else [p for p in parameters if p.requires_grad]
         if params:
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
             flat = torch.cat([g.detach().reshape(-1).float() for g in grads])
@@ -228,6 +229,28 @@ class FaultTolerance:
                 Events.REPLICA_UNCOMMITTED, QuorumContext(self.host, step, self.replicas, self.replicas, reason)
             )
         return committed
+
+    def reduce_shards(self, modules: Iterable[torch.nn.Module]) -> int:
+        """HSDP across replica groups: FSDP2 averages each reduce-scattered gradient shard over the groups.
+
+        Every FSDP2 unit in `modules` gets an all-reduce hook that averages its gradient shard with
+        the same shard of the other groups (through the group-crossing TorchFT process group of this
+        rank), right after FSDP2's reduce-scatter inside the group. `commit` then only asks whether
+        the update may be applied. Call it once the model is sharded, before the first update.
+
+        Returns:
+            The number of FSDP2 units hooked (0: none, and `commit` averages the gradients itself).
+        """
+        from torch.distributed.fsdp import FSDPModule
+
+        units = [unit for module in modules for unit in module.modules() if isinstance(unit, FSDPModule)]
+        for unit in units:
+            unit.set_all_reduce_hook(self._reduce_shard)
+        self._shard_hooks = self._shard_hooks or bool(units)
+        return len(units)
+
+    def _reduce_shard(self, shard: torch.Tensor) -> None:
+        self.manager.allreduce(shard).wait()  # in place, averaged over the groups in the quorum
 
     def data_shard(self, size: int, rank: int) -> tuple[int, int]:
         """`(shards, shard)` of this rank over all replica groups: group `r` reads shards `r*size` on."""
@@ -323,12 +346,14 @@ def _process_group(torchft: Any, backend: str, timeout: timedelta) -> Any:
     raise ValueError(f"ft.process_group={backend!r} is not supported; use 'gloo' or 'nccl'")
 
 
-def check_fault_tolerance(config: FaultToleranceConfig, degrees: Mapping[str, int]) -> None:
+def check_fault_tolerance(config: FaultToleranceConfig, degrees: Mapping[str, int], *, sharded: bool = False) -> None:
     """Refuse, before training, an `ft` section or a layout the TorchFT runtime does not cover.
 
     Args:
         config: The `ft` section (`enabled` is set).
         degrees: The parallel degree of each topology axis of this replica group.
+        sharded: The runner shards with FSDP2 (`ParallelRunner`): a group may shard its model
+            (`parallel.axes.shard`), and the groups are the replicate dimension of HSDP.
 
     Raises:
         ValueError: One line naming the key, its value and what is accepted.
@@ -339,9 +364,22 @@ def check_fault_tolerance(config: FaultToleranceConfig, degrees: Mapping[str, in
         raise ValueError(f"ft.replica_id={replica_id} must be in [0, ft.group_size={group_size})")
     if not 1 <= min_size <= group_size:
         raise ValueError(f"ft.min_replica_size={min_size} must be in [1, ft.group_size={group_size}]")
-    others = {axis: degree for axis, degree in degrees.items() if axis != "replicate" and degree > 1}
+    covered = ("replicate", "shard") if sharded else ("replicate",)
+    others = {axis: degree for axis, degree in degrees.items() if axis not in covered and degree > 1}
+    if sharded and degrees.get("shard", 1) > 1 and degrees.get("replicate", 1) > 1:
+        others["replicate"] = degrees["replicate"]  # the groups are HSDP's replicate dimension
     if others:
+        what = (
+            "FSDP2 sharding (parallel.axes.shard, the groups replicating it) or DDP (parallel.axes.replicate)"
+            if sharded
+            else "DDP (parallel.axes.replicate)"
+        )
         raise ValueError(
-            f"ft.enabled=True covers replica groups of DDP (parallel.axes.replicate) only; this layout has {others}: "
-            "HSDP/FSDP2 sharding, tensor, pipeline, context and expert parallelism are not covered"
+            f"ft.enabled=True covers replica groups of {what} only; this layout has {others}: "
+            + (
+                "replication inside a sharded group, tensor, pipeline, context and expert parallelism are not covered"
+                if sharded
+                else "HSDP/FSDP2 sharding (ParallelRunner), tensor, pipeline, context and expert parallelism are not "
+                "covered"
+            )
         )

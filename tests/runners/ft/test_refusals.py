@@ -117,10 +117,16 @@ def test_the_runner_binds_a_torchft_checkpoint_manager(tmp_path, monkeypatch, li
         assert runner.ft.positions is manager
 
 
-def test_parallel_runner_refuses_ft():
+def test_parallel_runner_covers_fsdp2_sharding_only():
     from danling.runners.parallel_runner import ParallelRunner
 
-    runner = object.__new__(ParallelRunner)  # unbuilt: the refusal needs only the class and the config
+    check_fault_tolerance(_section(), {**DDP, "shard": 2}, sharded=True)  # HSDP: the groups replicate the shards
+    check_fault_tolerance(_section(), {**DDP, "replicate": 2}, sharded=True)  # DDP inside a group
+    sharded = r"covers replica groups of FSDP2 sharding .* this layout has "
+    with pytest.raises(ValueError, match=sharded + r"\{'replicate': 2\}"):
+        check_fault_tolerance(_section(), {**DDP, "shard": 2, "replicate": 2}, sharded=True)
+    runner = object.__new__(ParallelRunner)  # unbuilt: the refusal needs only the class, the config and the layout
     runner.__dict__["config"] = RunnerConfig(**{"ft.enabled": True})
-    with pytest.raises(ValueError, match="ft.enabled=True is not supported by ParallelRunner: replicating FSDP2/HSDP"):
+    runner.__dict__["topology"] = SimpleNamespace(degrees={**DDP, "shard": 2, "tensor": 2})
+    with pytest.raises(ValueError, match=sharded + r"\{'tensor': 2\}"):
         runner.init_fault_tolerance()
