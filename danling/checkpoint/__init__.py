@@ -7,7 +7,9 @@
   checkpoint, written by the main process.
 - [`TorchDistributedCheckpointManager`][danling.checkpoint.dcp.TorchDistributedCheckpointManager]:
   torch.distributed.checkpoint backend for multi-process runs, with global and per-rank entries
-  (imported on first use, like the rest of [`danling.checkpoint.dcp`][]).
+  (imported on first use, like the rest of [`danling.checkpoint.dcp`][]);
+  [`TorchFTCheckpointManager`][danling.checkpoint.ft.TorchFTCheckpointManager] adds a TorchFT replica
+  group's own dataloader checkpoints beside it (`danling.checkpoint.ft`, also imported on first use).
 - [`Stateful`][danling.checkpoint.Stateful]: what a live object needs to be saved and restored;
   [`ModelState`][danling.checkpoint.training.ModelState],
   [`OptimizerState`][danling.checkpoint.training.OptimizerState] and
@@ -62,7 +64,7 @@ __all__ = [
 
 # The DCP backend and the training-state wrappers import torch.distributed.checkpoint (about
 # 1.7 s), so they load on first use and stay out of `__all__` (a star import would otherwise
-# trigger it on `import danling`).
+# trigger it on `import danling`). `TorchFTCheckpointManager` (danling.checkpoint.ft) is built on it.
 _LAZY_DCP = (
     "TorchDistributedCheckpointManager",
     "ModelState",
@@ -75,6 +77,10 @@ _LAZY_DCP = (
 
 
 def __getattr__(name: str):
+    if name == "TorchFTCheckpointManager":
+        from .ft import TorchFTCheckpointManager
+
+        return TorchFTCheckpointManager
     if name in _LAZY_DCP:
         from . import dcp
 

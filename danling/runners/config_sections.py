@@ -78,9 +78,11 @@ class CheckpointConfig(_TypedConfig):
         dedicated_async_process_group: Give background saves their own process group.
         async_process_group_backend: Backend of that process group (`gloo` or `nccl`).
         wait_timeout: Seconds to wait for a pending background save; None waits forever.
-        enable_ft_dataloader_checkpoints: Per-replica dataloader checkpoints for TorchFT (not built yet).
-        ft_replica_id: Replica id used in TorchFT checkpoint names (not built yet).
-        ft_dataloader_checkpoint_prefix: Name prefix of TorchFT dataloader checkpoints (not built yet).
+        enable_ft_dataloader_checkpoints: Per-replica dataloader checkpoints for TorchFT (`ft.enabled`): each
+            replica group saves its own data position (DCP) after every update and resumes it when it
+            recovers from a peer; binds a `TorchFTCheckpointManager`.
+        ft_replica_id: Replica id in the name of those checkpoints; None: `$FT_REPLICA_ID`, else `ft.replica_id`.
+        ft_dataloader_checkpoint_prefix: Their directory is `<prefix>-<replica id>`, beside `dir_name`.
         exclude_from_loading: State parts not restored on resume (`optimizer`, `scheduler`, `dataloaders`, ...).
         last_save_model_only: Make the final checkpoint hold the model weights only.
         export_dtype: Cast the weights of a model-only final checkpoint to this dtype.

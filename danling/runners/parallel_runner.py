@@ -108,7 +108,9 @@ class ParallelRunner(TorchRunner):
         Holds on entry: topology, precision policy and compiler are set up; `self.model` (or preset
             `model_parts`) is the user's module; no optimizer exists yet.
         Side effects: binds `model_parts` and `model` (their first), with `pipeline > 1` (parts cut by
-            `build_pipeline_model_parts`) also `pipeline_schedule` and the pipeline attributes; creates the EMA copy.
+            `build_pipeline_model_parts`) also `pipeline_schedule` and the pipeline attributes; creates the EMA copy;
+            under TorchFT (`ft.enabled`) installs the all-reduce hooks that average FSDP2's gradient shards
+            over the replica groups.
         Overrides must not: build the optimizer (it must see the sharded parameters) or run collectives on
             some ranks only (FSDP2 and DDP wrapping are collective).
 
@@ -134,6 +136,8 @@ class ParallelRunner(TorchRunner):
             self.apply_fp8(part, fsdp=sharded)  # before sharding and tensor parallel: torchao swaps modules by name
         parts = [wrap(self.apply_activation_checkpointing(self.parallelize_model(part))) for part in parts]
         self.model_parts, self.model = parts, parts[0]
+        if self.ft is not None:  # TorchFT replica groups: FSDP2 averages each gradient shard across the groups
+            self.ft.reduce_shards(parts)
         if pipelined and self.pipeline_schedule is None:
             self.pipeline_schedule = self.build_pipeline_schedule(parts if len(parts) > 1 else parts[0])
         self.materialize_ema()

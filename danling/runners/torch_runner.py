@@ -43,7 +43,12 @@ from danling.utils import to_device
 from .base_runner import BaseRunner
 from .checkpointing import TorchCheckpointing
 from .checkpointing.component import OPTIONAL_RANK_LOCAL_KEYS, RANK_LOCAL_KEYS
-from .ft import FaultTolerance, check_fault_tolerance
+from .ft import (
+    FaultTolerance,
+    ReplicaPositions,
+    check_fault_tolerance,
+    ft_checkpoint_options,
+)
 from .loop import RunnerMode
 from .loop.events import Events
 from .runner import register_runner
@@ -120,7 +125,7 @@ class TorchRunner(BaseRunner):
         (8, ['index', 'train', 'val'], 8)
     """
 
-    supported_features = ("profiling", "fault-tolerance")
+    supported_features = ("profiling", "fault-tolerance", "ft-dataloader-checkpoints")
     collate_fn: Callable | None = None
     fp8: Fp8Policy | None = None
     telemetry: FlopsTelemetry | None = None
@@ -274,14 +279,20 @@ class TorchRunner(BaseRunner):
         Called when: once during construction, after `build_topology`, on every rank.
         Holds on entry: the process group and `self.topology` exist; the file manager is bound.
         Side effects: with `"dcp"`, builds a `TorchDistributedCheckpointManager` (collective when it
-            gets a dedicated asynchronous process group) and binds it with `set_checkpoint_manager`.
+            gets a dedicated asynchronous process group) and binds it with `set_checkpoint_manager`;
+            with `checkpoint.enable_ft_dataloader_checkpoints`, a
+            [`TorchFTCheckpointManager`][danling.checkpoint.ft.TorchFTCheckpointManager] instead, which
+            also keeps this replica group's data position under `<prefix>-<replica id>`.
         Overrides must not: build the manager on some ranks only, or assign `checkpoint_manager`
             without `set_checkpoint_manager` (the file manager would stay open).
 
         Raises:
-            ValueError: `checkpoint.backend` names a backend this runner cannot write.
+            ValueError: `checkpoint.backend` names a backend this runner cannot write, or
+                `checkpoint.enable_ft_dataloader_checkpoints` is set without `ft.enabled` or with
+                `checkpoint.backend='file'`.
         """
-        backend = self.checkpointing.backend
+        backend, checkpoint = self.checkpointing.backend, self.config.checkpoint
+        replica = ft_checkpoint_options(checkpoint, self.config.ft, backend)  # None: no per-replica checkpoints
         if backend == "file":
             return
         if backend != "dcp":
@@ -289,9 +300,10 @@ class TorchRunner(BaseRunner):
                 f"checkpoint.backend={backend!r} is not supported by TorchRunner; use 'auto', 'file' or 'dcp'"
             )
         from danling.checkpoint.dcp import TorchDistributedCheckpointManager
+        from danling.checkpoint.ft import TorchFTCheckpointManager
 
-        checkpoint = self.config.checkpoint
-        manager = TorchDistributedCheckpointManager(
+        manager_class = TorchDistributedCheckpointManager if replica is None else TorchFTCheckpointManager
+        manager = manager_class(
             self.workspace.checkpoint_dir,
             dedicated_async_process_group=checkpoint.dedicated_async_process_group,
             async_process_group_backend=checkpoint.async_process_group_backend,
@@ -299,6 +311,7 @@ class TorchRunner(BaseRunner):
             optional_rank_local_keys=OPTIONAL_RANK_LOCAL_KEYS,
             data_rank=self.topology.rank("data"),
             data_size=self.topology.size("data"),
+            **(replica or {}),
             **self.checkpoint_options(),
         )
         self.set_checkpoint_manager(manager)
@@ -966,24 +979,26 @@ class TorchRunner(BaseRunner):
         Side effects: with `ft.enabled`, checks the section and the layout, starts the group's TorchFT
             manager (it reports to the lighthouse at `$TORCHFT_LIGHTHOUSE`) and binds it to `self.ft`;
             from then on every update waits for a quorum, averages gradients over the replica groups
-            and is applied only when they agree; data is sharded over every group's ranks.
+            and is applied only when they agree; data is sharded over every group's ranks. With a
+            `TorchFTCheckpointManager` bound (`checkpoint.enable_ft_dataloader_checkpoints`), the group
+            saves its data position after every update and resumes it when it recovers from a peer.
         Overrides must not: leave `self.ft` unset while `ft.enabled` (the run would train unprotected),
             or build it on some ranks of a group only (its manager is collective within the group).
 
         Raises:
-            ValueError: a bad `ft.*` value, no lighthouse address, a layout TorchFT does not cover, or a
-                runner implementing the `parallel` feature (ParallelRunner).
+            ValueError: a bad `ft.*` value, no lighthouse address, or a layout TorchFT does not cover
+                (TorchRunner: DDP inside a group; ParallelRunner: DDP or FSDP2 sharding inside a group).
         """
         config = self.config.ft
         if not config.enabled:
             return
-        if any("parallel" in vars(klass).get("supported_features", ()) for klass in type(self).__mro__):
-            raise ValueError(
-                f"ft.enabled=True is not supported by {type(self).__name__}: replicating FSDP2/HSDP or tensor/pipeline "
-                "parallel models across TorchFT replica groups is not built; use stack='ddp' or set ft.enabled=False"
-            )
-        check_fault_tolerance(config, self.topology.degrees)
-        self.ft = FaultTolerance(config, self, self.events, group_rank=self.rank, group_world_size=self.world_size)
+        # A runner with the `parallel` feature shards with FSDP2: its groups are HSDP's replicate dimension.
+        sharded = any("parallel" in vars(klass).get("supported_features", ()) for klass in type(self).__mro__)
+        check_fault_tolerance(config, self.topology.degrees, sharded=sharded)
+        manager = self.checkpoint_manager
+        positions = manager if isinstance(manager, ReplicaPositions) else None  # a TorchFTCheckpointManager
+        rank, size = self.rank, self.world_size
+        self.ft = FaultTolerance(config, self, self.events, group_rank=rank, group_world_size=size, positions=positions)
 
     def _replicas_commit(self) -> bool:
         """Average the window's gradients over the replica groups; whether they agree to apply it (no FT: yes)."""

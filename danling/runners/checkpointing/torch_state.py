@@ -84,10 +84,12 @@ class TorchCheckpointing(RunnerCheckpointing):
 
     @property
     def backend(self) -> str:
-        """`checkpoint.backend` with `"auto"` resolved: `"dcp"` for distributed runs, `"file"` otherwise."""
-        backend = self.config.checkpoint.backend or "auto"
+        """`checkpoint.backend` with `"auto"` resolved: `"dcp"` for distributed runs and for TorchFT dataloader
+        checkpoints (`checkpoint.enable_ft_dataloader_checkpoints`, written with DCP), `"file"` otherwise."""
+        checkpoint = self.config.checkpoint
+        backend = checkpoint.backend or "auto"
         if backend == "auto":
-            return "dcp" if self.host.distributed else "file"
+            return "dcp" if self.host.distributed or checkpoint.enable_ft_dataloader_checkpoints else "file"
         return backend
 
     @property

@@ -116,16 +116,21 @@ class DeepSpeedRunner(TorchRunner):
 
         Called when: once during construction, after `init_checkpoint_manager`, on every rank.
         Holds on entry: the process group and the DeepSpeed checkpoint manager are bound; `self.ft` is `None`.
-        Side effects: none; raises when `ft.enabled`.
+        Side effects: none; raises when `ft.enabled` or `checkpoint.enable_ft_dataloader_checkpoints`.
         Overrides must not: bind a runtime the engine's own step would bypass (the run would look protected).
 
         Raises:
-            ValueError: `ft.enabled` is set.
+            ValueError: `ft.enabled` or `checkpoint.enable_ft_dataloader_checkpoints` is set.
         """
         if self.config.ft.enabled:
             raise ValueError(
                 "ft.enabled=True is not supported by DeepSpeedRunner: the DeepSpeed engine reduces gradients and "
                 "steps itself, so TorchFT cannot gate its updates; use stack='ddp' or set ft.enabled=False"
+            )
+        if self.config.checkpoint.enable_ft_dataloader_checkpoints:
+            raise ValueError(
+                "checkpoint.enable_ft_dataloader_checkpoints=True is not supported by DeepSpeedRunner: it needs "
+                "ft.enabled=True, which DeepSpeedRunner refuses; set it to False"
             )
 
     def materialize_model(self) -> None:

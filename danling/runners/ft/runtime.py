@@ -27,6 +27,7 @@ import torch.distributed as dist
 from ..checkpointing.resume import loader_fingerprint
 from ..config_sections import FaultToleranceConfig
 from ..loop.events import EventBus, Events, QuorumContext, RecoveryContext
+from .data import ReplicaPositions, data_position, with_own_position
 
 __all__ = ["LIGHTHOUSE_ENV", "FaultTolerance", "RecoveryError", "ReplicaHost", "check_fault_tolerance"]
 
@@ -39,6 +40,8 @@ class ReplicaHost(Protocol):
 
     logger: logging.Logger
     dataloaders: Mapping[str, Any]
+    train_splits: list[str]
+    loop_state: Any
 
     def state_dict(self) -> Mapping[str, Any]: ...
     def load_checkpoint(self, checkpoint: Any) -> None: ...
@@ -63,6 +66,9 @@ class FaultTolerance:
         group_rank: Rank of this process inside its replica group.
         group_world_size: Processes in the replica group.
         lighthouse: Lighthouse address (`http://host:port`); defaults to `$TORCHFT_LIGHTHOUSE`.
+        positions: Where the group keeps its own data position
+            (`checkpoint.enable_ft_dataloader_checkpoints`): saved before every update, and put in
+            place of the peer's when the group recovers; `None` takes the peer's batch count.
 
     Raises:
         ValueError: No lighthouse address, or `ft.process_group` names a backend TorchFT cannot use here.
@@ -78,6 +84,7 @@ class FaultTolerance:
         group_rank: int = 0,
         group_world_size: int = 1,
         lighthouse: str | None = None,
+        positions: ReplicaPositions | None = None,
     ) -> None:
         lighthouse = lighthouse or os.environ.get(LIGHTHOUSE_ENV)
         if not lighthouse:
@@ -91,6 +98,7 @@ class FaultTolerance:
             raise ImportError("ft.enabled=True needs torchft: pip install 'danling[ft]'") from error
         self.config = config
         self.host = host
+        self.positions = positions
         self.events = events
         self.replica_id = int(config.replica_id)
         self.group_size = int(config.group_size)
@@ -98,6 +106,7 @@ class FaultTolerance:
         self.replicas = 0  # replica groups in the latest quorum
         self.uncommitted = 0  # updates the groups did not agree to commit
         self.recovered_steps = 0  # updates this group missed and took over from a peer
+        self._shard_hooks = False  # FSDP2 averages each gradient shard over the groups itself (see `reduce_shards`)
         self._open = False  # a quorum is joined for the update under way
         self._own_store = None
         timeout = timedelta(milliseconds=int(config.process_group_timeout_ms))
@@ -121,6 +130,9 @@ class FaultTolerance:
         # loop position, before its loop reads it), and again before each update's first batch.
         events.subscribe(Events.RUN_START, self._on_run_start)
         events.subscribe(Events.STEP_START, self._on_step_start)
+        self._saved_step: int | None = None  # the step of the group's newest saved data position
+        if positions is not None:
+            events.subscribe(Events.STEP_END, self._on_step_end)
 
     @property
     def logger(self) -> logging.Logger:
@@ -129,6 +141,7 @@ class FaultTolerance:
     def _on_run_start(self, context: Any) -> None:
         if context.mode == "train":
             self.begin_step()
+            self._saved_step = int(self.host.train_state.global_step)
 
     def _on_step_start(self, context: Any) -> None:
         if self.host.mode == "train":
@@ -196,7 +209,7 @@ class FaultTolerance:
         """
         if not self._open:
             self.begin_step()
-        params = [p for p in parameters if p.requires_grad]
+        params = [] if self._shard_hooks else [p for p in parameters if p.requires_grad]
         if params:
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
             flat = torch.cat([g.detach().reshape(-1).float() for g in grads])
@@ -217,6 +230,28 @@ class FaultTolerance:
             )
         return committed
 
+    def reduce_shards(self, modules: Iterable[torch.nn.Module]) -> int:
+        """HSDP across replica groups: FSDP2 averages each reduce-scattered gradient shard over the groups.
+
+        Every FSDP2 unit in `modules` gets an all-reduce hook that averages its gradient shard with
+        the same shard of the other groups (through the group-crossing TorchFT process group of this
+        rank), right after FSDP2's reduce-scatter inside the group. `commit` then only asks whether
+        the update may be applied. Call it once the model is sharded, before the first update.
+
+        Returns:
+            The number of FSDP2 units hooked (0: none, and `commit` averages the gradients itself).
+        """
+        from torch.distributed.fsdp import FSDPModule
+
+        units = [unit for module in modules for unit in module.modules() if isinstance(unit, FSDPModule)]
+        for unit in units:
+            unit.set_all_reduce_hook(self._reduce_shard)
+        self._shard_hooks = self._shard_hooks or bool(units)
+        return len(units)
+
+    def _reduce_shard(self, shard: torch.Tensor) -> None:
+        self.manager.allreduce(shard).wait()  # in place, averaged over the groups in the quorum
+
     def data_shard(self, size: int, rank: int) -> tuple[int, int]:
         """`(shards, shard)` of this rank over all replica groups: group `r` reads shards `r*size` on."""
         return size * self.group_size, self.replica_id * size + rank
@@ -224,6 +259,11 @@ class FaultTolerance:
     def close(self) -> None:
         """Leave the quorum and stop the manager's servers."""
         self.manager.shutdown(wait=False)
+        # torchft 0.2.0's non-blocking shutdown leaves its checkpoint server's thread serving (the flag
+        # it sets is one the server never reads); stopping that server itself ends the thread.
+        transport = getattr(self.manager, "_checkpoint_transport", None)
+        if callable(getattr(transport, "shutdown", None)):
+            transport.shutdown(wait=True)
         self._own_store = None
 
     # ------------------------------------------------------------------ recovery
@@ -239,11 +279,7 @@ class FaultTolerance:
         recorded (of its shard) are replaced by this group's.
         """
         before = int(self.host.train_state.global_step)
-        payload = dict(payload)
-        loaders = payload.get("dataloaders") or {}
-        payload["fingerprints"] = {
-            split: loader_fingerprint(self.host.dataloaders.get(split), state) for split, state in loaders.items()
-        }
+        payload = self._with_data_position(payload)
         try:
             self.host.load_checkpoint(payload)
         except Exception as error:
@@ -252,6 +288,38 @@ class FaultTolerance:
         self.recovered_steps += step - before
         self.logger.info("recovered from a peer at step %d (this group was at step %d)", step, before)
         self.events.emit(Events.REPLICA_RECOVERED, RecoveryContext(self.host, step, before, step - before))
+
+    def _with_data_position(self, payload: Mapping[str, Any]) -> dict[str, Any]:
+        """The peer's payload with this group's data position: its own saved one, else the peer's batch count."""
+        own = None if self.positions is None else self.positions.load_dataloaders()
+        if own is not None:
+            position = own.get("position") or {}
+            self.logger.info(
+                "resuming this group's own data position: split %s, batch %s (saved at step %s)",
+                position.get("split"),
+                position.get("batch"),
+                position.get("step"),
+            )
+            return with_own_position(payload, own, self.host.dataloaders)
+        if self.positions is not None:
+            self.logger.info("no dataloader checkpoint of this group yet: it continues at the peer's batch count")
+        payload = dict(payload)
+        loaders = payload.get("dataloaders") or {}
+        payload["fingerprints"] = {
+            split: loader_fingerprint(self.host.dataloaders.get(split), state) for split, state in loaders.items()
+        }
+        return payload
+
+    def _on_step_end(self, context: Any) -> None:
+        """Save the group's data position once an update is applied (not within a window, not after a failure)."""
+        host = self.host
+        step = int(host.train_state.global_step)
+        if host.mode != "train" or getattr(context, "error", None) is not None or step == self._saved_step:
+            return
+        self._saved_step, loop = step, host.loop_state
+        # STEP_END comes before the loop counts the batch it closes: that batch is trained.
+        state = data_position(host.dataloaders, list(host.train_splits), loop.split, loop.batch + 1, step)
+        self.positions.save_dataloaders(state, step)
 
     def _announce_quorum(self, step: int, replicas: int, previous: int) -> None:
         context = QuorumContext(self.host, step, replicas, previous)
@@ -278,12 +346,14 @@ def _process_group(torchft: Any, backend: str, timeout: timedelta) -> Any:
     raise ValueError(f"ft.process_group={backend!r} is not supported; use 'gloo' or 'nccl'")
 
 
-def check_fault_tolerance(config: FaultToleranceConfig, degrees: Mapping[str, int]) -> None:
+def check_fault_tolerance(config: FaultToleranceConfig, degrees: Mapping[str, int], *, sharded: bool = False) -> None:
     """Refuse, before training, an `ft` section or a layout the TorchFT runtime does not cover.
 
     Args:
         config: The `ft` section (`enabled` is set).
         degrees: The parallel degree of each topology axis of this replica group.
+        sharded: The runner shards with FSDP2 (`ParallelRunner`): a group may shard its model
+            (`parallel.axes.shard`), and the groups are the replicate dimension of HSDP.
 
     Raises:
         ValueError: One line naming the key, its value and what is accepted.
@@ -294,9 +364,22 @@ def check_fault_tolerance(config: FaultToleranceConfig, degrees: Mapping[str, in
         raise ValueError(f"ft.replica_id={replica_id} must be in [0, ft.group_size={group_size})")
     if not 1 <= min_size <= group_size:
         raise ValueError(f"ft.min_replica_size={min_size} must be in [1, ft.group_size={group_size}]")
-    others = {axis: degree for axis, degree in degrees.items() if axis != "replicate" and degree > 1}
+    covered = ("replicate", "shard") if sharded else ("replicate",)
+    others = {axis: degree for axis, degree in degrees.items() if axis not in covered and degree > 1}
+    if sharded and degrees.get("shard", 1) > 1 and degrees.get("replicate", 1) > 1:
+        others["replicate"] = degrees["replicate"]  # the groups are HSDP's replicate dimension
     if others:
+        what = (
+            "FSDP2 sharding (parallel.axes.shard, the groups replicating it) or DDP (parallel.axes.replicate)"
+            if sharded
+            else "DDP (parallel.axes.replicate)"
+        )
         raise ValueError(
-            f"ft.enabled=True covers replica groups of DDP (parallel.axes.replicate) only; this layout has {others}: "
-            "HSDP/FSDP2 sharding, tensor, pipeline, context and expert parallelism are not covered"
+            f"ft.enabled=True covers replica groups of {what} only; this layout has {others}: "
+            + (
+                "replication inside a sharded group, tensor, pipeline, context and expert parallelism are not covered"
+                if sharded
+                else "HSDP/FSDP2 sharding (ParallelRunner), tensor, pipeline, context and expert parallelism are not "
+                "covered"
+            )
         )

@@ -258,7 +258,7 @@ def test_every_gated_key_raises_when_set(key):
 
 
 def test_torch_runner_subclass_refuses_unbuilt_features(tmp_path):
-    overrides = {"fsdp.enabled": True, "checkpoint.enable_ft_dataloader_checkpoints": True, "parallel.axes.shard": -1}
+    overrides = {"fsdp.enabled": True, "compile.memory_policy": "default", "parallel.axes.shard": -1}
     with pytest.raises(ValueError) as error:
         TinyRunner(tiny_config(tmp_path, **overrides))
     message = str(error.value)

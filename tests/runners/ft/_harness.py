@@ -75,7 +75,8 @@ class Job:
         for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
             self.env.pop(key, None)
 
-    def start(self, name: str, **overrides: object) -> subprocess.Popen:
+    def start(self, name: str, ranks: int = 1, **overrides: object) -> subprocess.Popen | Group:
+        """Start replica group `name`: one process, or `ranks` processes with the env torchrun would set."""
         (self.control / f"ready-{name}").unlink(missing_ok=True)
         config = {
             "steps": self.steps,
@@ -93,11 +94,18 @@ class Job:
             **overrides,
         }
         spec = json.dumps({"control": str(self.control), "name": name, "config": config, "debug": True})
-        with open(self.control / f"log-{name}-{len(self.procs)}", "w") as log:
-            command = [sys.executable, str(CHILD), spec]
-            proc = subprocess.Popen(command, env=self.env, stdout=log, stderr=subprocess.STDOUT)
-        self.procs[f"{name}-{len(self.procs)}"] = proc
-        return proc
+        port, procs = _free_port(), []
+        for rank in range(ranks):
+            env = self.env
+            if ranks > 1:
+                env = dict(env, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(ranks))
+                env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+            with open(self.control / f"log-{name}-{len(self.procs)}", "w") as log:
+                command = [sys.executable, str(CHILD), spec]
+                proc = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
+            self.procs[f"{name}-{len(self.procs)}"] = proc
+            procs.append(proc)
+        return procs[0] if ranks == 1 else Group(procs)
 
     def hold(self, name: str, step: int) -> None:
         (self.control / f"hold-{name}").write_text(str(step))
@@ -116,3 +124,18 @@ class Job:
             if proc.poll() is None:
                 proc.kill()
             proc.wait(timeout=30)
+
+
+class Group:
+    """The processes of one replica group, signalled and awaited together."""
+
+    def __init__(self, procs: list[subprocess.Popen]) -> None:
+        self.procs = procs
+
+    def send_signal(self, sig: int) -> None:
+        for proc in self.procs:
+            proc.send_signal(sig)
+
+    def wait(self, timeout: float | None = None) -> None:
+        for proc in self.procs:
+            proc.wait(timeout=timeout)

@@ -18,18 +18,29 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from danling.runners import TorchRunner
+from danling.runners import ParallelRunner, TorchRunner
 from danling.runners.loop.events import Events
 
 
 class Replica(TorchRunner):
     def __init__(self, config):
         super().__init__(config)
+        torch.manual_seed(0)  # the same initial weights on every rank of every group
         self.model = nn.Linear(4, 1)
         self.criterion = nn.MSELoss()
         generator = torch.Generator().manual_seed(0)
         x = torch.randn(1024, 4, generator=generator)
         self.datasets.train = list(zip(x, x.sum(dim=1, keepdim=True)))
+
+
+class ShardedReplica(Replica, ParallelRunner):  # a replica group of FSDP2 shards (HSDP across the groups)
+    pass
+
+
+def _full_weights(runner) -> dict[str, torch.Tensor]:
+    """The whole model's weights (a collective over the group's ranks when they are sharded)."""
+    state = runner.unwrap(runner.model).state_dict()
+    return {key: (v.full_tensor() if hasattr(v, "full_tensor") else v).clone() for key, v in state.items()}
 
 
 def _write(path: Path, text: str) -> None:
@@ -45,11 +56,13 @@ def main() -> None:
 
         logging.basicConfig(level=logging.INFO, format=f"[{spec['name']}] %(name)s %(message)s")
     control, name = Path(spec["control"]), str(spec["name"])
-    runner = Replica(spec["config"])
+    runner = (ShardedReplica if spec["config"].get("stack") == "parallel" else Replica)(spec["config"])
+    leader = runner.rank == 0  # writes the group's progress, events and result
     progress, hold, events = control / f"progress-{name}", control / f"hold-{name}", control / f"events-{name}.jsonl"
 
     def on_step_end(context) -> None:
-        _write(progress, str(runner.train_state.global_step))
+        if leader:
+            _write(progress, str(runner.train_state.global_step))
         while hold.exists():
             try:
                 if runner.train_state.global_step < int(hold.read_text() or 0):
@@ -60,6 +73,8 @@ def main() -> None:
 
     def record(event):
         def handler(context) -> None:
+            if not leader:
+                return
             keys = ("step", "replicas", "previous", "from_step", "steps_missed")
             fields = {k: getattr(context, k, None) for k in keys}
             line = {"event": event.name, **{k: v for k, v in fields.items() if v is not None}}
@@ -73,17 +88,38 @@ def main() -> None:
         runner.events.subscribe(event, record(event))
     runner.events.subscribe(Events.REPLICA_UNCOMMITTED, record(Events.REPLICA_UNCOMMITTED))
 
+    def data_position(context) -> None:  # where the recovered group's loop and loader stand
+        if not leader:
+            return
+        loader = runner.dataloaders.get("train")
+        yielded = loader.state_dict().get("_num_yielded") if loader is not None else None
+        line = {"event": "data_position", "batch": runner.loop_state.batch, "yielded": yielded}
+        with events.open("a") as file:
+            file.write(json.dumps(line) + "\n")
+
+    runner.events.subscribe(Events.REPLICA_RECOVERED, data_position)
+
     def saved(context) -> None:
+        if not leader:
+            return
         with events.open("a") as file:
             file.write(json.dumps({"event": "checkpoint_saved", "step": runner.train_state.global_step}) + "\n")
 
     runner.events.subscribe(Events.CHECKPOINT_SAVED, saved)
-    _write(control / f"ready-{name}", "1")
+    if leader:
+        _write(control / f"ready-{name}", "1")
     runner.train()
-    state = {key: value.clone() for key, value in runner.unwrap(runner.model).state_dict().items()}
-    summary = {"global_step": runner.train_state.global_step, "uncommitted": runner.ft.uncommitted if runner.ft else 0}
-    torch.save({"model": state, "summary": summary}, control / f"done-{name}.pt.partial")
-    os.replace(control / f"done-{name}.pt.partial", control / f"done-{name}.pt")
+    state = _full_weights(runner)
+    summary = {
+        "global_step": runner.train_state.global_step,
+        "uncommitted": runner.ft.uncommitted if runner.ft else 0,
+        "checkpoint_manager": type(runner.checkpoint_manager).__name__,
+        "parameter": type(next(runner.unwrap(runner.model).parameters())).__name__,  # DTensor when sharded
+        "shard_hooks": bool(runner.ft and runner.ft._shard_hooks),
+    }
+    if leader:
+        torch.save({"model": state, "summary": summary}, control / f"done-{name}.pt.partial")
+        os.replace(control / f"done-{name}.pt.partial", control / f"done-{name}.pt")
     runner.close()
 
 

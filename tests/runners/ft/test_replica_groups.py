@@ -67,6 +67,37 @@ def test_a_killed_group_rejoins_from_its_peer_while_the_other_keeps_training(job
     assert lost <= 1
 
 
+def test_a_restarted_group_resumes_its_own_data_position_from_its_dataloader_checkpoint(job):
+    # Group 1 dies after its 8th update; its usual checkpoint is that of step 4 (every 4 updates), its
+    # dataloader checkpoint that of step 8, and the peer it recovers from is at step 13 or later.
+    own = {"checkpoint.enable_ft_dataloader_checkpoints": True, "auto_resume": True}
+    ft = job()
+    ft.hold("1", 8)
+    ft.start("0", **own)
+    victim = ft.start("1", **own)
+    wait("group 1 to reach step 8", lambda: step(ft.control, "1") >= 8, procs=tuple(ft.procs.values()))
+    at_kill = step(ft.control, "0")
+    ft.hold("0", at_kill + 6)
+    victim.send_signal(signal.SIGKILL)
+    victim.wait(timeout=30)
+    wait("group 0 to train on alone", lambda: step(ft.control, "0") >= at_kill + 5)
+    ft.release("1")
+    ft.start("1", **own)
+    wait("the restarted group to be built", lambda: (ft.control / "ready-1").exists())
+    ft.release("0")
+    results = ft.finish()
+
+    assert results["0"]["summary"]["global_step"] == results["1"]["summary"]["global_step"] == STEPS
+    assert _same_weights(results)
+    assert results["1"]["summary"]["checkpoint_manager"] == "TorchFTCheckpointManager"
+    recovered = [e for e in events(ft.control, "1") if e["event"] == "replica_recovered"]
+    assert recovered and recovered[-1]["from_step"] == 4 and recovered[-1]["step"] >= at_kill + 5
+    position = [e for e in events(ft.control, "1") if e["event"] == "data_position"][-1]
+    # Its own 8 batches: not the peer's count (13 or more), the usual checkpoint's 4, nor the start.
+    assert position == {"event": "data_position", "batch": 8, "yielded": 8}
+    assert list((ft.workspace / "workspace-1").rglob("ft-replica-1/latest.pointer"))
+
+
 def test_min_replica_size_two_waits_for_the_missing_group(job):
     ft = job(min_replica_size=2)
     ft.hold("1", 5)
