@@ -138,6 +138,7 @@ class OutOfMemoryGuard:
         self._runner: Any = None
         self._at = 0  # the phase code of the micro-batch under way (0: outside a guarded step)
         self._poisoned = False  # the open window's update is dropped: its remaining micro-batches are passed over
+        self._syncing = False  # the backward under way all-reduces gradients as it goes (DDP)
         self._agrees = world_size > 1 and is_distributed(group)
 
     def attach(self, events: EventBus) -> None:
@@ -168,6 +169,9 @@ class OutOfMemoryGuard:
         if phase == "backward":
             self._agree_or_leave(0)
             self._at = BACKWARD
+            # Under DDP the backward that closes a window all-reduces gradients bucket by bucket.
+            update = self.update
+            self._syncing = self._agrees and update.gradient_sync.suppresses and update.accumulator.is_boundary
         elif phase == "optimizer step":
             self._agree_or_leave(0)
             self._at = UPDATE
@@ -218,6 +222,10 @@ class OutOfMemoryGuard:
                 self._at = 0
                 raise
             failed = self._at
+            if failed == BACKWARD and self._syncing:
+                self._at = 0
+                self._unsafe(error)
+                raise
             # The error's frames hold the step's activations: they go with it when this block ends.
         finally:
             self._at = 0
@@ -228,6 +236,18 @@ class OutOfMemoryGuard:
         if failed > 0 and self._agrees:
             self._any(failed)  # the others learn it at their next point (A, B or E)
         return None, max(failed, 0)
+
+    def _unsafe(self, error: BaseException) -> None:
+        """An error inside a backward that all-reduces gradients: the others are inside that all-reduce."""
+        message = (
+            f"out of memory on rank {self.rank} inside a backward pass that all-reduces gradients (DDP) at "
+            f"global step {self.global_step()}: the other ranks are waiting in that all-reduce, which this rank "
+            "cannot join with a partial backward, so oom.policy cannot survive it and the run stops; the hang "
+            "watchdog (watchdog.timeout_seconds) or the process group's timeout ends the other ranks"
+        )
+        self.logger.error(message)
+        if hasattr(error, "add_note"):  # Python 3.11+
+            error.add_note(message)
 
     def _exchange(self, failed: int, counted: bool, size: int) -> list[list[int]]:
         """Every rank's `[phase code, counted the micro-batch, batch size]` (after an agreed error: a collective)."""
@@ -298,8 +318,7 @@ class OutOfMemoryGuard:
                 return self._drop(rows, phase, counted_here=counted)
             self._free()
             queue.insert(0, (piece, fraction, depth))
-        self.consecutive = 0
-        return None, total
+        return None, total  # `consecutive` goes on: only a micro-batch that runs whole resets it
 
     @contextmanager
     def _as_piece(self, fraction: float, last: bool) -> Iterator[None]:

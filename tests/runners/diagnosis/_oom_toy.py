@@ -26,16 +26,46 @@ class RunsOutOfMemory(nn.Module):
         return x
 
 
+class RunsOutOfMemoryInBackward(nn.Module):
+    """Passes its input through; on the calls `fail` names, the backward pass through it raises
+    `torch.OutOfMemoryError` (after the layers behind it got their gradients: a partial backward)."""
+
+    def __init__(self, fail: set[int]) -> None:
+        super().__init__()
+        self.fail, self.calls = fail, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training and x.requires_grad:
+            self.calls += 1
+            if self.calls in self.fail:
+                x.register_hook(_run_out)
+        return x
+
+
+def _run_out(grad: torch.Tensor) -> torch.Tensor:
+    raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB (injected in backward)")
+
+
 class OomRunner(TinyRunner):
     """No dropout (a split draws no other masks); on rank `rank_out` the model runs out of memory on the
-    forward calls in `fail` (counted from 1 over the run's training forwards)."""
+    forward calls in `fail`, and its backward on those in `fail_backward` (counted from 1 over the run's
+    training forwards, pieces of a split included)."""
 
     dropout = 0.0
     n_train = 32
 
-    def __init__(self, config: Any, *, fail: set[int] = frozenset(), fits: int = 2, rank_out: int = 1) -> None:
+    def __init__(
+        self,
+        config: Any,
+        *,
+        fail: set[int] = frozenset(),
+        fits: int = 2,
+        rank_out: int = 1,
+        fail_backward: set[int] = frozenset(),
+    ) -> None:
         super().__init__(config)
-        probe = RunsOutOfMemory(set(fail) if self.rank == rank_out else set(), fits)
-        self.model = nn.Sequential(probe, *self.model)
-        self.probe = probe
-        self.events_seen: list[tuple] = []
+        here = self.rank == rank_out
+        first, *rest = self.model
+        forward = RunsOutOfMemory(set(fail) if here else set(), fits)
+        backward = RunsOutOfMemoryInBackward(set(fail_backward) if here else set())
+        self.model = nn.Sequential(forward, first, backward, *rest)

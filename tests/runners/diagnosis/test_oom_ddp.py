@@ -14,10 +14,10 @@ from tests.runners.diagnosis._oom_toy import OomRunner
 pytestmark = pytest.mark.distributed
 
 
-def _train(root: str, fail: set[int] = frozenset(), fits: int = 2, **settings) -> dict:
+def _train(root: str, fail: set[int] = frozenset(), fits: int = 2, fail_backward=frozenset(), **settings) -> dict:
     config = tiny_config(root, epochs=1, **settings)
     out: dict = {}
-    with OomRunner(config, fail=fail, fits=fits) as runner:
+    with OomRunner(config, fail=fail, fits=fits, fail_backward=fail_backward) as runner:
         seen = []
         runner.events.subscribe(Events.OUT_OF_MEMORY, lambda c: seen.append((c.ranks, c.phase, c.action, c.pieces)))
         try:
