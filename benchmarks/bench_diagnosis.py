@@ -125,6 +125,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=3, help="timed train() calls per setting")
     parser.add_argument("--log-interval", type=int, default=16, help="batches between step logs")
     parser.add_argument("--no-training", action="store_true", help="part 2 only")
+    parser.add_argument("--no-checksum", action="store_true", help="part 1 only")
     parser.add_argument(
         "--settings", nargs="+", choices=list(SETTINGS), default=list(SETTINGS), help="settings of part 1 (off first)"
     )
@@ -133,7 +134,8 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--settings must include off (the baseline of every ratio)")
     if not args.no_training:
         bench_training(args.repeats, args.log_interval, args.settings)
-    bench_checksum()
+    if not args.no_checksum:
+        bench_checksum()
 
 
 if __name__ == "__main__":

@@ -133,12 +133,13 @@ class OutOfMemoryGuard:
         self.count = self.consecutive = self.splits = self.skipped = 0
         self.latest: OutOfMemoryContext | None = None
         self.inner: Any = None  # the phase marks passed on (watchdog, straggler clock)
-        self.phase, self.step = "idle", 0  # the watchdog's attributes, for whoever reads the slot
+        self._step = 0
+        self._flag: torch.Tensor | None = None  # the agreement's one number, on the group's device
         self._events: EventBus | None = None
         self._runner: Any = None
         self._at = 0  # the phase code of the micro-batch under way (0: outside a guarded step)
         self._poisoned = False  # the open window's update is dropped: its remaining micro-batches are passed over
-        self._syncing = False  # the backward under way all-reduces gradients as it goes (DDP)
+        self._syncing = False  # the backward of the micro-batch under way all-reduces gradients as it goes (DDP)
         self._agrees = world_size > 1 and is_distributed(group)
 
     def attach(self, events: EventBus) -> None:
@@ -159,11 +160,16 @@ class OutOfMemoryGuard:
         return guarded_step
 
     # ------------------------------------------------------------------ phase marks (points A and B)
+    @property
+    def step(self) -> int:
+        """The global step of the latest phase mark (the watchdog's, which also hears the loop's marks)."""
+        return self._step if self.inner is None else self.inner.step
+
     def enter(self, phase: str, step: int) -> None:
         """A phase mark of the update strategy: agree before a backward (A) and before an update (B)."""
         if self.inner is not None:
             self.inner.enter(phase, step)
-        self.phase, self.step = phase, step
+        self._step = step
         if not self._at:
             return  # outside a guarded step (a window the pass closes at its end): every rank is here alike
         if phase == "backward":
@@ -173,7 +179,9 @@ class OutOfMemoryGuard:
             update = self.update
             self._syncing = self._agrees and update.gradient_sync.suppresses and update.accumulator.is_boundary
         elif phase == "optimizer step":
-            self._agree_or_leave(0)
+            # After a backward that all-reduced (DDP) no rank can be out of memory since A: nothing to agree.
+            if not self._syncing:
+                self._agree_or_leave(0)
             self._at = UPDATE
 
     def close(self) -> None:
@@ -187,7 +195,10 @@ class OutOfMemoryGuard:
 
     def _any(self, code: int) -> bool:
         """Whether some rank ran out of memory (`code`: this rank's phase code, 0 when fine): a collective."""
-        flag = _on_backend_device(torch.tensor(code, dtype=torch.int32), self.group)
+        flag = self._flag
+        if flag is None:
+            flag = self._flag = _on_backend_device(torch.zeros((), dtype=torch.int32), self.group)
+        flag.fill_(code)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
         return bool(flag)
 
@@ -211,7 +222,7 @@ class OutOfMemoryGuard:
 
     def _attempt(self, step: Callable[[Any], tuple[Any, Any]], data: Any) -> tuple[Any, int | None]:
         """Run `step(data)` and agree on its outcome: `(result, None)`, or `(None, this rank's phase code)`."""
-        self._at = FORWARD
+        self._at, self._syncing = FORWARD, False
         failed = 0
         try:
             result = step(data)

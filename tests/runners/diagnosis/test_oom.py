@@ -151,3 +151,20 @@ def test_an_update_strategy_it_cannot_watch_is_refused():
     config = RunnerConfig(**{"oom.policy": "skip"}).oom
     with pytest.raises(ValueError, match="oom.policy needs the torch update strategy .*, not UpdateStrategy"):
         OutOfMemoryGuard(config, UpdateStrategy())
+
+
+def test_an_error_in_a_backward_that_all_reduces_is_raised_with_the_reason(caplog):
+    # As on two ranks under DDP (the agreement stubbed: every other rank fine so far), on the micro-batch
+    # that closes its window: the others are inside the gradient all-reduce, which no agreement can reach.
+    guard = OutOfMemoryGuard(RunnerConfig(**{"oom.policy": "split"}).oom, TorchUpdateStrategy(), world_size=2)
+    guard._agrees, guard._any = True, lambda code: False
+
+    def step(data):
+        guard.enter("backward", 0)
+        guard._syncing = True  # what the mark sets when the model's backward all-reduces (DDP)
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    with caplog.at_level(logging.ERROR, logger="danling.runners"), pytest.raises(torch.OutOfMemoryError):
+        guard.guarded(step)(torch.ones(4, 2))
+    assert "inside a backward pass that all-reduces gradients (DDP)" in caplog.text
+    assert guard.count == 0 and guard._at == 0
