@@ -7,7 +7,8 @@ a guard, and the ranks agree on every micro-batch at fixed points, with the agre
 non-finite skip uses (an all-reduce of one flag over the world, MAX across ranks):
 
 - **A**, before each backward (the update strategy's `backward` phase mark);
-- **B**, before each optimizer update (its `optimizer step` mark);
+- **B**, before each optimizer update (its `optimizer step` mark), unless the backward before it
+  all-reduced gradients (DDP): no error since A can be survived there;
 - **E**, at the end of each micro-batch, in the guard around the step.
 
 A rank that runs out of memory leaves its step and calls the agreement with its phase; the other
@@ -183,11 +184,6 @@ class OutOfMemoryGuard:
             if not self._syncing:
                 self._agree_or_leave(0)
             self._at = UPDATE
-
-    def close(self) -> None:
-        """Close the watchdog behind it (the supervisor closes whatever holds its place)."""
-        if self.inner is not None:
-            self.inner.close()
 
     def _agree_or_leave(self, code: int) -> None:
         if self._agrees and self._any(code):
