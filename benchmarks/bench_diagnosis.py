@@ -2,7 +2,8 @@
 
 Part 1 trains `bench_runner.py`'s small MLP (batch 32, 3 epochs, 64 updates per rank and epoch)
 on two CPU ranks under each setting in turn: plug-ins off, `stragglers.enabled`,
-`consistency.interval=1` and `=100`, then off again (drift check). For each it reports rank 0's
+`consistency.interval=1` and `=100`, `oom.policy=split` (no error is raised: the cost of the
+agreements alone), then off again (drift check); `--settings` picks some of them. For each it reports rank 0's
 Python calls per `train()` (under `cProfile`, exact and repeatable; waiting in a collective is no
 Python call) and the median wall time per update over `--repeats` timed `train()` calls after a
 warm-up. Step logs are on every `--log-interval` batches in every setting, since the straggler
@@ -11,7 +12,7 @@ monitor works at step logs.
 Part 2 times one checksum pass (`tensor_checksum` over every tensor, what a consistency check
 computes before its one small all-gather) over float32 parameters of several sizes, on this CPU.
 
-Usage: ``python benchmarks/bench_diagnosis.py [--repeats 3] [--log-interval 16]``
+Usage: ``python benchmarks/bench_diagnosis.py [--repeats 3] [--log-interval 16] [--settings off "oom on" ...]``
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ SETTINGS = {
     "stragglers on": {"stragglers.enabled": True},
     "consistency every step": {"consistency.interval": 1},
     "consistency every 100 steps": {"consistency.interval": 100},
+    "oom on": {"oom.policy": "split"},
     "off (again)": {},
 }
 
@@ -51,7 +53,7 @@ def _ports(count: int) -> list[int]:
     return ports
 
 
-def _rank(rank: int, ports: list[int], repeats: int, log_interval: int, queue) -> None:
+def _rank(rank: int, ports: list[int], repeats: int, log_interval: int, names: list[str], queue) -> None:
     sys.path.insert(0, HERE)
     from bench_runner import BenchRunner, quiet, run_epochs, runner_config
 
@@ -59,7 +61,8 @@ def _rank(rank: int, ports: list[int], repeats: int, log_interval: int, queue) -
     os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1")
     rows = {}
     with tempfile.TemporaryDirectory(prefix="bench-diagnosis-") as root:
-        for port, (name, overrides) in zip(ports, SETTINGS.items()):
+        for port, name in zip(ports, names):
+            overrides = SETTINGS[name]
             os.environ["MASTER_PORT"] = str(port)  # a fresh rendezvous for each runner's process group
             config = runner_config(f"{root}/{len(rows)}", "small MLP, batch 32", log_interval=log_interval, **overrides)
             runner = quiet(BenchRunner(config))
@@ -81,11 +84,12 @@ def _rank(rank: int, ports: list[int], repeats: int, log_interval: int, queue) -
     queue.put((rank, rows))
 
 
-def bench_training(repeats: int, log_interval: int) -> None:
+def bench_training(repeats: int, log_interval: int, names: list[str]) -> None:
     context = mp.get_context("spawn")
     queue = context.Queue()
-    ports = _ports(len(SETTINGS))
-    procs = [context.Process(target=_rank, args=(rank, ports, repeats, log_interval, queue)) for rank in range(2)]
+    ports = _ports(len(names))
+    args = (ports, repeats, log_interval, names, queue)
+    procs = [context.Process(target=_rank, args=(rank, *args)) for rank in range(2)]
     for proc in procs:
         proc.start()
     results = dict(queue.get(timeout=1800) for _ in procs)
@@ -121,10 +125,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=3, help="timed train() calls per setting")
     parser.add_argument("--log-interval", type=int, default=16, help="batches between step logs")
     parser.add_argument("--no-training", action="store_true", help="part 2 only")
+    parser.add_argument("--no-checksum", action="store_true", help="part 1 only")
+    parser.add_argument(
+        "--settings", nargs="+", choices=list(SETTINGS), default=list(SETTINGS), help="settings of part 1 (off first)"
+    )
     args = parser.parse_args(argv)
+    if "off" not in args.settings:
+        parser.error("--settings must include off (the baseline of every ratio)")
     if not args.no_training:
-        bench_training(args.repeats, args.log_interval)
-    bench_checksum()
+        bench_training(args.repeats, args.log_interval, args.settings)
+    if not args.no_checksum:
+        bench_checksum()
 
 
 if __name__ == "__main__":

@@ -38,7 +38,7 @@ from danling.utils.io import save as save_file
 from .checkpointing import CheckpointHooks, RunnerCheckpointing
 from .checkpointing.resume import LoopState
 from .config import RunnerConfig
-from .diagnosis import Diagnosis, DiagnosisSetup, build_diagnosis, replica_tensors
+from .diagnosis import Diagnosis, DiagnosisSetup, build_diagnosis, build_oom_guard, replica_tensors
 from .loop import EventBus, Events, LogContext, Loop, StepContext, StepHooks
 from .loop.budget import checked_count, default_interval, evaluation_default, length_of, selected_splits, step_budget
 from .registry import RUNNERS
@@ -1105,9 +1105,9 @@ class BaseRunner(CheckpointHooks, StepHooks, metaclass=MetaRunner):
     # ==== diagnosis surface: the straggler monitor and the consistency sentinel (runner.diagnosis) ====
     # (keep this marker; add this component's names right below it)
     def _build_diagnosis(self) -> Diagnosis:
-        """The plug-ins `stragglers.*` and `consistency.*` turn on, subscribed to the event bus (none: no cost)."""
+        """The plug-ins `stragglers.*`, `consistency.*` and `oom.*` turn on, on the event bus (none: no cost)."""
         config = self.config
-        if not config.stragglers.enabled and config.consistency.interval is None:
+        if not config.stragglers.enabled and config.consistency.interval is None and config.oom.policy is None:
             return Diagnosis()
         setup = DiagnosisSetup(
             events=self.events,
@@ -1120,8 +1120,13 @@ class BaseRunner(CheckpointHooks, StepHooks, metaclass=MetaRunner):
             world_size=self.world_size,
             global_step=lambda: self.train_state.global_step,
             logger=self.logger,
+            world_group=self.topology.group("world"),
         )
-        return build_diagnosis(config.stragglers, config.consistency, setup)
+        diagnosis = build_diagnosis(config.stragglers, config.consistency, setup)
+        diagnosis.oom = build_oom_guard(config.oom, setup)
+        if diagnosis.oom is not None:  # every training step of every pass runs under the guard
+            self.loop.passes.step_guard = diagnosis.oom.guarded
+        return diagnosis
 
     def replicated_tensors(self) -> Iterator[tuple[str, Any]]:
         """The `(name, tensor)` pairs every replica must hold identically, for the consistency sentinel.

@@ -37,6 +37,7 @@ from .config_operations import (
     HeartbeatConfig,
     InferenceConfig,
     NonFiniteConfig,
+    OomConfig,
     SlurmConfig,
     SpikeConfig,
     StragglerConfig,
@@ -149,6 +150,7 @@ class RunnerConfig(_TypedConfig):
         fp8: The float8 conversion of `precision: fp8`; see `Fp8Config`.
         stragglers: Slow ranks named at step logs (off by default); see `StragglerConfig`.
         consistency: Replica consistency checks (off by default); see `ConsistencyConfig`.
+        oom: Out-of-memory errors survived by all ranks together (off by default); see `OomConfig`.
 
     Examples:
         >>> config = RunnerConfig()
@@ -190,6 +192,7 @@ class RunnerConfig(_TypedConfig):
         "telemetry",
         "stragglers",
         "consistency",
+        "oom",
     )
     # Features no runner of this version implements; a backend lifts one by naming it in its
     # `supported_features` (and the entry is dropped once every runner reads those keys).
@@ -264,6 +267,7 @@ class RunnerConfig(_TypedConfig):
     fp8: Fp8Config = Fp8Config()
     stragglers: StragglerConfig = StragglerConfig()
     consistency: ConsistencyConfig = ConsistencyConfig()
+    oom: OomConfig = OomConfig()
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__()

@@ -1,7 +1,7 @@
 """Sections of [`RunnerConfig`][danling.runners.config.RunnerConfig] about how a run is operated and
 protected rather than what it trains: heartbeats, the hang watchdog, non-finite checks, loss-spike
 recovery, Slurm preemption, inference into files, and the diagnosis plug-ins (stragglers, replica
-consistency). None of them is part of the experiment's identity.
+consistency, out-of-memory recovery). None of them is part of the experiment's identity.
 """
 
 from .config_sections import _TypedConfig
@@ -11,6 +11,7 @@ __all__ = [
     "HeartbeatConfig",
     "InferenceConfig",
     "NonFiniteConfig",
+    "OomConfig",
     "SlurmConfig",
     "SpikeConfig",
     "StragglerConfig",
@@ -177,3 +178,27 @@ class ConsistencyConfig(_TypedConfig):
     policy: str = "warn"
     optimizer_state: bool = True
     max_rollbacks: int = 3
+
+
+class OomConfig(_TypedConfig):
+    """Out-of-memory errors survived together (`oom.*`); off while `policy` is None.
+
+    When a training micro-batch runs out of memory on any rank, every rank learns it at the same
+    point of the step (one small all-reduce before each backward, before each optimizer step and
+    at the end of each micro-batch), frees what the failed attempt held, and goes on by `policy`.
+    See the diagnosis guide for the cases that cannot be survived (an out-of-memory error inside a
+    backward that all-reduces gradients, or inside the optimizer step).
+
+    Attributes:
+        policy: None (off: no per-step cost), `skip` (drop the update the micro-batch belongs to, on
+            every rank) or `split` (run the micro-batch again as halves, each halved again when it
+            runs out of memory in turn, with the losses weighted so that the update is the one of
+            the whole micro-batch).
+        max_consecutive: Out-of-memory errors in a row (without a micro-batch that ran through
+            without one) that stop the run with an error naming the counts; >= 1.
+        max_splits: Times a micro-batch may be halved (`split`); the next error stops the run; >= 1.
+    """
+
+    policy: str | None = None
+    max_consecutive: int = 3
+    max_splits: int = 3

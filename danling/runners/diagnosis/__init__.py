@@ -1,4 +1,4 @@
-"""Diagnosis plug-ins of the event bus: slow ranks named, replicas checked for silent corruption.
+"""Diagnosis plug-ins of the event bus: slow ranks named, replicas checked, out-of-memory errors survived.
 
 Each plug-in is off by default and then costs nothing: nothing is subscribed and no batch does
 any extra work. [`build_diagnosis`][danling.runners.diagnosis.build_diagnosis] builds the ones the
@@ -8,6 +8,8 @@ config turns on and subscribes them; the runner keeps them as `runner.diagnosis`
   per-rank phase times, compared across ranks at the training step logs.
 - [`ConsistencySentinel`][danling.runners.diagnosis.consistency.ConsistencySentinel]
   (`consistency.*`): checksums of the replicated tensors compared every `consistency.interval` steps.
+- [`OutOfMemoryGuard`][danling.runners.diagnosis.oom.OutOfMemoryGuard] (`oom.*`): a micro-batch
+  out of memory on any rank is skipped or split by every rank together.
 """
 
 from __future__ import annotations
@@ -19,9 +21,10 @@ from typing import Any
 
 import torch
 
-from ..config_operations import ConsistencyConfig, StragglerConfig
+from ..config_operations import ConsistencyConfig, OomConfig, StragglerConfig
 from ..loop.events import EventBus
 from .consistency import ConsistencySentinel, ReplicaMismatch, ReplicaRollback, replica_tensors, tensor_checksum
+from .oom import OutOfMemoryAbort, OutOfMemoryGuard, is_out_of_memory, split_micro_batch
 from .stragglers import PhaseClock, Straggler, StragglerMonitor, name_straggler
 
 __all__ = [
@@ -29,6 +32,9 @@ __all__ = [
     "ConsistencySentinel",
     "Diagnosis",
     "DiagnosisSetup",
+    "OomConfig",
+    "OutOfMemoryAbort",
+    "OutOfMemoryGuard",
     "PhaseClock",
     "ReplicaMismatch",
     "ReplicaRollback",
@@ -36,8 +42,11 @@ __all__ = [
     "StragglerConfig",
     "StragglerMonitor",
     "build_diagnosis",
+    "build_oom_guard",
+    "is_out_of_memory",
     "name_straggler",
     "replica_tensors",
+    "split_micro_batch",
     "tensor_checksum",
 ]
 
@@ -51,10 +60,13 @@ class Diagnosis:
             (`stragglers.enabled`); `stragglers.latest` is the slowest rank of the latest step log.
         consistency: The [`ConsistencySentinel`][danling.runners.diagnosis.consistency.ConsistencySentinel]
             (`consistency.interval`); `consistency.mismatches` lists what it found.
+        oom: The [`OutOfMemoryGuard`][danling.runners.diagnosis.oom.OutOfMemoryGuard] (`oom.policy`);
+            `oom.count` is the out-of-memory errors survived so far.
     """
 
     stragglers: StragglerMonitor | None = None
     consistency: ConsistencySentinel | None = None
+    oom: OutOfMemoryGuard | None = None
 
 
 @dataclass(frozen=True)
@@ -70,6 +82,7 @@ class DiagnosisSetup:
         rank: This process's global rank; world_size: the number of ranks.
         global_step: The current global step.
         logger: Where the plug-ins report.
+        world_group: The group every rank agrees in (the out-of-memory guard's); `None`: the default group.
     """
 
     events: EventBus
@@ -82,6 +95,7 @@ class DiagnosisSetup:
     world_size: int
     global_step: Callable[[], int]
     logger: logging.Logger
+    world_group: Any = None
 
 
 def build_diagnosis(stragglers: StragglerConfig, consistency: ConsistencyConfig, setup: DiagnosisSetup) -> Diagnosis:
@@ -116,3 +130,28 @@ def build_diagnosis(stragglers: StragglerConfig, consistency: ConsistencyConfig,
         sentinel.attach(setup.events)
         diagnosis.consistency = sentinel
     return diagnosis
+
+
+def build_oom_guard(config: OomConfig, setup: DiagnosisSetup) -> OutOfMemoryGuard | None:
+    """The out-of-memory guard `oom.policy` asks for, subscribed to the event bus; `None` (no cost) while off.
+
+    The caller hands [`OutOfMemoryGuard.guarded`][danling.runners.diagnosis.oom.OutOfMemoryGuard.guarded]
+    to the pass engine, which runs every training step through it.
+
+    Raises:
+        ValueError: A value of the section outside its range, or a stack the guard cannot make safe.
+    """
+    if config.policy is None:
+        return None
+    guard = OutOfMemoryGuard(
+        config,
+        setup.update,
+        rank=setup.rank,
+        world_size=setup.world_size,
+        group=setup.world_group,
+        global_step=setup.global_step,
+        logger=setup.logger,
+        report=setup.rank == 0,
+    )
+    guard.attach(setup.events)
+    return guard

@@ -32,6 +32,7 @@ __all__ = [
     "FailureContext",
     "InferenceContext",
     "LogContext",
+    "OutOfMemoryContext",
     "PassContext",
     "QuorumContext",
     "RecoveryContext",
@@ -141,6 +142,25 @@ class SkippedStepContext:
 
 
 @dataclass(slots=True)
+class OutOfMemoryContext:
+    """A training micro-batch ran out of memory on `ranks` (`oom.policy`), at `global_step`, in `phase`.
+
+    `action` is what every rank did: `skipped` (the update was dropped), `split` (the micro-batch is
+    run again as `pieces` pieces) or `stopped`. `count` is the run's out-of-memory errors so far,
+    `consecutive` those in a row.
+    """
+
+    runner: Any
+    global_step: int
+    ranks: list[int]
+    phase: str
+    action: str
+    pieces: int
+    count: int
+    consecutive: int
+
+
+@dataclass(slots=True)
 class EvaluationContext:
     """One evaluation pass over `split`; the body fills `result` before `EVALUATION_END`."""
 
@@ -240,6 +260,7 @@ class Events:
     | `LOG` | `LogContext` | when step values or a result row are recorded (trackers listen) |
     | `STEP_LOG` | `StepLogContext` | before a step log is written (subscribers may add values) |
     | `OPTIMIZER_STEP_SKIPPED` | `SkippedStepContext` | when non-finite gradients drop an optimizer step |
+    | `OUT_OF_MEMORY` | `OutOfMemoryContext` | `oom.policy`: a micro-batch ran out of memory on some rank |
     | `EVALUATION_START`, `EVALUATION_END` | `EvaluationContext` | around each evaluation pass |
     | `CHECKPOINT_SAVED`, `CHECKPOINT_LOADED` | `CheckpointContext` | after a checkpoint is written or read |
     | `CHECKPOINT_FALLBACK` | `CheckpointContext` | when resuming skips `requested` for an older one |
@@ -263,6 +284,7 @@ class Events:
     STEP_START = Event("step_start", StepContext)
     STEP_END = Event("step_end", StepContext)
     OPTIMIZER_STEP_SKIPPED = Event("optimizer_step_skipped", SkippedStepContext)
+    OUT_OF_MEMORY = Event("out_of_memory", OutOfMemoryContext)
     EVALUATION_START = Event("evaluation_start", EvaluationContext)
     EVALUATION_END = Event("evaluation_end", EvaluationContext)
     CHECKPOINT_SAVED = Event("checkpoint_saved", CheckpointContext)

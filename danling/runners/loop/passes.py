@@ -69,6 +69,8 @@ class PassEngine:
         self.step_window = StepWindow()
         # Whether the last training pass called the backend's plain default step instead of `train_step`.
         self.fused_step = False
+        # Wraps each training pass's step (`oom.policy`: the out-of-memory guard); None costs nothing per batch.
+        self.step_guard: Callable[[Callable], Callable] | None = None
 
     def run_split(
         self, split: str, mode: RunnerMode, *, budget: int | None = None, max_batches: int | None = None
@@ -162,6 +164,8 @@ class PassEngine:
         meters, supervisor, update = self.host.meters, self.host.supervisor, self.host.update
         state, position, watchdog = self.host.train_state, self.host.loop_state, supervisor.watchdog
         step = plain or (self.host.train_step if training else self.host.evaluate_step)
+        if training and self.step_guard is not None:
+            step = self.step_guard(step)
         phase = "forward" if training else "evaluation"
         batches, loss_meter = 0, None
         for data in batches_in:

@@ -155,6 +155,9 @@ class UpdateStrategy:
         """Apply the closed window's update; `True` when it was applied."""
         return True
 
+    def drop_window(self, *, count: bool = True) -> None:
+        """Drop the open window's gradients without an update (`count`: as a skipped update)."""
+
     def state_dict(self) -> dict[str, Any]:
         """State of the update machinery; the window position is checkpointed with the loop's
         [`LoopState`][danling.runners.checkpointing.resume.LoopState]."""
@@ -426,6 +429,22 @@ class TorchUpdateStrategy(UpdateStrategy):
         if applied:
             guard.applied()
         return applied
+
+    def drop_window(self, *, count: bool = True) -> None:
+        """Drop the open window's gradients, weights and losses without an update (`oom.policy`).
+
+        With `count` the drop is counted in `skipped_steps` (the window's update is skipped);
+        without, the gradients are only zeroed (the window goes on, e.g. to run a micro-batch again).
+        """
+        self._multiplier, self._weight, self._window_loss, self._window_count = None, None, None, 0
+        self.plain_backward = self._plain_backward and self.watchdog is None
+        container = self.container
+        if container is None:
+            return
+        if count:
+            container.drop()
+        else:
+            container.optimizer.zero_grad(set_to_none=True)
 
     def _spiked(self, guard: SpikeGuard, container: OptimizerContainer) -> bool:
         """Check the window loss (mean over its micro-steps and the ranks); handle a spike by the policy.
