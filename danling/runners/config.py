@@ -37,6 +37,7 @@ from .config_operations import (
     HeartbeatConfig,
     InferenceConfig,
     NonFiniteConfig,
+    ReplayConfig,
     SlurmConfig,
     SpikeConfig,
     StragglerConfig,
@@ -149,6 +150,7 @@ class RunnerConfig(_TypedConfig):
         fp8: The float8 conversion of `precision: fp8`; see `Fp8Config`.
         stragglers: Slow ranks named at step logs (off by default); see `StragglerConfig`.
         consistency: Replica consistency checks (off by default); see `ConsistencyConfig`.
+        replay: Bundles of failing updates for `danling replay` (off by default); see `ReplayConfig`.
 
     Examples:
         >>> config = RunnerConfig()
@@ -190,6 +192,7 @@ class RunnerConfig(_TypedConfig):
         "telemetry",
         "stragglers",
         "consistency",
+        "replay",
     )
     # Features no runner of this version implements; a backend lifts one by naming it in its
     # `supported_features` (and the entry is dropped once every runner reads those keys).
@@ -264,6 +267,7 @@ class RunnerConfig(_TypedConfig):
     fp8: Fp8Config = Fp8Config()
     stragglers: StragglerConfig = StragglerConfig()
     consistency: ConsistencyConfig = ConsistencyConfig()
+    replay: ReplayConfig = ReplayConfig()
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__()

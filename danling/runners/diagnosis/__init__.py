@@ -1,4 +1,4 @@
-"""Diagnosis plug-ins of the event bus: slow ranks named, replicas checked for silent corruption.
+"""Diagnosis plug-ins of the event bus: slow ranks named, replicas checked for silent corruption, failures replayed.
 
 Each plug-in is off by default and then costs nothing: nothing is subscribed and no batch does
 any extra work. [`build_diagnosis`][danling.runners.diagnosis.build_diagnosis] builds the ones the
@@ -8,6 +8,8 @@ config turns on and subscribes them; the runner keeps them as `runner.diagnosis`
   per-rank phase times, compared across ranks at the training step logs.
 - [`ConsistencySentinel`][danling.runners.diagnosis.consistency.ConsistencySentinel]
   (`consistency.*`): checksums of the replicated tensors compared every `consistency.interval` steps.
+- [`ReplayRecorder`][danling.runners.diagnosis.replay.ReplayRecorder] (`replay.*`): a bundle of a
+  failing (or chosen) update that `danling replay` re-runs on one process.
 """
 
 from __future__ import annotations
@@ -19,9 +21,10 @@ from typing import Any
 
 import torch
 
-from ..config_operations import ConsistencyConfig, StragglerConfig
+from ..config_operations import ConsistencyConfig, ReplayConfig, StragglerConfig
 from ..loop.events import EventBus
 from .consistency import ConsistencySentinel, ReplicaMismatch, ReplicaRollback, replica_tensors, tensor_checksum
+from .replay import ReplayRecorder, ReplaySetup, describe_runner
 from .stragglers import PhaseClock, Straggler, StragglerMonitor, name_straggler
 
 __all__ = [
@@ -30,12 +33,16 @@ __all__ = [
     "Diagnosis",
     "DiagnosisSetup",
     "PhaseClock",
+    "ReplayConfig",
+    "ReplayRecorder",
+    "ReplaySetup",
     "ReplicaMismatch",
     "ReplicaRollback",
     "Straggler",
     "StragglerConfig",
     "StragglerMonitor",
     "build_diagnosis",
+    "describe_runner",
     "name_straggler",
     "replica_tensors",
     "tensor_checksum",
@@ -51,10 +58,13 @@ class Diagnosis:
             (`stragglers.enabled`); `stragglers.latest` is the slowest rank of the latest step log.
         consistency: The [`ConsistencySentinel`][danling.runners.diagnosis.consistency.ConsistencySentinel]
             (`consistency.interval`); `consistency.mismatches` lists what it found.
+        replay: The [`ReplayRecorder`][danling.runners.diagnosis.replay.ReplayRecorder] (`replay.*`);
+            `replay.bundles` lists the bundles written.
     """
 
     stragglers: StragglerMonitor | None = None
     consistency: ConsistencySentinel | None = None
+    replay: ReplayRecorder | None = None
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,109 @@
+"""A runner whose `trap` module turns non-finite when a marked sample passes, for the replay tests.
+
+The mark is data (a sample whose first feature is `MARK`), so a replay of the same micro-batches on
+one process hits it again; the runner class is importable, so `danling replay` can rebuild it.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+from tests.runners._torch_toy import TinyRunner, make_data
+
+MARK = 777.0
+
+
+class _NaNGradient(torch.autograd.Function):
+    """The identity forward; a NaN gradient backward."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * float("nan")
+
+
+class Trap(nn.Module):
+    """Identity, except while `armed`: NaN output (`where="forward"`) or NaN input gradient (`"backward"`)."""
+
+    def __init__(self, where: str) -> None:
+        super().__init__()
+        self.where, self.armed = where, False
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        if not self.armed:
+            return h
+        return h * float("nan") if self.where == "forward" else _NaNGradient.apply(h)
+
+
+class Probe(nn.Module):
+    """encoder -> trap -> head; the trap arms itself when the batch holds a marked sample."""
+
+    def __init__(self, where: str, dropout: float) -> None:
+        super().__init__()
+        self.encoder = nn.Linear(4, 8)
+        self.trap = Trap(where)
+        self.head = nn.Sequential(nn.ReLU(), nn.Dropout(dropout), nn.Linear(8, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.trap.armed = bool((x[:, 0] == MARK).any())
+        return self.head(self.trap(self.encoder(x)))
+
+
+class Marked(Dataset):
+    """`make_data(n)`, with the samples in `indices` marked when `marked`."""
+
+    def __init__(self, n: int, indices: tuple[int, ...], marked: bool) -> None:
+        self.data, self.indices, self.marked = make_data(n), indices, marked
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i: int):
+        x, y = self.data[i]
+        if self.marked and i in self.indices:
+            x = x.clone()
+            x[0] = MARK
+        return x, y
+
+
+class TrapRunner(TinyRunner):
+    """TinyRunner on `Probe`, its trap going off in the forward pass; the samples `poison` are marked on
+    rank `poison_rank`. `armed_at` is the global step of the update the trap first fired in (the run's own
+    account, to compare with the bundle's)."""
+
+    n_train = 32
+    where = "forward"
+    poison: tuple[int, ...] = (13,)
+    poison_rank = 0
+
+    def __init__(self, config) -> None:
+        super().__init__(config)
+        self.model = Probe(self.where, self.dropout)
+        self.datasets.train = Marked(self.n_train, self.poison, self.rank == self.poison_rank)
+        self.armed_at: int | None = None
+
+    def train_step(self, data):
+        step = self.train_state.global_step + 1
+        try:
+            return super().train_step(data)
+        finally:
+            if self.armed_at is None and self.unwrap(self.model).trap.armed:
+                self.armed_at = step
+
+
+class BackwardTrapRunner(TrapRunner):
+    """The trap's gradient goes NaN instead (its forward stays finite)."""
+
+    where = "backward"
+
+
+class RankOneTrapRunner(TrapRunner):
+    """Marked samples on rank 1 only: every eighth one, so that a 2-rank sampler hands some of them to rank 1."""
+
+    poison = (5, 13, 21, 29)
+    poison_rank = 1
