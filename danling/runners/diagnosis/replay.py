@@ -81,7 +81,7 @@ class ReplaySetup:
         state: The model (`model`) and optimizer (`optimizer`) state dicts, as live references.
         describe: The runner class (`runner`: `module:qualname`, `script` when it is `__main__`),
             the config (`config`) and the code version (`code`), as JSON-ready values.
-        directory: Where bundles go (`<run dir>/<replay.dir_name>`).
+        directory: The run directory (bundles go to its `replay.dir_name` subdirectory).
         rank: This process's global rank; world_size: the number of ranks.
         logger: Where written bundles are reported.
     """
@@ -116,6 +116,7 @@ class ReplayRecorder:
         self.on_nonfinite, self.on_rollback = bool(section.on_nonfinite), bool(section.on_rollback)
         self.capture_steps = frozenset(int(step) for step in section.capture_steps)
         self.max_copy_bytes, self.max_bundles = int(section.max_copy_bytes), int(section.max_bundles)
+        self.dir_name = str(section.dir_name)
         self.setup = setup
         self.bundles: list[Path] = []
         self.failures = 0
@@ -239,12 +240,12 @@ class ReplayRecorder:
 
     # ------------------------------------------------------------------ the bundle
     def write(self, reason: str, error: BaseException | None = None) -> Path:
-        """Write the bundle of the open window to `<directory>/step-<N>-rank<R>-<reason>/`; its path."""
+        """Write the bundle of the open window to `<run dir>/<dir_name>/step-<N>-rank<R>-<reason>/`; its path."""
         window = self._window
         if window is None:
             raise RuntimeError("replay: no update is open to bundle")
         setup = self.setup
-        path = setup.directory() / f"step-{window.step:08d}-rank{setup.rank}-{reason}"
+        path = setup.directory() / self.dir_name / f"step-{window.step:08d}-rank{setup.rank}-{reason}"
         path.mkdir(parents=True, exist_ok=True)
         copied = self._state is not None
         windows = [window] if copied else list(self._since)

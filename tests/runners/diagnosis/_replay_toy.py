@@ -10,6 +10,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
+from danling.runners.update.spikes import LossSpike
 from tests.runners._torch_toy import TinyRunner, make_data
 
 MARK = 777.0
@@ -28,7 +29,8 @@ class _NaNGradient(torch.autograd.Function):
 
 
 class Trap(nn.Module):
-    """Identity, except while `armed`: NaN output (`where="forward"`) or NaN input gradient (`"backward"`)."""
+    """Identity, except while `armed`: NaN output (`where="forward"`), NaN input gradient (`"backward"`)
+    or a finite output 1000 times too large (`"spike"`: a loss spike)."""
 
     def __init__(self, where: str) -> None:
         super().__init__()
@@ -37,6 +39,8 @@ class Trap(nn.Module):
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         if not self.armed:
             return h
+        if self.where == "spike":
+            return h * 1000.0
         return h * float("nan") if self.where == "forward" else _NaNGradient.apply(h)
 
 
@@ -74,7 +78,7 @@ class Marked(Dataset):
 class TrapRunner(TinyRunner):
     """TinyRunner on `Probe`, its trap going off in the forward pass; the samples `poison` are marked on
     rank `poison_rank`. `armed_at` is the global step of the update the trap first fired in (the run's own
-    account, to compare with the bundle's)."""
+    account, to compare with the bundle's); `spiked_loss` the loss of a spike that asked for a rollback."""
 
     n_train = 32
     where = "forward"
@@ -86,11 +90,15 @@ class TrapRunner(TinyRunner):
         self.model = Probe(self.where, self.dropout)
         self.datasets.train = Marked(self.n_train, self.poison, self.rank == self.poison_rank)
         self.armed_at: int | None = None
+        self.spiked_loss: float | None = None
 
     def train_step(self, data):
         step = self.train_state.global_step + 1
         try:
             return super().train_step(data)
+        except LossSpike as spike:
+            self.spiked_loss = spike.loss
+            raise
         finally:
             if self.armed_at is None and self.unwrap(self.model).trap.armed:
                 self.armed_at = step
@@ -100,6 +108,12 @@ class BackwardTrapRunner(TrapRunner):
     """The trap's gradient goes NaN instead (its forward stays finite)."""
 
     where = "backward"
+
+
+class SpikeTrapRunner(TrapRunner):
+    """The trap scales its output up: the loss spikes, finite."""
+
+    where = "spike"
 
 
 class RankOneTrapRunner(TrapRunner):

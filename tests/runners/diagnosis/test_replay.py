@@ -13,7 +13,7 @@ from danling.cli import main
 from danling.runners import Events
 from danling.runners.diagnosis.replaying import replay_bundle
 from tests.runners._torch_toy import TinyRunner, tiny_config
-from tests.runners.diagnosis._replay_toy import BackwardTrapRunner, TrapRunner
+from tests.runners.diagnosis._replay_toy import BackwardTrapRunner, SpikeTrapRunner, TrapRunner
 
 
 def _train(runner_class, root, **settings):
@@ -74,6 +74,21 @@ def test_a_nan_in_the_backward_pass_is_named(tmp_path):
     assert status == 0
     assert "first non-finite: backward of module `trap`: grad_input" in out
     assert "the gradient of its output was finite" in out and "TrainingDivergedError" in out
+
+
+def test_a_loss_spike_rollback_is_bundled_and_replays_to_the_spiking_loss(tmp_path):
+    # The toy's own losses vary by 10x from step to step; the trap's spike is a million-fold.
+    spikes = {"spikes.policy": "rollback", "spikes.factor": 100.0, "spikes.window": 4, "spikes.min_history": 2}
+    spikes["checkpoint.interval"] = 2
+    runner, losses = _train(SpikeTrapRunner, tmp_path, epochs=None, steps=8, **{"replay.on_rollback": True}, **spikes)
+    assert not hasattr(runner, "error")
+    assert runner.update.spike_guard.rollbacks == 1 and runner.train_state.global_step == 8
+    (bundle,) = runner.diagnosis.replay.bundles
+    assert bundle.name == f"step-{runner.armed_at:08d}-rank0-rollback"
+    report = replay_bundle(bundle)
+    # The replay has no loss history, so nothing spikes: the update runs, to the very loss that spiked.
+    assert report.identical and report.error is None and report.finding is None
+    assert report.losses == [runner.spiked_loss] and runner.spiked_loss > 1000 * max(losses)
 
 
 def test_a_bundle_from_a_checkpoint_replays_the_updates_since(tmp_path):
