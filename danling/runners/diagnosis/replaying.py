@@ -122,6 +122,8 @@ class ReplayReport:
         m = self.manifest
         code = (m.get("code") or {}).get("code_id") or "unknown"
         same = "bit for bit the same" if self.identical else "DIFFERENT from the run"
+        if all(loss is None for loss in self.recorded):
+            same = "the run's step raised before it returned its loss: not compared"
         lines = [
             f"bundle:   {self.bundle}",
             f"recorded: global step {m['step']} on rank {m['rank']} of {m['world_size']}, reason {m['reason']}, "

@@ -59,17 +59,20 @@ class Probe(nn.Module):
 
 
 class Marked(Dataset):
-    """`make_data(n)`, with the samples in `indices` marked when `marked`."""
+    """`make_data(n)`, with the samples in `indices` marked when `marked`; with `after`, only the sample
+    fetched after `after` others is marked instead (a known step: batch `after // batch size + 1`)."""
 
-    def __init__(self, n: int, indices: tuple[int, ...], marked: bool) -> None:
-        self.data, self.indices, self.marked = make_data(n), indices, marked
+    def __init__(self, n: int, indices: tuple[int, ...], marked: bool, after: int | None = None) -> None:
+        self.data, self.indices, self.marked, self.after, self.fetched = make_data(n), indices, marked, after, 0
 
     def __len__(self) -> int:
         return len(self.data)
 
     def __getitem__(self, i: int):
         x, y = self.data[i]
-        if self.marked and i in self.indices:
+        fetched, self.fetched = self.fetched, self.fetched + 1
+        hit = i in self.indices if self.after is None else fetched == self.after
+        if self.marked and hit:
             x = x.clone()
             x[0] = MARK
         return x, y
@@ -84,11 +87,13 @@ class TrapRunner(TinyRunner):
     where = "forward"
     poison: tuple[int, ...] = (13,)
     poison_rank = 0
+    poison_after: int | None = None
 
     def __init__(self, config) -> None:
         super().__init__(config)
         self.model = Probe(self.where, self.dropout)
-        self.datasets.train = Marked(self.n_train, self.poison, self.rank == self.poison_rank)
+        marked = self.rank == self.poison_rank
+        self.datasets.train = Marked(self.n_train, self.poison, marked, self.poison_after)
         self.armed_at: int | None = None
         self.spiked_loss: float | None = None
 
@@ -117,7 +122,7 @@ class SpikeTrapRunner(TrapRunner):
 
 
 class RankOneTrapRunner(TrapRunner):
-    """Marked samples on rank 1 only: every eighth one, so that a 2-rank sampler hands some of them to rank 1."""
+    """The 13th sample rank 1 loads is marked: the first of its fourth batch, so global step 4 fails."""
 
-    poison = (5, 13, 21, 29)
+    poison_after = 12
     poison_rank = 1

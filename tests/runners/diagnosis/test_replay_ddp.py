@@ -47,8 +47,8 @@ def _nan_on_rank_one(rank: int, world_size: int, root: str) -> dict:
 def test_a_nan_on_one_rank_replays_on_one_process_and_names_the_module(tmp_path):
     first, second = run_distributed(_nan_on_rank_one, str(tmp_path), world_size=2, init_process_group=False)
 
-    # Rank 1 met the marked sample in the update after the last applied one; both ranks stopped there.
-    assert first["armed_at"] is None and second["armed_at"] == second["step"] + 1
+    # Rank 1 met the marked sample in its fourth batch; both ranks stopped before that update.
+    assert first["armed_at"] is None and second["armed_at"] == 4 and first["step"] == second["step"] == 3
     assert first["failure"] == second["failure"] == "TrainingDivergedError"
     (bundle,) = second["bundles"]
     assert Path(bundle).name == f"step-{second['armed_at']:08d}-rank1-nonfinite"
