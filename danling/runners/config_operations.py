@@ -198,6 +198,8 @@ class ReplayConfig(_TypedConfig):
         max_copy_bytes: With `on_nonfinite` or `on_rollback`, model and optimizer state up to this
             size are copied at the start of every update; larger ones are bundled as the newest
             checkpoint plus the micro-batches since (kept by reference until the next checkpoint).
+            Settled at the first update, where an optimizer without state yet counts as twice the
+            model (Adam's two moments).
         max_bundles: Failure bundles this rank writes per run (a NaN that persists would write one per
             update); the chosen steps (`capture_steps`) are always written.
         dir_name: Directory of the bundles, relative to the run directory.

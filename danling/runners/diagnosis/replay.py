@@ -186,7 +186,7 @@ class ReplayRecorder:
             self._window, self._state = None, None
             return
         if self._copy is None:
-            self._copy = _nbytes(self.setup.state()) <= self.max_copy_bytes
+            self._copy = _state_bytes(self.setup.state()) <= self.max_copy_bytes
         self._window = Window(step, capture_rng())
         if self._copy or chosen:
             # A chosen step larger than `max_copy_bytes` is copied to host memory, not the device's.
@@ -336,6 +336,15 @@ def _tensors(value: Any):
 
 def _nbytes(state: Mapping[str, Any]) -> int:
     return sum(tensor.numel() * tensor.element_size() for tensor in _tensors(state))
+
+
+def _state_bytes(state: Mapping[str, Any]) -> int:
+    """Bytes of the state to copy. Settled at the first update, before the optimizer has any state:
+    that is counted as twice the model's (Adam's two moments), so that the mode does not change later."""
+    optimizer = state.get("optimizer")
+    if optimizer is not None and not optimizer.get("state"):
+        return 3 * _nbytes(state.get("model") or {}) + _nbytes({k: v for k, v in state.items() if k != "model"})
+    return _nbytes(state)
 
 
 def _clone(value: Any, *, to_cpu: bool) -> Any:
