@@ -3,7 +3,9 @@
 Part 1 trains `bench_runner.py`'s small MLP (batch 32, 3 epochs, 64 updates per rank and epoch)
 on two CPU ranks under each setting in turn: plug-ins off, `stragglers.enabled`,
 `consistency.interval=1` and `=100`, `oom.policy=split` (no error is raised: the cost of the
-agreements alone), then off again (drift check); `--settings` picks some of them. For each it reports rank 0's
+agreements alone), replay bundles (`replay.capture_steps` of one step that the
+timed calls never reach: what every other step pays; `replay.on_nonfinite` in copy mode and in
+checkpoint mode), then off again (drift check); `--settings` picks some of them. For each it reports rank 0's
 Python calls per `train()` (under `cProfile`, exact and repeatable; waiting in a collective is no
 Python call) and the median wall time per update over `--repeats` timed `train()` calls after a
 warm-up. Step logs are on every `--log-interval` batches in every setting, since the straggler
@@ -37,6 +39,9 @@ SETTINGS = {
     "consistency every step": {"consistency.interval": 1},
     "consistency every 100 steps": {"consistency.interval": 100},
     "oom on": {"oom.policy": "split"},
+    "replay capture (other steps)": {"replay.capture_steps": [10**9]},
+    "replay on_nonfinite, copy": {"replay.on_nonfinite": True},
+    "replay on_nonfinite, ckpt": {"replay.on_nonfinite": True, "replay.max_copy_bytes": 0},
     "off (again)": {},
 }
 

@@ -6,6 +6,7 @@ danling diff RUN_A RUN_B [--json]     # config differences, best and latest resu
 danling ckpt PATH [--json]            # what a checkpoint holds, with its manifest verified
 danling report RUN [RUN ...] [--out]  # report.html and PNG plots, several runs overlaid
 danling reconcile RUN [--json] [--trust-pickle]  # repair aliases, result files and leftovers after a crash
+danling replay BUNDLE [--json] [--workdir DIR]    # re-run a failing update, name its first non-finite value
 ```
 
 Also available as `python -m danling`. [`main`][danling.cli.main] takes the argument list and
@@ -48,6 +49,10 @@ def build_parser() -> argparse.ArgumentParser:
     reconcile.add_argument(
         "--trust-pickle", action="store_true", help="read the checkpoints with the full unpickler (files you trust)"
     )
+    replay = commands.add_parser("replay", help="re-run a bundled update and name its first non-finite value")
+    replay.add_argument("bundle", help="bundle directory (<run dir>/replay/step-...)")
+    replay.add_argument("--json", action="store_true", help="print JSON instead of text")
+    replay.add_argument("--workdir", default=None, help="workspace root of the rebuilt runner (default: a temp dir)")
     return parser
 
 
@@ -68,6 +73,10 @@ def _dispatch(args: argparse.Namespace, out: TextIO) -> int:
         from .reconcile import reconcile_command
 
         return reconcile_command(args.run, args.json, out, trusted=args.trust_pickle)
+    if args.command == "replay":
+        from .replay import replay_command
+
+        return replay_command(args.bundle, args.json, out, args.workdir)
     from .report import report_command
 
     return report_command(args.runs, args.out, out)

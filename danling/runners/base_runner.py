@@ -38,7 +38,16 @@ from danling.utils.io import save as save_file
 from .checkpointing import CheckpointHooks, RunnerCheckpointing
 from .checkpointing.resume import LoopState
 from .config import RunnerConfig
-from .diagnosis import Diagnosis, DiagnosisSetup, build_diagnosis, build_oom_guard, replica_tensors
+from .diagnosis import (
+    Diagnosis,
+    DiagnosisSetup,
+    ReplayRecorder,
+    ReplaySetup,
+    build_diagnosis,
+    build_oom_guard,
+    describe_runner,
+    replica_tensors,
+)
 from .loop import EventBus, Events, LogContext, Loop, StepContext, StepHooks
 from .loop.budget import checked_count, default_interval, evaluation_default, length_of, selected_splits, step_budget
 from .registry import RUNNERS
@@ -1102,13 +1111,42 @@ class BaseRunner(CheckpointHooks, StepHooks, metaclass=MetaRunner):
         # The curves continue from the checkpoint's step: later points of the earlier run are dropped.
         self.trackers.resume_at(self.train_state.global_step)
 
-    # ==== diagnosis surface: the straggler monitor and the consistency sentinel (runner.diagnosis) ====
+    # ==== diagnosis surface: stragglers, consistency and replay plug-ins (runner.diagnosis) ====
     # (keep this marker; add this component's names right below it)
     def _build_diagnosis(self) -> Diagnosis:
-        """The plug-ins `stragglers.*`, `consistency.*` and `oom.*` turn on, on the event bus (none: no cost)."""
+        """The plug-ins `stragglers.*`, `consistency.*`, `oom.*` and `replay.*` turn on, subscribed (none: no cost)."""
         config = self.config
-        if not config.stragglers.enabled and config.consistency.interval is None and config.oom.policy is None:
-            return Diagnosis()
+        diagnosis = Diagnosis()
+        if config.stragglers.enabled or config.consistency.interval is not None or config.oom.policy is not None:
+            diagnosis = self._build_watchers()
+        recorder = ReplayRecorder(config.replay, self._replay_setup())  # refuses bad `replay.*` values when off too
+        if recorder.active:
+            recorder.attach(self.events)
+            diagnosis.replay = recorder
+        return diagnosis
+
+    def _replay_setup(self) -> ReplaySetup:
+        def state() -> dict[str, Any]:
+            optimizer, scheduler = self.optimizer, self.scheduler
+            return {
+                "model": self.unwrap(self.model).state_dict(),
+                "optimizer": None if optimizer is None else optimizer.state_dict(),
+                "scheduler": None if scheduler is None else scheduler.state_dict(),
+            }
+
+        return ReplaySetup(
+            events=self.events,
+            pending=lambda: self.update.pending,
+            state=state,
+            describe=lambda: describe_runner(type(self), self.config.dict(), self.code_id),
+            directory=lambda: self.workspace.path,
+            rank=self.rank,
+            world_size=self.world_size,
+            logger=self.logger,
+        )
+
+    def _build_watchers(self) -> Diagnosis:
+        config = self.config
         setup = DiagnosisSetup(
             events=self.events,
             supervisor=self.supervisor,

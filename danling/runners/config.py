@@ -38,6 +38,7 @@ from .config_operations import (
     InferenceConfig,
     NonFiniteConfig,
     OomConfig,
+    ReplayConfig,
     SlurmConfig,
     SpikeConfig,
     StragglerConfig,
@@ -151,6 +152,7 @@ class RunnerConfig(_TypedConfig):
         stragglers: Slow ranks named at step logs (off by default); see `StragglerConfig`.
         consistency: Replica consistency checks (off by default); see `ConsistencyConfig`.
         oom: Out-of-memory errors survived by all ranks together (off by default); see `OomConfig`.
+        replay: Bundles of failing updates for `danling replay` (off by default); see `ReplayConfig`.
 
     Examples:
         >>> config = RunnerConfig()
@@ -193,6 +195,7 @@ class RunnerConfig(_TypedConfig):
         "stragglers",
         "consistency",
         "oom",
+        "replay",
     )
     # Features no runner of this version implements; a backend lifts one by naming it in its
     # `supported_features` (and the entry is dropped once every runner reads those keys).
@@ -268,6 +271,7 @@ class RunnerConfig(_TypedConfig):
     stragglers: StragglerConfig = StragglerConfig()
     consistency: ConsistencyConfig = ConsistencyConfig()
     oom: OomConfig = OomConfig()
+    replay: ReplayConfig = ReplayConfig()
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__()

@@ -1,7 +1,7 @@
 """Sections of [`RunnerConfig`][danling.runners.config.RunnerConfig] about how a run is operated and
 protected rather than what it trains: heartbeats, the hang watchdog, non-finite checks, loss-spike
 recovery, Slurm preemption, inference into files, and the diagnosis plug-ins (stragglers, replica
-consistency, out-of-memory recovery). None of them is part of the experiment's identity.
+consistency, out-of-memory recovery, replayable failures). None of them is part of the experiment's identity.
 """
 
 from .config_sections import _TypedConfig
@@ -12,6 +12,7 @@ __all__ = [
     "InferenceConfig",
     "NonFiniteConfig",
     "OomConfig",
+    "ReplayConfig",
     "SlurmConfig",
     "SpikeConfig",
     "StragglerConfig",
@@ -202,3 +203,34 @@ class OomConfig(_TypedConfig):
     policy: str | None = None
     max_consecutive: int = 3
     max_splits: int = 3
+class ReplayConfig(_TypedConfig):
+    """Replayable failures (`replay.*`): a bundle to re-run one failing update on one process.
+
+    On a non-finite training loss or dropped non-finite update (`on_nonfinite`), a loss-spike
+    rollback (`on_rollback`) or a chosen update (`capture_steps`), a rank writes a bundle under
+    `<run dir>/<dir_name>/`: the micro-batches of the update, the RNG states, the model and
+    optimizer state before it, the config and the code version. `danling replay BUNDLE` re-runs it
+    and names the first module whose output (forward) or gradient (backward) is not finite.
+
+    Attributes:
+        on_nonfinite: Bundle the first update whose loss is not finite on this rank, or that the
+            non-finite check drops (one host synchronisation per micro-batch while on).
+        on_rollback: Bundle the update a loss-spike rollback (`spikes.policy=rollback`) leaves.
+        capture_steps: Global steps (the step an update brings `global_step` to) to bundle
+            whatever happens; only these updates pay for the copy.
+        max_copy_bytes: With `on_nonfinite` or `on_rollback`, model and optimizer state up to this
+            size are copied at the start of every update; larger ones are bundled as the newest
+            checkpoint plus the micro-batches since (kept by reference until the next checkpoint).
+            Settled at the first update, where an optimizer without state yet counts as twice the
+            model (Adam's two moments).
+        max_bundles: Failure bundles this rank writes per run (a NaN that persists would write one per
+            update); the chosen steps (`capture_steps`) are always written.
+        dir_name: Directory of the bundles, relative to the run directory.
+    """
+
+    on_nonfinite: bool = False
+    on_rollback: bool = False
+    capture_steps: list[int] = []
+    max_copy_bytes: int = 1 << 28
+    max_bundles: int = 1
+    dir_name: str = "replay"

@@ -1,4 +1,4 @@
-"""Diagnosis plug-ins of the event bus: slow ranks named, replicas checked, out-of-memory errors survived.
+"""Diagnosis plug-ins of the event bus: slow ranks named, replicas checked, OOMs survived, failures replayed.
 
 Each plug-in is off by default and then costs nothing: nothing is subscribed and no batch does
 any extra work. [`build_diagnosis`][danling.runners.diagnosis.build_diagnosis] builds the ones the
@@ -10,6 +10,8 @@ config turns on and subscribes them; the runner keeps them as `runner.diagnosis`
   (`consistency.*`): checksums of the replicated tensors compared every `consistency.interval` steps.
 - [`OutOfMemoryGuard`][danling.runners.diagnosis.oom.OutOfMemoryGuard] (`oom.*`): a micro-batch
   out of memory on any rank is skipped or split by every rank together.
+- [`ReplayRecorder`][danling.runners.diagnosis.replay.ReplayRecorder] (`replay.*`): a bundle of a
+  failing (or chosen) update that `danling replay` re-runs on one process.
 """
 
 from __future__ import annotations
@@ -25,6 +27,10 @@ from ..config_operations import ConsistencyConfig, OomConfig, StragglerConfig
 from ..loop.events import EventBus
 from .consistency import ConsistencySentinel, ReplicaMismatch, ReplicaRollback, replica_tensors, tensor_checksum
 from .oom import OutOfMemoryAbort, OutOfMemoryGuard, is_out_of_memory, split_micro_batch
+from ..config_operations import ConsistencyConfig, ReplayConfig, StragglerConfig
+from ..loop.events import EventBus
+from .consistency import ConsistencySentinel, ReplicaMismatch, ReplicaRollback, replica_tensors, tensor_checksum
+from .replay import ReplayRecorder, ReplaySetup, describe_runner
 from .stragglers import PhaseClock, Straggler, StragglerMonitor, name_straggler
 
 __all__ = [
@@ -36,6 +42,9 @@ __all__ = [
     "OutOfMemoryAbort",
     "OutOfMemoryGuard",
     "PhaseClock",
+    "ReplayConfig",
+    "ReplayRecorder",
+    "ReplaySetup",
     "ReplicaMismatch",
     "ReplicaRollback",
     "Straggler",
@@ -44,6 +53,7 @@ __all__ = [
     "build_diagnosis",
     "build_oom_guard",
     "is_out_of_memory",
+    "describe_runner",
     "name_straggler",
     "replica_tensors",
     "split_micro_batch",
@@ -62,11 +72,14 @@ class Diagnosis:
             (`consistency.interval`); `consistency.mismatches` lists what it found.
         oom: The [`OutOfMemoryGuard`][danling.runners.diagnosis.oom.OutOfMemoryGuard] (`oom.policy`);
             `oom.count` is the out-of-memory errors survived so far.
+        replay: The [`ReplayRecorder`][danling.runners.diagnosis.replay.ReplayRecorder] (`replay.*`);
+            `replay.bundles` lists the bundles written.
     """
 
     stragglers: StragglerMonitor | None = None
     consistency: ConsistencySentinel | None = None
     oom: OutOfMemoryGuard | None = None
+    replay: ReplayRecorder | None = None
 
 
 @dataclass(frozen=True)

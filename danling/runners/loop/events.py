@@ -86,7 +86,10 @@ class EpochContext:
 
 @dataclass(slots=True)
 class StepContext:
-    """One batch; `loss` is what the step returned (possibly a device tensor: `.item()` syncs)."""
+    """One batch; `loss` is what the step returned (possibly a device tensor: `.item()` syncs).
+
+    `data` is the batch as the loader gave it (a reference: subscribers must not change it).
+    """
 
     runner: Any
     split: str
@@ -94,6 +97,7 @@ class StepContext:
     global_step: int
     loss: Any = None
     error: BaseException | None = None
+    data: Any = None
 
 
 @dataclass(slots=True)

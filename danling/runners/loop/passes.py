@@ -299,7 +299,7 @@ class PassEngine:
 
     def _observed_step(self, step: Any, data: Any, split: str, index: int) -> Any:
         """Run one step between `STEP_START` and `STEP_END` (which fires with the error if the step fails)."""
-        context = StepContext(self.host, split, index, self.host.train_state.global_step)
+        context = StepContext(self.host, split, index, self.host.train_state.global_step, data=data)
         with self.events.pair(Events.STEP_START, Events.STEP_END, context):
             _, loss = step(data)
             context.loss, context.global_step = loss, self.host.train_state.global_step
