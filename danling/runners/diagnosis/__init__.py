@@ -23,13 +23,10 @@ from typing import Any
 
 import torch
 
-from ..config_operations import ConsistencyConfig, OomConfig, StragglerConfig
+from ..config_operations import ConsistencyConfig, OomConfig, ReplayConfig, StragglerConfig
 from ..loop.events import EventBus
 from .consistency import ConsistencySentinel, ReplicaMismatch, ReplicaRollback, replica_tensors, tensor_checksum
 from .oom import OutOfMemoryAbort, OutOfMemoryGuard, is_out_of_memory, split_micro_batch
-from ..config_operations import ConsistencyConfig, ReplayConfig, StragglerConfig
-from ..loop.events import EventBus
-from .consistency import ConsistencySentinel, ReplicaMismatch, ReplicaRollback, replica_tensors, tensor_checksum
 from .replay import ReplayRecorder, ReplaySetup, describe_runner
 from .stragglers import PhaseClock, Straggler, StragglerMonitor, name_straggler
 
@@ -52,8 +49,8 @@ __all__ = [
     "StragglerMonitor",
     "build_diagnosis",
     "build_oom_guard",
-    "is_out_of_memory",
     "describe_runner",
+    "is_out_of_memory",
     "name_straggler",
     "replica_tensors",
     "split_micro_batch",
