@@ -130,9 +130,13 @@ class FaultTolerance:
         # loop position, before its loop reads it), and again before each update's first batch.
         events.subscribe(Events.RUN_START, self._on_run_start)
         events.subscribe(Events.STEP_START, self._on_step_start)
+        # A quorum opened at STEP_START comes after the loop drew the update's first batch, when the loop
+        # has not counted it yet: a peer recovering then gets the loader states of before that draw.
+        self._undrawn: dict[str, Any] = {}  # split: loader state before the next update's batches were drawn
+        self._drawn = False  # the quorum under way follows the draw of its update's first batch
+        events.subscribe(Events.PASS_START, self._on_pass_start)
+        events.subscribe(Events.STEP_END, self._on_step_end)
         self._saved_step: int | None = None  # the step of the group's newest saved data position
-        if positions is not None:
-            events.subscribe(Events.STEP_END, self._on_step_end)
 
     @property
     def logger(self) -> logging.Logger:
@@ -145,7 +149,20 @@ class FaultTolerance:
 
     def _on_step_start(self, context: Any) -> None:
         if self.host.mode == "train":
-            self.begin_step()
+            self._drawn = True
+            try:
+                self.begin_step()
+            finally:
+                self._drawn = False
+
+    def _on_pass_start(self, context: Any) -> None:
+        if context.mode == "train":  # before the pass draws its first batch
+            self._keep_undrawn(context.split)
+
+    def _keep_undrawn(self, split: str) -> None:
+        loader = self.host.dataloaders.get(split)
+        if callable(getattr(loader, "state_dict", None)):
+            self._undrawn[split] = loader.state_dict()
 
     def _store(self, group_rank: int, group_world_size: int) -> tuple[str, int]:
         """The replica group's TCP store: the launcher's (torchrun, a running process group), else a private one."""
@@ -268,8 +285,19 @@ class FaultTolerance:
 
     # ------------------------------------------------------------------ recovery
     def _peer_state(self) -> Mapping[str, Any]:
-        """The live runner payload a recovering peer receives (called on TorchFT's quorum thread)."""
-        return self.host.state_dict()
+        """The live runner payload a recovering peer receives (called on TorchFT's quorum thread).
+
+        Its loader states are those the loop position stands at: when the quorum follows the draw of
+        the update's first batch (not yet counted by the loop), the training loaders' states from
+        before that draw, so the recovering group draws that batch of its own share itself.
+        """
+        payload = self.host.state_dict()
+        loaders = payload.get("dataloaders")
+        if not (self._drawn and loaders):
+            return payload
+        payload = dict(payload)
+        payload["dataloaders"] = {split: self._undrawn.get(split, state) for split, state in loaders.items()}
+        return payload
 
     def _load_peer_state(self, payload: Mapping[str, Any]) -> None:
         """Load a healthy peer's payload: model, optimizer, scheduler, loop position, RNG and results.
@@ -311,10 +339,14 @@ class FaultTolerance:
         return payload
 
     def _on_step_end(self, context: Any) -> None:
-        """Save the group's data position once an update is applied (not within a window, not after a failure)."""
+        """Once an update's window closed: keep the loader state the next update starts from and, with
+        per-replica dataloader checkpoints, save the group's data position (not after a failure)."""
         host = self.host
+        if host.mode != "train" or getattr(context, "error", None) is not None or self._open:
+            return
+        self._keep_undrawn(context.split)
         step = int(host.train_state.global_step)
-        if host.mode != "train" or getattr(context, "error", None) is not None or step == self._saved_step:
+        if self.positions is None or step == self._saved_step:
             return
         self._saved_step, loop = step, host.loop_state
         # STEP_END comes before the loop counts the batch it closes: that batch is trained.

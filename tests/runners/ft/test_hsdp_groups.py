@@ -47,6 +47,10 @@ def test_a_killed_sharded_group_rejoins_from_its_peer_while_the_other_keeps_trai
     assert all(torch.equal(first[key], second[key]) for key in first), "the groups' full weights differ"
     recovered = [e for e in events(ft.control, "1") if e["event"] == "replica_recovered"]
     assert recovered and recovered[-1]["from_step"] == 0 and recovered[-1]["step"] >= at_kill + 3
+    # The peer's count (one batch per update, in the first pass), and the loaders of both ranks stand
+    # there too: no batch of the group's share skipped.
+    position = [e for e in events(ft.control, "1") if e["event"] == "data_position"][-1]
+    assert position == {"event": "data_position", "batch": recovered[-1]["step"], "yielded": recovered[-1]["step"]}
     survivor = [e["event"] for e in events(ft.control, "0")]
     assert "replica_left" in survivor and "replica_joined" in survivor
     assert results["0"]["summary"]["uncommitted"] <= 1

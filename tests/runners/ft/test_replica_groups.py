@@ -58,6 +58,10 @@ def test_a_killed_group_rejoins_from_its_peer_while_the_other_keeps_training(job
     assert _same_weights(results)
     recovered = [e for e in events(ft.control, "1") if e["event"] == "replica_recovered"]
     assert recovered and recovered[-1]["from_step"] == 0 and recovered[-1]["step"] >= at_kill + 5
+    # Without its own dataloader checkpoint the group continues at the peer's count (one batch per
+    # update, in the first pass), and its loader stands there too: no batch of its share skipped.
+    position = [e for e in events(ft.control, "1") if e["event"] == "data_position"][-1]
+    assert position == {"event": "data_position", "batch": recovered[-1]["step"], "yielded": recovered[-1]["step"]}
     survivor = [e["event"] for e in events(ft.control, "0")]
     assert "replica_left" in survivor and "replica_joined" in survivor
     # Steps lost: the updates the survivor could not commit when its peer died (the killed group's
