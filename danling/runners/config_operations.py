@@ -203,6 +203,8 @@ class OomConfig(_TypedConfig):
     policy: str | None = None
     max_consecutive: int = 3
     max_splits: int = 3
+
+
 class ReplayConfig(_TypedConfig):
     """Replayable failures (`replay.*`): a bundle to re-run one failing update on one process.
 

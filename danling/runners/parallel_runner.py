@@ -159,7 +159,9 @@ class ParallelRunner(TorchRunner):
             give the copy other parameter names than the model's (checkpoints pair them by name).
         """
         if self.ema is None and self.config.ema.enabled and self._splits_weights():
-            self.ema = EMA(self._local_model(), decay=self.config.ema.decay, runnable=False)
+            # the local parts as one tree under the whole model's names; the EMA follows this view
+            parts = [self.unwrap(part) for part in self.model_parts or [self.model]]
+            self.ema = EMA(merge_parts(parts), decay=self.config.ema.decay, runnable=False)
             return
         super().materialize_ema()
 
@@ -168,15 +170,6 @@ class ParallelRunner(TorchRunner):
         topology = self.topology
         sharded = bool(self.config.fsdp.enabled) and topology.size("shard") > 1
         return self.distributed and (sharded or topology.size("tensor") > 1 or topology.size("pipeline") > 1)
-
-    def _local_model(self) -> nn.Module:
-        """All local parts as one module under the whole model's names (cached while the parts stay the same)."""
-        parts = [self.unwrap(part) for part in self.model_parts or [self.model]]
-        key = tuple(map(id, parts))
-        cached = self.__dict__.get("_merged_parts")
-        if cached is None or cached[0] != key:
-            cached = self._merged_parts = (key, merge_parts(parts))
-        return cached[1]
 
     def parallelize_model(self, model: nn.Module) -> nn.Module:
         """Tensor parallelism for one local part: the model's `parallelize(parallel)`, else `parallel.tensor_plan`.

@@ -619,7 +619,7 @@ class TorchRunner(BaseRunner):
         applied = self._replicas_commit() and self._apply_update()
         if applied:
             if isinstance(self.ema, EMA):
-                self.ema.update(self._local_model())
+                self.ema.update(self.model if self.ema.live is None else self.ema.live)
             self.apply_train_timeout()
         return applied
 
@@ -752,7 +752,7 @@ class TorchRunner(BaseRunner):
     @contextmanager
     def _with_ema_weights(self, ema: EMA, grad_free: AbstractContextManager) -> Iterator[None]:
         # swapped outside inference mode: the live weights must stay normal tensors for training
-        with ema.swap(self._local_model()), grad_free:
+        with ema.swap(ema.live), grad_free:
             yield
 
     # ------------------------------------------------------------------ step hooks
@@ -1167,10 +1167,6 @@ class TorchRunner(BaseRunner):
         self.logger.info("%s", format_run_summary(self._run_summary()))
 
     # ------------------------------------------------------------------ misc
-    def _local_model(self) -> nn.Module:
-        """The module that holds all of this rank's weights: the model (a parallel runner's local parts as one)."""
-        return self.model
-
     def unwrap(self, model: Any) -> Any:
         """The plain module inside DDP / `torch.compile` wrappers (the averaged module for an `EMA`).
 

@@ -64,6 +64,12 @@ FOREIGN: dict[tuple[str, str], str] = {
     ),
     ("danling/distributed/pipeline_parts.py", "node._modules"): "nn.Module's child registry (no public lookup by name)",
     ("danling/distributed/parts.py", "target._modules"): "nn.Module's child registry (no public replace by name)",
+    ("danling/distributed/fsdp.py", "mesh[dims]._flatten"): (
+        "DeviceMesh names a group over several dimensions only through `_flatten` (no public API in torch 2.13)"
+    ),
+    ("danling/distributed/fsdp.py", "DistributedDataParallel._set_params_and_buffers_to_ignore_for_model"): (
+        "DDP's only way to leave some parameters (the experts, reduced over expert_data) out of its all-reduce"
+    ),
 }
 
 

@@ -62,6 +62,17 @@ class EMA(nn.Module):
         source = unwrap_model(model)
         self.module = copy.deepcopy(source) if runnable else _weights_copy(source, {})
         self.module.requires_grad_(False)
+        # a tuple, so the live module is not registered as a submodule (its weights are not the EMA's state)
+        self._live = () if runnable else (source,)
+
+    @property
+    def live(self) -> nn.Module | None:
+        """The live module a weights-only EMA was made from and follows (`None` for a runnable copy).
+
+        For a pipeline rank this is its local stages laid over one tree: the runner updates the EMA
+        from it and swaps the averaged weights into it.
+        """
+        return self._live[0] if self._live else None
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if not self.runnable:
