@@ -118,8 +118,8 @@ trainer.fit(Module(), DataLoader(data, batch_size=32))
 )
 
 IMPORTS = {
-    "python (no import)": ("pass", None),
     "import torch": ("import torch", None),
+    "python (no import)": ("pass", None),
     "import danling": ("import danling", None),
     "import lightning": ("import lightning", "lightning"),
 }
@@ -144,7 +144,9 @@ def run(code: str, workspace: str) -> tuple[float, float]:
     main, child_end = pty.openpty()
     drained = threading.Thread(target=drain, args=(main,))
     launched = time.time()
-    command = [sys.executable, "-c", code, workspace]
+    # A fresh workspace root per launch: runs left by earlier launches would make the runner look
+    # through more run directories each time (and write versioned ones), which a first run never does.
+    command = [sys.executable, "-c", code, tempfile.mkdtemp(dir=workspace)]
     child = subprocess.Popen(command, stdout=child_end, stderr=subprocess.PIPE, env=CHILD_ENV)
     os.close(child_end)
     drained.start()
@@ -185,20 +187,33 @@ def table(title: str, candidates: dict[str, str], baseline: str, rounds: int, wo
             walls[name].append(wall)
             cpus[name].append(cpu)
         loads.append(os.getloadavg()[0])
-    header = f"| process | wall (ms) | ratio to {baseline} | CPU (ms) | CPU ratio |"
-    lines = [f"### {title}\n", header, "| --- | ---: | ---: | ---: | ---: |"]
+    header = f"| process | wall (ms) | ratio to {baseline} (IQR) | fastest / fastest | CPU (ms) | CPU ratio (IQR) |"
+    lines = [f"### {title}\n", header, "| --- | ---: | ---: | ---: | ---: | ---: |"]
     for name in names:
-        wall = statistics.median(mine / base for mine, base in zip(walls[name], walls[baseline]))
-        cpu = statistics.median(mine / base for mine, base in zip(cpus[name], cpus[baseline]))
-        row = f"| {name} | {statistics.median(walls[name]) * 1e3:.0f} | {wall:.3f} "
-        lines.append(row + f"| {statistics.median(cpus[name]) * 1e3:.0f} | {cpu:.3f} |")
+        wall = spread([mine / base for mine, base in zip(walls[name], walls[baseline])])
+        cpu = spread([mine / base for mine, base in zip(cpus[name], cpus[baseline])])
+        fastest = min(walls[name]) / min(walls[baseline])  # noise only adds time: the floors compare cleanly
+        row = f"| {name} | {statistics.median(walls[name]) * 1e3:.0f} | {wall} | {fastest:.3f} "
+        lines.append(row + f"| {statistics.median(cpus[name]) * 1e3:.0f} | {cpu} |")
     lines.append(f"\n{rounds} rounds; 1-minute load average {min(loads):.2f}-{max(loads):.2f} during the run.")
     return "\n".join(lines)
 
 
-def available(candidates: dict[str, tuple[str, str | None]], notes: list[str]) -> dict[str, str]:
+def spread(ratios: list[float]) -> str:
+    """`median (first quartile-third quartile)` of per-round ratios."""
+    if len(ratios) < 2:
+        return f"{ratios[0]:.3f}"
+    low, _, high = statistics.quantiles(ratios, n=4, method="inclusive")
+    return f"{statistics.median(ratios):.3f} ({low:.3f}-{high:.3f})"
+
+
+def available(
+    candidates: dict[str, tuple[str, str | None]], notes: list[str], select: list[str] | None
+) -> dict[str, str]:
     kept = {}
-    for name, (code, package) in candidates.items():
+    for index, (name, (code, package)) in enumerate(candidates.items()):
+        if index and select and not any(text in name for text in select):  # the first is the baseline
+            continue
         if package is not None and importlib.util.find_spec(package) is None:
             notes.append(f"{name} skipped: `{package}` is not installed (pip install -e '.[bench]')")
         else:
@@ -211,6 +226,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--quick", action="store_true", help="one round, no warm-up pass (a smoke run)")
     parser.add_argument("--only", choices=["imports", "first-step"], help="one of the two tables")
+    parser.add_argument("--select", nargs="+", metavar="TEXT", help="only candidates whose name holds one of these")
     args = parser.parse_args(argv)
     rounds, warm = (1, False) if args.quick else (args.rounds, True)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -219,10 +235,10 @@ def main(argv: list[str] | None = None) -> None:
         CHILD_ENV.pop("PYTHONDONTWRITEBYTECODE", None)
         CHILD_ENV["PYTHONPYCACHEPREFIX"] = os.path.join(workspace, "pycache")
         if args.only != "first-step":
-            imports = available(IMPORTS, notes)
+            imports = available(IMPORTS, notes, args.select)
             print(table("Import time, whole process", imports, "import torch", rounds, workspace, warm) + "\n")
         if args.only != "imports":
-            first = available(FIRST_STEP, notes)
+            first = available(FIRST_STEP, notes, args.select)
             title = "Launch to the end of the first optimizer step, whole process"
             print(table(title, first, "hand-written (torch)", rounds, workspace, warm) + "\n")
     for note in notes:
