@@ -227,6 +227,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="one round, no warm-up pass (a smoke run)")
     parser.add_argument("--only", choices=["imports", "first-step"], help="one of the two tables")
     parser.add_argument("--select", nargs="+", metavar="TEXT", help="only candidates whose name holds one of these")
+    parser.add_argument("--before", metavar="DIR", help="also the default-config runner from this source tree")
     args = parser.parse_args(argv)
     rounds, warm = (1, False) if args.quick else (args.rounds, True)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -239,6 +240,11 @@ def main(argv: list[str] | None = None) -> None:
             print(table("Import time, whole process", imports, "import torch", rounds, workspace, warm) + "\n")
         if args.only != "imports":
             first = available(FIRST_STEP, notes, args.select)
+            if args.before:  # the same runner from another tree: its directory goes first on sys.path
+                tree = os.path.abspath(args.before)
+                first[f"danling TorchRunner, default config + TensorBoard, {tree}"] = (
+                    f"import sys\nsys.path.insert(0, {tree!r})\n" + RUNNER_DEFAULT
+                )
             title = "Launch to the end of the first optimizer step, whole process"
             print(table(title, first, "hand-written (torch)", rounds, workspace, warm) + "\n")
     for note in notes:
