@@ -6,20 +6,22 @@ share shrinks as the model grows), and how large is it against the noise of the 
 Workload: the MLP of `bench_runner.py` (64 features, two hidden layers of width H, 10 classes),
 batch 32, AdamW, cross-entropy, one epoch of a train pass and a short validation pass, for
 H = 64 ... 2048 (about 0.3 ms to 30 ms of compute per step on one thread). Candidates per width,
-built afresh every round as in `bench_runner.py` (`training_rounds`, whole `train()` calls in a
-random order each round, one untimed warm-up call each): the hand-written loop, a second copy of
+built afresh every round as in `bench_runner.py` (`training_rounds`, in a random order each
+round, one untimed warm-up call each): the hand-written loop, a second copy of
 it (the A/A control), the runner with the loop's own `DataLoader`s (the runner's own overhead)
 and the runner with its own loaders (what a user gets).
 
-Per width it reports the hand-written loop's time per train step and, for the other candidates,
-the extra time per train step in microseconds: (median call time - the hand-written loop's median
-call time) / train steps, with the interquartile range of the paired per-round ratios turned
-into microseconds the same way. `--plot FILE` draws the extra time against the compute per step
-(the figure on the benchmarks page is `docs/images/step-overhead.png`); `--json FILE` keeps the
-numbers.
+By default the candidates run in lockstep, 8 batches each in turn (`common.Lockstep`; the CPU's
+drift cancels, see `bench_runner.py`), `--turn 0` times whole calls in turn instead. Per width it
+reports the hand-written loop's time per train step and, for the other candidates, the extra
+time per train step in microseconds: (median of the per-round ratios to the hand-written loop -
+1) x its time per step, with the interquartile range of those ratios turned into microseconds
+the same way. The time per step includes the epoch's bookkeeping spread over its steps.
+`--plot FILE` draws the extra time against the compute per step (the figure on the benchmarks
+page is `docs/images/step-overhead.png`); `--json FILE` keeps the numbers.
 
-Usage: ``OMP_NUM_THREADS=1 python benchmarks/bench_step_overhead.py [--rounds 7] [--widths 64 256 1024]
-[--plot FILE.png] [--json FILE] [--quick]``.
+Usage: ``OMP_NUM_THREADS=1 python benchmarks/bench_step_overhead.py [--rounds 7] [--turn 8]
+[--widths 64 256 1024] [--plot FILE.png] [--json FILE] [--quick]``.
 """
 
 from __future__ import annotations
@@ -49,21 +51,19 @@ def workload(width: int, steps: int) -> str:
     return name
 
 
-def measure(width: int, rounds: int, root: str, steps: int) -> dict:
+def measure(width: int, rounds: int, root: str, steps: int, turn: int) -> dict:
     name = workload(width, steps)
-    summary = training_rounds(root, name, ablate=False, rounds=rounds, turn=0)
-    base = summary[HANDWRITTEN[0]][0]
-    row: dict = {"width": width, "steps": steps, "rounds": rounds, "step_ms": base / steps * 1e3, "extra_us": {}}
-    for candidate, (seconds, q1, median, q3) in summary.items():
-        if candidate == HANDWRITTEN[0]:
-            continue
-        per_step = base / steps * 1e6  # the ratio's spread in microseconds of a hand-written step
-        row["extra_us"][candidate] = {
-            "median": (seconds - base) / steps * 1e6,
-            "q1": (q1 - 1) * per_step,
-            "q3": (q3 - 1) * per_step,
-            "ratio": median,
-        }
+    summary = training_rounds(root, name, ablate=False, rounds=rounds, turn=turn)
+    base = summary[HANDWRITTEN[0]][0] / steps * 1e6  # the hand-written loop's time per train step (us)
+    row: dict = {"width": width, "steps": steps, "rounds": rounds, "step_ms": base / 1e3, "extra_us": {}}
+    for candidate, (_, q1, median, q3) in summary.items():
+        if candidate != HANDWRITTEN[0]:  # the paired ratios, turned into microseconds of a hand-written step
+            row["extra_us"][candidate] = {
+                "median": (median - 1) * base,
+                "q1": (q1 - 1) * base,
+                "q3": (q3 - 1) * base,
+                "ratio": median,
+            }
     return row
 
 
@@ -116,6 +116,7 @@ def plot(rows: list[dict], path: Path) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--turn", type=int, default=8, help="batches per turn (0: whole calls in turn)")
     parser.add_argument("--widths", type=int, nargs="+", default=[64, 128, 256, 512, 1024, 2048])
     parser.add_argument("--quick", action="store_true", help="2 rounds of a quarter of the steps (a smoke run)")
     parser.add_argument("--plot", type=Path, help="draw the overhead against the compute per step here (PNG)")
@@ -132,10 +133,11 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory() as root:
         for width in args.widths:
             steps = max(8, STEPS[width] // 4) if args.quick else STEPS[width]
-            rows.append(measure(width, rounds, root, steps))
+            rows.append(measure(width, rounds, root, steps, args.turn))
             print(f"H={width}: {json.dumps(rows[-1])}", file=sys.stderr, flush=True)
     load = os.getloadavg()[0]
-    print(f"### Extra time per train step, {rounds} rounds per width\n\n{table(rows)}\n")
+    method = f"{args.turn} batches per turn" if args.turn else "whole calls in turn"
+    print(f"### Extra time per train step, {rounds} rounds per width, {method}\n\n{table(rows)}\n")
     print(f"1-minute load average at the end: {load:.2f}")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2) + "\n")
