@@ -11,8 +11,9 @@ round, one untimed warm-up call each): the hand-written loop, a second copy of
 it (the A/A control), the runner with the loop's own `DataLoader`s (the runner's own overhead)
 and the runner with its own loaders (what a user gets).
 
-By default the candidates run in lockstep, 8 batches each in turn (`common.Lockstep`; the CPU's
-drift cancels, see `bench_runner.py`), `--turn 0` times whole calls in turn instead. Per width it
+Up to H = 512 the candidates run in lockstep, 8 batches each in turn (`common.Lockstep`; the
+CPU's drift cancels, see `bench_runner.py`); wider models time whole calls in turn (see
+`LOCKSTEP_UP_TO`), which the drift makes several times noisier; `--turn N` sets one method for all. Per width it
 reports the hand-written loop's time per train step and, for the other candidates, the extra
 time per train step in microseconds: (median of the per-round ratios to the hand-written loop -
 1) x its time per step, with the interquartile range of those ratios turned into microseconds
@@ -43,6 +44,10 @@ from bench_runner import HANDWRITTEN, WORKLOADS, training_rounds
 # for several rounds of four candidates within a few minutes.
 STEPS = {64: 512, 128: 384, 256: 256, 512: 96, 1024: 48, 2048: 16}
 BATCH = 32
+# Lockstep cancels the CPU's drift, but from H = 1024 on the four models' weights and AdamW states
+# (13 MB each at 1024) evict each other at every turn, which no loop running alone suffers (the A/A
+# control and the runners then read 0.7-0.95x): those widths time whole calls in turn.
+LOCKSTEP_UP_TO = 512
 
 
 def workload(width: int, steps: int) -> str:
@@ -55,7 +60,7 @@ def measure(width: int, rounds: int, root: str, steps: int, turn: int) -> dict:
     name = workload(width, steps)
     summary = training_rounds(root, name, ablate=False, rounds=rounds, turn=turn)
     base = summary[HANDWRITTEN[0]][0] / steps * 1e6  # the hand-written loop's time per train step (us)
-    row: dict = {"width": width, "steps": steps, "rounds": rounds, "step_ms": base / 1e3, "extra_us": {}}
+    row: dict = {"width": width, "steps": steps, "rounds": rounds, "turn": turn, "step_ms": base / 1e3, "extra_us": {}}
     for candidate, (_, q1, median, q3) in summary.items():
         if candidate != HANDWRITTEN[0]:  # the paired ratios, turned into microseconds of a hand-written step
             row["extra_us"][candidate] = {
@@ -70,17 +75,18 @@ def measure(width: int, rounds: int, root: str, steps: int, turn: int) -> dict:
 def table(rows: list[dict]) -> str:
     names = list(rows[0]["extra_us"])
     lines = [
-        "| width H | hand-written step (ms) | "
+        "| width H | method | hand-written step (ms) | "
         + " | ".join(f"{name}: extra us per step (IQR)" for name in names)
         + " |",
-        "| ---: | ---: | " + " | ".join("---:" for _ in names) + " |",
+        "| ---: | --- | ---: | " + " | ".join("---:" for _ in names) + " |",
     ]
     for row in rows:
         cells = []
         for name in names:
             extra = row["extra_us"][name]
             cells.append(f"{extra['median']:+.0f} ({extra['q1']:+.0f} to {extra['q3']:+.0f}), {extra['ratio']:.3f}x")
-        lines.append(f"| {row['width']} | {row['step_ms']:.2f} | " + " | ".join(cells) + " |")
+        method = f"{row['turn']} batches per turn" if row["turn"] else "whole calls in turn"
+        lines.append(f"| {row['width']} | {method} | {row['step_ms']:.2f} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -91,19 +97,31 @@ def plot(rows: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     figure, (extra, share) = plt.subplots(1, 2, figsize=(11, 4.2))
-    compute = [row["step_ms"] for row in rows]
     for name, marker in zip(rows[0]["extra_us"], ("o", "s", "^")):
-        points = [row["extra_us"][name] for row in rows]
-        medians = [p["median"] for p in points]
-        spread = [[p["median"] - p["q1"] for p in points], [p["q3"] - p["median"] for p in points]]
-        spread = [[max(value, 0.0) for value in side] for side in spread]
-        extra.errorbar(compute, medians, yerr=spread, marker=marker, capsize=3, label=name)
-        share.semilogx(compute, [(p["ratio"] - 1) * 100 for p in points], marker=marker, label=name)
+        for lockstep in (True, False):
+            chosen = [row for row in rows if bool(row["turn"]) == lockstep]
+            if not chosen:
+                continue
+            compute = [row["step_ms"] for row in chosen]
+            points = [row["extra_us"][name] for row in chosen]
+            medians = [p["median"] for p in points]
+            spread = [
+                [max(p["median"] - p["q1"], 0.0) for p in points],
+                [max(p["q3"] - p["median"], 0.0) for p in points],
+            ]
+            style = {"marker": marker, "capsize": 3, "color": f"C{list(rows[0]['extra_us']).index(name)}"}
+            if not lockstep:
+                style.update(markerfacecolor="none", linestyle=":")
+            label = name if lockstep else f"{name} (whole calls in turn)"
+            extra.errorbar(compute, medians, yerr=spread, label=label, **style)
+            share.errorbar(compute, [(p["ratio"] - 1) * 100 for p in points], label=label, **style)
     extra.set_xscale("log")
+    extra.set_yscale("symlog", linthresh=100)  # tens of microseconds and the noise of milliseconds, both legible
+    share.set_xscale("log")
     extra.axhline(0, color="black", linewidth=0.6)
     share.axhline(0, color="black", linewidth=0.6)
     extra.set(xlabel="hand-written loop: compute per train step (ms)", ylabel="extra time per train step (us)")
-    extra.set_title("Per-step overhead (median, IQR of paired rounds)")
+    extra.set_title("Per-step overhead (median and IQR of the rounds)")
     share.set(xlabel="hand-written loop: compute per train step (ms)", ylabel="extra time (% of the step)")
     share.set_title("The same as a share of the step")
     for axis in (extra, share):
@@ -116,7 +134,9 @@ def plot(rows: list[dict], path: Path) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--turn", type=int, default=8, help="batches per turn (0: whole calls in turn)")
+    parser.add_argument(
+        "--turn", type=int, help="batches per turn, 0: whole calls in turn (default: 8 up to H = 512, 0 above)"
+    )
     parser.add_argument("--widths", type=int, nargs="+", default=[64, 128, 256, 512, 1024, 2048])
     parser.add_argument("--quick", action="store_true", help="2 rounds of a quarter of the steps (a smoke run)")
     parser.add_argument("--plot", type=Path, help="draw the overhead against the compute per step here (PNG)")
@@ -133,11 +153,11 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory() as root:
         for width in args.widths:
             steps = max(8, STEPS[width] // 4) if args.quick else STEPS[width]
-            rows.append(measure(width, rounds, root, steps, args.turn))
+            turn = args.turn if args.turn is not None else (8 if width <= LOCKSTEP_UP_TO else 0)
+            rows.append(measure(width, rounds, root, steps, turn))
             print(f"H={width}: {json.dumps(rows[-1])}", file=sys.stderr, flush=True)
     load = os.getloadavg()[0]
-    method = f"{args.turn} batches per turn" if args.turn else "whole calls in turn"
-    print(f"### Extra time per train step, {rounds} rounds per width, {method}\n\n{table(rows)}\n")
+    print(f"### Extra time per train step, {rounds} rounds per width\n\n{table(rows)}\n")
     print(f"1-minute load average at the end: {load:.2f}")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2) + "\n")
