@@ -126,7 +126,7 @@ def plot(rows: list[dict], path: Path) -> None:
     share.set_title("The same as a share of the step")
     for axis in (extra, share):
         axis.grid(True, which="both", alpha=0.3)
-    extra.legend(fontsize=7)
+    share.legend(fontsize=7, loc="upper left")  # the empty corner of the two panels
     figure.tight_layout()
     figure.savefig(path, dpi=110)
 
