@@ -3,7 +3,7 @@
 Trackers receive nested result mappings (`{"train": {"loss": tensor(0.3)}, "val": {...}}`) and a
 step. [`flatten_result`][danling.runners.services.trackers.flatten_result] turns them into
 `{"train/loss": 0.3, ...}`; [`Trackers`][danling.runners.services.trackers.Trackers] fans one call out to
-all configured backends. TensorBoard and W&B are imported only when their tracker is built.
+all configured backends. W&B is imported when its tracker is built, TensorBoard at its tracker's first write.
 """
 
 from __future__ import annotations
