@@ -48,7 +48,7 @@ test: lint docs base-install
 # `make bench` runs every benchmark of docs/benchmarks.md with its defaults (about an hour);
 # `make bench-quick` (or `make bench QUICK=1`) runs a short version of each in under 2 minutes.
 BENCH := OMP_NUM_THREADS=1 $(PY)
-BENCH_PAGE := runner metrics metric_inloop metric_overhead metric_containers peers startup loader tensors checkpoint parallel deepspeed
+BENCH_PAGE := runner step_overhead metrics metric_inloop metric_overhead metric_containers peers startup loader tensors checkpoint parallel deepspeed
 
 bench: $(BENCH_STAMP)
 ifeq ($(QUICK),1)

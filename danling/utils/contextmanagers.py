@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import pdb
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -61,5 +60,7 @@ def debug(
         if exclude is not None and isinstance(exc, exclude):
             raise
         print(f"{type(exc).__name__}: {exc}", file=sys.stderr)
+        import pdb  # here, not at the top: pdb pulls in cmd, code and bdb, which `import danling` need not pay for
+
         pdb.post_mortem(exc.__traceback__)
         raise

@@ -3,11 +3,12 @@
 Trackers receive nested result mappings (`{"train": {"loss": tensor(0.3)}, "val": {...}}`) and a
 step. [`flatten_result`][danling.runners.services.trackers.flatten_result] turns them into
 `{"train/loss": 0.3, ...}`; [`Trackers`][danling.runners.services.trackers.Trackers] fans one call out to
-all configured backends. TensorBoard and W&B are imported only when their tracker is built.
+all configured backends. W&B is imported when its tracker is built, TensorBoard at its tracker's first write.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import numbers
 import os
@@ -97,7 +98,8 @@ class TensorBoardTracker(Tracker):
 
     Requires the `tensorboard` extra. Events are flushed after every `log`, so a crash loses at
     most the result being written. `config`, when given, is written once as a `config` text entry
-    (a fresh log directory only: a resumed run already has it).
+    (a fresh log directory only: a resumed run already has it). The writer and its event file are
+    made at the first write (or at `close`), so TensorBoard is not imported before a run's first step.
 
     A resumed run keeps writing to the same directory:
     [`resume_at`][danling.runners.services.trackers.TensorBoardTracker.resume_at] marks the restart,
@@ -106,15 +108,26 @@ class TensorBoardTracker(Tracker):
     """
 
     def __init__(self, log_dir: str | os.PathLike, config: Mapping[str, Any] | None = None, **kwargs: Any) -> None:
-        module = optional_import("torch.utils.tensorboard", "tensorboard")
+        if importlib.util.find_spec("tensorboard") is None:  # refuse now, as a missing extra should
+            optional_import("tensorboard", "tensorboard")
         self.log_dir = os.fspath(log_dir)
-        fresh = not os.path.isdir(self.log_dir) or not any("tfevents" in name for name in os.listdir(self.log_dir))
-        self.writer = module.SummaryWriter(log_dir=self.log_dir, **kwargs)
-        if config is not None and fresh:
-            text = json.dumps(config, indent=2, sort_keys=True, default=str)
-            # Indented by four spaces: TensorBoard renders text entries as Markdown, this keeps it a code block.
-            self.writer.add_text("config", "    " + text.replace("\n", "\n    "), global_step=0)
-            self.writer.flush()
+        self._fresh = not os.path.isdir(self.log_dir) or not any("tfevents" in n for n in os.listdir(self.log_dir))
+        self._config, self._options = config, kwargs
+        self._writer: Any = None
+
+    @property
+    def writer(self) -> Any:
+        """The `SummaryWriter`, made at the first write: importing TensorBoard takes about 0.1 s, which
+        a run would otherwise spend before its first step."""
+        if self._writer is None:
+            module = optional_import("torch.utils.tensorboard", "tensorboard")
+            self._writer = module.SummaryWriter(log_dir=self.log_dir, **self._options)
+            if self._config is not None and self._fresh:
+                text = json.dumps(self._config, indent=2, sort_keys=True, default=str)
+                # Indented by four spaces: TensorBoard renders text entries as Markdown, this keeps it a code block.
+                self._writer.add_text("config", "    " + text.replace("\n", "\n    "), global_step=0)
+                self._writer.flush()
+        return self._writer
 
     def resume_at(self, step: int) -> None:
         """Write a restart marker at `step + 1`: TensorBoard drops the earlier points at steps after `step`."""

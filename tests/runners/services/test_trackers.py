@@ -70,6 +70,31 @@ def test_tensorboard_event_files_hold_every_result(tmp_path):
     assert_series(got, expected_series())
 
 
+def test_tensorboard_is_imported_at_the_first_write_not_when_the_tracker_is_built(tmp_path):
+    code = (
+        "import sys; from danling.runners.services.trackers import TensorBoardTracker\n"
+        f"tracker = TensorBoardTracker({str(tmp_path / 'tb')!r}, config={{'lr': 0.1}})\n"
+        "print('tensorboard' in sys.modules, 'torch.utils.tensorboard' in sys.modules)\n"
+        "tracker.log({'train': {'loss': 0.5}}, step=1); tracker.close()\n"
+        "print('torch.utils.tensorboard' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["False", "False", "True"]
+    assert any("tfevents" in name for name in os.listdir(tmp_path / "tb"))
+
+
+def test_a_tensorboard_tracker_without_tensorboard_names_the_extra_when_built(tmp_path, monkeypatch):
+    from danling.runners.services import trackers
+
+    real = trackers.importlib.util.find_spec
+    monkeypatch.setattr(
+        trackers.importlib.util, "find_spec", lambda name, *a: None if name == "tensorboard" else real(name, *a)
+    )
+    monkeypatch.setitem(sys.modules, "tensorboard", None)  # and importing it fails, as it would
+    with pytest.raises(ImportError, match=r"pip install danling\[tensorboard\]"):
+        TensorBoardTracker(tmp_path / "tb")
+
+
 def read_wandb_records(path: Path) -> list[bytes]:
     """Split a W&B `.wandb` file (LevelDB log format, 32 KiB blocks) into protobuf records."""
     data = path.read_bytes()

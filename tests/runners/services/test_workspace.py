@@ -261,6 +261,19 @@ def test_short_hash_is_read_once_per_process_and_directory(tmp_path, git_repo, m
     assert info["branch"] and info["dirty"] is False
 
 
+def test_one_launch_reads_the_git_state_once(tmp_path, git_repo, monkeypatch):
+    from danling.runners.services import git_info as ws
+
+    repo, short = git_repo
+    calls = []
+    real_git = ws._git
+    monkeypatch.setattr(ws, "_git", lambda cwd, *args: (calls.append(args[0]), real_git(cwd, *args))[1])
+    workspace = make(tmp_path, code_dir=repo)
+    assert workspace.metadata()["git"] == workspace.launch()["git"]
+    assert workspace.launch()["git"]["short"] == short
+    assert calls.count("status") == 1 and calls.count("rev-parse") == 2  # the code id's short hash, then HEAD
+
+
 @pytest.mark.parametrize("root", ["file", "read-only"])
 def test_a_workspace_root_that_cannot_hold_runs_names_it(tmp_path, root):
     if root == "file":
