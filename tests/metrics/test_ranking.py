@@ -181,18 +181,3 @@ def test_a_nan_score_gives_nan_on_every_path_unless_its_sample_is_ignored(n):
     assert multiclass_auroc(logits, target, num_classes=3).isnan()
     target[1] = -100  # an ignored sample's score does not matter
     assert not binary_auroc(scores, target, ignore_index=-100).isnan()
-
-
-@pytest.mark.parametrize("buckets", [False, True], ids=["one-bucket", "many-buckets"])
-def test_scores_over_many_binades_sort_through_wide_keys(buckets):
-    """A bucket whose float32 keys span 2^31 or more (both signs, far apart) has no room for the
-    label in 32 bits: it sorts 64-bit keys, with the same sums as the curves."""
-    g = torch.Generator().manual_seed(3)
-    n = 5000
-    magnitude = torch.tensor([1e-30, 1e-3, 1.0, 1e3, 1e30])[torch.randint(0, 5, (n,), generator=g)]
-    scores = magnitude * torch.randn(n, generator=g).sign()
-    scores[::17] = 0.0
-    target = torch.randint(0, 2, (n,), generator=g)
-    target[::29] = -100
-    with buckets_of(buckets):
-        check(_ranking.ranking("binary", [(scores, target)], 1, -100), B.binary_curves(scores, target, -100))

@@ -20,11 +20,8 @@ other devices keep the synchronisation-free curves.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import math
-from collections.abc import Callable, Sequence
-from functools import lru_cache
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
@@ -43,21 +40,9 @@ BLOCK_BYTES = 96
 ROWS = 1 << 14
 # Score values sampled to place the bucket boundaries.
 SAMPLES = 1 << 12
-# Elements of a column masked at once while samples are put into buckets: temporaries stay this
-# small whatever the column's length.
-BLOCK_ROWS = 1 << 18
 # Labels as the sums read them: positive, negative, or neither (ignored or invalid: sorted along
 # but counted nowhere).
 NEITHER, POSITIVE, NEGATIVE = 0, 1, 2
-
-
-class Piece(NamedTuple):
-    """A piece of one column: 1-D scores, the targets of their rows, and how targets read as
-    int8 label codes (`POSITIVE`, `NEGATIVE`, `NEITHER`), applied to blocks of them as needed."""
-
-    scores: Tensor
-    target: Tensor
-    encode: Callable[[Tensor], Tensor]
 
 
 class Ranking(NamedTuple):
@@ -93,125 +78,77 @@ def _boundaries(pieces: Sequence[Tensor], total: int, buckets: int) -> list[floa
 
 
 def _sorted_bucket(bucket: list[Tensor]) -> tuple[Tensor, Tensor | None]:
-    """Sort one bucket `[scores, negative]` of numeric scores with their negative flags (int8).
+    """Sort one bucket `[scores, codes]` of numeric scores with labels (positive or negative only).
 
     Returns ascending keys of descending scores and the negative flags in that order. Where
     the key has room, the flag is its lowest bit (returned as `None`): the sort then carries the
     labels along, and no gather by the sort's order (random reads, the slowest step) is needed.
     The bucket's tensors are let go before the sort, whose buffers are the largest.
     """
-    scores, negative = bucket
+    scores, codes = bucket
     bucket.clear()
-    if scores.element_size() == 4:
-        keys = descending_keys(scores)
+    negative = codes == NEGATIVE
+    del codes
+    low, high = torch.aminmax(scores)
+    if float(low) >= 0 and float(high) <= 1:
+        # Probabilities: their bits order like them and stop at those of 1.0, which leaves a bit
+        # for the flag (int32 for float32: 2 * 0x3F800000 < 2 ** 31).
+        int_dtype = torch.int32 if scores.dtype is torch.float32 else torch.int64
+        one = torch.tensor(1.0, dtype=scores.dtype).view(int_dtype)
+        keys = torch.sub(one, (scores + 0.0).view(int_dtype)).mul_(2)  # + 0.0: -0.0 and 0.0 are one score
         del scores
-        low, high = (int(value) for value in torch.aminmax(keys))
-        if high - low < 1 << 31:
-            # A bucket's keys span less than 2^31 (unless it straddles zero over many binades):
-            # shifted into [-2^30, 2^30) they leave the low bit of 32 for the flag, and the
-            # 32-bit radix sort is the fastest. `key >> 1` is the shifted key again.
-            keys.sub_(low).sub_(1 << 30)
-            return torch.sort(keys.mul_(2).add_(negative)).values, None
-        # Wider (a bucket straddling zero over many binades, such as a single bucket of logits):
-        # 64-bit keys. numpy sorts them in place but took 1.4-2x torch's radix sort here.
-        wide = keys.long().mul_(2).add_(negative)
-        del keys
-        return torch.sort(wide).values, None
+        return torch.sort(keys.add_(negative)).values, None
+    if scores.element_size() == 4:  # other float32 scores: 32-bit keys, the flag in an int64 one
+        keys = descending_keys(scores).long()
+        del scores
+        return torch.sort(keys.mul_(2).add_(negative)).values, None
     keys, order = torch.sort(descending_keys(scores))
     return keys, negative[order]
 
 
-@lru_cache(maxsize=1)
-def _malloc_trim() -> Callable[[int], int] | None:
-    """glibc's `malloc_trim`, or `None` elsewhere."""
-    try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
-    except (OSError, AttributeError):
-        return None
+def column_sums(pieces: Sequence[tuple[Tensor, Tensor]], budget: int) -> tuple[int, float, int, int, bool]:
+    """Rank sums of one column given in pieces of `(scores, labels)` (1-D, labels as int8 codes).
 
-
-def _release_freed() -> None:
-    """Hand memory freed by a bucket back to the system before the next one.
-
-    glibc raises its mmap threshold each time a large block is freed, so later buckets' buffers
-    come from the heap, which is not returned: without a trim the resident memory grew by most
-    of a bucket's sort per bucket (1e7 binary scores: 37 to 103 MiB over seven buckets).
-    """
-    trim = _malloc_trim()
-    if trim is not None:
-        trim(0)
-
-
-def _bucket_ids(pieces: Sequence[Piece], cuts: list[float]) -> tuple[list[Tensor], list[int], bool]:
-    """Which bucket each counted sample falls in, read block by block (no column-sized temporaries).
-
-    Returns per piece the bucket of every sample (int8; -1 for samples counted nowhere and for
-    nan scores), the size of every bucket, and whether every counted sample had a numeric score.
-    """
-    ids, finite = [], True
-    sizes = torch.zeros(len(cuts) + 2, dtype=torch.long)
-    for scores, target, encode in pieces:
-        column = torch.empty(scores.shape[0], dtype=torch.int8)
-        boundaries = torch.tensor(cuts[::-1], dtype=scores.dtype)  # exact: cuts are sampled scores
-        for start in range(0, scores.shape[0], BLOCK_ROWS):
-            block = scores[start : start + BLOCK_ROWS]
-            counted = encode(target[start : start + BLOCK_ROWS]) != NEITHER
-            numeric = counted & ~block.isnan()
-            if finite and not torch.equal(numeric, counted):
-                finite = False
-            if cuts:  # descending order: scores above the first cut are bucket 0
-                found = torch.bucketize(block.contiguous(), boundaries, out_int32=True).neg_().add_(len(cuts))
-            else:
-                found = torch.zeros(block.shape[0], dtype=torch.int32)
-            found.masked_fill_(~numeric, -1)
-            column[start : start + BLOCK_ROWS] = found
-            sizes += torch.bincount(found.add_(1), minlength=len(cuts) + 2)
-        ids.append(column)
-    return ids, sizes[1:].tolist(), finite
-
-
-def _gather_bucket(pieces: Sequence[Piece], ids: list[Tensor], index: int, size: int) -> list[Tensor]:
-    """The scores of one bucket and their negative flags, copied block by block into their own tensors."""
-    dtype = pieces[0][0].dtype
-    for scores, _, _ in pieces[1:]:
-        dtype = torch.promote_types(dtype, scores.dtype)
-    scores_out, negative_out = torch.empty(size, dtype=dtype), torch.empty(size, dtype=torch.int8)
-    row = 0
-    for (scores, target, encode), column in zip(pieces, ids):
-        for start in range(0, scores.shape[0], BLOCK_ROWS):
-            chosen = column[start : start + BLOCK_ROWS] == index
-            picked = scores[start : start + BLOCK_ROWS][chosen]
-            if picked.numel():
-                stop = row + picked.numel()
-                scores_out[row:stop] = picked
-                negative_out[row:stop] = encode(target[start : start + BLOCK_ROWS][chosen]) == NEGATIVE
-                row = stop
-    return [scores_out, negative_out]
-
-
-def column_sums(pieces: Sequence[Piece], budget: int) -> tuple[int, float, int, int, bool]:
-    """Rank sums of one column given in pieces of `(scores, targets, encode)` (1-D).
-
-    `encode` turns a block of targets into int8 label codes (`POSITIVE`, `NEGATIVE`, `NEITHER`).
     Returns twice the area under the ROC curve in units of one positive-negative pair (an
     integer), the sum over positives of the precision at their threshold, the counts of
-    positives and negatives, and whether every counted score was a number. Buckets are sized
-    so that sorting one costs at most about `budget` bytes.
+    positives and negatives, and whether every score was a number. Buckets are sized so that
+    sorting one costs at most about `budget` bytes.
     """
-    pieces = [Piece(scores.reshape(-1), target.reshape(-1), encode) for scores, target, encode in pieces]
-    total = sum(scores.numel() for scores, _, _ in pieces)
+    total = sum(scores.numel() for scores, _ in pieces)
     if total == 0:
         return 0, 0.0, 0, 0, True
     buckets = max(1, min(64, math.ceil(total * SORT_BYTES / max(budget, 1))))
-    cuts = _boundaries([scores for scores, _, _ in pieces], total, buckets) if buckets > 1 else []
-    ids, sizes, finite = _bucket_ids(pieces, cuts)
+    cuts = _boundaries([scores for scores, _ in pieces], total, buckets) if buckets > 1 else []
+    limits = [math.inf, *cuts, -math.inf]
     twice_area, precision_sum = 0, 0.0
     block_size = min(max(budget // BLOCK_BYTES, 1 << 14), 1 << 18)
     counted = fps = last_tp = last_fp = 0  # samples and negatives so far, and the latest threshold's counts
-    for index, size in enumerate(sizes):
-        if size == 0:
+    # Samples that are neither positive nor negative (ignored, invalid) count nowhere: leaving
+    # them out gives the same sums. A nan score falls in no bucket, so fewer samples than these
+    # get counted when one of them has a nan score.
+    pieces = [(scores.reshape(-1), codes.reshape(-1)) for scores, codes in pieces]
+    kept = [codes != NEITHER for _, codes in pieces]
+    expected = sum(int(mask.sum()) for mask in kept)
+    for high, low in zip(limits[:-1], limits[1:]):
+        chosen = []
+        for (scores, codes), valid in zip(pieces, kept):
+            if high == math.inf and low == -math.inf:
+                mask = valid & ~scores.isnan()
+            elif high == math.inf:
+                mask = valid & (scores > low)
+            else:
+                mask = valid & (scores <= high)
+                if low != -math.inf:
+                    mask &= scores > low
+            chosen.append((scores[mask], codes[mask]))
+        if len(chosen) > 1:
+            bucket = [torch.cat([s for s, _ in chosen]), torch.cat([c for _, c in chosen])]
+        else:
+            bucket = list(chosen[0])
+        del chosen
+        if bucket[0].numel() == 0:
             continue
-        keys, negative = _sorted_bucket(_gather_bucket(pieces, ids, index, size))
+        keys, negative = _sorted_bucket(bucket)
         for start in range(0, keys.numel(), block_size):
             stop = min(start + block_size, keys.numel())
             # One element more than the block (where there is one): a threshold ends where the
@@ -236,9 +173,7 @@ def column_sums(pieces: Sequence[Piece], budget: int) -> tuple[int, float, int, 
             counted += stop - start
             fps = int(running_fp[-1])
             last_tp, last_fp = int(tp[-1]), int(fp[-1])
-        del keys, negative
-        _release_freed()
-    return twice_area, precision_sum, counted - fps, fps, finite
+    return twice_area, precision_sum, counted - fps, fps, counted == expected
 
 
 def ranking_from_sums(sums: Sequence[tuple[int, float, int, int, bool]], invalid: Tensor) -> Ranking:
@@ -268,44 +203,9 @@ def _label_codes(target: Tensor) -> Tensor:
     return code.add_((target == 1).to(torch.int8))
 
 
-def _invalid(
-    chunks: Sequence[tuple[Tensor, Tensor]], classes: int | None, ignore_index: int | float | None, per_column: bool
-) -> Tensor:
-    """Targets that are neither a label (0/1, or a class below `classes`) nor ignored, counted in
-    blocks of rows (whole-column masks would outweigh the kept targets): in all, or per column."""
-    total = torch.zeros(())
-    for _, target in chunks:
-        for block in target.split(BLOCK_ROWS):
-            valid = (block == 0) | (block == 1) if classes is None else (block >= 0) & (block < classes)
-            invalid = ~valid if ignore_index is None else ~valid & (block != ignore_index)
-            total = total + (invalid.sum(0) if per_column else invalid.sum())
-    return total.long()
-
-
-def _class_codes(k: int, num_classes: int) -> Callable[[Tensor], Tensor]:
-    """Label codes of class `k` against the rest, from class targets (out of range: neither)."""
-
-    def encode(target: Tensor) -> Tensor:
-        code = (target != k).to(torch.int8).add_(POSITIVE)  # NEGATIVE = POSITIVE + 1
-        return code.mul_((target >= 0) & (target < num_classes))
-
-    return encode
-
-
-def _as_codes(codes: Tensor) -> Tensor:
-    return codes
-
-
-def _budget(chunks: Sequence[tuple[Tensor, Tensor]], rows: int, extra: int = 0) -> int:
-    """Bytes one bucket's sort may take so that the peak, kept data included, stays near 3x the scores.
-
-    Kept are the scores and their targets; a column's bucket ids (one byte a row) and `extra`
-    (what the caller holds besides, such as a softmax) come on top, with a sixteenth of the
-    scores left for the allocator. Fewer, larger buckets are faster: each is a pass over the column.
-    """
-    scores = sum(s.numel() * s.element_size() for s, _ in chunks)
-    targets = sum(t.numel() * t.element_size() for _, t in chunks)
-    return max(3 * scores - scores - targets - rows - extra - scores // 16, 1 << 18)
+def _invalid(target: Tensor, valid: Tensor, ignore_index: int | float | None, dim: int | None) -> Tensor:
+    invalid = ~valid if ignore_index is None else ~valid & (target != ignore_index)
+    return invalid.sum() if dim is None else invalid.sum(dim)
 
 
 def ranking(
@@ -323,71 +223,73 @@ def ranking(
     class indices, multilabel `(n, L)` scores and labels. Targets may use any integer dtype.
     """
     chunks = [(scores, target) for scores, target in chunks if scores.shape[0]]
-    rows = sum(scores.shape[0] for scores, _ in chunks)
+    stored = sum(scores.numel() * scores.element_size() for scores, _ in chunks)
+    # Sorting a bucket may take up to 1.5 times the memory of the scores (256 KiB at least), 0.75
+    # times where the softmax of logits is held as well: the peak, kept scores included, stays
+    # within 3x the scores. Fewer, larger buckets are faster: each one is a pass over the column.
+    budget = max(stored * 3 // 2, 1 << 18)
     if kind == "binary":
-        invalid = _invalid(chunks, None, ignore_index, per_column=False)
-        pieces = [Piece(scores, target, _label_codes) for scores, target in chunks]
-        return ranking_from_sums([column_sums(pieces, _budget(chunks, rows))], invalid)
+        invalid = sum((_invalid(t, (t == 0) | (t == 1), ignore_index, None) for _, t in chunks), torch.tensor(0))
+        pieces = [(scores, _label_codes(target)) for scores, target in chunks]
+        return ranking_from_sums([column_sums(pieces, budget)], invalid)
     if kind == "multilabel":
-        invalid = _invalid(chunks, None, ignore_index, per_column=True).expand(num_columns)
+        codes = [_label_codes(target) for _, target in chunks]
+        invalid = sum(
+            (_invalid(t, (t == 0) | (t == 1), ignore_index, 0) for _, t in chunks),
+            torch.zeros(num_columns, dtype=torch.long),
+        )
         if micro:
-            pieces = [Piece(scores, target, _label_codes) for scores, target in chunks]
-            return ranking_from_sums([column_sums(pieces, _budget(chunks, rows * num_columns))], invalid.sum())
-        # A column is copied out whole (strided reads of every block were twice as slow): it counts too.
-        budget = _budget(chunks, rows, extra=rows * 5)
+            pieces = [(scores.reshape(-1), code.reshape(-1)) for (scores, _), code in zip(chunks, codes)]
+            return ranking_from_sums([column_sums(pieces, budget)], invalid.sum())
         sums = [
-            column_sums(
-                [
-                    Piece(scores[:, j].contiguous(), target[:, j].contiguous(), _label_codes)
-                    for scores, target in chunks
-                ],
-                budget,
-            )
+            column_sums([(scores[:, j], code[:, j]) for (scores, _), code in zip(chunks, codes)], budget)
             for j in range(num_columns)
         ]
         return ranking_from_sums(sums, invalid)
     if kind != "multiclass":
         raise ValueError(f"{kind} tasks have no ranking metrics")
-    invalid = _invalid(chunks, num_columns, ignore_index, per_column=False)
+    counted = [(t >= 0) & (t < num_columns) for _, t in chunks]
+    invalid = sum((_invalid(t, c, ignore_index, None) for (_, t), c in zip(chunks, counted)), torch.tensor(0))
     logits = any(bool(((part < 0) | (part > 1)).any()) for scores, _ in chunks for part in scores.split(ROWS))
     if micro:
         if logits:  # the softmax of every row, chunk by chunk (a row's is what a whole-matrix softmax gives it)
             chunks = [(scores.softmax(-1), target) for scores, target in chunks]
         classes = torch.arange(num_columns)
         pieces = []
-        for scores, target in chunks:
-            kept = (target >= 0) & (target < num_columns)
+        for (scores, target), kept in zip(chunks, counted):
             code = (target.unsqueeze(-1) != classes).to(torch.int8).add_(POSITIVE)
-            pieces.append(Piece(scores, code.mul_(kept.unsqueeze(-1)), _as_codes))
-        return ranking_from_sums([column_sums(pieces, _budget(chunks, rows * num_columns))], invalid)
-    if not logits:
-        budget = _budget(chunks, rows, extra=rows * 4)  # a column copied out whole, as for multilabel
-        sums = [
-            column_sums(
-                [Piece(scores[:, k].contiguous(), target, _class_codes(k, num_columns)) for scores, target in chunks],
-                budget,
-            )
-            for k in range(num_columns)
-        ]
+            pieces.append((scores.reshape(-1), code.mul_(kept.unsqueeze(-1)).reshape(-1)))
+        return ranking_from_sums([column_sums(pieces, budget)], invalid)
+    if logits:
+        budget = max(stored * 3 // 4, 1 << 18)
+        # One softmax per chunk, its columns copied out: each class then sorts a contiguous
+        # column, freed once read, instead of every chunk's strided one.
+        rows = sum(scores.shape[0] for scores, _ in chunks)
+        dtype = chunks[0][0].dtype
+        for scores, _ in chunks[1:]:
+            dtype = torch.promote_types(dtype, scores.dtype)
+        columns: list[Tensor | None] = [torch.empty(rows, dtype=dtype) for _ in range(num_columns)]
+        row = 0
+        for scores, _ in chunks:
+            for part in scores.split(ROWS):  # equal pieces: the allocator reuses one block for all
+                probabilities = part.softmax(-1).T
+                for k, column in enumerate(columns):
+                    column[row : row + part.shape[0]] = probabilities[k]
+                row += part.shape[0]
+                del probabilities
+        labels = torch.cat([target for _, target in chunks]) if len(chunks) > 1 else chunks[0][1]
+        kept = torch.cat(counted) if len(counted) > 1 else counted[0]
+        sums = []
+        for k in range(num_columns):
+            code = (labels != k).to(torch.int8).add_(POSITIVE).mul_(kept)  # NEGATIVE = POSITIVE + 1
+            sums.append(column_sums([(columns[k], code)], budget))
+            columns[k] = None
         return ranking_from_sums(sums, invalid)
-    # One softmax per chunk, its columns copied out: each class then sorts a contiguous column,
-    # freed once read, instead of every chunk's strided one.
-    dtype = chunks[0][0].dtype
-    for scores, _ in chunks[1:]:
-        dtype = torch.promote_types(dtype, scores.dtype)
-    columns: list[Tensor | None] = [torch.empty(rows, dtype=dtype) for _ in range(num_columns)]
-    budget = _budget(chunks, rows, extra=rows * num_columns * dtype.itemsize)
-    row = 0
-    for scores, _ in chunks:
-        for part in scores.split(ROWS):  # equal pieces: the allocator reuses one block for all
-            probabilities = part.softmax(-1).T
-            for k, column in enumerate(columns):
-                column[row : row + part.shape[0]] = probabilities[k]
-            row += part.shape[0]
-            del probabilities
-    labels = torch.cat([target for _, target in chunks]) if len(chunks) > 1 else chunks[0][1]
     sums = []
     for k in range(num_columns):
-        sums.append(column_sums([Piece(columns[k], labels, _class_codes(k, num_columns))], budget))
-        columns[k] = None
+        pieces = []
+        for (scores, target), kept in zip(chunks, counted):
+            code = (target != k).to(torch.int8).add_(POSITIVE).mul_(kept)  # NEGATIVE = POSITIVE + 1
+            pieces.append((scores[:, k], code))
+        sums.append(column_sums(pieces, budget))
     return ranking_from_sums(sums, invalid)
