@@ -13,6 +13,13 @@ Metric sets name danling's catalogue: acc (micro), f1 (macro), mcc, auroc and au
 exact: torchmetrics `thresholds=None`); tasks are binary, multiclass (10 classes, logits) and
 multilabel (10 labels, logits), all with `ignore_index=-100` on both sides.
 
+`--gather N` measures the distributed gather instead: two gloo processes on this machine each
+hold half of N float32 scores (kept as four pieces, as a container keeps chunks) and call
+`gather_across_ranks`, which every rank's `avg` read of kept data goes through; each reports its
+peak resident memory above the memory before the call, as a multiple of the gathered N scores
+(1.0x: every rank's copy held once; a gather that kept the received list and its concatenation
+would take 2x).
+
 Run (one heavy run at a time on a shared machine):
 `flock /tmp/danling-heavy.lock .venv/bin/python benchmarks/bench_metric_scale.py`
 options: `--sizes 1e5 1e6 1e7`, `--tasks multiclass binary multilabel`,
@@ -129,6 +136,56 @@ def child(library: str, task: str, names: list[str], size: int) -> dict:
     }
 
 
+def gather_child(rank: int, size: int, port: int) -> dict:
+    """One rank of the gather measurement, in this (fresh) process."""
+    import torch
+    import torch.distributed as dist
+
+    from danling.metrics.distributed import gather_across_ranks
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    shard = size // 2 if rank == 0 else size - size // 2
+    pieces = list(torch.rand(shard, generator=torch.Generator().manual_seed(rank)).chunk(4))
+    gather_across_ranks([torch.ones(8)])  # first collective: connections and buffers, not the data's cost
+    dist.barrier()
+    Path("/proc/self/clear_refs").write_text("5")
+    start_kib = _rss_kib("VmRSS")
+    began = time.perf_counter()
+    gathered = gather_across_ranks(pieces)
+    seconds = time.perf_counter() - began
+    peak = (_rss_kib("VmHWM") - start_kib) * 1024
+    result = {"rank": rank, "peak_bytes": peak, "gathered_bytes": gathered.numel() * 4, "seconds": seconds}
+    dist.barrier()
+    dist.destroy_process_group()
+    return result
+
+
+def measure_gather(size: int) -> list[dict]:
+    import socket
+
+    with socket.socket() as probe:  # a free port for the rendezvous
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, __file__, "--gather-child", str(rank), str(size), str(port)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for rank in range(2)
+    ]
+    results = []
+    for process in ranks:
+        out, err = process.communicate()
+        if process.returncode != 0:
+            raise RuntimeError(f"gather of N={size} failed:\n{err[-3000:]}")
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    return results
+
+
 def measure(library: str, task: str, names: list[str], size: int) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     command = [sys.executable, __file__, "--child", library, task, "+".join(names), str(size)]
@@ -141,6 +198,8 @@ def measure(library: str, task: str, names: list[str], size: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
+    parser.add_argument("--gather-child", nargs=3, type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--gather", nargs="+", help="measure a 2-rank gloo gather of these N instead")
     parser.add_argument("--sizes", nargs="+", default=["1e5", "1e6", "1e7"])
     parser.add_argument("--tasks", nargs="+", default=["multiclass", "binary", "multilabel"])
     parser.add_argument("--sets", nargs="+", default=list(DEFAULT_SETS))
@@ -151,6 +210,22 @@ def main() -> None:
     if args.child:
         library, task, names, size = args.child
         print(json.dumps(child(library, task, names.split("+"), int(size))))
+        return
+    if args.gather_child:
+        print(json.dumps(gather_child(*args.gather_child)))
+        return
+    if args.gather:
+        print("| N | gathered MiB | peak MiB rank 0 / 1 | peak / gathered rank 0 / 1 | seconds rank 0 / 1 |")
+        print("| ---: | ---: | ---: | ---: | ---: |")
+        for size in (int(float(s)) for s in args.gather):
+            r0, r1 = measure_gather(size)
+            gathered = r0["gathered_bytes"]
+            print(
+                f"| {size:.0e} | {gathered / (1 << 20):,.0f} | {r0['peak_bytes'] / (1 << 20):,.0f} / "
+                f"{r1['peak_bytes'] / (1 << 20):,.0f} | {r0['peak_bytes'] / gathered:.2f}x / "
+                f"{r1['peak_bytes'] / gathered:.2f}x | {r0['seconds']:.3f} / {r1['seconds']:.3f} |",
+                flush=True,
+            )
         return
 
     import torch
