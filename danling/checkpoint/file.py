@@ -44,9 +44,9 @@ class FileCheckpointManager(CheckpointManager):
     The payload is checksummed while `torch.save` writes it and while `torch.load` reads it, so
     verification costs no extra pass over the file. `load_into` maps the file instead of reading
     it, hashes the map while the pickle is parsed, and copies each tensor once, from the file's
-    pages into the live objects (see [`danling.checkpoint._mapped`][]). `checksum` picks the algorithm recorded for
-    new checkpoints (``"xxh3_128"``, fast, the default; or ``"sha256"``); checkpoints recording
-    either verify.
+    pages into the live objects; nothing stays mapped once it returns. `checksum` picks the
+    algorithm recorded for new checkpoints (``"xxh3_128"``, fast, the default; or ``"sha256"``);
+    checkpoints recording either verify.
 
     Args:
         directory: Where checkpoints live.
