@@ -9,19 +9,16 @@ from typing import Any, BinaryIO
 
 import torch
 
-from ._mapped import owned, prepare_state, read_mapped, release_module
 from ._writeback import WritebackWriter
 from .base import CheckpointManager, Verified
 from .checksums import _beside, _fsync_path
 from .manifest import (
     DEFAULT_CHECKSUM,
-    CheckpointError,
     HashingReader,
     check_checksum,
     mark_verified,
     take_streamed,
 )
-from .payload import drop_key, restore_objects
 from .unpickling import torch_load
 
 __all__ = ["FileCheckpointManager", "read_checkpoint"]
@@ -42,11 +39,9 @@ class FileCheckpointManager(CheckpointManager):
     (see [`CheckpointManager`][danling.checkpoint.CheckpointManager]) lifts that for files you trust.
 
     The payload is checksummed while `torch.save` writes it and while `torch.load` reads it, so
-    verification costs no extra pass over the file. `load_into` maps the file instead of reading
-    it, hashes the map while the pickle is parsed, and copies each tensor once, from the file's
-    pages into the live objects; nothing stays mapped once it returns. `checksum` picks the
-    algorithm recorded for new checkpoints (``"xxh3_128"``, fast, the default; or ``"sha256"``);
-    checkpoints recording either verify.
+    verification costs no extra pass over the file. `checksum` picks the algorithm recorded for
+    new checkpoints (``"xxh3_128"``, fast, the default; or ``"sha256"``); checkpoints recording
+    either verify.
 
     Args:
         directory: Where checkpoints live.
@@ -104,33 +99,6 @@ class FileCheckpointManager(CheckpointManager):
 
     def _read_payload(self, directory: Path, verified: Verified, map_location: Any) -> dict[str, Any]:
         return self._read_file(directory / self.payload_name, map_location)
-
-    def _reads_in_place(self, path: Path) -> bool:
-        # A checkpoint directory is mapped and copied into the live objects (see `_read_into`).
-        return path.is_dir()
-
-    def _read_into(self, verified: Verified, objects: Mapping[str, Any], map_location: Any) -> dict[str, Any]:
-        """Map the payload, verify it, load each object from the map, and return the rest as private copies.
-
-        Same result as `load` followed by `load_state_dict` of each object (exclusions and errors
-        included); the objects are touched only after the whole file matched its manifest entry.
-        """
-        path = verified.path / self.payload_name
-        payload = read_mapped(path, take_streamed(path), map_location=map_location, trusted=self.trusted)
-        mark_verified(path, verified.manifest["files"][self.payload_name])
-        if not isinstance(payload, dict):
-            raise CheckpointError(f"checkpoint {verified.path} holds a {type(payload).__name__}, expected a mapping")
-        for key in self.exclude_from_loading:
-            drop_key(payload, key)
-        entries = {key: payload[key] for key in objects if key in payload}
-        for key, obj in objects.items():
-            if key in payload and key not in self.exclude_from_loading:
-                payload[key] = prepare_state(obj, payload[key])
-        rest = restore_objects(payload, objects, self.exclude_from_loading, verified.path)
-        for key, obj in objects.items():
-            if key in entries:
-                release_module(obj, entries[key])
-        return dict(owned(rest))
 
     def _read_file(self, path: Path, map_location: Any) -> dict[str, Any]:
         entry = take_streamed(path)
