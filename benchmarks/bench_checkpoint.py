@@ -3,22 +3,26 @@
 Question: how much does a verified, durable checkpoint cost over `torch.save` / `torch.load`
 and `dcp.save` / `dcp.load` of the same state?
 
-- file: `FileCheckpointManager.save` / `.load_into` against `torch.save` + fsync /
-  `torch.load` + `load_state_dict`;
+- file: `FileCheckpointManager.save` / `.load_into` against `torch.save` + fsync of the file and
+  of its directory / `torch.load` + `load_state_dict`;
 - dcp: `TorchDistributedCheckpointManager.save` / `.load_into` against `dcp.save` (which fsyncs
-  its files) / `dcp.load` + `set_state_dict`;
+  its files) + fsync of the directory / `dcp.load` + `set_state_dict`;
 - async: the time `save` takes to return to the caller with ``async_save=True`` against
-  `dcp.async_save` of the same state.
+  `dcp.async_save` of the same state, and the time until the write is durable (`save` + `wait`
+  against `async_save` + `result()`).
 
-Every candidate writes the same model + AdamW state (sized by ``--mib``); runs alternate and the
-table reports medians and the ratio to the raw call. ``--profile`` prints a cProfile of one
-manager save and one load of each backend instead.
+Every candidate writes the same model + AdamW state (sized by ``--mib``, one or more sizes); runs
+alternate and the table reports medians of the wall time and of the process's CPU time (all
+threads) and their ratios to the raw call. A second copy of the raw call, timed like the others,
+is the A/A control: its ratio is the noise floor of the run. ``--profile`` prints a cProfile of one
+manager save and one load of each backend instead; ``--json`` and ``--plot`` keep the figures.
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import os
 import shutil
 import statistics
@@ -34,7 +38,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import alternate, fsync_file, profile_call
+from common import fsync_file, profile_call
 
 from danling.checkpoint import FileCheckpointManager
 from danling.checkpoint.dcp import ModelState, OptimizerState, TorchDistributedCheckpointManager
@@ -89,69 +93,101 @@ def _remove(path: Path) -> None:
         path.unlink()
 
 
-def file_candidates(model: nn.Module, optimizer: torch.optim.Optimizer, root: Path) -> dict[str, Callable]:
-    # Like the managers (keep_latest_k=1), the raw side writes a new file while the previous one
-    # exists and deletes that one once the new one is written (see `Retirement`).
-    paths = [root / "raw-a.pt", root / "raw-b.pt"]
-    manager = FileCheckpointManager(root / "file", keep_latest_k=1)
-    objects = {"model": model, "optimizer": optimizer}
-    counter = itertools.count()
+def _raw_file(model: nn.Module, optimizer: torch.optim.Optimizer, root: Path) -> dict[str, Callable]:
+    """What a careful user writes: `torch.save`, fsync of the file and of its directory; `torch.load` +
+    `load_state_dict`. Like the managers (keep_latest_k=1), it writes a new file while the previous
+    one exists and deletes that one once the new one is written (see `Retirement`)."""
+    root.mkdir()
+    paths = [root / "a.pt", root / "b.pt"]
     retirement = Retirement(_remove)
 
-    def raw_save() -> None:
+    def save() -> None:
         paths.reverse()
         torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, paths[0])
         fsync_file(os.fspath(paths[0]))
+        fsync_file(os.fspath(root))  # the new name survives a power loss too
         retirement.retire(paths[1])
 
-    def raw_load() -> None:
+    def load() -> None:
         payload = torch.load(paths[0], weights_only=True)
         model.load_state_dict(payload["model"])
         optimizer.load_state_dict(payload["optimizer"])
 
+    return {"save": (retirement.settle, save), "load": load}
+
+
+def file_candidates(model: nn.Module, optimizer: torch.optim.Optimizer, root: Path) -> dict[str, dict]:
+    raw, twin = _raw_file(model, optimizer, root / "raw"), _raw_file(model, optimizer, root / "twin")
+    manager = FileCheckpointManager(root / "file", keep_latest_k=1)
+    objects = {"model": model, "optimizer": optimizer}
+    counter = itertools.count()
     return {
-        "torch.save + fsync": (retirement.settle, raw_save),
-        "FileCheckpointManager.save": (manager.wait, lambda: manager.save(objects, f"step-{next(counter)}")),
-        "torch.load + load_state_dict": raw_load,
-        "FileCheckpointManager.load_into": lambda: manager.load_into("latest", objects),
+        "save": {
+            "torch.save + fsync": raw["save"],
+            "A/A: torch.save + fsync": twin["save"],
+            "FileCheckpointManager.save": (manager.wait, lambda: manager.save(objects, f"step-{next(counter)}")),
+        },
+        "load": {
+            "torch.load + load_state_dict": raw["load"],
+            "A/A: torch.load + load_state_dict": twin["load"],
+            "FileCheckpointManager.load_into": lambda: manager.load_into("latest", objects),
+        },
     }
 
 
-def dcp_candidates(model: nn.Module, optimizer: torch.optim.Optimizer, root: Path) -> dict[str, Callable]:
+def _raw_dcp(model: nn.Module, optimizer: torch.optim.Optimizer, root: Path) -> dict[str, Callable]:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    dirs = [root / "raw-a", root / "raw-b"]
-    manager = TorchDistributedCheckpointManager(root / "dcp", keep_latest_k=1)
-    counter = itertools.count()
-    retirement = Retirement(_remove)  # as in `file_candidates`
+    root.mkdir()
+    dirs = [root / "a", root / "b"]
+    retirement = Retirement(_remove)  # as in `_raw_file`
 
-    def raw_save() -> None:
+    def save() -> None:
         dirs.reverse()
         model_state, optim_state = get_state_dict(model, optimizer)
         dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=dirs[0], no_dist=True)
+        fsync_file(os.fspath(root))  # dcp.save fsyncs its files, not the directory that names the checkpoint
         retirement.retire(dirs[1])
 
-    def raw_load() -> None:
+    def load() -> None:
         model_state, optim_state = get_state_dict(model, optimizer)
         state = {"model": model_state, "optimizer": optim_state}
         dcp.load(state, checkpoint_id=dirs[0], no_dist=True)
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
 
+    return {"save": (retirement.settle, save), "load": load}
+
+
+def dcp_candidates(model: nn.Module, optimizer: torch.optim.Optimizer, root: Path) -> dict[str, dict]:
+    raw, twin = _raw_dcp(model, optimizer, root / "raw"), _raw_dcp(model, optimizer, root / "twin")
+    manager = TorchDistributedCheckpointManager(root / "dcp", keep_latest_k=1)
+    counter = itertools.count()
+
     def objects() -> dict:
         return {"model": ModelState(model), "optimizer": OptimizerState(model, optimizer)}
 
     return {
-        "dcp.save": (retirement.settle, raw_save),
-        "DCP manager save": (manager.wait, lambda: manager.save(objects(), f"step-{next(counter)}")),
-        "dcp.load + set_state_dict": raw_load,
-        "DCP manager load_into": lambda: manager.load_into("latest", objects()),
+        "save": {
+            "dcp.save": raw["save"],
+            "A/A: dcp.save": twin["save"],
+            "DCP manager save": (manager.wait, lambda: manager.save(objects(), f"step-{next(counter)}")),
+        },
+        "load": {
+            "dcp.load + set_state_dict": raw["load"],
+            "A/A: dcp.load + set_state_dict": twin["load"],
+            "DCP manager load_into": lambda: manager.load_into("latest", objects()),
+        },
     }
 
 
-def async_candidates(model: nn.Module, optimizer: torch.optim.Optimizer, root: Path) -> dict[str, Callable]:
-    """Each candidate returns (settle, start): `settle` waits for the previous write (untimed),
-    `start` is timed until control returns to training."""
+def async_candidates(model: nn.Module, optimizer: torch.optim.Optimizer, root: Path) -> dict[str, dict]:
+    """Each candidate is (settle, call): `settle` waits for the previous write (untimed).
+
+    "returns" times `save` until control returns to training; "durable" times `save` and the wait
+    for its write together, so the figure includes the last write's fsyncs, as a run's last
+    checkpoint does (the manager waits for it before the process exits).
+    """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -167,20 +203,38 @@ def async_candidates(model: nn.Module, optimizer: torch.optim.Optimizer, root: P
         state = {"model": model_state, "optimizer": optim_state}
         pending.append(dcp.async_save(state, checkpoint_id=root / "raw-async", no_dist=True))
 
+    def raw_durable() -> None:
+        raw_start()
+        raw_settle()
+        fsync_file(os.fspath(root))
+
     def mine_start() -> None:
         manager.save({"model": ModelState(model), "optimizer": OptimizerState(model, optimizer)}, "ckpt")
 
+    def mine_durable() -> None:
+        mine_start()
+        manager.wait()
+
     return {
-        "dcp.async_save (returns)": (raw_settle, raw_start),
-        "DCP manager async save (returns)": (manager.wait, mine_start),
+        "returns": {
+            "dcp.async_save (returns)": (raw_settle, raw_start),
+            "DCP manager async save (returns)": (manager.wait, mine_start),
+        },
+        "durable": {
+            "dcp.async_save + result (durable)": (raw_settle, raw_durable),
+            "DCP manager async save + wait (durable)": (manager.wait, mine_durable),
+        },
     }
 
 
 def alternate_settled(
     candidates: dict[str, tuple[Callable, Callable]], repeats: int, isolated: bool = False
-) -> dict[str, float]:
-    """Like `alternate`, but each candidate's previous background work (an async write, deleting
-    the copy a save replaced) finishes before its timed call.
+) -> dict[str, tuple[float, float]]:
+    """Median (wall, CPU) seconds of each candidate's timed call; its previous background work (an
+    async write, deleting the copy a save replaced) finishes, untimed, before each call.
+
+    The CPU time is the process's (every thread: the helper threads that hash and fsync count),
+    which a busy shared machine disturbs far less than the wall clock.
 
     With `isolated` (the saves), every candidate's background work has finished before any timed
     call starts, and the candidate going first alternates from round to round: on this VM the
@@ -188,19 +242,21 @@ def alternate_settled(
     keep the plain order: `dcp.async_save` copies into fresh buffers each call, and how long ago
     its previous ones were freed moved its time to return between 16 and 67 ms.
     """
-    samples: dict[str, list[float]] = {name: [] for name in candidates}
+    walls: dict[str, list[float]] = {name: [] for name in candidates}
+    cpus: dict[str, list[float]] = {name: [] for name in candidates}
     names = list(candidates)
     for round_ in range(repeats + 1):
         for name in names[::-1] if isolated and round_ % 2 == 0 else names:
             for settle in [pair[0] for pair in candidates.values()] if isolated else [candidates[name][0]]:
                 settle()
-            began = time.perf_counter()
+            began, cpu = time.perf_counter(), time.process_time()
             candidates[name][1]()
             if round_:  # the first round warms up
-                samples[name].append(time.perf_counter() - began)
+                walls[name].append(time.perf_counter() - began)
+                cpus[name].append(time.process_time() - cpu)
     for settle, _ in candidates.values():
         settle()
-    return {name: statistics.median(values) for name, values in samples.items()}
+    return {name: (statistics.median(walls[name]), statistics.median(cpus[name])) for name in candidates}
 
 
 def settled(candidate: Callable | tuple[Callable, Callable], *more: Callable) -> tuple[Callable, Callable]:
@@ -231,14 +287,22 @@ def evict(root: Path) -> Callable[[], None]:
     return run
 
 
-def report(title: str, medians: dict[str, float], size: int) -> str:
-    names = list(medians)
+def report(title: str, groups: dict[str, dict[str, tuple[float, float]]], size: int) -> str:
+    """One row per operation: the raw call's time, then each other candidate's ratio to it (wall and CPU)."""
     rows = [f"### {title}: {size / 2**20:.0f} MiB of model + AdamW state", ""]
-    rows += ["| operation | raw (ms) | danling (ms) | ratio |", "| --- | ---: | ---: | ---: |"]
-    for raw, mine in zip(names[::2], names[1::2]):
+    rows += [
+        "| operation | raw (ms) | A/A wall | danling (ms) | wall ratio | raw CPU (ms) | A/A CPU | danling CPU ratio |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for medians in groups.values():
+        names = list(medians)
+        raw, mine = medians[names[0]], medians[names[-1]]
+        twin = medians[names[1]] if len(names) == 3 else None
+        aa_wall = f"{twin[0] / raw[0]:.2f}" if twin else ""
+        aa_cpu = f"{twin[1] / raw[1]:.2f}" if twin else ""
         rows.append(
-            f"| {mine} vs {raw} | {medians[raw] * 1e3:.0f} | {medians[mine] * 1e3:.0f} | "
-            f"{medians[mine] / medians[raw]:.2f} |"
+            f"| {names[-1]} vs {names[0]} | {raw[0] * 1e3:.1f} | {aa_wall} | {mine[0] * 1e3:.1f} | "
+            f"{mine[0] / raw[0]:.2f} | {raw[1] * 1e3:.1f} | {aa_cpu} | {mine[1] / raw[1]:.2f} |"
         )
     return "\n".join(rows)
 
@@ -254,44 +318,91 @@ def profile(candidates: dict[str, Callable], names: list[str], lines: int) -> st
     return "".join(out)
 
 
+def measure(part: str, mib: int, repeats: int, tmp: str, cold: bool, profile_lines: int = 0) -> dict | str:
+    """Time (or profile) one backend at one size: `{"size": bytes, "groups": {group: {name: (wall, cpu)}}}`."""
+    torch.manual_seed(0)
+    model, optimizer, size = build(mib)
+    root = Path(tmp) / f"{part}-{mib}"
+    root.mkdir()
+    build_candidates = {"file": file_candidates, "dcp": dcp_candidates, "async": async_candidates}[part]
+    groups = build_candidates(model, optimizer, root)
+    try:
+        if profile_lines:
+            mine = {name: fn for group in groups.values() for name, fn in group.items()}
+            return profile(mine, [name for name in mine if "manager" in name.lower()], profile_lines)
+        results: dict[str, dict[str, tuple[float, float]]] = {}
+        for group, candidates in groups.items():
+            if cold and group == "load":
+                candidates = {name: (evict(root), fn) for name, fn in candidates.items()}
+            elif group == "save":  # no candidate pays for the other's writeback
+                candidates = {name: settled(fn, os.sync) for name, fn in candidates.items()}
+            else:
+                candidates = {name: fn if isinstance(fn, tuple) else settled(fn) for name, fn in candidates.items()}
+            results[group] = alternate_settled(candidates, repeats, isolated=part != "async")
+        return {"size": size, "groups": results}
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def plot(results: list[dict], path: Path) -> None:
+    """Checkpoint time against state size, raw call (dashed) and danling (solid), per backend and operation."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for axis, operation in zip(axes, ("save", "load")):
+        for part, marker in (("file", "o"), ("dcp", "s")):
+            chosen = sorted(
+                (r for r in results if r["part"] == part and operation in r["groups"]), key=lambda r: r["size"]
+            )
+            if not chosen:
+                continue
+            sizes = [r["size"] / 2**20 for r in chosen]
+            names = list(chosen[0]["groups"][operation])
+            for name, line in ((names[0], "--"), (names[-1], "-")):
+                times = [r["groups"][operation][name][0] * 1e3 for r in chosen]
+                axis.loglog(sizes, times, line, marker=marker, label=name)
+        axis.set(xlabel="model + AdamW state (MiB)", ylabel="median wall time (ms)", title=f"Checkpoint {operation}")
+        axis.grid(True, which="both", alpha=0.3)
+        axis.legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--mib", type=int, default=170, help="size of model + optimizer state")
+    parser.add_argument("--mib", type=int, nargs="+", default=[170], help="sizes of model + optimizer state")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--quick", action="store_true", help="48 MiB, 3 repeats")
     parser.add_argument("--only", choices=("file", "dcp", "async"), action="append")
     parser.add_argument("--cold", action="store_true", help="evict the files from the page cache before each load")
     parser.add_argument("--profile", action="store_true", help="cProfile one manager save and load instead")
+    parser.add_argument("--json", type=Path, help="write the medians here")
+    parser.add_argument("--plot", type=Path, help="draw save and load time against size here (PNG)")
     args = parser.parse_args(argv)
-    mib, repeats = (48, 3) if args.quick else (args.mib, args.repeats)
-    torch.manual_seed(0)
-    model, optimizer, size = build(mib)
+    sizes, repeats = ([48], 3) if args.quick else (args.mib, args.repeats)
     parts = args.only or ["file", "dcp", "async"]
     warnings.simplefilter("ignore")  # DCP warns that it runs without a process group: intended
+    print(f"load average before: {' '.join(f'{load:.2f}' for load in os.getloadavg())}\n", flush=True)
+    results = []
     with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_DIR")) as tmp:
-        for part in parts:
-            root = Path(tmp) / part
-            root.mkdir()
-            candidates = {"file": file_candidates, "dcp": dcp_candidates, "async": async_candidates}[part](
-                model, optimizer, root
-            )
-            if args.profile and part != "async":
-                print(profile(candidates, [n for n in candidates if "manager" in n.lower() or "Manager" in n], 25))
-                continue
-            names = list(candidates)
-            medians: dict[str, float] = {}
-            for pair in zip(names[::2], names[1::2]):
-                chosen = {name: candidates[name] for name in pair}
-                if args.cold and part != "async" and "load" in pair[0]:
-                    chosen = {name: (evict(root), fn) for name, fn in chosen.items()}
-                elif part != "async" and "save" in pair[0]:  # no candidate pays for the other's writeback
-                    chosen = {name: settled(fn, os.sync) for name, fn in chosen.items()}
-                if isinstance(chosen[pair[0]], tuple):
-                    medians.update(alternate_settled(chosen, repeats, isolated=part != "async"))
-                else:
-                    medians.update(alternate(chosen, repeats))
-            title = f"Checkpoint, {part}" + (", loads from a cold page cache" if args.cold else "")
-            print(report(title, medians, size), "\n", flush=True)
+        for mib in sizes:
+            for part in parts:
+                if args.profile:
+                    if part != "async":
+                        print(measure(part, mib, repeats, tmp, args.cold, profile_lines=25))
+                    continue
+                result = measure(part, mib, repeats, tmp, args.cold)
+                results.append({"part": part, "mib": mib, **result})
+                title = f"Checkpoint, {part}" + (", loads from a cold page cache" if args.cold else "")
+                print(report(title, result["groups"], result["size"]), "\n", flush=True)
+    print(f"load average after: {' '.join(f'{load:.2f}' for load in os.getloadavg())}", flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
+    if args.plot:
+        plot(results, args.plot)
 
 
 if __name__ == "__main__":

@@ -161,6 +161,7 @@ class CheckpointManager:
         self._staging_buffers: dict = {}  # CPU copies of the last async snapshot, reused by the next
         self._pending_path: Path | None = None
         self._discard = Discard()  # replaced and pruned checkpoints are removed on its thread
+        self._syncing: dict[Path, list[Future]] = {}  # fsyncs a writer started, by staging directory
         if self._writes and self.directory.is_dir():
             self._recover()
 
@@ -342,8 +343,10 @@ class CheckpointManager:
     ) -> None:
         """Seal the written `tmp` (main process), publish it as `final`, point the aliases at it, then prune."""
         pointers = PendingPointers(self.directory, aliases, final.name)  # written while `tmp` is sealed
+        fields = {"history": history, "metadata": metadata}
         try:
-            seal_directory(tmp, records, name=final.name, backend=self.backend, history=history, metadata=metadata)
+            syncing = self._syncing.pop(tmp, [])
+            seal_directory(tmp, records, syncing=syncing, name=final.name, backend=self.backend, **fields)
             self._publish(tmp, final.name)
         except BaseException as err:
             pointers.discard()
@@ -356,6 +359,8 @@ class CheckpointManager:
 
     def _abandon(self, tmp: Path, final: Path, state: Any, error: BaseException) -> None:
         """Remove the unpublished `tmp` (main process) and turn a disk error into one clear error."""
+        for sync in self._syncing.pop(tmp, []):
+            sync.exception()  # the write failed anyway; its sync must end before the files go
         if self.is_main_process:
             shutil.rmtree(tmp, ignore_errors=True)
         raise_save_error(error, final, state, self.aliases(wait=False).get("latest"))
@@ -406,7 +411,10 @@ class CheckpointManager:
         """Write the payload files of `state` into the empty `directory` and fsync them.
 
         Return manifest records (`size` and a checksum) for files hashed while writing; any file left
-        out is hashed and fsynced afterwards by the base class.
+        out is hashed and fsynced afterwards by the base class. Instead of waiting for a recorded
+        file's fsync, a writer may start it on a helper thread and list the future under
+        `self._syncing[directory]`: the seal waits for it alongside the manifest's and the
+        directory's syncs, before anything is published.
         """
         raise NotImplementedError(f"{type(self).__name__} does not implement checkpoint writing")
 

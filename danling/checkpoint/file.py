@@ -11,6 +11,7 @@ import torch
 
 from ._writeback import WritebackWriter
 from .base import CheckpointManager, Verified
+from .checksums import _beside, _fsync_path
 from .manifest import (
     DEFAULT_CHECKSUM,
     HashingReader,
@@ -92,7 +93,8 @@ class FileCheckpointManager(CheckpointManager):
                     raise
                 raise stream.error from err
             raw.flush()
-            os.fsync(raw.fileno())
+        # synced beside the manifest's and the directory's syncs (see `_write_payload` of the base)
+        self._syncing.setdefault(directory, []).append(_beside(_fsync_path, directory / self.payload_name))
         return {self.payload_name: stream.record()}
 
     def _read_payload(self, directory: Path, verified: Verified, map_location: Any) -> dict[str, Any]:

@@ -17,6 +17,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Collection, Iterator, Mapping
+from concurrent.futures import Future
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
@@ -148,17 +149,20 @@ def write_manifest(
     return manifest
 
 
-def seal_directory(directory: Path, records: dict[str, Any], **fields: Any) -> None:
+def seal_directory(
+    directory: Path, records: dict[str, Any], *, syncing: Collection[Future] = (), **fields: Any
+) -> None:
     """Hash the files under `directory` that `records` lacks (adding them), write the manifest (`fields` as
     for `write_manifest`) and sync them and the directory: it is then ready to be published.
 
     The syncs run together rather than one after another (each waits on the disk, and all that
     matters is that every one is done before the directory is published); the directory's starts
-    once the manifest exists, so it covers the manifest's entry too.
+    once the manifest exists, so it covers the manifest's entry too. `syncing` holds syncs the
+    writer already started (of files it recorded); they are waited for with the others.
     """
     missing = [path for path in sorted(directory.rglob("*")) if path.is_file()]
     missing = [path for path in missing if path.relative_to(directory).as_posix() not in records]
-    syncs = [_beside(_fsync_path, path) for path in missing]
+    syncs = [*syncing, *(_beside(_fsync_path, path) for path in missing)]
     try:
         for path in missing:
             records[path.relative_to(directory).as_posix()] = file_record(path)
