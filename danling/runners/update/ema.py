@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import sys
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from danling.distributed import unwrap_model
 
@@ -133,7 +133,9 @@ class EMA(nn.Module):
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's part of `tensor` (a view, so in-place updates reach the sharded tensor)."""
-    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+    # torch.distributed.tensor costs ~0.5 s to import: a tensor can only be a DTensor once it is loaded
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    return tensor._local_tensor if dtensor is not None and isinstance(tensor, dtensor.DTensor) else tensor
 
 
 def _tensors(module: nn.Module) -> list[torch.Tensor]:
