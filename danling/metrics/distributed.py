@@ -8,8 +8,8 @@ combine (the default `None` is every rank); a group of one rank makes the helper
 - [`sum_across_ranks`][danling.metrics.distributed.sum_across_ranks]: element-wise sum of a
   tensor of the same shape on every rank.
 - [`gather_across_ranks`][danling.metrics.distributed.gather_across_ranks]: concatenation of
-  shards whose first dimension differs between ranks (a rank may even have nothing), done by
-  padding every shard to the longest one.
+  shards whose first dimension differs between ranks (a rank may even have nothing), each
+  broadcast by its rank straight into its slice of the result.
 """
 
 from __future__ import annotations
@@ -57,10 +57,6 @@ _WIRE_CASTS = {
     torch.float16: torch.float32,
     torch.bfloat16: torch.float32,
 }
-# Gathers every rank's tensor into one output (named all_gather_into_tensor before torch 2.13).
-_all_gather_single = getattr(dist, "all_gather_single", None) or getattr(dist, "all_gather_into_tensor", None)
-# Rows moved at once when a gathered shard closes a gap shorter than itself (bounded extra memory).
-_MOVE_ROWS = 1 << 16
 
 
 def is_distributed(group: ProcessGroup | None = None) -> bool:
@@ -179,8 +175,11 @@ def gather_across_ranks(
     buffer sent, never into a local concatenation first. When `group` has a single rank (or no
     process group runs) the tensor (or the pieces, concatenated) is returned.
 
-    Every rank's shard is received into one buffer, which the result is a view of: the
-    gathered data is held once, not once as received and again as concatenated.
+    Every rank's shard is received straight into its slice of the result (one broadcast per
+    rank with data, in rank order), so the gathered data is held once: no padded send buffer,
+    no received copy besides the result. The result is a new tensor even for the local rows;
+    only a shard whose dtype travels in a wider one (bool, int16, half precisions) is cast back
+    afterwards, which takes one more copy.
 
     Returns:
         The concatenation on the local shard's device (CPU when the local shard is `None`),
@@ -228,39 +227,16 @@ def gather_across_ranks(
     dtype = _WIRE_DTYPES[code]
     wire_dtype = _WIRE_CASTS.get(dtype, dtype)
     lengths = [s[0] if s is not None else 0 for s in per_rank]
-    max_len = max(lengths)
-    if (
-        pieces is None
-        and tensor is not None
-        and length == max_len
-        and tensor.dtype == wire_dtype
-        and tensor.device == wire_device
-        and tensor.is_contiguous()
-    ):
-        buffer = tensor  # sent as it is: no copy of the local shard
-    else:
-        buffer = torch.empty((max_len, *trailing_shape), dtype=wire_dtype, device=wire_device)
-        buffer[length:].zero_()
-        row = 0
-        for piece in pieces if pieces is not None else ([tensor] if tensor is not None else []):
-            buffer[row : row + piece.shape[0]] = piece
-            row += piece.shape[0]
-    received = torch.empty((len(lengths) * max_len, *trailing_shape), dtype=wire_dtype, device=wire_device)
-    _all_gather_single(received, buffer, group=group)
-    del buffer
-    # Close the padding gaps in place, rank by rank, front to back: a shard only moves towards
-    # the front, in steps no longer than its gap (so a step never overlaps itself) or, for a
-    # small gap, through a bounded copy.
-    offset = 0
-    for rank, rows in enumerate(lengths):
-        source = rank * max_len
-        gap = source - offset
-        moved = 0
-        while gap and moved < rows:
-            step = min(rows - moved, max(gap, _MOVE_ROWS))
-            block = received[source + moved : source + moved + step]
-            received[offset + moved : offset + moved + step] = block if step <= gap else block.clone()
-            moved += step
-        offset += rows
-    out = received[:offset]
+    # Every shard lands straight in its slice of the one result: the local pieces are copied
+    # there, then each rank broadcasts its slice to the others. An all-gather would need a send
+    # buffer padded to the longest shard, and gloo's adds a full received copy of its own.
+    out = torch.empty((sum(lengths), *trailing_shape), dtype=wire_dtype, device=wire_device)
+    offsets = [sum(lengths[:rank]) for rank in range(len(lengths))]
+    row = offsets[dist.get_rank(group)]
+    for piece in pieces if pieces is not None else ([tensor] if tensor is not None else []):
+        out[row : row + piece.shape[0]] = piece
+        row += piece.shape[0]
+    for rank, (offset, rows) in enumerate(zip(offsets, lengths)):
+        if rows:
+            dist.broadcast(out[offset : offset + rows], group=group, group_src=rank)
     return out.to(device=local_device, dtype=dtype)

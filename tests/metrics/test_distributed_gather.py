@@ -26,18 +26,29 @@ def shard(rank):
     return slice(0, cut) if rank == 0 else slice(cut, N)
 
 
+def _described(tensor):
+    return tensor.dtype, tuple(tensor.shape), tensor.double().flatten().tolist()
+
+
 def _worker(rank, world_size):
     out = {}
     # Uneven lengths, pieces of different integer widths: widened to the widest, in rank order.
     pieces = [torch.arange(3, dtype=torch.int8)] if rank == 0 else [torch.arange(5, dtype=torch.int16) + 10] * 2
     gathered = gather_across_ranks(pieces)
     out["pieces"] = (gathered.dtype, gathered.tolist())
-    # Held once: the result is a view of the one buffer every rank's shard was received into.
+    # Held once: every shard is received straight into its slice of the result, unpadded.
     rows = torch.full((4 if rank == 0 else 7, 3), float(rank))
     gathered = gather_across_ranks(rows)
     out["rows"] = gathered.tolist()
-    out["storage"] = (gathered.untyped_storage().nbytes(), 2 * 7 * 3 * 4)
+    out["storage"] = (gathered.untyped_storage().nbytes(), (4 + 7) * 3 * 4)
     out["nothing"] = gather_across_ranks(None if rank == 0 else torch.ones(2, 2)).tolist()
+    # Every dtype comes back as it went, including those that travel in a wider one; a shard
+    # of zero rows (not None) contributes nothing.
+    out["dtypes"] = {}
+    for dtype in (torch.bool, torch.uint8, torch.int16, torch.int64, torch.float16, torch.bfloat16, torch.float64):
+        local = (torch.arange(rank * 10, rank * 10 + (3 if rank == 0 else 5)) % 7).to(dtype).reshape(-1, 1)
+        out["dtypes"][str(dtype)] = _described(gather_across_ranks(local))
+        out["dtypes"][f"{dtype} empty"] = _described(gather_across_ranks(local[: 0 if rank == 1 else 2]))
 
     logits, labels = data()
     metrics = multiclass_metrics(4)
@@ -61,4 +72,9 @@ def test_gather_holds_data_once_and_matches_one_process():
         assert out["rows"] == [[0.0] * 3] * 4 + [[1.0] * 3] * 7
         assert out["storage"][0] == out["storage"][1]  # world x longest shard, no second copy
         assert out["nothing"] == [[1.0, 1.0], [1.0, 1.0]]
+        for dtype in (torch.bool, torch.uint8, torch.int16, torch.int64, torch.float16, torch.bfloat16, torch.float64):
+            shards = [(torch.arange(r * 10, r * 10 + (3 if r == 0 else 5)) % 7).to(dtype) for r in range(2)]
+            whole = torch.cat(shards).reshape(-1, 1)
+            assert out["dtypes"][str(dtype)] == _described(whole)
+            assert out["dtypes"][f"{dtype} empty"] == _described(shards[0][:2].reshape(-1, 1))
         assert out["avg"] == pytest.approx(expected, abs=1e-12)
