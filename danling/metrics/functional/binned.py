@@ -40,6 +40,7 @@ import torch
 from torch import Tensor
 
 from ..preprocess import probabilities
+from ._common import bincount
 from .multiclass import column_average
 
 __all__ = ["binned_auprc", "binned_auroc", "binned_auroc_bound", "binned_counts"]
@@ -53,23 +54,27 @@ def binned_counts(
     `kind` is `"binary"` (one column), `"multiclass"` (one column per class, one-vs-rest) or
     `"multilabel"` (one column per label); targets equal to `ignore_index` are left out.
     """
+    # No boolean indexing and no torch.bincount: both read values on the host, which would
+    # stall an accelerator on every update. Ignored entries go to one extra, dropped slot.
     if kind == "multiclass":
         columns = scores.shape[-1]
         probs = probabilities(scores, softmax=True)
-        valid = target != ignore_index if ignore_index is not None else torch.ones_like(target, dtype=torch.bool)
-        probs, labels = probs[valid], target[valid]
-        positive = torch.nn.functional.one_hot(labels.long(), columns).bool()
-        keep = torch.ones_like(positive)
+        labels = target.unsqueeze(-1)
+        positive = labels == torch.arange(columns, device=scores.device)
+        keep = (labels != ignore_index) if ignore_index is not None else None
     else:
         probs = probabilities(scores, softmax=False).reshape(scores.shape[0], -1)
         labels = target.reshape(target.shape[0], -1)
         columns = probs.shape[-1]
-        keep = labels != ignore_index if ignore_index is not None else torch.ones_like(labels, dtype=torch.bool)
         positive = labels == 1
+        keep = (labels != ignore_index) if ignore_index is not None else None
     index = (probs.double() * bins).long().clamp_(0, bins - 1)  # bin b holds [b / bins, (b + 1) / bins)
-    column = torch.arange(columns, device=probs.device).expand_as(index)
+    column = torch.arange(columns, device=probs.device)
     flat = (column * 2 + positive.long()) * bins + index
-    counts = torch.bincount(flat[keep], minlength=columns * 2 * bins)
+    size = columns * 2 * bins
+    if keep is not None:
+        flat = torch.where(keep, flat, size)
+    counts = bincount(flat, size + 1)[:size]
     return counts.view(columns, 2, bins)
 
 
