@@ -13,7 +13,10 @@ The streaming defaults leave out the rank-based metrics (auroc, auprc, spearman)
 per-batch averages can differ a lot from the dataset value (and are `nan` on batches with a
 single class); ask for them explicitly if you want them. `confmat` is only available in
 global mode. Classification factories ignore targets equal to `-100` by default, the
-convention of `torch.nn.CrossEntropyLoss`.
+convention of `torch.nn.CrossEntropyLoss`. `bins=` (classification) computes auroc and auprc
+from counts per score bin instead of every score: memory independent of the number of samples,
+AUROC within a stated bound of the exact value (see
+[`danling.metrics.functional.binned`][danling.metrics.functional.binned]).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import torch
 from ..utils.registry import Registry
 from .functional import _host
 from .functional import binary as _binary
+from .functional import binned as _binned
 from .functional import multiclass as _multiclass
 from .functional import multilabel as _multilabel
 from .functional import regression as _regression
@@ -163,11 +167,20 @@ CATALOGS: dict[str, dict[str, Entry]] = {
 }
 
 
+# With `MetricTask.bins` set, these replace the exact entries: counts per score bin, not the scores.
+BINNED: dict[str, Entry] = {
+    "auroc": ("bins", lambda state, average: _binned.binned_auroc(state.bins, average)),
+    "auprc": ("bins", lambda state, average: _binned.binned_auprc(state.bins, average)),
+}
+
+
 def metric_funcs(task: MetricTask, names: Sequence[str], average: str | None = "macro") -> dict[str, MetricFunc]:
     """Build the named [`MetricFunc`][danling.metrics.MetricFunc]s of `task`'s catalogue.
 
     `average` applies to the metrics that average over classes, labels or outputs
-    (precision, recall, f1, auroc, auprc, and all regression metrics).
+    (precision, recall, f1, auroc, auprc, and all regression metrics). A task with `bins`
+    computes auroc and auprc from per-bin score counts
+    ([`danling.metrics.functional.binned`][danling.metrics.functional.binned]).
 
     Raises:
         ValueError: For names outside the catalogue, listing the valid ones.
@@ -178,7 +191,7 @@ def metric_funcs(task: MetricTask, names: Sequence[str], average: str | None = "
         raise ValueError(f"unknown {task.kind} metrics {unknown}; available: {', '.join(catalog)}")
     funcs = {}
     for name in names:
-        requires, compute = catalog[name]
+        requires, compute = BINNED[name] if task.bins is not None and name in BINNED else catalog[name]
         funcs[name] = MetricFunc(name, partial(_call, compute, average), task, requires)
     return funcs
 
@@ -213,6 +226,7 @@ def binary_metrics(
     mode: str = "global",
     threshold: float = 0.5,
     ignore_index: int | None = -100,
+    bins: int | None = None,
     preprocess: Preprocess | None = base_preprocess,
     device: torch.device | str | None = None,
 ) -> GlobalMetrics | StreamMetrics:
@@ -228,7 +242,7 @@ def binary_metrics(
         >>> binary_metrics(["acc", "precision"], mode="stream")
         StreamMetrics(acc=MetricMeter(acc), precision=MetricMeter(precision))
     """
-    task = MetricTask("binary", threshold=threshold, ignore_index=ignore_index)
+    task = MetricTask("binary", threshold=threshold, ignore_index=ignore_index, bins=bins)
     defaults = (CLASSIFICATION_GLOBAL, CLASSIFICATION_STREAM)
     return _container(task, metrics, mode, None, preprocess, device, defaults)
 
@@ -240,13 +254,15 @@ def multiclass_metrics(
     mode: str = "global",
     average: str | None = "macro",
     ignore_index: int | None = -100,
+    bins: int | None = None,
     preprocess: Preprocess | None = base_preprocess,
     device: torch.device | str | None = None,
 ) -> GlobalMetrics | StreamMetrics:
     """Metrics for single-label classification into `num_classes` classes.
 
     `acc` is always the plain fraction of correct predictions; `average` applies to
-    precision, recall, f1, auroc and auprc.
+    precision, recall, f1, auroc and auprc. `bins` (for example 1000) computes auroc and
+    auprc from per-bin score counts, in memory independent of the number of samples.
 
     Examples:
         >>> import torch
@@ -257,7 +273,7 @@ def multiclass_metrics(
         >>> round(result["acc"], 4), round(result["f1"], 4), round(result["auroc"], 4)
         (0.8, 0.7778, 0.9444)
     """
-    task = MetricTask("multiclass", num_classes=num_classes, ignore_index=ignore_index)
+    task = MetricTask("multiclass", num_classes=num_classes, ignore_index=ignore_index, bins=bins)
     defaults = (CLASSIFICATION_GLOBAL, CLASSIFICATION_STREAM)
     return _container(task, metrics, mode, average, preprocess, device, defaults)
 
@@ -270,6 +286,7 @@ def multilabel_metrics(
     threshold: float = 0.5,
     average: str | None = "macro",
     ignore_index: int | None = -100,
+    bins: int | None = None,
     preprocess: Preprocess | None = base_preprocess,
     device: torch.device | str | None = None,
 ) -> GlobalMetrics | StreamMetrics:
@@ -284,7 +301,7 @@ def multilabel_metrics(
         >>> metrics.avg.dict()
         {'acc': 0.75, 'f1': 0.75}
     """
-    task = MetricTask("multilabel", num_labels=num_labels, threshold=threshold, ignore_index=ignore_index)
+    task = MetricTask("multilabel", num_labels=num_labels, threshold=threshold, ignore_index=ignore_index, bins=bins)
     defaults = (CLASSIFICATION_GLOBAL, CLASSIFICATION_STREAM)
     return _container(task, metrics, mode, average, preprocess, device, defaults)
 

@@ -71,6 +71,7 @@ class _TaskStore(TaskStoreState):
         self.wants_confusion = "confusion" in self.needs
         self.wants_moments = "moments" in self.needs
         self.wants_data = "data" in self.needs
+        self.wants_bins = "bins" in self.needs
         # Class targets of these tasks are int64 after format(), so narrowed ones widen back exactly.
         self.narrows = task is not None and task.kind != "regression"
         self.num_classes = task.num_classes if task is not None and task.kind == "multiclass" else None
@@ -87,6 +88,7 @@ class _TaskStore(TaskStoreState):
         self.pending_bytes = 0
         self._queue_kind: tuple[torch.dtype, torch.dtype, torch.device] | None = None  # set by defer
         self.moments: Tensor | None = None
+        self.bins: Tensor | None = None  # per-bin score counts: fixed size, added batch by batch
         self.inputs: list[Tensor] = []  # batches not yet joined into a chunk
         self.targets: list[Tensor] = []
         self.chunks: list[tuple[Tensor, Tensor]] = []
@@ -107,6 +109,10 @@ class _TaskStore(TaskStoreState):
             if self.wants_moments:
                 moments = task.moments(input, target)
                 self.moments = moments if self.moments is None else merge_moments(self.moments, moments)
+            if self.wants_bins:
+                with torch.inference_mode():  # added to in place by later batches, wherever they run
+                    bins = task.binned(input, target)
+                    self.bins = bins if self.bins is None else self.bins.add_(bins)
         if self.wants_data:
             self.inputs.append(input)
             self.targets.append(target)
@@ -241,6 +247,8 @@ class _TaskStore(TaskStoreState):
                 artifacts["confusion"] = self._synced_confusion(device, group)
             if "moments" in self.needs:
                 artifacts["moments"] = self._synced_moments(device, group)
+            if "bins" in self.needs:
+                artifacts["bins"] = self._synced_bins(device, group)
         else:
             data, artifacts = self.last, {}
         if kind == "bat":
@@ -266,6 +274,14 @@ class _TaskStore(TaskStoreState):
         flat = torch.cat([confusion.matrix.reshape(-1), confusion.invalid.reshape(1)])
         flat = sum_across_ranks(flat, device, group)
         return Confusion(flat[:-1].view_as(confusion.matrix), flat[-1])
+
+    def _synced_bins(self, device: Any, group: ProcessGroup | None) -> Tensor:
+        bins = self.bins
+        if bins is None:  # a rank without samples adds zeros of the same shape
+            task = self.task
+            columns = 1 if task.kind == "binary" else task.size
+            bins = torch.zeros((columns, 2, task.bins), dtype=torch.long, device=device)
+        return sum_across_ranks(bins, device, group)  # one all-reduce of the counts
 
     def _synced_moments(self, device: Any, group: ProcessGroup | None) -> Tensor:
         moments = self.moments if self.moments is not None else self.task.empty_moments(device)

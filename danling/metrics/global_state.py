@@ -33,6 +33,7 @@ class TaskStoreState:
         return {
             "counts": None if counts is None else counts.clone(),  # updated in place by later batches
             "moments": self.moments,  # type: ignore[attr-defined]
+            "bins": None if self.bins is None else self.bins.clone(),  # type: ignore[attr-defined]
             "inputs": None if data is None else data[0],
             "targets": None if data is None else data[1],
             "last_input": None if last is None else last[0],
@@ -40,11 +41,13 @@ class TaskStoreState:
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        if not isinstance(state, Mapping) or set(state) != _STORE_KEYS:
+        # "bins" may be missing: states written before binned metrics existed had none.
+        if not isinstance(state, Mapping) or set(state) - {"bins"} != _STORE_KEYS:
             found = sorted(state) if isinstance(state, Mapping) else type(state).__name__
             raise ValueError(f"not the state of a GlobalMetrics task: expected keys {sorted(_STORE_KEYS)}, got {found}")
         self.reset()  # type: ignore[attr-defined]
         self._counts, self.moments = state["counts"], state["moments"]
+        self.bins = state.get("bins")  # type: ignore[attr-defined]
         if state["inputs"] is not None:
             self.inputs, self.targets = [state["inputs"]], [state["targets"]]
         if state["last_input"] is not None:

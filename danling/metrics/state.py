@@ -21,6 +21,7 @@ from torch import Tensor
 from .functional import _ranking
 from .functional._common import Confusion, Curves, LabelCounter, label_counter
 from .functional.binary import binary_confusion, binary_curves
+from .functional.binned import binned_counts
 from .functional.multiclass import multiclass_confusion, multiclass_curves
 from .functional.multilabel import multilabel_confusion, multilabel_curves
 from .functional.regression import empty_moments, regression_moments
@@ -37,7 +38,7 @@ __all__ = ["ARTIFACTS", "MetricFunc", "MetricState", "MetricTask"]
 
 TASK_KINDS = ("binary", "multiclass", "multilabel", "regression")
 # "data" means the predictions and targets themselves; the others are built from them.
-ARTIFACTS = ("confusion", "moments", "data")
+ARTIFACTS = ("confusion", "moments", "data", "bins")
 # Fewest scores for which `MetricState.ranking` sorts in buckets: below it the curves' handful of
 # whole-tensor calls cost less than a column-by-column pass, and their memory is small anyway.
 RANKING_MIN_SCORES = 1 << 16
@@ -54,6 +55,7 @@ class MetricTask:
         num_outputs: Outputs of a regression task.
         threshold: Probability above which a binary or multilabel prediction is positive.
         ignore_index: Target value to leave out.
+        bins: Score bins of the binned AUROC / AUPRC (classification only; `None`: exact only).
 
     Examples:
         >>> task = MetricTask("multiclass", num_classes=3, ignore_index=-100)
@@ -71,6 +73,7 @@ class MetricTask:
     num_outputs: int | None = None
     threshold: float = 0.5
     ignore_index: int | float | None = None
+    bins: int | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in TASK_KINDS:
@@ -83,6 +86,10 @@ class MetricTask:
                 raise ValueError(f"{field} applies to {kind} tasks, not {self.kind}")
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{field} must be a positive integer, got {value!r}")
+        if self.bins is not None and (
+            isinstance(self.bins, bool) or not isinstance(self.bins, int) or self.bins < 2 or self.kind == "regression"
+        ):
+            raise ValueError(f"bins must be an integer of at least 2 for a classification task, got {self.bins!r}")
         if not 0 <= self.threshold <= 1:
             raise ValueError(f"threshold must lie in [0, 1], got {self.threshold!r}")
 
@@ -166,6 +173,12 @@ class MetricTask:
             raise ValueError("regression tasks need num_outputs to build empty moments")
         return empty_moments(self.num_outputs, device)
 
+    def binned(self, input: Tensor, target: Tensor) -> Tensor:
+        """Per-bin negative / positive counts of formatted data (see `functional.binned`)."""
+        if self.bins is None:
+            raise ValueError(f"this {self.kind} task has no bins: pass bins= to bin its scores")
+        return binned_counts(input, target, self.kind, self.bins, self.ignore_index)
+
     def curves(self, input: Tensor, target: Tensor, micro: bool = False) -> Curves:
         """Threshold curves of formatted data (one column per class or label, or pooled)."""
         if self.kind == "binary":
@@ -182,7 +195,7 @@ class MetricState:
 
     Pass formatted `input`/`target` (see [`MetricTask.format`][danling.metrics.MetricTask.format]),
     or the same in `chunks` of rows (targets in any integer dtype), and/or artifacts that were
-    accumulated elsewhere (`confusion`, `moments`). Artifacts that were not given are derived
+    accumulated elsewhere (`confusion`, `moments`, `bins`). Artifacts that were not given are derived
     from the data on first use; chunks are concatenated only for what needs the data in one
     piece (`data`, `curves`), not for `ranking`.
 
@@ -203,6 +216,7 @@ class MetricState:
         *,
         confusion: Confusion | None = None,
         moments: Tensor | None = None,
+        bins: Tensor | None = None,
         chunks: Sequence[tuple[Tensor, Tensor]] | None = None,
     ) -> None:
         self.task = task
@@ -214,6 +228,8 @@ class MetricState:
             self._cache["confusion"] = confusion
         if moments is not None:
             self._cache["moments"] = moments
+        if bins is not None:
+            self._cache["bins"] = bins
 
     @classmethod
     def from_batch(cls, task: MetricTask, input: Any, target: Any) -> MetricState:
@@ -246,6 +262,11 @@ class MetricState:
     @property
     def moments(self) -> Tensor:
         return self.cached("moments", lambda: self.task.moments(*self.data))
+
+    @property
+    def bins(self) -> Tensor:
+        """Per-bin negative / positive score counts, `(columns, 2, bins)` (see `MetricTask.binned`)."""
+        return self.cached("bins", lambda: self.task.binned(*self.data))
 
     def curves(self, micro: bool = False) -> Curves:
         """Threshold curves (per class/label, or pooled with `micro=True`)."""
@@ -284,7 +305,7 @@ class MetricFunc:
         name: Name under which containers report the value.
         fn: Function of a state returning the metric.
         task: The task the state is built for.
-        requires: Artifacts `fn` reads: any of `"confusion"`, `"moments"`, `"data"`.
+        requires: Artifacts `fn` reads: any of `"confusion"`, `"moments"`, `"data"`, `"bins"`.
 
     Examples:
         >>> from danling.metrics.functional.binary import accuracy_from_confusion

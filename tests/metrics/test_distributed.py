@@ -52,11 +52,14 @@ def containers():
         "multilabel": multilabel_metrics(3, ["acc", "f1", "auroc", "auprc"]),
         "regression": regression_metrics(2),
         "plain": GlobalMetrics(auroc=F.binary_auroc),
+        # binned AUROC / AUPRC: per-bin counts, summed across ranks by one all-reduce
+        "binned_multiclass": multiclass_metrics(4, ["acc", "auroc", "auprc"], bins=16),
+        "binned_multilabel": multilabel_metrics(3, ["auroc", "auprc"], bins=16),
     }
 
 
 def task_of(name):
-    return {"multiclass_stream": "multiclass", "plain": "binary"}.get(name, name)
+    return {"multiclass_stream": "multiclass", "plain": "binary"}.get(name, name.removeprefix("binned_"))
 
 
 def feed(metrics, batches, indices):
@@ -70,7 +73,12 @@ def numbers(values):
 
 
 def lonely_containers():
-    return {"multiclass": multiclass_metrics(4), "regression": regression_metrics(2), "plain": containers()["plain"]}
+    return {
+        "multiclass": multiclass_metrics(4),
+        "regression": regression_metrics(2),
+        "plain": containers()["plain"],
+        "binned_binary": binary_metrics(["auroc", "auprc"], bins=16),  # rank 1 adds zero counts
+    }
 
 
 class CountCollectives:
@@ -157,7 +165,7 @@ def test_two_ranks_match_one_process_on_the_union():
                 assert out[name]["bat"] == pytest.approx(numbers(last_union[name].avg), nan_ok=True), name
         assert out["avg_again"] == out["multiclass"]["avg"]
         assert out["multiclass"]["text"] == results[0]["multiclass"]["text"]
-        for name in ("multiclass", "regression", "plain"):
+        for name in ("multiclass", "regression", "plain", "binned_binary"):
             assert out["lonely"][name] == pytest.approx(numbers(lonely[name].avg), nan_ok=True), name
     check_stream_bat(results, batches)
     check_meters(results)

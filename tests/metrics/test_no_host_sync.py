@@ -66,6 +66,9 @@ def containers():
         yield "multilabel", multilabel_metrics(3, ["acc", "balanced_acc", "f1", "mcc", "auroc", "auprc"], mode=mode)
         names = ["pearson", "r2", "mse", "rmse", "mae"] + (["spearman"] if mode == "global" else [])
         yield "regression", regression_metrics(2, names, mode=mode)
+        yield "multiclass", multiclass_metrics(5, ["acc", "auroc", "auprc"], mode=mode, bins=32)
+        yield "multilabel", multilabel_metrics(3, ["auroc", "auprc"], mode=mode, bins=32)
+        yield "binary", binary_metrics(["auroc", "auprc"], mode=mode, bins=32)
 
 
 @pytest.fixture(autouse=True)
