@@ -30,15 +30,29 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def wait(what: str, ready: Callable[[], bool], deadline: float = DEADLINE, procs: tuple = ()) -> None:
+def wait(
+    what: str, ready: Callable[[], bool], deadline: float = DEADLINE, procs: tuple = (), logs: Path | None = None
+) -> None:
+    """Poll `ready` until it holds; a group in `procs` that fails, or the deadline, raises (with `logs`' tails)."""
     end = time.monotonic() + deadline
     while not ready():
         for proc in procs:
             if proc.poll() is not None and proc.returncode != 0:
-                raise AssertionError(f"{what}: a replica group exited with {proc.returncode}")
+                raise AssertionError(f"{what}: a replica group exited with {proc.returncode}{_tails(logs)}")
         if time.monotonic() > end:
-            raise AssertionError(f"timed out after {deadline:.0f}s waiting for {what}")
+            raise AssertionError(f"timed out after {deadline:.0f}s waiting for {what}{_tails(logs)}")
         time.sleep(0.05)
+
+
+def _tails(control: Path | None, lines: int = 25) -> str:
+    """The last lines of the groups' and the lighthouse's logs: what a failed wait needs to be diagnosed."""
+    if control is None:
+        return ""
+    parts = []
+    for path in sorted(control.glob("log-*")) + sorted(control.glob("lighthouse.log")):
+        tail = path.read_text(errors="replace").splitlines()[-lines:]
+        parts.append(f"\n--- {path.name} (last {len(tail)} lines) ---\n" + "\n".join(tail))
+    return "".join(parts)
 
 
 def step(control: Path, name: str) -> int:
@@ -116,7 +130,7 @@ class Job:
     def finish(self) -> dict[str, dict]:
         live = tuple(p for p in self.procs.values() if p.returncode is None)
         done = lambda: all((self.control / f"done-{n}.pt").exists() for n in ("0", "1"))  # noqa: E731
-        wait("both replica groups to finish", done, procs=live)
+        wait("both replica groups to finish", done, procs=live, logs=self.control)
         return {n: torch.load(self.control / f"done-{n}.pt") for n in ("0", "1")}
 
     def close(self) -> None:

@@ -26,15 +26,25 @@ def test_a_killed_sharded_group_rejoins_from_its_peer_while_the_other_keeps_trai
         ft.hold("1", 6)
         ft.start("0", ranks=2, **SHARDED)
         victim = ft.start("1", ranks=2, **SHARDED)
-        wait("group 1 to reach step 6", lambda: step(ft.control, "1") >= 6, procs=tuple(ft.procs.values()))
+        wait(
+            "group 1 to reach step 6",
+            lambda: step(ft.control, "1") >= 6,
+            procs=tuple(ft.procs.values()),
+            logs=ft.control,
+        )
         at_kill = step(ft.control, "0")
         ft.hold("0", at_kill + 4)  # the survivor trains 4 more updates alone, then waits for the restart
         victim.send_signal(signal.SIGKILL)  # both of its ranks
         victim.wait(timeout=30)
-        wait("group 0 to train on alone", lambda: step(ft.control, "0") >= at_kill + 3)
+        wait(
+            "group 0 to train on alone",
+            lambda: step(ft.control, "0") >= at_kill + 3,
+            procs=tuple(p for k, p in ft.procs.items() if k.startswith("0-")),
+            logs=ft.control,
+        )
         ft.release("1")
         ft.start("1", ranks=2, **SHARDED)
-        wait("the restarted group to be built", lambda: (ft.control / "ready-1").exists())
+        wait("the restarted group to be built", lambda: (ft.control / "ready-1").exists(), logs=ft.control)
         ft.release("0")
         results = ft.finish()
     finally:

@@ -42,15 +42,20 @@ def test_a_killed_group_rejoins_from_its_peer_while_the_other_keeps_training(job
     ft.hold("1", 8)  # group 1 stops after its 8th update, mid-epoch (128 batches per epoch)
     ft.start("0")
     victim = ft.start("1")
-    wait("group 1 to reach step 8", lambda: step(ft.control, "1") >= 8, procs=tuple(ft.procs.values()))
+    wait("group 1 to reach step 8", lambda: step(ft.control, "1") >= 8, procs=tuple(ft.procs.values()), logs=ft.control)
     at_kill = step(ft.control, "0")
     ft.hold("0", at_kill + 6)  # the survivor may train 6 more updates alone, then waits for the restart
     victim.send_signal(signal.SIGKILL)
     victim.wait(timeout=30)
-    wait("group 0 to train on alone", lambda: step(ft.control, "0") >= at_kill + 5)
+    wait(
+        "group 0 to train on alone",
+        lambda: step(ft.control, "0") >= at_kill + 5,
+        procs=(ft.procs["0-0"],),
+        logs=ft.control,
+    )
     ft.release("1")
     ft.start("1")  # a fresh process: nothing on disk to resume from, only the live peer
-    wait("the restarted group to be built", lambda: (ft.control / "ready-1").exists())
+    wait("the restarted group to be built", lambda: (ft.control / "ready-1").exists(), logs=ft.control)
     ft.release("0")
     results = ft.finish()
 
@@ -79,15 +84,20 @@ def test_a_restarted_group_resumes_its_own_data_position_from_its_dataloader_che
     ft.hold("1", 8)
     ft.start("0", **own)
     victim = ft.start("1", **own)
-    wait("group 1 to reach step 8", lambda: step(ft.control, "1") >= 8, procs=tuple(ft.procs.values()))
+    wait("group 1 to reach step 8", lambda: step(ft.control, "1") >= 8, procs=tuple(ft.procs.values()), logs=ft.control)
     at_kill = step(ft.control, "0")
     ft.hold("0", at_kill + 6)
     victim.send_signal(signal.SIGKILL)
     victim.wait(timeout=30)
-    wait("group 0 to train on alone", lambda: step(ft.control, "0") >= at_kill + 5)
+    wait(
+        "group 0 to train on alone",
+        lambda: step(ft.control, "0") >= at_kill + 5,
+        procs=(ft.procs["0-0"],),
+        logs=ft.control,
+    )
     ft.release("1")
     ft.start("1", **own)
-    wait("the restarted group to be built", lambda: (ft.control / "ready-1").exists())
+    wait("the restarted group to be built", lambda: (ft.control / "ready-1").exists(), logs=ft.control)
     ft.release("0")
     results = ft.finish()
 
@@ -107,11 +117,11 @@ def test_min_replica_size_two_waits_for_the_missing_group(job):
     ft.hold("1", 5)
     ft.start("0")
     victim = ft.start("1")
-    wait("group 1 to reach step 5", lambda: step(ft.control, "1") >= 5, procs=tuple(ft.procs.values()))
+    wait("group 1 to reach step 5", lambda: step(ft.control, "1") >= 5, procs=tuple(ft.procs.values()), logs=ft.control)
     victim.send_signal(signal.SIGKILL)
     victim.wait(timeout=30)
     left = lambda: any(e["event"] == "replica_left" for e in events(ft.control, "0"))  # noqa: E731
-    wait("group 0 to see its peer leave", left)
+    wait("group 0 to see its peer leave", left, procs=(ft.procs["0-0"],), logs=ft.control)
     waiting_at = step(ft.control, "0")
     end = time.monotonic() + 3.0  # an observation window: the counter must not move in it
     while time.monotonic() < end:
