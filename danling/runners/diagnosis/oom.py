@@ -98,10 +98,12 @@ class OutOfMemoryGuard:
     Args:
         config: The `oom` section.
         update: The update strategy; its phase marks are the agreement points A and B.
-        rank, world_size: This process's rank and the number of ranks.
+        rank: This process's rank.
+        world_size: The number of ranks.
         group: The group that agrees (the world: every rank takes the same branch).
         global_step: The current global step.
-        logger: Where events are reported (`report`: this rank reports them).
+        logger: Where events are reported.
+        report: Whether this rank reports them (the main process).
 
     Attributes:
         count: Out-of-memory errors so far (every rank's, each agreed once).
