@@ -37,27 +37,32 @@ def _same_weights(results: dict[str, dict]) -> bool:
     return all(torch.equal(first[key], second[key]) for key in first)
 
 
-def test_a_killed_group_rejoins_from_its_peer_while_the_other_keeps_training(job):
-    ft = job()
-    ft.hold("1", 8)  # group 1 stops after its 8th update, mid-epoch (128 batches per epoch)
-    ft.start("0")
-    victim = ft.start("1")
+def _kill_and_restart(ft, **overrides) -> tuple[int, dict[str, dict]]:
+    """Kill group 1 after its 8th update (mid-epoch), let group 0 train on alone, restart group 1, finish.
+
+    Returns group 0's step when group 1 was killed and both groups' results.
+    """
+    ft.hold("1", 8)
+    ft.start("0", **overrides)
+    victim = ft.start("1", **overrides)
     wait("group 1 to reach step 8", lambda: step(ft.control, "1") >= 8, procs=tuple(ft.procs.values()), logs=ft.control)
     at_kill = step(ft.control, "0")
     ft.hold("0", at_kill + 6)  # the survivor may train 6 more updates alone, then waits for the restart
     victim.send_signal(signal.SIGKILL)
     victim.wait(timeout=30)
-    wait(
-        "group 0 to train on alone",
-        lambda: step(ft.control, "0") >= at_kill + 5,
-        procs=(ft.procs["0-0"],),
-        logs=ft.control,
-    )
+    survivor = (ft.procs["0-0"],)
+    wait("group 0 to train on alone", lambda: step(ft.control, "0") >= at_kill + 5, procs=survivor, logs=ft.control)
     ft.release("1")
-    ft.start("1")  # a fresh process: nothing on disk to resume from, only the live peer
+    ft.start("1", **overrides)
     wait("the restarted group to be built", lambda: (ft.control / "ready-1").exists(), logs=ft.control)
     ft.release("0")
-    results = ft.finish()
+    return at_kill, ft.finish()
+
+
+def test_a_killed_group_rejoins_from_its_peer_while_the_other_keeps_training(job):
+    ft = job()
+    # a fresh process at the restart: nothing on disk to resume from, only the live peer
+    at_kill, results = _kill_and_restart(ft)
 
     assert results["0"]["summary"]["global_step"] == results["1"]["summary"]["global_step"] == STEPS
     assert _same_weights(results)
@@ -81,25 +86,7 @@ def test_a_restarted_group_resumes_its_own_data_position_from_its_dataloader_che
     # dataloader checkpoint that of step 8, and the peer it recovers from is at step 13 or later.
     own = {"checkpoint.enable_ft_dataloader_checkpoints": True, "auto_resume": True}
     ft = job()
-    ft.hold("1", 8)
-    ft.start("0", **own)
-    victim = ft.start("1", **own)
-    wait("group 1 to reach step 8", lambda: step(ft.control, "1") >= 8, procs=tuple(ft.procs.values()), logs=ft.control)
-    at_kill = step(ft.control, "0")
-    ft.hold("0", at_kill + 6)
-    victim.send_signal(signal.SIGKILL)
-    victim.wait(timeout=30)
-    wait(
-        "group 0 to train on alone",
-        lambda: step(ft.control, "0") >= at_kill + 5,
-        procs=(ft.procs["0-0"],),
-        logs=ft.control,
-    )
-    ft.release("1")
-    ft.start("1", **own)
-    wait("the restarted group to be built", lambda: (ft.control / "ready-1").exists(), logs=ft.control)
-    ft.release("0")
-    results = ft.finish()
+    at_kill, results = _kill_and_restart(ft, **own)
 
     assert results["0"]["summary"]["global_step"] == results["1"]["summary"]["global_step"] == STEPS
     assert _same_weights(results)
