@@ -46,10 +46,12 @@ PENDING_BYTES = 1 << 18
 # handle a few large pieces instead of every batch, and a chunk owns its memory (a batch that
 # is a view of a larger tensor no longer keeps all of it alive).
 DATA_BATCHES = 64
-# ... or once they hold this many scores (1 MiB of float32), or a sixteenth of the scores kept
-# so far if more: joining copies the batches, so this bounds the memory held twice while it runs
-# (and freed afterwards) to a small share of the data, while the count of chunks stays small.
-DATA_ELEMENTS = 1 << 18
+# ... or once they hold this many bytes (scores and targets as they came: int64 class targets are
+# narrowed only by the join), or a sixteenth of the bytes kept so far if more: joining copies
+# the batches, so this bounds the memory held twice while it runs (and freed afterwards) to a
+# small share of the data, while the count of chunks stays small. Counting bytes, not scores,
+# keeps one-score binary batches, whose int64 targets are twice their scores, from piling up.
+DATA_BYTES = 1 << 20
 
 
 class _TaskStore(TaskStoreState):
@@ -92,8 +94,9 @@ class _TaskStore(TaskStoreState):
         self.inputs: list[Tensor] = []  # batches not yet joined into a chunk
         self.targets: list[Tensor] = []
         self.chunks: list[tuple[Tensor, Tensor]] = []
-        self.data_elements = 0  # scores in the batches not yet joined
-        self.data_limit = DATA_ELEMENTS
+        self.data_bytes = 0  # held by the batches not yet joined
+        self.kept_bytes = 0  # held by the joined chunks
+        self.data_limit = DATA_BYTES
         self.last: tuple[Tensor, Tensor] | None = None
 
     def update(self, input: Tensor, target: Tensor) -> None:
@@ -116,8 +119,8 @@ class _TaskStore(TaskStoreState):
         if self.wants_data:
             self.inputs.append(input)
             self.targets.append(target)
-            self.data_elements += input.numel()
-            if len(self.inputs) >= DATA_BATCHES or self.data_elements >= self.data_limit:
+            self.data_bytes += input.numel() * input.element_size() + target.numel() * target.element_size()
+            if len(self.inputs) >= DATA_BATCHES or self.data_bytes >= self.data_limit:
                 self.join()
         self.last = (input, target)
 
@@ -126,11 +129,13 @@ class _TaskStore(TaskStoreState):
         inputs, targets = self.inputs, self.targets
         if not inputs:
             return
-        self.inputs, self.targets, self.data_elements = [], [], 0
+        self.inputs, self.targets, self.data_bytes = [], [], 0
         input = inputs[0] if len(inputs) == 1 else torch.cat(inputs)
         del inputs
-        self.data_limit = max(DATA_ELEMENTS, sum(chunk.numel() for chunk, _ in self.chunks) // 16)
-        self.chunks.append((input, narrow_join(targets) if self.narrows else join_rows(targets)))
+        target = narrow_join(targets) if self.narrows else join_rows(targets)
+        self.chunks.append((input, target))
+        self.kept_bytes += input.numel() * input.element_size() + target.numel() * target.element_size()
+        self.data_limit = max(DATA_BYTES, self.kept_bytes // 16)
 
     def defer(self, source: Tensor, target: Tensor) -> None:
         """Queue a batch for counting: multiclass scores or predicted labels, with the targets."""

@@ -1,5 +1,6 @@
-"""AUROC and AUPRC of large host data, column by column in buckets: same values, far less memory."""
+"""AUROC and AUPRC of large host data from sorted per-column copies: same values, far less memory."""
 
+import contextlib
 import math
 from unittest import mock
 
@@ -24,9 +25,12 @@ from danling.metrics.functional import multilabel as L
 from danling.metrics.functional._common import auprc_from_curves, auroc_from_curves
 
 
-def buckets_of(many: bool):
-    # Many buckets and small blocks: every boundary a bucket or a block can have is crossed.
-    return mock.patch.multiple(_ranking, SORT_BYTES=1 << 12 if many else 32, BLOCK_BYTES=1 << 12 if many else 96)
+def pieces_of(many: bool):
+    # Pieces of a few rows and blocks of a few positives: every boundary a piece of rows or a
+    # block of searched positives can have is crossed, runs of ties included.
+    if not many:
+        return contextlib.nullcontext()
+    return mock.patch.multiple(_ranking, ELEMENTS=29, MIN_BLOCK=5, MAX_BLOCK=5)
 
 
 def tied(generator, *shape):
@@ -41,11 +45,11 @@ def check(ranking, curves):
     assert torch.equal(ranking.positives, positives)
 
 
-@pytest.mark.parametrize("buckets", [False, True], ids=["one-bucket", "many-buckets"])
+@pytest.mark.parametrize("small", [False, True], ids=["one-block", "many-blocks"])
 @pytest.mark.parametrize("n", [0, 1, 9, 70_000])
-def test_ranking_equals_the_curves(n, buckets):
+def test_ranking_equals_the_curves(n, small):
     g = torch.Generator().manual_seed(n)
-    with buckets_of(buckets):
+    with pieces_of(small):
         scores, target = tied(g, n), torch.randint(0, 2, (n,), generator=g)
         target[::13] = -100
         half = n // 2  # two chunks, the second with narrowed targets
@@ -82,6 +86,26 @@ def test_invalid_targets_and_nan_scores_give_nan():
     assert not _ranking.ranking("binary", [(scores, target)], 1, -100).auprc.isnan().any()
 
 
+@pytest.mark.parametrize("ignore_index", [None, -100, 2, 300])
+def test_invalid_targets_of_classes_and_labels_give_what_the_curves_give(ignore_index):
+    """A target that is neither a label nor ignored makes its column nan (multiclass: every column)."""
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.rand(90, 3, generator=g), torch.randint(0, 2, (90, 3), generator=g)
+    y[4, 1], y[9, 2] = 7, -100  # label 1 has an invalid target; label 2 an ignored (or invalid) one
+    y[11, 0] = 2  # a label value only when ignore_index is 2... which 0/1 labels never are
+    narrowed = y.to(torch.int8)
+    for micro in (False, True):
+        expected = L.multilabel_curves(x, y, ignore_index, micro=micro)
+        check(_ranking.ranking("multilabel", [(x, narrowed)], 3, ignore_index, micro=micro), expected)
+    logits, classes = torch.randn(90, 4, generator=g), torch.randint(0, 4, (90,), generator=g)
+    classes[5] = 9
+    classes[6] = -100
+    for micro in (False, True):
+        expected = M.multiclass_curves(logits, classes, ignore_index, micro=micro)
+        chunks = [(logits, classes.to(torch.int16))]
+        check(_ranking.ranking("multiclass", chunks, 4, ignore_index, micro=micro), expected)
+
+
 def test_negative_zero_ties_with_zero():
     scores = torch.tensor([0.0, -0.0, 0.5, -0.0, 0.0, -1.0])
     target = torch.tensor([1, 0, 1, 1, 0, 0])
@@ -95,12 +119,12 @@ def feed(metrics, input, target, batch=4096):
         metrics.update(input[start : start + batch], target[start : start + batch])
 
 
-@pytest.mark.parametrize("buckets", [False, True], ids=["one-bucket", "many-buckets"])
-def test_global_metrics_at_scale_match_sklearn(buckets):
+@pytest.mark.parametrize("small", [False, True], ids=["one-block", "many-blocks"])
+def test_global_metrics_at_scale_match_sklearn(small):
     """Above `RANKING_MIN_SCORES` the containers read kept chunks through the ranking: sklearn's values."""
     g = torch.Generator().manual_seed(0)
     n = 80_000
-    with buckets_of(buckets):
+    with pieces_of(small):
         target = torch.randint(0, 2, (n,), generator=g)
         scores = tied(g, n) + target
         metrics = binary_metrics(["auroc", "auprc"])
@@ -152,8 +176,9 @@ def test_kept_targets_are_narrowed_and_read_back_exactly():
 
 
 def test_joining_copies_in_bounded_groups():
-    """Kept batches are joined once they hold `DATA_ELEMENTS` scores, so a join never copies much at once."""
-    with mock.patch.multiple(global_metrics_module, DATA_ELEMENTS=1000, DATA_BATCHES=64):
+    """Kept batches are joined once they hold `DATA_BYTES`, so a join never copies much at once."""
+    # A batch of 400 float32 scores and int64 targets holds 4,800 bytes: joined every third.
+    with mock.patch.multiple(global_metrics_module, DATA_BYTES=10_000, DATA_BATCHES=64):
         metrics = binary_metrics(["auroc"])
         for _ in range(10):
             metrics.update(torch.rand(400), torch.randint(0, 2, (400,)))
@@ -162,7 +187,7 @@ def test_joining_copies_in_bounded_groups():
         assert len(store.inputs) == 1
 
 
-@pytest.mark.parametrize("n", [8, 70_000])  # the sorted curves (small, or any device) and the bucketed host path
+@pytest.mark.parametrize("n", [8, 70_000])  # the sorted curves (small, or any device) and the sorted per-column copies
 def test_a_nan_score_gives_nan_on_every_path_unless_its_sample_is_ignored(n):
     # The curves ranked a nan score at one end: [0.1, nan, 0.8, 0.4] against [0, 1, 1, 0] gave AUROC 1.0.
     from danling.metrics import GlobalMetrics

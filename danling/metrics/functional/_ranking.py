@@ -1,48 +1,47 @@
 """Exact AUROC and average precision of large score columns in little memory (host tensors).
 
 [`curves_from_scores`][danling.metrics.functional._common.curves_from_scores] sorts every column
-of the whole `(N, K)` score matrix at once and keeps several `(K, N)` int64 count tensors: about
-fifteen times the size of the scores at its peak, which decides whether an evaluation set fits
-in memory at all. The functions here give the same integer counts, and so the same AUROC (the
-same float) and the same average precision (summed in another order), column by column:
+of the whole `(N, K)` score matrix with its int64 order and keeps several `(K, N)` int64 count
+tensors: about fifteen times the size of the scores at its peak, which decides whether an
+evaluation set fits in memory at all. The functions here give the same integer counts, and so the
+same AUROC (the same float) and the same average precision (summed in another order):
 
-- a column is split by score value into buckets of about equal size, taken from the highest
-  scores down; a bucket is sorted on its own, so the sort's buffers hold a bucket, not the
-  column, and no copy of the whole column is made;
-- a bucket is sorted through integer keys that order like the floats (a radix sort, several
-  times faster than sorting the floats), ascending in descending-score order;
-- the sorted bucket is read in blocks with running totals carried over, so the per-threshold
-  counts never exist for more than a block.
+- each column's scores are copied once, in pieces of rows, into two flat arrays: the scores of
+  its positives and those of its negatives (labels then need no storage: the array says it);
+- both arrays are sorted in place by numpy, which needs neither an index tensor nor a buffer
+  (`torch.sort` always returns an int64 order, twice the size of float32 scores);
+- one binary search per positive into the sorted negatives gives everything both metrics need:
+  the negatives below it and tied with it (the AUROC's pairs, integers) and those at or above
+  it (the false positives at its threshold). Its true positives come from its run of ties in
+  the sorted positives. The searches run in blocks of positives, so their int64 results never
+  exist for a whole column.
 
-Everything reads values on the host (bucket sizes, totals), so this path serves CPU tensors only;
-other devices keep the synchronisation-free curves.
+The copies of all columns exist at once (a softmax of logits is taken row by row, for every class
+together): as much memory as the scores, so with the kept scores and targets the peak stays near
+2x the scores. Values are read on the host (counts, numpy views), so this path serves CPU tensors
+only; other devices keep the synchronisation-free curves.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from typing import NamedTuple
+from collections.abc import Iterator, Sequence
+from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 from torch import Tensor
 
 __all__ = ["Ranking", "column_sums", "ranking", "ranking_from_sums"]
 
-# Bytes a bucket costs per element while it is sorted: the integer keys, the sorted keys with
-# their int64 order and the radix sort's buffers (measured: torch.sort of int32 keys peaks at five
-# times its input; int64 keys, for logits, cost more and make buckets smaller in practice).
-SORT_BYTES = 32
-# Bytes per element of a block of a sorted bucket while it is read (about ten int64 and float64
-# temporaries): blocks are sized to stay within the budget too, between 16Ki and 256Ki elements.
-BLOCK_BYTES = 96
-# Rows of a chunk checked for logits and put through the softmax at once.
-ROWS = 1 << 14
-# Score values sampled to place the bucket boundaries.
-SAMPLES = 1 << 12
-# Labels as the sums read them: positive, negative, or neither (ignored or invalid: sorted along
-# but counted nowhere).
-NEITHER, POSITIVE, NEGATIVE = 0, 1, 2
+# Scores of a piece of rows: the unit in which scores are checked for logits, put through the
+# softmax, split into positives and negatives and copied. Small enough that a piece's temporaries
+# (masks, a softmax) are about a MiB, large enough that per-call costs vanish.
+ELEMENTS = 1 << 18
+# Positives searched at once: the block's int64 and float64 temporaries (about 60 bytes a
+# positive) are what the counting adds on top of the sorted arrays. A column uses blocks of a
+# 32nd of its scores within these bounds, so small columns stay small too.
+MIN_BLOCK, MAX_BLOCK = 1 << 10, 1 << 16
 
 
 class Ranking(NamedTuple):
@@ -53,130 +52,52 @@ class Ranking(NamedTuple):
     positives: Tensor
 
 
-def descending_keys(scores: Tensor) -> Tensor:
-    """Integer keys of float `scores` whose ascending order is the scores' descending order.
+# Rank sums of one column: twice the AUROC's numerator in units of one positive-negative pair
+# (an integer), the sum over positives of the precision at their threshold, the counts of
+# positives and negatives, and whether every counted score was a number.
+Sums = tuple[int, float, int, int, bool]
 
-    Equal scores (`-0.0` and `0.0` included) get equal keys, different ones different keys.
+
+def column_sums(positives: np.ndarray, negatives: np.ndarray) -> Sums:
+    """Rank sums of one column from the float scores of its positives and of its negatives.
+
+    Both arrays are sorted in place (ascending; numpy orders `nan` last and compares `-0.0`
+    equal to `0.0`, as the curves do).
     """
-    int_dtype = torch.int32 if scores.element_size() == 4 else torch.int64
-    bits = (scores.to(torch.float64 if int_dtype is torch.int64 else torch.float32) + 0.0).view(int_dtype)
-    # Negative floats order backwards as integers: flipping all but the sign bit fixes that.
-    bits.bitwise_xor_((bits >> (bits.element_size() * 8 - 1)) & torch.iinfo(int_dtype).max)
-    return bits.bitwise_not_()  # ascending keys of descending scores
-
-
-def _boundaries(pieces: Sequence[Tensor], total: int, buckets: int) -> list[float]:
-    """Score values that split the column into `buckets` parts of about equal size, decreasing."""
-    step = max(1, total // SAMPLES)
-    sample = torch.cat([piece.reshape(-1)[::step].to(torch.float64) for piece in pieces])
-    sample = sample[~sample.isnan()].sort(descending=True).values
-    if sample.numel() == 0:
-        return []
-    cuts = torch.linspace(0, sample.numel() - 1, buckets + 1)[1:-1].long()
-    # Decreasing and distinct: a heavily tied score ends up in a single (larger) bucket.
-    return sorted({float(sample[i]) for i in cuts.tolist()}, reverse=True)
-
-
-def _sorted_bucket(bucket: list[Tensor]) -> tuple[Tensor, Tensor | None]:
-    """Sort one bucket `[scores, codes]` of numeric scores with labels (positive or negative only).
-
-    Returns ascending keys of descending scores and the negative flags in that order. Where
-    the key has room, the flag is its lowest bit (returned as `None`): the sort then carries the
-    labels along, and no gather by the sort's order (random reads, the slowest step) is needed.
-    The bucket's tensors are let go before the sort, whose buffers are the largest.
-    """
-    scores, codes = bucket
-    bucket.clear()
-    negative = codes == NEGATIVE
-    del codes
-    low, high = torch.aminmax(scores)
-    if float(low) >= 0 and float(high) <= 1:
-        # Probabilities: their bits order like them and stop at those of 1.0, which leaves a bit
-        # for the flag (int32 for float32: 2 * 0x3F800000 < 2 ** 31).
-        int_dtype = torch.int32 if scores.dtype is torch.float32 else torch.int64
-        one = torch.tensor(1.0, dtype=scores.dtype).view(int_dtype)
-        keys = torch.sub(one, (scores + 0.0).view(int_dtype)).mul_(2)  # + 0.0: -0.0 and 0.0 are one score
-        del scores
-        return torch.sort(keys.add_(negative)).values, None
-    if scores.element_size() == 4:  # other float32 scores: 32-bit keys, the flag in an int64 one
-        keys = descending_keys(scores).long()
-        del scores
-        return torch.sort(keys.mul_(2).add_(negative)).values, None
-    keys, order = torch.sort(descending_keys(scores))
-    return keys, negative[order]
-
-
-def column_sums(pieces: Sequence[tuple[Tensor, Tensor]], budget: int) -> tuple[int, float, int, int, bool]:
-    """Rank sums of one column given in pieces of `(scores, labels)` (1-D, labels as int8 codes).
-
-    Returns twice the area under the ROC curve in units of one positive-negative pair (an
-    integer), the sum over positives of the precision at their threshold, the counts of
-    positives and negatives, and whether every score was a number. Buckets are sized so that
-    sorting one costs at most about `budget` bytes.
-    """
-    total = sum(scores.numel() for scores, _ in pieces)
-    if total == 0:
-        return 0, 0.0, 0, 0, True
-    buckets = max(1, min(64, math.ceil(total * SORT_BYTES / max(budget, 1))))
-    cuts = _boundaries([scores for scores, _ in pieces], total, buckets) if buckets > 1 else []
-    limits = [math.inf, *cuts, -math.inf]
+    positives.sort()
+    negatives.sort()
+    tps, fps = positives.size, negatives.size
+    if (tps and np.isnan(positives[-1])) or (fps and np.isnan(negatives[-1])):
+        return 0, 0.0, tps, fps, False
     twice_area, precision_sum = 0, 0.0
-    block_size = min(max(budget // BLOCK_BYTES, 1 << 14), 1 << 18)
-    counted = fps = last_tp = last_fp = 0  # samples and negatives so far, and the latest threshold's counts
-    # Samples that are neither positive nor negative (ignored, invalid) count nowhere: leaving
-    # them out gives the same sums. A nan score falls in no bucket, so fewer samples than these
-    # get counted when one of them has a nan score.
-    pieces = [(scores.reshape(-1), codes.reshape(-1)) for scores, codes in pieces]
-    kept = [codes != NEITHER for _, codes in pieces]
-    expected = sum(int(mask.sum()) for mask in kept)
-    for high, low in zip(limits[:-1], limits[1:]):
-        chosen = []
-        for (scores, codes), valid in zip(pieces, kept):
-            if high == math.inf and low == -math.inf:
-                mask = valid & ~scores.isnan()
-            elif high == math.inf:
-                mask = valid & (scores > low)
-            else:
-                mask = valid & (scores <= high)
-                if low != -math.inf:
-                    mask &= scores > low
-            chosen.append((scores[mask], codes[mask]))
-        if len(chosen) > 1:
-            bucket = [torch.cat([s for s, _ in chosen]), torch.cat([c for _, c in chosen])]
-        else:
-            bucket = list(chosen[0])
-        del chosen
-        if bucket[0].numel() == 0:
-            continue
-        keys, negative = _sorted_bucket(bucket)
-        for start in range(0, keys.numel(), block_size):
-            stop = min(start + block_size, keys.numel())
-            # One element more than the block (where there is one): a threshold ends where the
-            # next key differs, also across blocks. A bucket's last element always ends one, as
-            # buckets hold disjoint score ranges.
-            ahead = keys[start : stop + 1]
-            flags = (ahead[: stop - start] & 1) if negative is None else negative[start:stop]
-            groups = (ahead >> 1) if negative is None else ahead
-            running_fp = flags.cumsum(0, dtype=torch.long).add_(fps)
-            ends = torch.ones(stop - start, dtype=torch.bool)
-            ends[: groups.numel() - 1] = groups[1:] != groups[:-1]
-            where = ends.nonzero().squeeze(1)
-            fp = running_fp[where]
-            tp = where.add(counted + 1).sub_(fp)  # everything counted is a positive or a negative
-            previous_tp = torch.cat([tp.new_tensor([last_tp]), tp[:-1]])
-            previous_fp = torch.cat([fp.new_tensor([last_fp]), fp[:-1]])
-            # Each negative scores every positive above it and half of the tied ones.
-            twice_area += int(((fp - previous_fp) * (tp + previous_tp)).sum())
-            new_positives = (tp - previous_tp).double()
-            precision = tp.double() / (tp + fp).double()
-            precision_sum += float((new_positives * precision.nan_to_num(nan=0.0)).sum())
-            counted += stop - start
-            fps = int(running_fp[-1])
-            last_tp, last_fp = int(tp[-1]), int(fp[-1])
-    return twice_area, precision_sum, counted - fps, fps, counted == expected
+    block = min(max((tps + fps) // 32, MIN_BLOCK), MAX_BLOCK)
+    run_start = 0  # where the run of ties holding the previous block's last positive starts
+    for start in range(0, tps, block):
+        values = positives[start : start + block]
+        below = np.searchsorted(negatives, values, side="left")  # negatives scored below each positive
+        if fps:
+            # A negative tied with a positive counts one half: only values equal to the negative
+            # at their insertion point have any, so only those need the second search.
+            tied = np.flatnonzero(negatives[np.minimum(below, fps - 1)] == values)
+            ties = int((np.searchsorted(negatives, values[tied], side="right") - below[tied]).sum()) if tied.size else 0
+            twice_area += 2 * int(below.sum()) + ties
+        # Positives at or above a value: all from the start of its run of ties in the sorted array.
+        first = np.empty(values.size, dtype=bool)
+        first[0] = start == 0 or positives[start - 1] != values[0]
+        np.not_equal(values[1:], values[:-1], out=first[1:])
+        runs = np.where(first, np.arange(start, start + values.size), 0)
+        if not first[0]:
+            runs[0] = run_start
+        np.maximum.accumulate(runs, out=runs)
+        run_start = int(runs[-1])
+        true_positives = tps - runs
+        # Each positive's precision at its own threshold; tied positives share it, as the curves'
+        # one step per threshold weighs it by their number.
+        precision_sum += float((true_positives / (true_positives + (fps - below))).sum())
+    return twice_area, precision_sum, tps, fps, True
 
 
-def ranking_from_sums(sums: Sequence[tuple[int, float, int, int, bool]], invalid: Tensor) -> Ranking:
+def ranking_from_sums(sums: Sequence[Sums], invalid: Tensor) -> Ranking:
     """AUROC and average precision per column from `column_sums`; `nan` where undefined.
 
     `invalid` counts, per column (or once for all), targets that were neither a label nor
@@ -185,10 +106,9 @@ def ranking_from_sums(sums: Sequence[tuple[int, float, int, int, bool]], invalid
     auroc, auprc, positives = [], [], []
     for twice_area, precision_sum, tps, fps, finite in sums:
         pairs = 2 * tps * fps
-        ok = finite
         # The curves divide the same integers as float64: the same float, bit for bit.
-        auroc.append(float(twice_area) / float(pairs) if ok and pairs else math.nan)
-        auprc.append(precision_sum / float(tps) if ok and tps else math.nan)
+        auroc.append(float(twice_area) / float(pairs) if finite and pairs else math.nan)
+        auprc.append(precision_sum / float(tps) if finite and tps else math.nan)
         positives.append(tps)
     bad = invalid.reshape(-1) != 0
     auroc_t = torch.tensor(auroc, dtype=torch.float64).masked_fill(bad, math.nan)
@@ -196,16 +116,55 @@ def ranking_from_sums(sums: Sequence[tuple[int, float, int, int, bool]], invalid
     return Ranking(auroc_t, auprc_t, torch.tensor(positives, dtype=torch.long))
 
 
-def _label_codes(target: Tensor) -> Tensor:
-    """Codes of binary or multilabel 0/1 targets: 1 positive, 0 negative, anything else neither."""
-    # Built in int8 throughout: a where() of Python numbers would make an int64 tensor first.
-    code = (target == 0).to(torch.int8).mul_(NEGATIVE)
-    return code.add_((target == 1).to(torch.int8))
+def _ignored(labels: np.ndarray, ignore_index: int | float | None, labelled: int, axis: int | None = None) -> Any:
+    """How many `labels` equal `ignore_index` (per column with `axis=0`), unless it is a label.
+
+    A label in `[0, labelled)` is counted as a label whatever `ignore_index` says, as the curves do.
+    """
+    if (
+        ignore_index is None
+        or 0 <= ignore_index < labelled
+        or ignore_index != int(ignore_index)
+        or not np.iinfo(labels.dtype).min <= ignore_index <= np.iinfo(labels.dtype).max
+    ):
+        return 0  # a label, or a value no label of this dtype can equal
+    return np.count_nonzero(labels == int(ignore_index), axis=axis)
 
 
-def _invalid(target: Tensor, valid: Tensor, ignore_index: int | float | None, dim: int | None) -> Tensor:
-    invalid = ~valid if ignore_index is None else ~valid & (target != ignore_index)
-    return invalid.sum() if dim is None else invalid.sum(dim)
+def _pieces(
+    chunks: Sequence[tuple[Tensor, Tensor]], softmax: bool | None
+) -> Iterator[tuple[np.ndarray | None, np.ndarray]]:
+    """The rows of the data, about `ELEMENTS` scores at a time, as numpy `(scores, labels)`.
+
+    `softmax=None` leaves the scores out (`None`): the counting pass reads only the labels.
+    numpy, not torch, does the element work below: its comparisons and `compress` are several
+    times faster on these 1-byte labels and boolean masks.
+    """
+    for scores, target in chunks:
+        rows = max(1, ELEMENTS // max(1, scores[:1].numel()))
+        for part, labels in zip(scores.split(rows), target.split(rows)):
+            if softmax is None:
+                yield None, labels.numpy()
+                continue
+            values = part.softmax(-1) if softmax else part
+            if values.dtype not in (torch.float32, torch.float64):  # formatted scores never are
+                values = values.double()
+            yield values.numpy(), labels.numpy()
+
+
+def _masks(kind: str, labels: np.ndarray, column: int, micro: bool, num_columns: int) -> tuple[np.ndarray, np.ndarray]:
+    """Positive and negative masks of one column of a piece (flat for the pooled `micro` column)."""
+    if kind == "binary":
+        return labels == 1, labels == 0
+    if kind == "multilabel":
+        labels = labels.reshape(-1) if micro else labels[:, column]
+        return labels == 1, labels == 0
+    counted = (labels >= 0) & (labels < num_columns)
+    if micro:  # row-major, as the scores are read: every class of a row in turn
+        positive = labels[:, None] == np.arange(num_columns)
+        return positive.reshape(-1), (counted[:, None] & ~positive).reshape(-1)
+    positive = labels == column
+    return positive, counted & ~positive
 
 
 def ranking(
@@ -222,74 +181,61 @@ def ranking(
     `(n, C)` scores (logits anywhere make every row a softmax, as for the curves) with `(n,)`
     class indices, multilabel `(n, L)` scores and labels. Targets may use any integer dtype.
     """
-    chunks = [(scores, target) for scores, target in chunks if scores.shape[0]]
-    stored = sum(scores.numel() * scores.element_size() for scores, _ in chunks)
-    # Sorting a bucket may take up to 1.5 times the memory of the scores (256 KiB at least), 0.75
-    # times where the softmax of logits is held as well: the peak, kept scores included, stays
-    # within 3x the scores. Fewer, larger buckets are faster: each one is a pass over the column.
-    budget = max(stored * 3 // 2, 1 << 18)
-    if kind == "binary":
-        invalid = sum((_invalid(t, (t == 0) | (t == 1), ignore_index, None) for _, t in chunks), torch.tensor(0))
-        pieces = [(scores, _label_codes(target)) for scores, target in chunks]
-        return ranking_from_sums([column_sums(pieces, budget)], invalid)
-    if kind == "multilabel":
-        codes = [_label_codes(target) for _, target in chunks]
-        invalid = sum(
-            (_invalid(t, (t == 0) | (t == 1), ignore_index, 0) for _, t in chunks),
-            torch.zeros(num_columns, dtype=torch.long),
-        )
-        if micro:
-            pieces = [(scores.reshape(-1), code.reshape(-1)) for (scores, _), code in zip(chunks, codes)]
-            return ranking_from_sums([column_sums(pieces, budget)], invalid.sum())
-        sums = [
-            column_sums([(scores[:, j], code[:, j]) for (scores, _), code in zip(chunks, codes)], budget)
-            for j in range(num_columns)
-        ]
-        return ranking_from_sums(sums, invalid)
-    if kind != "multiclass":
+    if kind not in ("binary", "multiclass", "multilabel"):
         raise ValueError(f"{kind} tasks have no ranking metrics")
-    counted = [(t >= 0) & (t < num_columns) for _, t in chunks]
-    invalid = sum((_invalid(t, c, ignore_index, None) for (_, t), c in zip(chunks, counted)), torch.tensor(0))
-    logits = any(bool(((part < 0) | (part > 1)).any()) for scores, _ in chunks for part in scores.split(ROWS))
-    if micro:
-        if logits:  # the softmax of every row, chunk by chunk (a row's is what a whole-matrix softmax gives it)
-            chunks = [(scores.softmax(-1), target) for scores, target in chunks]
-        classes = torch.arange(num_columns)
-        pieces = []
-        for (scores, target), kept in zip(chunks, counted):
-            code = (target.unsqueeze(-1) != classes).to(torch.int8).add_(POSITIVE)
-            pieces.append((scores.reshape(-1), code.mul_(kept.unsqueeze(-1)).reshape(-1)))
-        return ranking_from_sums([column_sums(pieces, budget)], invalid)
-    if logits:
-        budget = max(stored * 3 // 4, 1 << 18)
-        # One softmax per chunk, its columns copied out: each class then sorts a contiguous
-        # column, freed once read, instead of every chunk's strided one.
-        rows = sum(scores.shape[0] for scores, _ in chunks)
-        dtype = chunks[0][0].dtype
-        for scores, _ in chunks[1:]:
-            dtype = torch.promote_types(dtype, scores.dtype)
-        columns: list[Tensor | None] = [torch.empty(rows, dtype=dtype) for _ in range(num_columns)]
-        row = 0
-        for scores, _ in chunks:
-            for part in scores.split(ROWS):  # equal pieces: the allocator reuses one block for all
-                probabilities = part.softmax(-1).T
-                for k, column in enumerate(columns):
-                    column[row : row + part.shape[0]] = probabilities[k]
-                row += part.shape[0]
-                del probabilities
-        labels = torch.cat([target for _, target in chunks]) if len(chunks) > 1 else chunks[0][1]
-        kept = torch.cat(counted) if len(counted) > 1 else counted[0]
-        sums = []
-        for k in range(num_columns):
-            code = (labels != k).to(torch.int8).add_(POSITIVE).mul_(kept)  # NEGATIVE = POSITIVE + 1
-            sums.append(column_sums([(columns[k], code)], budget))
-            columns[k] = None
-        return ranking_from_sums(sums, invalid)
+    chunks = [(scores.detach(), target.detach()) for scores, target in chunks if scores.shape[0]]
+    columns = 1 if kind == "binary" or micro else num_columns
+    # First pass, labels only: how many positives and negatives each column has (each side's
+    # array is then allocated once, at its final size: growing it would copy it) and how many
+    # targets are neither a label nor ignored.
+    positives = np.zeros(columns, dtype=np.int64)
+    negatives = np.zeros(columns, dtype=np.int64)
+    invalid = np.zeros(num_columns if kind == "multilabel" and not micro else 1, dtype=np.int64)
+    for _, labels in _pieces(chunks, None):
+        if kind == "multiclass":
+            counted = (labels >= 0) & (labels < num_columns)
+            kept = int(np.count_nonzero(counted))
+            per_class = np.bincount(labels[counted].astype(np.intp), minlength=num_columns)
+            if micro:
+                positives += kept
+                negatives += kept * (num_columns - 1)
+            else:
+                positives += per_class
+                negatives += kept - per_class
+            invalid += labels.size - kept - _ignored(labels, ignore_index, num_columns)
+            continue
+        axis = 0 if kind == "multilabel" and not micro else None  # per label, or all pooled
+        positive = np.count_nonzero(labels == 1, axis=axis)
+        negative = np.count_nonzero(labels == 0, axis=axis)
+        positives += positive
+        negatives += negative
+        rows = labels.shape[0] if axis == 0 else labels.size
+        invalid += rows - positive - negative - _ignored(labels, ignore_index, 2, axis)
+    # The two sides of every column, in the scores' dtype (float64 if any chunk has it).
+    dtype = np.float64 if any(scores.dtype is not torch.float32 for scores, _ in chunks) else np.float32
+    sides = [
+        [np.empty(int(n), dtype=dtype) for n in positives.tolist()],
+        [np.empty(int(n), dtype=dtype) for n in negatives.tolist()],
+    ]
+    filled = np.zeros((2, columns), dtype=np.int64).tolist()
+    softmax = kind == "multiclass" and any(
+        float(low) < 0 or float(high) > 1  # any value outside [0, 1] anywhere: logits, as the curves decide
+        for scores, _ in chunks
+        for low, high in (torch.aminmax(part) for part in scores.split(ELEMENTS))
+    )
+    for values, labels in _pieces(chunks, softmax):
+        for column in range(columns):
+            if kind == "binary" or micro:
+                scores = values.reshape(-1)
+            else:
+                scores = values[:, column]
+            for side, mask in enumerate(_masks(kind, labels, column, micro, num_columns)):
+                count = int(np.count_nonzero(mask))
+                offset = filled[side][column]
+                np.compress(mask, scores, out=sides[side][column][offset : offset + count])
+                filled[side][column] = offset + count
     sums = []
-    for k in range(num_columns):
-        pieces = []
-        for (scores, target), kept in zip(chunks, counted):
-            code = (target != k).to(torch.int8).add_(POSITIVE).mul_(kept)  # NEGATIVE = POSITIVE + 1
-            pieces.append((scores[:, k], code))
-        sums.append(column_sums(pieces, budget))
-    return ranking_from_sums(sums, invalid)
+    for column in range(columns):
+        sums.append(column_sums(sides[0][column], sides[1][column]))
+        sides[0][column] = sides[1][column] = None  # this column's copies go before the next is read
+    return ranking_from_sums(sums, torch.from_numpy(invalid))
