@@ -39,8 +39,8 @@ __all__ = ["ARTIFACTS", "MetricFunc", "MetricState", "MetricTask"]
 TASK_KINDS = ("binary", "multiclass", "multilabel", "regression")
 # "data" means the predictions and targets themselves; the others are built from them.
 ARTIFACTS = ("confusion", "moments", "data", "bins")
-# Fewest scores for which `MetricState.ranking` sorts in buckets: below it the curves' handful of
-# whole-tensor calls cost less than a column-by-column pass, and their memory is small anyway.
+# Fewest scores for which `MetricState.ranking` sorts per-column copies: below it the curves'
+# handful of whole-tensor calls cost less than a column-by-column pass, and their memory is small.
 RANKING_MIN_SCORES = 1 << 16
 
 
@@ -275,10 +275,11 @@ class MetricState:
     def ranking(self, micro: bool = False) -> _ranking.Ranking | None:
         """Per-column AUROC, average precision and positives (pooled with `micro=True`), or `None`.
 
-        Given for host data of at least `RANKING_MIN_SCORES` scores: built column by column in
-        score buckets (`danling.metrics.functional._ranking`), in at most about 1.5 times the
-        memory of the scores where the curves take about fifteen times it; the same AUROC and
-        the same average precision up to float rounding. Otherwise `None`: read `curves`.
+        Given for host data of at least `RANKING_MIN_SCORES` scores: built from one sorted copy
+        of each column's positive and negative scores (`danling.metrics.functional._ranking`),
+        about as much memory as the scores where the curves take about fifteen times it; the
+        same AUROC and the same average precision up to float rounding. Otherwise `None`: read
+        `curves`.
         """
         chunks = self.chunks if self.input is None else [(self.input, self.target)]
         if (

@@ -9,7 +9,7 @@ from tests.dist import run_distributed
 
 pytestmark = pytest.mark.distributed
 
-N = 70_000  # above RANKING_MIN_SCORES: AUROC and AUPRC take the bucketed ranking
+N = 70_000  # above RANKING_MIN_SCORES: AUROC and AUPRC take the host ranking (sorted per-column copies)
 
 
 def data():

@@ -338,8 +338,8 @@ def curves_from_scores(scores: Tensor, positive: Tensor, negative: Tensor, inval
     them without a data-dependent shape.
     """
     if scores.is_floating_point():
-        # A nan score of a counted sample has no rank: the column is `nan`, as on the bucketed path
-        # (`_ranking`); sorting it to one end gave a number that depended on where nan sorts.
+        # A nan score of a counted sample has no rank: the column is `nan`, as on the host path for
+        # large data (`_ranking`); sorting it to one end gave a number that depended on where nan sorts.
         invalid = invalid + (scores.isnan() & (positive | negative)).sum(0)
     sorted_scores, order = scores.T.sort(dim=1, descending=True)
     k, n = sorted_scores.shape
