@@ -37,11 +37,11 @@ __all__ = ["Ranking", "column_sums", "ranking", "ranking_from_sums"]
 # Scores of a piece of rows: the unit in which scores are checked for logits, put through the
 # softmax, split into positives and negatives and copied. Small enough that a piece's temporaries
 # (masks, a softmax) are about a MiB, large enough that per-call costs vanish.
-ELEMENTS = 1 << 18
+ELEMENTS = 1 << 16
 # Positives searched at once: the block's int64 and float64 temporaries (about 60 bytes a
 # positive) are what the counting adds on top of the sorted arrays. A column uses blocks of a
 # 32nd of its scores within these bounds, so small columns stay small too.
-MIN_BLOCK, MAX_BLOCK = 1 << 10, 1 << 16
+MIN_BLOCK, MAX_BLOCK = 1 << 10, 1 << 14
 
 
 class Ranking(NamedTuple):
@@ -70,7 +70,7 @@ def column_sums(positives: np.ndarray, negatives: np.ndarray) -> Sums:
     if (tps and np.isnan(positives[-1])) or (fps and np.isnan(negatives[-1])):
         return 0, 0.0, tps, fps, False
     twice_area, precision_sum = 0, 0.0
-    block = min(max((tps + fps) // 32, MIN_BLOCK), MAX_BLOCK)
+    block = min(max((tps + fps) // 128, MIN_BLOCK), MAX_BLOCK)
     run_start = 0  # where the run of ties holding the previous block's last positive starts
     for start in range(0, tps, block):
         values = positives[start : start + block]
