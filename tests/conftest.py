@@ -15,6 +15,7 @@ the next tests start, whose SIGTERMs then did nothing.
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import sys
@@ -69,6 +70,9 @@ def _module_leaves_no_process_state(request):
     leaked = _new_threads(threads)
     for sig, handler in handlers.items():
         signal.signal(sig, handler)
+    # A runner left open keeps what was alive at its construction frozen (`gc.freeze`): give it
+    # back, so later modules' runners freeze (and collect) as in a fresh process.
+    gc.unfreeze()
     after = _process_state()
     changed = {key: (before[key], after[key]) for key in before if before[key] != after[key]}
     if leaked:

@@ -56,6 +56,7 @@ from .services.errors import report_errors_briefly
 from .services.observability import RunStatus, Throughput, is_train_step_log
 from .services.preemption import SlurmPreemption
 from .services.progress_bar import ProgressBar
+from .services.supervisor import StartupFreeze
 from .services.tracking import TRACKERS, TrackerSetup, tensorboard_tracker, wandb_tracker
 from .state import RunnerElasticState, RunnerRNGState, RunnerState, RunnerTrainState
 
@@ -247,6 +248,8 @@ class BaseRunner(CheckpointHooks, StepHooks, metaclass=MetaRunner):
 
     def _bind_components(self) -> None:
         """Step 2 of construction: workspace, containers, checkpoint manager, supervisor."""
+        # First, so that what the rest of construction imports and builds is collected faster (see StartupFreeze).
+        self._startup_freeze = StartupFreeze(self.config.gc.freeze)
         self.workspace = RunnerWorkspace(self.config, rank=self.rank, world_size=self.world_size)
         self.logger = logging.getLogger(_FALLBACK_LOGGER)
         # Subclasses may fill these before calling super().__init__; keep what they set.
@@ -574,6 +577,9 @@ class BaseRunner(CheckpointHooks, StepHooks, metaclass=MetaRunner):
         if workspace is not None:
             workspace.restore_print()
             workspace.close()
+        startup_freeze = self.__dict__.get("_startup_freeze")
+        if startup_freeze is not None:
+            startup_freeze.release()
 
     # ==== loop surface: thin delegations to the loop component ====
     # (keep this marker; add this component's public names right below it)

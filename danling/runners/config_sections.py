@@ -370,11 +370,17 @@ class GcConfig(_TypedConfig):
         interval: Steps between collections run by the runner; None leaves collection to Python.
         generation: Generation collected (0, 1 or 2).
         disable_automatic: Turn Python's automatic collection off while the runner paces it.
+        freeze: Move the objects alive when the runner is built (torch, every imported module,
+            what the script built before it) out of the collector's reach until `close`
+            (`gc.freeze()`), so the full collections Python runs while the optimizer, the model and
+            torch's lazily imported parts are set up skip them. Skipped when something froze
+            objects already.
     """
 
     interval: int | None = None
     generation: int = 1
     disable_automatic: bool = True
+    freeze: bool = True
 
 
 class ProfilingConfig(_TypedConfig):

@@ -159,6 +159,27 @@ def test_heartbeat_and_gc_pacing_are_wired(make_runner, monkeypatch):
     assert collections == [1] * 7  # global steps 2, 4, ..., 14, generation 1 by default
 
 
+def test_objects_alive_at_construction_are_frozen_until_close(make_runner):
+    """`gc.freeze`: start-up's full collections skip torch's objects; `close` gives them back."""
+    assert gc.get_freeze_count() == 0  # nothing else in this process froze objects
+    runner = make_runner()
+    assert gc.get_freeze_count() > 0
+    runner.close()
+    assert gc.get_freeze_count() == 0
+    runner = make_runner(**{"gc.freeze": False})
+    assert gc.get_freeze_count() == 0
+    runner.close()
+    gc.freeze()  # frozen by someone else: the runner neither adds to it nor undoes it
+    try:
+        frozen = gc.get_freeze_count()
+        runner = make_runner()
+        assert 0 < gc.get_freeze_count() <= frozen  # nothing built since was frozen (some frozen ones were freed)
+        runner.close()
+        assert 0 < gc.get_freeze_count() <= frozen
+    finally:
+        gc.unfreeze()
+
+
 def test_tensorboard_receives_every_written_result(make_runner):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

@@ -25,9 +25,42 @@ from danling.checkpoint.manifest import atomic_write_text
 
 from .signal_watch import SignalWatch
 
-__all__ = ["RunnerSupervisor"]
+__all__ = ["RunnerSupervisor", "StartupFreeze"]
 
 _DEFAULT_HEARTBEAT_INTERVAL = 60.0
+
+
+class StartupFreeze:
+    """Objects alive at a runner's construction kept out of the garbage collector until `release`.
+
+    Python's full collections walk every tracked object: right after `import torch` that is about
+    a million of them, and setting up the optimizer, the model and torch's lazily imported parts
+    (`torch._dynamo`, imported by the first optimizer) triggers several full collections, about
+    0.4 s of a small script's start-up. `gc.freeze()` moves the objects alive now into a permanent
+    generation those collections skip; they were going to live for the whole run anyway (modules,
+    classes, functions). Only a reference cycle among them that becomes garbage before `release`
+    waits until then to be collected. A process that froze objects itself is left as it is.
+
+    Examples:
+        >>> import gc
+        >>> freeze = StartupFreeze(True)
+        >>> freeze.active == (gc.get_freeze_count() > 0)
+        True
+        >>> freeze.release()
+        >>> gc.get_freeze_count()
+        0
+    """
+
+    def __init__(self, enabled: bool) -> None:
+        self.active = bool(enabled) and gc.get_freeze_count() == 0
+        if self.active:
+            gc.freeze()
+
+    def release(self) -> None:
+        """Give the frozen objects back to the collector (once; a no-op when nothing was frozen here)."""
+        if self.active:
+            self.active = False
+            gc.unfreeze()
 
 
 class RunnerSupervisor:
