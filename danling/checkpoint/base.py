@@ -347,12 +347,17 @@ class CheckpointManager:
         try:
             syncing = self._syncing.pop(tmp, [])
             seal_directory(tmp, records, syncing=syncing, name=final.name, backend=self.backend, **fields)
-            self._publish(tmp, final.name)
+            # The publication's rename and the pointers' renames share one sync of the directory
+            # (the commit's). Should power fail between them, a pointer may name a checkpoint whose
+            # rename was lost: an alias whose target is gone is skipped, and loads fall back to
+            # the newest checkpoint that verifies, so nothing old is lost either way.
+            published_unsynced = not final.exists()
+            self._publish(tmp, final.name, sync=not published_unsynced)
         except BaseException as err:
             pointers.discard()
             self._abandon(tmp, final, state, err)
             raise
-        pointers.commit()
+        pointers.commit(sync=published_unsynced)
         size = sum(record["size"] for record in records.values())
         self.logger.info("saved checkpoint %s (%d bytes; aliases: %s)", final, size, ", ".join(aliases) or "none")
         self._prune()
@@ -376,8 +381,8 @@ class CheckpointManager:
     def _barrier(self) -> None:
         """Synchronise participating ranks (single-writer backends: nothing to do)."""
 
-    def _publish(self, tmp: Path, name: str) -> Path:
-        return publish(tmp, self.directory / name, self._discard)
+    def _publish(self, tmp: Path, name: str, *, sync: bool = True) -> Path:
+        return publish(tmp, self.directory / name, self._discard, sync=sync)
 
     def _prune(self) -> None:
         history = [(path, manifest) for path, manifest in self._scan() if manifest.get("history")]

@@ -137,18 +137,23 @@ def _writer_alive(name: str) -> bool:
     return True
 
 
-def publish(tmp: Path, final: Path, discard: Discard | None = None) -> Path:
+def publish(tmp: Path, final: Path, discard: Discard | None = None, *, sync: bool = True) -> Path:
     """Rename the finished directory `tmp` to `final`, replacing an existing checkpoint safely.
 
     An existing `final` is first moved aside to `.old-<name>-<hex>`; if the process dies between
     the two renames, recovery moves it back, so the name never ends up pointing at nothing. Once
     `final` is in place the old one is renamed to `.trash-<name>-<hex>` and removed: by `discard`
     on its helper thread when given, here otherwise.
+
+    `sync=False` leaves the sync of the parent directory, which makes a new name durable, to the
+    caller (the alias pointers' commit syncs that same directory: one disk round trip for both).
+    Replacing an existing checkpoint always syncs here, before the old one is retired.
     """
     directory = final.parent
     if not final.exists():
         os.rename(tmp, final)
-        fsync_dir(directory)
+        if sync:
+            fsync_dir(directory)
         return final
     with in_flight(directory / f".old-{final.name}-{temp_token()}") as old:
         os.rename(final, old)
@@ -261,13 +266,17 @@ class PendingPointers:
                 handle.flush()
                 os.fsync(handle.fileno())
 
-    def commit(self) -> None:
-        """Move every pointer into place (each rename is atomic), then sync the directory once."""
+    def commit(self, *, sync: bool = False) -> None:
+        """Move every pointer into place (each rename is atomic), then sync the directory once.
+
+        With `sync` the directory is synced even without pointers: the caller left a rename in it
+        unsynced (see `publish(..., sync=False)`), and this one sync makes both durable.
+        """
         try:
             self._written.result()
             for tmp, pointer in self.moves:
                 os.replace(tmp, pointer)
-            if self.moves:
+            if self.moves or sync:
                 fsync_dir(self.directory)
         finally:
             self.discard()

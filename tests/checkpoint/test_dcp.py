@@ -73,7 +73,7 @@ def _failing_publish(rank: int, world_size: int, directory: str) -> str:
     manager.save(_payload(model, optimizer, rank, 1), "step-000001")
     if rank == 0:
 
-        def broken(tmp: Path, name: str) -> Path:
+        def broken(tmp: Path, name: str, **_: object) -> Path:
             raise OSError("disk full")
 
         manager._publish = broken

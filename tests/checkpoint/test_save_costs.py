@@ -177,11 +177,18 @@ def test_a_save_syncs_its_directory_and_pointers_off_its_own_path(tmp_path, monk
     root = os.path.realpath(tmp_path)
     pointers = [thread for thread, path in synced if ".pointer.tmp-" in path]
     assert len(pointers) == 2 and all(thread.startswith("danling-pointers") for thread in pointers)
-    assert [path for _, path in synced].count(root) == 2  # publication, then both pointers with one sync
+    # The publication's rename and both pointers' renames are made durable by one directory sync.
+    assert [path for _, path in synced].count(root) == 1
     (staging,) = [thread for thread, path in synced if os.path.basename(path).startswith(".tmp-step-000002-")]
     assert staging.startswith("danling-hash")  # the staging directory syncs alongside its manifest
     assert manager.alias("best").name == manager.alias("latest").name == "step-000002"
     assert not [path for path in tmp_path.iterdir() if ".tmp-" in path.name]
+    synced.clear()
+    monkeypatch.setattr(os, "fsync", counting)
+    manager.save({"v": 3}, "step-000003", aliases=())  # no pointer to commit: the rename is still synced
+    manager.save({"v": 4}, "step-000003", aliases=("latest",))  # a replacement syncs before retiring the old
+    monkeypatch.undo()
+    assert [path for _, path in synced].count(root) == 3
     manager.close()
 
 
