@@ -523,8 +523,8 @@ class BaseRunner(CheckpointHooks, StepHooks, metaclass=MetaRunner):
         """Release everything the runner holds; safe to call more than once.
 
         Waits for pending checkpoint writes (up to `timeout`, default `checkpoint.wait_timeout`)
-        and result files, closes trackers, restores signal handlers, automatic GC and stdout, and
-        closes the log files. A checkpoint write still running after `timeout` is left to finish
+        and result files, closes trackers, restores signal handlers, automatic GC and stdout,
+        unfreezes the objects construction froze (`gc.freeze`) and closes the log files. A checkpoint write still running after `timeout` is left to finish
         in the background with a `RuntimeWarning`; calling `close()` again waits for it (and for
         anything else the first call could not close).
 
