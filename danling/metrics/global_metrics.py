@@ -36,12 +36,13 @@ __all__ = ["GlobalMetrics"]
 
 KINDS = ("val", "bat", "avg")
 # Bounds of the per-task queue of batches waiting to be counted (see _TaskStore): 64 batches
-# make the cost of one count negligible per batch, and 256 KiB of held tensor storage keeps the
+# make the cost of one count negligible per batch, and 128 KiB of held tensor storage keeps the
 # extra memory small (with 1 MiB, counting a queue of evaluation-size batches peaked 2.5 MiB
-# above torchmetrics' accuracy); a batch that alone reaches it is counted at once, never held.
+# above torchmetrics' accuracy, with 256 KiB 1.2 MiB above it; with 128 KiB binary batches of
+# 10,000 peak within 0.1 MiB of it); a batch that alone reaches it is counted at once, never held.
 # Training-step batches (a few KiB) are queued all the same.
 PENDING_BATCHES = 64
-PENDING_BYTES = 1 << 18
+PENDING_BYTES = 1 << 17
 # Kept predictions and targets are joined into one chunk every this many batches: reads then
 # handle a few large pieces instead of every batch, and a chunk owns its memory (a batch that
 # is a view of a larger tensor no longer keeps all of it alive).
@@ -316,10 +317,10 @@ class GlobalMetrics(GlobalMetricsState):
 
     Updates are batched. `update` checks a batch and keeps it (for confusion counts: the scores,
     or the predicted labels of binary and multilabel tasks, with the targets) but runs no
-    counting then; up to 64 batches, holding at most 256 KiB of tensor storage, are then counted
+    counting then; up to 64 batches, holding at most 128 KiB of tensor storage, are then counted
     with one concatenation and one scatter. The queue is counted when it is full, when the dtype
     or device of the batches changes, and before anything reads the counts (`avg`, `compute`,
-    copies and pickles); `reset` drops it. A batch whose tensors alone reach 256 KiB (large
+    copies and pickles); `reset` drops it. A batch whose tensors alone reach 128 KiB (large
     vocabularies, dense outputs) is counted at once and never held. Counts are integers, so the
     results are exactly those of counting each batch on its own. As with metrics that keep the
     data, the tensors passed to `update` are read later: do not change them in place afterwards.

@@ -524,9 +524,10 @@ class BaseRunner(CheckpointHooks, StepHooks, metaclass=MetaRunner):
 
         Waits for pending checkpoint writes (up to `timeout`, default `checkpoint.wait_timeout`)
         and result files, closes trackers, restores signal handlers, automatic GC and stdout,
-        unfreezes the objects construction froze (`gc.freeze`) and closes the log files. A checkpoint write still running after `timeout` is left to finish
-        in the background with a `RuntimeWarning`; calling `close()` again waits for it (and for
-        anything else the first call could not close).
+        unfreezes the objects construction froze (`gc.freeze`) and closes the log files. A
+        checkpoint write still running after `timeout` is left to finish in the background with a
+        `RuntimeWarning`; calling `close()` again waits for it (and for anything else the first
+        call could not close).
 
         Called when: by user code or `with` on exit, by a graceful stop before the process exits,
             and with `timeout=0` when construction fails part-way (attributes may be missing).

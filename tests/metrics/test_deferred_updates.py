@@ -145,17 +145,17 @@ def test_the_queue_is_bounded_and_counted_every_64_batches():
 def test_big_batches_and_views_of_big_tensors_are_counted_at_once():
     metrics = multiclass_metrics(4, ["acc"])
     store = store_of(metrics)
-    big = torch.randn(70_000, 4)  # 1.1 MB of scores: above the queue's byte bound (256 KiB)
+    big = torch.randn(70_000, 4)  # 1.1 MB of scores: above the queue's byte bound (128 KiB)
     metrics.update(torch.randn(3, 4), torch.tensor([0, 1, 2]))
     metrics.update(big, torch.zeros(70_000, dtype=torch.long))
     assert store.pending == [] and int(store._counts.sum()) == 70_003  # the queued batch went first
     metrics.update(big[:8], torch.zeros(8, dtype=torch.long))  # small view, but it pins all of `big`
     assert store.pending == [] and int(store._counts.sum()) == 70_011
-    half = [torch.randn(10_000, 4) for _ in range(2)]  # 240 kB each with targets: the second crosses the bound
-    metrics.update(half[0], torch.zeros(10_000, dtype=torch.long))
+    half = [torch.randn(5_000, 4) for _ in range(2)]  # 120 kB each with targets: the second crosses the bound
+    metrics.update(half[0], torch.zeros(5_000, dtype=torch.long))
     assert len(store.pending) == 1
-    metrics.update(half[1], torch.zeros(10_000, dtype=torch.long))
-    assert store.pending == [] and int(store._counts.sum()) == 90_011
+    metrics.update(half[1], torch.zeros(5_000, dtype=torch.long))
+    assert store.pending == [] and int(store._counts.sum()) == 80_011
 
 
 def test_a_dtype_change_counts_the_queue_first_and_a_device_mix_still_fails_at_update():
