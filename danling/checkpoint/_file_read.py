@@ -8,18 +8,20 @@ and only then are its bytes copied to where they belong, straight into a live te
 stored tensor fits it exactly, into new memory otherwise. A damaged piece is refused before any
 of its bytes reach a live tensor.
 
-The payload's structure comes from `torch.load(mmap=True)` (the weights-only unpickler unless
-trusted): it maps the file and builds every tensor on a slice of the map without reading its
-bytes. A storage's place in the file is then its distance from the start of the map;
-[`locate`][danling.checkpoint._file_read.locate] checks every one against the archive's record
-index and gives up on anything it does not match exactly (the caller then reads the file the
-streamed way). The mapped pages themselves are never touched: their page faults are what this
-path avoids.
+The payload's structure comes from the archive's pickle alone, read by danling's restricted
+unpickler (plain containers and values, paths, NumPy arrays, dtypes: see
+[`danling.checkpoint.unpickling`][]) taught the one call that rebuilds a plain tensor, which here
+only describes it. It is a C unpickler, where torch's weights-only one is written in Python and
+cost about a quarter of a 130 MiB load. A pickle needing anything else (a tensor subclass, an
+object that is not plain data) is left to the streamed reader, which reads it with torch's
+weights-only unpickler (or the full one when trusted) and refuses what that refuses.
 """
 
 from __future__ import annotations
 
+import _compat_pickle
 import bisect
+import io
 import os
 import sys
 from collections.abc import Iterator, Mapping
@@ -29,91 +31,140 @@ from typing import Any
 import numpy as np
 import torch
 
-from ._dcp_read import _pread_into
+from ._dcp_read import _contiguous_strides, _pread_into, _storage_dtype
 from .checksums import _corrupt, _torn, xxhash
+from .unpickling import _RestrictedUnpickler
 
-__all__ = ["locate", "place", "read_pieces", "swap_tensors"]
+__all__ = ["parse", "place", "read_pieces", "swap_tensors"]
 
 Read = tuple[int, np.ndarray, bool]
 """Where a storage goes: its offset in the file, the bytes it is read into, whether those are a live tensor's."""
 
 
-def _tensors(obj: Any, template: Any = None) -> Iterator[tuple[torch.Tensor, Any]]:
-    """Every tensor of a loaded payload with what sits at the same place in `template` (or None).
+class _Storage:
+    """A storage record of the archive: its dtype, size and place in the file."""
 
-    Walks what the weights-only unpickler builds: dicts (of any kind), lists and tuples. A tensor
-    inside anything else is not found, which `locate` notices (its storage goes uncounted).
+    __slots__ = ("dtype", "nbytes", "offset")
+    __hash__ = None  # type: ignore[assignment]  # a storage put in a set would escape the walk: refuse it
+
+    def __init__(self, dtype: torch.dtype, nbytes: int, offset: int) -> None:
+        self.dtype, self.nbytes, self.offset = dtype, nbytes, offset
+
+
+class _Stored:
+    """A stored tensor, described: the view of its storage that `_rebuild_tensor_v2` would build."""
+
+    __slots__ = ("storage", "offset", "size", "stride", "requires_grad")
+    __hash__ = None  # type: ignore[assignment]
+
+    def __init__(self, storage: _Storage, offset: int, size: tuple, stride: tuple, requires_grad: bool) -> None:
+        self.storage, self.offset, self.size, self.stride = storage, offset, size, stride
+        self.requires_grad = requires_grad
+
+
+class _Unsupported(Exception):
+    pass
+
+
+class _Describer(_RestrictedUnpickler):
+    """danling's restricted unpickler, with plain tensors described instead of rebuilt."""
+
+    def __init__(self, data: bytes, archive: Any) -> None:
+        super().__init__(io.BytesIO(data))
+        self.archive = archive
+        self.storages: dict[str, _Storage] = {}
+        self.described = 0
+
+    def find_class(self, module: str, name: str) -> Any:
+        # torch.save writes pickle protocol 2, which names builtins as Python 2 did (`__builtin__.set`)
+        if (module, name) in _compat_pickle.NAME_MAPPING:
+            module, name = _compat_pickle.NAME_MAPPING[(module, name)]
+        module = _compat_pickle.IMPORT_MAPPING.get(module, module)
+        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
+            return self._describe
+        if module == "torch" and name.endswith("Storage") and _storage_dtype(getattr(torch, name, None)) is not None:
+            return getattr(torch, name)
+        return super().find_class(module, name)
+
+    def persistent_load(self, pid: Any) -> _Storage:
+        if not isinstance(pid, tuple) or len(pid) != 5 or pid[0] != "storage":
+            raise _Unsupported(f"persistent id {pid!r}")
+        _, storage_type, key, _, numel = pid
+        if key not in self.storages:
+            dtype = _storage_dtype(storage_type)
+            name = f"data/{key}"
+            if dtype is None or not isinstance(numel, int) or not self.archive.has_record(name):
+                raise _Unsupported(f"storage {pid!r}")
+            nbytes = numel * dtype.itemsize
+            if self.archive.get_record_size(name) != nbytes:
+                raise _Unsupported(f"record {name} does not hold {nbytes} bytes")
+            self.storages[key] = _Storage(dtype, nbytes, self.archive.get_record_offset(name))
+        return self.storages[key]
+
+    def _describe(
+        self, storage: Any, offset: Any, size: Any, stride: Any, requires_grad: Any, hooks: Any, *metadata: Any
+    ) -> _Stored:
+        if not isinstance(storage, _Storage) or hooks or any(metadata) or not isinstance(offset, int):
+            raise _Unsupported("a tensor with hooks or metadata")  # torch's own reader handles those
+        self.described += 1
+        return _Stored(storage, offset, tuple(size), tuple(stride), bool(requires_grad))
+
+
+def parse(path: str | os.PathLike) -> Any:
+    """The payload of `torch.save` file `path`, each tensor a description of the bytes it needs.
+
+    Returns:
+        The payload, or ``None`` when it is not one this reader understands (a type the
+        restricted unpickler refuses, a tensor subclass, a tensor where the walk of dicts, lists
+        and tuples does not reach, another byte order, an unreadable archive).
     """
-    if isinstance(obj, torch.Tensor):
+    try:
+        archive = torch._C.PyTorchFileReader(os.fspath(path))
+        if archive.has_record("byteorder") and archive.get_record("byteorder").decode() != sys.byteorder:
+            return None
+        unpickler = _Describer(archive.get_record("data.pkl"), archive)
+        unpickler.origin = path
+        payload = unpickler.load()
+    except Exception:
+        return None  # the streamed reader reads it, or says why not
+    found = 0
+    for leaf, _ in _leaves(payload):
+        if isinstance(leaf, _Storage):
+            return None  # a bare storage in the payload
+        found += 1
+    return payload if found == unpickler.described else None
+
+
+def _leaves(obj: Any, template: Any = None) -> Iterator[tuple[Any, Any]]:
+    """Every described tensor (or bare storage) of `obj`, with what sits at the same place in `template`."""
+    if isinstance(obj, (_Stored, _Storage)):
         yield obj, template
     elif isinstance(obj, dict):
         nested = template if isinstance(template, Mapping) else {}
         for key, value in obj.items():
-            yield from _tensors(value, nested.get(key))
+            yield from _leaves(value, nested.get(key))
     elif type(obj) in (list, tuple):
         nested = template if isinstance(template, (list, tuple)) and len(template) == len(obj) else [None] * len(obj)
         for value, inner in zip(obj, nested):
-            yield from _tensors(value, inner)
+            yield from _leaves(value, inner)
 
 
-def _plain(tensor: torch.Tensor) -> bool:
-    return (
-        type(tensor) is torch.Tensor
-        and tensor.layout == torch.strided
-        and not tensor.is_quantized
-        and tensor.device.type == "cpu"
-    )
-
-
-def locate(path: str | os.PathLike, payload: Any) -> dict[int, tuple[int, int]] | None:
-    """Byte range in the file of every storage of a payload `torch.load(path, mmap=True)` built.
-
-    Returns:
-        ``{data pointer of the storage's map slice: (file offset, bytes)}``, or ``None`` when
-        anything does not match: a tensor that is not a plain CPU tensor, a storage not found by
-        walking the payload, a record whose size differs, storages that do not sit at one
-        constant distance from their records (not all slices of one map), or another byte order.
-    """
-    found: dict[int, int] = {}
-    for tensor, _ in _tensors(payload):
-        if not _plain(tensor):
-            return None
-        storage = tensor.untyped_storage()
-        if found.setdefault(storage.data_ptr(), storage.nbytes()) != storage.nbytes():
-            return None
-    archive = torch._C.PyTorchFileReader(os.fspath(path))
-    if archive.has_record("byteorder") and archive.get_record("byteorder").decode() != sys.byteorder:
-        return None
-    names = [name for name in archive.get_all_records() if name.startswith("data/")]
-    records = sorted((archive.get_record_offset(name), archive.get_record_size(name)) for name in names)
-    if len(records) != len(found):
-        return None  # a storage hidden where the walk does not look, or a record nothing refers to
-    pointers = sorted(found)
-    distance = pointers[0] - records[0][0] if pointers else 0
-    for pointer, (offset, size) in zip(pointers, records):
-        if pointer - offset != distance or found[pointer] != size:
-            return None
-    return {pointer: record for pointer, record in zip(pointers, records)}
-
-
-def _fits(stored: torch.Tensor, target: Any) -> bool:
+def _fits(stored: _Stored, target: Any) -> bool:
     """Whether `stored` (its storage's only tensor) can be read straight into the live tensor `target`."""
-    if (
-        stored.requires_grad
-        or not isinstance(target, torch.Tensor)
-        or type(target) not in (torch.Tensor, torch.nn.Parameter)
-    ):
+    if stored.requires_grad or not isinstance(target, torch.Tensor):
         return False
-    if target.layout != torch.strided or target.is_quantized or target.device.type != "cpu":
+    if type(target) not in (torch.Tensor, torch.nn.Parameter) or target.layout != torch.strided:
         return False
-    if target.is_conj() or target.is_neg() or not target.is_contiguous():
+    if target.is_quantized or target.device.type != "cpu" or target.is_conj() or target.is_neg():
         return False
+    storage = stored.storage
     return (
-        target.dtype == stored.dtype
-        and target.shape == stored.shape
-        and stored.storage_offset() == 0
-        and stored.is_contiguous()
-        and stored.nbytes == stored.untyped_storage().nbytes()
+        target.dtype == storage.dtype
+        and tuple(target.shape) == stored.size
+        and target.is_contiguous()
+        and stored.offset == 0
+        and target.nbytes == storage.nbytes
+        and (target.numel() <= 1 or stored.stride == _contiguous_strides(stored.size))
     )
 
 
@@ -122,10 +173,8 @@ def _bytes_of(tensor: torch.Tensor) -> np.ndarray:
     return tensor.detach().reshape(-1).view(torch.uint8).numpy()
 
 
-def place(
-    payload: Any, templates: Mapping[str, Any], ranges: Mapping[int, tuple[int, int]]
-) -> tuple[list[Read], dict[int, torch.Tensor]]:
-    """Decide where each stored storage of `payload` is read to.
+def place(payload: Mapping[str, Any], templates: Mapping[str, Any]) -> tuple[list[Read], dict[int, torch.Tensor]]:
+    """Decide where each storage the (parsed) `payload` refers to is read to.
 
     A storage with a single tensor that fits the live tensor at the same place of
     ``templates[key]`` (the object's `state_dict_to_load()`/`state_dict()`) goes straight into
@@ -134,52 +183,50 @@ def place(
 
     Returns:
         The reads, ``(file offset, destination bytes, whether a live tensor's)`` sorted by
-        offset, and the tensor that replaces each mapped tensor of `payload`, by `id`.
+        offset, and the tensor that replaces each description in `payload`, by `id`.
     """
-    uses: dict[int, list[tuple[torch.Tensor, Any]]] = {}
+    uses: dict[int, list[tuple[_Stored, Any]]] = {}
     for key, value in payload.items():
-        for tensor, target in _tensors(value, templates.get(key)):
-            uses.setdefault(tensor.untyped_storage().data_ptr(), []).append((tensor, target))
-    live: dict[int, torch.Tensor] = {}
-    for pointer, found in uses.items():
-        if len(found) == 1 and _fits(*found[0]):
-            live[pointer] = found[0][1]
+        for stored, target in _leaves(value, templates.get(key)):
+            uses.setdefault(id(stored.storage), []).append((stored, target))
+    live = {key: found[0][1] for key, found in uses.items() if len(found) == 1 and _fits(*found[0])}
     _drop_overlaps(live)
     reads, swap = [], {}
-    for pointer, found in uses.items():
-        offset, size = ranges[pointer]
-        if pointer in live:
-            target = live[pointer]
-            stored = found[0][0]
-            swap[id(stored)] = target if type(target) is torch.Tensor and not target.requires_grad else target.detach()
-            reads.append((offset, _bytes_of(target), True))
+    for key, found in uses.items():
+        storage = found[0][0].storage
+        if key in live:
+            target = live[key]
+            swap[id(found[0][0])] = (
+                target if type(target) is torch.Tensor and not target.requires_grad else target.detach()
+            )
+            reads.append((storage.offset, _bytes_of(target), True))
             continue
-        memory = torch.empty(size, dtype=torch.uint8)
+        memory = torch.empty(storage.nbytes, dtype=torch.uint8)
         for stored, _ in found:
-            view = torch.empty(0, dtype=stored.dtype).set_(
-                memory.untyped_storage(), stored.storage_offset(), stored.shape, stored.stride()
+            view = torch.empty(0, dtype=storage.dtype).set_(
+                memory.untyped_storage(), stored.offset, stored.size, stored.stride
             )
             swap[id(stored)] = view.requires_grad_(stored.requires_grad)
-        reads.append((offset, memory.numpy(), False))
+        reads.append((storage.offset, memory.numpy(), False))
     reads.sort(key=lambda read: read[0])
     return reads, swap
 
 
 def _drop_overlaps(live: dict[int, torch.Tensor]) -> None:
     """Leave out live destinations whose memory overlaps another's (tied weights saved apart)."""
-    spans = sorted((target.data_ptr(), target.data_ptr() + target.nbytes, pointer) for pointer, target in live.items())
+    spans = sorted((target.data_ptr(), target.data_ptr() + target.nbytes, key) for key, target in live.items())
     clash = set()
     for (_, end, first), (start, _, second) in zip(spans, spans[1:]):
         if start < end:
             clash.update((first, second))
-    for pointer in clash:
-        del live[pointer]
+    for key in clash:
+        del live[key]
 
 
 def swap_tensors(obj: Any, swap: Mapping[int, torch.Tensor]) -> Any:
-    """`obj` with each mapped tensor replaced by ``swap[id(tensor)]`` (dicts and lists in place)."""
-    if isinstance(obj, torch.Tensor):
-        return swap.get(id(obj), obj)
+    """`obj` with each described tensor replaced by ``swap[id(description)]`` (dicts and lists in place)."""
+    if isinstance(obj, _Stored):
+        return swap[id(obj)]
     if isinstance(obj, dict):
         for key, value in obj.items():
             obj[key] = swap_tensors(value, swap)
@@ -220,9 +267,8 @@ def read_pieces(path: Path, size: int, reads: list[Read], pieces: tuple[int, lis
             piece = scratch[: end - begin]
             _pread_into(fd, piece, begin)
             if xxhash.xxh3_128_hexdigest(piece) != expected:
-                raise _damaged(
-                    _corrupt(path, "xxh3_128", (begin, end)), any(live and offset < begin for offset, _, live in reads)
-                )
+                reached = any(live and offset < begin for offset, _, live in reads)
+                raise _damaged(_corrupt(path, "xxh3_128", (begin, end)), reached)
             _copy_piece(piece, begin, end, reads, starts)
 
 

@@ -9,7 +9,7 @@ from typing import Any, BinaryIO
 
 import torch
 
-from ._file_read import locate, place, read_pieces, swap_tensors
+from ._file_read import parse, place, read_pieces, swap_tensors
 from ._writeback import WritebackWriter
 from .base import CheckpointManager, Verified
 from .checksums import _beside, _fsync_path, _valid_chunks
@@ -23,7 +23,7 @@ from .manifest import (
     take_streamed,
 )
 from .payload import drop_key, load_template, missing_entry, restore_objects
-from .unpickling import UnsafePickleError, torch_load
+from .unpickling import torch_load
 
 __all__ = ["FileCheckpointManager", "read_checkpoint"]
 
@@ -45,7 +45,9 @@ class FileCheckpointManager(CheckpointManager):
     The payload is checksummed while `torch.save` writes it and while `torch.load` reads it, so
     verification costs no extra pass over the file. `checksum` picks the algorithm recorded for
     new checkpoints (``"xxh3_128"``, fast, the default; or ``"sha256"``); checkpoints recording
-    either verify.
+    either verify. With XXH3-128 the manifest also records the digest of every 8 MiB piece, and
+    `load_into` reads such a payload straight into the live tensors, each piece checked before
+    its bytes are copied (see `_read_into`).
 
     Args:
         directory: Where checkpoints live.
@@ -138,18 +140,19 @@ class FileCheckpointManager(CheckpointManager):
     def _read_into(self, verified: Verified, objects: Mapping[str, Any], map_location: Any) -> dict[str, Any]:
         """Read the payload straight into the live objects' tensors, checking it piece by piece, then hand it over.
 
-        The payload's structure is read without its tensor data (see `danling.checkpoint._file_read`).
-        A stored tensor that fits the live tensor at the same place of an object's
-        `state_dict_to_load()` (or `state_dict()`) exactly (a plain contiguous CPU tensor of the
-        same dtype and shape, its storage's only tensor) is read into it; every other tensor
-        into new memory. The file is read once, in order, in its 8 MiB pieces, and each piece is
-        compared with the manifest before any of its bytes is copied, so a damaged piece never
-        reaches a live tensor. Then every object gets `load_state_dict(payload[key])`, as in
-        the streamed path. A piece that does not match raises, and the pieces before it were
-        already copied: the objects may then hold part of this checkpoint; load another
-        checkpoint into them. A `map_location` other than the CPU, or a payload this reader
-        does not understand (a tensor subclass, a tensor hidden in an object), is read the
-        streamed way.
+        The payload's structure is read from the archive's pickle alone, by danling's restricted
+        unpickler (see `danling.checkpoint._file_read`). A stored tensor that fits the live
+        tensor at the same place of an object's `state_dict_to_load()` (or `state_dict()`)
+        exactly (a plain contiguous CPU tensor of the same dtype and shape, its storage's only
+        tensor) is read into it; every other tensor into new memory. The file is read once, in
+        order, in its 8 MiB pieces, and each piece is compared with the manifest before any of
+        its bytes is copied, so a damaged piece never reaches a live tensor. Then every object
+        gets `load_state_dict(payload[key])`, as in the streamed path. A piece that does not
+        match raises, and the pieces before it were already copied: the objects may then hold
+        part of this checkpoint; load another checkpoint into them. A `map_location` other than
+        the CPU, or a payload this reader does not understand (a tensor subclass, a type the
+        restricted unpickler refuses), is read the streamed way, with torch's weights-only
+        unpickler (or the full one, `trusted`).
 
         Raises:
             CheckpointError: The payload is damaged (naming the file and the piece) or lacks an
@@ -161,17 +164,10 @@ class FileCheckpointManager(CheckpointManager):
         pieces = _pieces(recorded)
         if pieces is None or not (isinstance(map_location, (str, torch.device)) and str(map_location) == "cpu"):
             return self._restore(self._read_streamed(path, entry, map_location), objects, origin)
-        check = pieces if entry is not None else None
-        try:
-            payload = torch_load(path, map_location="cpu", origin=path, trusted=self.trusted, mmap=True)
-        except Exception as err:
-            read_pieces(path, recorded["size"], [], check)  # a damaged file explains a failed read better
-            if isinstance(err, UnsafePickleError):
-                raise
-            payload = None  # a file this way cannot map: the streamed reader reads it (or says why not)
-        ranges = locate(path, payload) if isinstance(payload, MutableMapping) else None
-        if ranges is None:
+        payload = parse(path)
+        if not isinstance(payload, MutableMapping):  # not a payload this reader understands
             return self._restore(self._read_streamed(path, entry, map_location), objects, origin)
+        check = pieces if entry is not None else None
         for key in self.exclude_from_loading:
             drop_key(payload, key)
         live = {key: obj for key, obj in objects.items() if key not in self.exclude_from_loading}
@@ -179,7 +175,7 @@ class FileCheckpointManager(CheckpointManager):
             if key not in payload:
                 read_pieces(path, recorded["size"], [], check)
                 raise missing_entry(origin, key, obj, payload)
-        reads, swap = place(payload, {key: load_template(obj) for key, obj in live.items()}, ranges)
+        reads, swap = place(payload, {key: load_template(obj) for key, obj in live.items()})
         read_pieces(path, recorded["size"], reads, check)
         if entry is not None:
             mark_verified(path, entry)

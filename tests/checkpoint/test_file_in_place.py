@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -65,6 +66,7 @@ def _extras() -> dict:
     shared = torch.arange(40.0)
     return {
         "epoch": 3,
+        "config": {"root": Path("/data/run"), "lr": 0.1, "tags": {"a", "b"}},
         "rest": {"whole": shared, "slice": shared[5:17], "transposed": shared.view(5, 8).t(), "ints": torch.arange(9)},
         "pair": (torch.ones(3, dtype=torch.float16), [torch.zeros(0), torch.tensor(2.5, dtype=torch.float64)]),
     }
@@ -110,13 +112,14 @@ def test_the_manifest_records_the_pieces_of_the_payload(tmp_path, small_pieces):
 
 
 def test_load_into_matches_the_streamed_reader_bit_for_bit(tmp_path, small_pieces):
-    _, model, optimizer = _save(FileCheckpointManager(tmp_path))
+    path, model, optimizer = _save(FileCheckpointManager(tmp_path))
 
     def fresh():
         model, optimizer = _trained(seed=1)
         model[2].double()  # a destination of another dtype: read into new memory, cast by load_state_dict
         return {"model": model, "optimizer": optimizer}
 
+    assert file_read.parse(path / "state.pt") is not None  # a payload the in-place reader takes
     (rest, objects), (streamed_rest, streamed) = _restore_both(tmp_path, fresh)
     _assert_identical(rest, streamed_rest)
     _assert_identical(rest, _extras())
@@ -244,7 +247,7 @@ def test_exclusions_and_missing_entries_behave_as_in_the_streamed_reader(tmp_pat
         tmp_path, lambda: {"optimizer": _trained(seed=1)[1]}, **excluded
     )
     _assert_identical(rest, streamed_rest)
-    assert set(rest) == {"epoch", "rest"} and set(rest["rest"]) == {"slice", "transposed", "ints"}
+    assert set(rest) == {"epoch", "config", "rest"} and set(rest["rest"]) == {"slice", "transposed", "ints"}
     _assert_identical(objects["optimizer"].state_dict(), streamed["optimizer"].state_dict())
     assert objects["optimizer"].state_dict()["state"][0]["step"] == 2  # kept its own state
     assert not torch.equal(
@@ -292,7 +295,7 @@ def test_other_map_locations_and_unusual_payloads_take_the_streamed_reader(tmp_p
     _assert_identical(rest, _extras())
     _assert_identical(model.state_dict(), saved.state_dict())
     assert len(calls) == 1
-    monkeypatch.setattr("danling.checkpoint.file.locate", lambda *args: None)  # a payload it does not understand
+    monkeypatch.setattr("danling.checkpoint.file.parse", lambda *args: None)  # a payload it does not understand
     model = _trained(seed=2)[0]
     rest = FileCheckpointManager(tmp_path).load_into("latest", {"model": model})
     assert len(calls) == 2 and set(rest) == {"optimizer", *_extras()}
@@ -313,3 +316,16 @@ def test_a_file_verified_earlier_in_the_scope_is_read_without_hashing_it_again(t
     _assert_identical(rest, _extras())
     _assert_identical(fresh.state_dict(), model.state_dict())
     _assert_identical(fresh_optimizer.state_dict(), optimizer.state_dict())
+
+
+def test_payloads_the_restricted_reader_does_not_take_are_left_to_torch(tmp_path):
+    plain = {"weight": torch.ones(2), "names": ["a"], "betas": (0.9, 0.99)}
+    for name, payload in {
+        "plain": plain,
+        "parameter": {**plain, "p": nn.Parameter(torch.ones(2))},
+        "storage": {**plain, "s": torch.ones(2).untyped_storage()},
+        "device": {**plain, "d": torch.device("cpu")},
+    }.items():
+        torch.save(payload, tmp_path / name)
+        parsed = file_read.parse(tmp_path / name)
+        assert (parsed is not None) == (name == "plain"), name
