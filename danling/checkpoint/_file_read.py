@@ -10,11 +10,12 @@ of its bytes reach a live tensor.
 
 The payload's structure comes from the archive's pickle alone, read by danling's restricted
 unpickler (plain containers and values, paths, NumPy arrays, dtypes: see
-[`danling.checkpoint.unpickling`][]) taught the one call that rebuilds a plain tensor, which here
-only describes it. It is a C unpickler, where torch's weights-only one is written in Python and
-cost about a quarter of a 130 MiB load. A pickle needing anything else (a tensor subclass, an
-object that is not plain data) is left to the streamed reader, which reads it with torch's
-weights-only unpickler (or the full one when trusted) and refuses what that refuses.
+[`danling.checkpoint.unpickling`][]), narrowed to what torch's weights-only reader admits too and
+taught the one call that rebuilds a plain tensor, which here only describes it. It is a C
+unpickler, where torch's weights-only one is written in Python and cost about a quarter of a
+130 MiB load. A pickle needing anything else (a tensor subclass, an object that is not plain
+data) is left to the streamed reader, which reads it with torch's weights-only unpickler (or the
+full one when trusted) and refuses what that refuses.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import torch
 
 from ._dcp_read import _contiguous_strides, _pread_into, _storage_dtype
 from .checksums import _corrupt, _torn, xxhash
-from .unpickling import _RestrictedUnpickler
+from .unpickling import SAFE_GLOBALS, _RestrictedUnpickler
 
 __all__ = ["parse", "place", "read_pieces", "swap_tensors"]
 
@@ -66,6 +67,10 @@ class _Unsupported(Exception):
     pass
 
 
+_WEIGHTS_ONLY = {("builtins", "set"), ("builtins", "complex"), ("builtins", "bytearray")}
+_WEIGHTS_ONLY |= {("collections", "OrderedDict"), ("torch", "Size")}
+
+
 class _Describer(_RestrictedUnpickler):
     """danling's restricted unpickler, with plain tensors described instead of rebuilt."""
 
@@ -84,7 +89,12 @@ class _Describer(_RestrictedUnpickler):
             return self._describe
         if module == "torch" and name.endswith("Storage") and _storage_dtype(getattr(torch, name, None)) is not None:
             return getattr(torch, name)
-        return super().find_class(module, name)
+        found = super().find_class(module, name)
+        # Only what the streamed reader (torch's weights-only one plus SAFE_GLOBALS) admits as well: a
+        # payload it refuses (a datetime, a frozenset, ...) must be refused the same way, by it.
+        if found in SAFE_GLOBALS or (module, name) in _WEIGHTS_ONLY or isinstance(found, torch.dtype):
+            return found
+        raise _Unsupported(f"{module}.{name}")
 
     def persistent_load(self, pid: Any) -> _Storage:
         if not isinstance(pid, tuple) or len(pid) != 5 or pid[0] != "storage":

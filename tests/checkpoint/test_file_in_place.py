@@ -8,6 +8,7 @@ tensors straddle piece boundaries, and the manifest records pieces as it does fo
 from __future__ import annotations
 
 import copy
+import datetime
 import json
 from pathlib import Path
 
@@ -325,7 +326,16 @@ def test_payloads_the_restricted_reader_does_not_take_are_left_to_torch(tmp_path
         "parameter": {**plain, "p": nn.Parameter(torch.ones(2))},
         "storage": {**plain, "s": torch.ones(2).untyped_storage()},
         "device": {**plain, "d": torch.device("cpu")},
+        "frozenset": {**plain, "f": frozenset([1])},  # the restricted unpickler admits it, torch's does not
+        "date": {**plain, "d": datetime.date(2020, 1, 1)},
     }.items():
         torch.save(payload, tmp_path / name)
         parsed = file_read.parse(tmp_path / name)
         assert (parsed is not None) == (name == "plain"), name
+
+
+def test_a_payload_torch_refuses_is_refused_by_both_readers(tmp_path, small_pieces):
+    FileCheckpointManager(tmp_path).save({"probe": Probe(), "when": datetime.date(2020, 1, 1)}, "epoch-000001")
+    for manager_type in (FileCheckpointManager, Streamed):
+        with pytest.raises(UnsafePickleError, match="datetime.date"):
+            manager_type(tmp_path).load_into("latest", {"probe": Probe()})
