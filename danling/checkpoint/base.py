@@ -522,8 +522,10 @@ class CheckpointManager:
         maps top-level keys to live objects ([`Stateful`][danling.checkpoint.Stateful]), and each
         gets `load_state_dict(payload[key])` unless its key is in `exclude_from_loading`. Returns
         the payload without the objects' entries (config, results, counters, ...). A backend that
-        reads straight into live tensors (DCP) does so through `_read_into`, after the same
-        verification as `load`.
+        reads straight into live tensors (DCP; the file backend for a payload that records its
+        piece digests) does so through `_read_into`, after the same verification as `load`; a
+        damaged piece found after earlier ones were read raises, and the objects may then hold
+        part of the checkpoint: load another checkpoint into them.
 
         Raises:
             CheckpointError: The checkpoint is unusable or lacks an entry for one of `objects`.

@@ -67,8 +67,9 @@ class HashingWriter:
     to `write` equals the digest of the finished file; that spares a second read at save time.
     With `chunked` (XXH3-128 only) it also digests each `CHUNK_BYTES` piece of the stream, cut
     at the same offsets as `file_record(..., chunked=True)`, so `record` equals that entry.
-    Plain XXH3 keeps up with memory and runs inline; SHA-256, or XXH3 with its pieces, is hashed
-    on a helper thread while the caller's thread writes a large buffer (both release the GIL).
+    Plain XXH3 keeps up with memory and runs inline; SHA-256 is hashed on a helper thread while
+    the caller's thread writes a large buffer, and with pieces the helper thread digests the
+    pieces while the caller's thread hashes the whole and writes (the hashes release the GIL).
 
     Examples:
         >>> import io
@@ -95,9 +96,13 @@ class HashingWriter:
         view = memoryview(data)  # torch.save writes many small records: this path stays short
         try:
             if self._parallel and view.nbytes >= self.parallel_threshold:
-                # the buffer stays alive and unchanged until both the hash and the write finish
-                hashed = _beside(self._absorb, view)
+                # the buffer stays alive and unchanged until both the hash and the write finish; with
+                # pieces, the whole-file XXH3 runs here and the pieces' beside it (two passes, two threads)
+                pieces = self._pieces is not None
+                hashed = _beside(self._absorb_pieces if pieces else self._absorb, view)
                 try:
+                    if pieces:
+                        self._hash.update(view)
                     self.raw.write(view)
                 finally:
                     hashed.result()
@@ -112,6 +117,9 @@ class HashingWriter:
 
     def _absorb(self, view: memoryview) -> None:
         self._hash.update(view)
+        self._absorb_pieces(view)
+
+    def _absorb_pieces(self, view: memoryview) -> None:
         if self._piece is None:
             return
         filled = self.size % CHUNK_BYTES  # `size` counts the bytes before `view`

@@ -45,7 +45,7 @@ from .manifest import (
     check_checksum,
     parsed_once,
 )
-from .payload import drop_key
+from .payload import drop_key, load_template
 from .ranks import RANK_LAYOUT_KEY, layout_record, plan_rank_entries, read_layout
 from .training import ModelState, OptimizerState, TrainingState, get_training_state, set_training_state
 from .unpickling import SAFE_GLOBALS, UnsafePickleError, torch_load
@@ -259,7 +259,8 @@ class TorchDistributedCheckpointManager(CollectiveSaves, CheckpointManager):
                 "current state"
             )
         live = {key: obj for key, obj in live.items() if key in plan.wanted}  # optional per-rank keys may drop
-        payload = self._read(directory, plan, {key: _template(obj) for key, obj in live.items()}, verified.background)
+        templates = {key: load_template(obj) for key, obj in live.items()}
+        payload = self._read(directory, plan, templates, verified.background)
         for key, obj in live.items():
             obj.load_state_dict(payload.pop(key))
         return _to_location(payload, map_location)
@@ -360,12 +361,6 @@ class TorchDistributedCheckpointManager(CollectiveSaves, CheckpointManager):
 
     def _read_file(self, path: Path, map_location: Any) -> dict[str, Any]:
         return torch_load(path, map_location=map_location, trusted=self.trusted)
-
-
-def _template(obj: Any) -> Any:
-    """What a live object's checkpoint entries are read into."""
-    to_load = getattr(obj, "state_dict_to_load", None)
-    return to_load() if callable(to_load) else obj.state_dict()
 
 
 def _to_location(payload: dict[str, Any], map_location: Any) -> dict[str, Any]:

@@ -18,6 +18,8 @@ __all__ = [
     "capture_state",
     "check_objects",
     "restore_objects",
+    "missing_entry",
+    "load_template",
     "snapshot_state",
     "normalize_excludes",
     "drop_key",
@@ -93,12 +95,23 @@ def restore_objects(
         if key in excluded:
             continue
         if key not in payload:
-            raise CheckpointError(
-                f"checkpoint {origin} has no {key!r} entry to load into the {type(obj).__name__}; it holds "
-                f"{sorted(payload)}. Add {key!r} to exclude_from_loading to keep the object's current state"
-            )
+            raise missing_entry(origin, key, obj, payload)
         obj.load_state_dict(payload.pop(key))
     return payload
+
+
+def missing_entry(origin: Any, key: str, obj: Any, payload: Mapping[str, Any]) -> CheckpointError:
+    """The error for a live object `obj` whose `key` the checkpoint `payload` lacks."""
+    return CheckpointError(
+        f"checkpoint {origin} has no {key!r} entry to load into the {type(obj).__name__}; it holds "
+        f"{sorted(payload)}. Add {key!r} to exclude_from_loading to keep the object's current state"
+    )
+
+
+def load_template(obj: Any) -> Any:
+    """What a live object's checkpoint entries are read into: its `state_dict_to_load()`, else its `state_dict()`."""
+    to_load = getattr(obj, "state_dict_to_load", None)
+    return to_load() if callable(to_load) else obj.state_dict()
 
 
 _KEY_ALIASES = {"data_loader": "dataloaders", "dataloader": "dataloaders", "lr_scheduler": "scheduler"}
