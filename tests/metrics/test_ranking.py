@@ -106,6 +106,14 @@ def test_invalid_targets_of_classes_and_labels_give_what_the_curves_give(ignore_
         check(_ranking.ranking("multiclass", chunks, 4, ignore_index, micro=micro), expected)
 
 
+def test_a_nan_score_of_an_ignored_row_does_not_hide_logits_beside_it():
+    """Logits are found as the curves find them: an ignored row's nan next to them changes nothing."""
+    g = torch.Generator().manual_seed(4)
+    logits, classes = torch.randn(50, 3, generator=g), torch.randint(0, 3, (50,), generator=g)
+    logits[7, 1], classes[7] = float("nan"), -100  # min/max of this piece would be nan
+    check(_ranking.ranking("multiclass", [(logits, classes)], 3, -100), M.multiclass_curves(logits, classes, -100))
+
+
 def test_negative_zero_ties_with_zero():
     scores = torch.tensor([0.0, -0.0, 0.5, -0.0, 0.0, -1.0])
     target = torch.tensor([1, 0, 1, 1, 0, 0])

@@ -32,6 +32,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ..preprocess import is_logit
+
 __all__ = ["Ranking", "column_sums", "ranking", "ranking_from_sums"]
 
 # Scores of a piece of rows: the unit in which scores are checked for logits, put through the
@@ -152,14 +154,18 @@ def _pieces(
             yield values.numpy(), labels.numpy()
 
 
-def _masks(kind: str, labels: np.ndarray, column: int, micro: bool, num_columns: int) -> tuple[np.ndarray, np.ndarray]:
-    """Positive and negative masks of one column of a piece (flat for the pooled `micro` column)."""
+def _masks(
+    kind: str, labels: np.ndarray, column: int, micro: bool, num_columns: int, counted: np.ndarray | None
+) -> tuple[np.ndarray, np.ndarray]:
+    """Positive and negative masks of one column of a piece (flat for the pooled `micro` column).
+
+    `counted` marks a multiclass piece's rows whose target is a class (taken once per piece).
+    """
     if kind == "binary":
         return labels == 1, labels == 0
     if kind == "multilabel":
         labels = labels.reshape(-1) if micro else labels[:, column]
         return labels == 1, labels == 0
-    counted = (labels >= 0) & (labels < num_columns)
     if micro:  # row-major, as the scores are read: every class of a row in turn
         positive = labels[:, None] == np.arange(num_columns)
         return positive.reshape(-1), (counted[:, None] & ~positive).reshape(-1)
@@ -218,18 +224,19 @@ def ranking(
         [np.empty(int(n), dtype=dtype) for n in negatives.tolist()],
     ]
     filled = np.zeros((2, columns), dtype=np.int64).tolist()
+    # Logits anywhere make every row a softmax, decided as the curves decide it (`is_logit`), a
+    # piece at a time so that its comparison masks stay small.
     softmax = kind == "multiclass" and any(
-        float(low) < 0 or float(high) > 1  # any value outside [0, 1] anywhere: logits, as the curves decide
-        for scores, _ in chunks
-        for low, high in (torch.aminmax(part) for part in scores.split(ELEMENTS))
+        bool(is_logit(part)) for scores, _ in chunks for part in scores.split(max(1, ELEMENTS // num_columns))
     )
     for values, labels in _pieces(chunks, softmax):
+        counted = (labels >= 0) & (labels < num_columns) if kind == "multiclass" else None
         for column in range(columns):
             if kind == "binary" or micro:
                 scores = values.reshape(-1)
             else:
                 scores = values[:, column]
-            for side, mask in enumerate(_masks(kind, labels, column, micro, num_columns)):
+            for side, mask in enumerate(_masks(kind, labels, column, micro, num_columns, counted)):
                 count = int(np.count_nonzero(mask))
                 offset = filled[side][column]
                 np.compress(mask, scores, out=sides[side][column][offset : offset + count])
