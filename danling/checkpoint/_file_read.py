@@ -300,4 +300,14 @@ def _copy_piece(piece: np.ndarray, begin: int, end: int, reads: list[Read], star
             break
         low, high = max(offset, begin), min(offset + target.nbytes, end)
         if low < high:
-            target[low - offset : high - offset] = piece[low - begin : high - begin]
+            _copy(target[low - offset : high - offset], piece[low - begin : high - begin])
+
+
+def _copy(destination: np.ndarray, source: np.ndarray) -> None:
+    # torch splits a large copy over its intra-op threads where numpy copies on one: reading,
+    # checking and copying a checkpoint into live tensors took 0.91x (12 MiB) and 0.87x (129 MiB)
+    # of the time with numpy's copy. Below 1 MiB, wrapping the arrays costs more than it saves.
+    if destination.nbytes >= 1 << 20:
+        torch.from_numpy(destination).copy_(torch.from_numpy(source))
+    else:
+        destination[...] = source

@@ -161,9 +161,9 @@ def test_the_disk_starts_writing_a_data_file_out_while_it_is_being_written(tmp_p
     monkeypatch.setattr(_writeback, "START_WRITEBACK", recording)
     fs, step = _HashingFileSystem("xxh3_128"), _dcp_io._HashedFile.writeback_bytes
     with fs.create_stream(tmp_path / "a.distcp", "wb") as stream:
-        for _ in range(5 * step // (3 << 20)):
+        for _ in range(8):  # every second write crosses a writeback step: four requests
             stream.write(b"h" * 100)  # small writes stay in the file object's buffer until flushed
-            stream.write(bytes(3 << 20))
+            stream.write(bytes(3 * step // 4))
         stream.close()
     assert len(started) >= 4 and all(reached and result == 0 for _, _, reached, result in started)
     ends = [0] + [offset + count for offset, count, _, _ in started]
