@@ -52,7 +52,9 @@ DATA_BATCHES = 64
 # the batches, so this bounds the memory held twice while it runs (and freed afterwards) to a
 # small share of the data, while the count of chunks stays small. Counting bytes, not scores,
 # keeps one-score binary batches, whose int64 targets are twice their scores, from piling up.
-DATA_BYTES = 1 << 20
+# 256 KiB rather than 1 MiB: binary AUROC over 1e5 scores peaked at 1.3-1.6 MiB above the start
+# instead of 1.7 MiB (0.38 MiB of scores); from 4 MiB kept on, the sixteenth decides anyway.
+DATA_BYTES = 1 << 18
 
 
 class _TaskStore(TaskStoreState):
