@@ -188,25 +188,8 @@ def async_candidates(model: nn.Module, optimizer: torch.optim.Optimizer, root: P
     for its write together, so the figure includes the last write's fsyncs, as a run's last
     checkpoint does (the manager waits for it before the process exits).
     """
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
     manager = TorchDistributedCheckpointManager(root / "async", keep_latest_k=1, async_save=True)
-    pending: list = []
-
-    def raw_settle() -> None:
-        while pending:
-            pending.pop().result()
-
-    def raw_start() -> None:
-        model_state, optim_state = get_state_dict(model, optimizer)
-        state = {"model": model_state, "optimizer": optim_state}
-        pending.append(dcp.async_save(state, checkpoint_id=root / "raw-async", no_dist=True))
-
-    def raw_durable() -> None:
-        raw_start()
-        raw_settle()
-        fsync_file(os.fspath(root))
+    raw, twin = _raw_async(model, optimizer, root / "raw-async"), _raw_async(model, optimizer, root / "twin-async")
 
     def mine_start() -> None:
         manager.save({"model": ModelState(model), "optimizer": OptimizerState(model, optimizer)}, "ckpt")
@@ -217,14 +200,40 @@ def async_candidates(model: nn.Module, optimizer: torch.optim.Optimizer, root: P
 
     return {
         "returns": {
-            "dcp.async_save (returns)": (raw_settle, raw_start),
+            "dcp.async_save (returns)": (raw["settle"], raw["start"]),
+            "A/A: dcp.async_save (returns)": (twin["settle"], twin["start"]),
             "DCP manager async save (returns)": (manager.wait, mine_start),
         },
         "durable": {
-            "dcp.async_save + result (durable)": (raw_settle, raw_durable),
+            "dcp.async_save + result (durable)": (raw["settle"], raw["durable"]),
+            "A/A: dcp.async_save + result (durable)": (twin["settle"], twin["durable"]),
             "DCP manager async save + wait (durable)": (manager.wait, mine_durable),
         },
     }
+
+
+def _raw_async(model: nn.Module, optimizer: torch.optim.Optimizer, path: Path) -> dict[str, Callable]:
+    """`dcp.async_save` into `path`: start it, wait for its write, or both plus the directory's fsync."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    pending: list = []
+
+    def settle() -> None:
+        while pending:
+            pending.pop().result()
+
+    def start() -> None:
+        model_state, optim_state = get_state_dict(model, optimizer)
+        state = {"model": model_state, "optimizer": optim_state}
+        pending.append(dcp.async_save(state, checkpoint_id=path, no_dist=True))
+
+    def durable() -> None:
+        start()
+        settle()
+        fsync_file(os.fspath(path.parent))
+
+    return {"settle": settle, "start": start, "durable": durable}
 
 
 def alternate_settled(
