@@ -9,12 +9,16 @@
    (accumulate only) and `forward()` (accumulate and return the batch values, what a
    StreamMetrics update does).
 
+A second, identical torchmetrics run in the same rounds is the A/A control: its ratio to the first
+is the run's noise floor. The machine's load average is printed before and after.
+
 Run: `.venv/bin/python benchmarks/bench_metrics.py [--repeats 5] [--batches 1000]`.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -68,6 +72,7 @@ def timed(fn: Callable[[], object]) -> tuple[float, object]:
 
 def run_global(data, library: str) -> tuple[float, float, dict[str, float]]:
     metrics = multiclass_metrics(NUM_CLASSES) if library == "danling" else torchmetrics_collection(exact=True)
+    # "torchmetrics" and "A/A: torchmetrics" build the same collection
 
     def updates() -> None:
         for logits, target in data:
@@ -84,7 +89,7 @@ def run_stream(data, library: str) -> tuple[float, dict[str, float]]:
         step = metrics.update
     else:
         collection = torchmetrics_collection(exact=False)
-        step = collection.update if library == "torchmetrics-update" else collection.forward
+        step = collection.forward if library == "torchmetrics-forward" else collection.update  # update, A/A too
         metrics = collection
 
     def updates() -> None:
@@ -108,11 +113,12 @@ def main() -> None:
     data = make_data(args.batches)
     run_global(data[:20], "torchmetrics"), run_global(data[:20], "danling")  # warm-up
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.batches} batches of {BATCH}")
+    print("load average before: " + " ".join(f"{load:.2f}" for load in os.getloadavg()))
 
-    timings: dict[str, dict[str, list[float]]] = {"danling": {}, "torchmetrics": {}}
+    timings: dict[str, dict[str, list[float]]] = {"danling": {}, "torchmetrics": {}, "A/A: torchmetrics": {}}
     results = {}
     for _ in range(args.repeats):
-        for library in ("torchmetrics", "danling"):  # alternate to share any drift in machine load
+        for library in timings:  # alternate to share any drift in machine load
             update_time, compute_time, results[library] = run_global(data, library)
             timings[library].setdefault("update", []).append(update_time)
             timings[library].setdefault("compute", []).append(compute_time)
@@ -121,16 +127,17 @@ def main() -> None:
         assert abs(value - results["danling"][name]) < 1e-5, (name, value, results["danling"][name])
 
     print(f"\n### GlobalMetrics, multiclass ({NUM_CLASSES} classes, {args.batches * BATCH:,} samples)\n")
-    print("| phase | torchmetrics (s) | danling (s) | ratio danling / torchmetrics |")
-    print("| --- | ---: | ---: | ---: |")
+    print("| phase | torchmetrics (s) | danling (s) | ratio danling / torchmetrics | A/A ratio |")
+    print("| --- | ---: | ---: | ---: | ---: |")
     for phase in ("update", "compute", "total"):
         base, ours = median(timings["torchmetrics"][phase]), median(timings["danling"][phase])
-        print(f"| {phase} | {base:.3f} | {ours:.3f} | {ours / base:.3f} |")
+        twin = median(timings["A/A: torchmetrics"][phase])
+        print(f"| {phase} | {base:.3f} | {ours:.3f} | {ours / base:.3f} | {twin / base:.3f} |")
 
     stream: dict[str, list[float]] = {}
     stream_results = {}
     for _ in range(args.repeats):
-        for library in ("torchmetrics-update", "torchmetrics-forward", "danling"):
+        for library in ("torchmetrics-update", "torchmetrics-forward", "danling", "A/A: torchmetrics-update"):
             per_batch, stream_results[library] = run_stream(data, library)
             stream.setdefault(library, []).append(per_batch)
     exact = stream_results["torchmetrics-update"]
@@ -138,11 +145,14 @@ def main() -> None:
 
     ours = median(stream["danling"])
     print(f"\n### StreamMetrics update, per batch of {BATCH} (acc, f1, mcc)\n")
+    twin = median(stream["A/A: torchmetrics-update"]) / median(stream["torchmetrics-update"])
     print("| baseline | baseline (us) | danling (us) | ratio danling / baseline |")
     print("| --- | ---: | ---: | ---: |")
     for library in ("torchmetrics-update", "torchmetrics-forward"):
         base = median(stream[library])
         print(f"| {library} | {base * 1e6:.1f} | {ours * 1e6:.1f} | {ours / base:.3f} |")
+    print(f"\nA/A control (a second torchmetrics-update): {twin:.3f}")
+    print("load average after: " + " ".join(f"{load:.2f}" for load in os.getloadavg()))
 
 
 if __name__ == "__main__":
