@@ -7,7 +7,8 @@ per candidate, with torch's own `DataLoader` in every candidate:
 - `hand-written`: `correct += (logits.argmax(-1) == target).sum()`, read once with `.item()`;
 - `StreamMetrics(acc=accuracy)`: the functional accuracy evaluated on every batch;
 - `GlobalMetrics(acc=accuracy)`: batches kept, accuracy computed at the read;
-- `multiclass_metrics(num_classes=10, metrics=["acc"])`: the running label table.
+- `multiclass_metrics(num_classes=10, metrics=["acc"])`: the running label table;
+- `A/A: hand-written`: the hand-written loop again, the run's noise floor.
 
 Rounds alternate the candidates (reversing the order every other round); the table gives the
 median epoch time and the median of per-round ratios to the hand-written loop.
@@ -16,6 +17,7 @@ median epoch time and the median of per-round ratios to the hand-written loop.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -32,6 +34,7 @@ CONTAINERS: dict[str, Callable[[], object] | None] = {
     "StreamMetrics(acc=accuracy)": lambda: StreamMetrics(acc=accuracy),
     "GlobalMetrics(acc=accuracy)": lambda: GlobalMetrics(acc=accuracy),
     "multiclass_metrics(acc)": lambda: multiclass_metrics(num_classes=10, metrics=["acc"]),
+    "A/A: hand-written": None,
 }
 
 
@@ -78,6 +81,7 @@ def main(argv: list[str] | None = None) -> None:
     for name in names:  # warm-up
         epoch(model, optimizer, loader, CONTAINERS[name])
     samples: dict[str, list[float]] = {name: [] for name in names}
+    print("load average before: " + " ".join(f"{load:.2f}" for load in os.getloadavg()))
     for round_ in range(rounds):
         for name in names if round_ % 2 == 0 else names[::-1]:
             samples[name].append(epoch(model, optimizer, loader, CONTAINERS[name]))
@@ -86,6 +90,7 @@ def main(argv: list[str] | None = None) -> None:
     for name in names:
         ratios = [mine / base for mine, base in zip(samples[name], samples["hand-written"])]
         print(f"| {name} | {statistics.median(samples[name]) * 1e3:.1f} | {statistics.median(ratios):.3f} |")
+    print("\nload average after: " + " ".join(f"{load:.2f}" for load in os.getloadavg()))
 
 
 if __name__ == "__main__":
