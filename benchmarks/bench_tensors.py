@@ -46,6 +46,7 @@ SCENARIOS = {
     "narrow (200..256)": lambda g: torch.randint(200, 257, (BATCH,), generator=g),
 }
 VARIANTS = ("padded", "danling", "torch.nested")
+AA = "A/A: padded"  # the padded code timed again in the same rounds: the run's noise floor
 
 
 def build(scenario: str, seed: int = 0, lengths: list[int] | None = None) -> dict:
@@ -92,6 +93,7 @@ RUNNERS: dict[str, Callable] = {
     "padded": run_padded,
     "danling": run_nested,
     "torch.nested": lambda data, backward: run_nested(data, backward, "torch.nested"),
+    AA: run_padded,
 }
 
 
@@ -103,7 +105,8 @@ def check(data: dict) -> None:
 
 
 def time_all(data: dict, backward: bool, repeats: int) -> dict[str, float | None]:
-    variants = [v for v in VARIANTS if not (backward and v == "torch.nested")]
+    """Median seconds of each variant, and of `A/A` (the padded code again: the run's noise floor)."""
+    variants = [v for v in VARIANTS if not (backward and v == "torch.nested")] + [AA]
     samples: dict[str, list[float]] = {v: [] for v in variants}
     for variant in variants:  # warm-up
         RUNNERS[variant](data, backward)
@@ -289,6 +292,7 @@ def main() -> None:
     header = f"{'scenario':<18} {'pass':<9} {'variant':<13} " + " ".join(f"{c:>9}" for c in columns)
     print(header)
     print("-" * len(header))
+    print("load average before: " + " ".join(f"{load:.2f}" for load in os.getloadavg()))
     for scenario in SCENARIOS:
         data = build(scenario)
         check(data)
@@ -305,7 +309,9 @@ def main() -> None:
                 t, m = times[variant] * 1e3, memory[variant] / 2**20
                 t_ratio, m_ratio = times[variant] / times["padded"], memory[variant] / max(memory["padded"], 1)
                 print(f"{label:<18} {name:<9} {variant:<13} {t:>9.2f} {t_ratio:>8.2f}x {m:>9.1f} {m_ratio:>8.2f}x")
+            print(f"{'':<18} {'':<9} {AA:<13} {times[AA] * 1e3:>9.2f} {times[AA] / times['padded']:>8.2f}x")
         print(f"{'':<18} occupancy of the padded batch: {occupancy:.0%} ({data['tokens']} real tokens)")
+    print("load average after: " + " ".join(f"{load:.2f}" for load in os.getloadavg()))
     time_ops(args.repeats)
 
 
