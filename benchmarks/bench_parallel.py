@@ -4,8 +4,9 @@ Two gloo ranks on CPU (spawned here, file-store rendezvous), one thread each. Bo
 same residual MLP (each block, then the root) over a 2-rank mesh and train it with SGD on the same
 sharded data:
 
-1. per-step overhead: one epoch of the hand loop, then one epoch of the runner, alternating; the
-   ratio of each round (runner / hand loop), median and interquartile range over the rounds;
+1. per-step overhead: one epoch of the hand loop, one of the runner and one of a second hand loop
+   (the A/A control), the order reversed every other round; the ratio of each round (runner /
+   hand loop, second hand loop / hand loop), median and interquartile range over the rounds;
 2. checkpoints: the runner's synchronous DCP save and load (manifest, pointers, loop state,
    loaders, RNG) against `dcp.save` / `dcp.load` of the same model + optimizer state, in MB/s of
    the global state (medians), and the median over the rounds of each round's runner / raw ratio
@@ -158,25 +159,30 @@ def quartiles(values: list[float]) -> tuple[float, float, float]:
 
 
 def bench_steps(root: str, workload: str, repeats: int) -> str:
+    """One table row: the runner's epoch over the hand loop's, and a second hand loop's (the A/A control)."""
     runner = build_runner(os.path.join(root, "steps"), workload)  # starts the process group
-    hand = HandLoop(workload)  # on the runner's group
+    hand, twin = HandLoop(workload), HandLoop(workload)  # on the runner's group
     runner.logger.setLevel("ERROR")
     steps = len(hand.loader)
     for _ in range(2):  # warm-up
         hand.train_epoch()
+        twin.train_epoch()
         runner_epoch(runner)
-    ratios, hand_times, runner_times = [], [], []
+    ratios, controls, hand_times, runner_times = [], [], [], []
     for round_index in range(repeats):
-        pair = [("hand", hand.train_epoch), ("runner", lambda: runner_epoch(runner))]
-        times = dict((name, timed(fn)) for name, fn in (pair if round_index % 2 else pair[::-1]))
+        order = [("hand", hand.train_epoch), ("runner", lambda: runner_epoch(runner)), ("twin", twin.train_epoch)]
+        times = dict((name, timed(fn)) for name, fn in (order if round_index % 2 else order[::-1]))
         hand_times.append(times["hand"])
         runner_times.append(times["runner"])
         ratios.append(times["runner"] / times["hand"])
+        controls.append(times["twin"] / times["hand"])
     runner.close()
     q1, median, q3 = quartiles(ratios)
+    c1, control, c3 = quartiles(controls)
     return (
         f"| {workload} | {steps} | {statistics.median(hand_times) / steps * 1e3:.3f} | "
-        f"{statistics.median(runner_times) / steps * 1e3:.3f} | {median:.3f} | {q1:.3f} - {q3:.3f} |"
+        f"{statistics.median(runner_times) / steps * 1e3:.3f} | {median:.3f} | {q1:.3f} - {q3:.3f} | "
+        f"{control:.3f} | {c1:.3f} - {c3:.3f} |"
     )
 
 
@@ -304,9 +310,13 @@ def worker(
     # checkpoint speed only means something for the larger state
     checkpoints = [bench_checkpoints(root, workload, max(5, repeats // 3)) for workload in workloads[-1:]]
     if rank == 0 and rows:
+        print("load average after: " + " ".join(f"{load:.2f}" for load in os.getloadavg()))
         print("### ParallelRunner (FSDP2, shard=2) vs a hand-written FSDP2 loop, 2 gloo ranks\n")
-        print("| workload | steps/epoch | hand loop (ms/step) | runner (ms/step) | ratio: median | IQR |")
-        print("| --- | ---: | ---: | ---: | ---: | ---: |")
+        print(
+            "| workload | steps/epoch | hand loop (ms/step) | runner (ms/step) | ratio: median | IQR "
+            "| A/A (second hand loop): median | A/A IQR |"
+        )
+        print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
         print("\n".join(rows))
     if rank == 0:
         print("\n### DCP checkpoints: runner vs raw dcp.save / dcp.load (model + SGD momentum, 2 ranks)\n")
@@ -325,6 +335,7 @@ def main() -> None:
     parser.add_argument("--checkpoints-only", action="store_true", help="skip the per-step comparison")
     parser.add_argument("--profile", type=int, default=0, metavar="LINES", help="cProfile one checkpoint save/load")
     args = parser.parse_args()
+    print("load average before: " + " ".join(f"{load:.2f}" for load in os.getloadavg()))
     with tempfile.TemporaryDirectory(prefix="bench-parallel-") as root:  # shared: DCP files are written by both
         mp.start_processes(
             worker,
