@@ -27,14 +27,17 @@ import sys
 import tempfile
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 from chanfig import Config
 from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -187,38 +190,17 @@ def bench_steps(root: str, workload: str, repeats: int) -> str:
 
 
 def bench_checkpoints(root: str, workload: str, repeats: int, profile_lines: int = 0) -> str:
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
     runner = build_runner(os.path.join(root, "ckpt"), workload, load_only=False)
     runner.logger.setLevel("ERROR")
     runner_epoch(runner)  # optimizer state exists
     model, optimizer = runner.model, runner.optimizer
-    raws = [Path(root) / "raw-dcp-0", Path(root) / "raw-dcp-1"]  # newest first
-
-    def raw_clear() -> None:
-        # Like the runner: the new checkpoint is written while the previous one still exists, and that one
-        # is deleted after the save (untimed on both sides). Writing into pages just freed by deleting the
-        # previous copy is much faster on this VM, which would favour whichever side deletes first.
-        if dist.get_rank() == 0:
-            shutil.rmtree(raws[1], ignore_errors=True)
-        dist.barrier()
-
-    def raw_save() -> None:
-        raws.reverse()
-        model_state, optim_state = get_state_dict(model, optimizer)
-        dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=raws[0])
-
-    def raw_load() -> None:
-        model_state, optim_state = get_state_dict(model, optimizer)
-        state = {"model": model_state, "optimizer": optim_state}
-        dcp.load(state, checkpoint_id=raws[0])
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    raw, twin = RawDcp(Path(root) / "raw-dcp", model, optimizer), RawDcp(Path(root) / "twin-dcp", model, optimizer)
 
     paths: list[Any] = []
     if profile_lines:
         return profile_checkpoints(runner, profile_lines)
-    samples: dict[str, list[float]] = {"dcp.save": [], "runner save": [], "dcp.load": [], "runner load": []}
+    names = ("dcp.save", "runner save", "dcp.load", "runner load", "A/A: dcp.save", "A/A: dcp.load")
+    samples: dict[str, list[float]] = {name: [] for name in names}
     cleanup: list[float] = []
 
     def runner_save() -> None:
@@ -227,16 +209,22 @@ def bench_checkpoints(root: str, workload: str, repeats: int, profile_lines: int
         # before the next measurement instead of inside it, and report how long it still ran
         cleanup.append(timed(runner.checkpoint_manager.wait))
 
-    def dcp_save() -> None:
-        samples["dcp.save"].append(timed(raw_save))
-        raw_clear()
+    def dcp_save(side: RawDcp, name: str) -> Callable[[], None]:
+        def run() -> None:
+            samples[name].append(timed(side.save))
+            side.clear()
+
+        return run
 
     def runner_load() -> None:
         samples["runner load"].append(timed(lambda: runner.load_checkpoint(runner.checkpoint_manager.latest)))
 
+    def dcp_load(side: RawDcp, name: str) -> Callable[[], None]:
+        return lambda: samples[name].append(timed(side.load))
+
     for round_index in range(repeats):  # which side goes first alternates: the disk's state drifts
-        saves = [dcp_save, runner_save]
-        loads = [lambda: samples["dcp.load"].append(timed(raw_load)), runner_load]
+        saves = [dcp_save(raw, "dcp.save"), runner_save, dcp_save(twin, "A/A: dcp.save")]
+        loads = [dcp_load(raw, "dcp.load"), runner_load, dcp_load(twin, "A/A: dcp.load")]
         for step in (saves + loads) if round_index % 2 == 0 else (saves[::-1] + loads[::-1]):
             step()
     local = sum(t.numel() * t.element_size() for t in _tensors(get_state_dict(model, optimizer)))
@@ -245,12 +233,46 @@ def bench_checkpoints(root: str, workload: str, repeats: int, profile_lines: int
     runner.close()
     megabytes = float(total) / 2**20
     medians = {name: statistics.median(values) for name, values in samples.items()}
-    cells = [f"{megabytes / medians[name]:.0f} MB/s ({medians[name] * 1e3:.0f} ms)" for name in samples]
-    # each round's runner time over the raw time of the same round, then the median over the rounds
-    save_ratio = statistics.median(a / b for a, b in zip(samples["runner save"], samples["dcp.save"]))
-    load_ratio = statistics.median(a / b for a, b in zip(samples["runner load"], samples["dcp.load"]))
-    row = f"| {workload} | {megabytes:.1f} | " + " | ".join(cells) + f" | {save_ratio:.2f} | {load_ratio:.2f} |"
-    return row + f" {statistics.median(cleanup) * 1e3:.0f} ms |"
+    cells = [f"{megabytes / medians[name]:.0f} MB/s ({medians[name] * 1e3:.0f} ms)" for name in names[:4]]
+
+    def ratio(mine: str, base: str) -> float:
+        # each round's time over the raw time of the same round, then the median over the rounds
+        return statistics.median(a / b for a, b in zip(samples[mine], samples[base]))
+
+    ratios = [ratio("runner save", "dcp.save"), ratio("runner load", "dcp.load")]
+    ratios += [ratio("A/A: dcp.save", "dcp.save"), ratio("A/A: dcp.load", "dcp.load")]
+    row = f"| {workload} | {megabytes:.1f} | " + " | ".join(cells) + " | " + " | ".join(f"{r:.2f}" for r in ratios)
+    return row + f" | {statistics.median(cleanup) * 1e3:.0f} ms |"
+
+
+class RawDcp:
+    """`dcp.save` / `dcp.load` of the model + optimizer into two directories used in turn.
+
+    Like the runner, a save writes the new checkpoint while the previous one still exists, and
+    `clear` deletes that one afterwards (untimed on both sides): writing into pages just freed by
+    deleting the previous copy is much faster on this VM, which would favour whichever side
+    deleted first.
+    """
+
+    def __init__(self, base: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.dirs = [base.with_name(base.name + "-0"), base.with_name(base.name + "-1")]  # newest first
+        self.model, self.optimizer = model, optimizer
+
+    def clear(self) -> None:
+        if dist.get_rank() == 0:
+            shutil.rmtree(self.dirs[1], ignore_errors=True)
+        dist.barrier()
+
+    def save(self) -> None:
+        self.dirs.reverse()
+        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=self.dirs[0])
+
+    def load(self) -> None:
+        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        state = {"model": model_state, "optimizer": optim_state}
+        dcp.load(state, checkpoint_id=self.dirs[0])
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
 
 
 def profile_checkpoints(runner: BenchRunner, lines: int) -> str:
@@ -322,9 +344,9 @@ def worker(
         print("\n### DCP checkpoints: runner vs raw dcp.save / dcp.load (model + SGD momentum, 2 ranks)\n")
         print(
             "| workload | MB | dcp.save | runner save | dcp.load | runner load | save ratio | load ratio "
-            "| deletion still running after the save |"
+            "| A/A save | A/A load | deletion still running after the save |"
         )
-        print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+        print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
         print("\n".join(checkpoints))
 
 
