@@ -398,6 +398,7 @@ def bench_first_step(root: str, repeats: int) -> list[str]:
 
     candidates = {
         "hand-written: build + 1 step": handwritten,
+        "A/A: hand-written again": handwritten,  # the run's noise floor
         "runner: construct": runner_built,
         "runner: construct + train_steps(steps=1)": runner_first_step,
     }
