@@ -257,11 +257,14 @@ def alternate_settled(
     The CPU time is the process's (every thread: the helper threads that hash and fsync count),
     which a busy shared machine disturbs far less than the wall clock.
 
-    With `isolated` (the saves), every candidate's background work has finished before any timed
-    call starts, and the candidate going first alternates from round to round: on this VM the
-    second of two 1 GiB saves in a row was often the slow one, whichever it was. The async rows
-    keep the plain order: `dcp.async_save` copies into fresh buffers each call, and how long ago
-    its previous ones were freed moved its time to return between 16 and 67 ms.
+    With `isolated` (every group of this script), every candidate's background work has finished
+    before any timed call starts, and the candidate going first alternates from round to round:
+    on this VM the second of two 1 GiB saves in a row was often the slow one, whichever it was.
+    The async rows used the plain order (each candidate settling only its own work) until their
+    A/A control showed that the last candidate of a round, danling's, ran while the others'
+    deletions and writeback were still going: at 517 MiB its durable time read 1.5-1.8x there
+    and 1.00x isolated. (`dcp.async_save` copies into fresh buffers each call, so its time to
+    return still swings with how long ago its previous ones were freed: see the A/A column.)
     """
     walls: dict[str, list[float]] = {name: [] for name in candidates}
     cpus: dict[str, list[float]] = {name: [] for name in candidates}
@@ -359,7 +362,7 @@ def measure(part: str, mib: int, repeats: int, tmp: str, cold: bool, profile_lin
                 candidates = {name: settled(fn, os.sync) for name, fn in candidates.items()}
             else:
                 candidates = {name: fn if isinstance(fn, tuple) else settled(fn) for name, fn in candidates.items()}
-            results[group] = alternate_settled(candidates, repeats, isolated=part != "async")
+            results[group] = alternate_settled(candidates, repeats, isolated=True)
         return {"size": size, "groups": results}
     finally:
         shutil.rmtree(root, ignore_errors=True)
