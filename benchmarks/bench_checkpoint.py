@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import fsync_file, profile_call
+from common import fsync_file, load_line, profile_call
 
 from danling.checkpoint import FileCheckpointManager
 from danling.checkpoint.dcp import ModelState, OptimizerState, TorchDistributedCheckpointManager
@@ -409,7 +409,7 @@ def main(argv: list[str] | None = None) -> None:
     sizes, repeats = ([48], 3) if args.quick else (args.mib, args.repeats)
     parts = args.only or ["file", "dcp", "async"]
     warnings.simplefilter("ignore")  # DCP warns that it runs without a process group: intended
-    print(f"load average before: {' '.join(f'{load:.2f}' for load in os.getloadavg())}\n", flush=True)
+    print(load_line("before") + "\n", flush=True)
     results = []
     with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_DIR")) as tmp:
         for mib in sizes:
@@ -422,7 +422,7 @@ def main(argv: list[str] | None = None) -> None:
                 results.append({"part": part, "mib": mib, **result})
                 title = f"Checkpoint, {part}" + (", loads from a cold page cache" if args.cold else "")
                 print(report(title, result["groups"], result["size"]), "\n", flush=True)
-    print(f"load average after: {' '.join(f'{load:.2f}' for load in os.getloadavg())}", flush=True)
+    print(load_line("after"), flush=True)
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
     if args.plot:

@@ -17,12 +17,12 @@ median epoch time and the median of per-round ratios to the hand-written loop.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 from collections.abc import Callable
 
 import torch
+from common import load_line
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> None:
     for name in names:  # warm-up
         epoch(model, optimizer, loader, CONTAINERS[name])
     samples: dict[str, list[float]] = {name: [] for name in names}
-    print("load average before: " + " ".join(f"{load:.2f}" for load in os.getloadavg()))
+    print(load_line("before"))
     for round_ in range(rounds):
         for name in names if round_ % 2 == 0 else names[::-1]:
             samples[name].append(epoch(model, optimizer, loader, CONTAINERS[name]))
@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> None:
     for name in names:
         ratios = [mine / base for mine, base in zip(samples[name], samples["hand-written"])]
         print(f"| {name} | {statistics.median(samples[name]) * 1e3:.1f} | {statistics.median(ratios):.3f} |")
-    print("\nload average after: " + " ".join(f"{load:.2f}" for load in os.getloadavg()))
+    print("\n" + load_line("after"))
 
 
 if __name__ == "__main__":

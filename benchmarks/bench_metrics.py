@@ -18,12 +18,12 @@ Run: `.venv/bin/python benchmarks/bench_metrics.py [--repeats 5] [--batches 1000
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 from collections.abc import Callable
 
 import torch
+from common import load_line
 from torchmetrics import MetricCollection
 from torchmetrics.classification import (
     MulticlassAccuracy,
@@ -113,7 +113,7 @@ def main() -> None:
     data = make_data(args.batches)
     run_global(data[:20], "torchmetrics"), run_global(data[:20], "danling")  # warm-up
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.batches} batches of {BATCH}")
-    print("load average before: " + " ".join(f"{load:.2f}" for load in os.getloadavg()))
+    print(load_line("before"))
 
     timings: dict[str, dict[str, list[float]]] = {"danling": {}, "torchmetrics": {}, "A/A: torchmetrics": {}}
     results = {}
@@ -152,7 +152,7 @@ def main() -> None:
         base = median(stream[library])
         print(f"| {library} | {base * 1e6:.1f} | {ours * 1e6:.1f} | {ours / base:.3f} |")
     print(f"\nA/A control (a second torchmetrics-update): {twin:.3f}")
-    print("load average after: " + " ".join(f"{load:.2f}" for load in os.getloadavg()))
+    print(load_line("after"))
 
 
 if __name__ == "__main__":

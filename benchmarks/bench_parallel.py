@@ -42,6 +42,8 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from common import load_line  # this script's directory, as for every benchmark
+
 import danling as dl
 from tests.dist import free_ports, rendezvous_ports  # the test suite's rendezvous helpers
 
@@ -332,7 +334,7 @@ def worker(
     # checkpoint speed only means something for the larger state
     checkpoints = [bench_checkpoints(root, workload, max(5, repeats // 3)) for workload in workloads[-1:]]
     if rank == 0 and rows:
-        print("load average after: " + " ".join(f"{load:.2f}" for load in os.getloadavg()))
+        print(load_line("after"))
         print("### ParallelRunner (FSDP2, shard=2) vs a hand-written FSDP2 loop, 2 gloo ranks\n")
         print(
             "| workload | steps/epoch | hand loop (ms/step) | runner (ms/step) | ratio: median | IQR "
@@ -357,7 +359,7 @@ def main() -> None:
     parser.add_argument("--checkpoints-only", action="store_true", help="skip the per-step comparison")
     parser.add_argument("--profile", type=int, default=0, metavar="LINES", help="cProfile one checkpoint save/load")
     args = parser.parse_args()
-    print("load average before: " + " ".join(f"{load:.2f}" for load in os.getloadavg()))
+    print(load_line("before"))
     with tempfile.TemporaryDirectory(prefix="bench-parallel-") as root:  # shared: DCP files are written by both
         mp.start_processes(
             worker,

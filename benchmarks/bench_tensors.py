@@ -35,6 +35,7 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from common import load_line
 
 from danling.tensors import NestedTensor
 
@@ -292,7 +293,7 @@ def main() -> None:
     header = f"{'scenario':<18} {'pass':<9} {'variant':<13} " + " ".join(f"{c:>9}" for c in columns)
     print(header)
     print("-" * len(header))
-    print("load average before: " + " ".join(f"{load:.2f}" for load in os.getloadavg()))
+    print(load_line("before"))
     for scenario in SCENARIOS:
         data = build(scenario)
         check(data)
@@ -311,7 +312,7 @@ def main() -> None:
                 print(f"{label:<18} {name:<9} {variant:<13} {t:>9.2f} {t_ratio:>8.2f}x {m:>9.1f} {m_ratio:>8.2f}x")
             print(f"{'':<18} {'':<9} {AA:<13} {times[AA] * 1e3:>9.2f} {times[AA] / times['padded']:>8.2f}x")
         print(f"{'':<18} occupancy of the padded batch: {occupancy:.0%} ({data['tokens']} real tokens)")
-    print("load average after: " + " ".join(f"{load:.2f}" for load in os.getloadavg()))
+    print(load_line("after"))
     time_ops(args.repeats)
 
 

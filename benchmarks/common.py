@@ -18,6 +18,11 @@ import torch
 T = TypeVar("T")
 
 
+def load_line(when: str) -> str:
+    """``"load average WHEN: 1m 5m 15m"``: what every table of a shared machine should be read with."""
+    return f"load average {when}: " + " ".join(f"{load:.2f}" for load in os.getloadavg())
+
+
 def alternate(candidates: Mapping[str, Callable[[], object]], repeats: int = 5, warmup: int = 1) -> dict[str, float]:
     """Time each callable ``repeats`` times, interleaving them, and return the median seconds.
 
