@@ -248,30 +248,28 @@ def _raw_async(model: nn.Module, optimizer: torch.optim.Optimizer, path: Path) -
     return {"settle": settle, "start": start, "durable": durable}
 
 
-def alternate_settled(
-    candidates: dict[str, tuple[Callable, Callable]], repeats: int, isolated: bool = False
-) -> dict[str, tuple[float, float]]:
+def alternate_settled(candidates: dict[str, tuple[Callable, Callable]], repeats: int) -> dict[str, tuple[float, float]]:
     """Median (wall, CPU) seconds of each candidate's timed call; its previous background work (an
     async write, deleting the copy a save replaced) finishes, untimed, before each call.
 
     The CPU time is the process's (every thread: the helper threads that hash and fsync count),
     which a busy shared machine disturbs far less than the wall clock.
 
-    With `isolated` (every group of this script), every candidate's background work has finished
-    before any timed call starts, and the candidate going first alternates from round to round:
-    on this VM the second of two 1 GiB saves in a row was often the slow one, whichever it was.
-    The async rows used the plain order (each candidate settling only its own work) until their
-    A/A control showed that the last candidate of a round, danling's, ran while the others'
-    deletions and writeback were still going: at 517 MiB its durable time read 1.5-1.8x there
-    and 1.00x isolated. (`dcp.async_save` copies into fresh buffers each call, so its time to
-    return still swings with how long ago its previous ones were freed: see the A/A column.)
+    Every candidate's background work has finished before any timed call starts, and the order
+    is reversed every other round: on this VM the second of two 1 GiB saves in a row was often
+    the slow one, whichever it was. The async rows once used a plain order, each candidate
+    settling only its own work, until their A/A control showed that the last candidate of a
+    round, danling's, ran while the others' deletions and writeback were still going: at 517 MiB
+    its durable time read 1.5-1.8x that way and 1.00x settled. (`dcp.async_save` copies into
+    fresh buffers each call, so its time to return still swings with how long ago its previous
+    ones were freed: see the A/A column.)
     """
     walls: dict[str, list[float]] = {name: [] for name in candidates}
     cpus: dict[str, list[float]] = {name: [] for name in candidates}
     names = list(candidates)
     for round_ in range(repeats + 1):
-        for name in names[::-1] if isolated and round_ % 2 == 0 else names:
-            for settle in [pair[0] for pair in candidates.values()] if isolated else [candidates[name][0]]:
+        for name in names[::-1] if round_ % 2 == 0 else names:
+            for settle, _ in candidates.values():
                 settle()
             began, cpu = time.perf_counter(), time.process_time()
             candidates[name][1]()
@@ -362,7 +360,7 @@ def measure(part: str, mib: int, repeats: int, tmp: str, cold: bool, profile_lin
                 candidates = {name: settled(fn, os.sync) for name, fn in candidates.items()}
             else:
                 candidates = {name: fn if isinstance(fn, tuple) else settled(fn) for name, fn in candidates.items()}
-            results[group] = alternate_settled(candidates, repeats, isolated=True)
+            results[group] = alternate_settled(candidates, repeats)
         return {"size": size, "groups": results}
     finally:
         shutil.rmtree(root, ignore_errors=True)
