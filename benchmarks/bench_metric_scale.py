@@ -98,6 +98,23 @@ def _batch(task: str, generator, size: int):
     return torch.randn(size, COLUMNS, generator=generator) + 1.5 * target, target
 
 
+def feed(metrics, pool: list, size: int) -> float:
+    """Update `metrics` with `size` samples made from `pool`; returns the seconds spent in `update`."""
+
+    update_s = 0.0
+    for index, offset in enumerate(range(0, size, BATCH)):
+        rows = min(BATCH, size - offset)
+        scores, labels = pool[index % len(pool)]
+        # One new tensor per batch (the pool plus an offset, so that scores do not repeat), as a
+        # model's outputs are, with no generator temporaries.
+        input, target = scores[:rows] + index * 1e-4, labels[:rows].clone()
+        began = time.perf_counter()
+        metrics.update(input, target)
+        update_s += time.perf_counter() - began
+        del input, target
+    return update_s
+
+
 def child(library: str, task: str, names: list[str], size: int) -> dict:
     """One measurement, in this (fresh) process."""
     import torch
@@ -108,33 +125,24 @@ def child(library: str, task: str, names: list[str], size: int) -> dict:
     metrics = _danling(task, names) if library == "danling" else _torchmetrics(task, names)
     generator = torch.Generator().manual_seed(0)
     # First calls load code pages, allocate thread pools and kernels' caches: not the data's cost.
-    # The warm-up feeds batches of the measured size (so the paths that join batches run too) and
-    # the large-data paths (danling's ranking starts at 65,536 scores), then hands the freed heap
-    # back, so neither library starts with slack the measured run could reuse. (With one batch
-    # of 65,536, the first join of the measured run paid the start of torch's thread pool: +0.5
-    # MiB at N = 1e5.)
+    # The warm-up runs the measured loop itself (`feed`, batches of the measured size, so the
+    # paths that join batches run too) over the large-data paths (danling's ranking starts at
+    # 65,536 scores), then hands the freed heap back, so neither library starts with slack the
+    # measured run could reuse. (With one batch of 65,536, the first join of the measured run
+    # paid the start of torch's thread pool: +0.5 MiB at N = 1e5; with batches made outside
+    # `feed`, the measured loop's own first calls paged in about 0.25 MiB of code, counted as
+    # resident memory in both libraries' peaks.)
     warm = _batch(task, generator, 1 << 16)
     warm_metrics = (_danling if library == "danling" else _torchmetrics)(task, names)
-    for batch in zip(warm[0].split(BATCH), warm[1].split(BATCH)):
-        warm_metrics.update(*batch)
+    feed(warm_metrics, list(zip(warm[0].split(BATCH), warm[1].split(BATCH))), 1 << 16)
     warm_metrics.compute()
     del warm_metrics, warm
     gc.collect()
     ctypes.CDLL("libc.so.6").malloc_trim(0)
-    # Batches are made from a small pool, as a model's outputs are: one new tensor each (the pool
-    # plus a per-batch offset, so that scores do not repeat), with no generator temporaries.
     pool = [_batch(task, generator, BATCH) for _ in range(POOL)]
     Path("/proc/self/clear_refs").write_text("5")  # peak resident memory := current
     start_kib = _rss_kib("VmRSS")
-    update_s = 0.0
-    for index, offset in enumerate(range(0, size, BATCH)):
-        rows = min(BATCH, size - offset)
-        scores, labels = pool[index % POOL]
-        input, target = scores[:rows] + index * 1e-4, labels[:rows].clone()
-        began = time.perf_counter()
-        metrics.update(input, target)
-        update_s += time.perf_counter() - began
-        del input, target
+    update_s = feed(metrics, pool, size)
     began = time.perf_counter()
     values = metrics.compute()
     compute_s = time.perf_counter() - began
