@@ -96,11 +96,34 @@ BINARY_HOST_METRICS: dict[str, Callable[[_host.HostCounts, Any], Any]] = {
     "recall": lambda counts, average: _host.binary_score_of(counts, "recall"),
     "f1": lambda counts, average: _host.binary_score_of(counts, "f1"),
 }
+# Multilabel metrics of accumulated CPU counts: accuracy, balanced accuracy and MCC of the pooled
+# decisions (their default, `micro`), the class scores of every label's positive class.
+LABEL_HOST_METRICS: dict[str, Callable[[_host.LabelHostCounts, Any], Any]] = {
+    "accuracy": lambda counts, average: _host.accuracy_of(counts.pooled),
+    "balanced_accuracy": lambda counts, average: _host.balanced_accuracy_of(counts.pooled),
+    "precision": partial(_host.label_score_of, which="precision"),
+    "recall": partial(_host.label_score_of, which="recall"),
+    "f1": partial(_host.label_score_of, which="f1"),
+    "mcc": lambda counts, average: _host.mcc_of(counts.pooled),
+}
+
+
+def _held_counts(state: MetricState) -> Any:
+    """The host statistics of accumulated CPU counts held by `state` (`GlobalMetrics`' `avg`), if any."""
+    confusion = state.held("confusion")
+    if confusion is None:
+        return None
+    return state.cached("host_counts", lambda: _host.counts_of_confusion(confusion))
 
 
 def _host_counts(state: MetricState) -> _host.HostCounts | None:
-    """Counts of a small binary or multiclass CPU batch held by `state` (`None` otherwise), built once."""
-    if state.input is None or state.target is None:  # a state of accumulated counts: no batch to read
+    """Counts of a small binary or multiclass CPU batch, or of accumulated CPU counts, held by `state`.
+
+    `None` where the tensor path applies; built once per state.
+    """
+    if state.held("confusion") is not None:
+        return _held_counts(state)
+    if state.input is None or state.target is None:
         return None
     input, target, task = state.input, state.target, state.task
     if task.kind == "binary":
@@ -123,6 +146,16 @@ def _classification(module: Any, averaged: bool) -> dict[str, Entry]:
                 return function(state.confusion, average) if takes_average else function(state.confusion)
 
             return "confusion", compute
+        label_host = LABEL_HOST_METRICS.get(name) if module is _multilabel else None
+        if label_host is not None:
+
+            def compute_labels(state: MetricState, average: Any) -> Any:
+                counts = _held_counts(state)
+                if counts is not None:
+                    return label_host(counts, average if takes_average else None)
+                return function(state.confusion, average) if takes_average else function(state.confusion)
+
+            return "confusion", compute_labels
         if takes_average:
             return "confusion", lambda state, average: function(state.confusion, average)
         return "confusion", lambda state, average: function(state.confusion)

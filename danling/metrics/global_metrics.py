@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Mapping
+from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -83,7 +84,6 @@ class _TaskStore(TaskStoreState):
         # GlobalMetrics requires the task size and format() enforces it on every batch, so one
         # label counter serves every batch.
         self.counter: LabelCounter | None = task.label_counter() if self.wants_confusion else None
-        self._empty: dict[Any, tuple[Tensor, Tensor]] = {}
         self.reset()
 
     def reset(self) -> None:
@@ -100,7 +100,11 @@ class _TaskStore(TaskStoreState):
         self.data_bytes = 0  # held by the batches not yet joined
         self.kept_bytes = 0  # held by the joined chunks
         self.data_limit = DATA_BYTES
+        # The latest batch, for `val` and `bat`. A store that keeps the data holds it there and
+        # sets `last` to None: `latest()` reads it back as the tail of the data, so a joined batch
+        # is not held twice (its int64 targets were 0.2x of binary scores at N = 1e5).
         self.last: tuple[Tensor, Tensor] | None = None
+        self.last_rows: int | None = None  # rows of the latest batch, where it is the data's tail
 
     def update(self, input: Tensor, target: Tensor) -> None:
         task = self.task
@@ -123,9 +127,22 @@ class _TaskStore(TaskStoreState):
             self.inputs.append(input)
             self.targets.append(target)
             self.data_bytes += input.numel() * input.element_size() + target.numel() * target.element_size()
+            self.last, self.last_rows = None, input.shape[0]
             if len(self.inputs) >= DATA_BATCHES or self.data_bytes >= self.data_limit:
                 self.join()
-        self.last = (input, target)
+        else:
+            self.last = (input, target)
+
+    def latest(self) -> tuple[Tensor, Tensor] | None:
+        """The latest batch as formatted (int64 class targets), `None` before any update."""
+        if self.last_rows is None:
+            return self.last
+        if self.inputs:
+            return self.inputs[-1], self.targets[-1]
+        input, target = self.chunks[-1]
+        start = input.shape[0] - self.last_rows
+        input, target = input[start:], target[start:]
+        return input, target.long() if self.narrows and target.dtype in NARROW_DTYPES else target
 
     def join(self) -> None:
         """Join the batches kept since the last call into one chunk of the kept data."""
@@ -215,10 +232,16 @@ class _TaskStore(TaskStoreState):
         counts = self.counts
         return None if counts is None else self.counter.confusion(counts, copy=True)
 
-    def data_chunks(self) -> list[tuple[Tensor, Tensor]]:
-        """All local data as chunks of rows (class targets possibly narrowed), nothing copied."""
-        self.join()
-        return list(self.chunks)
+    def data_chunks(self, *, join: bool = True) -> list[tuple[Tensor, Tensor]]:
+        """All local data as chunks of rows (class targets possibly narrowed).
+
+        `join=False` returns the batches not yet joined as chunks of their own, nothing copied:
+        a local read then adds no joined copy of them to its peak (they are joined by later
+        updates as usual). A gather joins first, so every chunk it sends has narrowed targets.
+        """
+        if join:
+            self.join()
+        return [*self.chunks, *zip(self.inputs, self.targets)]
 
     def local_data(self) -> tuple[Tensor, Tensor] | None:
         """All local data, concatenated once and kept concatenated (targets as formatted)."""
@@ -247,7 +270,7 @@ class _TaskStore(TaskStoreState):
                     data = _gather_pair(self.data_chunks(), device, group)
                     chunks = None if data is None or self.task is None else [data]
                 elif self.task is not None:
-                    chunks = self.data_chunks()  # read where they lie: no concatenated copy
+                    chunks = self.data_chunks(join=False)  # read where they lie: nothing copied
                 else:
                     data = self.local_data()
             artifacts = {}
@@ -258,7 +281,7 @@ class _TaskStore(TaskStoreState):
             if "bins" in self.needs:
                 artifacts["bins"] = self._synced_bins(device, group)
         else:
-            data, artifacts = self.last, {}
+            data, artifacts = self.latest(), {}
         if kind == "bat":
             data = _gather_pair(data, device, group)
         if self.task is None:
@@ -266,9 +289,7 @@ class _TaskStore(TaskStoreState):
         if chunks:
             return MetricState(self.task, chunks=chunks, **artifacts)
         if data is None:
-            data = self._empty.get(device)
-            if data is None:  # kept: zero-size tensors never change
-                data = self._empty[device] = self.task.format(*_empty_pair(self.task, device))
+            data = _formatted_empty(self.task, device)
         return MetricState(self.task, *data, **artifacts)
 
     def _synced_confusion(self, device: Any, group: ProcessGroup | None) -> Confusion:
@@ -276,7 +297,8 @@ class _TaskStore(TaskStoreState):
         # A view is enough: this Confusion lives for one read, while no update can run.
         confusion = None if counts is None else self.counter.confusion(counts)
         if confusion is None:
-            confusion = self.task.empty_confusion(self.last[0].device if self.last else device)
+            latest = self.latest()
+            confusion = self.task.empty_confusion(latest[0].device if latest else device)
         if not is_distributed(group):
             return confusion
         flat = torch.cat([confusion.matrix.reshape(-1), confusion.invalid.reshape(1)])
@@ -541,6 +563,12 @@ def _gather_pair(
     input = gather_across_ranks([input for input, _ in pairs] or None, device, group)
     target = gather_across_ranks([target for _, target in pairs] or None, device, group)
     return None if input is None else (input, target)
+
+
+@lru_cache(maxsize=64)
+def _formatted_empty(task: MetricTask, device: Any) -> tuple[Tensor, Tensor]:
+    # Shared by every container of the task: zero-size tensors hold nothing to change.
+    return task.format(*_empty_pair(task, device))
 
 
 def _empty_pair(task: MetricTask, device: Any) -> tuple[Tensor, Tensor]:

@@ -29,15 +29,15 @@ class TaskStoreState:
     def state_dict(self) -> dict[str, Any]:
         counts = self.counts  # type: ignore[attr-defined]  # the queued batches are counted first
         data = self.local_data()  # type: ignore[attr-defined]
-        last = self.last  # type: ignore[attr-defined]
+        last = self.latest()  # type: ignore[attr-defined]
         return {
             "counts": None if counts is None else counts.clone(),  # updated in place by later batches
             "moments": self.moments,  # type: ignore[attr-defined]
             "bins": None if self.bins is None else self.bins.clone(),  # type: ignore[attr-defined]
             "inputs": None if data is None else data[0],
             "targets": None if data is None else data[1],
-            "last_input": None if last is None else last[0],
-            "last_target": None if last is None else last[1],
+            "last_input": None if last is None else _owned(last[0]),
+            "last_target": None if last is None else _owned(last[1]),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -51,7 +51,14 @@ class TaskStoreState:
         if state["inputs"] is not None:
             self.inputs, self.targets = [state["inputs"]], [state["targets"]]
         if state["last_input"] is not None:
-            self.last = (state["last_input"], state["last_target"])
+            self.last = (state["last_input"], state["last_target"])  # held on its own after a load
+
+
+def _owned(tensor: Tensor) -> Tensor:
+    # A view of the kept data (the latest batch is its tail) would save the whole storage.
+    if tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size():
+        return tensor
+    return tensor.clone()
 
 
 class GlobalMetricsState:

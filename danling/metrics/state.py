@@ -242,6 +242,10 @@ class MetricState:
             self._cache[key] = compute()
         return self._cache[key]
 
+    def held(self, key: Any) -> Any:
+        """The artifact stored under `key`, or `None` if it has not been built (nothing is built)."""
+        return self._cache.get(key)
+
     @property
     def data(self) -> tuple[Tensor, Tensor]:
         """The formatted `(input, target)` pair."""

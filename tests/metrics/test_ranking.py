@@ -195,6 +195,49 @@ def test_joining_copies_in_bounded_groups():
         assert len(store.inputs) == 1
 
 
+def test_the_latest_batch_is_read_from_the_kept_data_not_held_twice():
+    """Once joined, the latest batch is the tail of a chunk: `val` and checkpoints read it back there."""
+    from danling.metrics.functional import binary_auroc
+
+    generator = torch.Generator().manual_seed(3)
+    scores, labels = torch.rand(2400, generator=generator), torch.randint(0, 2, (2400,), generator=generator)
+    batches = list(zip(scores.split(400), labels.split(400)))  # different batches: `val` must be the latest
+    with mock.patch.multiple(global_metrics_module, DATA_BYTES=10_000, DATA_BATCHES=64):
+        metrics = binary_metrics(["acc", "auroc"])
+        for input, target in batches:
+            metrics.update(input, target)
+            (store,) = metrics._stores.values()
+            expected = {"acc": ((input > 0.5).long() == target).double().mean().item()}
+            expected["auroc"] = binary_auroc(input, target).item()
+            assert metrics.val == pytest.approx(expected)  # before and after each join
+        assert store.last is None and not store.inputs  # the sixth batch was joined: nothing held apart
+        input, target = store.latest()
+        assert input.untyped_storage().data_ptr() == store.chunks[-1][0].untyped_storage().data_ptr()
+        assert target.dtype is torch.int64 and torch.equal(target, batches[-1][1])
+        state = metrics.state_dict()["tasks"]["0"]
+        # A checkpoint holds the latest batch on its own, not the whole chunk it is a view of.
+        assert state["last_input"].untyped_storage().nbytes() == 400 * 4
+        assert state["last_target"].dtype is torch.int64 and torch.equal(state["last_target"], batches[-1][1])
+        restored = binary_metrics(["acc", "auroc"])
+        restored.load_state_dict(metrics.state_dict())
+        assert restored.val == pytest.approx(metrics.val) and restored.avg == pytest.approx(metrics.avg)
+
+
+def test_a_local_read_does_not_join_the_batches_kept_since_the_last_join():
+    """`compute` reads unjoined batches where they lie: no joined copy of them adds to its peak."""
+    generator = torch.Generator().manual_seed(4)
+    input, target = torch.rand(1200, generator=generator), torch.randint(0, 2, (1200,), generator=generator)
+    # A batch of 200 holds 2,400 bytes: the fifth reaches 10,000 and joins, the sixth waits.
+    with mock.patch.multiple(global_metrics_module, DATA_BYTES=10_000, DATA_BATCHES=64):
+        metrics = binary_metrics(["auroc"])
+        for start in range(0, 1200, 200):
+            metrics.update(input[start : start + 200], target[start : start + 200])
+        (store,) = metrics._stores.values()
+        assert [chunk.shape[0] for chunk, _ in store.chunks] == [1000] and len(store.inputs) == 1
+        assert metrics.compute()["auroc"] == pytest.approx(skm.roc_auc_score(target, input), abs=1e-12)
+        assert [chunk.shape[0] for chunk, _ in store.chunks] == [1000] and len(store.inputs) == 1
+
+
 @pytest.mark.parametrize("n", [8, 70_000])  # the sorted curves (small, or any device) and the sorted per-column copies
 def test_a_nan_score_gives_nan_on_every_path_unless_its_sample_is_ignored(n):
     # The curves ranked a nan score at one end: [0.1, nan, 0.8, 0.4] against [0, 1, 1, 0] gave AUROC 1.0.

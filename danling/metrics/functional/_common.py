@@ -17,6 +17,7 @@ from torch import Tensor
 __all__ = [
     "AVERAGES",
     "Confusion",
+    "CountedConfusion",
     "ConfusionStats",
     "Curves",
     "LabelCounter",
@@ -46,6 +47,10 @@ HOST_READ_DEVICES = ("cpu",)
 # metrics (precision, recall, F1, balanced accuracy, MCC) about thirty (`HOST_CONFUSION_SIZE`).
 HOST_COUNT_SIZE = 64
 HOST_CONFUSION_SIZE = 256
+# Largest flat count tables (`LabelCounter.size`) whose accumulated counts metrics read as Python
+# lists: one `tolist` and sums in Python cost less than shaping the counts and the dozen tensor
+# ops per metric up to about sixty classes or three hundred labels.
+HOST_TABLE_SIZE = 4096
 
 
 class ConfusionStats(NamedTuple):
@@ -114,6 +119,34 @@ class Confusion:
     def pooled(self) -> Confusion:
         """Counts of all groups (multilabel labels) added together."""
         return Confusion(self.matrix.sum(0), self.invalid)
+
+
+class CountedConfusion(Confusion):
+    """The `Confusion` of a `LabelCounter`'s flat counts, shaped into tensors on first use.
+
+    Metrics that read the counts on the host (`danling.metrics.functional._host`) never shape
+    them: one `tolist` of the counts replaces the view, slice and sums.
+    """
+
+    def __init__(self, counter: LabelCounter, counts: Tensor) -> None:  # matrix, invalid: lazy
+        self.counter = counter
+        self.counts = counts
+
+    @cached_property
+    def _shaped(self) -> Confusion:
+        return self.counter.shape(self.counts)
+
+    @property
+    def matrix(self) -> Tensor:  # type: ignore[override]
+        return self._shaped.matrix
+
+    @property
+    def invalid(self) -> Tensor:  # type: ignore[override]
+        return self._shaped.invalid
+
+    def host_table(self) -> tuple[list[list[list[int]]], int] | None:
+        """Each group's matrix as Python rows and the invalid count (small CPU tables), else `None`."""
+        return self.counter.host_table(self.counts)
 
 
 class Curves(NamedTuple):
@@ -194,6 +227,7 @@ class LabelCounter:
         valid = range(self.first, self.first + num_classes)
         self.invalid_rows = tuple(r for r in range(self.rows) if r not in valid and r not in skipped)
         self._invalid_rows: dict[torch.device, Tensor] = {}
+        self._invalid_spans: list[tuple[int, int]] | None = None  # flat ranges of `invalid_rows`, for `host_table`
         self._boundaries: dict[tuple[torch.device, torch.dtype], Tensor] = {}
         self._offsets: dict[torch.device, Tensor] = {}
         self._ones: dict[tuple[torch.device, int], Tensor] = {}
@@ -233,6 +267,24 @@ class LabelCounter:
             return counts.index_add_(0, index, ones)
         return counts.scatter_add_(0, index, ones)
 
+    def host_table(self, counts: Tensor) -> tuple[list[list[list[int]]], int] | None:
+        """Each group's `(C, C)` matrix as Python rows, and the invalid count, read with one `tolist`.
+
+        For CPU count tables of at most `HOST_TABLE_SIZE` entries (`None` otherwise): on the
+        host, reading a few hundred counts costs less than the tensor ops that shape them.
+        """
+        if counts.numel() > HOST_TABLE_SIZE or not counts.is_cpu or "cpu" not in HOST_READ_DEVICES:
+            return None
+        table = counts.tolist()
+        c, width = self.num_classes, self.rows * self.num_classes
+        # A group's class rows are consecutive: one slice of C * C counts, then cut into rows.
+        starts = range(self.first * c, (self.groups or 1) * width, width)
+        matrices = [[table[row : row + c] for row in range(start, start + c * c, c)] for start in starts]
+        spans = self._invalid_spans
+        if spans is None:
+            spans = self._invalid_spans = _spans(self.invalid_rows, c, width, self.groups or 1)
+        return matrices, sum(sum(table[begin:end]) for begin, end in spans)
+
     def empty(self, device: torch.device | str | None = None) -> Tensor:
         """Zero counts to `accumulate` into."""
         return torch.zeros(self.size, dtype=torch.long, device=device)
@@ -242,6 +294,12 @@ class LabelCounter:
 
         The matrix is a view of `counts` unless `copy=True` (for counts that keep being updated).
         """
+        if not copy:
+            return CountedConfusion(self, counts)
+        return self.shape(counts, copy=True)
+
+    def shape(self, counts: Tensor, *, copy: bool = False) -> Confusion:
+        """`confusion`, shaped now: the matrix and invalid count as tensors."""
         c = self.num_classes
         table = counts.view(self.groups or 1, self.rows, c)
         matrix = table[:, self.first : self.first + c]
@@ -254,6 +312,19 @@ class LabelCounter:
             )
         invalid = table.index_select(1, rows).sum()
         return Confusion(matrix[0] if self.groups is None else matrix.contiguous(), invalid)
+
+
+def _spans(rows: tuple[int, ...], columns: int, width: int, groups: int) -> list[tuple[int, int]]:
+    """Flat `[begin, end)` ranges covering `rows` of every group's table, adjacent rows merged."""
+    spans: list[tuple[int, int]] = []
+    for base in range(0, groups * width, width):
+        for row in rows:
+            begin = base + row * columns
+            if spans and spans[-1][1] == begin:
+                spans[-1] = (spans[-1][0], begin + columns)
+            else:
+                spans.append((begin, begin + columns))
+    return spans
 
 
 @lru_cache(maxsize=256)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import struct
+from functools import cached_property
 from typing import Any, NamedTuple
 
 import torch
@@ -24,21 +25,26 @@ from ._common import check_average
 
 __all__ = [
     "HostCounts",
+    "LabelHostCounts",
     "accuracy_of",
     "balanced_accuracy_of",
     "binary_score_of",
     "class_score_of",
+    "counts_of_confusion",
     "host_balanced_accuracy",
     "host_binary_counts",
     "host_class_score",
     "host_counts",
     "host_mcc",
+    "label_score_of",
     "mcc_of",
     "small_cpu_batch",
 ]
 
 _FLOAT_DTYPES = (torch.float32, torch.float64)
 _FLOAT32 = struct.Struct("f")
+# Fewest counted samples for which products of counts (up to `total**2`) may exceed 2**53.
+_EXACT_TOTAL = 1 << 26
 
 
 def small_cpu_batch(input: Any, target: Any, num_classes: int | None) -> bool:
@@ -108,17 +114,86 @@ def host_binary_counts(input: Any, target: Any, threshold: float, ignore_index: 
     return _counts([1 if s > cut else 0 for s in scores], target.tolist(), 2, ignore_index)
 
 
-def binary_score_of(counts: HostCounts, which: str) -> Tensor:
-    """Binary `"precision"`, `"recall"` or `"f1"` of the counts: the positive class's score."""
+class LabelHostCounts:
+    """Per-label 2x2 statistics of multilabel counts (built on first use), and those of all labels pooled."""
+
+    def __init__(self, matrices: list[list[list[int]]], pooled: HostCounts) -> None:
+        self.matrices = matrices
+        self.pooled = pooled
+
+    @cached_property
+    def labels(self) -> list[HostCounts]:
+        return [_matrix_counts(rows, 0) for rows in self.matrices]  # `ok` of a label is never read
+
+
+def counts_of_confusion(confusion: _common.Confusion) -> HostCounts | LabelHostCounts | None:
+    """The statistics of accumulated counts read on the host, or `None` where the tensor path applies.
+
+    For the small CPU count table of a `CountedConfusion` (what `GlobalMetrics` reads) of fewer
+    than 2**26 counted entries: below that every sum and product the metrics form of the counts
+    (`total**2` at most) is an integer exact in float64, so the tensor path's float64 arithmetic
+    on them is exact too and both give the same floats. Grouped (multilabel) counts give a
+    `LabelHostCounts`.
+    """
+    if not isinstance(confusion, _common.CountedConfusion):
+        return None
+    table = confusion.host_table()
+    if table is None:
+        return None
+    matrices, invalid = table
+    if confusion.counter.groups is None:
+        counts = _matrix_counts(matrices[0], invalid)
+        return counts if counts.total < _EXACT_TOTAL else None
+    pooled = _matrix_counts([[sum(column) for column in zip(*cells)] for cells in zip(*matrices)], invalid)
+    return LabelHostCounts(matrices, pooled) if pooled.total < _EXACT_TOTAL else None
+
+
+def _matrix_counts(rows: list[list[int]], invalid: int) -> HostCounts:
+    support = [sum(row) for row in rows]
+    total = sum(support)
+    tp = [row[index] for index, row in enumerate(rows)]
+    predicted = [sum(column) for column in zip(*rows)]
+    return HostCounts(tp, predicted, support, total, total > 0 and not invalid)
+
+
+def label_score_of(counts: LabelHostCounts, average: str | None, which: str) -> Tensor:
+    """Multilabel `"precision"`, `"recall"` or `"f1"` of the positive class of every label.
+
+    `micro` scores the pooled counts; `macro` averages over labels positive in the target or the
+    predictions, `weighted` by the labels' positives; `None` keeps one value per label.
+    """
+    average = check_average(average)
+    if average == "micro":
+        return binary_score_of(counts.pooled, which)
+    labels = counts.labels
+    if not counts.pooled.ok:
+        return torch.full((len(labels),), math.nan, dtype=torch.float64) if average is None else _scalar(math.nan)
+    values = [binary_score_of(label, which, checked=False) for label in labels]
+    if average is None:
+        return torch.tensor(values, dtype=torch.float64)
+    active = [1 if label.predicted[1] + label.support[1] else 0 for label in labels]
+    weights = active if average == "macro" else [label.support[1] * a for label, a in zip(labels, active)]
+    total = sum(weights)
+    # No weight at all: the tensor path divides 0 by 0.
+    return _scalar(_torch_sum([v * w for v, w in zip(values, weights)], nan=True) / total if total else math.nan)
+
+
+def binary_score_of(counts: HostCounts, which: str, *, checked: bool = True) -> Any:
+    """Binary `"precision"`, `"recall"` or `"f1"` of the counts: the positive class's score.
+
+    `checked=False` skips the `ok` check and returns the Python float.
+    """
     tp, predicted, support, _, ok = counts
-    if not ok:
+    if checked and not ok:
         return _scalar(math.nan)
     t, p, s = tp[1], predicted[1], support[1]
     if which == "precision":
-        return _scalar(t / p if p else 0.0)
-    if which == "recall":
-        return _scalar(t / s if s else 0.0)
-    return _scalar(2 * t / (p + s) if p + s else 0.0)
+        value = t / p if p else 0.0
+    elif which == "recall":
+        value = t / s if s else 0.0
+    else:
+        value = 2 * t / (p + s) if p + s else 0.0
+    return _scalar(value) if checked else value
 
 
 def host_class_score(
@@ -194,7 +269,8 @@ def mcc_of(counts: HostCounts) -> Tensor:
     cov_tp = sum(tp) * total - sum(s * p for s, p in zip(support, predicted))
     cov_pp = total * total - sum(p * p for p in predicted)
     cov_tt = total * total - sum(s * s for s in support)
-    denominator = torch.scalar_tensor(cov_tt * cov_pp, dtype=torch.float64).sqrt().item()
+    # float(): an exact integer product rounded once, as the float64 product of the exact factors is.
+    denominator = torch.scalar_tensor(float(cov_tt * cov_pp), dtype=torch.float64).sqrt().item()
     if denominator:
         return _scalar(cov_tp / denominator)
     # zero_nan: 0 / 0 is 0, as in scikit-learn; a nonzero covariance over 0 stays infinite.

@@ -1,0 +1,149 @@
+"""Accumulated CPU confusion counts are read on the host at `compute`, with the same values.
+
+`GlobalMetrics` keeps confusion counts as a flat tensor; reading a small table with one `tolist`
+and doing the arithmetic in Python replaces shaping the counts and a dozen tensor ops per
+metric. Each case computes the same data twice, with the host read and with it switched off
+(`HOST_TABLE_SIZE = 0`: the confusion-matrix path), and compares every value exactly: dtype,
+shape, every bit, `nan` where the tensor path gives `nan`.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from danling.metrics import binary_metrics, multiclass_metrics, multilabel_metrics
+from danling.metrics.functional import _common, _host
+from tests.metrics._compare import CountOps, same
+
+NAMES = ["acc", "balanced_acc", "precision", "recall", "f1", "mcc"]
+AVERAGES = ["macro", "weighted", "micro", None]
+
+
+def build(task: str, size: int, average, ignore_index):
+    if task == "binary":
+        return binary_metrics(NAMES, ignore_index=ignore_index)
+    factory = multiclass_metrics if task == "multiclass" else multilabel_metrics
+    return factory(size, metrics=NAMES, average=average, ignore_index=ignore_index)
+
+
+def values(task, size, average, ignore_index, batches, *, host: bool):
+    metrics = build(task, size, average, ignore_index)
+    for input, target in batches:
+        metrics.update(input, target)
+    saved = _common.HOST_TABLE_SIZE
+    if not host:
+        _common.HOST_TABLE_SIZE = 0
+    try:
+        return dict(metrics.avg)
+    finally:
+        _common.HOST_TABLE_SIZE = saved
+
+
+def assert_same_on_both_paths(task, size, average, ignore_index, batches):
+    fast = values(task, size, average, ignore_index, batches, host=True)
+    general = values(task, size, average, ignore_index, batches, host=False)
+    assert fast.keys() == general.keys()
+    for name in fast:
+        assert same(fast[name], general[name]), (task, average, name, fast[name], general[name])
+
+
+def make_batch(task, size, rows, generator, spread):
+    if task == "binary":
+        target = torch.randint(0, spread, (rows,), generator=generator)
+        return torch.rand(rows, generator=generator), target
+    if task == "multiclass":
+        target = torch.randint(0, spread, (rows,), generator=generator)
+        return torch.randn(rows, size, generator=generator), target
+    # Few positives or few negatives make labels never positive / never predicted (the 0/0 cases).
+    target = (torch.rand(rows, size, generator=generator) < spread / 4).long()
+    return torch.rand(rows, size, generator=generator) ** spread, target
+
+
+@settings(max_examples=120, deadline=None)
+@given(
+    task=st.sampled_from(["binary", "multiclass", "multilabel"]),
+    average=st.sampled_from(AVERAGES),
+    size=st.integers(1, 12),
+    rows=st.lists(st.integers(0, 300), min_size=0, max_size=4),
+    ignore_index=st.sampled_from([None, -100, 0, 1]),
+    data=st.data(),
+)
+def test_random_counts_equal_the_confusion_matrix_path(task, average, size, rows, ignore_index, data):
+    size = 2 if task == "binary" else size
+    generator = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
+    spread = data.draw(st.integers(1, 2 if task == "binary" else max(size, 4) if task == "multiclass" else 4))
+    batches = []
+    for count in rows:
+        input, target = make_batch(task, size, count, generator, min(spread, size) if task == "multiclass" else spread)
+        for _ in range(data.draw(st.integers(0, 2)) if count else 0):  # ignored and invalid targets
+            index = data.draw(st.integers(0, count - 1))
+            target.view(count, -1)[index, 0] = data.draw(st.sampled_from([-100, -1, size, 0]))
+        batches.append((input, target))
+    assert_same_on_both_paths(task, size, average, ignore_index, batches)
+
+
+g = torch.Generator().manual_seed(5)
+FLAGS = torch.randint(0, 2, (64, 4), generator=g)
+LABEL_CASES = {
+    "plain": (torch.rand(64, 4, generator=g), FLAGS),
+    "no positives anywhere, none predicted": (torch.zeros(64, 4), torch.zeros(64, 4, dtype=torch.long)),
+    "every target ignored": (torch.rand(64, 4, generator=g), torch.full((64, 4), -100)),
+    "an invalid target": (torch.rand(64, 4, generator=g), torch.cat([FLAGS[:-1], torch.tensor([[0, 1, 2, 0]])])),
+    "one label never positive": (torch.rand(64, 4, generator=g), FLAGS * torch.tensor([1, 1, 1, 0])),
+    "perfect": (FLAGS.float(), FLAGS),
+}
+
+
+@pytest.mark.parametrize("case", list(LABEL_CASES))
+@pytest.mark.parametrize("average", AVERAGES)
+def test_multilabel_edge_cases_equal_the_confusion_matrix_path(case, average):
+    assert_same_on_both_paths("multilabel", 4, average, -100, [LABEL_CASES[case]])
+
+
+@pytest.mark.parametrize("task", ["binary", "multiclass", "multilabel"])
+def test_no_update_gives_nan_on_both_paths(task):
+    assert_same_on_both_paths(task, 3 if task != "binary" else 2, "macro", -100, [])
+
+
+def test_counts_beyond_exact_float64_products_take_the_tensor_path():
+    """From 2**26 counted samples products of counts may round in float64: the host read steps aside."""
+    metrics = multiclass_metrics(3, metrics=["acc", "f1", "mcc"])
+    metrics.update(torch.eye(3), torch.arange(3))
+    (store,) = metrics._stores.values()
+    state = metrics.state_dict()
+    counts = state["tasks"]["0"]["counts"]
+    counts.mul_((1 << 40) + 7)  # the same proportions, about 2**40 samples per class
+    metrics.load_state_dict(state)
+    confusion = store.counter.confusion(store.counts)
+    assert _host.counts_of_confusion(confusion) is None
+    small = multiclass_metrics(3, metrics=["acc"])
+    small.update(torch.eye(3), torch.arange(3))
+    (small_store,) = small._stores.values()
+    assert _host.counts_of_confusion(small_store.counter.confusion(small_store.counts)) is not None
+
+
+def test_reading_accumulated_counts_dispatches_a_third_of_the_tensor_paths_ops():
+    generator = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(300, 5, generator=generator), torch.randint(0, 5, (300,), generator=generator))] * 3
+    counted = {}
+    for host in (True, False):
+        metrics = multiclass_metrics(5, metrics=["acc", "f1", "mcc", "precision", "recall"])
+        for batch in batches:
+            metrics.update(*batch)
+        (store,) = metrics._stores.values()
+        store.flush()
+        saved = _common.HOST_TABLE_SIZE
+        _common.HOST_TABLE_SIZE = saved if host else 0
+        try:
+            with CountOps() as ops:
+                metrics.compute()
+        finally:
+            _common.HOST_TABLE_SIZE = saved
+        counted[host] = ops.ops
+    # One read of the counts, then per metric its 0-d result (and the few torch reductions that
+    # must round as the tensor path does); the tensor path shapes the counts and runs each formula.
+    assert len(counted[True]) * 2.5 < len(counted[False]), counted
+    assert not {"view.default", "index_select.default", "diagonal.default"} & set(counted[True])
