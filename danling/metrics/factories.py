@@ -80,8 +80,9 @@ def _binary_curve_metric(which: str) -> Callable[[MetricState, Any], Any]:
     return compute
 
 
-# Binary and multiclass metrics of a small CPU batch, from the counts of `_host` (same values, few
-# tensor ops); the multiclass ones average over classes as asked, the binary ones score class 1.
+# Binary and multiclass metrics of a small CPU batch or of accumulated CPU counts, from the
+# statistics of `_host` (same values, few tensor ops); the multiclass ones average over classes as
+# asked, the binary ones score class 1.
 HOST_METRICS: dict[str, Callable[[_host.HostCounts, Any], Any]] = {
     "accuracy": lambda counts, average: _host.accuracy_of(counts),
     "balanced_accuracy": lambda counts, average: _host.balanced_accuracy_of(counts),
@@ -136,29 +137,18 @@ def _host_counts(state: MetricState) -> _host.HostCounts | None:
 def _classification(module: Any, averaged: bool) -> dict[str, Entry]:
     def confusion(name: str, takes_average: bool) -> Entry:
         function = getattr(module, f"{name}_from_confusion")
-        if module is _multiclass or module is _binary:
-            host = (HOST_METRICS if module is _multiclass else BINARY_HOST_METRICS)[name]
+        if module is _multilabel:  # no per-batch host path: only accumulated counts
+            host, counts_of = LABEL_HOST_METRICS[name], _held_counts
+        else:
+            host, counts_of = (HOST_METRICS if module is _multiclass else BINARY_HOST_METRICS)[name], _host_counts
 
-            def compute(state: MetricState, average: Any) -> Any:
-                counts = _host_counts(state)
-                if counts is not None:
-                    return host(counts, average if takes_average else None)
-                return function(state.confusion, average) if takes_average else function(state.confusion)
+        def compute(state: MetricState, average: Any) -> Any:
+            counts = counts_of(state)
+            if counts is not None:
+                return host(counts, average if takes_average else None)
+            return function(state.confusion, average) if takes_average else function(state.confusion)
 
-            return "confusion", compute
-        label_host = LABEL_HOST_METRICS.get(name) if module is _multilabel else None
-        if label_host is not None:
-
-            def compute_labels(state: MetricState, average: Any) -> Any:
-                counts = _held_counts(state)
-                if counts is not None:
-                    return label_host(counts, average if takes_average else None)
-                return function(state.confusion, average) if takes_average else function(state.confusion)
-
-            return "confusion", compute_labels
-        if takes_average:
-            return "confusion", lambda state, average: function(state.confusion, average)
-        return "confusion", lambda state, average: function(state.confusion)
+        return "confusion", compute
 
     catalog = {
         "acc": confusion("accuracy", False),

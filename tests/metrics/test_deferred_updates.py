@@ -158,6 +158,38 @@ def test_big_batches_and_views_of_big_tensors_are_counted_at_once():
     assert store.pending == [] and int(store._counts.sum()) == 80_011
 
 
+@pytest.mark.parametrize("kind", ["multiclass", "binary", "multilabel"])
+def test_big_batches_are_counted_in_pieces_with_the_counts_of_one_count(kind):
+    """Above `COUNT_ELEMENTS` targets a batch is counted in pieces of rows: the same integers."""
+    generator = torch.Generator().manual_seed(2)
+    size = 2 if kind == "binary" else 5
+    shape = (1000, size) if kind == "multilabel" else (1000,)
+    target = torch.randint(0, 2 if kind == "multilabel" else size, shape, generator=generator)
+    target.view(-1)[::17] = -100
+    target.view(-1)[::29] = 7  # invalid
+    scores = torch.randn(1000, size, generator=generator)
+    scores = scores[:, 0] if kind == "binary" else scores
+    counts = {}
+    for elements in (1 << 40, 64, 7):  # whole, pieces of rows, and a row per piece (64 // 5 rows, 7 // 5 -> 1)
+        with mock.patch.object(global_metrics_module, "COUNT_ELEMENTS", elements):
+            metrics = build(kind, size, -100)
+            metrics.update(scores, target)
+            counts[elements] = store_of(metrics).counts.clone()
+    assert torch.equal(counts[64], counts[1 << 40]) and torch.equal(counts[7], counts[1 << 40])
+    assert int(counts[64].sum()) == target.numel()
+
+
+def test_binary_and_multilabel_decisions_wait_as_booleans():
+    metrics = binary_metrics(["acc"])
+    metrics.update(torch.rand(8), torch.randint(0, 2, (8,)))
+    ((decisions, _),) = store_of(metrics).pending
+    assert decisions.dtype is torch.bool  # 1 byte a sample, not int64's 8
+    metrics = multilabel_metrics(3, ["acc"])
+    metrics.update(torch.rand(8, 3), torch.randint(0, 2, (8, 3)))
+    ((decisions, _),) = store_of(metrics).pending
+    assert decisions.dtype is torch.bool
+
+
 def test_a_dtype_change_counts_the_queue_first_and_a_device_mix_still_fails_at_update():
     metrics = multiclass_metrics(3, ["acc"])
     store = store_of(metrics)
