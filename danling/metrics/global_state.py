@@ -38,11 +38,12 @@ class TaskStoreState:
             "targets": None if data is None else data[1],
             "last_input": None if last is None else _owned(last[0]),
             "last_target": None if last is None else _owned(last[1]),
+            "last_counts": None if self.last_counts is None else self.last_counts.clone(),  # type: ignore[attr-defined]
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        # "bins" may be missing: states written before binned metrics existed had none.
-        if not isinstance(state, Mapping) or set(state) - {"bins"} != _STORE_KEYS:
+        # "bins" and "last_counts" may be missing: states written before they existed had none.
+        if not isinstance(state, Mapping) or set(state) - {"bins", "last_counts"} != _STORE_KEYS:
             found = sorted(state) if isinstance(state, Mapping) else type(state).__name__
             raise ValueError(f"not the state of a GlobalMetrics task: expected keys {sorted(_STORE_KEYS)}, got {found}")
         self.reset()  # type: ignore[attr-defined]
@@ -52,6 +53,7 @@ class TaskStoreState:
             self.inputs, self.targets = [state["inputs"]], [state["targets"]]
         if state["last_input"] is not None:
             self.last = (state["last_input"], state["last_target"])  # held on its own after a load
+        self.last_counts = state.get("last_counts")  # type: ignore[attr-defined]
 
 
 def _owned(tensor: Tensor) -> Tensor:

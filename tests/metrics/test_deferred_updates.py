@@ -21,6 +21,7 @@ from danling.metrics import (
     AverageMeter,
     GlobalMetrics,
     MetricFunc,
+    MetricState,
     MetricTask,
     binary_metrics,
     multiclass_metrics,
@@ -151,11 +152,12 @@ def test_big_batches_and_views_of_big_tensors_are_counted_at_once():
     assert store.pending == [] and int(store._counts.sum()) == 70_003  # the queued batch went first
     metrics.update(big[:8], torch.zeros(8, dtype=torch.long))  # small view, but it pins all of `big`
     assert store.pending == [] and int(store._counts.sum()) == 70_011
-    half = [torch.randn(5_000, 4) for _ in range(2)]  # 120 kB each with targets: the second crosses the bound
-    metrics.update(half[0], torch.zeros(5_000, dtype=torch.long))
+    # 96 kB each with targets, below `COUNT_ALONE` targets: the second crosses the byte bound.
+    half = [torch.randn(4_000, 4) for _ in range(2)]
+    metrics.update(half[0], torch.zeros(4_000, dtype=torch.long))
     assert len(store.pending) == 1
-    metrics.update(half[1], torch.zeros(5_000, dtype=torch.long))
-    assert store.pending == [] and int(store._counts.sum()) == 80_011
+    metrics.update(half[1], torch.zeros(4_000, dtype=torch.long))
+    assert store.pending == [] and int(store._counts.sum()) == 78_011
 
 
 @pytest.mark.parametrize("kind", ["multiclass", "binary", "multilabel"])
@@ -188,6 +190,49 @@ def test_binary_and_multilabel_decisions_wait_as_booleans():
     metrics.update(torch.rand(8, 3), torch.randint(0, 2, (8, 3)))
     ((decisions, _),) = store_of(metrics).pending
     assert decisions.dtype is torch.bool
+
+
+def big_batch(kind: str, rows: int, seed: int = 6):
+    generator = torch.Generator().manual_seed(seed)
+    if kind == "multilabel":
+        return torch.rand(rows, 3, generator=generator), torch.randint(-1, 2, (rows, 3), generator=generator)
+    if kind == "binary":
+        return torch.rand(rows, generator=generator), torch.randint(-1, 2, (rows,), generator=generator)
+    return torch.randn(rows, 4, generator=generator), torch.randint(-1, 4, (rows,), generator=generator)
+
+
+@pytest.mark.parametrize("kind", ["multiclass", "binary", "multilabel"])
+def test_a_store_of_counts_alone_holds_no_big_batch_and_reads_its_counts(kind):
+    """From `COUNT_ALONE` targets a batch is counted at update: `val` reads its own counts."""
+    rows = global_metrics_module.COUNT_ALONE  # multilabel: 3 targets a row, so a third would do
+    size = 2 if kind == "binary" else 3 if kind == "multilabel" else 4
+    metrics = build(kind, size, -1)
+    store = store_of(metrics)
+    small, big = big_batch(kind, 7, seed=1), big_batch(kind, rows)
+    metrics.update(*small)
+    assert store.last is not None and len(store.pending) == 1  # a training-size batch waits
+    metrics.update(*big)
+    assert store.pending == [] and store.last is None and store.last_counts is not None
+    # The metrics of the batch itself, computed from its data, not from the container's counts.
+    own = {store.task: MetricState.from_batch(store.task, *big)}
+    direct = {name: global_metrics_module._evaluate(metric, own) for name, metric in metrics.metrics.items()}
+    assert same_values(metrics.val, direct) and same_values(metrics.bat, direct)
+    both = build(kind, size, -1)
+    for batch in (small, big):
+        both.update(*batch)
+    assert same_values(metrics.avg, both.avg)
+    restored = build(kind, size, -1)  # a checkpoint keeps the latest batch's counts
+    restored.load_state_dict(metrics.state_dict())
+    assert same_values(restored.val, direct) and same_values(restored.avg, metrics.avg)
+    assert store_of(restored).last_counts is not None and store_of(restored).last is None
+
+
+def test_stores_that_keep_data_still_hold_the_latest_batch_for_val():
+    metrics = multiclass_metrics(4, ["acc", "auroc"], ignore_index=-1)
+    batch = big_batch("multiclass", global_metrics_module.COUNT_ALONE)
+    metrics.update(*batch)
+    store = store_of(metrics)
+    assert store.last_counts is None and store.latest()[0] is batch[0]  # the tail of the kept data
 
 
 def test_a_dtype_change_counts_the_queue_first_and_a_device_mix_still_fails_at_update():
@@ -385,6 +430,11 @@ def test_meter_queue_keeps_val_immediate_and_shapes_checked():
 
 
 def _two_rank_reads(rank: int, world_size: int) -> dict:
+    # `bat` of a store of counts alone sums the ranks' latest-batch counts, whether a rank's batch
+    # was counted alone (rank 0: COUNT_ALONE targets) or waits in its queue (rank 1: 5).
+    latest = multiclass_metrics(4, NAMES["multiclass"], ignore_index=-1)
+    latest.update(*(big_batch("multiclass", global_metrics_module.COUNT_ALONE) if rank == 0 else _batches(3, 1)[0]))
+    bat = latest.bat.dict()
     batches = _batches(2, count=7)
     metrics = multiclass_metrics(4, NAMES["multiclass"], ignore_index=-1)
     meter = AverageMeter()
@@ -394,7 +444,13 @@ def _two_rank_reads(rank: int, world_size: int) -> dict:
             meter.update(batch[0].sum(), n=batch[0].shape[0])
     pending = len(store_of(metrics).pending), len(meter._pending)
     (synced,) = sync_meters([meter])
-    return {"values": metrics.avg.dict(), "count": metrics.read("avg")[1], "pending": pending, "meter": synced.avg}
+    return {
+        "values": metrics.avg.dict(),
+        "count": metrics.read("avg")[1],
+        "pending": pending,
+        "meter": synced.avg,
+        "bat": bat,
+    }
 
 
 @pytest.mark.distributed
@@ -404,7 +460,9 @@ def test_two_ranks_read_queued_updates_like_one_process_reads_all_of_them():
     expected = _reference_values(batches)
     total = sum(float(x.sum()) * x.shape[0] for x, _ in batches) / sum(x.shape[0] for x, _ in batches)
     assert [r["pending"] for r in results] == [(4, 4), (3, 3)]  # both ranks read with queued batches
+    union = _reference_values([big_batch("multiclass", global_metrics_module.COUNT_ALONE), _batches(3, 1)[0]])
     for result in results:
+        assert same_values(result["bat"], union.dict())
         assert same_values(result["values"], expected.dict())
         assert set(result["count"].values()) == {35}
         assert result["meter"] == pytest.approx(total, rel=1e-6)
