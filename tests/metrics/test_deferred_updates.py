@@ -233,6 +233,10 @@ def test_stores_that_keep_data_still_hold_the_latest_batch_for_val():
     metrics.update(*batch)
     store = store_of(metrics)
     assert store.last_counts is None and store.latest()[0] is batch[0]  # the tail of the kept data
+    assert store.pending == []  # counted at once: a queued evaluation batch would hold its targets
+    assert int(store.counts.sum()) == batch[1].numel()
+    # The count's `ones` for this batch size are one element seen N times, not N int64s.
+    assert all(ones.untyped_storage().nbytes() == 8 for ones in store.counter._ones.values())
 
 
 def test_a_dtype_change_counts_the_queue_first_and_a_device_mix_still_fails_at_update():

@@ -262,7 +262,11 @@ class LabelCounter:
         if ones is None:
             if len(self._ones) > 16:  # a few batch sizes are typical; do not grow without bound
                 self._ones.clear()
-            ones = self._ones[key] = torch.ones_like(index)
+            if index.is_cpu:  # one element seen N times: a cached batch size holds no memory
+                ones = torch.ones(1, dtype=index.dtype).expand(index.shape[0])
+            else:
+                ones = torch.ones_like(index)
+            self._ones[key] = ones
         if counts.is_cpu:  # same sums, less per-call overhead than scatter_add_ on CPU
             return counts.index_add_(0, index, ones)
         return counts.scatter_add_(0, index, ones)
