@@ -406,9 +406,10 @@ class GlobalMetrics(GlobalMetricsState):
     with one concatenation and one scatter. The queue is counted when it is full, when the dtype
     or device of the batches changes, and before anything reads the counts (`avg`, `compute`,
     copies and pickles); `reset` drops it. A batch whose tensors alone reach 128 KiB (large
-    vocabularies, dense outputs) is counted at once and never held; so is a batch of 4096 targets
-    or more in a container of confusion metrics only, whose `val` and `bat` then read that batch's
-    own counts (`bat` sums them over the ranks) instead of the batch. Counts are integers, so the
+    vocabularies, dense outputs) is counted at once and never held, and so is a batch of 4096
+    targets or more (an evaluation batch); a container of confusion metrics only then keeps that
+    batch's own counts, which its `val` and `bat` read (`bat` sums them over the ranks) instead of
+    the batch. Counts are integers, so the
     results are exactly those of counting each batch on its own. As with metrics that keep the
     data, the tensors passed to `update` are read later: do not change them in place afterwards.
     Counting always runs under `torch.inference_mode()`, so updates and reads may happen inside
