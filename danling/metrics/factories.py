@@ -157,7 +157,9 @@ def _classification(module: Any, averaged: bool) -> dict[str, Entry]:
         "recall": confusion("recall", averaged),
         "f1": confusion("f1", averaged),
         "mcc": confusion("mcc", False),
-        "confmat": ("confusion", lambda state, average: state.confusion.matrix),
+        # A copy: the matrix of accumulated counts is a view of the running counts, which later
+        # updates add to in place (a value already returned would change).
+        "confmat": ("confusion", lambda state, average: state.confusion.matrix.clone()),
     }
     if averaged:
         catalog["auroc"] = ("data", _curve_metric(module, "auroc"))

@@ -202,6 +202,30 @@ def test_factories_modes_catalogue_and_registry():
     assert torch.equal(confmat.avg["confmat"], torch.tensor([[0, 0, 0], [1, 0, 0], [0, 0, 0]]))
 
 
+@pytest.mark.parametrize("rows", [1, 6000])  # queued, and counted at update
+@pytest.mark.parametrize("kind", ["multiclass", "binary", "multilabel"])
+def test_a_confusion_matrix_read_earlier_does_not_change_with_later_updates(kind, rows):
+    # `avg["confmat"]` was a view of the running counts: a later update changed a value already returned.
+    build = {
+        "multiclass": lambda: multiclass_metrics(3, ["confmat"]),
+        "binary": lambda: binary_metrics(["confmat"]),
+        "multilabel": lambda: multilabel_metrics(3, ["confmat"]),
+    }[kind]
+    batch = {
+        "multiclass": (torch.eye(3).repeat(rows, 1), torch.arange(3).repeat(rows)),
+        "binary": (torch.tensor([0.9, 0.1]).repeat(rows), torch.tensor([1, 0]).repeat(rows)),
+        "multilabel": (torch.eye(3).repeat(rows, 1), torch.eye(3, dtype=torch.long).repeat(rows, 1)),
+    }[kind]
+    metrics = build()
+    metrics.update(*batch)
+    read = {which: metrics.read(which)[0]["confmat"] for which in ("val", "bat", "avg")}
+    kept = {which: value.clone() for which, value in read.items()}
+    metrics.update(*batch)
+    assert int(metrics.avg["confmat"].sum()) == 2 * int(kept["avg"].sum())
+    for which, value in read.items():
+        assert torch.equal(value, kept[which]), which
+
+
 def test_metric_func_and_state():
     task = MetricTask("binary")
     acc = MetricFunc("acc", lambda s: F.binary.accuracy_from_confusion(s.confusion), task, "confusion")
