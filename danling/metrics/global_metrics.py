@@ -148,7 +148,11 @@ class _TaskStore(TaskStoreState):
             if len(self.inputs) >= DATA_BATCHES or self.data_bytes >= self.data_limit:
                 self.join()
         else:
-            self.last = (input, target) if self.last_counts is None else None
+            self.keep_latest(input, target)
+
+    def keep_latest(self, input: Tensor, target: Tensor) -> None:
+        """Hold the latest batch for `val` and `bat`, unless it was counted alone (its counts serve)."""
+        self.last = (input, target) if self.last_counts is None else None
 
     def take(self, source: Tensor, target: Tensor) -> None:
         """Count a batch of `COUNT_ALONE` targets or more at once, or queue it."""
@@ -251,7 +255,7 @@ class _TaskStore(TaskStoreState):
         # Large batches are counted in pieces of rows, so the count's int64 temporaries (predicted
         # labels, rows, flat positions) stay small: those of a whole batch left holes of its size
         # between the data kept at every update.
-        rows = max(1, COUNT_ELEMENTS // max(1, target[:1].numel()))
+        rows = max(1, COUNT_ELEMENTS // max(1, math.prod(target.shape[1:])))  # no tensor op: this runs per flush
         pieces = zip(source.split(rows), target.split(rows)) if target.shape[0] > rows else ((source, target),)
         for source_piece, target_piece in pieces:
             pred = self.task.predicted_labels(source_piece) if self.num_classes is not None else source_piece
@@ -516,7 +520,7 @@ class GlobalMetrics(GlobalMetricsState):
             if input.requires_grad:
                 input = input.detach()
             store.take(input, target)
-            store.last = (input, target) if store.last_counts is None else None
+            store.keep_latest(input, target)
             n = target.shape[0]
             self._last_count = n
             self._count += n

@@ -168,7 +168,7 @@ def label_score_of(counts: LabelHostCounts, average: str | None, which: str) -> 
     labels = counts.labels
     if not counts.pooled.ok:
         return torch.full((len(labels),), math.nan, dtype=torch.float64) if average is None else _scalar(math.nan)
-    values = [binary_score_of(label, which, checked=False) for label in labels]
+    values = [_positive_score(label, which) for label in labels]
     if average is None:
         return torch.tensor(values, dtype=torch.float64)
     active = [1 if label.predicted[1] + label.support[1] else 0 for label in labels]
@@ -178,22 +178,19 @@ def label_score_of(counts: LabelHostCounts, average: str | None, which: str) -> 
     return _scalar(_torch_sum([v * w for v, w in zip(values, weights)], nan=True) / total if total else math.nan)
 
 
-def binary_score_of(counts: HostCounts, which: str, *, checked: bool = True) -> Any:
-    """Binary `"precision"`, `"recall"` or `"f1"` of the counts: the positive class's score.
+def binary_score_of(counts: HostCounts, which: str) -> Tensor:
+    """Binary `"precision"`, `"recall"` or `"f1"` of the counts: the positive class's score."""
+    return _scalar(_positive_score(counts, which) if counts.ok else math.nan)
 
-    `checked=False` skips the `ok` check and returns the Python float.
-    """
-    tp, predicted, support, _, ok = counts
-    if checked and not ok:
-        return _scalar(math.nan)
-    t, p, s = tp[1], predicted[1], support[1]
+
+def _positive_score(counts: HostCounts, which: str) -> float:
+    # The positive class's score; 0 where it was never predicted / never a target (zero_nan).
+    t, p, s = counts.tp[1], counts.predicted[1], counts.support[1]
     if which == "precision":
-        value = t / p if p else 0.0
-    elif which == "recall":
-        value = t / s if s else 0.0
-    else:
-        value = 2 * t / (p + s) if p + s else 0.0
-    return _scalar(value) if checked else value
+        return t / p if p else 0.0
+    if which == "recall":
+        return t / s if s else 0.0
+    return 2 * t / (p + s) if p + s else 0.0
 
 
 def host_class_score(
