@@ -11,20 +11,46 @@ and one that ended in a graceful stop ignores SIGTERM/SIGINT while its process l
 see `RunnerSupervisor.restore_signal_handlers`). Tests that build runners without closing them, or
 that catch that stop's `SystemExit`, would otherwise hand an ignored SIGTERM to every child process
 the next tests start, whose SIGTERMs then did nothing.
+
+Every temporary path of a run (tests, doctests, and the processes they start, which inherit
+TMPDIR) lies under one directory that is removed when the run ends. Doctests and launched ranks
+call `tempfile.mkdtemp()` freely; without this, each run left hundreds of directories in /tmp
+(checkpoints included) and repeated runs filled the disk.
 """
 
 from __future__ import annotations
 
 import gc
+import getpass
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import threading
 
 import pytest
 
 _LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+_RUN_TEMP: list[str] = []
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    outer = tempfile.gettempdir()
+    # Inductor's compile cache stays where torch puts it by default: kept between runs on purpose.
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(outer, f"torchinductor_{getpass.getuser()}"))
+    # A short prefix: Slurm's munge socket lives a few levels below and must fit in 108 bytes.
+    root = tempfile.mkdtemp(prefix="dlt-", dir=outer)
+    _RUN_TEMP.append(root)
+    os.environ["TMPDIR"] = tempfile.tempdir = root
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    while _RUN_TEMP:
+        shutil.rmtree(_RUN_TEMP.pop(), ignore_errors=True)
 
 
 def _process_state() -> dict:
