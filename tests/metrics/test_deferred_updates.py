@@ -192,6 +192,23 @@ def test_binary_and_multilabel_decisions_wait_as_booleans():
     assert decisions.dtype is torch.bool
 
 
+@pytest.mark.parametrize("kind", ["binary", "multilabel"])
+def test_cpu_counts_of_boolean_decisions_use_int32_positions_and_the_same_counts(kind):
+    """The count's temporaries are int32 on CPU (half of int64's bytes per target); counts are unchanged."""
+    generator = torch.Generator().manual_seed(4)
+    shape = (5000, 3) if kind == "multilabel" else (5000,)
+    scores, target = torch.rand(shape, generator=generator), torch.randint(-1, 3, shape, generator=generator)
+    target.view(-1)[::11] = -100
+    metrics = build(kind, 3 if kind == "multilabel" else 2, -100)
+    counter = store_of(metrics).counter
+    decisions = scores > 0.5
+    assert counter.index(decisions, target).dtype is torch.int32
+    expected = torch.bincount(counter.index(decisions.long(), target).long(), minlength=counter.size)
+    assert torch.equal(counter.count(decisions, target), expected)
+    metrics.update(scores, target)  # counted at update (5000 targets): accumulated with int32 positions
+    assert torch.equal(store_of(metrics).counts, expected)
+
+
 def big_batch(kind: str, rows: int, seed: int = 6):
     generator = torch.Generator().manual_seed(seed)
     if kind == "multilabel":

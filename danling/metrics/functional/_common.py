@@ -233,12 +233,18 @@ class LabelCounter:
         self._ones: dict[tuple[torch.device, int], Tensor] = {}
 
     def index(self, pred: Tensor, target: Tensor) -> Tensor:
-        """Flat position in the count table of every `(pred, target)` pair (1-D, int64)."""
+        """Flat position in the count table of every `(pred, target)` pair (1-D).
+
+        On CPU the rows come out as int32, so boolean or narrow predictions give int32 positions:
+        half the bytes of int64 for each of the count's temporaries (at evaluation-set batch sizes
+        they were the largest allocation of a confusion-only update). Elsewhere int64, which
+        `scatter_add_` requires.
+        """
         key = (target.device, target.dtype)
         boundaries = self._boundaries.get(key)
         if boundaries is None:
             boundaries = self._boundaries[key] = torch.tensor(self.points, dtype=target.dtype, device=target.device)
-        rows = torch.bucketize(target, boundaries, right=True)
+        rows = torch.bucketize(target, boundaries, right=True, out_int32=target.is_cpu)
         if self.mask_ignored:  # the ignored value is a class: send it to the last row
             rows = torch.where(target == self.ignore_index, self.rows - 1, rows)
         index = torch.add(pred, rows, alpha=self.num_classes)
@@ -246,7 +252,9 @@ class LabelCounter:
             offsets = self._offsets.get(index.device)
             if offsets is None:
                 step = self.rows * self.num_classes
-                offsets = self._offsets[index.device] = torch.arange(self.groups, device=index.device) * step
+                offsets = self._offsets[index.device] = (
+                    torch.arange(self.groups, dtype=index.dtype, device=index.device) * step
+                )
             index = index + offsets
         return index.reshape(-1) if index.ndim != 1 else index
 
@@ -257,13 +265,13 @@ class LabelCounter:
     def accumulate(self, counts: Tensor, pred: Tensor, target: Tensor) -> Tensor:
         """Add the counts of one batch to `counts` in place (one scatter, no host sync); returns `counts`."""
         index = self.index(pred, target)
-        key = (index.device, index.shape[0])
+        key = (index.device, index.shape[0], counts.dtype)
         ones = self._ones.get(key)
         if ones is None:
             if len(self._ones) > 16:  # a few batch sizes are typical; do not grow without bound
                 self._ones.clear()
             if index.is_cpu:  # one element seen N times: a cached batch size holds no memory
-                ones = torch.ones(1, dtype=index.dtype).expand(index.shape[0])
+                ones = torch.ones(1, dtype=counts.dtype).expand(index.shape[0])
             else:
                 ones = torch.ones_like(index)
             self._ones[key] = ones
