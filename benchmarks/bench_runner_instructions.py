@@ -70,7 +70,8 @@ def count(candidate: str, calls: int, workload: str) -> int:
             str(calls),
             workload,
         ]
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        # TMPDIR: the child's workspace (`mkdtemp`) goes with this directory when it is removed.
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": directory}
         done = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
     match = re.search(r"Collected\s*:\s*([\d,]+)", done.stderr)
     if done.returncode != 0 or match is None:

@@ -424,6 +424,8 @@ def main(argv: list[str] | None = None) -> None:
     root = Path(args.root) if args.root else Path(tempfile.mkdtemp(prefix="danling-chaos-"))
     report = run_chaos(root, kills=args.kills, world_size=args.world_size, seed=args.seed)
     print(json.dumps(asdict(report), indent=2))
+    if not args.root:  # kept when the run fails: its logs say why (the error names the directory)
+        shutil.rmtree(root, ignore_errors=True)
 
 
 if __name__ == "__main__":

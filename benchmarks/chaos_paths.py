@@ -32,6 +32,7 @@ import contextlib
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -218,6 +219,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     root = Path(args.root) if args.root else Path(tempfile.mkdtemp(prefix="danling-chaos-paths-"))
     print(json.dumps(run_paths(root, runs=args.runs, paths=args.paths), indent=2))
+    if not args.root:  # kept when a path fails, for its logs
+        shutil.rmtree(root, ignore_errors=True)
 
 
 if __name__ == "__main__":
