@@ -229,7 +229,7 @@ class LabelCounter:
         self._invalid_rows: dict[torch.device, Tensor] = {}
         self._invalid_spans: list[tuple[int, int]] | None = None  # flat ranges of `invalid_rows`, for `host_table`
         self._boundaries: dict[tuple[torch.device, torch.dtype], Tensor] = {}
-        self._offsets: dict[torch.device, Tensor] = {}
+        self._offsets: dict[tuple[torch.device, torch.dtype], Tensor] = {}
         self._ones: dict[tuple[torch.device, int], Tensor] = {}
 
     def index(self, pred: Tensor, target: Tensor) -> Tensor:
@@ -249,12 +249,11 @@ class LabelCounter:
             rows = torch.where(target == self.ignore_index, self.rows - 1, rows)
         index = torch.add(pred, rows, alpha=self.num_classes)
         if self.groups is not None and self.groups > 1:
-            offsets = self._offsets.get(index.device)
+            key = (index.device, index.dtype)  # int64 offsets would widen int32 positions
+            offsets = self._offsets.get(key)
             if offsets is None:
                 step = self.rows * self.num_classes
-                offsets = self._offsets[index.device] = (
-                    torch.arange(self.groups, dtype=index.dtype, device=index.device) * step
-                )
+                offsets = self._offsets[key] = torch.arange(self.groups, dtype=index.dtype, device=index.device) * step
             index = index + offsets
         return index.reshape(-1) if index.ndim != 1 else index
 
