@@ -205,6 +205,8 @@ def _plain_item(key: Any, value: Any) -> bool:
 
 def _row_item(key: Any, value: Any) -> bool:
     """A plain item, or a plain key holding a non-empty mapping of plain items (one level deep)."""
+    if type(value) in _PLAIN_VALUES:  # the usual value, checked before the (slower) ABC test
+        return _plain_key(key)
     if isinstance(value, Mapping):
         return bool(value) and _plain_key(key) and all(_plain_item(k, v) for k, v in value.items())
     return _plain_item(key, value)
@@ -217,7 +219,7 @@ def _build(values: Mapping[str, Any]) -> RoundDict:
     attributes = result.__dict__
     attributes.update(_INSTANCE_ATTRS)
     for key, value in values.items():
-        if isinstance(value, Mapping):
+        if type(value) not in _PLAIN_VALUES and isinstance(value, Mapping):
             value = _build(value)
         dict.__setitem__(result, key, value)
         attributes[key] = value
