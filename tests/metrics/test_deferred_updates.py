@@ -192,20 +192,29 @@ def test_binary_and_multilabel_decisions_wait_as_booleans():
     assert decisions.dtype is torch.bool
 
 
-@pytest.mark.parametrize("kind", ["binary", "multilabel"])
-def test_cpu_counts_of_boolean_decisions_use_int32_positions_and_the_same_counts(kind):
-    """The count's temporaries are int32 on CPU (half of int64's bytes per target); counts are unchanged."""
+@pytest.mark.parametrize("kind", ["binary", "multiclass", "multilabel"])
+def test_big_cpu_batches_are_counted_with_int32_positions_and_the_same_counts(kind):
+    """From `NARROW_POSITIONS` targets the count's positions are int32, written over its rows.
+
+    Half of int64's bytes per target for the temporaries of one count; small batches keep int64
+    (fewer casts per call). The counts are the same either way.
+    """
     generator = torch.Generator().manual_seed(4)
-    shape = (5000, 3) if kind == "multilabel" else (5000,)
-    scores, target = torch.rand(shape, generator=generator), torch.randint(-1, 3, shape, generator=generator)
+    size = 3 if kind != "binary" else 2
+    shape = (5000, size) if kind == "multilabel" else (5000,)
+    scores = torch.rand((5000, size) if kind != "binary" else shape, generator=generator)
+    target = torch.randint(-1, size + 1, shape, generator=generator)
     target.view(-1)[::11] = -100
-    metrics = build(kind, 3 if kind == "multilabel" else 2, -100)
+    metrics = build(kind, size, -100)
     counter = store_of(metrics).counter
-    decisions = scores > 0.5
-    assert counter.index(decisions, target).dtype is torch.int32
-    expected = torch.bincount(counter.index(decisions.long(), target).long(), minlength=counter.size)
-    assert torch.equal(counter.count(decisions, target), expected)
-    metrics.update(scores, target)  # counted at update (5000 targets): accumulated with int32 positions
+    pred = scores.argmax(-1) if kind == "multiclass" else scores > 0.5
+    assert target.numel() >= _common.NARROW_POSITIONS
+    assert counter.index(pred, target).dtype is torch.int32
+    assert counter.index(pred[:100], target[:100]).dtype is torch.int64
+    small = [counter.count(pred[i : i + 100], target[i : i + 100]) for i in range(0, 5000, 100)]
+    expected = torch.stack(small).sum(0)
+    assert torch.equal(counter.count(pred, target), expected)
+    metrics.update(scores, target)  # counted at update (5000 targets), with int32 positions
     assert torch.equal(store_of(metrics).counts, expected)
 
 

@@ -37,6 +37,8 @@ __all__ = [
 AVERAGES = ("micro", "macro", "weighted", None)
 # Devices where torch.bincount is both fast and free of synchronisation (it reads the maximum).
 HOST_BINCOUNT_DEVICES = ("cpu",)
+# CPU batches of this many targets or more are counted with int32 positions (see `LabelCounter.index`).
+NARROW_POSITIONS = 1 << 12
 # Devices whose tensors live in host memory: reading a value there (`.item()`) waits for nothing,
 # so a per-batch check may branch in Python instead of adding device ops.
 HOST_READ_DEVICES = ("cpu",)
@@ -186,6 +188,7 @@ def bincount(index: Tensor, length: int) -> Tensor:
     if index.device.type in HOST_BINCOUNT_DEVICES:
         return torch.bincount(index, minlength=length)
     # CUDA's bincount reads the maximum on the host; a scatter into a fixed-size buffer does not.
+    index = index.long()  # scatter_add_ takes int64 positions only (CPU ones may be int32)
     return torch.zeros(length, dtype=torch.long, device=index.device).scatter_add_(0, index, torch.ones_like(index))
 
 
@@ -235,26 +238,31 @@ class LabelCounter:
     def index(self, pred: Tensor, target: Tensor) -> Tensor:
         """Flat position in the count table of every `(pred, target)` pair (1-D).
 
-        On CPU the rows come out as int32, so boolean or narrow predictions give int32 positions:
-        half the bytes of int64 for each of the count's temporaries (at evaluation-set batch sizes
-        they were the largest allocation of a confusion-only update). Elsewhere int64, which
-        `scatter_add_` requires.
+        CPU batches of `NARROW_POSITIONS` targets or more get int32 positions, written over the
+        int32 rows: the count's temporaries are then the rows alone, at half of int64's bytes (at
+        evaluation-set batch sizes they were the largest allocations of a confusion-only update).
+        Smaller batches, and other devices (`scatter_add_` takes int64 only), get int64 positions:
+        mixing int64 predictions with int32 rows costs about a microsecond more per call.
         """
         key = (target.device, target.dtype)
         boundaries = self._boundaries.get(key)
         if boundaries is None:
             boundaries = self._boundaries[key] = torch.tensor(self.points, dtype=target.dtype, device=target.device)
-        rows = torch.bucketize(target, boundaries, right=True, out_int32=target.is_cpu)
+        narrow = target.is_cpu and target.numel() >= NARROW_POSITIONS
+        rows = torch.bucketize(target, boundaries, right=True, out_int32=narrow)
         if self.mask_ignored:  # the ignored value is a class: send it to the last row
-            rows = torch.where(target == self.ignore_index, self.rows - 1, rows)
-        index = torch.add(pred, rows, alpha=self.num_classes)
+            rows.masked_fill_(target == self.ignore_index, self.rows - 1)
+        # `rows` is this call's own tensor: narrow positions are written over it, not into a new
+        # one (int64 predictions cast to int32: positions stay far below 2**31).
+        out = rows if narrow and pred.shape == rows.shape else None
+        index = torch.add(pred, rows, alpha=self.num_classes, out=out)
         if self.groups is not None and self.groups > 1:
             key = (index.device, index.dtype)  # int64 offsets would widen int32 positions
             offsets = self._offsets.get(key)
             if offsets is None:
                 step = self.rows * self.num_classes
                 offsets = self._offsets[key] = torch.arange(self.groups, dtype=index.dtype, device=index.device) * step
-            index = index + offsets
+            index = index.add_(offsets)
         return index.reshape(-1) if index.ndim != 1 else index
 
     def count(self, pred: Tensor, target: Tensor) -> Tensor:
