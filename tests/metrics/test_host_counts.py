@@ -108,17 +108,47 @@ def test_no_update_gives_nan_on_both_paths(task):
     assert_same_on_both_paths(task, 3 if task != "binary" else 2, "macro", -100, [])
 
 
-def test_counts_beyond_exact_float64_products_take_the_tensor_path():
-    """From 2**26 counted samples products of counts may round in float64: the host read steps aside."""
-    metrics = multiclass_metrics(3, metrics=["acc", "f1", "mcc"])
-    metrics.update(torch.eye(3), torch.arange(3))
-    (store,) = metrics._stores.values()
+def scaled(task: str, average, factor: int):
+    """A container of every host metric whose counts are multiplied by `factor` (same proportions)."""
+    generator = torch.Generator().manual_seed(5)
+    metrics = build(task, 4 if task != "binary" else 2, average, -100)
+    metrics.update(*make_batch(task, 4, 200, generator, 4 if task == "multiclass" else 2))
     state = metrics.state_dict()
-    counts = state["tasks"]["0"]["counts"]
-    counts.mul_((1 << 40) + 7)  # the same proportions, about 2**40 samples per class
+    for entry in state["tasks"].values():
+        entry["counts"].mul_(factor)
     metrics.load_state_dict(state)
-    confusion = store.counter.confusion(store.counts)
-    assert _host.counts_of_confusion(confusion) is None
+    return metrics
+
+
+@pytest.mark.parametrize("task", ["binary", "multiclass", "multilabel"])
+@pytest.mark.parametrize("average", AVERAGES)
+def test_counts_beyond_exact_float64_products_send_mcc_alone_to_the_tensor_path(task, average):
+    """From 2**26 counted samples products of counts may round in float64: MCC steps aside.
+
+    The other metrics only add counts, exact in float64 up to 2**53: they stay on the host with
+    the tensor path's values, bit for bit, at about 2**40 samples.
+    """
+    metrics = scaled(task, average, (1 << 34) + 7)
+    (store,) = metrics._stores.values()
+    counts = _host.counts_of_confusion(store.counter.confusion(store.counts))
+    pooled = counts.pooled if task == "multilabel" else counts
+    assert pooled.total >= 1 << 40 and _host.mcc_of(pooled) is None
+    host, general = dict(metrics.avg), None
+    saved = _common.HOST_TABLE_SIZE
+    _common.HOST_TABLE_SIZE = 0
+    try:
+        metrics._cache.clear()
+        general = dict(metrics.avg)
+    finally:
+        _common.HOST_TABLE_SIZE = saved
+    for name in host:
+        assert same(host[name], general[name]), (task, average, name, host[name], general[name])
+
+
+def test_counts_beyond_exact_float64_sums_take_the_tensor_path():
+    metrics = scaled("multiclass", "macro", 1 << 52)
+    (store,) = metrics._stores.values()
+    assert _host.counts_of_confusion(store.counter.confusion(store.counts)) is None
     small = multiclass_metrics(3, metrics=["acc"])
     small.update(torch.eye(3), torch.arange(3))
     (small_store,) = small._stores.values()

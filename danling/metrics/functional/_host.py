@@ -43,8 +43,10 @@ __all__ = [
 
 _FLOAT_DTYPES = (torch.float32, torch.float64)
 _FLOAT32 = struct.Struct("f")
-# Fewest counted samples for which products of counts (up to `total**2`) may exceed 2**53.
+# Fewest counted samples for which products of counts (up to `total**2`, in MCC) may exceed 2**53.
 _EXACT_TOTAL = 1 << 26
+# Fewest counted samples for which sums of counts (every other metric) may exceed 2**53.
+_EXACT_SUM = 1 << 53
 
 
 def small_cpu_batch(input: Any, target: Any, num_classes: int | None) -> bool:
@@ -130,10 +132,10 @@ def counts_of_confusion(confusion: _common.Confusion) -> HostCounts | LabelHostC
     """The statistics of accumulated counts read on the host, or `None` where the tensor path applies.
 
     For the small CPU count table of a `CountedConfusion` (what `GlobalMetrics` reads) of fewer
-    than 2**26 counted entries: below that every sum and product the metrics form of the counts
-    (`total**2` at most) is an integer exact in float64, so the tensor path's float64 arithmetic
-    on them is exact too and both give the same floats. Grouped (multilabel) counts give a
-    `LabelHostCounts`.
+    than 2**53 counted entries: below that every sum of counts is an integer exact in float64, so
+    the tensor path's float64 arithmetic on them is exact too and both give the same floats. MCC
+    also multiplies counts (`total**2` at most): `mcc_of` steps aside from 2**26 counted entries.
+    Grouped (multilabel) counts give a `LabelHostCounts`.
     """
     if not isinstance(confusion, _common.CountedConfusion):
         return None
@@ -143,9 +145,9 @@ def counts_of_confusion(confusion: _common.Confusion) -> HostCounts | LabelHostC
     matrices, invalid = table
     if confusion.counter.groups is None:
         counts = _matrix_counts(matrices[0], invalid)
-        return counts if counts.total < _EXACT_TOTAL else None
+        return counts if counts.total < _EXACT_SUM else None
     pooled = _matrix_counts([[sum(column) for column in zip(*cells)] for cells in zip(*matrices)], invalid)
-    return LabelHostCounts(matrices, pooled) if pooled.total < _EXACT_TOTAL else None
+    return LabelHostCounts(matrices, pooled) if pooled.total < _EXACT_SUM else None
 
 
 def _matrix_counts(rows: list[list[int]], invalid: int) -> HostCounts:
@@ -253,14 +255,16 @@ def balanced_accuracy_of(counts: HostCounts) -> Tensor:
     return _scalar(_torch_sum(recalls) / sum(1 for s in support if s))
 
 
-def mcc_of(counts: HostCounts) -> Tensor:
-    """`cm_mcc` of the counts.
+def mcc_of(counts: HostCounts) -> Tensor | None:
+    """`cm_mcc` of the counts, or `None` (the tensor path applies) from 2**26 counted samples.
 
-    Every sum and product is of integers (exact in float64 at these sizes, in any order) and the
+    Every sum and product is of integers (exact in float64 below that bound, in any order) and the
     division is correctly rounded in Python as in torch. The square root is torch's own: its CPU
     kernel is not always correctly rounded, so Python's could differ in the last bit.
     """
     tp, predicted, support, total, ok = counts
+    if total >= _EXACT_TOTAL:  # the tensor path's float64 products may round: give its value
+        return None
     if not ok:
         return _scalar(math.nan)
     cov_tp = sum(tp) * total - sum(s * p for s, p in zip(support, predicted))
