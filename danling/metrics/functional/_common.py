@@ -233,7 +233,7 @@ class LabelCounter:
         self._invalid_spans: list[tuple[int, int]] | None = None  # flat ranges of `invalid_rows`, for `host_table`
         self._boundaries: dict[tuple[torch.device, torch.dtype], Tensor] = {}
         self._offsets: dict[tuple[torch.device, torch.dtype], Tensor] = {}
-        self._ones: dict[tuple[torch.device, int], Tensor] = {}
+        self._ones: dict[tuple[torch.device, int, torch.dtype], Tensor] = {}
 
     def index(self, pred: Tensor, target: Tensor) -> Tensor:
         """Flat position in the count table of every `(pred, target)` pair (1-D).
