@@ -145,9 +145,7 @@ def _classification(module: Any, averaged: bool) -> dict[str, Entry]:
         def compute(state: MetricState, average: Any) -> Any:
             counts = counts_of(state)
             if counts is not None:
-                value = host(counts, average if takes_average else None)
-                if value is not None:  # `None`: not exact on the host for these counts (MCC)
-                    return value
+                return host(counts, average if takes_average else None)
             return function(state.confusion, average) if takes_average else function(state.confusion)
 
         return "confusion", compute

@@ -122,18 +122,19 @@ def scaled(task: str, average, factor: int):
 
 @pytest.mark.parametrize("task", ["binary", "multiclass", "multilabel"])
 @pytest.mark.parametrize("average", AVERAGES)
-def test_counts_beyond_exact_float64_products_send_mcc_alone_to_the_tensor_path(task, average):
-    """From 2**26 counted samples products of counts may round in float64: MCC steps aside.
+@pytest.mark.parametrize("factor", [(1 << 34) + 7, (1 << 19) + 3, 3**25])
+def test_counts_whose_products_round_in_float64_give_the_tensor_paths_values(task, average, factor):
+    """From 2**26 counted samples MCC's products of counts round in float64; the host rounds them alike.
 
-    The other metrics only add counts, exact in float64 up to 2**53: they stay on the host with
-    the tensor path's values, bit for bit, at about 2**40 samples.
+    Every metric (MCC included) equals the tensor path's value, bit for bit, with counts scaled
+    to between about 2**26 and 2**41 samples; the other metrics only add counts, exact up to 2**53.
     """
-    metrics = scaled(task, average, (1 << 34) + 7)
+    metrics = scaled(task, average, factor)
     (store,) = metrics._stores.values()
     counts = _host.counts_of_confusion(store.counter.confusion(store.counts))
     pooled = counts.pooled if task == "multilabel" else counts
-    assert pooled.total >= 1 << 40 and _host.mcc_of(pooled) is None
-    host, general = dict(metrics.avg), None
+    assert pooled.total >= _host._EXACT_TOTAL  # the float64 branch of `mcc_of`
+    host = dict(metrics.avg)
     saved = _common.HOST_TABLE_SIZE
     _common.HOST_TABLE_SIZE = 0
     try:

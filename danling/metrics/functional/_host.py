@@ -45,7 +45,7 @@ _FLOAT_DTYPES = (torch.float32, torch.float64)
 _FLOAT32 = struct.Struct("f")
 # Fewest counted samples for which products of counts (up to `total**2`, in MCC) may exceed 2**53.
 _EXACT_TOTAL = 1 << 26
-# Fewest counted samples for which sums of counts (every other metric) may exceed 2**53.
+# Fewest counted samples for which sums of counts may exceed 2**53.
 _EXACT_SUM = 1 << 53
 
 
@@ -134,8 +134,9 @@ def counts_of_confusion(confusion: _common.Confusion) -> HostCounts | LabelHostC
     For the small CPU count table of a `CountedConfusion` (what `GlobalMetrics` reads) of fewer
     than 2**53 counted entries: below that every sum of counts is an integer exact in float64, so
     the tensor path's float64 arithmetic on them is exact too and both give the same floats. MCC
-    also multiplies counts (`total**2` at most): `mcc_of` steps aside from 2**26 counted entries.
-    Grouped (multilabel) counts give a `LabelHostCounts`.
+    also multiplies counts (`total**2` at most), which may round from 2**26 counted entries:
+    `mcc_of` then rounds them as the tensor path does. Grouped (multilabel) counts give a
+    `LabelHostCounts`.
     """
     if not isinstance(confusion, _common.CountedConfusion):
         return None
@@ -255,22 +256,30 @@ def balanced_accuracy_of(counts: HostCounts) -> Tensor:
     return _scalar(_torch_sum(recalls) / sum(1 for s in support if s))
 
 
-def mcc_of(counts: HostCounts) -> Tensor | None:
-    """`cm_mcc` of the counts, or `None` (the tensor path applies) from 2**26 counted samples.
+def mcc_of(counts: HostCounts) -> Tensor:
+    """`cm_mcc` of the counts.
 
-    Every sum and product is of integers (exact in float64 below that bound, in any order) and the
-    division is correctly rounded in Python as in torch. The square root is torch's own: its CPU
-    kernel is not always correctly rounded, so Python's could differ in the last bit.
+    Below 2**26 counted samples every sum and product is of integers exact in float64 (in any
+    order). From there the tensor path's float64 products round, and so do these: each product is
+    a float64 product of the exact counts and each sum of products is torch's own reduction of
+    the same values, as `cm_mcc` forms them. Divisions are correctly rounded in Python as in
+    torch. The square root is torch's own: its CPU kernel is not always correctly rounded, so
+    Python's could differ in the last bit.
     """
     tp, predicted, support, total, ok = counts
-    if total >= _EXACT_TOTAL:  # the tensor path's float64 products may round: give its value
-        return None
     if not ok:
         return _scalar(math.nan)
-    cov_tp = sum(tp) * total - sum(s * p for s, p in zip(support, predicted))
-    cov_pp = total * total - sum(p * p for p in predicted)
-    cov_tt = total * total - sum(s * s for s in support)
-    # float(): an exact integer product rounded once, as the float64 product of the exact factors is.
+    if total < _EXACT_TOTAL:
+        cov_tp = sum(tp) * total - sum(s * p for s, p in zip(support, predicted))
+        cov_pp = total * total - sum(p * p for p in predicted)
+        cov_tt = total * total - sum(s * s for s in support)
+    else:
+        t = float(total)  # every count and sum of counts is exact in float64 (below 2**53)
+        cov_tp = float(sum(tp)) * t - _torch_sum([float(s) * float(p) for s, p in zip(support, predicted)])
+        cov_pp = t * t - _torch_sum([float(p) * float(p) for p in predicted])
+        cov_tt = t * t - _torch_sum([float(s) * float(s) for s in support])
+    # float(): an exact integer product rounded once, as the float64 product of the exact factors
+    # is (from 2**26 samples the factors are floats already, as the tensor path's are).
     denominator = torch.scalar_tensor(float(cov_tt * cov_pp), dtype=torch.float64).sqrt().item()
     if denominator:
         return _scalar(cov_tp / denominator)

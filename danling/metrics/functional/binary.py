@@ -146,9 +146,8 @@ def binary_f1_score(input: Any, target: Any, *, threshold: float = 0.5, ignore_i
 def binary_mcc(input: Any, target: Any, *, threshold: float = 0.5, ignore_index: int | None = None) -> Tensor:
     """Matthews correlation coefficient (0 when predictions or labels are all one class)."""
     counts = _host.host_binary_counts(input, target, threshold, ignore_index)
-    value = None if counts is None else _host.mcc_of(counts)
-    if value is not None:  # a small CPU batch, counted from Python lists
-        return value
+    if counts is not None:  # a small CPU batch, counted from Python lists
+        return _host.mcc_of(counts)
     return mcc_from_confusion(_confusion(input, target, threshold, ignore_index))
 
 
