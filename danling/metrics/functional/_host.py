@@ -308,6 +308,8 @@ def _counts(pred: list[int], labels: list[int], classes: int, ignore_index: int 
 def _torch_sum(values: list[float], *, nan: bool = False) -> float:
     # A sum of non-integer values must round as the general path's torch reduction does: the
     # same reduction (`nansum` or `sum`) over the same float64 values; Python's could differ.
+    if not nan and len(values) <= 2:  # one rounding at most, in any order: torch's too (from +0.0)
+        return sum(values, 0.0)
     tensor = torch.tensor(values, dtype=torch.float64)
     return (tensor.nansum(-1) if nan else tensor.sum(-1)).item()
 
