@@ -372,7 +372,9 @@ def plot(results: list[dict], path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullFormatter
 
+    measured = sorted({round(r["size"] / 2**20) for r in results})
     figure, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     for axis, operation in zip(axes, ("save", "load")):
         for part, marker in (("file", "o"), ("dcp", "s")):
@@ -387,6 +389,9 @@ def plot(results: list[dict], path: Path) -> None:
                 times = [r["groups"][operation][name][0] * 1e3 for r in chosen]
                 axis.loglog(sizes, times, line, marker=marker, label=name)
         axis.set(xlabel="model + AdamW state (MiB)", ylabel="median wall time (ms)", title=f"Checkpoint {operation}")
+        # Ticks at the measured sizes, as plain numbers (log-axis labels like 3x10^1 overlapped).
+        axis.set_xticks(measured, [str(mib) for mib in measured])
+        axis.xaxis.set_minor_formatter(NullFormatter())
         axis.grid(True, which="both", alpha=0.3)
         axis.legend(fontsize=7)
     figure.tight_layout()
