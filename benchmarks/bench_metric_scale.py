@@ -284,21 +284,30 @@ def main() -> None:
         plot(rows, args.plot)
 
 
+def _mib(size: float) -> str:
+    # Peaks under 10 MiB (counts, small N) with two decimals: whole MiB would read "0 / 0".
+    mib = size / (1 << 20)
+    return f"{mib:,.0f}" if mib >= 10 else f"{mib:.2f}"
+
+
+def _seconds(seconds: float) -> str:
+    # Sub-millisecond computes (confusion counts) in microseconds: three decimals of a second read 0.000.
+    return f"{seconds:.3f} s" if seconds >= 1e-3 else f"{seconds * 1e6:.0f} us"
+
+
 def _line(row: dict) -> str:
-    mib = 1 << 20
     return (
-        f"{row['task']} {row['metrics']} N={row['n']:.0e}: peak {row['danling_peak_bytes'] / mib:.0f} / "
-        f"{row['torchmetrics_peak_bytes'] / mib:.0f} MiB, compute {row['danling_compute_s']:.3f} / "
-        f"{row['torchmetrics_compute_s']:.3f} s, update {row['danling_update_s']:.3f} / "
+        f"{row['task']} {row['metrics']} N={row['n']:.0e}: peak {_mib(row['danling_peak_bytes'])} / "
+        f"{_mib(row['torchmetrics_peak_bytes'])} MiB, compute {_seconds(row['danling_compute_s'])} / "
+        f"{_seconds(row['torchmetrics_compute_s'])}, update {row['danling_update_s']:.3f} / "
         f"{row['torchmetrics_update_s']:.3f} s"
     )
 
 
 def table(rows: list[dict]) -> str:
-    mib = 1 << 20
     lines = [
         "| task | metrics | N | peak MiB danling / torchmetrics | peak / scores (danling, torchmetrics) | "
-        "compute s danling / torchmetrics | compute ratio | update + compute ratio |",
+        "compute danling / torchmetrics | compute ratio | update + compute ratio |",
         "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in rows:
@@ -308,9 +317,9 @@ def table(rows: list[dict]) -> str:
         )
         lines.append(
             f"| {r['task']} | {r['metrics'].replace('+', ', ')} | {r['n']:.0e} | "
-            f"{ours / mib:,.0f} / {theirs / mib:,.0f} | "
+            f"{_mib(ours)} / {_mib(theirs)} | "
             f"{ours / r['scores_bytes']:.2f}x, {theirs / r['scores_bytes']:.2f}x | "
-            f"{r['danling_compute_s']:.3f} / {r['torchmetrics_compute_s']:.3f} | "
+            f"{_seconds(r['danling_compute_s'])} / {_seconds(r['torchmetrics_compute_s'])} | "
             f"{r['danling_compute_s'] / r['torchmetrics_compute_s']:.2f}x | {total:.2f}x |"
         )
     return "\n".join(lines)
