@@ -127,7 +127,7 @@ def child(library: str, task: str, names: list[str], size: int) -> dict:
     # First calls load code pages, allocate thread pools and kernels' caches: not the data's cost.
     # The warm-up runs the measured loop itself (`feed`, batches of the measured size, so the
     # paths that join batches run too) over the large-data paths (danling's ranking starts at
-    # 65,536 scores), then hands the freed heap back, so neither library starts with slack the
+    # 8,192 scores), then hands the freed heap back, so neither library starts with slack the
     # measured run could reuse. (With one batch of 65,536, the first join of the measured run
     # paid the start of torch's thread pool: +0.5 MiB at N = 1e5; with batches made outside
     # `feed`, the measured loop's own first calls paged in about 0.25 MiB of code, counted as
