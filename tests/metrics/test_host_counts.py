@@ -127,7 +127,7 @@ def test_counts_whose_products_round_in_float64_give_the_tensor_paths_values(tas
     """From 2**26 counted samples MCC's products of counts round in float64; the host rounds them alike.
 
     Every metric (MCC included) equals the tensor path's value, bit for bit, with counts scaled
-    to between about 2**26 and 2**41 samples; the other metrics only add counts, exact up to 2**53.
+    to between about 2**26 and 2**47 samples; the other metrics only add counts, exact up to 2**53.
     """
     metrics = scaled(task, average, factor)
     (store,) = metrics._stores.values()
