@@ -259,28 +259,22 @@ def balanced_accuracy_of(counts: HostCounts) -> Tensor:
 def mcc_of(counts: HostCounts) -> Tensor:
     """`cm_mcc` of the counts.
 
-    Below 2**26 counted samples every sum and product is of integers exact in float64 (in any
-    order). From there the tensor path's float64 products round, and so do these: each product is
-    a float64 product of the exact counts and each sum of products is torch's own reduction of
-    the same values, as `cm_mcc` forms them. Divisions are correctly rounded in Python as in
-    torch. The square root is torch's own: its CPU kernel is not always correctly rounded, so
-    Python's could differ in the last bit.
+    The covariances are formed as `cm_mcc` forms them: float64 products of the counts (exact in
+    float64 below 2**53) and sums of those products. Below 2**26 counted samples every product
+    and sum is an integer exact in float64, so Python's sum gives torch's value in any order;
+    from there the products round, and the sums are torch's own reduction of the same values.
+    Divisions are correctly rounded in Python as in torch. The square root is torch's own: its
+    CPU kernel is not always correctly rounded, so Python's could differ in the last bit.
     """
     tp, predicted, support, total, ok = counts
     if not ok:
         return _scalar(math.nan)
-    if total < _EXACT_TOTAL:
-        cov_tp = sum(tp) * total - sum(s * p for s, p in zip(support, predicted))
-        cov_pp = total * total - sum(p * p for p in predicted)
-        cov_tt = total * total - sum(s * s for s in support)
-    else:
-        t = float(total)  # every count and sum of counts is exact in float64 (below 2**53)
-        cov_tp = float(sum(tp)) * t - _torch_sum([float(s) * float(p) for s, p in zip(support, predicted)])
-        cov_pp = t * t - _torch_sum([float(p) * float(p) for p in predicted])
-        cov_tt = t * t - _torch_sum([float(s) * float(s) for s in support])
-    # float(): an exact integer product rounded once, as the float64 product of the exact factors
-    # is (from 2**26 samples the factors are floats already, as the tensor path's are).
-    denominator = torch.scalar_tensor(float(cov_tt * cov_pp), dtype=torch.float64).sqrt().item()
+    add = sum if total < _EXACT_TOTAL else _torch_sum
+    t = float(total)
+    cov_tp = float(sum(tp)) * t - add([float(s) * float(p) for s, p in zip(support, predicted)])
+    cov_pp = t * t - add([float(p) * float(p) for p in predicted])
+    cov_tt = t * t - add([float(s) * float(s) for s in support])
+    denominator = torch.scalar_tensor(cov_tt * cov_pp, dtype=torch.float64).sqrt().item()
     if denominator:
         return _scalar(cov_tp / denominator)
     # zero_nan: 0 / 0 is 0, as in scikit-learn; a nonzero covariance over 0 stays infinite.
