@@ -46,6 +46,10 @@ class TaskStoreState:
         if not isinstance(state, Mapping) or set(state) - {"bins", "last_counts"} != _STORE_KEYS:
             found = sorted(state) if isinstance(state, Mapping) else type(state).__name__
             raise ValueError(f"not the state of a GlobalMetrics task: expected keys {sorted(_STORE_KEYS)}, got {found}")
+        for key, value in state.items():  # every entry is a tensor or absent; anything else fails here
+            if value is not None and not isinstance(value, Tensor):
+                kind = type(value).__name__
+                raise ValueError(f"GlobalMetrics task state {key!r} must be a tensor or None, got {kind}")
         self.reset()  # type: ignore[attr-defined]
         self._counts, self.moments = state["counts"], state["moments"]
         self.bins = state.get("bins")  # type: ignore[attr-defined]

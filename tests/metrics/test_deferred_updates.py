@@ -251,6 +251,10 @@ def test_a_store_of_counts_alone_holds_no_big_batch_and_reads_its_counts(kind):
     restored.load_state_dict(metrics.state_dict())
     assert same_values(restored.val, direct) and same_values(restored.avg, metrics.avg)
     assert store_of(restored).last_counts is not None and store_of(restored).last is None
+    state = metrics.state_dict()
+    state["tasks"]["0"]["last_counts"] = [1, 2, 3]  # a damaged checkpoint: refused, naming the key
+    with pytest.raises(ValueError, match="'last_counts' must be a tensor or None, got list"):
+        build(kind, size, -1).load_state_dict(state)
 
 
 def test_stores_that_keep_data_still_hold_the_latest_batch_for_val():
