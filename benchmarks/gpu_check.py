@@ -41,6 +41,7 @@ LIMITS = {
     "speed-small": 120,
     "gpt2": 180,
     "fp8": 60,
+    "metrics": 60,
     "compile": 150,
 }
 

@@ -717,6 +717,54 @@ def step_flops(model: nn.Module, dataset: TensorDataset, batch: int, ctx: Contex
     return float(counter.get_total_flops())
 
 
+def check_metrics(ctx: Context) -> dict[str, Any]:
+    """Exact metrics kept on the device give the CPU's values (the counting and ranking paths differ by device)."""
+    from danling.metrics import binary_metrics, multiclass_metrics, multilabel_metrics
+
+    n, batch, columns = (20_000, 5_000, 10) if ctx.quick else (400_000, 50_000, 10)
+    names = ["acc", "f1", "mcc", "auroc", "auprc"]
+    builders = {
+        "binary": lambda device, bins: binary_metrics(names, bins=bins, device=device),
+        "multiclass": lambda device, bins: multiclass_metrics(columns, names, bins=bins, device=device),
+        "multilabel": lambda device, bins: multilabel_metrics(columns, names, bins=bins, device=device),
+    }
+    generator = torch.Generator().manual_seed(0)
+    out: dict[str, Any] = {"samples": n}
+    worst = 0.0
+    for task, build in builders.items():
+        shape = (n,) if task == "binary" else (n, columns)
+        scores = torch.randn(shape, generator=generator)
+        if task == "multiclass":
+            target = torch.randint(0, columns, (n,), generator=generator)
+        else:
+            target = torch.randint(0, 2, shape, generator=generator)
+        target[torch.rand(shape[:1], generator=generator) < 0.05] = -100  # ignored samples on both sides
+        # the first pass warms the device (kernels loaded, allocator primed); the second pass is timed
+        for bins in (None, None, 1000, 1000):
+            values = {}
+            for device in ("cpu", ctx.device):
+                metrics = build(device, bins)
+                for start in range(0, n, batch):
+                    metrics.update(scores[start : start + batch].to(device), target[start : start + batch].to(device))
+                synchronize(ctx.device)
+                started = time.perf_counter()
+                values[str(device)] = dict(metrics.compute())
+                synchronize(ctx.device)
+                out[f"{task}{'' if bins is None else '_binned'}_{torch.device(device).type}_compute_ms"] = round(
+                    (time.perf_counter() - started) * 1e3, 2
+                )
+            cpu, dev = values["cpu"], values[str(ctx.device)]
+            for name in names:
+                gap = abs(float(cpu[name]) - float(dev[name]))
+                worst = max(worst, gap)
+                if gap > 1e-5:
+                    raise AssertionError(
+                        f"{task} {name} (bins={bins}): cpu {cpu[name]} against {ctx.device} {dev[name]}"
+                    )
+    out["max_difference"] = worst
+    return out
+
+
 CHECKS: dict[str, Callable[[Context], dict[str, Any]]] = {
     "environment": check_environment,
     "precision": check_precision,
@@ -727,6 +775,7 @@ CHECKS: dict[str, Callable[[Context], dict[str, Any]]] = {
     "sync": check_sync,
     "speed-small": check_speed_small,
     "gpt2": check_gpt2,
+    "metrics": check_metrics,
     "fp8": lambda ctx: __import__("gpu_fp8").check_fp8(ctx),  # in its own module (gpu_fp8.py): it imports this one
 }
 

@@ -32,10 +32,11 @@ def test_the_quick_check_passes_on_cpu_and_names_what_waits_for_a_gpu(tmp_path):
         "seconds": checks["sync"]["seconds"],
     }
     assert checks["sync"]["reason"].startswith("needs CUDA")
-    for name in ("precision", "resume", "dcp", "fsdp2", "compile", "speed-small"):
+    for name in ("precision", "resume", "dcp", "fsdp2", "compile", "speed-small", "metrics"):
         assert checks[name]["status"] == "pass", (name, checks[name])
     assert checks["resume"]["values"]["bit_identical"] is True
     assert 0 < checks["resume"]["values"]["resumed_from"] < checks["resume"]["values"]["killed_at"]
+    assert checks["metrics"]["values"]["max_difference"] <= 1e-5
     try:
         import transformers  # noqa: F401
     except ImportError:
