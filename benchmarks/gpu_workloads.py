@@ -743,6 +743,7 @@ def check_metrics(ctx: Context) -> dict[str, Any]:
         for bins in (None, None, 1000, 1000):
             values = {}
             for device in ("cpu", ctx.device):
+                start_bytes = begin_memory(ctx)
                 metrics = build(device, bins)
                 for start in range(0, n, batch):
                     metrics.update(scores[start : start + batch].to(device), target[start : start + batch].to(device))
@@ -753,6 +754,12 @@ def check_metrics(ctx: Context) -> dict[str, Any]:
                 out[f"{task}{'' if bins is None else '_binned'}_{torch.device(device).type}_compute_ms"] = round(
                     (time.perf_counter() - started) * 1e3, 2
                 )
+                peak = peak_since(ctx, start_bytes)
+                if peak is not None and torch.device(device).type == "cuda":
+                    # device memory at the peak of updates and compute, as a multiple of the float32 scores
+                    key = f"{task}{'' if bins is None else '_binned'}_cuda_peak_x_scores"
+                    out[key] = round(peak * 2**20 / (scores.numel() * 4), 2)
+                del metrics
             cpu, dev = values["cpu"], values[str(ctx.device)]
             for name in names:
                 gap = abs(float(cpu[name]) - float(dev[name]))
@@ -761,6 +768,20 @@ def check_metrics(ctx: Context) -> dict[str, Any]:
                     raise AssertionError(
                         f"{task} {name} (bins={bins}): cpu {cpu[name]} against {ctx.device} {dev[name]}"
                     )
+        if ctx.cuda:
+            # the device ranking behind exact AUROC/AUPRC reads nothing on the host
+            from danling.metrics.functional._ranking import tensor_ranking
+
+            chunks = [
+                (scores[i : i + batch].to(ctx.device), target[i : i + batch].to(ctx.device)) for i in range(0, n, batch)
+            ]
+            synchronize(ctx.device)
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                tensor_ranking(task, chunks, columns, -100)
+                out[f"{task}_ranking_syncs"] = "none"
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
     out["max_difference"] = worst
     return out
 

@@ -45,6 +45,9 @@ ARTIFACTS = ("confusion", "moments", "data", "bins")
 # time at 640-3,000 scores and 0.8x at 10,000; one column 0.84-0.89x from 64 scores, 0.52x at
 # 10,000 (the bound was 65,536, where the ranking was already about 0.4x).
 RANKING_MIN_SCORES = 1 << 13
+# Device data (CUDA) of this many scores or more also takes the ranking, with tensor ops on its
+# own device, a column at a time (`_ranking.tensor_ranking`): the curves of all columns at once
+# took 20-22x the scores at their peak on an H200; the bound is the host's.
 
 
 @dataclass(frozen=True)
@@ -282,24 +285,26 @@ class MetricState:
     def ranking(self, micro: bool = False) -> _ranking.Ranking | None:
         """Per-column AUROC, average precision and positives (pooled with `micro=True`), or `None`.
 
-        Given for host data of at least `RANKING_MIN_SCORES` scores: built from one sorted copy
-        of each column's positive and negative scores (`danling.metrics.functional._ranking`),
-        about as much memory as the scores where the curves take about fifteen times it; the
-        same AUROC and the same average precision up to float rounding. Otherwise `None`: read
-        `curves`.
+        Given for data of at least `RANKING_MIN_SCORES` scores. Host data: built from one sorted
+        copy of each column's positive and negative scores (`danling.metrics.functional._ranking`),
+        about as much memory as the scores where the curves take about fifteen times it. Data on
+        another device: the same counts with tensor ops there, one column at a time, read from the
+        chunks without concatenating them (no host read). Either way the same AUROC and the same
+        average precision up to float rounding. Otherwise `None`: read `curves`.
         """
         chunks = self.chunks if self.input is None else [(self.input, self.target)]
         if (
             chunks is None
             or self.task.kind == "regression"
             or sum(input.numel() for input, _ in chunks) < RANKING_MIN_SCORES
-            or any(input.device.type != "cpu" or target.device.type != "cpu" for input, target in chunks)
         ):
             return None
         task = self.task
+        on_host = all(input.device.type == "cpu" and target.device.type == "cpu" for input, target in chunks)
+        build = _ranking.ranking if on_host else _ranking.tensor_ranking
         return self.cached(
             ("ranking", micro),
-            lambda: _ranking.ranking(task.kind, chunks, task.size or 1, task.ignore_index, micro=micro),
+            lambda: build(task.kind, chunks, task.size or 1, task.ignore_index, micro=micro),
         )
 
 

@@ -1,4 +1,7 @@
-"""AUROC and AUPRC of large host data from sorted per-column copies: same values, far less memory."""
+"""AUROC and AUPRC of large data, from sorted per-column copies (host) or a column at a time (device).
+
+Same values as the curves, far less memory.
+"""
 
 import contextlib
 import math
@@ -25,6 +28,10 @@ from danling.metrics.functional import multiclass as M
 from danling.metrics.functional import multilabel as L
 from danling.metrics.functional._common import auprc_from_curves, auroc_from_curves
 
+# Both builders of the ranking must give the curves' values: numpy on the host, and tensor ops on
+# the data's device (run here on the CPU; `benchmarks/gpu_check.py` runs them on CUDA).
+BUILDS = pytest.mark.parametrize("build", [_ranking.ranking, _ranking.tensor_ranking], ids=["host", "tensor"])
+
 
 def pieces_of(many: bool):
     # Pieces of a few rows and blocks of a few positives: every boundary a piece of rows or a
@@ -48,14 +55,15 @@ def check(ranking, curves):
 
 @pytest.mark.parametrize("small", [False, True], ids=["one-block", "many-blocks"])
 @pytest.mark.parametrize("n", [0, 1, 9, 70_000])
-def test_ranking_equals_the_curves(n, small):
+@BUILDS
+def test_ranking_equals_the_curves(n, small, build):
     g = torch.Generator().manual_seed(n)
     with pieces_of(small):
         scores, target = tied(g, n), torch.randint(0, 2, (n,), generator=g)
         target[::13] = -100
         half = n // 2  # two chunks, the second with narrowed targets
         chunks = [(scores[:half], target[:half]), (scores[half:], target[half:].to(torch.int8))]
-        check(_ranking.ranking("binary", chunks, 1, -100), B.binary_curves(scores, target, -100))
+        check(build("binary", chunks, 1, -100), B.binary_curves(scores, target, -100))
         for logits in (True, False):
             x = tied(g, n, 4)
             x = x if logits else x.softmax(-1)
@@ -64,31 +72,33 @@ def test_ranking_equals_the_curves(n, small):
             chunks = [(x[:half], y[:half]), (x[half:], y[half:].to(torch.int16))]
             for micro in (False, True):
                 expected = M.multiclass_curves(x, y, -100, micro=micro)
-                check(_ranking.ranking("multiclass", chunks, 4, -100, micro=micro), expected)
+                check(build("multiclass", chunks, 4, -100, micro=micro), expected)
         x, y = tied(g, n, 3), torch.randint(0, 2, (n, 3), generator=g)
         if n:
             y[0, 1] = -100
         for micro in (False, True):
             check(
-                _ranking.ranking("multilabel", [(x, y)], 3, -100, micro=micro),
+                build("multilabel", [(x, y)], 3, -100, micro=micro),
                 L.multilabel_curves(x, y, -100, micro=micro),
             )
 
 
-def test_invalid_targets_and_nan_scores_give_nan():
+@BUILDS
+def test_invalid_targets_and_nan_scores_give_nan(build):
     scores, target = torch.rand(100), torch.randint(0, 2, (100,))
     target[5] = 3  # neither a label nor ignored
-    assert _ranking.ranking("binary", [(scores, target)], 1, -100).auroc.isnan().all()
+    assert build("binary", [(scores, target)], 1, -100).auroc.isnan().all()
     target[5] = -100
-    assert not _ranking.ranking("binary", [(scores, target)], 1, -100).auroc.isnan().any()
+    assert not build("binary", [(scores, target)], 1, -100).auroc.isnan().any()
     scores[7] = float("nan")  # sklearn refuses it; the curves would rank it somewhere
-    assert _ranking.ranking("binary", [(scores, target)], 1, -100).auroc.isnan().all()
+    assert build("binary", [(scores, target)], 1, -100).auroc.isnan().all()
     scores[7], target[7] = float("nan"), -100  # an ignored sample's score does not matter
-    assert not _ranking.ranking("binary", [(scores, target)], 1, -100).auprc.isnan().any()
+    assert not build("binary", [(scores, target)], 1, -100).auprc.isnan().any()
 
 
 @pytest.mark.parametrize("ignore_index", [None, -100, 2, 300])
-def test_invalid_targets_of_classes_and_labels_give_what_the_curves_give(ignore_index):
+@BUILDS
+def test_invalid_targets_of_classes_and_labels_give_what_the_curves_give(ignore_index, build):
     """A target that is neither a label nor ignored makes its column nan (multiclass: every column)."""
     g = torch.Generator().manual_seed(3)
     x, y = torch.rand(90, 3, generator=g), torch.randint(0, 2, (90, 3), generator=g)
@@ -97,28 +107,30 @@ def test_invalid_targets_of_classes_and_labels_give_what_the_curves_give(ignore_
     narrowed = y.to(torch.int8)
     for micro in (False, True):
         expected = L.multilabel_curves(x, y, ignore_index, micro=micro)
-        check(_ranking.ranking("multilabel", [(x, narrowed)], 3, ignore_index, micro=micro), expected)
+        check(build("multilabel", [(x, narrowed)], 3, ignore_index, micro=micro), expected)
     logits, classes = torch.randn(90, 4, generator=g), torch.randint(0, 4, (90,), generator=g)
     classes[5] = 9
     classes[6] = -100
     for micro in (False, True):
         expected = M.multiclass_curves(logits, classes, ignore_index, micro=micro)
         chunks = [(logits, classes.to(torch.int16))]
-        check(_ranking.ranking("multiclass", chunks, 4, ignore_index, micro=micro), expected)
+        check(build("multiclass", chunks, 4, ignore_index, micro=micro), expected)
 
 
-def test_a_nan_score_of_an_ignored_row_does_not_hide_logits_beside_it():
+@BUILDS
+def test_a_nan_score_of_an_ignored_row_does_not_hide_logits_beside_it(build):
     """Logits are found as the curves find them: an ignored row's nan next to them changes nothing."""
     g = torch.Generator().manual_seed(4)
     logits, classes = torch.randn(50, 3, generator=g), torch.randint(0, 3, (50,), generator=g)
     logits[7, 1], classes[7] = float("nan"), -100  # min/max of this piece would be nan
-    check(_ranking.ranking("multiclass", [(logits, classes)], 3, -100), M.multiclass_curves(logits, classes, -100))
+    check(build("multiclass", [(logits, classes)], 3, -100), M.multiclass_curves(logits, classes, -100))
 
 
-def test_negative_zero_ties_with_zero():
+@BUILDS
+def test_negative_zero_ties_with_zero(build):
     scores = torch.tensor([0.0, -0.0, 0.5, -0.0, 0.0, -1.0])
     target = torch.tensor([1, 0, 1, 1, 0, 0])
-    ranking = _ranking.ranking("binary", [(scores, target)], 1)
+    ranking = build("binary", [(scores, target)], 1)
     assert ranking.auroc.item() == pytest.approx(skm.roc_auc_score(target.numpy(), scores.numpy()))
     assert ranking.auprc.item() == pytest.approx(skm.average_precision_score(target.numpy(), scores.numpy()))
 

@@ -19,7 +19,11 @@ same AUROC (the same float) and the same average precision (summed in another or
 The copies of all columns exist at once (a softmax of logits is taken row by row, for every class
 together): as much memory as the scores, so with the kept scores and targets the peak stays near
 2x the scores. Values are read on the host (counts, numpy views), so this path serves CPU tensors
-only; other devices keep the synchronisation-free curves.
+only.
+
+Data on another device (CUDA) takes [`tensor_ranking`][danling.metrics.functional._ranking.tensor_ranking]:
+the same counts from one ascending sort and one binary search per column, in tensor ops on that
+device with no host read, one column at a time.
 """
 
 from __future__ import annotations
@@ -33,8 +37,9 @@ import torch
 from torch import Tensor
 
 from ..preprocess import is_logit
+from ._common import result_dtype
 
-__all__ = ["Ranking", "column_sums", "ranking", "ranking_from_sums"]
+__all__ = ["Ranking", "column_sums", "ranking", "ranking_from_sums", "tensor_ranking"]
 
 # Scores of a piece of rows: the unit in which scores are checked for logits, put through the
 # softmax, split into positives and negatives and copied. Small enough that a piece's temporaries
@@ -246,3 +251,140 @@ def ranking(
         sums.append(column_sums(sides[0][column], sides[1][column]))
         sides[0][column] = sides[1][column] = None  # this column's copies go before the next is read
     return ranking_from_sums(sums, torch.from_numpy(invalid))
+
+
+def tensor_ranking(
+    kind: str,
+    chunks: Sequence[tuple[Tensor, Tensor]],
+    num_columns: int,
+    ignore_index: int | float | None = None,
+    *,
+    micro: bool = False,
+) -> Ranking:
+    """`ranking` with tensor ops on the data's own device (CUDA), one column at a time.
+
+    The same integer counts as the curves, so the same AUROC, and the same average precision up to
+    float rounding, without reading a value on the host. The curves sort every column at once and
+    keep four `(K, N)` int64 count tensors; here only one column's working set exists at a time
+    (about seven times that column's float32 scores), and the data is not concatenated: each
+    column is gathered from the chunks, a multiclass softmax recomputed a chunk at a time.
+    """
+    if kind not in ("binary", "multiclass", "multilabel"):
+        raise ValueError(f"{kind} tasks have no ranking metrics")
+    if not chunks:
+        raise ValueError("tensor_ranking needs at least one chunk (it runs on the chunks' device)")
+    # Targets stay as kept (often narrowed) and are widened a chunk at a time where compared: a
+    # narrow dtype would wrap an `ignore_index` it cannot hold, and a widened copy of every
+    # chunk's targets would take twice the scores (multilabel).
+    chunks = [(scores.detach(), target.detach()) for scores, target in chunks]
+    device = chunks[0][0].device
+    softmax = None
+    if kind == "multiclass":
+        # Logits anywhere make every row a softmax, as for the curves: a 0-d device tensor, no host read.
+        softmax = torch.stack([is_logit(scores) for scores, _ in chunks]).any()
+    columns = 1 if kind == "binary" or micro else num_columns
+    invalid = torch.zeros((), dtype=torch.long, device=device)
+    per_column_invalid = kind == "multilabel" and not micro
+    if per_column_invalid:
+        invalid = torch.zeros(num_columns, dtype=torch.long, device=device)
+    for _, target in chunks:
+        target = target.long()
+        if kind == "multiclass":
+            wrong = (target < 0) | (target >= num_columns)
+        else:
+            wrong = (target != 0) & (target != 1)
+        if ignore_index is not None:
+            wrong &= target != ignore_index
+        invalid += wrong.sum(0) if per_column_invalid else wrong.sum()
+    auroc, auprc, positives = [], [], []
+    for column in range(columns):
+        values, positive, negative = [], [], []
+        for scores, target in chunks:
+            target = target.long()
+            if kind == "multiclass":
+                scores = torch.where(softmax, scores.softmax(-1), scores)
+                counted = (target >= 0) & (target < num_columns)
+                if micro:  # row-major, as the pooled curves flatten `(N, C)`
+                    hit = target.unsqueeze(-1) == torch.arange(num_columns, device=device)
+                    values.append(scores.reshape(-1))
+                    positive.append((hit & counted.unsqueeze(-1)).reshape(-1))
+                    negative.append((~hit & counted.unsqueeze(-1)).reshape(-1))
+                    continue
+                values.append(scores[:, column].contiguous())  # not a view keeping the chunk's softmax
+                positive.append((target == column) & counted)
+                negative.append((target != column) & counted)
+                continue
+            if kind == "multilabel":
+                scores, target = (
+                    (scores.reshape(-1), target.reshape(-1)) if micro else (scores[:, column], target[:, column])
+                )
+            values.append(scores)
+            positive.append(target == 1)
+            negative.append(target == 0)
+        area, precision_sum, tps, fps, nans = _column_counts(values, positive, negative)
+        bad = nans + (invalid[column] if per_column_invalid else invalid)
+        dtype = result_dtype(device)
+        auroc.append(torch.where(bad == 0, area.to(dtype) / (2 * tps * fps).to(dtype), math.nan))
+        auprc.append(torch.where(bad == 0, precision_sum.to(dtype) / tps.to(dtype), math.nan))
+        positives.append(tps)
+    return Ranking(torch.stack(auroc), torch.stack(auprc), torch.stack(positives))
+
+
+def _column_counts(values: list[Tensor], positive: list[Tensor], negative: list[Tensor]) -> tuple[Tensor, ...]:
+    """Twice the AUROC's pair count, the summed precision of the positives, their count, the
+    negatives' count and the counted `nan` scores of one column given in pieces, as 0-d tensors.
+
+    Sorted ascending, a run of tied scores is a threshold: every element learns where its run
+    starts (a binary search of its own value), and so how many positives and negatives score
+    strictly below it; a run's last element also knows how many there are up to its end. Each
+    run adds `pos * (2 * neg_below + neg)` to the pair count (a tie counts one half), and each
+    positive adds the precision at its threshold, `tp / (tp + fp)` with `tp` and `fp` the counts
+    at or above its score. Indices and running counts are int32 below 2**30 elements (a sum of
+    two of them stays below 2**31). The lists are emptied as their pieces are joined, so that
+    no piece outlives its copy.
+    """
+    scores = torch.cat(values)
+    values.clear()
+    positives, negatives = torch.cat(positive), torch.cat(negative)
+    positive.clear()
+    negative.clear()
+    n = scores.numel()
+    nans = (scores.isnan() & (positives | negatives)).sum()
+    if n == 0:
+        zero = torch.zeros((), dtype=torch.long, device=scores.device)
+        return zero, zero.double(), zero, zero, nans
+    narrow = n < 2**30
+    index_dtype = torch.int32 if narrow else torch.long
+    ordered, order = scores.sort()
+    del scores
+    positives, negatives = positives[order], negatives[order]
+    del order
+    last = torch.ones(n, dtype=torch.bool, device=ordered.device)
+    torch.ne(ordered[1:], ordered[:-1], out=last[:-1])
+    # A `nan` (sorted last, unequal to itself) ends no run: an uncounted one must add nothing, and a
+    # counted one makes the column `nan` anyway. The binary search takes `nan` for a small value
+    # and would miss every run after the first `nan` it meets: it searches `inf` in its place.
+    unordered = ordered.isnan()
+    last &= ~unordered
+    ordered.masked_fill_(unordered, math.inf)
+    del unordered
+    start = torch.searchsorted(ordered, ordered, out_int32=narrow)
+    del ordered
+    pos_upto = positives.cumsum(0, dtype=index_dtype)
+    neg_upto = negatives.cumsum(0, dtype=index_dtype)
+    tps, fps = pos_upto[-1].long(), neg_upto[-1].long()
+    # the counts up to a run's first element, less that element's own
+    pos_below = pos_upto.index_select(0, start).sub_(positives.index_select(0, start).to(index_dtype))
+    neg_below = neg_upto.index_select(0, start).sub_(negatives.index_select(0, start).to(index_dtype))
+    del start
+    # Pairs, summed over runs at their last element (in int64: the products pass 2**31).
+    run_positives = pos_upto.sub_(pos_below).masked_fill_(last.logical_not_(), 0)
+    twice_neg_below_plus_run = neg_upto.add_(neg_below)
+    del last
+    area = run_positives.long().mul_(twice_neg_below_plus_run).sum()
+    del run_positives, twice_neg_below_plus_run
+    true_positives = tps - pos_below  # at or above each element's score
+    del pos_below
+    precision = true_positives.double().div_(true_positives.add_(fps - neg_below))
+    precision_sum = precision.masked_fill_(positives.logical_not_(), 0.0).sum()
+    return area, precision_sum, tps, fps, nans
