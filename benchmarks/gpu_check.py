@@ -40,7 +40,7 @@ LIMITS = {
     "fsdp2": 60,
     "speed-small": 120,
     "gpt2": 180,
-    "fp8": 60,
+    "fp8": 120,
     "metrics": 60,
     "compile": 150,
 }
