@@ -297,6 +297,7 @@ def tensor_ranking(
             wrong &= target != ignore_index
         invalid += wrong.sum(0) if per_column_invalid else wrong.sum()
     auroc, auprc, positives = [], [], []
+    dtype = result_dtype(device)
     for column in range(columns):
         values, positive, negative = [], [], []
         for scores, target in chunks:
@@ -321,16 +322,17 @@ def tensor_ranking(
             values.append(scores)
             positive.append(target == 1)
             negative.append(target == 0)
-        area, precision_sum, tps, fps, nans = _column_counts(values, positive, negative)
+        area, precision_sum, tps, fps, nans = _column_counts(values, positive, negative, dtype)
         bad = nans + (invalid[column] if per_column_invalid else invalid)
-        dtype = result_dtype(device)
         auroc.append(torch.where(bad == 0, area.to(dtype) / (2 * tps * fps).to(dtype), math.nan))
         auprc.append(torch.where(bad == 0, precision_sum.to(dtype) / tps.to(dtype), math.nan))
         positives.append(tps)
     return Ranking(torch.stack(auroc), torch.stack(auprc), torch.stack(positives))
 
 
-def _column_counts(values: list[Tensor], positive: list[Tensor], negative: list[Tensor]) -> tuple[Tensor, ...]:
+def _column_counts(
+    values: list[Tensor], positive: list[Tensor], negative: list[Tensor], dtype: torch.dtype
+) -> tuple[Tensor, ...]:
     """Twice the AUROC's pair count, the summed precision of the positives, their count, the
     negatives' count and the counted `nan` scores of one column given in pieces, as 0-d tensors.
 
@@ -340,8 +342,8 @@ def _column_counts(values: list[Tensor], positive: list[Tensor], negative: list[
     run adds `pos * (2 * neg_below + neg)` to the pair count (a tie counts one half), and each
     positive adds the precision at its threshold, `tp / (tp + fp)` with `tp` and `fp` the counts
     at or above its score. Indices and running counts are int32 below 2**30 elements (a sum of
-    two of them stays below 2**31). The lists are emptied as their pieces are joined, so that
-    no piece outlives its copy.
+    two of them stays below 2**31); precisions are `dtype` (float64 where the device has it).
+    The lists are emptied as their pieces are joined, so that no piece outlives its copy.
     """
     scores = torch.cat(values)
     values.clear()
@@ -352,7 +354,7 @@ def _column_counts(values: list[Tensor], positive: list[Tensor], negative: list[
     nans = (scores.isnan() & (positives | negatives)).sum()
     if n == 0:
         zero = torch.zeros((), dtype=torch.long, device=scores.device)
-        return zero, zero.double(), zero, zero, nans
+        return zero, zero.to(dtype), zero, zero, nans
     narrow = n < 2**30
     index_dtype = torch.int32 if narrow else torch.long
     ordered, order = scores.sort()
@@ -385,6 +387,6 @@ def _column_counts(values: list[Tensor], positive: list[Tensor], negative: list[
     del run_positives, twice_neg_below_plus_run
     true_positives = tps - pos_below  # at or above each element's score
     del pos_below
-    precision = true_positives.double().div_(true_positives.add_(fps - neg_below))
+    precision = true_positives.to(dtype).div_(true_positives.add_(fps - neg_below))
     precision_sum = precision.masked_fill_(positives.logical_not_(), 0.0).sum()
     return area, precision_sum, tps, fps, nans
