@@ -300,3 +300,28 @@ def test_a_nan_score_gives_nan_on_every_path_unless_its_sample_is_ignored(n):
     assert multiclass_auroc(logits, target, num_classes=3).isnan()
     target[1] = -100  # an ignored sample's score does not matter
     assert not binary_auroc(scores, target, ignore_index=-100).isnan()
+
+
+@pytest.mark.parametrize("kind", ["binary", "multiclass", "multilabel"])
+def test_data_off_the_host_is_ranked_on_its_device_without_joining_the_chunks(kind):
+    """Device data (here `meta`, which any non-CPU device stands for) takes `tensor_ranking`.
+
+    The curves of all columns at once took 20-22x the scores on an H200; the ranking keeps its
+    results on the device (nothing read on the host) and reads the chunks as they are.
+    """
+    shape = (5000,) if kind == "binary" else (5000, 4)
+    chunks = [
+        (
+            torch.randn(shape, device="meta"),
+            torch.zeros(shape[: 1 if kind == "multiclass" else None], dtype=torch.int8, device="meta"),
+        )
+    ] * 2
+    size = {"binary": {}, "multiclass": {"num_classes": 4}, "multilabel": {"num_labels": 4}}[kind]
+    task = MetricTask(kind, **size)
+    state = MetricState(task, chunks=chunks)
+    ranking = state.ranking()
+    columns = 1 if kind == "binary" else 4
+    assert ranking.auroc.device.type == "meta" and ranking.auroc.shape == (columns,)
+    assert ranking.positives.shape == (columns,)
+    assert state.input is None  # the chunks were not concatenated
+    assert state.ranking(micro=True).auroc.shape == (1,)
