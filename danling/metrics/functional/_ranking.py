@@ -22,8 +22,8 @@ together): as much memory as the scores, so with the kept scores and targets the
 only.
 
 Data on another device (CUDA) takes [`tensor_ranking`][danling.metrics.functional._ranking.tensor_ranking]:
-the same counts from one ascending sort and one binary search per column, in tensor ops on that
-device with no host read, one column at a time.
+the curves' counts, one column at a time and in int32, in tensor ops on that device with no host
+read.
 """
 
 from __future__ import annotations
@@ -336,57 +336,50 @@ def _column_counts(
     """Twice the AUROC's pair count, the summed precision of the positives, their count, the
     negatives' count and the counted `nan` scores of one column given in pieces, as 0-d tensors.
 
-    Sorted ascending, a run of tied scores is a threshold: every element learns where its run
-    starts (a binary search of its own value), and so how many positives and negatives score
-    strictly below it; a run's last element also knows how many there are up to its end. Each
-    run adds `pos * (2 * neg_below + neg)` to the pair count (a tie counts one half), and each
-    positive adds the precision at its threshold, `tp / (tp + fp)` with `tp` and `fp` the counts
-    at or above its score. Indices and running counts are int32 below 2**30 elements (a sum of
-    two of them stays below 2**31); precisions are `dtype` (float64 where the device has it).
-    The lists are emptied as their pieces are joined, so that no piece outlives its copy.
+    The curves' counts for one column, narrower: sorted ascending, each run of tied scores is a
+    threshold (a `nan` is a run of its own, which counts nothing unless its sample is counted, and
+    then the column is `nan`). The positives and negatives of every run are added up by run
+    index, and running sums give those strictly below it. A run adds `pos * (2 * neg_below + neg)`
+    to the pair count (a tie counts one half) and `pos` times its precision, `tp / (tp + fp)` with
+    the counts at or above its score. Run indices and counts are int32 below 2**30 elements (so a
+    sum of two stays below 2**31); precisions are `dtype` (float64 where the device has it). The
+    lists are emptied as their pieces are joined, so that no piece outlives its copy.
     """
     scores = torch.cat(values)
     values.clear()
     positives, negatives = torch.cat(positive), torch.cat(negative)
     positive.clear()
     negative.clear()
-    n = scores.numel()
     nans = (scores.isnan() & (positives | negatives)).sum()
+    tps, fps = positives.sum(), negatives.sum()
+    n = scores.numel()
     if n == 0:
-        zero = torch.zeros((), dtype=torch.long, device=scores.device)
-        return zero, zero.to(dtype), zero, zero, nans
-    narrow = n < 2**30
-    index_dtype = torch.int32 if narrow else torch.long
+        return torch.zeros_like(tps), torch.zeros((), dtype=dtype, device=tps.device), tps, fps, nans
+    counts = torch.int32 if n < 2**30 else torch.long
     ordered, order = scores.sort()
     del scores
     positives, negatives = positives[order], negatives[order]
     del order
-    last = torch.ones(n, dtype=torch.bool, device=ordered.device)
-    torch.ne(ordered[1:], ordered[:-1], out=last[:-1])
-    # A `nan` (sorted last, unequal to itself) ends no run: an uncounted one must add nothing, and a
-    # counted one makes the column `nan` anyway. The binary search takes `nan` for a small value
-    # and would miss every run after the first `nan` it meets: it searches `inf` in its place.
-    unordered = ordered.isnan()
-    last &= ~unordered
-    ordered.masked_fill_(unordered, math.inf)
-    del unordered
-    start = torch.searchsorted(ordered, ordered, out_int32=narrow)
+    first = torch.ones(n, dtype=torch.bool, device=ordered.device)
+    torch.ne(ordered[1:], ordered[:-1], out=first[1:])
     del ordered
-    pos_upto = positives.cumsum(0, dtype=index_dtype)
-    neg_upto = negatives.cumsum(0, dtype=index_dtype)
-    tps, fps = pos_upto[-1].long(), neg_upto[-1].long()
-    # the counts up to a run's first element, less that element's own
-    pos_below = pos_upto.index_select(0, start).sub_(positives.index_select(0, start).to(index_dtype))
-    neg_below = neg_upto.index_select(0, start).sub_(negatives.index_select(0, start).to(index_dtype))
-    del start
-    # Pairs, summed over runs at their last element (in int64: the products pass 2**31).
-    run_positives = pos_upto.sub_(pos_below).masked_fill_(last.logical_not_(), 0)
-    twice_neg_below_plus_run = neg_upto.add_(neg_below)
-    del last
-    area = run_positives.long().mul_(twice_neg_below_plus_run).sum()
-    del run_positives, twice_neg_below_plus_run
-    true_positives = tps - pos_below  # at or above each element's score
+    run = first.cumsum(0, dtype=counts).sub_(1)
+    del first
+    # Runs are numbered from 0; the slots past the last run stay zero and add nothing.
+    run_pos = torch.zeros(n, dtype=counts, device=run.device).index_add_(0, run, positives.to(counts))
+    del positives
+    run_neg = torch.zeros(n, dtype=counts, device=run.device).index_add_(0, run, negatives.to(counts))
+    del negatives, run
+    pos_below = run_pos.cumsum(0, dtype=counts).sub_(run_pos)
+    neg_below = run_neg.cumsum(0, dtype=counts).sub_(run_neg)
+    true_positives = tps - pos_below  # at or above each run's score
     del pos_below
-    precision = true_positives.to(dtype).div_(true_positives.add_(fps - neg_below))
-    precision_sum = precision.masked_fill_(positives.logical_not_(), 0.0).sum()
+    # true_positives + false_positives, in place of the false positives
+    denominator = (fps - neg_below).add_(true_positives)
+    precision = true_positives.to(dtype).div_(denominator).mul_(run_pos)
+    del true_positives, denominator
+    precision_sum = precision.masked_fill_(run_pos == 0, 0.0).sum()  # runs without positives: 0 / 0
+    del precision
+    # int64 products: they pass 2**31
+    area = run_pos.long().mul_(neg_below.mul_(2).add_(run_neg)).sum()
     return area, precision_sum, tps, fps, nans
