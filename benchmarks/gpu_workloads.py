@@ -782,6 +782,17 @@ def check_metrics(ctx: Context) -> dict[str, Any]:
                 out[f"{task}_ranking_syncs"] = "none"
             finally:
                 torch.cuda.set_sync_debug_mode("default")
+        # The device ranking against the curves it replaced, on the same kept data: time ratio and
+        # peaks above that data (CUDA only), as `bench_device_ranking.py` measures them.
+        import bench_device_ranking as bench
+
+        kept = bench.data(task, n, ctx.device)
+        curves_s, curves_peak, _ = bench.measure(bench.curves_path, task, kept, ctx.device, 3)
+        ranking_s, ranking_peak, _ = bench.measure(bench.ranking_path, task, kept, ctx.device, 3)
+        out[f"{task}_ranking_time_vs_curves"] = round(ranking_s / curves_s, 2)
+        if ranking_peak is not None and curves_peak is not None:
+            out[f"{task}_ranking_peak_vs_curves"] = f"{ranking_peak:.2f}x / {curves_peak:.2f}x"
+        del kept
     out["max_difference"] = worst
     return out
 
