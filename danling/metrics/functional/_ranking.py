@@ -266,8 +266,9 @@ def tensor_ranking(
     The same integer counts as the curves, so the same AUROC, and the same average precision up to
     float rounding, without reading a value on the host. The curves sort every column at once and
     keep four `(K, N)` int64 count tensors; here only one column's working set exists at a time
-    (about seven times that column's float32 scores), and the data is not concatenated: each
-    column is gathered from the chunks, a multiclass softmax recomputed a chunk at a time.
+    (about ten times that column's float32 scores at the sort, whose buffers count on CUDA), and
+    the data is not concatenated: each column is gathered from the chunks, a multiclass softmax
+    recomputed a chunk at a time.
     """
     if kind not in ("binary", "multiclass", "multilabel"):
         raise ValueError(f"{kind} tasks have no ranking metrics")
