@@ -27,8 +27,8 @@ COLUMNS = 10
 ROWS = 50_000
 
 
-def data(kind: str, n: int, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    generator = torch.Generator().manual_seed(0)
+def sample(kind: str, n: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """`n` samples of `kind` (10 columns): float32 scores, int64 targets with 5% of rows ignored."""
     shape = (n,) if kind == "binary" else (n, COLUMNS)
     scores = torch.randn(shape, generator=generator)
     if kind == "multiclass":
@@ -36,6 +36,12 @@ def data(kind: str, n: int, device: torch.device) -> list[tuple[torch.Tensor, to
     else:
         target = torch.randint(0, 2, shape, generator=generator)
     target[torch.rand(n, generator=generator) < 0.05] = -100
+    return scores, target
+
+
+def data(kind: str, n: int, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Kept data as a container keeps it: chunks of `ROWS` rows on `device`, int8 targets."""
+    scores, target = sample(kind, n, torch.Generator().manual_seed(0))
     return [(s.to(device), t.to(torch.int8).to(device)) for s, t in zip(scores.split(ROWS), target.split(ROWS))]
 
 
@@ -50,7 +56,7 @@ def curves_path(kind: str, chunks: list) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def ranking_path(kind: str, chunks: list) -> tuple[torch.Tensor, torch.Tensor]:
-    ranking = _ranking.tensor_ranking(kind, chunks, 1 if kind == "binary" else COLUMNS, -100)
+    ranking = _ranking.tensor_ranking(kind, chunks, 1 if kind == "binary" else COLUMNS, -100, False)
     return ranking.auroc, ranking.auprc
 
 

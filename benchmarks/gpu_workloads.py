@@ -719,9 +719,11 @@ def step_flops(model: nn.Module, dataset: TensorDataset, batch: int, ctx: Contex
 
 def check_metrics(ctx: Context) -> dict[str, Any]:
     """Exact metrics kept on the device give the CPU's values (the counting and ranking paths differ by device)."""
+    import bench_device_ranking as bench
+
     from danling.metrics import binary_metrics, multiclass_metrics, multilabel_metrics
 
-    n, batch, columns = (20_000, 5_000, 10) if ctx.quick else (400_000, 50_000, 10)
+    n, batch, columns = (20_000, 5_000, bench.COLUMNS) if ctx.quick else (400_000, 50_000, bench.COLUMNS)
     names = ["acc", "f1", "mcc", "auroc", "auprc"]
     builders = {
         "binary": lambda device, bins: binary_metrics(names, bins=bins, device=device),
@@ -732,13 +734,7 @@ def check_metrics(ctx: Context) -> dict[str, Any]:
     out: dict[str, Any] = {"samples": n}
     worst = 0.0
     for task, build in builders.items():
-        shape = (n,) if task == "binary" else (n, columns)
-        scores = torch.randn(shape, generator=generator)
-        if task == "multiclass":
-            target = torch.randint(0, columns, (n,), generator=generator)
-        else:
-            target = torch.randint(0, 2, shape, generator=generator)
-        target[torch.rand(shape[:1], generator=generator) < 0.05] = -100  # ignored samples on both sides
+        scores, target = bench.sample(task, n, generator)  # 5% of rows ignored, on both sides
         # the first pass warms the device (kernels loaded, allocator primed); the second pass is timed
         for bins in (None, None, 1000, 1000):
             values = {}
@@ -778,14 +774,12 @@ def check_metrics(ctx: Context) -> dict[str, Any]:
             synchronize(ctx.device)
             torch.cuda.set_sync_debug_mode("error")
             try:
-                tensor_ranking(task, chunks, columns, -100)
+                tensor_ranking(task, chunks, columns, -100, False)
                 out[f"{task}_ranking_syncs"] = "none"
             finally:
                 torch.cuda.set_sync_debug_mode("default")
         # The device ranking against the curves it replaced, on the same kept data: time ratio and
         # peaks above that data (CUDA only), as `bench_device_ranking.py` measures them.
-        import bench_device_ranking as bench
-
         kept = bench.data(task, n, ctx.device)
         curves_s, curves_peak, _ = bench.measure(bench.curves_path, task, kept, ctx.device, 3)
         ranking_s, ranking_peak, _ = bench.measure(bench.ranking_path, task, kept, ctx.device, 3)

@@ -300,11 +300,9 @@ class MetricState:
         ):
             return None
         task = self.task
-        on_host = all(input.device.type == "cpu" and target.device.type == "cpu" for input, target in chunks)
-        build = _ranking.ranking if on_host else _ranking.tensor_ranking
         return self.cached(
             ("ranking", micro),
-            lambda: build(task.kind, chunks, task.size or 1, task.ignore_index, micro=micro),
+            lambda: _ranking.ranking(task.kind, chunks, task.size or 1, task.ignore_index, micro=micro),
         )
 
 

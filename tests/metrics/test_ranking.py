@@ -28,9 +28,14 @@ from danling.metrics.functional import multiclass as M
 from danling.metrics.functional import multilabel as L
 from danling.metrics.functional._common import auprc_from_curves, auroc_from_curves
 
+
 # Both builders of the ranking must give the curves' values: numpy on the host, and tensor ops on
 # the data's device (run here on the CPU; `benchmarks/gpu_check.py` runs them on CUDA).
-BUILDS = pytest.mark.parametrize("build", [_ranking.ranking, _ranking.tensor_ranking], ids=["host", "tensor"])
+def tensor_ranking(kind, chunks, num_columns, ignore_index=None, *, micro=False):
+    return _ranking.tensor_ranking(kind, chunks, num_columns, ignore_index, micro)
+
+
+BUILDS = pytest.mark.parametrize("build", [_ranking.ranking, tensor_ranking], ids=["host", "tensor"])
 
 
 def pieces_of(many: bool):

@@ -51,6 +51,10 @@ ELEMENTS = 1 << 16
 MIN_BLOCK, MAX_BLOCK = 1 << 10, 1 << 14
 
 
+# The data as pieces of rows, `(scores, targets)` each.
+Chunks = Sequence[tuple[Tensor, Tensor]]
+
+
 class Ranking(NamedTuple):
     """Per-column AUROC, average precision and count of positives (all `(K,)`, float64 / int64)."""
 
@@ -180,21 +184,26 @@ def _masks(
 
 def ranking(
     kind: str,
-    chunks: Sequence[tuple[Tensor, Tensor]],
+    chunks: Chunks,
     num_columns: int,
     ignore_index: int | float | None = None,
     *,
     micro: bool = False,
 ) -> Ranking:
-    """Per-column (pooled with `micro`) AUROC and average precision of formatted CPU data.
+    """Per-column (pooled with `micro`) AUROC and average precision of formatted data.
 
     `chunks` hold the data as pieces of rows: binary `(n,)` scores and labels, multiclass
     `(n, C)` scores (logits anywhere make every row a softmax, as for the curves) with `(n,)`
     class indices, multilabel `(n, L)` scores and labels. Targets may use any integer dtype.
+    Host data is ranked here, with numpy; data on another device by `tensor_ranking`, whose
+    results stay on that device.
     """
     if kind not in ("binary", "multiclass", "multilabel"):
         raise ValueError(f"{kind} tasks have no ranking metrics")
-    chunks = [(scores.detach(), target.detach()) for scores, target in chunks if scores.shape[0]]
+    chunks = [(scores.detach(), target.detach()) for scores, target in chunks]
+    if any(scores.device.type != "cpu" or target.device.type != "cpu" for scores, target in chunks):
+        return tensor_ranking(kind, chunks, num_columns, ignore_index, micro)
+    chunks = [(scores, target) for scores, target in chunks if scores.shape[0]]
     columns = 1 if kind == "binary" or micro else num_columns
     # First pass, labels only: how many positives and negatives each column has (each side's
     # array is then allocated once, at its final size: growing it would copy it) and how many
@@ -254,14 +263,11 @@ def ranking(
 
 
 def tensor_ranking(
-    kind: str,
-    chunks: Sequence[tuple[Tensor, Tensor]],
-    num_columns: int,
-    ignore_index: int | float | None = None,
-    *,
-    micro: bool = False,
+    kind: str, chunks: Chunks, num_columns: int, ignore_index: int | float | None, micro: bool
 ) -> Ranking:
     """`ranking` with tensor ops on the data's own device (CUDA), one column at a time.
+
+    `ranking` checks `kind` and hands data off the host here (the tests call it with host data).
 
     The same integer counts as the curves, so the same AUROC, and the same average precision up to
     float rounding, without reading a value on the host. The curves sort every column at once and
@@ -270,8 +276,6 @@ def tensor_ranking(
     the data is not concatenated: each column is gathered from the chunks, a multiclass softmax
     recomputed a chunk at a time.
     """
-    if kind not in ("binary", "multiclass", "multilabel"):
-        raise ValueError(f"{kind} tasks have no ranking metrics")
     if not chunks:
         raise ValueError("tensor_ranking needs at least one chunk (it runs on the chunks' device)")
     # Targets stay as kept (often narrowed) and are widened a chunk at a time where compared: a
