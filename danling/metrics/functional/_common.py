@@ -25,6 +25,7 @@ __all__ = [
     "bincount",
     "check_average",
     "confusion_from_labels",
+    "class_masks",
     "curves_from_scores",
     "guard",
     "label_counter",
@@ -409,6 +410,16 @@ def cm_mcc(confusion: Confusion) -> Tensor:
     cov_tt = total * total - (support * support).sum(-1)
     # A zero denominator comes with a zero covariance: 0 / 0 becomes 0, as in scikit-learn.
     return guard(zero_nan(cov_tp / (cov_tt * cov_pp).sqrt()), ok)
+
+
+def class_masks(target: Tensor, num_classes: int, ignore_index: int | None) -> tuple[Tensor, Tensor]:
+    """Which class targets are counted (a class in `[0, num_classes)`), and how many are invalid
+    (neither a class nor ignored; any makes one-vs-rest curve metrics `nan`)."""
+    counted = (target >= 0) & (target < num_classes)
+    invalid = ~counted
+    if ignore_index is not None:
+        invalid &= target != ignore_index
+    return counted, invalid.sum()
 
 
 def label_masks(target: Tensor, ignore_index: int | None) -> tuple[Tensor, Tensor, Tensor]:

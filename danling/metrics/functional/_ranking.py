@@ -37,7 +37,7 @@ import torch
 from torch import Tensor
 
 from ..preprocess import is_logit
-from ._common import result_dtype
+from ._common import class_masks, label_masks, result_dtype
 
 __all__ = ["Ranking", "column_sums", "ranking", "ranking_from_sums", "tensor_ranking"]
 
@@ -288,28 +288,17 @@ def tensor_ranking(
         # Logits anywhere make every row a softmax, as for the curves: a 0-d device tensor, no host read.
         softmax = torch.stack([is_logit(scores) for scores, _ in chunks]).any()
     columns = 1 if kind == "binary" or micro else num_columns
-    invalid = torch.zeros((), dtype=torch.long, device=device)
-    per_column_invalid = kind == "multilabel" and not micro
-    if per_column_invalid:
-        invalid = torch.zeros(num_columns, dtype=torch.long, device=device)
-    for _, target in chunks:
-        target = target.long()
-        if kind == "multiclass":
-            wrong = (target < 0) | (target >= num_columns)
-        else:
-            wrong = (target != 0) & (target != 1)
-        if ignore_index is not None:
-            wrong &= target != ignore_index
-        invalid += wrong.sum(0) if per_column_invalid else wrong.sum()
     auroc, auprc, positives = [], [], []
     dtype = result_dtype(device)
     for column in range(columns):
         values, positive, negative = [], [], []
+        invalid = torch.zeros((), dtype=torch.long, device=device)  # of this column: any makes it nan
         for scores, target in chunks:
             target = target.long()
             if kind == "multiclass":
                 scores = torch.where(softmax, scores.softmax(-1), scores)
-                counted = (target >= 0) & (target < num_columns)
+                counted, wrong = class_masks(target, num_columns, ignore_index)
+                invalid += wrong
                 if micro:  # row-major, as the pooled curves flatten `(N, C)`
                     hit = target.unsqueeze(-1) == torch.arange(num_columns, device=device)
                     values.append(scores.reshape(-1))
@@ -324,11 +313,13 @@ def tensor_ranking(
                 scores, target = (
                     (scores.reshape(-1), target.reshape(-1)) if micro else (scores[:, column], target[:, column])
                 )
+            is_positive, is_negative, wrong = label_masks(target, ignore_index)
             values.append(scores)
-            positive.append(target == 1)
-            negative.append(target == 0)
+            positive.append(is_positive)
+            negative.append(is_negative)
+            invalid += wrong
         area, precision_sum, tps, fps, nans = _column_counts(values, positive, negative, dtype)
-        bad = nans + (invalid[column] if per_column_invalid else invalid)
+        bad = nans + invalid
         auroc.append(torch.where(bad == 0, area.to(dtype) / (2 * tps * fps).to(dtype), math.nan))
         auprc.append(torch.where(bad == 0, precision_sum.to(dtype) / tps.to(dtype), math.nan))
         positives.append(tps)

@@ -44,6 +44,7 @@ from ._common import (
     Confusion,
     Curves,
     check_average,
+    class_masks,
     cm_accuracy,
     cm_balanced_accuracy,
     cm_mcc,
@@ -86,16 +87,13 @@ def multiclass_curves(
     """
     num_classes = scores.shape[-1]
     scores = probabilities(scores, softmax=True)
-    counted = (target >= 0) & (target < num_classes)
-    invalid = ~counted
-    if ignore_index is not None:
-        invalid = invalid & (target != ignore_index)
+    counted, invalid = class_masks(target, num_classes, ignore_index)
     one_hot = target.unsqueeze(-1) == torch.arange(num_classes, device=target.device)
     positive = one_hot & counted.unsqueeze(-1)
     negative = ~one_hot & counted.unsqueeze(-1)
     if micro:
         scores, positive, negative = scores.reshape(-1, 1), positive.reshape(-1, 1), negative.reshape(-1, 1)
-    return curves_from_scores(scores, positive, negative, invalid.sum())
+    return curves_from_scores(scores, positive, negative, invalid)
 
 
 def accuracy_from_confusion(confusion: Confusion, average: str | None = "micro") -> Tensor:
