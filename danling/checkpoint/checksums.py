@@ -33,7 +33,7 @@ __all__ = [
     "BackgroundVerification",
 ]
 
-CHUNK_BYTES = 8 * 1024 * 1024
+CHUNK_BYTES = 4 * 1024 * 1024
 """Span of each per-chunk digest recorded by `file_record(..., chunked=True)`."""
 CHECKSUMS = ("xxh3_128", "sha256")
 """Checksum algorithms a manifest entry may record, fastest first (verification uses the first present)."""

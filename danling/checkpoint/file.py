@@ -19,7 +19,6 @@ from .manifest import (
     HashingReader,
     check_checksum,
     mark_verified,
-    read_manifest,
     take_streamed,
 )
 from .payload import drop_key, load_template, missing_entry, restore_objects
@@ -45,7 +44,7 @@ class FileCheckpointManager(CheckpointManager):
     The payload is checksummed while `torch.save` writes it and while `torch.load` reads it, so
     verification costs no extra pass over the file. `checksum` picks the algorithm recorded for
     new checkpoints (``"xxh3_128"``, fast, the default; or ``"sha256"``); checkpoints recording
-    either verify. With XXH3-128 the manifest also records the digest of every 8 MiB piece, and
+    either verify. With XXH3-128 the manifest also records the digest of every 4 MiB piece, and
     `load_into` reads such a payload straight into the live tensors, each piece checked before
     its bytes are copied (see `_read_into`).
 
@@ -88,7 +87,7 @@ class FileCheckpointManager(CheckpointManager):
     def _payload_stream(self, raw: BinaryIO) -> WritebackWriter:
         """Wrap the open payload file; the writer hashes bytes as `torch.save` emits them.
 
-        With XXH3-128 it also records the digest of every 8 MiB piece, which lets `load_into`
+        With XXH3-128 it also records the digest of every 4 MiB piece, which lets `load_into`
         check the file piece by piece while it reads it straight into live tensors.
         """
         return WritebackWriter(raw, getattr(self, "checksum", DEFAULT_CHECKSUM), chunked=True)
@@ -128,14 +127,11 @@ class FileCheckpointManager(CheckpointManager):
         return payload
 
     def _reads_in_place(self, path: Path) -> bool:
-        # A checkpoint whose payload records the digest of each piece is read straight into live tensors.
-        if not path.is_dir():
-            return False
-        try:
-            entry = read_manifest(path)["files"].get(self.payload_name)
-        except CheckpointError:
-            return False  # the streamed path's verification reports it
-        return _pieces(entry) is not None
+        # A checkpoint directory goes through `_read_into`, which reads a payload recording the
+        # digest of each piece straight into live tensors and any other the streamed way. The
+        # manifest is read once, by the verification: deciding here from a read of our own cost
+        # a second parse of it on every load (about 60 us of a 2.4 ms load of 12 MiB).
+        return path.is_dir()
 
     def _read_into(self, verified: Verified, objects: Mapping[str, Any], map_location: Any) -> dict[str, Any]:
         """Read the payload straight into the live objects' tensors, checking it piece by piece, then hand it over.
@@ -145,7 +141,7 @@ class FileCheckpointManager(CheckpointManager):
         tensor at the same place of an object's `state_dict_to_load()` (or `state_dict()`)
         exactly (a plain contiguous CPU tensor of the same dtype and shape, its storage's only
         tensor) is read into it; every other tensor into new memory. The file is read once, in
-        order, in its 8 MiB pieces, and each piece is compared with the manifest before any of
+        order, in its 4 MiB pieces, and each piece is compared with the manifest before any of
         its bytes is copied, so a damaged piece never reaches a live tensor. Then every object
         gets `load_state_dict(payload[key])`, as in the streamed path. A piece that does not
         match raises, and the pieces before it were already copied: the objects may then hold

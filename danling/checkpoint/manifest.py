@@ -20,6 +20,7 @@ from collections.abc import Callable, Collection, Iterator, Mapping
 from concurrent.futures import Future
 from contextlib import contextmanager
 from pathlib import Path
+from stat import S_ISREG
 from typing import Any, TypeVar
 
 from .checksums import (
@@ -290,7 +291,7 @@ def _unverified(
             stat = os.stat(path)
         except FileNotFoundError:
             raise CheckpointError(f"checkpoint file {path} is missing") from None
-        if not os.path.isfile(path):
+        if not S_ISREG(stat.st_mode):  # a directory of the entry's name: missing too (no second stat)
             raise CheckpointError(f"checkpoint file {path} is missing")
         if stat.st_size != expected["size"]:
             raise _torn(path, stat.st_size, expected["size"])

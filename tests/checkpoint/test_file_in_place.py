@@ -2,7 +2,7 @@
 
 Most tests shrink the piece span (`CHUNK_BYTES`) to 1 KiB, so small payloads have many pieces,
 tensors straddle piece boundaries, and the manifest records pieces as it does for files above
-8 MiB; one test keeps the real span.
+4 MiB; one test keeps the real span.
 """
 
 from __future__ import annotations
@@ -158,18 +158,60 @@ def test_name_keyed_wrappers_and_a_never_stepped_optimizer_load_in_place(tmp_pat
 
 
 def test_the_real_piece_span_is_read_in_place(tmp_path):
-    model = nn.Linear(1024, 1024)  # 4 MiB of weights, 12 MiB with the AdamW moments: two 8 MiB pieces
+    model = nn.Linear(1024, 1024)  # 4 MiB of weights, 12 MiB with the AdamW moments: four 4 MiB pieces
     optimizer = torch.optim.AdamW(model.parameters())
     model(torch.randn(2, 1024)).sum().backward()
     optimizer.step()
     path = FileCheckpointManager(tmp_path).save({"model": model, "optimizer": optimizer}, "step-000001")
-    assert len(manifest_of(path)["files"]["state.pt"]["chunks"]["xxh3_128"]) == 2
+    entry = manifest_of(path)["files"]["state.pt"]
+    assert entry["chunks"]["bytes"] == checksums.CHUNK_BYTES == 4 << 20
+    assert len(entry["chunks"]["xxh3_128"]) == 4  # 12 MiB of tensors plus the archive's pickle and index
     fresh = nn.Linear(1024, 1024)
     fresh_optimizer = torch.optim.AdamW(fresh.parameters())
     weight = fresh.weight.data_ptr()
     assert FileCheckpointManager(tmp_path).load_into("latest", {"model": fresh, "optimizer": fresh_optimizer}) == {}
     assert fresh.weight.data_ptr() == weight and torch.equal(fresh.weight, model.weight)
     _assert_identical(fresh_optimizer.state_dict(), optimizer.state_dict())
+
+
+def test_pieces_of_an_earlier_span_are_read_in_place(tmp_path, monkeypatch):
+    # Checkpoints of earlier versions record 8 MiB pieces: the reader takes the manifest's span.
+    model = nn.Linear(1024, 1024)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 1024)).sum().backward()
+    optimizer.step()
+    with monkeypatch.context() as patch:
+        patch.setattr(checksums, "CHUNK_BYTES", 8 << 20)
+        path = FileCheckpointManager(tmp_path).save({"model": model, "optimizer": optimizer}, "step-000001")
+    assert manifest_of(path)["files"]["state.pt"]["chunks"]["bytes"] == 8 << 20
+    spans = []
+    read_pieces = file_read.read_pieces
+
+    def spy(path, size, reads, pieces, *args):
+        spans.append(None if pieces is None else pieces[0])
+        return read_pieces(path, size, reads, pieces, *args)
+
+    monkeypatch.setattr("danling.checkpoint.file.read_pieces", spy)
+    fresh = nn.Linear(1024, 1024)
+    fresh_optimizer = torch.optim.AdamW(fresh.parameters())
+    assert FileCheckpointManager(tmp_path).load_into("latest", {"model": fresh, "optimizer": fresh_optimizer}) == {}
+    assert spans == [8 << 20]
+    assert torch.equal(fresh.weight, model.weight)
+    _assert_identical(fresh_optimizer.state_dict(), optimizer.state_dict())
+
+
+def test_a_load_in_place_reads_the_manifest_once(tmp_path, small_pieces, monkeypatch):
+    _save(FileCheckpointManager(tmp_path))
+    from danling.checkpoint import manifest
+
+    reads = []
+    read_manifest = manifest.read_manifest
+    counted = lambda directory: reads.append(directory) or read_manifest(directory)  # noqa: E731
+    monkeypatch.setattr(manifest, "read_manifest", counted)
+    monkeypatch.setattr("danling.checkpoint.file.read_manifest", counted, raising=False)  # its own import, if any
+    fresh, fresh_optimizer = _trained(seed=1)
+    FileCheckpointManager(tmp_path).load_into("latest", {"model": fresh, "optimizer": fresh_optimizer})
+    assert len(reads) == 1  # by the verification; deciding to read in place parsed it a second time
 
 
 def _record_offset(path, name: str) -> int:
@@ -229,12 +271,16 @@ class Unpieced(FileCheckpointManager):
 
 
 @pytest.mark.parametrize("writer", ["unpieced", "sha256"])
-def test_checkpoints_without_pieces_load_through_the_streamed_reader(tmp_path, small_pieces, writer):
+def test_checkpoints_without_pieces_load_through_the_streamed_reader(tmp_path, small_pieces, writer, monkeypatch):
     manager = Unpieced(tmp_path) if writer == "unpieced" else FileCheckpointManager(tmp_path, checksum="sha256")
     path, model, optimizer = _save(manager)
     assert "chunks" not in manifest_of(path)["files"]["state.pt"]
     reader = FileCheckpointManager(tmp_path)
-    assert not reader._reads_in_place(path)
+
+    def no_piece_reads(*args, **kwargs):
+        raise AssertionError("a payload without pieces was read piece by piece")
+
+    monkeypatch.setattr("danling.checkpoint.file.read_pieces", no_piece_reads)
     fresh, fresh_optimizer = _trained(seed=1)
     _assert_identical(reader.load_into("latest", {"model": fresh, "optimizer": fresh_optimizer}), _extras())
     _assert_identical(fresh.state_dict(), model.state_dict())
