@@ -81,8 +81,9 @@ def _binary_curve_metric(which: str) -> Callable[[MetricState, Any], Any]:
 
 
 # Binary and multiclass metrics of a small CPU batch or of accumulated CPU counts, from the
-# statistics of `_host` (same values, few tensor ops); the multiclass ones average over classes as
-# asked, the binary ones score class 1.
+# statistics of `_host` (same values, few tensor ops; a score as a Python float, which a container
+# reads as is and a `MetricFunc` call returns as a float64 tensor); the multiclass ones average
+# over classes as asked, the binary ones score class 1.
 HOST_METRICS: dict[str, Callable[[_host.HostCounts, Any], Any]] = {
     "accuracy": lambda counts, average: _host.accuracy_of(counts),
     "balanced_accuracy": lambda counts, average: _host.balanced_accuracy_of(counts),
@@ -217,12 +218,8 @@ def metric_funcs(task: MetricTask, names: Sequence[str], average: str | None = "
     funcs = {}
     for name in names:
         requires, compute = BINNED[name] if task.bins is not None and name in BINNED else catalog[name]
-        funcs[name] = MetricFunc(name, partial(_call, compute, average), task, requires)
+        funcs[name] = MetricFunc(name, partial(compute, average=average), task, requires)
     return funcs
-
-
-def _call(compute: Callable[[MetricState, Any], Any], average: Any, state: MetricState) -> Any:
-    return compute(state, average)
 
 
 def _container(

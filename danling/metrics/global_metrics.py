@@ -311,17 +311,20 @@ class _TaskStore(TaskStoreState):
         return input, target.long() if self.narrows and target.dtype in NARROW_DTYPES else target
 
     def state(
-        self, kind: str, device: Any, group: ProcessGroup | None = None
+        self, kind: str, device: Any, group: ProcessGroup | None = None, distributed: bool | None = None
     ) -> MetricState | tuple[Tensor, Tensor] | None:
         """The state metrics read for `kind`: the latest batch (`val`, `bat`) or all data (`avg`).
 
-        `bat` and `avg` combine the ranks of `group` (every rank when `None`).
+        `bat` and `avg` combine the ranks of `group` (every rank when `None`). `distributed` is
+        `is_distributed(group)` where the caller knows it already.
         """
+        if distributed is None:
+            distributed = is_distributed(group)
         chunks = None
         if kind == "avg":
             data = None
             if "data" in self.needs:
-                if is_distributed(group):
+                if distributed:
                     # Each rank's chunks go straight into the buffer it sends, and every rank's
                     # data arrives in one buffer: held once, never concatenated again.
                     data = _gather_pair(self.data_chunks(), device, group)
@@ -332,22 +335,22 @@ class _TaskStore(TaskStoreState):
                     data = self.local_data()
             artifacts = {}
             if "confusion" in self.needs:
-                artifacts["confusion"] = self._synced_confusion(device, group)
+                artifacts["confusion"] = self._synced_confusion(device, group, distributed)
             if "moments" in self.needs:
-                artifacts["moments"] = self._synced_moments(device, group)
+                artifacts["moments"] = self._synced_moments(device, group, distributed)
             if "bins" in self.needs:
-                artifacts["bins"] = self._synced_bins(device, group)
-        elif self.counts_latest and (self.last_counts is not None or (kind == "bat" and is_distributed(group))):
+                artifacts["bins"] = self._synced_bins(device, group, distributed)
+        elif self.counts_latest and (self.last_counts is not None or (kind == "bat" and distributed)):
             # Counts of the latest batch, summed over the ranks for `bat`: every rank of a store
             # of counts alone reduces counts, whatever the size of its own latest batch.
             counts = self.latest_counts(device)
-            if kind == "bat" and is_distributed(group):
+            if kind == "bat" and distributed:
                 counts = sum_across_ranks(counts, device, group)
             confusion = self.counter.confusion(counts)
             return MetricState(self.task, *_formatted_empty(self.task, counts.device), confusion=confusion)
         else:
             data, artifacts = self.latest(), {}
-        if kind == "bat":
+        if kind == "bat" and distributed:
             data = _gather_pair(data, device, group)
         if self.task is None:
             return data
@@ -357,30 +360,30 @@ class _TaskStore(TaskStoreState):
             data = _formatted_empty(self.task, device)
         return MetricState(self.task, *data, **artifacts)
 
-    def _synced_confusion(self, device: Any, group: ProcessGroup | None) -> Confusion:
+    def _synced_confusion(self, device: Any, group: ProcessGroup | None, distributed: bool) -> Confusion:
         counts = self.counts
         # A view is enough: this Confusion lives for one read, while no update can run.
         confusion = None if counts is None else self.counter.confusion(counts)
         if confusion is None:
             latest = self.latest()
             confusion = self.task.empty_confusion(latest[0].device if latest else device)
-        if not is_distributed(group):
+        if not distributed:
             return confusion
         flat = torch.cat([confusion.matrix.reshape(-1), confusion.invalid.reshape(1)])
         flat = sum_across_ranks(flat, device, group)
         return Confusion(flat[:-1].view_as(confusion.matrix), flat[-1])
 
-    def _synced_bins(self, device: Any, group: ProcessGroup | None) -> Tensor:
+    def _synced_bins(self, device: Any, group: ProcessGroup | None, distributed: bool) -> Tensor:
         bins = self.bins
         if bins is None:  # a rank without samples adds zeros of the same shape
             task = self.task
             columns = 1 if task.kind == "binary" else task.size
             bins = torch.zeros((columns, 2, task.bins), dtype=torch.long, device=device)
-        return sum_across_ranks(bins, device, group)  # one all-reduce of the counts
+        return sum_across_ranks(bins, device, group) if distributed else bins  # one all-reduce of the counts
 
-    def _synced_moments(self, device: Any, group: ProcessGroup | None) -> Tensor:
+    def _synced_moments(self, device: Any, group: ProcessGroup | None, distributed: bool) -> Tensor:
         moments = self.moments if self.moments is not None else self.task.empty_moments(device)
-        if not is_distributed(group):
+        if not distributed:
             return moments
         gathered = gather_across_ranks(moments.unsqueeze(0), device, group)
         merged = gathered[0]
@@ -584,7 +587,7 @@ class GlobalMetrics(GlobalMetricsState):
         cacheable = kind == "val" or not distributed
         if cacheable and kind in self._cache:
             return self._cache[kind][0], dict.fromkeys(self.metrics, self._cache[kind][1])
-        states = {task: store.state(kind, self.device, group) for task, store in self._stores.items()}
+        states = {task: store.state(kind, self.device, group, distributed) for task, store in self._stores.items()}
         values = RoundDict.from_flat({name: _evaluate(metric, states) for name, metric in self.metrics.items()})
         count = self._last_count if kind != "avg" else self._count
         if kind != "val" and distributed:
@@ -612,7 +615,7 @@ class GlobalMetrics(GlobalMetricsState):
 
 def _evaluate(metric: Callable, states: Mapping[MetricTask | None, Any]) -> Any:
     if isinstance(metric, MetricFunc):
-        value = metric(states[metric.task])
+        value = metric.evaluate(states[metric.task])  # a host statistic stays a float: no tensor to read back
     else:
         data = states[None]
         value = math.nan if data is None else metric(*data)
@@ -624,9 +627,7 @@ def _evaluate(metric: Callable, states: Mapping[MetricTask | None, Any]) -> Any:
 def _gather_pair(
     data: tuple[Tensor, Tensor] | list[tuple[Tensor, Tensor]] | None, device: Any, group: ProcessGroup | None
 ) -> tuple[Tensor, Tensor] | None:
-    """Every rank's `(input, target)` (or chunks of them) concatenated, rank after rank."""
-    if not is_distributed(group):
-        return data
+    """Every rank's `(input, target)` (or chunks of them) concatenated, rank after rank (`group` is distributed)."""
     pairs = [] if data is None else data if isinstance(data, list) else [data]
     input = gather_across_ranks([input for input, _ in pairs] or None, device, group)
     target = gather_across_ranks([target for _, target in pairs] or None, device, group)

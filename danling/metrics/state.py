@@ -345,10 +345,23 @@ class MetricFunc:
         if isinstance(state_or_input, MetricState):
             if target is not None:
                 raise TypeError(f"{self.name}: pass either a MetricState or (input, target), not both")
-            return self.fn(state_or_input)
+            return _as_tensor(self.fn(state_or_input))
         if target is None:
             raise TypeError(f"{self.name}() missing the target argument")
-        return self.fn(MetricState.from_batch(self.task, state_or_input, target))
+        return _as_tensor(self.fn(MetricState.from_batch(self.task, state_or_input, target)))
+
+    def evaluate(self, state: MetricState) -> Tensor | float:
+        """The metric of `state` as `fn` gives it: a tensor, or a Python float where it was computed on the host.
+
+        Containers read values this way; calling the `MetricFunc` makes a float a float64 tensor.
+        """
+        return self.fn(state)
 
     def __repr__(self) -> str:
         return f"MetricFunc({self.name}, task={self.task.kind})"
+
+
+def _as_tensor(value: Any) -> Any:
+    # The catalogue's host statistics give Python floats (see `functional._host`); a metric
+    # called as a function returns a tensor, as it always did.
+    return torch.scalar_tensor(value, dtype=torch.float64) if type(value) is float else value

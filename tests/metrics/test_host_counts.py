@@ -178,3 +178,37 @@ def test_reading_accumulated_counts_dispatches_a_third_of_the_tensor_paths_ops()
     # must round as the tensor path does); the tensor path shapes the counts and runs each formula.
     assert len(counted[True]) * 2.5 < len(counted[False]), counted
     assert not {"view.default", "index_select.default", "diagonal.default"} & set(counted[True])
+
+
+@pytest.mark.parametrize("task", ["binary", "multiclass", "multilabel"])
+def test_host_scores_reach_the_container_as_floats_and_callers_as_tensors(task):
+    # A score computed on the host is a Python float: the container reads it without a tensor
+    # made and read back (scalar_tensor + item were about a quarter of a cold acc-only compute).
+    generator = torch.Generator().manual_seed(0)
+    size = 5000  # counted by `update`: nothing left for `compute` to count
+    if task == "binary":
+        batch = torch.randn(size, generator=generator), torch.randint(0, 2, (size,), generator=generator)
+    elif task == "multiclass":
+        batch = torch.randn(size, 4, generator=generator), torch.randint(0, 4, (size,), generator=generator)
+    else:
+        batch = torch.randn(size, 4, generator=generator), torch.randint(0, 2, (size, 4), generator=generator)
+    metrics = build(task, 4, "macro", None)
+    metrics.update(*batch)
+    metrics.compute()  # the first read fills per-process caches
+    metrics.update(*batch)
+    counted = build(task, 4, "macro", None)
+    counted.metrics = {"acc": counted.metrics["acc"]}
+    counted.update(*batch)
+    counted.update(*batch)
+    with CountOps() as ops:
+        acc = counted.compute()["acc"]
+    assert same(acc, metrics.compute()["acc"])
+    assert not {"scalar_tensor.default", "_local_scalar_dense.default"} & set(ops.ops), ops.ops
+    (store,) = metrics._stores.values()
+    state, values = store.state("avg", None), metrics.compute()
+    for name in NAMES:
+        if task != "multilabel" or name in ("acc", "balanced_acc", "mcc"):  # one value, not per label
+            assert type(values[name]) is float, name
+        called = metrics.metrics[name](state)  # called as a function: a float64 tensor, as always
+        assert type(called) is torch.Tensor and called.dtype == torch.float64 and called.ndim == 0
+        assert same(called.item(), values[name])

@@ -7,6 +7,10 @@ their code out of the caches). The results are those of the general path bit for
 exact integers, every element-wise step is the same correctly rounded IEEE operation in Python,
 and what torch does not round correctly or the same way in any order (sums over non-integer
 values, MCC's square root) is left to the same torch op on a tensor of the same values.
+
+A score comes back as a Python float (a per-class vector as a float64 tensor): containers read
+it as a float, with no tensor made to be read back, and the functional API hands it out as a
+float64 tensor (`as_tensor`).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ __all__ = [
     "HostCounts",
     "LabelHostCounts",
     "accuracy_of",
+    "as_tensor",
     "balanced_accuracy_of",
     "binary_score_of",
     "class_score_of",
@@ -159,7 +164,7 @@ def _matrix_counts(rows: list[list[int]], invalid: int) -> HostCounts:
     return HostCounts(tp, predicted, support, total, total > 0 and not invalid)
 
 
-def label_score_of(counts: LabelHostCounts, average: str | None, which: str) -> Tensor:
+def label_score_of(counts: LabelHostCounts, average: str | None, which: str) -> float | Tensor:
     """Multilabel `"precision"`, `"recall"` or `"f1"` of the positive class of every label.
 
     `micro` scores the pooled counts; `macro` averages over labels positive in the target or the
@@ -170,7 +175,7 @@ def label_score_of(counts: LabelHostCounts, average: str | None, which: str) -> 
         return binary_score_of(counts.pooled, which)
     labels = counts.labels
     if not counts.pooled.ok:
-        return torch.full((len(labels),), math.nan, dtype=torch.float64) if average is None else _scalar(math.nan)
+        return torch.full((len(labels),), math.nan, dtype=torch.float64) if average is None else math.nan
     values = [_positive_score(label, which) for label in labels]
     if average is None:
         return torch.tensor(values, dtype=torch.float64)
@@ -178,12 +183,12 @@ def label_score_of(counts: LabelHostCounts, average: str | None, which: str) -> 
     weights = active if average == "macro" else [label.support[1] * a for label, a in zip(labels, active)]
     total = sum(weights)
     # No weight at all: the tensor path divides 0 by 0.
-    return _scalar(_torch_sum([v * w for v, w in zip(values, weights)], nan=True) / total if total else math.nan)
+    return _torch_sum([v * w for v, w in zip(values, weights)], nan=True) / total if total else math.nan
 
 
-def binary_score_of(counts: HostCounts, which: str) -> Tensor:
+def binary_score_of(counts: HostCounts, which: str) -> float:
     """Binary `"precision"`, `"recall"` or `"f1"` of the counts: the positive class's score."""
-    return _scalar(_positive_score(counts, which) if counts.ok else math.nan)
+    return _positive_score(counts, which) if counts.ok else math.nan
 
 
 def _positive_score(counts: HostCounts, which: str) -> float:
@@ -204,34 +209,34 @@ def host_class_score(
     Equals `_class_score(_confusion(input, target, num_classes, ignore_index), average, which)`.
     """
     counts = host_counts(input, target, num_classes, ignore_index)
-    return None if counts is None else class_score_of(counts, average, which)
+    return None if counts is None else as_tensor(class_score_of(counts, average, which))
 
 
 def host_balanced_accuracy(input: Any, target: Any, num_classes: int | None, ignore_index: Any) -> Tensor | None:
     """`cm_balanced_accuracy` of a small CPU batch, or `None` where the general path applies."""
     counts = host_counts(input, target, num_classes, ignore_index)
-    return None if counts is None else balanced_accuracy_of(counts)
+    return None if counts is None else as_tensor(balanced_accuracy_of(counts))
 
 
 def host_mcc(input: Any, target: Any, num_classes: int | None, ignore_index: Any) -> Tensor | None:
     """`cm_mcc` of a small CPU batch, or `None` where the general path applies."""
     counts = host_counts(input, target, num_classes, ignore_index)
-    return None if counts is None else mcc_of(counts)
+    return None if counts is None else as_tensor(mcc_of(counts))
 
 
-def accuracy_of(counts: HostCounts) -> Tensor:
+def accuracy_of(counts: HostCounts) -> float:
     """`cm_accuracy` of the counts: hits over the counted targets."""
-    return _scalar(sum(counts.tp) / counts.total if counts.ok else math.nan)
+    return sum(counts.tp) / counts.total if counts.ok else math.nan
 
 
-def class_score_of(counts: HostCounts, average: str | None, which: str) -> Tensor:
+def class_score_of(counts: HostCounts, average: str | None, which: str) -> float | Tensor:
     """`_class_score` of the counts (`which`: `"precision"`, `"recall"` or `"f1"`)."""
     average = check_average(average)
     tp, predicted, support, total, ok = counts
     if not ok:
-        return torch.full((len(tp),), math.nan, dtype=torch.float64) if average is None else _scalar(math.nan)
+        return torch.full((len(tp),), math.nan, dtype=torch.float64) if average is None else math.nan
     if average == "micro":  # one label per sample: pooled precision = recall = F1 = accuracy
-        return _scalar(sum(tp) / total)
+        return sum(tp) / total
     if which == "precision":
         values = [t / p if p else 0.0 for t, p in zip(tp, predicted)]
     elif which == "recall":
@@ -244,19 +249,19 @@ def class_score_of(counts: HostCounts, average: str | None, which: str) -> Tenso
         weights = [1 if p + s else 0 for p, s in zip(predicted, support)]
     else:  # weighted by support; a class with support is active
         weights = support
-    return _scalar(_torch_sum([v * w for v, w in zip(values, weights)], nan=True) / sum(weights))
+    return _torch_sum([v * w for v, w in zip(values, weights)], nan=True) / sum(weights)
 
 
-def balanced_accuracy_of(counts: HostCounts) -> Tensor:
+def balanced_accuracy_of(counts: HostCounts) -> float:
     """`cm_balanced_accuracy` of the counts: mean recall over the classes in the target."""
     tp, _, support, _, ok = counts
     if not ok:
-        return _scalar(math.nan)
+        return math.nan
     recalls = [t / s if s else 0.0 for t, s in zip(tp, support)]  # absent classes weigh 0
-    return _scalar(_torch_sum(recalls) / sum(1 for s in support if s))
+    return _torch_sum(recalls) / sum(1 for s in support if s)
 
 
-def mcc_of(counts: HostCounts) -> Tensor:
+def mcc_of(counts: HostCounts) -> float:
     """`cm_mcc` of the counts.
 
     The covariances are formed as `cm_mcc` forms them: float64 products of the counts (exact in
@@ -268,7 +273,7 @@ def mcc_of(counts: HostCounts) -> Tensor:
     """
     tp, predicted, support, total, ok = counts
     if not ok:
-        return _scalar(math.nan)
+        return math.nan
     add = sum if total < _EXACT_TOTAL else _torch_sum
     t = float(total)
     cov_tp = float(sum(tp)) * t - add([float(s) * float(p) for s, p in zip(support, predicted)])
@@ -276,9 +281,9 @@ def mcc_of(counts: HostCounts) -> Tensor:
     cov_tt = t * t - add([float(s) * float(s) for s in support])
     denominator = torch.scalar_tensor(cov_tt * cov_pp, dtype=torch.float64).sqrt().item()
     if denominator:
-        return _scalar(cov_tp / denominator)
+        return cov_tp / denominator
     # zero_nan: 0 / 0 is 0, as in scikit-learn; a nonzero covariance over 0 stays infinite.
-    return _scalar(math.copysign(math.inf, cov_tp) if cov_tp else 0.0)
+    return math.copysign(math.inf, cov_tp) if cov_tp else 0.0
 
 
 def _counts(pred: list[int], labels: list[int], classes: int, ignore_index: int | None) -> HostCounts:
@@ -308,5 +313,6 @@ def _torch_sum(values: list[float], *, nan: bool = False) -> float:
     return (tensor.nansum(-1) if nan else tensor.sum(-1)).item()
 
 
-def _scalar(value: float) -> Tensor:
-    return torch.scalar_tensor(value, dtype=torch.float64)
+def as_tensor(value: float | Tensor) -> Tensor:
+    """A score of this module as the functional API returns it: a float64 tensor."""
+    return value if isinstance(value, Tensor) else torch.scalar_tensor(value, dtype=torch.float64)

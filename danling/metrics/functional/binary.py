@@ -105,7 +105,7 @@ def binary_accuracy(input: Any, target: Any, *, threshold: float = 0.5, ignore_i
     """Fraction of samples whose thresholded prediction equals the label."""
     counts = _host.host_binary_counts(input, target, threshold, ignore_index)
     if counts is not None:  # a small CPU batch, counted from Python lists
-        return _host.accuracy_of(counts)
+        return _host.as_tensor(_host.accuracy_of(counts))
     return accuracy_from_confusion(_confusion(input, target, threshold, ignore_index))
 
 
@@ -115,7 +115,7 @@ def binary_balanced_accuracy(
     """Mean of the true-positive and true-negative rates (only the classes present in the target)."""
     counts = _host.host_binary_counts(input, target, threshold, ignore_index)
     if counts is not None:  # a small CPU batch, counted from Python lists
-        return _host.balanced_accuracy_of(counts)
+        return _host.as_tensor(_host.balanced_accuracy_of(counts))
     return balanced_accuracy_from_confusion(_confusion(input, target, threshold, ignore_index))
 
 
@@ -123,7 +123,7 @@ def binary_precision(input: Any, target: Any, *, threshold: float = 0.5, ignore_
     """Share of positive predictions that are correct (0 when nothing is predicted positive)."""
     counts = _host.host_binary_counts(input, target, threshold, ignore_index)
     if counts is not None:  # a small CPU batch, counted from Python lists
-        return _host.binary_score_of(counts, "precision")
+        return _host.as_tensor(_host.binary_score_of(counts, "precision"))
     return precision_from_confusion(_confusion(input, target, threshold, ignore_index))
 
 
@@ -131,7 +131,7 @@ def binary_recall(input: Any, target: Any, *, threshold: float = 0.5, ignore_ind
     """Share of positive samples predicted positive (0 when there are no positives)."""
     counts = _host.host_binary_counts(input, target, threshold, ignore_index)
     if counts is not None:  # a small CPU batch, counted from Python lists
-        return _host.binary_score_of(counts, "recall")
+        return _host.as_tensor(_host.binary_score_of(counts, "recall"))
     return recall_from_confusion(_confusion(input, target, threshold, ignore_index))
 
 
@@ -139,7 +139,7 @@ def binary_f1_score(input: Any, target: Any, *, threshold: float = 0.5, ignore_i
     """Harmonic mean of precision and recall (0 when both are 0)."""
     counts = _host.host_binary_counts(input, target, threshold, ignore_index)
     if counts is not None:  # a small CPU batch, counted from Python lists
-        return _host.binary_score_of(counts, "f1")
+        return _host.as_tensor(_host.binary_score_of(counts, "f1"))
     return f1_from_confusion(_confusion(input, target, threshold, ignore_index))
 
 
@@ -147,7 +147,7 @@ def binary_mcc(input: Any, target: Any, *, threshold: float = 0.5, ignore_index:
     """Matthews correlation coefficient (0 when predictions or labels are all one class)."""
     counts = _host.host_binary_counts(input, target, threshold, ignore_index)
     if counts is not None:  # a small CPU batch, counted from Python lists
-        return _host.mcc_of(counts)
+        return _host.as_tensor(_host.mcc_of(counts))
     return mcc_from_confusion(_confusion(input, target, threshold, ignore_index))
 
 
