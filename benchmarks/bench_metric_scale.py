@@ -21,6 +21,13 @@ peak resident memory above the memory before the call, as a multiple of the gath
 (1.0x: every rank's copy held once; a gather that kept the received list and its concatenation
 would take 2x).
 
+`--instructions` counts the instructions of `compute` instead of timing it: each child runs under
+callgrind with instrumentation on around `compute` alone (see `common.count_region`). A compute
+under a millisecond (confusion-only sets) is one cold call, whose wall time is mostly cache
+misses that change from process to process; its instruction count is the same in every run (to
+within 1% for torchmetrics). Needs valgrind, its headers and a C compiler; N = 1e5 runs in about
+20 s per child.
+
 Run (one heavy run at a time on a shared machine):
 `flock /tmp/danling-heavy.lock .venv/bin/python benchmarks/bench_metric_scale.py`
 options: `--sizes 1e5 1e6 1e7`, `--tasks multiclass binary multilabel`,
@@ -39,6 +46,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from common import callgrind_helper, count_region, counted_region
 
 BATCH = 10_000
 POOL = 8
@@ -143,9 +152,10 @@ def child(library: str, task: str, names: list[str], size: int) -> dict:
     Path("/proc/self/clear_refs").write_text("5")  # peak resident memory := current
     start_kib = _rss_kib("VmRSS")
     update_s = feed(metrics, pool, size)
-    began = time.perf_counter()
-    values = metrics.compute()
-    compute_s = time.perf_counter() - began
+    with counted_region():  # instructions are collected here only, under `--instructions`
+        began = time.perf_counter()
+        values = metrics.compute()
+        compute_s = time.perf_counter() - began
     peak = (_rss_kib("VmHWM") - start_kib) * 1024
     return {
         "update_s": update_s,
@@ -205,9 +215,12 @@ def measure_gather(size: int) -> list[dict]:
     return results
 
 
-def measure(library: str, task: str, names: list[str], size: int) -> dict:
+def measure(library: str, task: str, names: list[str], size: int, helper: str | None = None) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     command = [sys.executable, __file__, "--child", library, task, "+".join(names), str(size)]
+    if helper is not None:
+        instructions, out = count_region(command, helper, env)
+        return {**json.loads(out.strip().splitlines()[-1]), "instructions": instructions}
     done = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"{library} {task} {names} N={size} failed:\n{done.stderr[-3000:]}")
@@ -225,6 +238,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", type=Path, help="write every measurement here")
     parser.add_argument("--plot", type=Path, help="draw memory and compute time against N here (PNG)")
+    parser.add_argument("--instructions", action="store_true", help="count compute's instructions (callgrind)")
     args = parser.parse_args()
     if args.child:
         library, task, names, size = args.child
@@ -247,6 +261,9 @@ def main() -> None:
             )
         return
 
+    if args.instructions:
+        instructions(args)
+        return
     import torch
     import torchmetrics
 
@@ -282,6 +299,29 @@ def main() -> None:
         args.json.write_text(json.dumps(rows, indent=1))
     if args.plot:
         plot(rows, args.plot)
+
+
+def instructions(args: argparse.Namespace) -> None:
+    """The `--instructions` table: compute's instructions per library, one callgrind child each."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as directory:
+        helper = callgrind_helper(directory)
+        print("| task | metrics | N | compute instructions danling / torchmetrics | ratio |")
+        print("| --- | --- | ---: | ---: | ---: |")
+        for task in args.tasks:
+            for names in args.sets:
+                for size in (int(float(s)) for s in args.sizes):
+                    counts = {
+                        library: measure(library, task, names.split("+"), size, helper)["instructions"]
+                        for library in ("danling", "torchmetrics")
+                    }
+                    ours, theirs = counts["danling"], counts["torchmetrics"]
+                    print(
+                        f"| {task} | {names.replace('+', ', ')} | {size:.0e} | {ours:,} / {theirs:,} | "
+                        f"{ours / theirs:.2f}x |",
+                        flush=True,
+                    )
 
 
 def _mib(size: float) -> str:

@@ -191,3 +191,73 @@ def profile_call(call: Callable[[], object], title: str, lines: int) -> str:
     out.write(f"\n## {title}\n")
     pstats.Stats(prof, stream=out).sort_stats("cumulative").print_stats(lines)
     return out.getvalue()
+
+
+# Instructions of one region of a child process, counted by callgrind. The child runs under
+# `valgrind --tool=callgrind --instr-atstart=no` (imports and set-up run uninstrumented, several
+# times faster) and switches instrumentation on and off around the region through callgrind's
+# client requests, which only C can issue: a two-function library, compiled once per run.
+_CALLGRIND_HELPER = """
+#include <valgrind/callgrind.h>
+void danling_bench_start(void) { CALLGRIND_START_INSTRUMENTATION; }
+void danling_bench_stop(void) { CALLGRIND_STOP_INSTRUMENTATION; }
+"""
+CALLGRIND_LIBRARY = "DANLING_BENCH_CALLGRIND"
+"""Environment variable naming the compiled helper in a child that `count_region` runs."""
+
+
+def callgrind_helper(directory: str) -> str:
+    """Compile the start/stop helper into `directory` and return its path.
+
+    Raises:
+        RuntimeError: valgrind, its headers or a C compiler is missing (naming which).
+    """
+    import shutil
+    import subprocess
+
+    for tool in ("valgrind", "cc"):
+        if shutil.which(tool) is None:
+            raise RuntimeError(f"counting instructions needs {tool!r} on PATH")
+    source, library = os.path.join(directory, "callgrind_helper.c"), os.path.join(directory, "callgrind_helper.so")
+    with open(source, "w") as file:
+        file.write(_CALLGRIND_HELPER)
+    done = subprocess.run(["cc", "-O2", "-shared", "-fPIC", "-o", library, source], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"compiling the callgrind helper failed (valgrind's headers missing?):\n{done.stderr}")
+    return library
+
+
+class counted_region:
+    """In a child run by `count_region`, instructions are collected inside this block only (no-op elsewhere)."""
+
+    def __enter__(self) -> None:
+        library = os.environ.get(CALLGRIND_LIBRARY)
+        if library:
+            import ctypes
+
+            self.helper = ctypes.CDLL(library)
+            self.helper.danling_bench_start()
+        else:
+            self.helper = None
+
+    def __exit__(self, *exc: object) -> None:
+        if self.helper is not None:
+            self.helper.danling_bench_stop()
+
+
+def count_region(command: list[str], library: str, env: Mapping[str, str] | None = None) -> tuple[int, str]:
+    """Run `command` (a Python child using `counted_region`) under callgrind: its region's instructions and stdout."""
+    import re
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as directory:
+        # PYTHONHASHSEED: the same dict and set orders in every run, so the count repeats.
+        environment = {**(env or os.environ), CALLGRIND_LIBRARY: library, "PYTHONHASHSEED": "0"}
+        valgrind = ["valgrind", "--tool=callgrind", "--instr-atstart=no"]
+        valgrind.append(f"--callgrind-out-file={os.path.join(directory, 'out')}")
+        done = subprocess.run([*valgrind, *command], capture_output=True, text=True, env=environment, check=False)
+    match = re.search(r"Collected\s*:\s*([\d,]+)", done.stderr)
+    if done.returncode != 0 or match is None:
+        raise RuntimeError(f"callgrind run of {command} failed:\n{done.stderr[-2000:]}")
+    return int(match.group(1).replace(",", "")), done.stdout

@@ -59,9 +59,12 @@ _WIRE_CASTS = {
 }
 
 
+_AVAILABLE = dist.is_available()  # fixed by the torch build: asked once, not at every read
+
+
 def is_distributed(group: ProcessGroup | None = None) -> bool:
     """Whether `group` (the default group when `None`) is active and has more than one rank."""
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+    return _AVAILABLE and dist.is_initialized() and dist.get_world_size(group) > 1
 
 
 def get_world_size(group: ProcessGroup | None = None) -> int:

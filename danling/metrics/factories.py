@@ -110,9 +110,9 @@ LABEL_HOST_METRICS: dict[str, Callable[[_host.LabelHostCounts, Any], Any]] = {
 }
 
 
-def _held_counts(state: MetricState) -> Any:
+def _held_counts(state: MetricState, confusion: Any = None) -> Any:
     """The host statistics of accumulated CPU counts held by `state` (`GlobalMetrics`' `avg`), if any."""
-    confusion = state.held("confusion")
+    confusion = state.held("confusion") if confusion is None else confusion
     if confusion is None:
         return None
     return state.cached("host_counts", lambda: _host.counts_of_confusion(confusion))
@@ -123,8 +123,9 @@ def _host_counts(state: MetricState) -> _host.HostCounts | None:
 
     `None` where the tensor path applies; built once per state.
     """
-    if state.held("confusion") is not None:
-        return _held_counts(state)
+    confusion = state.held("confusion")
+    if confusion is not None:
+        return _held_counts(state, confusion)
     if state.input is None or state.target is None:
         return None
     input, target, task = state.input, state.target, state.task

@@ -99,6 +99,23 @@ class MetricTask:
         if not 0 <= self.threshold <= 1:
             raise ValueError(f"threshold must lie in [0, 1], got {self.threshold!r}")
 
+    def __hash__(self) -> int:
+        # The fields' hash, computed once: every container read hashes its tasks several times
+        # (dict keys, caches), and hashing seven fields each time cost more than reading the
+        # counts. Never pickled (see `__getstate__`): a string's hash differs between processes.
+        try:
+            return self.__dict__["_hash"]
+        except KeyError:
+            value = hash((self.kind, self.num_classes, self.num_labels, self.num_outputs))
+            value = hash((value, self.threshold, self.ignore_index, self.bins))
+            object.__setattr__(self, "_hash", value)
+            return value
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state.pop("_hash", None)
+        return state
+
     @property
     def size(self) -> int | None:
         """Classes, labels or outputs, whichever the task has (`None` if not given)."""

@@ -79,10 +79,11 @@ class RoundDict(NestedDict):
             >>> RoundDict.from_flat({"val.acc": 0.5}).dict()  # nested key: the constructor's path
             {'val': {'acc': 0.5}}
         """
-        if cls is not RoundDict or not (
-            _SHORTCUT and values and all(_row_item(key, value) for key, value in values.items())
-        ):
+        if cls is not RoundDict or not _SHORTCUT or not values:
             return cls(values)
+        for key, value in values.items():  # a loop, not `all(...)` of a generator: half the checks' cost
+            if not _row_item(key, value):
+                return cls(values)
         return _build(values)
 
     def round(self, ndigits: int | None = None) -> Self:

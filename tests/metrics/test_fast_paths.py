@@ -219,3 +219,27 @@ def test_meter_average_of_a_scalar_sum_is_the_tensor_division(total, count, dtyp
     meter._sum, meter._count, meter._val = torch.tensor(total, dtype=torch.float64), count, torch.ones((), dtype=dtype)
     expected = meter_module._to_python(meter_module._restore_dtype(meter._sum / count, meter._val))
     assert same(meter.avg, expected)
+
+
+def test_a_task_hashes_its_fields_once_and_never_pickles_the_hash():
+    import copy
+    import pickle
+    import subprocess
+    import sys
+
+    from danling.metrics import MetricTask
+
+    task = MetricTask("multiclass", num_classes=3, ignore_index=-100)
+    assert hash(task) == hash(MetricTask("multiclass", num_classes=3, ignore_index=-100.0))  # equal tasks
+    assert task.__dict__["_hash"] == hash(task)  # kept after the first hash
+    assert hash(task) != hash(MetricTask("multiclass", num_classes=4, ignore_index=-100))
+    for restored in (pickle.loads(pickle.dumps(task)), copy.copy(task), copy.deepcopy(task)):
+        assert "_hash" not in restored.__dict__ and restored == task and {task: 1}[restored] == 1
+    # Another process hashes strings differently: a pickled hash would miss its equal there.
+    code = (
+        "import pickle, sys; from danling.metrics import MetricTask; "
+        "task = pickle.loads(sys.stdin.buffer.read()); "
+        "print({MetricTask('multiclass', num_classes=3, ignore_index=-100): 1}.get(task))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], input=pickle.dumps(task), capture_output=True, check=True)
+    assert done.stdout.decode().strip() == "1"

@@ -147,8 +147,8 @@ class CountedConfusion(Confusion):
     def invalid(self) -> Tensor:  # type: ignore[override]
         return self._shaped.invalid
 
-    def host_table(self) -> tuple[list[list[list[int]]], int] | None:
-        """Each group's matrix as Python rows and the invalid count (small CPU tables), else `None`."""
+    def host_table(self) -> tuple[list[int], range, int] | None:
+        """`LabelCounter.host_table` of these counts (small CPU tables), else `None`."""
         return self.counter.host_table(self.counts)
 
 
@@ -231,7 +231,7 @@ class LabelCounter:
         valid = range(self.first, self.first + num_classes)
         self.invalid_rows = tuple(r for r in range(self.rows) if r not in valid and r not in skipped)
         self._invalid_rows: dict[torch.device, Tensor] = {}
-        self._invalid_spans: list[tuple[int, int]] | None = None  # flat ranges of `invalid_rows`, for `host_table`
+        self._invalid_slices: list[slice] | None = None  # where `invalid_rows` lie in the flat table, for `host_table`
         self._boundaries: dict[tuple[torch.device, torch.dtype], Tensor] = {}
         self._offsets: dict[tuple[torch.device, torch.dtype], Tensor] = {}
         self._ones: dict[tuple[torch.device, int, torch.dtype], Tensor] = {}
@@ -287,23 +287,24 @@ class LabelCounter:
             return counts.index_add_(0, index, ones)
         return counts.scatter_add_(0, index, ones)
 
-    def host_table(self, counts: Tensor) -> tuple[list[list[list[int]]], int] | None:
-        """Each group's `(C, C)` matrix as Python rows, and the invalid count, read with one `tolist`.
+    def host_table(self, counts: Tensor) -> tuple[list[int], range, int] | None:
+        """The counts as Python integers (one `tolist`), where each group's `(C, C)` matrix starts, the invalid count.
 
         For CPU count tables of at most `HOST_TABLE_SIZE` entries (`None` otherwise): on the
-        host, reading a few hundred counts costs less than the tensor ops that shape them.
+        host, reading a few hundred counts costs less than the tensor ops that shape them. Each
+        matrix is row-major (a row per target class) from its start.
         """
         if counts.numel() > HOST_TABLE_SIZE or not counts.is_cpu or "cpu" not in HOST_READ_DEVICES:
             return None
         table = counts.tolist()
         c, width = self.num_classes, self.rows * self.num_classes
-        # A group's class rows are consecutive: one slice of C * C counts, then cut into rows.
-        starts = range(self.first * c, (self.groups or 1) * width, width)
-        matrices = [[table[row : row + c] for row in range(start, start + c * c, c)] for start in starts]
-        spans = self._invalid_spans
-        if spans is None:
-            spans = self._invalid_spans = _spans(self.invalid_rows, c, width, self.groups or 1)
-        return matrices, sum(sum(table[begin:end]) for begin, end in spans)
+        parts = self._invalid_slices
+        if parts is None:
+            parts = self._invalid_slices = _invalid_slices(self.invalid_rows, c, width, self.groups or 1)
+        invalid = 0
+        for part in parts:  # a loop, not a generator: resuming one per slice cost more than the sums
+            invalid += sum(table[part])
+        return table, range(self.first * c, (self.groups or 1) * width, width), invalid
 
     def empty(self, device: torch.device | str | None = None) -> Tensor:
         """Zero counts to `accumulate` into."""
@@ -334,17 +335,23 @@ class LabelCounter:
         return Confusion(matrix[0] if self.groups is None else matrix.contiguous(), invalid)
 
 
-def _spans(rows: tuple[int, ...], columns: int, width: int, groups: int) -> list[tuple[int, int]]:
-    """Flat `[begin, end)` ranges covering `rows` of every group's table, adjacent rows merged."""
+def _invalid_slices(rows: tuple[int, ...], columns: int, width: int, groups: int) -> list[slice]:
+    """Slices of the flat table that together cover `rows` of every group's table once.
+
+    Adjacent rows of a group make one contiguous slice; with several groups, each cell of those
+    rows across every group is one strided slice instead, where that takes fewer slices (a
+    multilabel table of ten labels: six slices, not thirty).
+    """
     spans: list[tuple[int, int]] = []
-    for base in range(0, groups * width, width):
-        for row in rows:
-            begin = base + row * columns
-            if spans and spans[-1][1] == begin:
-                spans[-1] = (spans[-1][0], begin + columns)
-            else:
-                spans.append((begin, begin + columns))
-    return spans
+    for row in rows:
+        begin = row * columns
+        if spans and spans[-1][1] == begin:
+            spans[-1] = (spans[-1][0], begin + columns)
+        else:
+            spans.append((begin, begin + columns))
+    contiguous = [slice(base + begin, base + end) for base in range(0, groups * width, width) for begin, end in spans]
+    strided = [slice(cell, groups * width, width) for begin, end in spans for cell in range(begin, end)]
+    return strided if len(strided) < len(contiguous) else contiguous
 
 
 @lru_cache(maxsize=256)

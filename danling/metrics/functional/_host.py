@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 import struct
 from functools import cached_property
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -72,14 +72,47 @@ def small_cpu_batch(input: Any, target: Any, num_classes: int | None) -> bool:
     )
 
 
-class HostCounts(NamedTuple):
-    """Per-class hits, predictions and support of one batch, as Python integers."""
+class HostCounts:
+    """Per-class hits, predictions and support, as Python integers.
 
-    tp: list[int]
-    predicted: list[int]
-    support: list[int]
-    total: int
-    ok: bool  # something was counted and every target was a class or ignored
+    Built with every list from a batch's pairs, or by `of_table` from a confusion table read on
+    the host, whose `predicted` and `support` are summed on first use: accuracy reads only the
+    hits and the total, and the sums of every row and column were most of a cold accuracy-only
+    compute.
+    """
+
+    __slots__ = ("tp", "total", "ok", "_predicted", "_support", "_table", "_start", "_classes")
+
+    def __init__(self, tp: list[int], predicted: list[int], support: list[int], total: int, ok: bool) -> None:
+        self.tp, self._predicted, self._support, self.total = tp, predicted, support, total
+        self.ok = ok  # something was counted and every target was a class or ignored
+
+    @classmethod
+    def of_table(cls, table: list[int], start: int, classes: int, invalid: int) -> HostCounts:
+        """The statistics of the row-major `(classes, classes)` matrix at `table[start:]`."""
+        end = start + classes * classes
+        counts = cls.__new__(cls)
+        counts.tp, counts.total = table[start : end : classes + 1], sum(table[start:end])
+        counts.ok = counts.total > 0 and not invalid
+        counts._predicted = counts._support = None
+        counts._table, counts._start, counts._classes = table, start, classes
+        return counts
+
+    @property
+    def predicted(self) -> list[int]:
+        """Predictions of each class: the matrix's column sums."""
+        if self._predicted is None:
+            table, start, c = self._table, self._start, self._classes
+            self._predicted = [sum(table[column : start + c * c : c]) for column in range(start, start + c)]
+        return self._predicted
+
+    @property
+    def support(self) -> list[int]:
+        """Targets of each class: the matrix's row sums."""
+        if self._support is None:
+            table, start, c = self._table, self._start, self._classes
+            self._support = [sum(table[row : row + c]) for row in range(start, start + c * c, c)]
+        return self._support
 
 
 def host_counts(input: Any, target: Any, num_classes: int | None, ignore_index: Any) -> HostCounts | None:
@@ -122,15 +155,24 @@ def host_binary_counts(input: Any, target: Any, threshold: float, ignore_index: 
 
 
 class LabelHostCounts:
-    """Per-label 2x2 statistics of multilabel counts (built on first use), and those of all labels pooled."""
+    """Per-label statistics of multilabel counts (the positive class's, built on first use), all labels pooled."""
 
-    def __init__(self, matrices: list[list[list[int]]], pooled: HostCounts) -> None:
-        self.matrices = matrices
+    def __init__(self, table: list[int], starts: range, pooled: HostCounts) -> None:
+        self.table, self.starts = table, starts  # each label's 2x2 matrix starts at one of `starts`
         self.pooled = pooled
 
     @cached_property
-    def labels(self) -> list[HostCounts]:
-        return [_matrix_counts(rows, 0) for rows in self.matrices]  # `ok` of a label is never read
+    def positives(self) -> tuple[list[int], list[int], list[int]]:
+        """Hits, predictions and targets of every label's positive class.
+
+        Each 2x2 cell of every label is one strided slice of the table (a label per step), so
+        the three lists take three slices and two sums per label, not a `HostCounts` per label.
+        """
+        table, start, stop, step = self.table, self.starts.start, self.starts.stop, self.starts.step
+        # Row-major (target, prediction) cells: 1 predicted only, 2 missed, 3 hit.
+        predicted_only, missed = table[start + 1 : stop : step], table[start + 2 : stop : step]
+        tps = table[start + 3 : stop : step]
+        return tps, [a + t for a, t in zip(predicted_only, tps)], [m + t for m, t in zip(missed, tps)]
 
 
 def counts_of_confusion(confusion: _common.Confusion) -> HostCounts | LabelHostCounts | None:
@@ -145,23 +187,19 @@ def counts_of_confusion(confusion: _common.Confusion) -> HostCounts | LabelHostC
     """
     if not isinstance(confusion, _common.CountedConfusion):
         return None
-    table = confusion.host_table()
-    if table is None:
+    read = confusion.host_table()
+    if read is None:
         return None
-    matrices, invalid = table
+    table, starts, invalid = read
+    classes = confusion.counter.num_classes
     if confusion.counter.groups is None:
-        counts = _matrix_counts(matrices[0], invalid)
+        counts = HostCounts.of_table(table, starts[0], classes, invalid)
         return counts if counts.total < _EXACT_SUM else None
-    pooled = _matrix_counts([[sum(column) for column in zip(*cells)] for cells in zip(*matrices)], invalid)
-    return LabelHostCounts(matrices, pooled) if pooled.total < _EXACT_SUM else None
-
-
-def _matrix_counts(rows: list[list[int]], invalid: int) -> HostCounts:
-    support = [sum(row) for row in rows]
-    total = sum(support)
-    tp = [row[index] for index, row in enumerate(rows)]
-    predicted = [sum(column) for column in zip(*rows)]
-    return HostCounts(tp, predicted, support, total, total > 0 and not invalid)
+    # Every label's matrix added cell by cell: the pooled 2x2 matrix of all decisions. A cell of
+    # every label is one strided slice of the table (no generator per cell).
+    pooled = [sum(table[starts.start + cell : starts.stop : starts.step]) for cell in range(classes * classes)]
+    pooled_counts = HostCounts.of_table(pooled, 0, classes, invalid)
+    return LabelHostCounts(table, starts, pooled_counts) if pooled_counts.total < _EXACT_SUM else None
 
 
 def label_score_of(counts: LabelHostCounts, average: str | None, which: str) -> float | Tensor:
@@ -173,14 +211,14 @@ def label_score_of(counts: LabelHostCounts, average: str | None, which: str) -> 
     average = check_average(average)
     if average == "micro":
         return binary_score_of(counts.pooled, which)
-    labels = counts.labels
+    tps, predicted, support = counts.positives
     if not counts.pooled.ok:
-        return torch.full((len(labels),), math.nan, dtype=torch.float64) if average is None else math.nan
-    values = [_positive_score(label, which) for label in labels]
+        return torch.full((len(tps),), math.nan, dtype=torch.float64) if average is None else math.nan
+    values = [_score(t, p, s, which) for t, p, s in zip(tps, predicted, support)]
     if average is None:
         return torch.tensor(values, dtype=torch.float64)
-    active = [1 if label.predicted[1] + label.support[1] else 0 for label in labels]
-    weights = active if average == "macro" else [label.support[1] * a for label, a in zip(labels, active)]
+    active = [1 if p + s else 0 for p, s in zip(predicted, support)]
+    weights = active if average == "macro" else [s * a for s, a in zip(support, active)]
     total = sum(weights)
     # No weight at all: the tensor path divides 0 by 0.
     return _torch_sum([v * w for v, w in zip(values, weights)], nan=True) / total if total else math.nan
@@ -193,7 +231,11 @@ def binary_score_of(counts: HostCounts, which: str) -> float:
 
 def _positive_score(counts: HostCounts, which: str) -> float:
     # The positive class's score; 0 where it was never predicted / never a target (zero_nan).
-    t, p, s = counts.tp[1], counts.predicted[1], counts.support[1]
+    return _score(counts.tp[1], counts.predicted[1], counts.support[1], which)
+
+
+def _score(t: int, p: int, s: int, which: str) -> float:
+    # One class's score from its hits, predictions and targets; 0 where its denominator is 0.
     if which == "precision":
         return t / p if p else 0.0
     if which == "recall":
@@ -232,11 +274,12 @@ def accuracy_of(counts: HostCounts) -> float:
 def class_score_of(counts: HostCounts, average: str | None, which: str) -> float | Tensor:
     """`_class_score` of the counts (`which`: `"precision"`, `"recall"` or `"f1"`)."""
     average = check_average(average)
-    tp, predicted, support, total, ok = counts
+    tp, total, ok = counts.tp, counts.total, counts.ok
     if not ok:
         return torch.full((len(tp),), math.nan, dtype=torch.float64) if average is None else math.nan
     if average == "micro":  # one label per sample: pooled precision = recall = F1 = accuracy
         return sum(tp) / total
+    predicted, support = counts.predicted, counts.support
     if which == "precision":
         values = [t / p if p else 0.0 for t, p in zip(tp, predicted)]
     elif which == "recall":
@@ -254,7 +297,7 @@ def class_score_of(counts: HostCounts, average: str | None, which: str) -> float
 
 def balanced_accuracy_of(counts: HostCounts) -> float:
     """`cm_balanced_accuracy` of the counts: mean recall over the classes in the target."""
-    tp, _, support, _, ok = counts
+    tp, support, ok = counts.tp, counts.support, counts.ok
     if not ok:
         return math.nan
     recalls = [t / s if s else 0.0 for t, s in zip(tp, support)]  # absent classes weigh 0
@@ -271,9 +314,9 @@ def mcc_of(counts: HostCounts) -> float:
     Divisions are correctly rounded in Python as in torch. The square root is torch's own: its
     CPU kernel is not always correctly rounded, so Python's could differ in the last bit.
     """
-    tp, predicted, support, total, ok = counts
-    if not ok:
+    if not counts.ok:
         return math.nan
+    tp, predicted, support, total = counts.tp, counts.predicted, counts.support, counts.total
     add = sum if total < _EXACT_TOTAL else _torch_sum
     t = float(total)
     cov_tp = float(sum(tp)) * t - add([float(s) * float(p) for s, p in zip(support, predicted)])
