@@ -548,15 +548,15 @@ class GlobalMetrics(GlobalMetricsState):
 
     def value(self) -> RoundDict:
         """Metrics of the latest batch on this rank."""
-        return self.read("val")[0]
+        return self._read("val")[0]
 
     def batch(self) -> RoundDict:
         """Metrics of the latest batch of every rank together."""
-        return self.read("bat")[0]
+        return self._read("bat")[0]
 
     def average(self) -> RoundDict:
         """Metrics of all data of all ranks."""
-        return self.read("avg")[0]
+        return self._read("avg")[0]
 
     compute = average
 
@@ -579,6 +579,11 @@ class GlobalMetrics(GlobalMetricsState):
 
     def read(self, kind: str) -> tuple[RoundDict, dict[str, int]]:
         """Metric values of kind `"val"`, `"bat"` or `"avg"`, with the sample count behind them."""
+        values, count = self._read(kind)
+        return values, dict.fromkeys(self.metrics, count)
+
+    def _read(self, kind: str) -> tuple[RoundDict, int]:
+        # `read` without the per-metric counts, which `value`, `batch` and `average` drop.
         if kind not in KINDS:
             raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {kind!r}")
         # Synchronised results are never cached: ranks whose caches disagreed would deadlock.
@@ -586,7 +591,7 @@ class GlobalMetrics(GlobalMetricsState):
         distributed = is_distributed(group)
         cacheable = kind == "val" or not distributed
         if cacheable and kind in self._cache:
-            return self._cache[kind][0], dict.fromkeys(self.metrics, self._cache[kind][1])
+            return self._cache[kind]
         states = {task: store.state(kind, self.device, group, distributed) for task, store in self._stores.items()}
         values = RoundDict.from_flat({name: _evaluate(metric, states) for name, metric in self.metrics.items()})
         count = self._last_count if kind != "avg" else self._count
@@ -594,7 +599,7 @@ class GlobalMetrics(GlobalMetricsState):
             count = int(sum_across_ranks(torch.tensor([count], dtype=torch.long), self.device, group).item())
         if cacheable:
             self._cache[kind] = (values, count)
-        return values, dict.fromkeys(self.metrics, count)
+        return values, count
 
     def __format__(self, format_spec: str) -> str:
         bat, avg = self.bat, self.avg
