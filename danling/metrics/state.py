@@ -20,6 +20,7 @@ from torch import Tensor
 
 from .functional import _ranking
 from .functional._common import Confusion, Curves, LabelCounter, label_counter
+from .functional._host import as_tensor
 from .functional.binary import binary_confusion, binary_curves
 from .functional.binned import binned_counts
 from .functional.multiclass import multiclass_confusion, multiclass_curves
@@ -106,8 +107,17 @@ class MetricTask:
         try:
             return self.__dict__["_hash"]
         except KeyError:
-            value = hash((self.kind, self.num_classes, self.num_labels, self.num_outputs))
-            value = hash((value, self.threshold, self.ignore_index, self.bins))
+            value = hash(
+                (
+                    self.kind,
+                    self.num_classes,
+                    self.num_labels,
+                    self.num_outputs,
+                    self.threshold,
+                    self.ignore_index,
+                    self.bins,
+                )
+            )
             object.__setattr__(self, "_hash", value)
             return value
 
@@ -362,23 +372,22 @@ class MetricFunc:
         if isinstance(state_or_input, MetricState):
             if target is not None:
                 raise TypeError(f"{self.name}: pass either a MetricState or (input, target), not both")
-            return _as_tensor(self.fn(state_or_input))
+            return as_tensor(self.fn(state_or_input))
         if target is None:
             raise TypeError(f"{self.name}() missing the target argument")
-        return _as_tensor(self.fn(MetricState.from_batch(self.task, state_or_input, target)))
+        return as_tensor(self.fn(MetricState.from_batch(self.task, state_or_input, target)))
 
     def evaluate(self, state: MetricState) -> Tensor | float:
         """The metric of `state` as `fn` gives it: a tensor, or a Python float where it was computed on the host.
 
-        Containers read values this way; calling the `MetricFunc` makes a float a float64 tensor.
+        Called by `GlobalMetrics` on every read of its values (`val`, `bat`, `avg`), once per
+        metric, with a state built for that read; the state's artifacts are shared by the
+        metrics of its task. No side effects beyond the state's cache. An override must return
+        what `fn` would (containers turn a 0-d tensor into a number and keep a float as it is)
+        and must not keep the state, which holds the read's data. Calling the `MetricFunc`
+        instead returns a float as a float64 tensor.
         """
         return self.fn(state)
 
     def __repr__(self) -> str:
         return f"MetricFunc({self.name}, task={self.task.kind})"
-
-
-def _as_tensor(value: Any) -> Any:
-    # The catalogue's host statistics give Python floats (see `functional._host`); a metric
-    # called as a function returns a tensor, as it always did.
-    return torch.scalar_tensor(value, dtype=torch.float64) if type(value) is float else value

@@ -82,8 +82,6 @@ class RoundDict(NestedDict):
         if cls is not RoundDict or not _SHORTCUT or not values:
             return cls(values)
         for key, value in values.items():  # a loop, not `all(...)` of a generator: half the checks' cost
-            if type(value) in _PLAIN_VALUES and type(key) is str and "." not in key and key not in _RESERVED:
-                continue  # the usual item (a metric's float), checked without a call
             if not _row_item(key, value):
                 return cls(values)
         return _build(values)

@@ -356,6 +356,9 @@ def _torch_sum(values: list[float], *, nan: bool = False) -> float:
     return (tensor.nansum(-1) if nan else tensor.sum(-1)).item()
 
 
-def as_tensor(value: float | Tensor) -> Tensor:
-    """A score of this module as the functional API returns it: a float64 tensor."""
-    return value if isinstance(value, Tensor) else torch.scalar_tensor(value, dtype=torch.float64)
+def as_tensor(value: Any) -> Any:
+    """A score as the functional API and a called `MetricFunc` return it: a float as a 0-d float64 tensor.
+
+    Anything else (a tensor, or what a user's metric function returns) is returned as it is.
+    """
+    return torch.scalar_tensor(value, dtype=torch.float64) if type(value) is float else value
