@@ -235,14 +235,17 @@ class counted_region:
         if library:
             import ctypes
 
-            self.helper = ctypes.CDLL(library)
-            self.helper.danling_bench_start()
+            helper = ctypes.CDLL(library)
+            # Both symbols are looked up before counting starts: a first attribute access on a
+            # CDLL builds the function object (thousands of instructions), which is not the region's.
+            self.stop = helper.danling_bench_stop
+            helper.danling_bench_start()
         else:
-            self.helper = None
+            self.stop = None
 
     def __exit__(self, *exc: object) -> None:
-        if self.helper is not None:
-            self.helper.danling_bench_stop()
+        if self.stop is not None:
+            self.stop()
 
 
 def count_region(command: list[str], library: str, env: Mapping[str, str] | None = None) -> tuple[int, str]:

@@ -12,7 +12,7 @@ reading gathers and reduces across ranks.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
@@ -103,6 +103,7 @@ class _TaskStore(TaskStoreState):
     def reset(self) -> None:
         # Confusion counts stay flat; `confusion` shapes them on read. Queued batches are dropped.
         self._counts: Tensor | None = None
+        self._read_counts: tuple[Tensor | None, Callable[[], Sequence[int]] | None] = (None, None)
         self.pending: list[tuple[Tensor, Tensor]] = []
         self.pending_bytes = 0
         self._queue_kind: tuple[torch.dtype, torch.dtype, torch.device] | None = None  # set by defer
@@ -166,7 +167,10 @@ class _TaskStore(TaskStoreState):
             return
         with torch.inference_mode():
             counts = self._accumulate(self.counter.empty(source.device), source, target)
-            self._counts = counts.clone() if self._counts is None else self._counts.add_(counts)
+            if self._counts is None:
+                self._keep_counts(counts.clone())
+            else:
+                self._counts.add_(counts)
         self.last_counts = counts
 
     def latest(self) -> tuple[Tensor, Tensor] | None:
@@ -248,8 +252,14 @@ class _TaskStore(TaskStoreState):
                 source = torch.cat([source for source, _ in batches])
                 target = torch.cat([target for _, target in batches])
             if self._counts is None:
-                self._counts = self.counter.empty(source.device)
+                self._keep_counts(self.counter.empty(source.device))
             self._accumulate(self._counts, source, target)
+
+    def _keep_counts(self, counts: Tensor) -> None:
+        # The running table, with a host reader of it made now rather than in a read (see
+        # `LabelCounter.host_reader`); every later update adds to this tensor in place.
+        self._counts = counts
+        self._read_counts = (counts, self.counter.host_reader(counts))
 
     def _accumulate(self, counts: Tensor, source: Tensor, target: Tensor) -> Tensor:
         # Large batches are counted in pieces of rows, so the count's int64 temporaries (predicted
@@ -281,7 +291,9 @@ class _TaskStore(TaskStoreState):
 
     def __getstate__(self) -> dict[str, Any]:
         self.flush()  # copies and pickles hold counts, not queued references to the caller's tensors
-        return self.__dict__.copy()
+        state = self.__dict__.copy()
+        state["_read_counts"] = (None, None)  # a view of this table's memory: a copy reads its own with `tolist`
+        return state
 
     @property
     def confusion(self) -> Confusion | None:
@@ -346,8 +358,9 @@ class _TaskStore(TaskStoreState):
             counts = self.latest_counts(device)
             if kind == "bat" and distributed:
                 counts = sum_across_ranks(counts, device, group)
-            confusion = self.counter.confusion(counts)
-            return MetricState(self.task, *_formatted_empty(self.task, counts.device), confusion=confusion)
+            # No data: the store keeps counts alone, so its metrics read only the confusion (a
+            # metric that reads data anyway is told so, rather than given an empty batch).
+            return MetricState(self.task, confusion=self.counter.confusion(counts))
         else:
             data, artifacts = self.latest(), {}
         if kind == "bat" and distributed:
@@ -357,13 +370,19 @@ class _TaskStore(TaskStoreState):
         if chunks:
             return MetricState(self.task, chunks=chunks, **artifacts)
         if data is None:
+            if artifacts and "data" not in self.needs:
+                # Every artifact the store's metrics read is here; an empty batch would only turn a
+                # metric that reads data against its declared needs into a silent NaN.
+                return MetricState(self.task, **artifacts)
             data = _formatted_empty(self.task, device)
         return MetricState(self.task, *data, **artifacts)
 
     def _synced_confusion(self, device: Any, group: ProcessGroup | None, distributed: bool) -> Confusion:
         counts = self.counts
-        # A view is enough: this Confusion lives for one read, while no update can run.
-        confusion = None if counts is None else self.counter.confusion(counts)
+        # A view is enough: this Confusion lives for one read, while no update can run. The
+        # reader is used only for the table it was made for (a loaded or moved table has none).
+        kept, read = self._read_counts
+        confusion = None if counts is None else self.counter.confusion(counts, read=read if kept is counts else None)
         if confusion is None:
             latest = self.latest()
             confusion = self.task.empty_confusion(latest[0].device if latest else device)

@@ -9,12 +9,21 @@ shape, every bit, `nan` where the tensor path gives `nan`.
 
 from __future__ import annotations
 
+from copy import deepcopy
+
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from danling.metrics import binary_metrics, multiclass_metrics, multilabel_metrics
+from danling.metrics import (
+    GlobalMetrics,
+    MetricFunc,
+    MetricTask,
+    binary_metrics,
+    multiclass_metrics,
+    multilabel_metrics,
+)
 from danling.metrics.functional import _common, _host
 from tests.metrics._compare import CountOps, same
 
@@ -212,3 +221,47 @@ def test_host_scores_reach_the_container_as_floats_and_callers_as_tensors(task):
         called = metrics.metrics[name](state)  # called as a function: a float64 tensor, as always
         assert type(called) is torch.Tensor and called.dtype == torch.float64 and called.ndim == 0
         assert same(called.item(), values[name])
+
+
+def test_kept_tables_are_read_without_tolist_and_follow_later_updates(monkeypatch):
+    # Two containers of one task share its label counter; each keeps a reader of its own table,
+    # made at its first count, which later in-place adds must show through.
+    g = torch.Generator().manual_seed(3)
+    batches = [(torch.randn(40, 4, generator=g), torch.randint(-1, 4, (40,), generator=g)) for _ in range(4)]
+    expected = []
+    for step in range(1, len(batches) + 1):
+        first = values("multiclass", 4, "macro", -1, batches[:step], host=False)
+        second = values("multiclass", 4, "macro", -1, batches[:step][::-1], host=False)
+        expected.append((first, second))
+    metrics, other = build("multiclass", 4, "macro", -1), build("multiclass", 4, "macro", -1)
+
+    def refuse(self, *args, **kwargs):
+        raise AssertionError("a kept table was read with tolist")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(torch.Tensor, "tolist", refuse)
+        for step, (first, second) in enumerate(expected, 1):
+            metrics.update(*batches[step - 1])
+            other.reset()
+            for batch in batches[:step][::-1]:
+                other.update(*batch)
+            for container, reference in ((metrics, first), (other, second)):
+                got = dict(container.avg)
+                assert all(same(got[name], reference[name]) for name in NAMES), (step, got, reference)
+    copy = deepcopy(metrics)  # a copy reads its own table, not the original's memory
+    metrics.update(*batches[0])  # added to the original's table in place
+    assert all(same(copy.avg[name], expected[-1][0][name]) for name in NAMES)
+    copy.update(*batches[1])  # and its own updates show
+    reference = values("multiclass", 4, "macro", -1, [*batches, batches[1]], host=False)
+    assert all(same(copy.avg[name], reference[name]) for name in NAMES)
+
+
+def test_a_metric_reading_data_it_did_not_declare_is_refused_not_given_an_empty_batch():
+    # A store of counts keeps no data: its states hold the counts alone. An empty batch there
+    # turned such a metric into a silent NaN or zero.
+    task = MetricTask("multiclass", num_classes=3)
+    rows = MetricFunc("rows", lambda state: state.data[0].shape[0], task, "confusion")
+    metrics = GlobalMetrics(rows=rows)
+    metrics.update(torch.randn(4, 3), torch.tensor([0, 1, 2, 0]))
+    with pytest.raises(ValueError, match="only holds summaries"):
+        metrics.compute()
