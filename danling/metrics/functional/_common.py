@@ -131,7 +131,8 @@ class CountedConfusion(Confusion):
     """The `Confusion` of a `LabelCounter`'s flat counts, shaped into tensors on first use.
 
     Metrics that read the counts on the host (`danling.metrics.functional._host`) never shape
-    them: one `tolist` of the counts replaces the view, slice and sums.
+    them: the counts read as Python integers in one call (`host_table`) replace the view, slice
+    and sums.
     """
 
     def __init__(

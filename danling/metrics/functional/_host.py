@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import struct
+from collections.abc import Sequence
 from functools import cached_property
 from typing import Any
 
@@ -83,12 +84,12 @@ class HostCounts:
 
     __slots__ = ("tp", "total", "ok", "_predicted", "_support", "_table", "_start", "_classes")
 
-    def __init__(self, tp: list[int], predicted: list[int], support: list[int], total: int, ok: bool) -> None:
+    def __init__(self, tp: Sequence[int], predicted: list[int], support: list[int], total: int, ok: bool) -> None:
         self.tp, self._predicted, self._support, self.total = tp, predicted, support, total
         self.ok = ok  # something was counted and every target was a class or ignored
 
     @classmethod
-    def of_table(cls, table: list[int], start: int, classes: int, invalid: int) -> HostCounts:
+    def of_table(cls, table: Sequence[int], start: int, classes: int, invalid: int) -> HostCounts:
         """The statistics of the row-major `(classes, classes)` matrix at `table[start:]`."""
         end = start + classes * classes
         counts = cls.__new__(cls)
@@ -157,12 +158,12 @@ def host_binary_counts(input: Any, target: Any, threshold: float, ignore_index: 
 class LabelHostCounts:
     """Per-label statistics of multilabel counts (the positive class's, built on first use), all labels pooled."""
 
-    def __init__(self, table: list[int], starts: range, pooled: HostCounts) -> None:
+    def __init__(self, table: Sequence[int], starts: range, pooled: HostCounts) -> None:
         self.table, self.starts = table, starts  # each label's 2x2 matrix starts at one of `starts`
         self.pooled = pooled
 
     @cached_property
-    def positives(self) -> tuple[list[int], list[int], list[int]]:
+    def positives(self) -> tuple[Sequence[int], list[int], list[int]]:
         """Hits, predictions and targets of every label's positive class.
 
         Each 2x2 cell of every label is one strided slice of the table (a label per step), so
