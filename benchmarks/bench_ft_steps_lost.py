@@ -33,8 +33,7 @@ def measure(steps: int, kill_at: int, alone: int, root: Path) -> dict[str, objec
     job = Job(root / "job", steps=steps)
     try:
         job.hold("1", kill_at)
-        job.start("0")
-        victim = job.start("1")
+        victim = job.start_both()
         wait("group 1 to reach the kill point", lambda: step(job.control, "1") >= kill_at, procs=(victim,))
         pause = kill_at + alone  # the survivor trains on alone up to here, then waits for the restart
         job.hold("0", pause)

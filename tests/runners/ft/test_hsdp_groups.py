@@ -24,8 +24,7 @@ def test_a_killed_sharded_group_rejoins_from_its_peer_while_the_other_keeps_trai
     ft = Job(tmp_path / "hsdp", steps=STEPS)
     try:
         ft.hold("1", 6)
-        ft.start("0", ranks=2, **SHARDED)
-        victim = ft.start("1", ranks=2, **SHARDED)
+        victim = ft.start_both(ranks=2, **SHARDED)
         wait(
             "group 1 to reach step 6",
             lambda: step(ft.control, "1") >= 6,

@@ -43,8 +43,7 @@ def _kill_and_restart(ft, **overrides) -> tuple[int, dict[str, dict]]:
     Returns group 0's step when group 1 was killed and both groups' results.
     """
     ft.hold("1", 8)
-    ft.start("0", **overrides)
-    victim = ft.start("1", **overrides)
+    victim = ft.start_both(**overrides)
     wait("group 1 to reach step 8", lambda: step(ft.control, "1") >= 8, procs=tuple(ft.procs.values()), logs=ft.control)
     at_kill = step(ft.control, "0")
     ft.hold("0", at_kill + 6)  # the survivor may train 6 more updates alone, then waits for the restart
