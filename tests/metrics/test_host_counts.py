@@ -256,12 +256,15 @@ def test_kept_tables_are_read_without_tolist_and_follow_later_updates(monkeypatc
     assert all(same(copy.avg[name], reference[name]) for name in NAMES)
 
 
-def test_a_metric_reading_data_it_did_not_declare_is_refused_not_given_an_empty_batch():
-    # A store of counts keeps no data: its states hold the counts alone. An empty batch there
-    # turned such a metric into a silent NaN or zero.
+@pytest.mark.parametrize("kind", ["avg", "val"])
+def test_a_metric_reading_data_it_did_not_declare_is_refused_not_given_an_empty_batch(kind):
+    # A store of counts keeps no data: its states hold the counts alone (`avg` always; `val` for a
+    # batch of 4096 targets or more, counted alone). An empty batch there turned such a metric
+    # into a silent NaN or zero.
     task = MetricTask("multiclass", num_classes=3)
     rows = MetricFunc("rows", lambda state: state.data[0].shape[0], task, "confusion")
     metrics = GlobalMetrics(rows=rows)
-    metrics.update(torch.randn(4, 3), torch.tensor([0, 1, 2, 0]))
+    size = 4096 if kind == "val" else 4
+    metrics.update(torch.randn(size, 3), torch.arange(size) % 3)
     with pytest.raises(ValueError, match="only holds summaries"):
-        metrics.compute()
+        metrics.read(kind)
