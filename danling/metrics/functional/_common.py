@@ -154,7 +154,7 @@ class CountedConfusion(Confusion):
     def invalid(self) -> Tensor:  # type: ignore[override]
         return self._shaped.invalid
 
-    def host_table(self) -> tuple[list[int], range, int] | None:
+    def host_table(self) -> tuple[Sequence[int], range, int] | None:
         """`LabelCounter.host_table` of these counts (small CPU tables), else `None`."""
         return self.counter.host_table(self.counts, self.read)
 
@@ -330,9 +330,8 @@ class LabelCounter:
         made, since making it costs more than one `tolist`; the view follows in-place adds.
         `None` for tables `host_table` does not read (not small, not contiguous int64 on CPU).
         """
-        if not counts.is_cpu or counts.numel() > HOST_TABLE_SIZE or counts.dtype != torch.long:
-            return None
-        if not counts.is_contiguous():
+        small = counts.is_cpu and counts.numel() <= HOST_TABLE_SIZE
+        if not small or counts.dtype != torch.long or not counts.is_contiguous():
             return None
         # DLPack gives NumPy a view that keeps the table's storage alive; nothing is read here,
         # so an update that makes the table stays free of host reads.
