@@ -44,10 +44,11 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
-from common import callgrind_helper, count_region, counted_region
+from common import callgrind_helper, count_region, counted_region, heap_counter, heap_environment, heap_region
 
 BATCH = 10_000
 POOL = 8
@@ -151,16 +152,18 @@ def child(library: str, task: str, names: list[str], size: int) -> dict:
     pool = [_batch(task, generator, BATCH) for _ in range(POOL)]
     Path("/proc/self/clear_refs").write_text("5")  # peak resident memory := current
     start_kib = _rss_kib("VmRSS")
-    update_s = feed(metrics, pool, size)
-    with counted_region():  # instructions are collected here only, under `--instructions`
-        began = time.perf_counter()
-        values = metrics.compute()
-        compute_s = time.perf_counter() - began
+    with heap_region() as heap:  # live heap bytes are counted here only, under `--heap`
+        update_s = feed(metrics, pool, size)
+        with counted_region():  # instructions are collected here only, under `--instructions`
+            began = time.perf_counter()
+            values = metrics.compute()
+            compute_s = time.perf_counter() - began
     peak = (_rss_kib("VmHWM") - start_kib) * 1024
     return {
         "update_s": update_s,
         "compute_s": compute_s,
         "peak_bytes": peak,
+        "heap_bytes": heap.peak_bytes,
         "values": {name: float(value) for name, value in values.items()},
     }
 
@@ -215,8 +218,12 @@ def measure_gather(size: int) -> list[dict]:
     return results
 
 
-def measure(library: str, task: str, names: list[str], size: int, helper: str | None = None) -> dict:
+def measure(
+    library: str, task: str, names: list[str], size: int, helper: str | None = None, heap: str | None = None
+) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    if heap is not None:
+        env = heap_environment(heap, env)
     command = [sys.executable, __file__, "--child", library, task, "+".join(names), str(size)]
     if helper is not None:
         instructions, out = count_region(command, helper, env)
@@ -239,6 +246,9 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="write every measurement here")
     parser.add_argument("--plot", type=Path, help="draw memory and compute time against N here (PNG)")
     parser.add_argument("--instructions", action="store_true", help="count compute's instructions (callgrind)")
+    parser.add_argument(
+        "--heap", action="store_true", help="also count the peak of live heap bytes (a preloaded counter)"
+    )
     args = parser.parse_args()
     if args.child:
         library, task, names, size = args.child
@@ -268,6 +278,20 @@ def main() -> None:
     import torchmetrics
 
     print(f"torch {torch.__version__}, torchmetrics {torchmetrics.__version__}, OMP_NUM_THREADS=1, fresh process each")
+    with tempfile.TemporaryDirectory() as directory:
+        heap = heap_counter(directory) if args.heap else None
+        rows = scale_rows(args, heap)
+    print(f"load at end: {Path('/proc/loadavg').read_text().split()[:3]}")
+    print()
+    print(table(rows))
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+    if args.plot:
+        plot(rows, args.plot)
+
+
+def scale_rows(args: argparse.Namespace, heap: str | None) -> list[dict]:
+    """Measure every (task, set, N) of `args`, libraries alternating; one row of medians each."""
     print(f"load at start: {Path('/proc/loadavg').read_text().split()[:3]}")
     rows = []
     for task in args.tasks:
@@ -276,7 +300,7 @@ def main() -> None:
                 runs: dict[str, list[dict]] = {"danling": [], "torchmetrics": []}
                 for _ in range(args.repeats):
                     for library in runs:  # alternate: both share any drift of the machine's load
-                        runs[library].append(measure(library, task, names.split("+"), size))
+                        runs[library].append(measure(library, task, names.split("+"), size, heap=heap))
                 ours, theirs = runs["danling"][-1]["values"], runs["torchmetrics"][-1]["values"]
                 worst = max(abs(ours[n] - theirs[n]) for n in ours)
                 if worst > 1e-5:
@@ -288,23 +312,15 @@ def main() -> None:
                     "scores_bytes": size * (1 if task == "binary" else COLUMNS) * 4,
                 }
                 for library, measured in runs.items():
-                    for key in ("update_s", "compute_s", "peak_bytes"):
+                    for key in ("update_s", "compute_s", "peak_bytes") + (("heap_bytes",) if heap else ()):
                         row[f"{library}_{key}"] = statistics.median(m[key] for m in measured)
                 rows.append(row)
                 print(_line(row), flush=True)
-    print(f"load at end: {Path('/proc/loadavg').read_text().split()[:3]}")
-    print()
-    print(table(rows))
-    if args.json:
-        args.json.write_text(json.dumps(rows, indent=1))
-    if args.plot:
-        plot(rows, args.plot)
+    return rows
 
 
 def instructions(args: argparse.Namespace) -> None:
     """The `--instructions` table: compute's instructions per library, one callgrind child each."""
-    import tempfile
-
     with tempfile.TemporaryDirectory() as directory:
         helper = callgrind_helper(directory)
         print("| task | metrics | N | compute instructions danling / torchmetrics | ratio |")
@@ -336,19 +352,26 @@ def _seconds(seconds: float) -> str:
 
 
 def _line(row: dict) -> str:
+    heap = (
+        f", heap {_mib(row['danling_heap_bytes'])} / {_mib(row['torchmetrics_heap_bytes'])} MiB"
+        if "danling_heap_bytes" in row
+        else ""
+    )
     return (
         f"{row['task']} {row['metrics']} N={row['n']:.0e}: peak {_mib(row['danling_peak_bytes'])} / "
-        f"{_mib(row['torchmetrics_peak_bytes'])} MiB, compute {_seconds(row['danling_compute_s'])} / "
+        f"{_mib(row['torchmetrics_peak_bytes'])} MiB{heap}, compute {_seconds(row['danling_compute_s'])} / "
         f"{_seconds(row['torchmetrics_compute_s'])}, update {row['danling_update_s']:.3f} / "
         f"{row['torchmetrics_update_s']:.3f} s"
     )
 
 
 def table(rows: list[dict]) -> str:
+    heap = bool(rows) and "danling_heap_bytes" in rows[0]
     lines = [
         "| task | metrics | N | peak MiB danling / torchmetrics | peak / scores (danling, torchmetrics) | "
-        "compute danling / torchmetrics | compute ratio | update + compute ratio |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        + ("heap peak MiB danling / torchmetrics | heap peak / scores (danling, torchmetrics) | " if heap else "")
+        + "compute danling / torchmetrics | compute ratio | update + compute ratio |",
+        "| --- | --- | ---: | ---: | ---: | " + ("---: | ---: | " if heap else "") + "---: | ---: | ---: |",
     ]
     for r in rows:
         ours, theirs = r["danling_peak_bytes"], r["torchmetrics_peak_bytes"]
@@ -359,10 +382,16 @@ def table(rows: list[dict]) -> str:
             f"| {r['task']} | {r['metrics'].replace('+', ', ')} | {r['n']:.0e} | "
             f"{_mib(ours)} / {_mib(theirs)} | "
             f"{ours / r['scores_bytes']:.2f}x, {theirs / r['scores_bytes']:.2f}x | "
-            f"{_seconds(r['danling_compute_s'])} / {_seconds(r['torchmetrics_compute_s'])} | "
+            + (_heap_cells(r) if heap else "")
+            + f"{_seconds(r['danling_compute_s'])} / {_seconds(r['torchmetrics_compute_s'])} | "
             f"{r['danling_compute_s'] / r['torchmetrics_compute_s']:.2f}x | {total:.2f}x |"
         )
     return "\n".join(lines)
+
+
+def _heap_cells(row: dict) -> str:
+    ours, theirs, scores = row["danling_heap_bytes"], row["torchmetrics_heap_bytes"], row["scores_bytes"]
+    return f"{_mib(ours)} / {_mib(theirs)} | {ours / scores:.2f}x, {theirs / scores:.2f}x | "
 
 
 def plot(rows: list[dict], path: Path) -> None:
