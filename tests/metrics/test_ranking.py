@@ -296,8 +296,12 @@ def test_the_latest_batch_is_read_from_the_kept_data_not_held_twice():
         assert restored.val == pytest.approx(metrics.val) and restored.avg == pytest.approx(metrics.avg)
 
 
-def test_a_local_read_does_not_join_the_batches_kept_since_the_last_join():
-    """`compute` reads unjoined batches where they lie: no joined copy of them adds to its peak."""
+def test_a_local_read_joins_the_batches_kept_since_the_last_join_and_narrows_their_targets():
+    """`compute` joins the batches kept since the last join, then reads the chunks where they lie.
+
+    The join narrows their int64 targets before the ranking copies the scores: read unjoined,
+    binary AUROC over 1e5 scores peaked at 2.66x the scores instead of 2.48x.
+    """
     generator = torch.Generator().manual_seed(4)
     input, target = torch.rand(1200, generator=generator), torch.randint(0, 2, (1200,), generator=generator)
     # A batch of 200 holds 2,400 bytes: the fifth reaches 10,000 and joins, the sixth waits.
@@ -307,8 +311,16 @@ def test_a_local_read_does_not_join_the_batches_kept_since_the_last_join():
             metrics.update(input[start : start + 200], target[start : start + 200])
         (store,) = metrics._stores.values()
         assert [chunk.shape[0] for chunk, _ in store.chunks] == [1000] and len(store.inputs) == 1
+        joined = store.chunks[0][0].untyped_storage().data_ptr()
         assert metrics.compute()["auroc"] == pytest.approx(skm.roc_auc_score(target, input), abs=1e-12)
-        assert [chunk.shape[0] for chunk, _ in store.chunks] == [1000] and len(store.inputs) == 1
+        assert [chunk.shape[0] for chunk, _ in store.chunks] == [1000, 200] and not store.inputs
+        assert all(labels.dtype is torch.int8 for _, labels in store.chunks)
+        assert store.chunks[0][0].untyped_storage().data_ptr() == joined  # the earlier chunk is not copied again
+        assert torch.equal(store.latest()[1], target[1000:])  # `val` still reads the latest batch
+        metrics.update(input[:200], target[:200])  # later batches join after the chunks as before
+        assert metrics.compute()["auroc"] == pytest.approx(
+            skm.roc_auc_score(torch.cat([target, target[:200]]), torch.cat([input, input[:200]])), abs=1e-12
+        )
 
 
 @pytest.mark.parametrize("n", [8, 70_000])  # the sorted curves (small, or any device) and the sorted per-column copies
