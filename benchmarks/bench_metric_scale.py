@@ -28,10 +28,18 @@ misses that change from process to process; its instruction count is the same in
 within 1% for torchmetrics). Needs valgrind, its headers and a C compiler; N = 1e5 runs in about
 20 s per child.
 
+`--heap` also counts the peak of live heap bytes over the same span (update loop and compute):
+each child runs with a preloaded counter of glibc's allocator (`common.heap_counter`, with
+`PYTHONMALLOC=malloc` so that Python's own objects go through it too). Resident memory also holds
+freed blocks glibc keeps, and reuses ones freed before the span: at N = 1e5 that moves the
+resident peak by a few hundred KiB between fresh processes; the counted peak is what the code
+holds, the same in every run. Time and resident memory of a `--heap` run are measured under the
+counter (and the malloc-backed Python objects): read them from a run without it.
+
 Run (one heavy run at a time on a shared machine):
 `flock /tmp/danling-heavy.lock .venv/bin/python benchmarks/bench_metric_scale.py`
 options: `--sizes 1e5 1e6 1e7`, `--tasks multiclass binary multilabel`,
-`--sets acc+auroc acc auroc ...`, `--repeats 3`, `--json FILE`, `--plot FILE.png`.
+`--sets acc+auroc acc auroc ...`, `--repeats 3`, `--json FILE`, `--plot FILE.png`, `--heap`.
 """
 
 from __future__ import annotations
