@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from danling.metrics import multiclass_metrics, multilabel_metrics
-from danling.metrics.functional._common import confusion_from_labels, label_counter
+from danling.metrics.functional._common import NARROW_POSITIONS, confusion_from_labels, label_counter
 
 
 def reference(pred, target, num_classes, ignore_index, groups=1):
@@ -79,3 +80,34 @@ def test_invalid_targets_still_make_accuracy_nan_and_ignored_ones_are_skipped():
     labels = multilabel_metrics(2, metrics=["acc"])
     labels.update(torch.tensor([[0.9, 0.1], [0.2, 0.8]]), torch.tensor([[1, -100], [0, 1]]))
     assert labels.avg["acc"] == 1.0
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.int16, torch.uint8])
+@pytest.mark.parametrize("ignore_index", [None, -100, 2, 10**12])
+@pytest.mark.parametrize("n", [50, 5000])  # below and above NARROW_POSITIONS: int64 and int32 rows
+def test_rows_from_the_table_or_bucketize_match_the_reference_at_any_target(dtype, ignore_index, n):
+    """Targets reach their rows through a table of the boundaries' span, or `bucketize` beyond it.
+
+    Values far outside the table (either end of the dtype) clamp to rows that count them invalid;
+    a dtype that cannot hold the table's ends (or an `ignore_index` spanning more than
+    `ROW_TABLE_SPAN` values) takes `bucketize`, with the same counts.
+    """
+    num_classes = 3
+    g = torch.Generator().manual_seed(n)
+    info = torch.iinfo(dtype)
+    values = [v for v in (info.min, -101, -100, -99, -1, 0, 1, 2, 3, 4, 99, info.max) if info.min <= v <= info.max]
+    target = torch.tensor(values, dtype=dtype)[torch.randint(0, len(values), (n,), generator=g)]
+    pred = torch.randint(0, num_classes, (n,), generator=g)
+    counter = label_counter(num_classes, ignore_index)
+    uses_table = (
+        counter.row_table is not None
+        and dtype in (torch.int32, torch.int64)
+        and info.min <= counter.low
+        and counter.high <= info.max
+    )
+    assert uses_table == (ignore_index != 10**12 and dtype in (torch.int32, torch.int64))
+    confusion = counter.confusion(counter.count(pred, target))
+    matrix, invalid = reference(pred, target.long(), num_classes, ignore_index)
+    assert torch.equal(confusion.matrix, matrix)
+    assert int(confusion.invalid) == invalid
+    assert counter._row_tables[(target.device, dtype, n >= NARROW_POSITIONS)] is not None or not uses_table

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import struct
+from bisect import bisect_right
 from collections.abc import Callable, Sequence
 from functools import cached_property, lru_cache, partial
 from typing import NamedTuple
@@ -43,6 +44,11 @@ AVERAGES = ("micro", "macro", "weighted", None)
 HOST_BINCOUNT_DEVICES = ("cpu",)
 # CPU batches of this many targets or more are counted with int32 positions (see `LabelCounter.index`).
 NARROW_POSITIONS = 1 << 12
+# A counter whose boundaries span at most this many target values sends targets to their rows
+# through a table of that span (a clamp and one gather) instead of `bucketize` (a binary search a
+# target): 9 against 68-77 us for 10,000 int64 targets with `ignore_index=-100`, where a whole
+# 10-class update took about 380 us.
+ROW_TABLE_SPAN = 1 << 12
 # Devices whose tensors live in host memory: reading a value there (`.item()`) waits for nothing,
 # so a per-batch check may branch in Python instead of adding device ops.
 HOST_READ_DEVICES = ("cpu",)
@@ -232,6 +238,16 @@ class LabelCounter:
         self.first = self.points.index(0) + 1
         self.ignored_row = self.points.index(ignore_index) + 1 if extra else None
         self.rows = len(self.points) + 1 + (1 if self.mask_ignored else 0)
+        # Row of every target value from one below the first boundary to the last: what
+        # bucketize(right=True) gives, that is the number of boundaries at or below the value.
+        # Values outside clamp to the ends, whose rows are those of everything beyond them.
+        self.low, self.high = self.points[0] - 1, self.points[-1]
+        span = self.high - self.low + 1
+        self.row_table = (
+            tuple(bisect_right(self.points, v) for v in range(self.low, self.high + 1))
+            if span <= ROW_TABLE_SPAN
+            else None
+        )
         self.size = (groups or 1) * self.rows * num_classes
         # Rows of targets that are neither a class nor ignored: their total is the invalid count.
         skipped = {self.ignored_row, self.rows - 1 if self.mask_ignored else None}
@@ -240,6 +256,7 @@ class LabelCounter:
         self._invalid_rows: dict[torch.device, Tensor] = {}
         self._invalid_slices: list[slice] | None = None  # where `invalid_rows` lie in the flat table, for `host_table`
         self._boundaries: dict[tuple[torch.device, torch.dtype], Tensor] = {}
+        self._row_tables: dict[tuple[torch.device, torch.dtype, bool], Tensor | None] = {}
         self._offsets: dict[tuple[torch.device, torch.dtype], Tensor] = {}
         self._ones: dict[tuple[torch.device, int, torch.dtype], Tensor] = {}
 
@@ -252,12 +269,23 @@ class LabelCounter:
         Smaller batches, and other devices (`scatter_add_` takes int64 only), get int64 positions:
         mixing int64 predictions with int32 rows costs about a microsecond more per call.
         """
-        key = (target.device, target.dtype)
-        boundaries = self._boundaries.get(key)
-        if boundaries is None:
-            boundaries = self._boundaries[key] = torch.tensor(self.points, dtype=target.dtype, device=target.device)
         narrow = target.is_cpu and target.numel() >= NARROW_POSITIONS
-        rows = torch.bucketize(target, boundaries, right=True, out_int32=narrow)
+        table = self._row_table(target, narrow)
+        if table is not None:
+            # The clamp is this call's own tensor: shifted in place to the table's positions.
+            positions = target.clamp(self.low, self.high).sub_(self.low)
+            rows = table.index_select(0, positions.reshape(-1)).view(positions.shape)
+            del positions
+        else:
+            if not target.is_floating_point() and target.dtype is not torch.int64:
+                # Boundaries in a narrower or unsigned dtype would overflow or wrap (-100 as
+                # uint8 is 156): int64 holds every boundary and every integer target.
+                target = target.long()
+            key = (target.device, target.dtype)
+            boundaries = self._boundaries.get(key)
+            if boundaries is None:
+                boundaries = self._boundaries[key] = torch.tensor(self.points, dtype=target.dtype, device=target.device)
+            rows = torch.bucketize(target, boundaries, right=True, out_int32=narrow)
         if self.mask_ignored:  # the ignored value is a class: send it to the last row
             rows.masked_fill_(target == self.ignore_index, self.rows - 1)
         # `rows` is this call's own tensor: narrow positions are written over it, not into a new
@@ -272,6 +300,24 @@ class LabelCounter:
                 offsets = self._offsets[key] = torch.arange(self.groups, dtype=index.dtype, device=index.device) * step
             index = index.add_(offsets)
         return index.reshape(-1) if index.ndim != 1 else index
+
+    def _row_table(self, target: Tensor, narrow: bool) -> Tensor | None:
+        """The rows of `row_table` on `target`'s device (int32 if `narrow`), or `None`: bucketize.
+
+        Only int32 and int64 targets (what `format` gives) whose dtype holds both ends of the
+        table take it: a clamp of an unsigned or narrower target to a negative end would wrap.
+        """
+        key = (target.device, target.dtype, narrow)
+        if key in self._row_tables:
+            return self._row_tables[key]
+        table = None
+        if self.row_table is not None and target.dtype in (torch.int32, torch.int64):
+            bounds = torch.iinfo(target.dtype)
+            if bounds.min <= self.low and self.high <= bounds.max:
+                dtype = torch.int32 if narrow else torch.int64
+                table = torch.tensor(self.row_table, dtype=dtype, device=target.device)
+        self._row_tables[key] = table
+        return table
 
     def count(self, pred: Tensor, target: Tensor) -> Tensor:
         """Flat int64 counts of one batch; add the counts of several batches before `confusion`."""
