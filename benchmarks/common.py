@@ -213,17 +213,25 @@ def callgrind_helper(directory: str) -> str:
         RuntimeError: valgrind, its headers or a C compiler is missing (naming which).
     """
     import shutil
+
+    if shutil.which("valgrind") is None:
+        raise RuntimeError("counting instructions needs 'valgrind' on PATH")
+    return _compile_library(directory, "callgrind_helper", _CALLGRIND_HELPER, "counting instructions")
+
+
+def _compile_library(directory: str, name: str, source: str, purpose: str) -> str:
+    """Compile C `source` into `directory`/`name`.so with the system's `cc`; its path."""
+    import shutil
     import subprocess
 
-    for tool in ("valgrind", "cc"):
-        if shutil.which(tool) is None:
-            raise RuntimeError(f"counting instructions needs {tool!r} on PATH")
-    source, library = os.path.join(directory, "callgrind_helper.c"), os.path.join(directory, "callgrind_helper.so")
-    with open(source, "w") as file:
-        file.write(_CALLGRIND_HELPER)
-    done = subprocess.run(["cc", "-O2", "-shared", "-fPIC", "-o", library, source], capture_output=True, text=True)
+    if shutil.which("cc") is None:
+        raise RuntimeError(f"{purpose} needs 'cc' on PATH")
+    path, library = os.path.join(directory, name + ".c"), os.path.join(directory, name + ".so")
+    with open(path, "w") as file:
+        file.write(source)
+    done = subprocess.run(["cc", "-O2", "-shared", "-fPIC", "-o", library, path], capture_output=True, text=True)
     if done.returncode != 0:
-        raise RuntimeError(f"compiling the callgrind helper failed (valgrind's headers missing?):\n{done.stderr}")
+        raise RuntimeError(f"compiling {name} for {purpose} failed (headers missing?):\n{done.stderr}")
     return library
 
 
@@ -327,18 +335,7 @@ def heap_counter(directory: str) -> str:
     Raises:
         RuntimeError: no C compiler, or the build failed (naming why).
     """
-    import shutil
-    import subprocess
-
-    if shutil.which("cc") is None:
-        raise RuntimeError("counting heap bytes needs 'cc' on PATH")
-    source, library = os.path.join(directory, "heap_counter.c"), os.path.join(directory, "heap_counter.so")
-    with open(source, "w") as file:
-        file.write(_HEAP_COUNTER)
-    done = subprocess.run(["cc", "-O2", "-shared", "-fPIC", "-o", library, source], capture_output=True, text=True)
-    if done.returncode != 0:
-        raise RuntimeError(f"compiling the heap counter failed:\n{done.stderr}")
-    return library
+    return _compile_library(directory, "heap_counter", _HEAP_COUNTER, "counting heap bytes")
 
 
 def heap_environment(library: str, env: Mapping[str, str] | None = None) -> dict[str, str]:
