@@ -1,4 +1,4 @@
-"""The bucketize-based confusion counts against a direct mask-and-count reference."""
+"""The row-table and bucketize confusion counts against a direct mask-and-count reference."""
 
 from __future__ import annotations
 

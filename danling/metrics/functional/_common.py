@@ -207,10 +207,12 @@ def bincount(index: Tensor, length: int) -> Tensor:
 
 
 class LabelCounter:
-    """Confusion counts of integer labels from one `bucketize` and one count per batch.
+    """Confusion counts of integer labels from one row lookup and one count per batch.
 
     A sorted table of boundaries sends each target to a row: one row per class, one for
-    `ignore_index` and catch-all rows for everything else (invalid targets). Counting
+    `ignore_index` and catch-all rows for everything else (invalid targets). The rows of every
+    value between the boundaries' ends are tabulated (`row_table`), so a batch is sent by a clamp
+    and one gather; counters spanning more than `ROW_TABLE_SPAN` values `bucketize`. Counting
     `row * num_classes + pred` then fills every row at once, so the hot path needs no masks,
     comparisons or `where`. `count` returns the raw flat counts of one batch, `accumulate`
     adds a batch to a running table in place, and `confusion` turns counts into a
