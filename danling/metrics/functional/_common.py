@@ -217,8 +217,8 @@ class LabelCounter:
     comparisons or `where`. `count` returns the raw flat counts of one batch, `accumulate`
     adds a batch to a running table in place, and `confusion` turns counts into a
     `Confusion`.
-    An `ignore_index` that is itself a class cannot have a row of its own; such counters mask it
-    out with a `where` instead.
+    An `ignore_index` that is itself a class cannot share the classes' boundaries; such counters
+    send it to an extra last row (its entry of the table, or a masked fill after `bucketize`).
 
     Args:
         num_classes: Classes of the labels (`C`).
@@ -242,14 +242,15 @@ class LabelCounter:
         self.rows = len(self.points) + 1 + (1 if self.mask_ignored else 0)
         # Row of every target value from one below the first boundary to the last: what
         # bucketize(right=True) gives, that is the number of boundaries at or below the value.
-        # Values outside clamp to the ends, whose rows are those of everything beyond them.
+        # Values outside clamp to the ends, whose rows are those of everything beyond them. An
+        # ignored class goes straight to its last row here (bucketize needs a masked fill after).
         self.low, self.high = self.points[0] - 1, self.points[-1]
-        span = self.high - self.low + 1
-        self.row_table = (
-            tuple(bisect_right(self.points, v) for v in range(self.low, self.high + 1))
-            if span <= ROW_TABLE_SPAN
-            else None
-        )
+        self.row_table: tuple[int, ...] | None = None
+        if self.high - self.low + 1 <= ROW_TABLE_SPAN:
+            table = [bisect_right(self.points, v) for v in range(self.low, self.high + 1)]
+            if self.mask_ignored:
+                table[ignore_index - self.low] = self.rows - 1
+            self.row_table = tuple(table)
         self.size = (groups or 1) * self.rows * num_classes
         # Rows of targets that are neither a class nor ignored: their total is the invalid count.
         skipped = {self.ignored_row, self.rows - 1 if self.mask_ignored else None}
@@ -288,8 +289,8 @@ class LabelCounter:
             if boundaries is None:
                 boundaries = self._boundaries[key] = torch.tensor(self.points, dtype=target.dtype, device=target.device)
             rows = torch.bucketize(target, boundaries, right=True, out_int32=narrow)
-        if self.mask_ignored:  # the ignored value is a class: send it to the last row
-            rows.masked_fill_(target == self.ignore_index, self.rows - 1)
+            if self.mask_ignored:  # the ignored value is a class: send it to the last row
+                rows.masked_fill_(target == self.ignore_index, self.rows - 1)
         # `rows` is this call's own tensor: narrow positions are written over it, not into a new
         # one (int64 predictions cast to int32: positions stay far below 2**31).
         out = rows if narrow and pred.shape == rows.shape else None
