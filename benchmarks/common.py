@@ -352,26 +352,26 @@ class heap_region:
     """Peak bytes of live heap allocations inside this block above those live at its start.
 
     `peak_bytes` is set on exit; it stays `None` in a process not started with
-    `heap_environment` (nothing is counted there).
+    `heap_environment` (nothing is counted there). Regions do not nest: entering one resets the
+    process's one peak, which an enclosing region would then read from.
     """
 
     def __enter__(self) -> heap_region:
         self.peak_bytes: int | None = None
+        self.peak = None
         library = os.environ.get(HEAP_LIBRARY)
-        self.counter = None
         if library:
             import ctypes
 
             counter = ctypes.CDLL(library)
             for name in ("danling_heap_live", "danling_heap_peak"):
                 getattr(counter, name).restype = ctypes.c_longlong
-            self.counter = counter
             # Functions looked up before the reset: building them allocates, which is not the block's.
-            self.live, self.peak = counter.danling_heap_live, counter.danling_heap_peak
-            counter.danling_heap_reset()
-            self.start = self.live()
+            live, self.peak, reset = counter.danling_heap_live, counter.danling_heap_peak, counter.danling_heap_reset
+            reset()
+            self.start = live()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self.counter is not None:
+        if self.peak is not None:
             self.peak_bytes = self.peak() - self.start
