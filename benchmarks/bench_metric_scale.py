@@ -36,10 +36,16 @@ resident peak by a few hundred KiB between fresh processes; the counted peak is 
 holds, the same in every run. Time and resident memory of a `--heap` run are measured under the
 counter (and the malloc-backed Python objects): read them from a run without it.
 
+`--control` measures torchmetrics a second time in every repeat (its own fresh process, in the
+same alternation): the ratio of its two medians, peak and compute, is the A/A control of the row,
+how far a ratio moves between two runs of the same code on this machine. A danling ratio inside
+that spread is no measurable difference.
+
 Run (one heavy run at a time on a shared machine):
 `flock /tmp/danling-heavy.lock .venv/bin/python benchmarks/bench_metric_scale.py`
 options: `--sizes 1e5 1e6 1e7`, `--tasks multiclass binary multilabel`,
-`--sets acc+auroc acc auroc ...`, `--repeats 3`, `--json FILE`, `--plot FILE.png`, `--heap`.
+`--sets acc+auroc acc auroc ...`, `--repeats 3`, `--json FILE`, `--plot FILE.png`, `--heap`,
+`--control`.
 """
 
 from __future__ import annotations
@@ -62,6 +68,8 @@ BATCH = 10_000
 POOL = 8
 COLUMNS = 10
 DEFAULT_SETS = ("acc", "auroc", "auprc", "f1+mcc", "acc+auroc", "acc+f1+mcc+auroc+auprc")
+# The A/A control's runs: torchmetrics again, in processes of their own (`--control`).
+CONTROL = "control"
 
 
 def _rss_kib(field: str) -> int:
@@ -257,6 +265,9 @@ def main() -> None:
     parser.add_argument(
         "--heap", action="store_true", help="also count the peak of live heap bytes (a preloaded counter)"
     )
+    parser.add_argument(
+        "--control", action="store_true", help="measure torchmetrics twice per repeat: the rows' A/A control"
+    )
     args = parser.parse_args()
     if args.child:
         library, task, names, size = args.child
@@ -306,9 +317,12 @@ def scale_rows(args: argparse.Namespace, heap: str | None) -> list[dict]:
         for names in args.sets:
             for size in (int(float(s)) for s in args.sizes):
                 runs: dict[str, list[dict]] = {"danling": [], "torchmetrics": []}
+                if args.control:
+                    runs[CONTROL] = []
                 for _ in range(args.repeats):
-                    for library in runs:  # alternate: both share any drift of the machine's load
-                        runs[library].append(measure(library, task, names.split("+"), size, heap=heap))
+                    for library in runs:  # alternate: all share any drift of the machine's load
+                        measured = "torchmetrics" if library == CONTROL else library
+                        runs[library].append(measure(measured, task, names.split("+"), size, heap=heap))
                 ours, theirs = runs["danling"][-1]["values"], runs["torchmetrics"][-1]["values"]
                 worst = max(abs(ours[n] - theirs[n]) for n in ours)
                 if worst > 1e-5:
@@ -365,21 +379,36 @@ def _line(row: dict) -> str:
         if "danling_heap_bytes" in row
         else ""
     )
+    control = (
+        f", A/A peak {_control(row, 'peak_bytes')}, compute {_control(row, 'compute_s')}"
+        if f"{CONTROL}_peak_bytes" in row
+        else ""
+    )
     return (
         f"{row['task']} {row['metrics']} N={row['n']:.0e}: peak {_mib(row['danling_peak_bytes'])} / "
         f"{_mib(row['torchmetrics_peak_bytes'])} MiB{heap}, compute {_seconds(row['danling_compute_s'])} / "
         f"{_seconds(row['torchmetrics_compute_s'])}, update {row['danling_update_s']:.3f} / "
-        f"{row['torchmetrics_update_s']:.3f} s"
+        f"{row['torchmetrics_update_s']:.3f} s{control}"
     )
+
+
+def _control(row: dict, key: str) -> str:
+    # The A/A ratio: torchmetrics' second median over its first (1.00: the same in both).
+    return f"{row[f'{CONTROL}_{key}'] / row[f'torchmetrics_{key}']:.2f}"
 
 
 def table(rows: list[dict]) -> str:
     heap = bool(rows) and "danling_heap_bytes" in rows[0]
+    control = bool(rows) and f"{CONTROL}_peak_bytes" in rows[0]
     lines = [
         "| task | metrics | N | peak MiB danling / torchmetrics | peak / scores (danling, torchmetrics) | "
         + ("heap peak MiB danling / torchmetrics | heap peak / scores (danling, torchmetrics) | " if heap else "")
-        + "compute danling / torchmetrics | compute ratio | update + compute ratio |",
-        "| --- | --- | ---: | ---: | ---: | " + ("---: | ---: | " if heap else "") + "---: | ---: | ---: |",
+        + "compute danling / torchmetrics | compute ratio | update + compute ratio |"
+        + (" A/A peak | A/A compute |" if control else ""),
+        "| --- | --- | ---: | ---: | ---: | "
+        + ("---: | ---: | " if heap else "")
+        + "---: | ---: | ---: |"
+        + (" ---: | ---: |" if control else ""),
     ]
     for r in rows:
         ours, theirs = r["danling_peak_bytes"], r["torchmetrics_peak_bytes"]
@@ -393,6 +422,7 @@ def table(rows: list[dict]) -> str:
             + (_heap_cells(r) if heap else "")
             + f"{_seconds(r['danling_compute_s'])} / {_seconds(r['torchmetrics_compute_s'])} | "
             f"{r['danling_compute_s'] / r['torchmetrics_compute_s']:.2f}x | {total:.2f}x |"
+            + (f" {_control(r, 'peak_bytes')} | {_control(r, 'compute_s')} |" if control else "")
         )
     return "\n".join(lines)
 
