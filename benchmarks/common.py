@@ -358,7 +358,7 @@ class heap_region:
 
     def __enter__(self) -> heap_region:
         self.peak_bytes: int | None = None
-        self.peak = None
+        self._read_peak = None  # the counter's peak reader, in a counted child only
         library = os.environ.get(HEAP_LIBRARY)
         if library:
             import ctypes
@@ -367,11 +367,12 @@ class heap_region:
             for name in ("danling_heap_live", "danling_heap_peak"):
                 getattr(counter, name).restype = ctypes.c_longlong
             # Functions looked up before the reset: building them allocates, which is not the block's.
-            live, self.peak, reset = counter.danling_heap_live, counter.danling_heap_peak, counter.danling_heap_reset
+            live, self._read_peak = counter.danling_heap_live, counter.danling_heap_peak
+            reset = counter.danling_heap_reset
             reset()
-            self.start = live()
+            self._start = live()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self.peak is not None:
-            self.peak_bytes = self.peak() - self.start
+        if self._read_peak is not None:
+            self.peak_bytes = self._read_peak() - self._start
