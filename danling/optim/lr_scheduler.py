@@ -152,6 +152,7 @@ class LRScheduler(_LRScheduler):
         >>> lrs = []
         >>> for epoch in range(5):
         ...     lrs.append(scheduler.get_lr()[0])
+        ...     optimizer.step()
         ...     scheduler.step()
         >>> [round(lr, 10) for lr in lrs]
         [0.1, 0.01, 0.001, 0.0001, 1e-09]
@@ -159,6 +160,7 @@ class LRScheduler(_LRScheduler):
         >>> lrs = []
         >>> for epoch in range(5):
         ...     lrs.append(scheduler.get_lr()[0])
+        ...     optimizer.step()
         ...     scheduler.step()
         >>> [round(lr, 10) for lr in lrs]
         [0.3330753446, 0.0187302031, 0.000533897, 3.00232e-05, 1e-09]
@@ -166,6 +168,7 @@ class LRScheduler(_LRScheduler):
         >>> lrs = []
         >>> for epoch in range(5):
         ...     lrs.append(scheduler.get_lr()[0])
+        ...     optimizer.step()
         ...     scheduler.step()
         >>> [round(lr, 2) for lr in lrs]
         [0.8, 0.6, 0.4, 0.2, 0.0]
