@@ -80,17 +80,24 @@ GPU_SITE ?= /tmp/danling-gpu-site
 GPU_OUT ?= gpu-check-out
 # torchao (the `fp8` extra) at a version whose float8 training runs with the image's torch 2.11.
 GPU_TORCHAO ?= torchao==0.17.0
+# setuptools to build danling with there, kept apart in $(GPU_BUILD) (the checks never import it):
+# pyproject's SPDX `license` needs 77 or later, and an image's own setuptools may be older.
+GPU_SETUPTOOLS ?= setuptools==84.2.1
+GPU_BUILD ?= /tmp/danling-gpu-build
 GPU_PLATFORMS := --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 --platform any
 
 gpu-wheels: $(STAMP)
 	rm -rf $(GPU_WHEELS) && mkdir -p $(GPU_WHEELS)
 	$(PY) -m pip download --quiet --no-deps --only-binary=:all: $(GPU_PLATFORMS) -d $(GPU_WHEELS) \
 		$$($(PY) -m pip freeze | grep -iE '^(chanfig|torchdata|lazy[-_]imports)==') $(GPU_TORCHAO)
-	ls $(GPU_WHEELS)
+	$(PY) -m pip download --quiet --no-deps --only-binary=:all: -d $(GPU_WHEELS)/build $(GPU_SETUPTOOLS)
+	ls $(GPU_WHEELS) $(GPU_WHEELS)/build
 
 gpu-check:
 	@test -n "$$(ls $(GPU_WHEELS)/*.whl 2>/dev/null)" || { echo "no wheels in $(GPU_WHEELS): run 'make gpu-wheels' where pip reaches an index"; exit 1; }
 	$(GPU_PY) -m pip install --quiet --no-index --no-deps --no-compile --no-cache-dir --upgrade --target $(GPU_SITE) $(GPU_WHEELS)/*.whl
-	$(GPU_PY) -m pip install --quiet --no-index --no-deps --no-build-isolation --no-compile --no-cache-dir --upgrade --target $(GPU_SITE) .
+	@test -n "$$(ls $(GPU_WHEELS)/build/setuptools-*.whl 2>/dev/null)" || { echo "no setuptools wheel in $(GPU_WHEELS)/build: run 'make gpu-wheels' again"; exit 1; }
+	$(GPU_PY) -m pip install --quiet --no-index --no-deps --no-compile --no-cache-dir --upgrade --target $(GPU_BUILD) $(GPU_WHEELS)/build/setuptools-*.whl
+	PYTHONPATH=$(GPU_BUILD) $(GPU_PY) -m pip install --quiet --no-index --no-deps --no-build-isolation --no-compile --no-cache-dir --upgrade --target $(GPU_SITE) .
 	cd /tmp && PYTHONPATH=$(GPU_SITE) $(GPU_PY) -c "import danling, chanfig, torchdata; print('danling', danling.__version__, 'from', danling.__file__)"
 	PYTHONPATH=$(GPU_SITE) PYTHONUNBUFFERED=1 $(GPU_PY) benchmarks/gpu_check.py --out $(GPU_OUT) $(GPU_ARGS)

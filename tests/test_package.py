@@ -3,7 +3,7 @@
 import json
 import subprocess
 import sys
-from importlib.metadata import version
+from importlib.metadata import metadata, version
 
 import pytest
 
@@ -45,3 +45,9 @@ def test_every_public_name_resolves_and_is_unique():
 
 def test_version_matches_installed_metadata():
     assert danling.__version__ == version("danling")
+
+
+def test_installed_metadata_declares_the_license_as_an_spdx_expression():
+    # pyproject gives `license` as an SPDX string (setuptools 77+): the table form it replaced
+    # is deprecated, and setuptools may refuse to build it from 2027-02-18.
+    assert metadata("danling")["License-Expression"] == "Apache-2.0"
