@@ -39,6 +39,10 @@ TRUST_HINT = (
 )
 
 _PATH_NAMES = ("Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath", "PureWindowsPath")
+# The module a pickled path names: `pathlib` up to Python 3.12, `pathlib._local` from 3.13, where
+# the classes moved. Both spellings read as this interpreter's classes, so a checkpoint written
+# under one version loads under the other (plain `pickle` cannot import `pathlib._local` before 3.13).
+_PATH_MODULES = ("pathlib", "pathlib._local")
 
 
 def _numpy_globals() -> tuple[Any, ...]:
@@ -51,13 +55,19 @@ def _numpy_globals() -> tuple[Any, ...]:
 # Plain-data types a danling payload may hold beyond torch's weights-only defaults: paths in
 # configs, NumPy arrays and scalars in results and user state. None of them runs code on load
 # (an object array's items still go through the same allow-list).
-SAFE_GLOBALS: tuple[Any, ...] = (*(getattr(pathlib, name) for name in _PATH_NAMES), *_numpy_globals())
-"""Types admitted beyond torch's weights-only defaults: `pathlib` paths, NumPy arrays, scalars, dtypes."""
+SAFE_GLOBALS: tuple[Any, ...] = (
+    *(getattr(pathlib, name) for name in _PATH_NAMES),
+    # torch's weights-only unpickler matches a global by the name the file gives it: each path
+    # class is also admitted under the other Python versions' module name.
+    *((getattr(pathlib, name), f"{module}.{name}") for module in _PATH_MODULES for name in _PATH_NAMES),
+    *_numpy_globals(),
+)
+"""Types admitted beyond torch's weights-only defaults: `pathlib` paths (under the module names of
+every Python version, as `(class, name)` pairs too), NumPy arrays, scalars, dtypes."""
 
 _PLAIN_BUILTINS = {"set", "frozenset", "complex", "bytearray", "range", "slice", "list", "dict", "tuple", "int"}
 _PLAIN_BUILTINS |= {"float", "str", "bytes", "bool"}
 _PLAIN = {("collections", "OrderedDict"), ("collections", "defaultdict"), ("torch.serialization", "_get_layout")}
-_PLAIN |= {("pathlib", name) for name in _PATH_NAMES}
 _PLAIN |= {("datetime", name) for name in ("datetime", "date", "time", "timedelta", "timezone")}
 _NUMPY = {"_reconstruct", "scalar", "ndarray", "dtype"}
 _DCP_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
@@ -82,6 +92,8 @@ class _RestrictedUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if module == "builtins" and name in _PLAIN_BUILTINS or (module, name) in _PLAIN:
             return super().find_class(module, name)
+        if module in _PATH_MODULES and name in _PATH_NAMES:
+            return getattr(pathlib, name)  # whichever Python wrote it (see `_PATH_MODULES`)
         if module in _DCP_MODULES:
             value = getattr(__import__(module, fromlist=[name]), name, None)
             if isinstance(value, type) or name == "_MEM_FORMAT_ENCODING":
