@@ -33,6 +33,7 @@ from torch.distributed.checkpoint.filesystem import _StoragePrefix
 
 from ._dcp_io import CheckpointException, RecordingWriter
 from ._dcp_read import pack_plain
+from .failures import unpicklable_error
 from .layout import in_flight
 from .manifest import CheckpointError
 from .ranks import rank_entry
@@ -201,6 +202,9 @@ class CollectiveSaves:
             local_error = err
         outcome = self._exchange(None)
         if local_error is not None:
+            named = unpicklable_error(local_error, name, state)  # as the coordinator's `_abandon` names it
+            if named is not None:
+                raise named from local_error
             raise local_error
         if outcome is not None:
             raise CheckpointError(f"saving checkpoint {name!r} failed on rank 0: {outcome}")

@@ -6,11 +6,17 @@ cause. [`CheckpointSaveError`][danling.checkpoint.failures.CheckpointSaveError] 
 checkpoint and directory, the operating-system error underneath, about how many bytes the save
 needed and how many are free; the checkpoint before it is untouched (the new one was still in
 its temporary directory) and stays loadable.
+
+A state holding a value pickle cannot write (a lambda, a lock, an open file) fails deep inside
+pickle, with a message that names no checkpoint entry and, from Python 3.13, not even pickling
+("Can't get local object ..."). Such a save raises a `TypeError` naming the checkpoint and the
+entry instead.
 """
 
 from __future__ import annotations
 
 import os
+import pickle
 import shutil
 from collections.abc import Mapping
 from pathlib import Path
@@ -18,7 +24,7 @@ from typing import Any
 
 from .manifest import CheckpointError
 
-__all__ = ["CheckpointSaveError", "raise_save_error", "payload_bytes"]
+__all__ = ["CheckpointSaveError", "payload_bytes", "raise_save_error", "unpicklable_error"]
 
 
 class CheckpointSaveError(CheckpointError, OSError):
@@ -70,11 +76,63 @@ def _size(count: int | None) -> str:
     return str(count)
 
 
-def raise_save_error(error: BaseException, final: Path, state: Any, previous: Path | None) -> None:
-    """Raise one clear error for the failed save of checkpoint `final` when an `OSError` caused it.
+# What pickle raises for a value it cannot write: `PicklingError`, `TypeError` ("cannot pickle
+# '_thread.lock' object") or `AttributeError` ("Can't pickle local object ...", 3.13: "Can't get ...").
+_PICKLING_ERRORS = (pickle.PicklingError, TypeError, AttributeError)
 
-    Other errors (a payload that cannot be pickled, an interrupt) are left to propagate as they are.
+
+class _Discard:
+    """A file `torch.save` writes into and that keeps nothing (the search below must not hold a copy)."""
+
+    def write(self, data: Any) -> int:
+        return len(memoryview(data))
+
+    def flush(self) -> None:
+        pass
+
+
+def _unpicklable_entry(state: Any) -> str | None:
+    """The first top-level entry of `state` that `torch.save` cannot write on its own, if any."""
+    import torch
+
+    if not isinstance(state, Mapping):
+        return None
+    for key, value in state.items():
+        try:
+            torch.save(value, _Discard())
+        except _PICKLING_ERRORS:
+            return key
+        except Exception:  # some other failure: not this search's to name
+            continue
+    return None
+
+
+def unpicklable_error(error: BaseException, name: str, state: Any) -> TypeError | None:
+    """A `TypeError` naming the entry of `state` that failed the save of checkpoint `name`, when
+    `error` is pickle's; `None` for any other error, or when no single entry reproduces it.
+
+    Every entry is saved again on its own, into a file that keeps nothing: only on this failure's path.
     """
+    if not isinstance(error, _PICKLING_ERRORS) or isinstance(error, CheckpointError):
+        return None
+    key = _unpicklable_entry(state)
+    if key is None:
+        return None
+    return TypeError(
+        f"saving checkpoint {name} failed: its entry {key!r} cannot be pickled ({type(error).__name__}: {error}); "
+        "a checkpoint holds tensors, containers and plain values, so leave the entry out of the state or convert it"
+    )
+
+
+def raise_save_error(error: BaseException, final: Path, state: Any, previous: Path | None) -> None:
+    """Raise one clear error for the failed save of checkpoint `final` when an `OSError` caused it,
+    or the `TypeError` of `unpicklable_error` when an entry of `state` cannot be pickled.
+
+    Other errors (an interrupt, a failure on another rank) are left to propagate as they are.
+    """
+    named = unpicklable_error(error, final.name, state)
+    if named is not None:
+        raise named from error
     cause = _root_cause(error)
     if cause is None or isinstance(error, CheckpointSaveError):
         return

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import threading
 
 import pytest
 import torch
@@ -78,6 +79,29 @@ def test_other_save_errors_propagate_unchanged(tmp_path):
     with pytest.raises(Exception) as info:
         manager.save({"fn": lambda: 1}, "step-000001")  # cannot be pickled: not a disk problem
     assert not isinstance(info.value, CheckpointSaveError)
+
+
+def _local_function():
+    return lambda: 1
+
+
+@pytest.mark.parametrize(
+    ("value", "async_save"),
+    [(_local_function(), False), (_local_function(), True), (threading.Lock(), False)],
+    ids=["local function", "local function, async", "lock"],
+)
+def test_an_entry_that_cannot_be_pickled_is_named(tmp_path, value, async_save):
+    # pickle's own message names no entry, and from Python 3.13 a local function's does not say
+    # "pickle" either ("Can't get local object ...")
+    manager = FileCheckpointManager(tmp_path, async_save=async_save)
+    expected = r"checkpoint step-000001 failed: its entry 'extra' cannot be pickled \((TypeError|AttributeError): "
+    with pytest.raises(TypeError, match=expected):
+        manager.save({"weight": torch.ones(4), "extra": {"hook": value}}, "step-000001")
+        manager.wait()
+    assert manager.checkpoints() == [] and not list(tmp_path.iterdir())
+    manager.save(_state(1.0), "step-000002")  # the manager saves again once the state is fixed
+    manager.close()
+    assert [checkpoint.name for checkpoint in manager.checkpoints()] == ["step-000002"]
 
 
 def _fail_saves(monkeypatch, failing: set[int]) -> None:
