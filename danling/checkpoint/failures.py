@@ -91,12 +91,10 @@ class _Discard:
         pass
 
 
-def _unpicklable_entry(state: Any) -> str | None:
+def _unpicklable_entry(state: Mapping[str, Any]) -> str | None:
     """The first top-level entry of `state` that `torch.save` cannot write on its own, if any."""
     import torch
 
-    if not isinstance(state, Mapping):
-        return None
     for key, value in state.items():
         try:
             torch.save(value, _Discard())
@@ -107,13 +105,13 @@ def _unpicklable_entry(state: Any) -> str | None:
     return None
 
 
-def unpicklable_error(error: BaseException, name: str, state: Any) -> TypeError | None:
+def unpicklable_error(error: BaseException, name: str, state: Mapping[str, Any]) -> TypeError | None:
     """A `TypeError` naming the entry of `state` that failed the save of checkpoint `name`, when
     `error` is pickle's; `None` for any other error, or when no single entry reproduces it.
 
     Every entry is saved again on its own, into a file that keeps nothing: only on this failure's path.
     """
-    if not isinstance(error, _PICKLING_ERRORS) or isinstance(error, CheckpointError):
+    if not isinstance(error, _PICKLING_ERRORS):
         return None
     key = _unpicklable_entry(state)
     if key is None:
