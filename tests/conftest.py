@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import gc
 import getpass
+import multiprocessing.util
 import os
 import shutil
 import signal
@@ -40,6 +41,10 @@ _RUN_TEMP: list[str] = []
 
 def pytest_configure(config: pytest.Config) -> None:
     outer = tempfile.gettempdir()
+    # multiprocessing's own temporary directory (forkserver's socket) is removed by its exit
+    # handler, which runs after `pytest_unconfigure`: made now, it lies outside the run's
+    # directory, and that handler does not trip over a directory already removed.
+    multiprocessing.util.get_temp_dir()
     # Inductor's compile cache stays where torch puts it by default: kept between runs on purpose.
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(outer, f"torchinductor_{getpass.getuser()}"))
     # A short prefix: Slurm's munge socket lives a few levels below and must fit in 108 bytes.
