@@ -504,7 +504,6 @@ class TorchUpdateStrategy(UpdateStrategy):
             self.spike_guard.load_state_dict(state_dict["spikes"])
 
 
-@contextlib.contextmanager
 def _average_replicas(parameters: Iterable[torch.Tensor], group: Any) -> None:
     """Average the gradients of replicated parameters over `group`; a rank whose replica got no
     gradient in this window contributes zeros (as a rank whose batch did not use it)."""
@@ -515,6 +514,7 @@ def _average_replicas(parameters: Iterable[torch.Tensor], group: Any) -> None:
     all_reduce_gradients(replicas, group=group)
 
 
+@contextlib.contextmanager
 def _entered_together(outer: AbstractContextManager, inner: AbstractContextManager) -> Iterator[None]:
     with outer, inner:
         yield

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from danling.runners.update import TorchUpdateStrategy, UpdateStrategy, gradient_sync_for
+from danling.runners.update import Precision, TorchUpdateStrategy, UpdateStrategy, gradient_sync_for
 from tests.dist import process_group, run_distributed
 from tests.metrics.test_no_host_sync import ForbidHostSync
 from tests.runners._torch_toy import TinyRunner, tiny_config
@@ -230,3 +230,27 @@ def test_a_subclass_advance_is_not_shadowed_by_the_accumulators():
     update = Counting(accum_steps=2)
     update.start_pass(2)
     assert [update.advance(), update.advance()] == [False, True] and update.calls == 2
+
+
+def test_mixed_precision_windows_under_ddp_enter_autocast_and_no_sync_together(tmp_path):
+    # bf16 autocast plus DDP's no_sync inside a window: both contexts must be entered as one
+    # (a 1-rank gloo group is enough for DDP to offer no_sync).
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        ddp = nn.parallel.DistributedDataParallel(nn.Linear(3, 1))
+        update = TorchUpdateStrategy(2, precision=Precision("bf16"), gradient_sync=gradient_sync_for(ddp))
+        update.bind(torch.optim.SGD(ddp.parameters(), lr=0.1))
+        update.start_pass(2)
+        dtypes, syncs = [], []
+        for _ in range(2):
+            with update.train_context():
+                out = ddp(torch.randn(4, 3))
+                syncs.append(ddp.require_backward_grad_sync)
+            dtypes.append(out.dtype)
+            update.backward(out.float().sum())
+            closed = update.advance()
+        assert closed and update.apply()
+    finally:
+        dist.destroy_process_group()
+    assert dtypes == [torch.bfloat16, torch.bfloat16]
+    assert syncs == [False, True]  # the first micro-step keeps its gradients local
