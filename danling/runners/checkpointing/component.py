@@ -95,6 +95,8 @@ class RunnerCheckpointing:
         restored: Whether a restore (or the decision not to restore) has happened; `auto_restore` sets it.
         restore_source: What `from_checkpoint` read its payload from, named by the next load instead of the payload.
         seed_was_drawn: The run drew its seed (none was configured): a resumed checkpoint's seed replaces it.
+        allowed_changes: The identity keys (`optim.lr`, ...) in which the restored checkpoint's run
+            differs from this one, accepted by `resume_allow_changes`; empty for a plain resume.
     """
 
     def __init__(
@@ -113,6 +115,7 @@ class RunnerCheckpointing:
         self.restored = False
         self.restore_source: CheckpointSource | None = None
         self.seed_was_drawn = False
+        self.allowed_changes: tuple[str, ...] = ()
         # (global_step, micro_step) when the newest result row was stored; `best` may only go to a
         # checkpoint of exactly that state (the row's scores describe no other weights).
         self._scored_progress: tuple[int, int] | None = None
@@ -168,6 +171,7 @@ class RunnerCheckpointing:
         """Restore counters, RNG state and result rows (the default of the runner's `load_state_dict` hook)."""
         if not isinstance(checkpoint, Mapping):
             raise TypeError(f"load_state_dict() expects a mapping, got {type(checkpoint).__name__}")
+        self.allowed_changes = ()
         saved = checkpoint.get("runner")
         if saved is not None:
             self._check_config_matches(saved)
@@ -189,7 +193,7 @@ class RunnerCheckpointing:
             self.config.seed = saved["seed"]
         if saved != self.config.dict():  # equal (a resume of this very run): nothing to compare, no config to build
             # budget keys may differ; identity keys only when allowed
-            check_identity(self.config, recorded_config(saved), self.host.logger)
+            self.allowed_changes = tuple(check_identity(self.config, recorded_config(saved), self.host.logger))
 
     def checkpoint_payload(self, *, last_step: bool) -> Mapping[str, Any]:
         """What one save hands to the checkpoint manager.

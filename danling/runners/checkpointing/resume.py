@@ -62,18 +62,22 @@ __all__ = [
 ]
 
 
-def check_identity(config: RunnerConfig, saved: RunnerConfig, logger: Any) -> None:
+def check_identity(config: RunnerConfig, saved: RunnerConfig, logger: Any) -> list[str]:
     """Refuse a checkpoint whose run trained a different config, naming each differing key.
 
     With `resume_allow_changes: true` the checkpoint is accepted and each difference is logged as
     a warning. The budget (`epochs`, `steps`), cadences and logging are not part of the identity.
+
+    Returns:
+        The dotted identity keys that differ (empty when none does): the restore keeps this run's
+        values for them where the checkpoint would otherwise bring back the saved ones.
 
     Raises:
         ValueError: Identity keys differ and `resume_allow_changes` is not set.
     """
     saved = _judged_like(saved, config)
     if saved.config_id == config.config_id:
-        return
+        return []
     differences = identity_differences(saved.semantic_dict(), config.semantic_dict())
     if not config.get("resume_allow_changes"):
         keys = [key for key, _, _ in differences]
@@ -86,6 +90,7 @@ def check_identity(config: RunnerConfig, saved: RunnerConfig, logger: Any) -> No
         )
     for key, old, new in differences:
         logger.warning("resume_allow_changes: %s was %r in the checkpoint's run, now %r", key, old, new)
+    return [key for key, _, _ in differences]
 
 
 def _judged_like(saved: RunnerConfig, config: RunnerConfig) -> RunnerConfig:

@@ -36,6 +36,8 @@ import torch
 
 from danling.checkpoint import detect_format, open_checkpoint_reader
 from danling.checkpoint.manifest import verification_scope
+from danling.optim import LRScheduler, PhaseScheduler
+from danling.optim.lr_scheduler import apply_last_lr
 
 from .component import OPTIONAL_RANK_LOCAL_KEYS, RANK_LOCAL_KEYS, CheckpointSource, RunnerCheckpointing, is_path
 from .elastic import data_positions, elastic_accum_steps, restore_positions
@@ -299,15 +301,21 @@ class TorchCheckpointing(RunnerCheckpointing):
         )
 
     def load(self, checkpoint: CheckpointSource, *args: Any, **kwargs: Any) -> None:
-        """Restore a full checkpoint, then rebind the optimizer container to the restored optimizer and scheduler."""
+        """Restore a full checkpoint, then rebind the optimizer container to the restored optimizer and scheduler.
+
+        With `resume_allow_changes`, the `optim.*` and `scheduler.*` keys that differ from the
+        checkpoint's run keep this run's values (see `_ConfiguredOptimization`).
+        """
         self._restored_fingerprints = None
+        host = self.host
+        configured = _ConfiguredOptimization(host.optimizer, host.scheduler)
         try:
             with verification_scope():  # the state and the in-place components read one directory: hash it once
                 super().load(checkpoint, *args, **kwargs)
         finally:
             update_state, self._restored_update_state = self._restored_update_state, None
             self._restored_fingerprints = self._elastic_positions = None
-        host = self.host
+        configured.keep_changed(host.optimizer, host.scheduler, self.allowed_changes, host.logger)
         # The same optimizer object: the parameters outside its model found when it was bound still hold.
         host.update.bind(host.optimizer, host.scheduler, host.scheduler_interval, host.update.outside_parameters)
         if update_state:
@@ -328,6 +336,14 @@ class TorchCheckpointing(RunnerCheckpointing):
 
         optimizer = self.host.optimizer
         if state_dict is None or optimizer is None:
+            return
+        if "optim.type" in self.allowed_changes:
+            # Another algorithm's state (SGD's momentum buffers for AdamW's moments) cannot be continued.
+            self.host.logger.warning(
+                "resume_allow_changes: optim.type changed, so the optimizer state of the checkpoint is not loaded; "
+                "%s starts afresh",
+                type(optimizer).__name__,
+            )
             return
         groups = state_dict.get("param_groups") or []
         if groups and all(isinstance(param, int) for group in groups for param in group["params"]):
@@ -439,6 +455,93 @@ class TorchCheckpointing(RunnerCheckpointing):
             "data_rank": topology.rank("data"),
             "data_size": topology.size("data"),
         }
+
+
+# Scheduler entries that record how far the schedule has come (restored); the others are its settings.
+_SCHEDULER_PROGRESS = frozenset(
+    ("last_epoch", "_step_count", "_last_lr", "base_lrs", "_get_lr_called_within_step", "_is_initial")
+    + ("best", "num_bad_epochs", "cooldown_counter")  # ReduceLROnPlateau's
+)
+_LR_KEYS = ("lr", "initial_lr")
+
+
+class _ConfiguredOptimization:
+    """The optimizer and scheduler settings this run was built with, taken before a checkpoint loads.
+
+    A checkpoint's optimizer state carries its run's hyperparameters in every parameter group and its
+    scheduler state carries the scheduler's settings and initial learning rates, so loading them
+    brings back the saved run's values. When `resume_allow_changes` accepted a changed `optim.*` or
+    `scheduler.*` key, `keep_changed` puts this run's values back: the changed hyperparameters, the
+    new initial learning rates (the schedule continues from its saved step at the new rate) and the
+    changed scheduler settings. Without it a changed `optim.lr` was reported as "now 0.001" and
+    trained at the saved rate.
+    """
+
+    def __init__(self, optimizer: Any, scheduler: Any) -> None:
+        groups = getattr(optimizer, "param_groups", None) or []
+        # Copies: a tensor learning rate is filled in place by the restore.
+        self.groups = [{key: _copy(value) for key, value in dict(g, params=None).items()} for g in groups]
+        self.scheduler = scheduler
+        state = scheduler.state_dict() if callable(getattr(scheduler, "state_dict", None)) else {}
+        self.settings = {key: value for key, value in state.items() if key not in _SCHEDULER_PROGRESS}
+
+    def keep_changed(self, optimizer: Any, scheduler: Any, changes: tuple[str, ...], logger: Any) -> None:
+        optim = [key for key in changes if key.startswith("optim.")]
+        sched = [key for key in changes if key.split(".", 1)[0] in ("sched", "scheduler")]
+        if not (optim or sched) or len(self.groups) != len(getattr(optimizer, "param_groups", None) or []):
+            return
+        if sched and scheduler is self.scheduler:  # (an elastic resume rebuilds it from the config already)
+            scheduler.__dict__.update(self.settings)
+        if optim:
+            self._keep_hyperparameters(optimizer, optim)
+        if scheduler is None:
+            if optim:
+                for group, configured in zip(optimizer.param_groups, self.groups):
+                    _set_lr(group, configured["lr"])
+            return
+        bases = [configured.get("initial_lr", configured["lr"]) for configured in self.groups]
+        saved_bases = list(getattr(scheduler, "base_lrs", None) or [])
+        if optim and not saved_bases:
+            logger.warning(
+                "resume_allow_changes: %s keeps no initial learning rate to replace, so the learning rate "
+                "continues from the checkpoint's (%s); optim.* changes other than the rate apply",
+                type(scheduler).__name__,
+                scheduler.get_last_lr() if callable(getattr(scheduler, "get_last_lr", None)) else "unknown",
+            )
+            return
+        if optim:
+            scheduler.base_lrs = list(bases)
+            for group, base in zip(optimizer.param_groups, bases):
+                group["initial_lr"] = base
+        if isinstance(scheduler, (LRScheduler, PhaseScheduler)):  # closed form: the rate of the saved step
+            scheduler._last_lr = scheduler.get_lr()
+        elif optim:  # a recursive torch schedule: scale the rate it reached by the change of its initial rate
+            scheduler._last_lr = [
+                float(lr) * float(new) / float(old) if float(old) else float(new)
+                for lr, new, old in zip(scheduler.get_last_lr(), bases, saved_bases)
+            ]
+        apply_last_lr(scheduler)
+
+    def _keep_hyperparameters(self, optimizer: Any, changes: list[str]) -> None:
+        rebuilt = "optim.type" in changes or any(key.startswith("optim.param_groups") for key in changes)
+        for group, configured in zip(optimizer.param_groups, self.groups):
+            if rebuilt:
+                for key in [key for key in group if key not in configured]:
+                    del group[key]
+            for key, value in configured.items():
+                if key != "params" and key not in _LR_KEYS and (rebuilt or f"optim.{key}" in changes):
+                    group[key] = value
+
+
+def _copy(value: Any) -> Any:
+    return value.detach().clone() if isinstance(value, torch.Tensor) else value
+
+
+def _set_lr(group: dict[str, Any], lr: Any) -> None:
+    if isinstance(group["lr"], torch.Tensor):
+        group["lr"].fill_(float(lr))
+    else:
+        group["lr"] = lr
 
 
 class _ThroughHook:

@@ -40,3 +40,47 @@ def test_auto_resume_on_a_fresh_run_starts_from_pretrained(tmp_path, caplog):
     assert any("starting from the pretrained weights" in r.getMessage() for r in caplog.records)
     with ToyRunner(config) as again:  # the resubmitted job resumes its own checkpoint instead
         assert again.model.weight == trained and again.train_state.epoch == 1
+
+
+# ------------------------------------------------------------------ resume_allow_changes
+
+
+def _trained_run(root, **overrides) -> str:
+    with TinyRunner(tiny_config(root, epochs=1, **overrides)) as runner:
+        runner.train()
+        return runner.dir
+
+
+def test_allowed_optimizer_and_scheduler_changes_take_effect(tmp_path):
+    # The docs' use: a lower learning rate (and other changed optim/scheduler keys) for the rest of
+    # training. The checkpoint's optimizer and scheduler states must not bring the old values back.
+    before = {"optim.weight_decay": 0.01, "scheduler.type": "cosine"}
+    run = _trained_run(tmp_path, **before)
+    changed = {"optim.lr": 0.001, "optim.weight_decay": 0.1}
+    changed |= {"scheduler.type": "linear", "scheduler.final_lr_ratio": 0.1}
+    config = tiny_config(tmp_path, epochs=2, resume=run, resume_allow_changes=True, **changed)
+    with TinyRunner(config) as resumed:
+        group, scheduler = resumed.optimizer.param_groups[0], resumed.scheduler
+        assert resumed.optimizer.state  # the moments are continued
+        assert group["weight_decay"] == 0.1 and group["initial_lr"] == 0.001
+        assert (scheduler.method, scheduler.final_lr_ratio, scheduler.base_lrs) == ("linear", 0.1, [0.001])
+        assert scheduler.last_epoch == resumed.train_state.global_step == 5
+        assert group["lr"] == scheduler.get_last_lr()[0] == scheduler.lr_at(0.001, 6)
+
+
+def test_an_allowed_learning_rate_change_without_a_scheduler_takes_effect(tmp_path):
+    run = _trained_run(tmp_path)
+    config = tiny_config(tmp_path, epochs=2, resume=run, resume_allow_changes=True, **{"optim.lr": 0.001})
+    with TinyRunner(config) as resumed:
+        assert [group["lr"] for group in resumed.optimizer.param_groups] == [0.001]
+        assert resumed.optimizer.state
+
+
+def test_an_allowed_optimizer_type_change_starts_the_new_optimizer_afresh(tmp_path, caplog):
+    run = _trained_run(tmp_path, **{"optim.type": "sgd", "optim.momentum": 0.9})
+    config = tiny_config(tmp_path, epochs=2, resume=run, resume_allow_changes=True)  # adamw
+    with caplog.at_level(logging.WARNING, logger="danling"), TinyRunner(config) as resumed:
+        assert not resumed.optimizer.state and "momentum" not in resumed.optimizer.param_groups[0]
+        resumed.train()
+        assert resumed.train_state.global_step == 10
+    assert any("optim.type changed" in record.getMessage() for record in caplog.records)
