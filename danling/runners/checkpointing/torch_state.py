@@ -261,6 +261,8 @@ class TorchCheckpointing(RunnerCheckpointing):
         """Set `accum_steps` so that an update covers as many micro-batches as in the run that wrote `checkpoint`."""
         if getattr(self.manager, "backend", None) not in _ELASTIC_BACKENDS:
             return  # an engine's own checkpoints (DeepSpeed) keep their own resize rules
+        if "accum_steps" in self.allowed_changes:
+            return  # changed on purpose (resume_allow_changes): the configured value is the new global batch
         loop, topology = checkpoint.get("loop") or {}, checkpoint.get("topology") or {}
         reference = loop.get("micro_batches_per_update")
         if reference is None:  # written before the global batch was recorded

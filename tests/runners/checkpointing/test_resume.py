@@ -84,3 +84,14 @@ def test_an_allowed_optimizer_type_change_starts_the_new_optimizer_afresh(tmp_pa
         resumed.train()
         assert resumed.train_state.global_step == 10
     assert any("optim.type changed" in record.getMessage() for record in caplog.records)
+
+
+def test_an_allowed_accum_steps_change_is_the_one_trained_with(tmp_path):
+    # The checkpoint's global batch must not win over a changed accum_steps (it does on another
+    # number of ranks, where the configured value is the old run's).
+    run = _trained_run(tmp_path)  # 5 updates of 1 micro-batch
+    config = tiny_config(tmp_path, epochs=2, resume=run, resume_allow_changes=True, accum_steps=2)
+    with TinyRunner(config) as resumed:
+        assert resumed.accum_steps == resumed.update.accum_steps == 2
+        resumed.train()
+        assert resumed.train_state.global_step == 5 + 3  # the new epoch: updates of 2, 2 and 1 batches
