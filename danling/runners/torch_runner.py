@@ -483,7 +483,11 @@ class TorchRunner(BaseRunner):
         """
         section = self._merged_section("sched", "scheduler")
         if self.scheduler is None and self.optimizer is not None and section.get("type"):
-            total_steps = self._total_steps()
+            # The run length is counted in the scheduler's own steps: a scheduler stepped once per
+            # round (interval "epoch"/"validation") would otherwise get the optimizer-step count and
+            # cover only a fraction of its schedule by the end of the run.
+            kind = section.get("interval") or ("epoch" if is_metric_scheduler(section["type"]) else "step")
+            total_steps = self._total_steps() if kind == "step" else self._total_rounds()
             try:
                 self.scheduler = build_scheduler(self.optimizer, section, total_steps=total_steps)
             except ValueError as error:  # a run length the data cannot give: say why, not what is missing
@@ -1106,6 +1110,25 @@ class TorchRunner(BaseRunner):
         return epoch_budget(
             epochs=self.epochs,
             steps=self.steps,
+            accum_steps=self.accum_steps,
+            train_splits=self.train_splits,
+            datasets=self.datasets,
+            loader_config=self._loader_config(),
+            sampler_length=self._sampler_length,
+        )
+
+    def _total_rounds(self) -> int | None:
+        """The rounds an epoch-interval scheduler steps in: `epochs`, or in step mode the rounds over the
+        train splits that `steps` reaches into (the last one may be partial)."""
+        if self.epochs is not None:
+            return self.epochs or None
+        steps, per_round = self._total_steps(), self._total_steps_of(epochs=1)
+        return -(-steps // per_round) if steps and per_round else None
+
+    def _total_steps_of(self, *, epochs: int) -> int | None:
+        return epoch_budget(
+            epochs=epochs,
+            steps=None,
             accum_steps=self.accum_steps,
             train_splits=self.train_splits,
             datasets=self.datasets,

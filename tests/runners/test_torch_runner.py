@@ -398,6 +398,23 @@ def test_score_mode_is_a_validated_config_key():
         RunnerConfig(**{"ema.decay": 1.5})
 
 
+def test_a_scheduler_stepped_per_round_gets_the_run_length_in_rounds(tmp_path):
+    # A cosine stepped once per epoch must end its schedule with the run, not after a fraction of it
+    # (5 updates per epoch: the update count, 15, would leave the rate barely decayed after 3 epochs).
+    cosine = {"sched.type": "cosine", "sched.interval": "epoch", "sched.cooldown_steps": 0}
+    with TinyRunner(tiny_config(tmp_path, epochs=3, **cosine)) as runner:
+        assert runner.scheduler.total_steps == 3
+        runner.train()
+        assert runner.optimizer.param_groups[0]["lr"] == pytest.approx(0.01 * 1e-3)  # final_lr_ratio reached
+    annealing = {"sched.type": "cosineannealinglr", "sched.interval": "epoch"}
+    with TinyRunner(tiny_config(tmp_path / "annealing", epochs=3, **annealing)) as runner:
+        assert runner.scheduler.T_max == 3
+    # Step mode: 12 steps of 5-update rounds train in 3 rounds (the last one partial).
+    steps = tiny_config(tmp_path / "steps", epochs=None, steps=12, **cosine)
+    with TinyRunner(steps) as runner:
+        assert runner.scheduler.total_steps == 3
+
+
 @pytest.mark.parametrize("passes", [1, 3])
 def test_epoch_interval_scheduler_steps_once_per_pass_in_step_mode(tmp_path, passes):
     class Scheduled(TinyRunner):
