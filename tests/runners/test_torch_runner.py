@@ -201,6 +201,22 @@ def test_ema_is_used_for_evaluation_and_checkpointed(tmp_path):
             assert torch.equal(value, ema_weights[key])
 
 
+def test_a_fine_tune_with_ema_averages_from_the_pretrained_weights(tmp_path):
+    # The EMA copy is made before `pretrained` loads; evaluation runs on it, so it must start from
+    # the loaded weights, not from the random initialisation.
+    with TinyRunner(tiny_config(tmp_path / "base", epochs=1)) as base:
+        base.train()
+        source, weights = str(base.checkpoint_manager.latest), model_state(base)
+    config = tiny_config(tmp_path / "tuned", epochs=1, pretrained=source, **{"ema.enabled": True})
+    with TinyRunner(config) as tuned:
+        averaged = tuned.ema.module.state_dict()
+        assert all(torch.equal(averaged[key], value) for key, value in weights.items())
+        x, y = make_data(4, seed=3).tensors
+        tuned.mode = "evaluate"
+        with tuned.inference_context():
+            assert torch.equal(tuned.evaluate_step((x, y))[0], tuned.model(x))
+
+
 def test_schedulers_step_on_their_interval(tmp_path):
     config = tiny_config(tmp_path, epochs=3, **{"sched.type": "steplr", "sched.step_size": 1, "sched.gamma": 0.5})
     config["sched.interval"] = "epoch"

@@ -28,7 +28,8 @@ Checkpoints written by either backend can be read back whatever backend the runn
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,7 @@ from danling.checkpoint.manifest import verification_scope
 from danling.optim import LRScheduler, PhaseScheduler
 from danling.optim.lr_scheduler import apply_last_lr
 
+from ..update.ema import EMA
 from .component import OPTIONAL_RANK_LOCAL_KEYS, RANK_LOCAL_KEYS, CheckpointSource, RunnerCheckpointing, is_path
 from .elastic import data_positions, elastic_accum_steps, restore_positions
 from .host import TorchCheckpointHost
@@ -322,6 +324,24 @@ class TorchCheckpointing(RunnerCheckpointing):
         host.update.bind(host.optimizer, host.scheduler, host.scheduler_interval, host.update.outside_parameters)
         if update_state:
             host.update.load_state_dict(update_state)
+
+    def load_pretrained(self, checkpoint: CheckpointSource, *args: Any, **kwargs: Any) -> None:
+        """Load model weights only, EMA preferred; the run's EMA copy, when it keeps one, restarts from them.
+
+        The EMA was copied from the initial weights when the model was built; left there, the
+        evaluations of a fine-tune (which run on the EMA) would score a mostly untrained model for
+        the first ~1 / (1 - decay) updates.
+        """
+        super().load_pretrained(checkpoint, *args, **kwargs)
+        if isinstance(self.host.ema, EMA):
+            with self.ema_source() as source:
+                self.host.ema.reset(source)
+
+    @contextlib.contextmanager
+    def ema_source(self) -> Iterator[Any]:
+        """The module the runner's EMA follows, readable for the block (a backend may gather it first)."""
+        ema = self.host.ema
+        yield ema.live if ema.live is not None else self.host.unwrap(self.host.model)
 
     def load_model(self, state_dict: Mapping[str, Any], *args: Any, **kwargs: Any) -> None:
         """Load weights keyed by parameter name into the runner's model, whatever wrapper it has."""

@@ -15,10 +15,11 @@ merged fp32 weights of a tag as one `torch.save` file.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -31,6 +32,7 @@ from danling.distributed import is_distributed
 from ..checkpointing.component import CheckpointSource
 from ..checkpointing.host import TorchCheckpointHost
 from ..checkpointing.torch_state import TorchCheckpointing
+from .update import gathered_parameters
 
 __all__ = ["DeepSpeedCheckpointHost", "DeepSpeedCheckpointing", "export_fp32", "load_tag"]
 
@@ -60,6 +62,13 @@ class DeepSpeedCheckpointing(TorchCheckpointing):
                 f"checkpoint.backend={backend!r} is not supported by DeepSpeedRunner; use 'auto' or 'deepspeed'"
             )
         return "deepspeed"
+
+    @contextlib.contextmanager
+    def ema_source(self) -> Iterator[Any]:
+        """The user's module inside the engine, with ZeRO-3's partitioned parameters gathered for the block."""
+        module = self.host.unwrap(self.host.model)
+        with gathered_parameters(self.host.model, module.parameters()):
+            yield module
 
     def checkpoint_payload(self, *, last_step: bool) -> Mapping[str, Any]:
         """Danling's state; the engine writes module, optimizer and its scheduler itself.

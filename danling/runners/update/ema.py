@@ -104,6 +104,19 @@ class EMA(nn.Module):
         for mine, theirs in zip(self.module.buffers(), source.buffers()):
             _local(mine).copy_(_local(theirs))
 
+    @torch.no_grad()
+    def reset(self, model: nn.Module) -> None:
+        """Make the average equal to `model`'s current weights, as if the copy were made now.
+
+        For weights loaded into the model after the EMA was made (pretrained weights): the average
+        would otherwise start from the weights the model had before.
+        """
+        source = unwrap_model(model)
+        if not self.runnable:
+            _reshard(source)
+        for mine, theirs in zip(_tensors(self.module), _tensors(source)):
+            _local(mine).copy_(_local(theirs).detach())
+
     @contextlib.contextmanager
     def swap(self, model: nn.Module) -> Iterator[nn.Module]:
         """Load the averaged weights into `model` for the duration of the block, then restore its own.
