@@ -543,6 +543,14 @@ class _ConfiguredOptimization:
                 for lr, new, old in zip(scheduler.get_last_lr(), bases, saved_bases)
             ]
         apply_last_lr(scheduler)
+        if optim:  # after any "schedule rebuilt" warning, which computed its rate from the saved initial rates
+            logger.warning(
+                "resume_allow_changes: the schedule continues from step %s with initial learning rates %s: "
+                "the next update uses %s",
+                getattr(scheduler, "last_epoch", "?"),
+                [float(base) for base in bases],
+                [float(lr) for lr in scheduler.get_last_lr()],
+            )
 
     def _keep_hyperparameters(self, optimizer: Any, changes: list[str]) -> None:
         rebuilt = "optim.type" in changes or any(key.startswith("optim.param_groups") for key in changes)

@@ -51,7 +51,7 @@ def _trained_run(root, **overrides) -> str:
         return runner.dir
 
 
-def test_allowed_optimizer_and_scheduler_changes_take_effect(tmp_path):
+def test_allowed_optimizer_and_scheduler_changes_take_effect(tmp_path, caplog):
     # The docs' use: a lower learning rate (and other changed optim/scheduler keys) for the rest of
     # training. The checkpoint's optimizer and scheduler states must not bring the old values back.
     before = {"optim.weight_decay": 0.01, "scheduler.type": "cosine"}
@@ -59,13 +59,16 @@ def test_allowed_optimizer_and_scheduler_changes_take_effect(tmp_path):
     changed = {"optim.lr": 0.001, "optim.weight_decay": 0.1}
     changed |= {"scheduler.type": "linear", "scheduler.final_lr_ratio": 0.1}
     config = tiny_config(tmp_path, epochs=2, resume=run, resume_allow_changes=True, **changed)
-    with TinyRunner(config) as resumed:
+    with caplog.at_level(logging.WARNING, logger="danling"), TinyRunner(config) as resumed:
         group, scheduler = resumed.optimizer.param_groups[0], resumed.scheduler
         assert resumed.optimizer.state  # the moments are continued
         assert group["weight_decay"] == 0.1 and group["initial_lr"] == 0.001
         assert (scheduler.method, scheduler.final_lr_ratio, scheduler.base_lrs) == ("linear", 0.1, [0.001])
         assert scheduler.last_epoch == resumed.train_state.global_step == 5
         assert group["lr"] == scheduler.get_last_lr()[0] == scheduler.lr_at(0.001, 6)
+    # The log says the rate the run really continues at (the "schedule rebuilt" line computed the old one).
+    said = f"initial learning rates [0.001]: the next update uses [{group['lr']}]"
+    assert any(said in record.getMessage() for record in caplog.records)
 
 
 def test_an_allowed_learning_rate_change_without_a_scheduler_takes_effect(tmp_path):
