@@ -221,6 +221,20 @@ class _TypedConfig(Config, metaclass=_ConfigMeta):
                 type(child)._merge(child, {rest: value}, overwrite)
                 return
         current = dict.get(self, key, _MISSING) if not isinstance(key, str) or "." not in key else _MISSING
+        if (
+            current is _MISSING
+            and not (isinstance(key, str) and "." in key)
+            and isinstance(value, Mapping)
+            and not isinstance(value, Config)
+            and key not in get_cached_annotations(self)
+        ):
+            # A new section from input (`dataloader: {train: {batch_size: x}}`): create it empty first, so it
+            # knows its dotted path before its values are converted and a refused one names its full key.
+            created = self.__missing__(key)
+            if isinstance(created, _TypedConfig):
+                type(created)._merge(created, value, overwrite)
+                return
+            current = created
         if isinstance(current, Mapping) and isinstance(value, Mapping):
             type(current)._merge(current, value, overwrite)
         elif overwrite or key not in self:

@@ -77,6 +77,15 @@ def test_a_non_integral_float_for_an_integer_key_names_key_value_file_line_and_w
     assert config.channels == 8  # nothing was stored
 
 
+def test_a_bad_value_in_a_new_per_split_loader_section_names_its_full_key_and_line(tmp_path):
+    # The split section is created by the file itself: its error must still name dataloader.train.*, not a bare key.
+    with pytest.raises(ValueError) as info:
+        _parse(tmp_path, "epochs: 2\ndataloader:\n  train:\n    batch_size: x\n")
+    assert f"config.dataloader.train.batch_size='x' (from {tmp_path / 'exp.yaml'}:4)" in str(info.value)
+    with pytest.raises(ValueError, match=r"^config\.dataloader\.val\.shuffle='maybe' is not accepted"):
+        RunnerConfig(dataloader={"val": {"shuffle": "maybe"}})
+
+
 def test_whole_floats_and_spelled_numbers_are_accepted_for_integer_keys(tmp_path):
     config, _ = _parse(tmp_path, "epochs: 3.0\nchannels: '16'\nsub:\n  count: 1e3\n")
     assert (config.epochs, config.channels, config.sub.count) == (3, 16, 1000)
