@@ -23,7 +23,7 @@ from typing import Any
 from chanfig import Config, NestedDict
 from chanfig.utils import Null, get_cached_annotations
 
-from ._config_values import convert
+from ._config_values import ConfigValueError, convert
 
 __all__ = ["_TypedConfig", "_DeclaredSection", "declaring", "is_strict", "accepted_keys", "declared_keys"]
 
@@ -235,6 +235,17 @@ class _TypedConfig(Config, metaclass=_ConfigMeta):
                 type(created)._merge(created, value, overwrite)
                 return
             current = created
+        if (
+            isinstance(current, _TypedConfig)
+            and not isinstance(value, Mapping)
+            and key in declared_keys(self)
+            and key not in get_cached_annotations(self)  # annotated sections: the converter refuses it
+            and key not in self.EXTRA_KEYS
+            and is_strict(self)
+        ):
+            # `--model x` or `model: null` for the section the class's code built (`self.model.depth = 4`)
+            # would replace it and silently drop every key the code set in it.
+            raise ConfigValueError(self._key(key), value, "a mapping of its keys (it is a section)")
         if isinstance(current, Mapping) and isinstance(value, Mapping):
             type(current)._merge(current, value, overwrite)
         elif overwrite or key not in self:

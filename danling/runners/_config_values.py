@@ -152,7 +152,7 @@ def _describe(members: tuple) -> str:
             names.append(_NAMES[member])
         elif origin in (list, tuple):
             names.append("a list")
-        elif origin is dict:
+        elif origin is dict or _is_section(member):
             names.append("a mapping")
         else:
             names.append(getattr(member, "__name__", str(member)))
@@ -174,12 +174,20 @@ def _convert_member(value: Any, member: Any) -> Any:
         if isinstance(value, Mapping):
             return value
         raise _Rejected("a mapping")
+    if _is_section(member):  # a section (`checkpoint`, a user's `network: Config`): chanfig merges the mapping
+        if isinstance(value, Mapping):
+            return _UNCONVERTED
+        raise _Rejected("a mapping of its keys (it is a section)")
     return _UNCONVERTED
+
+
+def _is_section(member: Any) -> bool:
+    return isinstance(member, type) and issubclass(member, Mapping)
 
 
 def _known(member: Any) -> bool:
     """Whether this module converts to `member` (other types are left to chanfig)."""
-    return member in _SCALARS or (get_origin(member) or member) in (list, tuple, dict)
+    return member in _SCALARS or (get_origin(member) or member) in (list, tuple, dict) or _is_section(member)
 
 
 def _spells_null(value: Any) -> bool:

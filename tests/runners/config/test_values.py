@@ -86,6 +86,30 @@ def test_a_bad_value_in_a_new_per_split_loader_section_names_its_full_key_and_li
         RunnerConfig(dataloader={"val": {"shuffle": "maybe"}})
 
 
+class ModelConfig(RunnerConfig):
+    """A config whose `__init__` builds a `model` section."""
+
+    def __init__(self):
+        super().__init__()
+        self.model.depth = 4
+
+
+def test_a_scalar_for_a_section_is_refused_naming_the_key_source_and_what_is_accepted(tmp_path):
+    accepted = r"is not accepted: expected a mapping"
+    with pytest.raises(ValueError, match=rf"^config\.checkpoint=5 \(from .*exp\.yaml:1\) {accepted}"):
+        _parse(tmp_path, "checkpoint: 5\n")
+    with pytest.raises(ValueError, match=rf"^config\.sub=None \(from .*exp\.yaml:1\) {accepted}"):
+        _parse(tmp_path, "sub: null\n")
+    with pytest.raises(ValueError, match=rf"^config\.optim=3 \(from --optim on the command line\) {accepted}"):
+        UserConfig().parse(["--optim", "3"])
+    # the section the class's own code built is not swapped for a scalar, losing model.depth
+    with pytest.raises(ValueError, match=rf"^config\.model='x' \(from --model on the command line\) {accepted}"):
+        ModelConfig().parse(["--model", "x"])
+    with pytest.raises(ValueError, match=rf"^config\.model=None \(from .*exp\.yaml:1\) {accepted}"):
+        _parse(tmp_path, "model: null\n", config=ModelConfig())
+    assert ModelConfig().parse(["--model.depth", "none"]).model.depth is None  # its keys stay optional
+
+
 def test_whole_floats_and_spelled_numbers_are_accepted_for_integer_keys(tmp_path):
     config, _ = _parse(tmp_path, "epochs: 3.0\nchannels: '16'\nsub:\n  count: 1e3\n")
     assert (config.epochs, config.channels, config.sub.count) == (3, 16, 1000)
