@@ -197,7 +197,7 @@ class RunnerConfig(_TypedConfig):
         "oom",
         "replay",
     )
-    # Features no runner of this version implements; a backend lifts one by naming it in its
+    # Features only some runners implement; a backend lifts one by naming it in its
     # `supported_features` (and the entry is dropped once every runner reads those keys).
     FEATURES = {
         "parallel": ("parallel.*",),
