@@ -73,7 +73,7 @@ def resolve_runner(stack: str) -> type[BaseRunner]:
         ValueError: No runner is registered under that name; the message lists the ones that are
             and says when the name is a known stack that is not built in this version yet.
     """
-    key = stack.lower() if isinstance(stack, str) else stack
+    key = stack.strip().lower() if isinstance(stack, str) else stack  # as `RunnerConfig.validate` compares it
     if key not in RUNNERS:
         registered = sorted(RUNNERS) or "none"
         if key in RunnerConfig.STACKS:

@@ -54,6 +54,15 @@ def test_subclass_is_combined_with_the_backend(registry, tmp_path):
         assert type(again) is combined  # one combined class per (subclass, backend) pair
 
 
+def test_runner_reads_the_stack_as_the_config_validates_it(registry, tmp_path):
+    # RunnerConfig accepts " Toy " (compared stripped and lower-cased), and so does ToyRunner itself
+    register_runner("toy", ToyRunner)
+    config = RunnerConfig(**toy_config(tmp_path, stack=" Toy "))
+    with Runner(config) as runner:
+        assert type(runner) is ToyRunner
+    assert resolve_runner(" toy ") is ToyRunner
+
+
 def test_unknown_stack_lists_registered_ones(registry, tmp_path):
     register_runner("toy", ToyRunner)
     with pytest.raises(ValueError, match=r"'nope'.*registered stacks: \[.*'toy'"):
