@@ -10,6 +10,7 @@ resolved to, are remembered on the config and substituted back when the run's re
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import re
@@ -183,7 +184,10 @@ def merge_config_files(config: Any, files: list[str]) -> tuple:
             raise
         except (ValueError, TypeError) as exc:  # name the file the bad key or value came from
             raise type(exc)(f"in config file {os.fspath(path)!r}: {exc}") from exc
-        references.update(file_references(path, data))
+        # Remember each tagged value as the config stores it (converted: `epochs: !env EPOCHS` holds 3, not
+        # "3"; an included typed section holds its defaults too), so the record can tell it is unchanged.
+        found = file_references(path, data)
+        references.update({key: (reference, _stored(config, key)) for key, (reference, _) in found.items()})
     if references:
         config.setattr("references", references)
     return ()
@@ -192,6 +196,16 @@ def merge_config_files(config: Any, files: list[str]) -> tuple:
 def _plain(value: Any) -> Any:
     to_dict = getattr(value, "dict", None)
     return to_dict() if callable(to_dict) else value
+
+
+def _stored(config: Any, key: str) -> Any:
+    """A copy of the value at the dotted `key` of `config` as plain data (None when absent)."""
+    node = config
+    for part in key.split("."):
+        if not isinstance(node, Mapping) or part not in node:
+            return None
+        node = node[part]
+    return copy.deepcopy(_plain(node))
 
 
 def with_references(config: Any, plain: Mapping[str, Any], as_text: bool = True) -> dict[str, Any]:

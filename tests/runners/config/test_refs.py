@@ -9,6 +9,7 @@ import yaml
 from chanfig import Config
 
 from danling.runners import RunnerConfig
+from danling.runners._config_refs import references_yaml
 from tests.runners._toy import ToyRunner, toy_config
 
 SECRET = "s3cr3t-token-value"
@@ -54,3 +55,17 @@ def test_overridden_reference_is_recorded_as_its_value(tmp_path, monkeypatch):
     with ToyRunner(config) as runner:
         run_dir = runner.workspace.path
     assert yaml.safe_load((run_dir / "metadata.json").read_text())["config"]["api_token"] == "plain"
+
+
+def test_references_to_typed_keys_and_sections_are_recorded_as_references(tmp_path, monkeypatch):
+    # the stored value is converted (epochs 3, not "3") or completed with defaults (the checkpoint section):
+    # still the file's value, so still recorded as the reference, not as what it resolved to
+    monkeypatch.setenv("DANLING_TEST_EPOCHS", "3")
+    (tmp_path / "mlflow.yaml").write_text(f"tracking_uri: https://user:{SECRET}@example.org\n")
+    path = tmp_path / "run.yaml"
+    path.write_text("epochs: !env DANLING_TEST_EPOCHS\nmlflow: !include mlflow.yaml\n")
+    config = RunnerConfig().parse(["--config", str(path)])
+    assert config.epochs == 3 and config.mlflow.tracking_uri.endswith("@example.org")
+    recorded = yaml.safe_load(re.sub(r"!(env|include) ", "", references_yaml(config, config.dict())))
+    assert recorded["epochs"] == "DANLING_TEST_EPOCHS"
+    assert recorded["mlflow"] == str(tmp_path / "mlflow.yaml")
