@@ -198,6 +198,19 @@ def _plain(value: Any) -> Any:
     return to_dict() if callable(to_dict) else value
 
 
+def _unchanged(value: Any, resolved: Any) -> bool:
+    """Whether `value` is still what the tag resolved to; an optimizer argument read from `!env` is stored
+    as the number its text spells (`"0.5"` -> 0.5), which is the same value."""
+    if value == resolved:
+        return True
+    if isinstance(resolved, str) and isinstance(value, (int, float)) and not isinstance(value, bool):
+        try:
+            return float(resolved) == value
+        except ValueError:
+            return False
+    return False
+
+
 def _stored(config: Any, key: str) -> Any:
     """A copy of the value at the dotted `key` of `config` as plain data (None when absent)."""
     node = config
@@ -224,7 +237,7 @@ def with_references(config: Any, plain: Mapping[str, Any], as_text: bool = True)
                 break
             node[part] = node = dict(node[part])
         else:
-            if parts[-1] in node and _plain(node[parts[-1]]) == _plain(resolved):
+            if parts[-1] in node and _unchanged(_plain(node[parts[-1]]), _plain(resolved)):
                 node[parts[-1]] = str(reference) if as_text else reference
     return result
 

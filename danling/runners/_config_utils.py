@@ -197,7 +197,9 @@ def check_optimizer_keys(config: Mapping) -> None:
         if key in ("type", "param_groups"):
             continue
         if key in options:
-            _check_number(optim["type"], key, optim[key], options[key])
+            number = _check_number(optim["type"], key, optim[key], options[key])
+            if number is not None:  # "1e-3" (quoted in a file, or from !env): the optimizer compares it as a number
+                optim[key] = number
             continue
         close = difflib.get_close_matches(str(key), list(options), n=1, cutoff=0.6)
         hint = f"did you mean optim.{close[0]}? " if close else ""
@@ -207,15 +209,19 @@ def check_optimizer_keys(config: Mapping) -> None:
         )
 
 
-def _check_number(optimizer: str, key: str, value: Any, default: Any) -> None:
+def _check_number(optimizer: str, key: str, value: Any, default: Any) -> int | float | None:
     """A value for an argument whose default is a number must read as one (`--optim.lr abc` failed at the
-    optimizer's first comparison, with "'<' not supported between 'str' and 'int'")."""
+    optimizer's first comparison, with "'<' not supported between 'str' and 'int'"); returns the number a
+    string spells (`"1e-3"`), None when there is nothing to convert."""
     if not isinstance(default, (int, float)) or isinstance(default, bool) or not isinstance(value, (str, bool)):
-        return
+        return None
     try:
         if isinstance(value, bool):
             raise ValueError(value)
-        float(value)
+        try:
+            return int(value.strip())
+        except ValueError:
+            return float(value)
     except ValueError:
         raise ValueError(
             f"config.optim.{key}={value!r} is not a number: optimizer {optimizer!r} takes a number for {key} "

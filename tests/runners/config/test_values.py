@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from danling.runners import RunnerConfig
 from danling.runners._config_base import _TypedConfig
-from danling.runners._config_refs import _FLOAT_SPELLINGS
+from danling.runners._config_refs import _FLOAT_SPELLINGS, references_yaml
 
 
 class SubConfig(_TypedConfig):
@@ -121,6 +121,20 @@ def test_yaml_1_1_exponent_floats_are_numbers(tmp_path):
     assert config.max_grad_norm == 0.001 and config.ratio == 0.5
     assert config.optim.lr == 0.001 and config.optim.eps == 1e-8  # free-form keys too: as on the command line
     assert UserConfig().parse(["--optim.lr", "1e-3"]).optim.lr == config.optim.lr
+
+
+def test_a_quoted_number_for_an_optimizer_argument_is_the_number_the_optimizer_gets(tmp_path, monkeypatch):
+    import torch
+
+    from danling.optim import build_optimizer
+
+    monkeypatch.setenv("DANLING_TEST_LR", "0.5")
+    config, _ = _parse(tmp_path, 'optim:\n  type: sgd\n  lr: !env DANLING_TEST_LR\n  momentum: "0.9"\n')
+    assert (config.optim.lr, config.optim.momentum) == (0.5, 0.9)
+    assert "lr: !env" in references_yaml(config, config.dict())  # still recorded as the reference
+    config = RunnerConfig(**{"optim.type": "adamw", "optim.lr": "1e-3", "optim.weight_decay": "0"})
+    optimizer = build_optimizer(torch.nn.Linear(2, 2), config.optim)  # it compared the string "1e-3" with 0
+    assert optimizer.param_groups[0]["lr"] == 0.001 and optimizer.param_groups[0]["weight_decay"] == 0
 
 
 def test_bad_boolean_names_what_is_accepted(tmp_path):
