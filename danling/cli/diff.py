@@ -52,6 +52,11 @@ def diff_command(path_a: str, path_b: str, as_json: bool, out: TextIO) -> int:
             "a": str(a.path),
             "b": str(b.path),
             "config": {k: [None if v is _MISSING else v for v in pair] for k, pair in diff["config"].items()},
+            # `null` above is also a key set to None: name the keys a run does not have at all
+            "unset": {
+                side: [key for key, pair in diff["config"].items() if pair[index] is _MISSING]
+                for index, side in enumerate(("a", "b"))
+            },
             "results": diff["results"],
             "budgets": list(diff["budgets"]),
         }

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -144,6 +145,23 @@ def test_runs_diff_and_report_show_the_budget_of_an_extended_run_and_its_history
     pytest.importorskip("matplotlib")
     assert run_cli("report", extended, "--out", tmp_path)[0] == 0
     assert "4/4 epochs (budget 2 -&gt; 4)" in (tmp_path / "report.html").read_text()
+
+
+def test_diff_json_tells_a_key_one_run_lacks_from_a_key_set_to_none(workspace, tmp_path):
+    runs = []
+    for name, extra in (("a", {"note": None}), ("b", {"depth": 3})):
+        run = tmp_path / name
+        shutil.copytree(workspace[name], run)
+        metadata = json.loads((run / "metadata.json").read_text())
+        metadata["config"].update(extra)
+        (run / "metadata.json").write_text(json.dumps(metadata))
+        runs.append(run)
+    code, out, _ = run_cli("diff", *runs, "--json")
+    diff = json.loads(out)
+    assert code == 0 and diff["config"]["note"] == [None, None] and diff["config"]["depth"] == [None, 3]
+    assert diff["unset"] == {"a": ["depth"], "b": ["note"]}
+    text = run_cli("diff", *runs)[1]
+    assert "note" in text and "<unset>" in text
 
 
 def test_diff_rejects_a_directory_that_is_not_a_run(workspace, tmp_path):
