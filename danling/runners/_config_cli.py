@@ -41,6 +41,15 @@ def split_file_options(args: list[str], option: str) -> tuple[list[str], list[st
     return rest, files
 
 
+def option_key(name: str) -> str:
+    """The config key of an option name: dashes read as underscores (`max-grad-norm`), except in the split
+    of `dataloader.<split>.<key>`, which names a dataset split as it is spelled (`val-hard`)."""
+    parts = name.split(".")
+    if len(parts) == 3 and parts[0].replace("-", "_") == "dataloader":
+        return ".".join((parts[0].replace("-", "_"), parts[1], parts[2].replace("-", "_")))
+    return name.replace("-", "_")
+
+
 def _literal(token: str) -> Any:
     try:
         return ast.literal_eval(token)
@@ -103,7 +112,7 @@ def register_typed_arguments(parser: Any, config: Mapping, args: Sequence[str]) 
     for token in args:
         if not token.startswith("--"):
             continue
-        parts = token[2:].split("=", 1)[0].replace("-", "_").split(".")
+        parts = option_key(token[2:].split("=", 1)[0]).split(".")
         is_split_key = len(parts) == 3 and parts[0] == "dataloader" and parts[1] not in loader_annotations
         if is_split_key and parts[2] in loader_annotations:
             split_keys.append(".".join(parts))
@@ -142,7 +151,7 @@ def register_free_form_arguments(parser: Any, config: Mapping, args: Sequence[st
             break
         if token.startswith("--"):
             key, _, value = token[2:].partition("=")
-            key = key.replace("-", "_")
+            key = option_key(key)
             counts[key] = 1 if value else 0
         elif key is not None:
             counts[key] += 1
@@ -186,6 +195,17 @@ class StrictParser(ConfigParser):
 
     def error(self, message: str) -> NoReturn:  # type: ignore[override]
         raise fail(self.prog, message)
+
+    @staticmethod
+    def _normalize_dash_to_underscore(args: Sequence[str]) -> list[str]:
+        """chanfig's `--max-grad-norm` -> `--max_grad_norm`, keeping a dataloader split's name as typed."""
+        normalized = []
+        for arg in args:
+            if arg.startswith("--") and len(arg) > 2:
+                key, equals, value = arg[2:].partition("=")
+                arg = "--" + option_key(key) + equals + value
+            normalized.append(arg)
+        return normalized
 
     def parse_args(self, args: Any = None, namespace: Any = None, eval_str: bool = False) -> Any:  # type: ignore[override]
         """chanfig's `parse_args` without evaluating strings: typed keys get the text as typed (the

@@ -76,6 +76,20 @@ def test_free_form_keys_parse_without_typo_warnings(recwarn):
     assert not [warning for warning in recwarn if "Unrecognized argument" in str(warning.message)]
 
 
+def test_a_dataloader_split_named_with_a_dash_keeps_its_name_on_the_command_line(tmp_path):
+    # option names read dashes as underscores (--max-grad-norm); a split's name is the dataset's, as in a file
+    args = ["--dataloader.val-hard.batch_size", "3", "--dataloader.val-hard.pin-memory=true", "--max-grad-norm", "1"]
+    config = RunnerConfig().parse([*args, "--evaluate-splits", "val-hard"])
+    assert config.dataloader.kwargs("val-hard", train=False)["batch_size"] == 3
+    assert config.dataloader.kwargs("val-hard", train=False)["pin_memory"] is True
+    assert "val_hard" not in config.dataloader and config.max_grad_norm == 1.0
+    path = tmp_path / "exp.yaml"
+    path.write_text("dataloader:\n  val-hard:\n    batch_size: 3\n")
+    assert RunnerConfig().parse(["--config", str(path)]).dataloader.dict() == config.dataloader.dict() | {
+        "val-hard": {"batch_size": 3}
+    }
+
+
 @pytest.mark.parametrize(
     ("args", "expected"),
     [
