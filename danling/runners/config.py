@@ -305,6 +305,20 @@ class RunnerConfig(_TypedConfig):
         return super().from_dict(obj)
 
     @classmethod
+    def load(cls, file: Any, method: str | None = None, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        """Class defaults, then the config file `file`, read as `--config FILE` reads it.
+
+        `1e-3` is a number, `!env`/`!include` values are remembered so that a run's records keep the
+        reference, and a bad key or value names the file (and line). An open stream or an explicit
+        `method` (or reader arguments) is left to chanfig's reader.
+        """
+        if method is not None or args or kwargs or not isinstance(file, (str, bytes, os.PathLike)):
+            return super().load(file, method, *args, **kwargs)
+        config = cls()
+        merge_config_files(config, [os.fsdecode(file)])
+        return config
+
+    @classmethod
     def register_stack(cls, name: str) -> str:
         """Accept `name` as a value of `stack` for this class and its subclasses; returns the stored spelling.
 

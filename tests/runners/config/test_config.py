@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import json
 import pickle
+import re
 import subprocess
 import sys
 import textwrap
@@ -12,6 +13,7 @@ from chanfig import Config
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from danling.runners._config_refs import references_yaml
 from danling.runners.config import CheckpointConfig, DataloaderConfig, RunnerConfig
 from tests.runners._torch_toy import TinyRunner, tiny_config
 
@@ -409,6 +411,19 @@ def test_dump_and_load_round_trip(tmp_path, suffix):
     assert loaded.dict() == config.dict()
     assert loaded.config_id == config.config_id
     assert isinstance(loaded.checkpoint, CheckpointConfig) and isinstance(loaded.dataloader, DataloaderConfig)
+
+
+def test_load_reads_a_file_as_the_command_line_does(tmp_path, monkeypatch):
+    monkeypatch.setenv("DANLING_TEST_TOKEN", "s3cr3t")
+    path = tmp_path / "exp.yaml"
+    path.write_text("wandb:\n  entity: !env DANLING_TEST_TOKEN\noptim:\n  lr: 1e-3\n")
+    loaded, parsed = RunnerConfig.load(path), RunnerConfig().parse(["--config", str(path)])
+    assert loaded.optim.lr == parsed.optim.lr == 0.001  # YAML 1.1 alone reads the string "1e-3"
+    assert loaded.wandb.entity == "s3cr3t"
+    assert "s3cr3t" not in references_yaml(loaded, loaded.dict())  # recorded as the reference, like --config
+    path.write_text("epochs: 2\naccum_steps: 1.5\n")
+    with pytest.raises(ValueError, match=rf"config\.accum_steps=1\.5 \(from {re.escape(str(path))}:2\)"):
+        RunnerConfig.load(path)
 
 
 def test_parsed_config_pickles():
