@@ -189,16 +189,19 @@ def write_report(paths: list[str | os.PathLike], out: str | os.PathLike | None =
     """Write `report.html` and `plots/<name>.png` for the runs at `paths`; returns the HTML path.
 
     Raises:
-        CLIError: A path is not a run directory.
+        CLIError: A path is not a run directory, or the report cannot be written into `out`.
         ImportError: matplotlib is missing (install the `report` extra).
     """
     runs = [load_run(path) for path in paths]
     directory = Path(out) if out is not None else runs[0].path
     data = [(run, *run_series(run)) for run in runs]
     images = {plot: _png(_figure(plot, data)) for plot in PLOTS}
-    (directory / "plots").mkdir(parents=True, exist_ok=True)
-    for plot, png in images.items():
-        (directory / "plots" / f"{plot}.png").write_bytes(png)
+    try:
+        (directory / "plots").mkdir(parents=True, exist_ok=True)
+        for plot, png in images.items():
+            (directory / "plots" / f"{plot}.png").write_bytes(png)
+    except OSError as error:  # `--out` names a file, or a place this user cannot write
+        raise CLIError(f"cannot write the report into {os.fspath(directory)}: {error}") from None
     labels = [run.label for run in runs]
     sections = [
         f"<h1>danling report: {html.escape(', '.join(labels))}</h1>",

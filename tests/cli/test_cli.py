@@ -255,6 +255,13 @@ def test_report_writes_html_and_png_plots(workspace, tmp_path):
     assert code == 0 and "base-" in page and "highlr-" in page  # both runs in the tables
 
 
+def test_report_into_a_place_it_cannot_write_is_a_usage_error(workspace, tmp_path):
+    pytest.importorskip("matplotlib")
+    taken = tmp_path / "a-file"
+    taken.write_text("")
+    assert_usage_error(*run_cli("report", workspace["a"], "--out", taken), "cannot write the report", str(taken))
+
+
 def test_report_series_hold_what_the_plots_need(workspace):
     from danling.cli.records import load_run
     from danling.cli.report import run_series
