@@ -79,6 +79,8 @@ def check_identity(config: RunnerConfig, saved: RunnerConfig, logger: Any) -> li
     if saved.config_id == config.config_id:
         return []
     differences = identity_differences(saved.semantic_dict(), config.semantic_dict())
+    if not differences:  # equal values spelled apart (`lr: 1` and `--optim.lr 1.0`) hash apart: the same config
+        return
     if not config.get("resume_allow_changes"):
         keys = [key for key, _, _ in differences]
         raise ValueError(

@@ -191,6 +191,15 @@ def test_explicit_resume_of_another_identity_raises_unless_changes_are_allowed(t
     assert "optim.lr was 0.01 in the checkpoint's run, now 0.02" in _messages(caplog)
 
 
+def test_explicit_resume_with_an_equal_value_spelled_apart_is_the_same_config(tmp_path):
+    # `weight_decay: 0` in one launch and `--optim.weight_decay 0.0` in the next hash apart, but nothing differs:
+    # the resume used to be refused with "keys that differ: []"
+    first, _ = _train(tmp_path, **{"optim.weight_decay": 0})
+    runner = TinyRunner(tiny_config(tmp_path, epochs=3, resume=os.fspath(first), **{"optim.weight_decay": 0.0}))
+    runner.close()
+    assert runner.train_state.epoch == 2
+
+
 def test_continuing_across_a_commit_warns_with_both_commits(tmp_path, caplog, monkeypatch):
     repo = tmp_path / "code"
     repo.mkdir()
