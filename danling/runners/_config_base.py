@@ -257,3 +257,20 @@ class _DeclaredSection(_TypedConfig):
     code sets, and checks input against them) or arriving from input under a free-form key."""
 
     STRICT = False
+
+
+def adopt_declarations(target: Any, source: Any) -> None:
+    """Declare in `target` every key declared in `source`, a copy of it that ran more of the class's code."""
+    if not isinstance(target, _TypedConfig) or not isinstance(source, _TypedConfig):
+        return
+    for key in declared_keys(source) - declared_keys(target):
+        target._declare(key)
+    for key, child in dict.items(source):
+        if not isinstance(child, _TypedConfig):
+            continue
+        if not dict.__contains__(target, key):
+            if not child.__dict__.get(_STRICT):
+                continue
+            with declaring():  # a section the code creates: there, empty, checking what input puts in it
+                target.__missing__(key)
+        adopt_declarations(dict.__getitem__(target, key), child)

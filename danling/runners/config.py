@@ -5,6 +5,8 @@
 YAML files and the command line; `RunnerConfig.validate` adds the cross-field checks and names the offending value.
 """
 
+import contextlib
+import copy
 import functools
 import hashlib
 import json
@@ -15,7 +17,7 @@ from typing import Any
 
 from typing_extensions import Self
 
-from ._config_base import declaring
+from ._config_base import adopt_declarations, declaring
 from ._config_cli import CommandLineError, StrictParser, apply_arguments, fail, wants
 from ._config_help import help_text
 from ._config_refs import merge_config_files, references_yaml
@@ -379,6 +381,8 @@ class RunnerConfig(_TypedConfig):
         # `--debug` is read from sys.argv by the error hook (tracebacks printed, not only logged): not a key.
         args = [arg for arg in args if arg not in ("--print-config", "--print_config", "--debug")]
         self.setattr("parser", parser)
+        if boot:
+            self._declare_post_keys()
         try:
             apply_arguments(self, parser, args, default_config, no_default_config_action, strict)
             if boot:
@@ -393,6 +397,24 @@ class RunnerConfig(_TypedConfig):
             sys.stdout.write(references_yaml(self, self.dict()) or self.yamls())
             raise SystemExit(0)
         return self
+
+    def _declare_post_keys(self) -> None:
+        """Declare the keys `post()` creates before files and flags are merged, which happens before it runs.
+
+        They are declarations like those of `__init__`, and the run's own `config.yaml` (or `--print-config`)
+        holds them: without this it could not be read back with `--config`. They are learned by booting a
+        copy of the config; a `post()` that fails on it (it may need a value still to come) declares what it
+        created before failing.
+        """
+        if type(self).post is RunnerConfig.post:
+            return
+        try:
+            probe = copy.deepcopy(self)  # a value that cannot be copied: nothing learned, nothing lost
+        except Exception:
+            return
+        with contextlib.suppress(Exception):  # only the declarations are wanted; the real boot reports errors
+            probe.boot()
+        adopt_declarations(self, probe)
 
     def post(self) -> None:
         """Hook for derived values, run by `boot()` after parsing; calling `super().post()` is optional.

@@ -154,6 +154,30 @@ def test_print_config_prints_merged_yaml_and_exits_0(tmp_path, capsys):
     assert printed["hidden"] == 8 and printed["network"] == {"type": "mlp"} and printed["stack"] == "auto"
 
 
+class DerivedConfig(RunnerConfig):
+    """A config whose `post()` creates keys."""
+
+    hidden: int = 4
+
+    def post(self):
+        super().post()
+        self.derived.width = self.hidden * 2
+        self.tag = f"h{self.hidden}"
+
+
+def test_the_printed_config_of_a_post_that_creates_keys_reads_back_with_config(tmp_path, capsys):
+    # post() runs after files and flags are merged, yet the keys it creates are declarations, and the
+    # printed config (like the run's config.yaml) holds them
+    with pytest.raises(SystemExit):
+        DerivedConfig().parse(["--hidden", "8", "--print-config"])
+    path = tmp_path / "printed.yaml"
+    path.write_text(capsys.readouterr().out)
+    config = DerivedConfig().parse(["--config", str(path)])
+    assert (config.hidden, config.derived.width, config.tag) == (8, 16, "h8")
+    error, streams = _exit(capsys, DerivedConfig(), ["--derived.widht", "3"])
+    assert error.code == 2 and "did you mean derived.width?" in streams.err
+
+
 def test_recorded_config_keeps_a_subclass_keys_but_checks_sections():
     assert recorded_config({"hidden": 3, "epochs": 1}).hidden == 3
     with pytest.raises(ValueError, match=r"did you mean checkpoint\.interval"):
