@@ -275,7 +275,8 @@ def read_config_file(path: str | bytes | os.PathLike) -> Mapping:
     try:
         data = load_yaml(full) if suffix in (".yaml", ".yml") else _load_plain(full, suffix)
     except Exception as exc:  # parser errors carry the line/column; keep them and name the file
-        raise ValueError(f"cannot read config file {name!r}: {exc}") from exc
+        detail = " ".join(str(exc).split())  # YAML's spans several lines; the error is one line on stderr
+        raise ValueError(f"cannot read config file {name!r}: {detail}") from exc
     if data is None:
         return {}
     if not isinstance(data, Mapping):

@@ -254,8 +254,9 @@ def test_parse_reports_bad_config_files(tmp_path, content, name, error, match):
     path = tmp_path / name
     if content is not None:
         path.write_text(content)
-    with pytest.raises(error, match=match):
+    with pytest.raises(error, match=match) as info:
         RunnerConfig().parse(["--config", str(path)])
+    assert "\n" not in str(info.value)  # one line on stderr, whatever the parser said
 
 
 def test_parse_requires_a_path_after_config_flag():
