@@ -268,6 +268,8 @@ def read_config_file(path: str | bytes | os.PathLike) -> Mapping:
     name = os.fsdecode(path)
     full = os.path.expanduser(name)
     if not os.path.isfile(full):
+        if os.path.exists(full):  # a directory: "does not exist" would send the user looking for a typo
+            raise ValueError(f"config file {name!r} is not a file; give the YAML, JSON or TOML file in it")
         raise FileNotFoundError(f"config file {name!r} does not exist")
     suffix = os.path.splitext(full)[1].lower()
     if suffix not in (".yaml", ".yml", ".json", ".toml"):

@@ -259,6 +259,12 @@ def test_parse_reports_bad_config_files(tmp_path, content, name, error, match):
     assert "\n" not in str(info.value)  # one line on stderr, whatever the parser said
 
 
+def test_parse_names_a_directory_given_as_config_file(tmp_path, capsys):
+    with pytest.raises(SystemExit) as info:
+        RunnerConfig().parse(["--config", str(tmp_path)])
+    assert info.value.code == 2 and f"config file '{tmp_path}' is not a file" in capsys.readouterr().err
+
+
 def test_parse_requires_a_path_after_config_flag():
     with pytest.raises(ValueError, match="--config needs a file path"):
         RunnerConfig().parse(["--config", "--epochs", "3"])
