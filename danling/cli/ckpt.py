@@ -16,7 +16,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, TextIO
 
-from .records import CLIError, is_run_dir
+from .records import CLIError, _read_json, is_run_dir
 from .runs import format_table
 
 __all__ = ["inspect_checkpoint", "ckpt_command", "resolve_checkpoint"]
@@ -36,8 +36,11 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
     if not target.exists():
         raise CLIError(f"{os.fspath(target)} does not exist")
     if target.is_dir() and is_run_dir(target):
-        config = (json.loads((target / "metadata.json").read_text()).get("config") or {}).get("checkpoint") or {}
-        target = target / str(config.get("dir_name") or "checkpoints")
+        # a damaged metadata.json (a run killed while writing it) still leaves its checkpoints readable
+        metadata = _read_json(target / "metadata.json")
+        config = metadata.get("config") if isinstance(metadata, dict) else None
+        section = config.get("checkpoint") if isinstance(config, dict) else None
+        target = target / str((section.get("dir_name") if isinstance(section, dict) else None) or "checkpoints")
         if not target.is_dir():
             raise CLIError(f"{os.fspath(path)} is a run directory without checkpoints ({target} does not exist)")
     if target.is_dir() and (target / f"latest{POINTER_SUFFIX}").is_file():

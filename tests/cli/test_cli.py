@@ -178,6 +178,16 @@ def test_ckpt_takes_an_alias_by_its_short_name_as_from_checkpoint_does(workspace
     assert json.loads(out)["path"] == str(workspace["a"] / "checkpoints" / f"epoch-{best:06d}")
 
 
+def test_ckpt_reads_the_checkpoints_of_a_run_whose_metadata_is_damaged(workspace, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(workspace["a"], run)
+    latest = json.loads(run_cli("ckpt", workspace["a"], "--json")[1])["path"]
+    for damaged in ("", "[]", '{"config": 3}'):
+        (run / "metadata.json").write_text(damaged)
+        code, out, err = run_cli("ckpt", run, "--json")
+        assert code == 0 and err == "" and Path(json.loads(out)["path"]).name == Path(latest).name
+
+
 def test_ckpt_describes_file_and_dcp_checkpoints(workspace):
     code, out, _ = run_cli("ckpt", workspace["a"], "--json")  # a run directory: its latest checkpoint
     info = json.loads(out)
