@@ -128,12 +128,17 @@ _OPEN_SECTIONS = ("optim", "scheduler")
 
 
 def _scalar(token: str) -> Any:
-    """A command-line value as the YAML-like scalar it spells (`0.9`, `1e-3`, `true`, `none`, `cosine`)."""
+    """A command-line value as the YAML-like scalar it spells (`0.9`, `1e-3`, `true`, `none`, `cosine`).
+
+    `yes`/`no` and `on`/`off` are booleans too, as a YAML file reads them: `--optim.amsgrad off` was the
+    string "off", which is true."""
     lowered = token.strip().lower()
     if lowered in ("none", "null"):
         return None
-    if lowered in ("true", "false"):
-        return lowered == "true"
+    if lowered in ("true", "yes", "on"):
+        return True
+    if lowered in ("false", "no", "off"):
+        return False
     return _literal(token)
 
 

@@ -76,6 +76,16 @@ def test_free_form_keys_parse_without_typo_warnings(recwarn):
     assert not [warning for warning in recwarn if "Unrecognized argument" in str(warning.message)]
 
 
+def test_free_form_boolean_words_read_on_the_command_line_as_in_a_yaml_file(tmp_path):
+    path = tmp_path / "exp.yaml"
+    path.write_text("network:\n  a: yes\n  b: off\n  c: On\n  d: NO\n")
+    from_file = UserConfig().parse(["--config", str(path)]).network.dict()
+    args = ["--network.a", "yes", "--network.b", "off", "--network.c", "On", "--network.d", "NO"]
+    assert UserConfig().parse(args).network.dict() == from_file == {"a": True, "b": False, "c": True, "d": False}
+    # the string "off" is true: it switched amsgrad on
+    assert RunnerConfig().parse(["--optim.type", "adamw", "--optim.amsgrad", "off"]).optim.amsgrad is False
+
+
 def test_a_dataloader_split_named_with_a_dash_keeps_its_name_on_the_command_line(tmp_path):
     # option names read dashes as underscores (--max-grad-norm); a split's name is the dataset's, as in a file
     args = ["--dataloader.val-hard.batch_size", "3", "--dataloader.val-hard.pin-memory=true", "--max-grad-norm", "1"]
