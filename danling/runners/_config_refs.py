@@ -200,10 +200,12 @@ def _plain(value: Any) -> Any:
 
 def _unchanged(value: Any, resolved: Any) -> bool:
     """Whether `value` is still what the tag resolved to; an optimizer argument read from `!env` is stored
-    as the number its text spells (`"0.5"` -> 0.5), which is the same value."""
+    as the number or boolean its text spells (`"0.5"` -> 0.5, `"off"` -> False), which is the same value."""
     if value == resolved:
         return True
-    if isinstance(resolved, str) and isinstance(value, (int, float)) and not isinstance(value, bool):
+    if isinstance(resolved, str) and isinstance(value, bool):
+        return resolved.strip().lower() in (("true", "yes", "on", "1") if value else ("false", "no", "off", "0"))
+    if isinstance(resolved, str) and isinstance(value, (int, float)):
         try:
             return float(resolved) == value
         except ValueError:

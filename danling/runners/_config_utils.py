@@ -200,6 +200,8 @@ def check_optimizer_keys(config: Mapping) -> None:
             number = _check_number(optim["type"], key, optim[key], options[key])
             if number is not None:  # "1e-3" (quoted in a file, or from !env): the optimizer compares it as a number
                 optim[key] = number
+            if isinstance(options[key], bool) and isinstance(optim[key], str):  # "false" is true to the optimizer
+                optim[key] = _flag(key, optim[key])
             continue
         close = difflib.get_close_matches(str(key), list(options), n=1, cutoff=0.6)
         hint = f"did you mean optim.{close[0]}? " if close else ""
@@ -227,6 +229,13 @@ def _check_number(optimizer: str, key: str, value: Any, default: Any) -> int | f
             f"config.optim.{key}={value!r} is not a number: optimizer {optimizer!r} takes a number for {key} "
             f"(default {default!r})"
         ) from None
+
+
+def _flag(key: str, value: str) -> bool:
+    """The boolean a string spells, for an optimizer argument whose default is a boolean (one converter)."""
+    from ._config_values import convert
+
+    return convert(f"optim.{key}", value, bool)
 
 
 def check_annotations(config: Config) -> None:

@@ -135,6 +135,13 @@ def test_a_quoted_number_for_an_optimizer_argument_is_the_number_the_optimizer_g
     config = RunnerConfig(**{"optim.type": "adamw", "optim.lr": "1e-3", "optim.weight_decay": "0"})
     optimizer = build_optimizer(torch.nn.Linear(2, 2), config.optim)  # it compared the string "1e-3" with 0
     assert optimizer.param_groups[0]["lr"] == 0.001 and optimizer.param_groups[0]["weight_decay"] == 0
+    # a boolean argument spelled as a string ("false" from JSON or !env) is that boolean, not a true string
+    path = tmp_path / "exp.json"
+    path.write_text(json.dumps({"optim": {"type": "adamw", "amsgrad": "false", "maximize": "off"}}))
+    config = UserConfig().parse(["--config", str(path)])
+    assert config.optim.amsgrad is False and config.optim.maximize is False
+    with pytest.raises(ValueError, match=r"config\.optim\.amsgrad='maybe' is not accepted: expected a boolean"):
+        RunnerConfig(**{"optim.type": "adamw", "optim.amsgrad": "maybe"})
 
 
 def test_bad_boolean_names_what_is_accepted(tmp_path):
