@@ -80,7 +80,7 @@ def check_identity(config: RunnerConfig, saved: RunnerConfig, logger: Any) -> li
         return []
     differences = identity_differences(saved.semantic_dict(), config.semantic_dict())
     if not differences:  # equal values spelled apart (`lr: 1` and `--optim.lr 1.0`) hash apart: the same config
-        return
+        return []
     if not config.get("resume_allow_changes"):
         keys = [key for key, _, _ in differences]
         raise ValueError(
