@@ -72,6 +72,13 @@ _CHOICE_REASONS = {
 # Choices read in any letter case ("DCP"); `RunnerConfig` stores them lower-cased.
 CASELESS_CHOICES = ("checkpoint.backend",)
 _EXCLUDE_ALIASES = {"data_loader": "dataloaders", "dataloader": "dataloaders", "lr_scheduler": "scheduler"}
+# The top-level entries a runner's checkpoint holds (`state_dict` and the live components): what an
+# `exclude_from_loading` entry, or the part of it before the first dot, may name. A name outside
+# them excludes nothing, so a misspelling (`optimiser`) would load the state it meant to keep out.
+CHECKPOINT_PARTS = frozenset(
+    {"runner", "state", "rng", "dataloaders", "results", "topology", "loop", "fingerprints", "pass_meters"}
+    | {"backend", "model", "optimizer", "ema", "scheduler"}
+)
 
 
 def peek(mapping: Any, dotted: str, default: Any = None) -> Any:
@@ -145,6 +152,15 @@ def check_values(config: Mapping) -> None:
         raise ValueError(
             f"config.checkpoint.exclude_from_loading must be a key, a list of keys or None, got {exclude!r}"
         )
+    for entry in normalize_exclude(exclude) if exclude is not None else ():
+        head = entry.partition(".")[0]
+        if head not in CHECKPOINT_PARTS:
+            close = difflib.get_close_matches(head, sorted(CHECKPOINT_PARTS), n=1, cutoff=0.6)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise ValueError(
+                f"config.checkpoint.exclude_from_loading names {entry!r}, which is not part of a checkpoint; "
+                f"{hint}accepted: {', '.join(sorted(CHECKPOINT_PARTS))} (or a dotted key inside one)"
+            )
     _check_axes(peek(config, "parallel.axes"))
 
 

@@ -83,7 +83,8 @@ class CheckpointConfig(_TypedConfig):
             recovers from a peer; binds a `TorchFTCheckpointManager`.
         ft_replica_id: Replica id in the name of those checkpoints; None: `$FT_REPLICA_ID`, else `ft.replica_id`.
         ft_dataloader_checkpoint_prefix: Their directory is `<prefix>-<replica id>`, beside `dir_name`.
-        exclude_from_loading: State parts not restored on resume (`optimizer`, `scheduler`, `dataloaders`, ...).
+        exclude_from_loading: State parts not restored on resume (`optimizer`, `scheduler`, `dataloaders`, ...,
+            or a dotted key inside one); a name that is no part of a checkpoint is refused.
         last_save_model_only: Make the final checkpoint hold the model weights only.
         export_dtype: Cast the weights of a model-only final checkpoint to this dtype.
         trust_pickle: Load checkpoints with the full unpickler (only for files you trust).

@@ -330,3 +330,17 @@ def test_truncated_plain_checkpoint_names_the_file(tmp_path):
     path.write_bytes(path.read_bytes()[:100])
     with pytest.raises(CheckpointError, match=r"weights\.pt is truncated or corrupt"):
         TinyRunner(tiny_config(tmp_path / "run", pretrained=str(path)))
+
+
+def test_exclude_from_loading_refuses_a_name_no_checkpoint_part_has(tmp_path):
+    # A misspelt part excluded nothing, so the state it meant to keep out was loaded all the same.
+    with pytest.raises(ValueError, match=r"names 'optimiser'.*did you mean 'optimizer'\?"):
+        RunnerConfig(**{"checkpoint.exclude_from_loading": ["model.head", "optimiser"]})
+    config = tiny_config(tmp_path, **{"ema.enabled": True, "scheduler.type": "cosine"})
+    with TinyRunner(config) as runner:
+        runner.train()
+        payload = runner.state_dict()
+        parts = set(payload)
+        # Every part a checkpoint holds may be excluded: the accepted names follow what runners write.
+        RunnerConfig(**{"checkpoint.exclude_from_loading": sorted(parts)})
+    assert {"model", "optimizer", "ema", "scheduler", "dataloaders", "rng"} <= parts
