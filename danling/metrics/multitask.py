@@ -157,7 +157,8 @@ class MultiTaskMetrics(MultiTaskBase):
     set they also hold an `"aggregate"` entry that combines, for every metric path found in the
     tasks (`"acc"`, `"nested.acc"`), the tasks that have it: `"macro"` gives each such task the
     same weight, `"micro"` weights them by their sample counts, `"weighted"` by
-    `aggregate_weights`. A task that is a single meter or a metric function counts as one metric
+    `aggregate_weights`; a task of weight 0 (under `"micro"`, one without samples yet) is left
+    out rather than adding its NaN. A task that is a single meter or a metric function counts as one metric
     named after its function (the task's name for a lambda or an `AverageMeter`), so
     `metrics.a = accuracy` and `metrics.b = accuracy` combine into `aggregate["accuracy"]`. The
     text format lists one task per line and leaves the aggregate out.
@@ -330,6 +331,10 @@ def _flatten(values: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def _weighted_mean(values: list[Any], weights: list[float]) -> Any:
+    # A task of weight 0 (no samples yet under "micro", a weight of 0 under "weighted") adds
+    # nothing; multiplying its value (NaN, for a task without samples) by 0 would still give NaN.
+    kept = [(value, weight) for value, weight in zip(values, weights) if weight]
+    values, weights = [value for value, _ in kept], [weight for _, weight in kept]
     total = sum(weights)
     if total == 0:
         return float("nan")

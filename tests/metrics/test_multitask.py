@@ -1,3 +1,5 @@
+import math
+
 import pytest
 import torch
 
@@ -23,6 +25,22 @@ def test_macro_micro_weighted_aggregates():
     assert weighted.avg["aggregate"]["auroc"] == pytest.approx(weighted.avg["large"]["auroc"])
     assert "aggregate" not in build(None).avg
     assert set(build("macro").val) == {"small", "large", "aggregate"}
+
+
+@pytest.mark.parametrize("mode", ["stream", "global"])
+def test_a_task_of_weight_zero_leaves_the_aggregate_alone(mode):
+    # A task with no samples yet reads NaN; with weight 0 (its count under "micro", a weight of 0
+    # under "weighted") it must add nothing, not turn the aggregate of the other tasks into NaN.
+    for aggregate, weights in (("micro", None), ("weighted", {"seen": 2.0, "unseen": 0.0})):
+        metrics = MultiTaskMetrics(aggregate=aggregate, aggregate_weights=weights)
+        metrics.seen = binary_metrics(["acc"], mode=mode)
+        metrics.unseen = binary_metrics(["acc"], mode=mode)
+        metrics.update({"seen": ([0.9, 0.1], [1, 1])})
+        assert metrics.avg["aggregate"]["acc"] == 0.5
+    weightless = MultiTaskMetrics(aggregate="weighted", aggregate_weights={"a": 0, "b": 0})
+    weightless.a, weightless.b = AverageMeters(), AverageMeters()
+    weightless.update({"a": {"x": 1.0}, "b": {"x": 2.0}})
+    assert math.isnan(weightless.avg["aggregate"]["x"])  # no weight at all: undefined
 
 
 def test_format_lists_tasks_one_per_line_and_reset():
