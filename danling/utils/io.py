@@ -109,7 +109,26 @@ def _save_yaml(obj: Any, handle: IO[bytes], *args: Any, **kwargs: Any) -> None:
 def _load_torch(path: str, *args: Any, trusted: bool = False, **kwargs: Any) -> Any:
     # Safe by default: only tensors, primitive containers and allow-listed types are unpickled.
     kwargs.setdefault("weights_only", not trusted)
-    return torch.load(path, *args, **kwargs)
+    if not kwargs["weights_only"]:
+        return torch.load(path, *args, **kwargs)
+    # The checkpoint package imports this module, so its allow-list is imported here.
+    from danling.checkpoint.unpickling import _GLOBAL, SAFE_GLOBALS, _refusal, _weights_only_reason
+
+    # The allow-list every other loader of danling uses (paths, NumPy values: `.pkl` files and
+    # checkpoints admit them), and its one-line refusal instead of torch's advice to turn safety off.
+    try:
+        with torch.serialization.safe_globals(list(SAFE_GLOBALS)):
+            return torch.load(path, *args, **kwargs)
+    except pickle.UnpicklingError as err:
+        text = str(err)
+        if "weights_only" not in text and "WeightsUnpickler" not in text:
+            raise
+        if _GLOBAL.search(text):  # a type outside the allow-list
+            raise _refusal(path, _weights_only_reason(err)) from None
+        # Anything else is a file torch cannot read at all: no reason to advise trusting it.
+        raise pickle.UnpicklingError(
+            f"cannot load {path!r}: not a readable torch file ({_weights_only_reason(err)})"
+        ) from None
 
 
 def _save_torch(obj: Any, handle: IO[bytes], *args: Any, **kwargs: Any) -> None:
@@ -247,7 +266,9 @@ def load(file: PathStr, *args: Any, **kwargs: Any) -> Any:
     | `.csv`, `.tsv`, `.parquet`, `.feather` | a `DataFrame` | pandas, see [`load_pandas`][danling.utils.load_pandas] |
 
     Torch files are read with `weights_only=True`, which only rebuilds tensors, plain
-    containers and allow-listed types, so an untrusted checkpoint cannot run code. Pickle files
+    containers and allow-listed types (torch's, plus the paths and NumPy values of
+    [`SAFE_GLOBALS`][danling.checkpoint.unpickling.SAFE_GLOBALS]), so an untrusted checkpoint
+    cannot run code; another type raises an `UnpicklingError` naming it. Pickle files
     are read with the restricted unpickler of [`danling.checkpoint.unpickling`][] (containers,
     plain values, NumPy arrays); a file needing more raises an `UnpicklingError` naming the type.
     Pass `trusted=True` for a file you trust that stores arbitrary Python objects.

@@ -52,6 +52,27 @@ def test_torch_load_is_weights_only_by_default(tmp_path):
     assert load(path, weights_only=False)["custom"].value == 3
 
 
+def test_torch_files_admit_what_pickle_files_and_checkpoints_admit(tmp_path):
+    # Paths and NumPy values are plain data to every other loader of danling (`.pkl` files,
+    # checkpoints); a `.pt` file of the same object loads too, and a refusal is danling's one
+    # line naming the type and the opt-in, not torch's advice to pass weights_only=False.
+    obj = {"root": Path("/data/run"), "scores": np.arange(3), "best": np.float64(0.25)}
+    for ext in ("pt", "pkl"):
+        loaded = load(save(obj, tmp_path / f"plain.{ext}"))
+        assert loaded["root"] == Path("/data/run") and loaded["best"] == 0.25
+        assert np.array_equal(loaded["scores"], np.arange(3))
+    path = save({"custom": Custom(3)}, tmp_path / "refused.pt")
+    with pytest.raises(pickle.UnpicklingError, match=r"tests\.utils\.test_io\.Custom.*trusted=True") as refused:
+        load(path)
+    assert "\n" not in str(refused.value) and "weights_only=False" not in str(refused.value)
+    assert load(path, trusted=True)["custom"].value == 3
+    garbage = tmp_path / "garbage.pt"
+    garbage.write_bytes(b"garbage")  # no type to refuse: nothing to trust either
+    with pytest.raises(pickle.UnpicklingError, match=r"garbage.pt': not a readable torch file") as unreadable:
+        load(garbage)
+    assert "trusted" not in str(unreadable.value)
+
+
 def test_torch_load_forwards_map_location(tmp_path):
     path = save(torch.ones(2), tmp_path / "t.pt")
     assert load(path, map_location="cpu").device == torch.device("cpu")
