@@ -105,18 +105,22 @@ class _RestrictedUnpickler(pickle.Unpickler):
         raise _refusal(self.origin, f"{module}.{name}")
 
 
-def restricted_load(source: BinaryIO | str | os.PathLike, *, origin: Any = None, trusted: bool = False) -> Any:
+def restricted_load(
+    source: BinaryIO | str | os.PathLike, *, origin: Any = None, trusted: bool = False, **options: Any
+) -> Any:
     """Unpickle `source` (an open binary file or a path) without running code unless `trusted`.
+
+    `options` (`encoding`, `errors`, `fix_imports`, `buffers`) go to the unpickler either way.
 
     Raises:
         UnsafePickleError: The pickle refers to a type outside the allow-list (named in the message).
     """
     if not hasattr(source, "read"):
         with open(source, "rb") as handle:
-            return restricted_load(handle, origin=origin or os.fspath(source), trusted=trusted)
+            return restricted_load(handle, origin=origin or os.fspath(source), trusted=trusted, **options)
     if trusted:
-        return pickle.load(source)
-    unpickler = _RestrictedUnpickler(source)
+        return pickle.load(source, **options)
+    unpickler = _RestrictedUnpickler(source, **options)
     unpickler.origin = origin or "<pickle>"
     return unpickler.load()
 

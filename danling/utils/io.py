@@ -141,7 +141,9 @@ def _load_pickle(path: str, *args: Any, trusted: bool = False, **kwargs: Any) ->
             return pickle.load(handle, *args, **kwargs)
     from danling.checkpoint.unpickling import restricted_load  # the checkpoint package imports this module
 
-    return restricted_load(path, trusted=False)
+    if args:  # what pickle.load says of them: its options are keyword-only
+        raise TypeError(f"loading a pickle takes keyword options only, got positional {args!r}")
+    return restricted_load(path, trusted=False, **kwargs)  # `encoding=` and the like, as trusted
 
 
 def _save_pickle(obj: Any, handle: IO[bytes], *args: Any, **kwargs: Any) -> None:

@@ -85,6 +85,20 @@ def test_pickle_preserves_arbitrary_objects_when_trusted(tmp_path):
     assert load(path, trusted=True).value == [1, 2]
 
 
+@pytest.mark.parametrize("trusted", [False, True])
+def test_pickle_options_reach_the_unpickler_trusted_or_not(tmp_path, trusted):
+    # A Python 2 pickle of a byte string needs `encoding=`; the restricted unpickler must honour
+    # it (and refuse an unknown option) exactly as the trusted one does, not drop it silently.
+    path = tmp_path / "py2.pkl"
+    path.write_bytes(b"\x80\x02U\x02\xe9a.")  # protocol 2: the byte string b"\xe9a"
+    assert load(path, encoding="latin1", trusted=trusted) == "\xe9a"
+    assert load(path, encoding="bytes", trusted=trusted) == b"\xe9a"
+    with pytest.raises(UnicodeDecodeError):
+        load(path, trusted=trusted)
+    with pytest.raises(TypeError, match="bogus"):
+        load(path, bogus=1, trusted=trusted)
+
+
 def test_pickle_of_plain_data_loads_without_trust(tmp_path):
     obj = {"a": [1, 2.5, "x"], "s": {1, 2}, "t": (None, True), "arr": np.arange(3)}
     loaded = load(save(obj, tmp_path / "plain.pkl"))
