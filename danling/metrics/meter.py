@@ -154,8 +154,9 @@ class AverageMeter(MeterState):
 
         Raises:
             TypeError: If `value` is not a number or tensor, or `n` is not a number.
-            ValueError: If `n` is negative or the value's shape differs from earlier updates
-                (a number counts as shape `()`): adding would broadcast one into the other.
+            ValueError: If `n` is negative, NaN or infinite, or the value's shape differs from
+                earlier updates (a number counts as shape `()`): adding would broadcast one into
+                the other.
         """
         pending = self._pending
         if pending and type(value) is Tensor and type(n) is int and n == self._pending_n and n > 0:
@@ -179,9 +180,9 @@ class AverageMeter(MeterState):
                 return
         # The per-step call passes a plain int, which skips the full check.
         if type(n) is not int and (isinstance(n, bool) or not isinstance(n, (int, float))):
-            raise TypeError(f"n must be a non-negative number, got {n!r}")
-        if n < 0:
-            raise ValueError(f"n must be a non-negative number, got {n!r}")
+            raise TypeError(f"n must be a finite non-negative number, got {n!r}")
+        if not 0 <= n < math.inf:  # NaN fails too: it would make `count` and `avg` NaN for good
+            raise ValueError(f"n must be a finite non-negative number, got {n!r}")
         if self._updated and _shape(value) != _shape(self._val):
             self._refuse_shape(value)
         if isinstance(value, Tensor):

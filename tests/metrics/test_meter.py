@@ -120,3 +120,18 @@ def test_zero_weight_update_keeps_the_value_type(value, kind):
         assert isinstance(meter.avg, torch.Tensor) and meter.avg.shape == value.shape and meter.avg.isnan().all()
     else:
         assert math.isnan(meter.avg)
+
+
+@pytest.mark.parametrize("n", [math.nan, math.inf, -1, -0.5])
+@pytest.mark.parametrize("value", [2.0, torch.tensor(2.0), torch.tensor([1.0, 2.0])])
+def test_a_weight_that_is_no_finite_non_negative_number_is_refused(n, value):
+    # A NaN or infinite weight would make `count` and `avg` NaN for good; it is refused like a
+    # negative one, naming the weight, and nothing is counted.
+    meter = AverageMeter()
+    meter.update(value, n=2)
+    with pytest.raises(ValueError, match=f"n must be a finite non-negative number, got {n!r}"):
+        meter.update(value, n=n)
+    if isinstance(value, float):
+        with pytest.raises(ValueError, match="n must be a finite non-negative number"):
+            meter.update_float64(value, n=n)
+    assert meter.count == 2 and torch.equal(torch.as_tensor(meter.avg), torch.as_tensor(value))
