@@ -25,7 +25,7 @@ from .distributed import gather_across_ranks, is_distributed, pack_group, sum_ac
 from .functional._common import Confusion, LabelCounter
 from .functional.regression import merge_moments
 from .global_state import NARROW_DTYPES, GlobalMetricsState, TaskStoreState, join_rows, narrow_join
-from .meter import format_number
+from .meter import check_weight, format_number
 from .metric_meter import Preprocess, batch_size, metric_name
 from .preprocess import _plain_multiclass, base_preprocess, positive_predictions
 from .state import MetricFunc, MetricState, MetricTask
@@ -534,7 +534,9 @@ class GlobalMetrics(GlobalMetricsState):
                 the length of the preprocessed target.
 
         Raises:
-            ValueError: If the batch does not fit a metric's task (shapes, dtypes, class count).
+            ValueError: If the batch does not fit a metric's task (shapes, dtypes, class count),
+                or `n` is negative, NaN or infinite.
+            TypeError: If `n` is not a number.
         """
         store = self._plain_store
         # Scores (N, C) and labels (N,) as they come from a classifier: the store's own check, then
@@ -549,6 +551,8 @@ class GlobalMetrics(GlobalMetricsState):
             self._count += n
             self._cache.clear()
             return
+        if n is not None:  # before anything is kept: a refused batch leaves no trace
+            check_weight(n)
         preprocess = self.preprocess
         if preprocess is base_preprocess and type(input) is Tensor and type(target) is Tensor:
             # What base_preprocess does to plain tensors, without its calls (this runs every batch).

@@ -48,6 +48,15 @@ PENDING_VALUES = 64
 _FLOAT32 = struct.Struct("f")
 
 
+def check_weight(n: Any) -> None:
+    """Refuse a weight `n` that is not a finite non-negative number (`bool` is no number here)."""
+    # The per-step call passes a plain int, which skips the full type check.
+    if type(n) is not int and (isinstance(n, bool) or not isinstance(n, (int, float))):
+        raise TypeError(f"n must be a finite non-negative number, got {n!r}")
+    if not 0 <= n < math.inf:  # NaN fails too: it would make `count` and `avg` NaN for good
+        raise ValueError(f"n must be a finite non-negative number, got {n!r}")
+
+
 class AverageMeter(MeterState):
     r"""Keep the latest value, the weighted sum, the count and the running average of a quantity.
 
@@ -178,11 +187,7 @@ class AverageMeter(MeterState):
                 self._count += n
                 self._updated = True
                 return
-        # The per-step call passes a plain int, which skips the full check.
-        if type(n) is not int and (isinstance(n, bool) or not isinstance(n, (int, float))):
-            raise TypeError(f"n must be a finite non-negative number, got {n!r}")
-        if not 0 <= n < math.inf:  # NaN fails too: it would make `count` and `avg` NaN for good
-            raise ValueError(f"n must be a finite non-negative number, got {n!r}")
+        check_weight(n)
         if self._updated and _shape(value) != _shape(self._val):
             self._refuse_shape(value)
         if isinstance(value, Tensor):

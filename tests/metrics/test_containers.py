@@ -183,6 +183,21 @@ def test_global_metrics_raise_on_bad_batches():
         GlobalMetrics(acc=MetricFunc("acc", lambda s: s.confusion.matrix, MetricTask("multiclass"), "confusion"))
 
 
+@pytest.mark.parametrize(
+    ("n", "error"), [(-5, ValueError), (math.nan, ValueError), ("3", TypeError), (True, TypeError)]
+)
+def test_global_metrics_refuse_a_bad_weight_before_keeping_the_batch(n, error):
+    # `n` weights the container in a micro aggregate: a negative or NaN weight corrupted it
+    # silently, and a string failed after the batch was kept (counted, but not in `count`).
+    metrics = binary_metrics(["acc"])
+    metrics.update([0.9, 0.1], [1, 0])
+    with pytest.raises(error, match=f"n must be a finite non-negative number, got {n!r}"):
+        metrics.update([0.9, 0.9], [0, 0], n=n)
+    assert metrics.count == 2 and metrics.avg["acc"] == 1.0
+    metrics.update([0.9, 0.9], [0, 0], n=3)
+    assert metrics.count == 5 and metrics.avg["acc"] == 0.5
+
+
 def test_factories_modes_catalogue_and_registry():
     assert isinstance(binary_metrics(), GlobalMetrics)
     assert list(binary_metrics(mode="stream")) == ["acc", "f1", "mcc"]
