@@ -218,9 +218,25 @@ def metric_funcs(task: MetricTask, names: Sequence[str], average: str | None = "
         raise ValueError(f"unknown {task.kind} metrics {unknown}; available: {', '.join(catalog)}")
     funcs = {}
     for name in names:
-        requires, compute = BINNED[name] if task.bins is not None and name in BINNED else catalog[name]
-        funcs[name] = MetricFunc(name, partial(compute, average=average), task, requires)
+        binned = task.bins is not None and name in BINNED
+        requires = (BINNED if binned else catalog)[name][0]
+        funcs[name] = MetricFunc(name, _CatalogMetric(task.kind, name, binned, average), task, requires)
     return funcs
+
+
+class _CatalogMetric(partial):
+    """A catalogue entry's function with its `average`: `partial(compute, average=average)` (called as
+    fast), but picklable. The entries are closures, which pickle cannot name, so a copy or pickle of a
+    factory's container names the entry instead and finds the same function again."""
+
+    def __new__(cls, kind: str, name: str, binned: bool, average: str | None) -> _CatalogMetric:
+        compute = (BINNED if binned else CATALOGS[kind])[name][1]
+        self = super().__new__(cls, compute, average=average)
+        self.entry = (kind, name, binned, average)
+        return self
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _CatalogMetric, self.entry
 
 
 def _container(

@@ -1,4 +1,5 @@
 import math
+import pickle
 
 import pytest
 import torch
@@ -196,6 +197,41 @@ def test_global_metrics_refuse_a_bad_weight_before_keeping_the_batch(n, error):
     assert metrics.count == 2 and metrics.avg["acc"] == 1.0
     metrics.update([0.9, 0.9], [0, 0], n=3)
     assert metrics.count == 5 and metrics.avg["acc"] == 0.5
+
+
+def _scores(kind, generator):
+    if kind == "binary":
+        return torch.rand(6, generator=generator), torch.randint(0, 2, (6,), generator=generator)
+    if kind == "multiclass":
+        return torch.randn(6, 3, generator=generator), torch.randint(0, 3, (6,), generator=generator)
+    if kind == "multilabel":
+        return torch.rand(6, 2, generator=generator), torch.randint(0, 2, (6, 2), generator=generator)
+    return torch.randn(6, 2, generator=generator), torch.randn(6, 2, generator=generator)
+
+
+@pytest.mark.parametrize("mode", ["global", "stream"])
+@pytest.mark.parametrize(
+    ("kind", "build"),
+    [
+        ("binary", lambda mode: binary_metrics(["acc", "precision", "balanced_acc", "auroc"], mode=mode)),
+        ("multiclass", lambda mode: multiclass_metrics(3, mode=mode)),
+        ("multiclass", lambda mode: multiclass_metrics(3, ["acc", "auroc", "auprc"], mode=mode, bins=100)),
+        ("multilabel", lambda mode: multilabel_metrics(2, ["acc", "f1", "mcc"], mode=mode)),
+        ("regression", lambda mode: regression_metrics(2, mode=mode)),
+    ],
+)
+def test_factory_containers_pickle_and_keep_counting(kind, build, mode):
+    # GlobalMetrics counts its queue for a pickle, and meters pickle their sums; a factory's
+    # container must pickle too (its metrics were closures, which pickle cannot name).
+    metrics, generator = build(mode), torch.Generator().manual_seed(0)
+    for _ in range(3):
+        metrics.update(*_scores(kind, generator))
+    restored = pickle.loads(pickle.dumps(metrics))
+    assert restored.avg.dict() == metrics.avg.dict()
+    batch = _scores(kind, generator)
+    metrics.update(*batch)
+    restored.update(*batch)
+    assert restored.avg.dict() == metrics.avg.dict()
 
 
 def test_factories_modes_catalogue_and_registry():
