@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 import pickle
 import secrets
 from collections.abc import Callable, Mapping
@@ -82,6 +83,9 @@ _YamlDumper.add_multi_representer(list, lambda dumper, data: dumper.represent_li
 _YamlDumper.add_multi_representer(str, lambda dumper, data: dumper.represent_str(str(data)))
 for _kind in (torch.Tensor, np.ndarray, np.generic):
     _YamlDumper.add_multi_representer(_kind, lambda dumper, data: dumper.represent_data(data.tolist()))
+# Paths as strings, as JSON writes them (`_plain`); PyYAML matches classes by their MRO, where
+# the `os.PathLike` protocol never appears.
+_YamlDumper.add_multi_representer(pathlib.PurePath, lambda dumper, data: dumper.represent_str(os.fspath(data)))
 
 
 def _load_yaml(path: str, *args: Any, **kwargs: Any) -> Any:
@@ -351,7 +355,8 @@ def save(obj: Any, file: File, *args: Any, durable: bool = True, **kwargs: Any) 
     depending on the filesystem). Use it for files that are rewritten often and can be rebuilt,
     such as per-epoch result summaries.
 
-    JSON is written with `indent=4`, and JSON and YAML convert tensors and NumPy values to lists.
+    JSON is written with `indent=4`, and JSON and YAML convert tensors and NumPy values to lists
+    and paths to strings.
     YAML uses a safe dumper that writes mapping and sequence subclasses (for example chanfig
     configs or [`RoundDict`][danling.utils.RoundDict]) as plain ones. CSV/TSV files are written
     without the index; `.npz` accepts a mapping (named arrays), a list/tuple or a single array,

@@ -116,6 +116,15 @@ def test_json_and_yaml_convert_tensors_numpy_and_subclasses(tmp_path):
     assert "!!python" not in (tmp_path / "r.yaml").read_text()
 
 
+def test_json_and_yaml_both_write_paths_as_strings(tmp_path):
+    # A config or result holding a pathlib path: JSON wrote it as a string, YAML refused it
+    # with "cannot represent an object".
+    obj = {"root": Path("/data/run"), "files": [Path("a.txt")]}
+    expected = {"root": "/data/run", "files": ["a.txt"]}
+    assert load(save(obj, tmp_path / "p.json")) == expected
+    assert load(save(obj, tmp_path / "p.yaml")) == expected
+
+
 def test_json_respects_user_options(tmp_path):
     path = save({"b": 1, "a": 2}, tmp_path / "o.json", indent=None, sort_keys=True)
     assert (tmp_path / "o.json").read_text() == '{"a": 2, "b": 1}'
