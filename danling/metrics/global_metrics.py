@@ -272,6 +272,22 @@ class _TaskStore(TaskStoreState):
             self.counter.accumulate(counts, pred, target_piece)
         return counts
 
+    def state_shapes(self) -> dict[str, tuple[int, ...]]:
+        """The shape of each tensor a state of this task holds (of one row, for the data), by state key."""
+        task, shapes = self.task, {}
+        if task is None:  # plain functions: any data
+            return shapes
+        if self.counter is not None:
+            shapes["counts"] = shapes["last_counts"] = (self.counter.size,)
+        if self.wants_moments:
+            shapes["moments"] = tuple(task.empty_moments("cpu").shape)
+        if self.wants_bins:
+            shapes["bins"] = (1 if task.kind == "binary" else task.size, 2, task.bins)
+        input, target = _formatted_empty(task, "cpu")
+        shapes["inputs"] = shapes["last_input"] = tuple(input.shape[1:])
+        shapes["targets"] = shapes["last_target"] = tuple(target.shape[1:])
+        return shapes
+
     def latest_counts(self, device: Any) -> Tensor:
         """Confusion counts of the latest batch (zeros before any update)."""
         if self.last_counts is not None:

@@ -21,6 +21,7 @@ __all__ = ["NARROW_DTYPES", "GlobalMetricsState", "TaskStoreState", "join_rows",
 NARROW_DTYPES = (torch.int8, torch.int16, torch.int32)
 
 _STORE_KEYS = frozenset({"counts", "moments", "inputs", "targets", "last_input", "last_target"})
+_ROW_KEYS = frozenset({"inputs", "targets", "last_input", "last_target"})  # data: any number of rows
 
 
 class TaskStoreState:
@@ -50,6 +51,19 @@ class TaskStoreState:
             if value is not None and not isinstance(value, Tensor):
                 kind = type(value).__name__
                 raise ValueError(f"GlobalMetrics task state {key!r} must be a tensor or None, got {kind}")
+        # Another task's counts or scores (other num_classes, ignore_index, bins...) would load
+        # without complaint and be read as this task's: NaN or wrong values, silently.
+        for key, expected in self.state_shapes().items():  # type: ignore[attr-defined]
+            value = state.get(key)
+            rows = key in _ROW_KEYS
+            if value is not None and tuple(value.shape[1:] if rows else value.shape) != expected:
+                found, wanted = tuple(value.shape), ("N", *expected) if rows else expected
+                kind = self.task.kind  # type: ignore[attr-defined]
+                raise ValueError(
+                    f"GlobalMetrics task state {key!r} has shape {found}, but this container's {kind} task expects "
+                    f"{wanted}: the state was written for another task (num_classes, num_labels, num_outputs, "
+                    "ignore_index or bins)"
+                )
         self.reset()  # type: ignore[attr-defined]
         self._counts, self.moments = state["counts"], state["moments"]
         self.bins = state.get("bins")  # type: ignore[attr-defined]
@@ -84,7 +98,9 @@ class GlobalMetricsState:
         """Continue from a `state_dict` of this rank, written by a `GlobalMetrics` of the same metrics.
 
         Raises:
-            ValueError: `state` was written for other metrics, or is not a `GlobalMetrics` state.
+            ValueError: `state` was written for other metrics or for tasks of another size
+                (`num_classes`, `num_labels`, `num_outputs`, `ignore_index`, `bins`), or is not a
+                `GlobalMetrics` state.
         """
         names = list(self.metrics)  # type: ignore[attr-defined]
         if not isinstance(state, Mapping) or "tasks" not in state:

@@ -15,7 +15,9 @@ from danling.metrics import (
     GlobalMetrics,
     MultiTaskMetrics,
     StreamMetrics,
+    binary_metrics,
     multiclass_metrics,
+    multilabel_metrics,
     regression_metrics,
 )
 from danling.metrics.functional import accuracy
@@ -118,6 +120,52 @@ def test_global_metrics_refuse_a_state_of_other_metrics():
     state = multiclass_metrics(num_classes=3).state_dict()
     with pytest.raises(ValueError, match="this GlobalMetrics has"):
         regression_metrics(metrics=["mae"]).load_state_dict(state)
+
+
+_SCORES = torch.tensor([[2.0, 0.1, -1.0], [0.3, 1.5, 0.2], [0.1, 0.2, 3.0], [1.0, 0.9, 0.1]])
+_CLASSES, _BINARY = torch.tensor([0, 1, 2, 1]), torch.tensor([0, 1, 1, 0])
+
+
+@pytest.mark.parametrize(
+    ("write", "read", "batch", "key"),
+    [
+        (lambda: multiclass_metrics(3), lambda: multiclass_metrics(4), (_SCORES, _CLASSES), "counts"),
+        (
+            lambda: multiclass_metrics(3),
+            lambda: multiclass_metrics(3, ignore_index=None),
+            (_SCORES, _CLASSES),
+            "counts",
+        ),
+        (
+            lambda: multiclass_metrics(3, ["auroc"]),
+            lambda: multiclass_metrics(4, ["auroc"]),
+            (_SCORES, _CLASSES),
+            "inputs",
+        ),
+        (
+            lambda: multilabel_metrics(3),
+            lambda: multilabel_metrics(2),
+            (_SCORES.sigmoid(), _SCORES.gt(0.5).long()),
+            "counts",
+        ),
+        (lambda: binary_metrics(bins=10), lambda: binary_metrics(bins=100), (_SCORES[:, 0].sigmoid(), _BINARY), "bins"),
+        (
+            lambda: regression_metrics(1, ["mae"]),
+            lambda: regression_metrics(3, ["mae"]),
+            (_SCORES[:, 0], _SCORES[:, 1]),
+            "moments",
+        ),
+    ],
+)
+def test_global_metrics_refuse_a_state_of_another_task_size(write, read, batch, key):
+    # The same metric names over another number of classes (or ignore_index, or bins): the counts
+    # or scores of the old task would be read as the new one's, giving NaN or wrong values.
+    written = write()
+    written.update(*batch)
+    container = read()
+    with pytest.raises(ValueError, match=rf"state {key!r} has shape .* this container's .* task expects"):
+        container.load_state_dict(_through_file(written.state_dict()))
+    assert container.count == 0  # nothing was loaded
 
 
 def test_multitask_metrics_continue_every_task():
