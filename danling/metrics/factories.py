@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from ..utils.registry import Registry
-from .functional import _host
+from .functional import _common, _host
 from .functional import binary as _binary
 from .functional import binned as _binned
 from .functional import multiclass as _multiclass
@@ -210,12 +210,17 @@ def metric_funcs(task: MetricTask, names: Sequence[str], average: str | None = "
     ([`danling.metrics.functional.binned`][danling.metrics.functional.binned]).
 
     Raises:
-        ValueError: For names outside the catalogue, listing the valid ones.
+        ValueError: For names outside the catalogue, listing the valid ones, or an `average`
+            the task does not take.
     """
     catalog = CATALOGS[task.kind]
     unknown = [name for name in names if name not in catalog]
     if unknown:
         raise ValueError(f"unknown {task.kind} metrics {unknown}; available: {', '.join(catalog)}")
+    # Checked now, not at the first read (after a whole evaluation) or halfway through an update.
+    average = _common.check_average(
+        average, _regression.REGRESSION_AVERAGES if task.kind == "regression" else _common.AVERAGES
+    )
     funcs = {}
     for name in names:
         binned = task.bins is not None and name in BINNED

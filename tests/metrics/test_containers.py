@@ -253,6 +253,24 @@ def test_factories_modes_catalogue_and_registry():
     assert torch.equal(confmat.avg["confmat"], torch.tensor([[0, 0, 0], [1, 0, 0], [0, 0, 0]]))
 
 
+@pytest.mark.parametrize("mode", ["global", "stream"])
+@pytest.mark.parametrize(
+    ("build", "average"),
+    [
+        (lambda mode, average: multiclass_metrics(3, mode=mode, average=average), "Macro"),
+        (lambda mode, average: multilabel_metrics(2, mode=mode, average=average), "samples"),
+        (lambda mode, average: regression_metrics(mode=mode, average=average), "weighted"),
+        (lambda mode, average: METRICS.build(type="multiclass", num_classes=3, mode=mode, average=average), "mean"),
+    ],
+)
+def test_factories_refuse_an_unknown_average_when_built(build, mode, average):
+    # A misspelt `average` was only refused at the first read (global: after a whole evaluation)
+    # or halfway through the first update (stream: acc counted, f1 and mcc not).
+    with pytest.raises(ValueError, match=f"average must be one of .*, got {average!r}"):
+        build(mode, average)
+    assert list(build(mode, "none").values() if mode == "stream" else build(mode, "none").metrics)
+
+
 @pytest.mark.parametrize("rows", [1, 6000])  # queued, and counted at update
 @pytest.mark.parametrize("kind", ["multiclass", "binary", "multilabel"])
 def test_a_confusion_matrix_read_earlier_does_not_change_with_later_updates(kind, rows):
