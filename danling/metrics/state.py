@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from .functional import _ranking
-from .functional._common import Confusion, Curves, LabelCounter, label_counter
+from .functional._common import Confusion, Curves, LabelCounter, check_threshold, label_counter
 from .functional._host import as_tensor
 from .functional.binary import binary_confusion, binary_curves
 from .functional.binned import binned_counts
@@ -97,8 +97,7 @@ class MetricTask:
             isinstance(self.bins, bool) or not isinstance(self.bins, int) or self.bins < 2 or self.kind == "regression"
         ):
             raise ValueError(f"bins must be an integer of at least 2 for a classification task, got {self.bins!r}")
-        if not 0 <= self.threshold <= 1:
-            raise ValueError(f"threshold must lie in [0, 1], got {self.threshold!r}")
+        check_threshold(self.threshold, 0, 1)  # a probability
 
     def __hash__(self) -> int:
         # The fields' hash, computed once: every container read hashes its tasks several times

@@ -1,6 +1,7 @@
 """Every functional metric against scikit-learn / SciPy on random inputs, plus edge cases."""
 
 import math
+import re
 import warnings
 
 import numpy as np
@@ -11,6 +12,7 @@ from hypothesis import strategies as st
 from scipy import stats
 from sklearn import metrics as skm
 
+from danling.metrics import MetricTask
 from danling.metrics import functional as F
 
 IGNORE = -100
@@ -328,6 +330,31 @@ def test_multiclass_layouts_and_label_inputs():
 def test_bad_input_raises_value_error_naming_the_problem(call, message):
     with pytest.raises(ValueError, match=message):
         call()
+
+
+@pytest.mark.parametrize("threshold", ["0.5", None, math.nan, torch.tensor([0.2, 0.8])])
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda threshold: F.binary_accuracy(torch.rand(4), torch.tensor([0, 1, 1, 0]), threshold=threshold),
+        lambda threshold: F.binary_f1_score(torch.rand(400), torch.ones(400, dtype=torch.long), threshold=threshold),
+        lambda threshold: F.binary_confusion_matrix(torch.rand(4), torch.tensor([0, 1, 1, 0]), threshold=threshold),
+        lambda threshold: F.multilabel_f1_score(torch.rand(4, 2), torch.ones(4, 2), threshold=threshold),
+        lambda threshold: F.accuracy(torch.rand(4), torch.tensor([0, 1, 1, 0]), threshold=threshold),
+        lambda threshold: MetricTask("binary", threshold=threshold),
+    ],
+)
+def test_a_threshold_that_is_no_number_is_refused_naming_it(call, threshold):
+    # A string or None failed inside a comparison ("'<=' not supported") or in struct ("required
+    # argument is not a float"); a NaN threshold silently made every prediction negative.
+    with pytest.raises(ValueError, match=rf"threshold must be a number.*got {re.escape(repr(threshold))}"):
+        call(threshold)
+
+
+@pytest.mark.parametrize("threshold", [2.0, -0.1])
+def test_a_task_threshold_outside_the_probabilities_is_refused(threshold):
+    with pytest.raises(ValueError, match=rf"threshold must be a number in \[0, 1\], got {threshold!r}"):
+        MetricTask("binary", threshold=threshold)
 
 
 def test_unconvertible_input_raises_type_error():

@@ -8,11 +8,12 @@ and ranks are computed for all columns at once without boolean indexing, and und
 from __future__ import annotations
 
 import math
+import numbers
 import struct
 from bisect import bisect_right
 from collections.abc import Callable, Sequence
 from functools import cached_property, lru_cache, partial
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy
 import torch
@@ -28,6 +29,7 @@ __all__ = [
     "average_ranks",
     "bincount",
     "check_average",
+    "check_threshold",
     "confusion_from_labels",
     "class_masks",
     "curves_from_scores",
@@ -184,6 +186,23 @@ class Curves(NamedTuple):
 def result_dtype(device: torch.device) -> torch.dtype:
     """Floating dtype of metric results: float64, except on MPS which lacks it."""
     return torch.float32 if device.type == "mps" else torch.float64
+
+
+def check_threshold(threshold: Any, low: float = -math.inf, high: float = math.inf) -> None:
+    """Refuse a `threshold` that is no number (a string, `None`, NaN) or lies outside `[low, high]`.
+
+    The functions take any number (beyond `[0, 1]` every prediction is one class); a task
+    (`MetricTask`) takes probabilities, `[0, 1]`.
+    """
+    if type(threshold) is float and low <= threshold <= high:  # the usual case, without the ABC check
+        return
+    try:
+        valid = isinstance(threshold, (numbers.Real, Tensor)) and low <= threshold <= high  # NaN fails here
+    except RuntimeError:  # a tensor of several values
+        valid = False
+    if not valid:
+        bounds = "" if (low, high) == (-math.inf, math.inf) else f" in [{low:g}, {high:g}]"
+        raise ValueError(f"threshold must be a number{bounds}, got {threshold!r}")
 
 
 def check_average(average: str | None, allowed: tuple = AVERAGES) -> str | None:

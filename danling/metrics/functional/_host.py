@@ -129,6 +129,7 @@ def host_binary_counts(input: Any, target: Any, threshold: float, ignore_index: 
     Scores are thresholded as `positive_predictions` does: as logits if any lies outside `[0, 1]`
     (the threshold moved to logit space), compared in the scores' dtype.
     """
+    _common.check_threshold(threshold)  # the general path checks it too: this one runs first
     if not (
         type(input) is Tensor
         and type(target) is Tensor

@@ -26,7 +26,7 @@ from typing import Any
 from torch import Tensor
 
 from ..preprocess import positive_predictions, preprocess_binary
-from . import _host
+from . import _common, _host
 from ._common import (
     Confusion,
     Curves,
@@ -97,6 +97,7 @@ def f1_from_confusion(confusion: Confusion) -> Tensor:
 
 
 def _confusion(input: Any, target: Any, threshold: float, ignore_index: int | None) -> Confusion:
+    _common.check_threshold(threshold)
     scores, target = preprocess_binary(input, target)
     return binary_confusion(scores, target, threshold, ignore_index)
 

@@ -38,6 +38,7 @@ from ._common import (
     Confusion,
     Curves,
     check_average,
+    check_threshold,
     cm_accuracy,
     cm_balanced_accuracy,
     cm_mcc,
@@ -133,6 +134,7 @@ def _class_score(confusion: Confusion, average: str | None, which: str) -> Tenso
 
 
 def _confusion(input: Any, target: Any, num_labels: int | None, threshold: float, ignore_index: int | None):
+    check_threshold(threshold)
     scores, target = preprocess_multilabel(input, target, num_labels)
     return multilabel_confusion(scores, target, threshold, ignore_index)
 
