@@ -255,6 +255,8 @@ def _container(
 ) -> GlobalMetrics | StreamMetrics:
     if mode not in ("global", "stream"):
         raise ValueError(f"mode must be 'global' (exact) or 'stream' (per-batch averages), got {mode!r}")
+    if isinstance(metrics, str):  # a sequence too, of one-letter "names"
+        raise TypeError(f"metrics must be a list of metric names, got the string {metrics!r}; pass [{metrics!r}]")
     names = tuple(metrics) if metrics is not None else defaults[mode == "stream"]
     if mode == "stream" and any(name in GLOBAL_ONLY for name in names):
         raise ValueError(f"{', '.join(GLOBAL_ONLY)} cannot be averaged over batches; use mode='global'")

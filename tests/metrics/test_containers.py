@@ -271,6 +271,16 @@ def test_factories_refuse_an_unknown_average_when_built(build, mode, average):
     assert list(build(mode, "none").values() if mode == "stream" else build(mode, "none").metrics)
 
 
+@pytest.mark.parametrize("mode", ["global", "stream"])
+def test_factories_name_a_single_string_given_as_metrics(mode):
+    # `metrics="acc"` (a config's `metrics: acc`) was read letter by letter: "unknown multiclass
+    # metrics ['a', 'c', 'c']".
+    with pytest.raises(TypeError, match=r"metrics must be a list of metric names, got the string 'acc'"):
+        multiclass_metrics(3, "acc", mode=mode)
+    with pytest.raises(TypeError, match=r"metrics must be a list of metric names, got the string 'r2'"):
+        METRICS.build(type="regression", metrics="r2", mode=mode)
+
+
 @pytest.mark.parametrize("rows", [1, 6000])  # queued, and counted at update
 @pytest.mark.parametrize("kind", ["multiclass", "binary", "multilabel"])
 def test_a_confusion_matrix_read_earlier_does_not_change_with_later_updates(kind, rows):
