@@ -51,7 +51,8 @@ def to_tensor(data: Any, *, name: str = "input") -> Tensor:
     """Convert one input or target to a detached tensor.
 
     A `NestedTensor` contributes only its valid elements, concatenated along the ragged
-    dimension (`.concat`); padding never reaches a metric.
+    dimension (`.concat`); padding never reaches a metric. A list of tensors of one shape (per-sample
+    outputs) is stacked.
 
     Raises:
         TypeError: If `data` cannot be turned into a numeric tensor.
@@ -66,8 +67,28 @@ def to_tensor(data: Any, *, name: str = "input") -> Tensor:
         try:
             return torch.as_tensor(np.asarray(data) if isinstance(data, np.ndarray) else data)
         except (TypeError, ValueError, RuntimeError) as exc:
+            stacked = _stacked_tensors(data, name)  # per-sample outputs collected in a list
+            if stacked is not None:
+                return stacked
             raise TypeError(f"{name} could not be converted to a tensor ({exc}); got {_describe(data)}") from None
     raise TypeError(f"{name} must be a Tensor, NestedTensor, sequence or array of numbers, got {_describe(data)}")
+
+
+def _stacked_tensors(data: Any, name: str) -> Tensor | None:
+    """A list of tensors of one shape stacked (torch converts only 0-d ones), or `None` for other data.
+
+    Raises:
+        TypeError: If the tensors differ in shape, naming the first two shapes.
+    """
+    if not isinstance(data, Sequence) or not data or not all(type(item) is Tensor for item in data):
+        return None
+    shapes = list(dict.fromkeys(tuple(item.shape) for item in data))
+    if len(shapes) > 1:
+        raise TypeError(
+            f"{name} is a list of tensors of different shapes {shapes[0]} and {shapes[1]}; pass a NestedTensor "
+            "of them, or one tensor"
+        )
+    return torch.stack([item.detach() for item in data])
 
 
 def base_preprocess(input: Any, target: Any) -> tuple[Tensor, Tensor]:

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from scipy import stats
 from sklearn import metrics as skm
 
-from danling.metrics import MetricTask
+from danling.metrics import MetricTask, StreamMetrics
 from danling.metrics import functional as F
 
 IGNORE = -100
@@ -355,6 +355,21 @@ def test_a_threshold_that_is_no_number_is_refused_naming_it(call, threshold):
 def test_a_task_threshold_outside_the_probabilities_is_refused(threshold):
     with pytest.raises(ValueError, match=rf"threshold must be a number in \[0, 1\], got {threshold!r}"):
         MetricTask("binary", threshold=threshold)
+
+
+def test_a_list_of_equally_shaped_tensors_is_stacked():
+    # Per-sample outputs collected in a list: a list of 0-d tensors converted, one of score
+    # vectors failed with torch's "only one element tensors can be converted to Python scalars".
+    scores = torch.tensor([[2.0, 0.1, -1.0], [0.3, 1.5, 0.2], [0.1, 0.2, 3.0]])
+    target = torch.tensor([0, 2, 2])
+    expected = F.multiclass_f1_score(scores, target)
+    assert F.multiclass_f1_score(list(scores), list(target)) == expected
+    assert F.f1_score(list(scores), target.tolist()) == expected
+    metrics = StreamMetrics(f1=F.f1_score)
+    metrics.update(list(scores), list(target))
+    assert metrics.avg["f1"] == expected.item() and metrics.count["f1"] == 3
+    with pytest.raises(TypeError, match=r"input is a list of tensors of different shapes \(3,\) and \(2,\)"):
+        F.multiclass_accuracy([scores[0], scores[1, :2]], target[:2])
 
 
 def test_unconvertible_input_raises_type_error():
