@@ -257,6 +257,23 @@ def test_losses_average_over_real_positions():
     assert isinstance(per_row, NestedTensor) and [tuple(e.shape) for e in per_row] == [(3,), (1,)]
 
 
+def test_a_loss_takes_a_nested_tensor_of_weights_beside_its_operands():
+    # Per-position weights of a binary cross-entropy, ragged like the scores: they failed with
+    # "no NestedTensor among the arguments" (they reached the loss unpacked, beside packed operands).
+    generator = torch.Generator().manual_seed(0)
+    scores = [torch.rand(n, 2, generator=generator) for n in (3, 1)]
+    labels = [torch.randint(0, 2, (n, 2), generator=generator).float() for n in (3, 1)]
+    weights = [torch.rand(n, 2, generator=generator) for n in (3, 1)]
+    flat = [torch.cat(tensors) for tensors in (scores, labels, weights)]
+    nested = [NestedTensor(tensors) for tensors in (scores, labels, weights)]
+    for loss in (F.binary_cross_entropy, F.binary_cross_entropy_with_logits):
+        torch.testing.assert_close(loss(*nested[:2], weight=nested[2]), loss(*flat[:2], weight=flat[2]))
+        torch.testing.assert_close(loss(*nested[:2], nested[2]), loss(*flat[:2], flat[2]))
+        per_position = loss(*nested[:2], weight=nested[2], reduction="none")
+        assert isinstance(per_position, NestedTensor)
+        torch.testing.assert_close(per_position.concat, loss(*flat[:2], weight=flat[2], reduction="none"))
+
+
 def test_ctc_loss_takes_lengths_from_elements():
     generator = torch.Generator().manual_seed(0)
     log_probs = [torch.randn(n, 5, generator=generator).log_softmax(-1) for n in (6, 4)]

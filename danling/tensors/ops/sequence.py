@@ -68,7 +68,11 @@ def loss(func: Any, names: tuple[str, ...], *args: Any, **kwargs: Any) -> Any:
         raise TypeError(f"{func.__name__} needs the operands {names}")
     ref = first_nested(operands)
     packed = [_packed(o, ref) for o in operands]
-    out = func(*[p[0] for p in packed], *args[count:], **kwargs)
+    # A NestedTensor among the other arguments (a per-position `weight`) is packed as well: left
+    # nested, it would reach `func` beside the packed operands. Dense ones (class weights) stay.
+    rest = [arg._values if isinstance(arg, NestedTensor) else arg for arg in args[count:]]
+    kwargs = {key: arg._values if isinstance(arg, NestedTensor) else arg for key, arg in kwargs.items()}
+    out = func(*[p[0] for p in packed], *rest, **kwargs)
     rows = packed[-1][0].shape[0] if isinstance(packed[-1][0], Tensor) and packed[-1][0].dim() else None
     shaped = next((n for _, n in reversed(packed) if n is not None), ref)
     if isinstance(out, Tensor) and out.dim() > 0 and out.shape[0] == rows:
