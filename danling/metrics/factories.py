@@ -64,7 +64,8 @@ def _curve_metric(module: Any, which: str) -> Callable[[MetricState, Any], Any]:
         micro = average == "micro"
         ranking = state.ranking(micro=micro)  # large host data: the same values in far less memory
         if ranking is not None:
-            return _multiclass.column_average(getattr(ranking, which), ranking.positives, average)
+            defined = _multiclass.defined_columns(which, ranking.positives, ranking.negatives)
+            return _multiclass.column_average(getattr(ranking, which), ranking.positives, average, defined)
         return getattr(module, f"{which}_from_curves")(state.curves(micro=micro), average)
 
     return compute

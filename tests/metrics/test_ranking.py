@@ -344,6 +344,38 @@ def test_a_nan_score_gives_nan_on_every_path_unless_its_sample_is_ignored(n):
     assert not binary_auroc(scores, target, ignore_index=-100).isnan()
 
 
+@pytest.mark.parametrize("average", ["macro", "weighted"])
+@pytest.mark.parametrize("n", [8, 70_000])  # the sorted curves, and the sorted per-column copies
+def test_a_nan_score_or_invalid_target_of_one_label_makes_the_label_average_nan(n, average):
+    # Averages over labels skip labels whose value is undefined by their classes (no positives,
+    # or no negatives for AUROC). A label made nan by a NaN score or a target that is no label
+    # was skipped the same way: the average silently covered the other labels only.
+    from danling.metrics import multilabel_metrics
+    from danling.metrics.functional import multilabel_auprc, multilabel_auroc
+
+    generator = torch.Generator().manual_seed(0)
+    scores = torch.rand(n, 3, generator=generator)
+    target = (torch.rand(n, 3, generator=generator) < scores).long()
+    target[:, 0] = 1  # label 0: no negatives, so no AUROC; skipped as before
+    clean = multilabel_auroc(scores, target, average=average)
+    assert not clean.isnan()
+    assert multilabel_auroc(scores, target, average=None)[0].isnan()
+    for spoil in ("score", "target"):
+        spoilt_scores, spoilt_target = scores.clone(), target.clone()
+        if spoil == "score":
+            spoilt_scores[1, 2] = float("nan")
+        else:
+            spoilt_target[1, 2] = 7
+        assert multilabel_auroc(spoilt_scores, spoilt_target, average=average).isnan()
+        assert multilabel_auprc(spoilt_scores, spoilt_target, average=average).isnan()
+        metrics = multilabel_metrics(3, ["auroc", "auprc"], average=average, ignore_index=None)
+        metrics.update(spoilt_scores, spoilt_target)
+        assert all(math.isnan(value) for value in metrics.avg.values())
+    spoilt_target = target.clone()
+    spoilt_target[1, 2] = -100  # an ignored entry is no error
+    assert not multilabel_auroc(scores, spoilt_target, average=average, ignore_index=-100).isnan()
+
+
 @pytest.mark.parametrize("kind", ["binary", "multiclass", "multilabel"])
 def test_data_off_the_host_is_ranked_on_its_device_without_joining_the_chunks(kind):
     """Device data (here `meta`, which any non-CPU device stands for) takes `tensor_ranking`.

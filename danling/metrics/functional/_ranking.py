@@ -61,11 +61,12 @@ Chunks = Sequence[tuple[Tensor, Tensor]]
 
 
 class Ranking(NamedTuple):
-    """Per-column AUROC, average precision and count of positives (all `(K,)`, float64 / int64)."""
+    """Per-column AUROC, average precision and counts of positives and negatives (all `(K,)`, float64 / int64)."""
 
     auroc: Tensor
     auprc: Tensor
     positives: Tensor
+    negatives: Tensor
 
 
 # Rank sums of one column: twice the AUROC's numerator in units of one positive-negative pair
@@ -119,17 +120,20 @@ def ranking_from_sums(sums: Sequence[Sums], invalid: Tensor) -> Ranking:
     `invalid` counts, per column (or once for all), targets that were neither a label nor
     ignored: any of them makes the column `nan`, as it does for the curves.
     """
-    auroc, auprc, positives = [], [], []
+    auroc, auprc, positives, negatives = [], [], [], []
     for twice_area, precision_sum, tps, fps, finite in sums:
         pairs = 2 * tps * fps
         # The curves divide the same integers as float64: the same float, bit for bit.
         auroc.append(float(twice_area) / float(pairs) if finite and pairs else math.nan)
         auprc.append(precision_sum / float(tps) if finite and tps else math.nan)
         positives.append(tps)
+        negatives.append(fps)
     bad = invalid.reshape(-1) != 0
     auroc_t = torch.tensor(auroc, dtype=torch.float64).masked_fill(bad, math.nan)
     auprc_t = torch.tensor(auprc, dtype=torch.float64).masked_fill(bad, math.nan)
-    return Ranking(auroc_t, auprc_t, torch.tensor(positives, dtype=torch.long))
+    return Ranking(
+        auroc_t, auprc_t, torch.tensor(positives, dtype=torch.long), torch.tensor(negatives, dtype=torch.long)
+    )
 
 
 def _ignored(labels: np.ndarray, ignore_index: int | float | None, labelled: int, axis: int | None = None) -> Any:
@@ -301,7 +305,7 @@ def tensor_ranking(
         # Logits anywhere make every row a softmax, as for the curves: a 0-d device tensor, no host read.
         softmax = torch.stack([is_logit(scores) for scores, _ in chunks]).any()
     columns = 1 if kind == "binary" or micro else num_columns
-    auroc, auprc, positives = [], [], []
+    auroc, auprc, positives, negatives = [], [], [], []
     dtype = result_dtype(device)
     for column in range(columns):
         values, positive, negative = [], [], []
@@ -336,7 +340,8 @@ def tensor_ranking(
         auroc.append(torch.where(bad == 0, area.to(dtype) / (2 * tps * fps).to(dtype), math.nan))
         auprc.append(torch.where(bad == 0, precision_sum.to(dtype) / tps.to(dtype), math.nan))
         positives.append(tps)
-    return Ranking(torch.stack(auroc), torch.stack(auprc), torch.stack(positives))
+        negatives.append(fps)
+    return Ranking(torch.stack(auroc), torch.stack(auprc), torch.stack(positives), torch.stack(negatives))
 
 
 def _column_counts(

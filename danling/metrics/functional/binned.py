@@ -41,7 +41,7 @@ from torch import Tensor
 
 from ..preprocess import probabilities
 from ._common import bincount
-from .multiclass import column_average
+from .multiclass import column_average, defined_columns
 
 __all__ = ["binned_auprc", "binned_auroc", "binned_auroc_bound", "binned_counts"]
 
@@ -107,7 +107,8 @@ def binned_auroc(counts: Tensor, average: str | None = "macro") -> Tensor:
     values = _columns_auroc(_pooled(counts, average))
     if counts.shape[0] == 1 and average != "micro":
         return values[0]
-    return column_average(values, counts[:, 1].sum(-1), average)
+    positives, negatives = counts[:, 1].sum(-1), counts[:, 0].sum(-1)
+    return column_average(values, positives, average, defined_columns("auroc", positives, negatives))
 
 
 def binned_auprc(counts: Tensor, average: str | None = "macro") -> Tensor:
@@ -115,7 +116,8 @@ def binned_auprc(counts: Tensor, average: str | None = "macro") -> Tensor:
     values = _columns_auprc(_pooled(counts, average))
     if counts.shape[0] == 1 and average != "micro":
         return values[0]
-    return column_average(values, counts[:, 1].sum(-1), average)
+    positives, negatives = counts[:, 1].sum(-1), counts[:, 0].sum(-1)
+    return column_average(values, positives, average, defined_columns("auprc", positives, negatives))
 
 
 def binned_auroc_bound(counts: Tensor) -> Tensor:

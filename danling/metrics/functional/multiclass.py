@@ -145,22 +145,37 @@ def auprc_from_curves(curves: Curves, average: str | None = "macro") -> Tensor:
 def curve_average(curves: Curves, average: str | None, per_column: Callable[[Curves], Tensor]) -> Tensor:
     """Reduce per-column curve metrics; `curves` must be the pooled ones when `average == "micro"`."""
     values = per_column(curves)
-    support = curves.tps[:, -1] if curves.tps.shape[1] else torch.zeros_like(values)
-    return column_average(values, support, average)
+    counted = curves.tps.shape[1]
+    support = curves.tps[:, -1] if counted else torch.zeros(values.shape, dtype=torch.long, device=values.device)
+    negatives = curves.fps[:, -1] if counted else support
+    which = "auroc" if per_column is columns_auroc else "auprc"
+    return column_average(values, support, average, defined=defined_columns(which, support, negatives))
 
 
-def column_average(values: Tensor, support: Tensor, average: str | None) -> Tensor:
+def defined_columns(which: str, positives: Tensor, negatives: Tensor) -> Tensor:
+    """Columns whose `which` (`"auroc"` or `"auprc"`) their classes define: positives, and for AUROC negatives too."""
+    return (positives > 0) & (negatives > 0) if which == "auroc" else positives > 0
+
+
+def column_average(values: Tensor, support: Tensor, average: str | None, defined: Tensor | None = None) -> Tensor:
     """Reduce per-column AUROC or average precision; `values` must be the pooled one for `"micro"`.
 
     `"macro"` averages the columns where the value is defined, `"weighted"` weights them by
-    `support` (their positives).
+    `support` (their positives). With `defined` (see `defined_columns`), a column whose classes
+    define it but whose value is `nan` (a NaN score or a target that is no label among its counted
+    samples) makes the average `nan`, as it makes a single column's value; without it, every
+    `nan` column is left out.
     """
     average = check_average(average)
     if average == "micro":
         return values[0]
     if average is None:
         return values
-    return reduce_average(values, average, active=~values.isnan(), weights=support)
+    missing = values.isnan()
+    value = reduce_average(values, average, active=~missing, weights=support)
+    if defined is None:
+        return value
+    return torch.where((missing & defined).any(-1), math.nan, value)
 
 
 def _confusion(input: Any, target: Any, num_classes: int | None, ignore_index: int | None) -> Confusion:
