@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from scipy import stats
 from sklearn import metrics as skm
 
-from danling.metrics import MetricTask, StreamMetrics
+from danling.metrics import MetricTask, StreamMetrics, regression_metrics
 from danling.metrics import functional as F
 
 IGNORE = -100
@@ -232,6 +232,30 @@ def test_regression_ignore_index_drops_entries():
         for j in range(2):
             keep = y[:, j] != -1
             close(per_output[j], fn(x[keep, j], y[keep, j]))
+
+
+@pytest.mark.parametrize("ignore_index", [-1.0, math.nan])
+def test_regression_leaves_ignored_entries_out_whatever_they_hold(ignore_index):
+    # A NaN prediction beside an ignored target reached the sums as NaN * 0 = NaN, and
+    # ignore_index=nan (missing targets stored as NaN) ignored nothing, since NaN != NaN.
+    x = torch.tensor([[1.0, 2.0], [math.nan, 1.0], [3.0, 5.0], [9.0, 4.0], [2.0, 7.0]])
+    y = torch.tensor([[1.5, ignore_index], [ignore_index, 1.0], [-1.0, 4.0], [8.0, 3.0], [2.0, 6.0]])
+    keep = ~(y.isnan() if math.isnan(ignore_index) else y == ignore_index)
+    for fn, name in (
+        (F.mse, "mse"),
+        (F.mae, "mae"),
+        (F.pearson, "pearson"),
+        (F.spearman, "spearman"),
+        (F.r2_score, "r2"),
+    ):
+        per_output = fn(x, y, average=None, ignore_index=ignore_index)
+        expected = [fn(x[keep[:, j], j], y[keep[:, j], j]) for j in range(2)]
+        for j in range(2):
+            close(per_output[j], expected[j])
+        metrics = regression_metrics(2, [name], average=None, ignore_index=ignore_index)
+        metrics.update(x[:2], y[:2])
+        metrics.update(x[2:], y[2:])
+        torch.testing.assert_close(metrics.avg[name], torch.stack(expected))
 
 
 @pytest.mark.parametrize("n", [0])

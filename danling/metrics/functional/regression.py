@@ -1,7 +1,8 @@
 """Regression metrics for one or several outputs.
 
 `input` and `target` are `(N,)` or `(N, D)` real tensors. Entries whose target equals
-`ignore_index` (if given) are left out. With several outputs, `average="macro"` (the default)
+`ignore_index` (if given; `nan` leaves out NaN targets, missing values) are left out, whatever
+their prediction holds. With several outputs, `average="macro"` (the default)
 averages the per-output values, `"micro"` pools all outputs into one long vector and `None`
 returns one value per output; a single output always gives a 0-d tensor. Results are float64;
 undefined results are `nan` (no samples, or a constant input/target for the correlations).
@@ -63,7 +64,11 @@ def regression_moments(input: Tensor, target: Tensor, ignore_index: float | None
         weight = None
         n = torch.full((outputs,), float(x.shape[0]), dtype=dtype, device=x.device)
     else:
-        weight = (target != ignore_index).to(dtype)
+        kept = counted_targets(target, ignore_index)
+        # Ignored entries are zeroed, not only weighted 0: a NaN there (a missing target, the
+        # prediction beside it) would reach every sum as NaN * 0 = NaN.
+        x, y = torch.where(kept, x, 0.0), torch.where(kept, y, 0.0)
+        weight = kept.to(dtype)
         n = weight.sum(0)
     mean_x = _weighted_sum(x, weight) / n.clamp_min(1)
     mean_y = _weighted_sum(y, weight) / n.clamp_min(1)
@@ -79,6 +84,13 @@ def regression_moments(input: Tensor, target: Tensor, ignore_index: float | None
     columns = [n, mean_x, mean_y, (dx * dx).sum(0), (dy * dy).sum(0), (dx * dy).sum(0), (err * err).sum(0)]
     columns += [err.abs().sum(0), x_low.amin(0), x_high.amax(0), y_low.amin(0), y_high.amax(0)]
     return torch.stack(columns, dim=-1)
+
+
+def counted_targets(target: Tensor, ignore_index: float) -> Tensor:
+    """Where `target` is counted: not `ignore_index`, or not NaN for `ignore_index=nan` (which equals nothing)."""
+    if isinstance(ignore_index, float) and math.isnan(ignore_index):
+        return ~target.isnan()
+    return target != ignore_index
 
 
 def empty_moments(outputs: int, device: torch.device | str | None = None) -> Tensor:
@@ -165,7 +177,7 @@ def spearman_from_data(input: Tensor, target: Tensor, ignore_index: float | None
     else:  # columns keep different numbers of entries: rank them one at a time
         columns = []
         for j in range(input.shape[-1]):
-            keep = target[:, j] != ignore_index
+            keep = counted_targets(target[:, j], ignore_index)
             x, y = input[keep, j : j + 1], target[keep, j : j + 1]
             columns.append(pearson_columns(average_ranks(x), average_ranks(y)))
         values = torch.cat(columns)
