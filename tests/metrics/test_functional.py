@@ -258,6 +258,21 @@ def test_regression_leaves_ignored_entries_out_whatever_they_hold(ignore_index):
         torch.testing.assert_close(metrics.avg[name], torch.stack(expected))
 
 
+def test_spearman_of_a_counted_nan_is_nan_as_pearson_is():
+    # The ranks placed a NaN after every number, so Spearman gave a value where Pearson (and
+    # scipy.stats.spearmanr) give NaN.
+    x = torch.tensor([[1.0, 2.0], [math.nan, 1.0], [3.0, 5.0], [9.0, 4.0]])
+    y = torch.tensor([[1.5, 1.0], [2.5, math.nan], [-1.0, 4.0], [8.0, 3.0]])
+    assert F.pearson(x, y, average=None).isnan().all()
+    assert F.spearman(x, y, average=None).isnan().all()
+    assert F.spearman(x, y).isnan() and F.spearman(x, y, average="micro").isnan()
+    assert not F.spearman(x[[0, 2, 3]], y[[0, 2, 3]], average=None).isnan().any()
+    metrics = regression_metrics(2, ["spearman"], ignore_index=-1.0)
+    metrics.update(x, y)
+    assert math.isnan(metrics.avg["spearman"])
+    assert F.spearman(x[:, 0], y[:, 0], ignore_index=-1.0).isnan()
+
+
 @pytest.mark.parametrize("n", [0])
 def test_empty_input_is_nan_not_a_crash(n):
     empty1, empty_long = torch.empty(n), torch.empty(n, dtype=torch.long)

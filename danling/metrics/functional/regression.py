@@ -5,7 +5,8 @@
 their prediction holds. With several outputs, `average="macro"` (the default)
 averages the per-output values, `"micro"` pools all outputs into one long vector and `None`
 returns one value per output; a single output always gives a 0-d tensor. Results are float64;
-undefined results are `nan` (no samples, or a constant input/target for the correlations).
+undefined results are `nan` (no samples, or a constant input/target for the correlations;
+a NaN among the counted entries makes every metric of its output `nan`).
 `r2_score` of a constant target is `-inf` (or `nan` when the predictions are exact), as
 scikit-learn gives with `force_finite=False`.
 
@@ -173,15 +174,20 @@ def spearman_from_data(input: Tensor, target: Tensor, ignore_index: float | None
     if average == "micro":
         input, target = input.reshape(-1, 1), target.reshape(-1, 1)
     if ignore_index is None:
-        values = pearson_columns(average_ranks(input), average_ranks(target))
+        values = _spearman_columns(input, target)
     else:  # columns keep different numbers of entries: rank them one at a time
         columns = []
         for j in range(input.shape[-1]):
             keep = counted_targets(target[:, j], ignore_index)
-            x, y = input[keep, j : j + 1], target[keep, j : j + 1]
-            columns.append(pearson_columns(average_ranks(x), average_ranks(y)))
+            columns.append(_spearman_columns(input[keep, j : j + 1], target[keep, j : j + 1]))
         values = torch.cat(columns)
     return _finish(values, average)
+
+
+def _spearman_columns(x: Tensor, y: Tensor) -> Tensor:
+    # Sorting ranks a NaN after every number; a NaN makes the column NaN instead, as for Pearson.
+    values = pearson_columns(average_ranks(x), average_ranks(y))
+    return torch.where(x.isnan().any(0) | y.isnan().any(0), math.nan, values)
 
 
 def _reduce(moments: Tensor, average: str | None, metric: Callable[[Tensor], Tensor]) -> Tensor:
