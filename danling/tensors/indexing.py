@@ -41,6 +41,8 @@ def _positions(nt: NestedTensor, index: Any) -> list[int]:
         return [position % batch]
     if isinstance(index, slice):
         return list(range(*index.indices(batch)))
+    if isinstance(index, list) and index and all(isinstance(i, bool) for i in index):
+        index = torch.tensor(index)  # a boolean mask, as `nt.tensor[[True, False]]` reads it
     if isinstance(index, Tensor):
         if index.dtype == torch.bool:
             if index.shape != (batch,):

@@ -132,6 +132,18 @@ class TestIndexing:
         with pytest.raises(IndexError, match="out of range"):
             nt[2]
 
+    def test_a_list_of_booleans_selects_elements_as_a_boolean_tensor_does(self):
+        # `nt.tensor[[False, True]]` selects the second row; `nt[[False, True]]` raised
+        # "batch index must be an int, slice, list or tensor, got bool" although a list was given.
+        nt = NestedTensor(torch.arange(6).view(3, 2), torch.arange(4).view(2, 2))
+        assert nt[[False, True]].tolist() == nt[torch.tensor([False, True])].tolist() == [nt[1].tolist()]
+        assert nt[[True, True], 0].tolist() == nt[torch.tensor([True, True]), 0].tolist()
+        copied = nt.clone()
+        copied[[True, False]] = NestedTensor(torch.zeros(3, 2, dtype=torch.long))
+        assert copied[0].tolist() == [[0, 0]] * 3 and copied[1].tolist() == nt[1].tolist()
+        with pytest.raises(IndexError, match=r"boolean batch selector must have shape \(2,\), got \(3,\)"):
+            nt[[True, False, True]]
+
     def test_set(self):
         nt = sample()
         nt[:, 0] = 0
