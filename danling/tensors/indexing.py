@@ -193,6 +193,12 @@ def setitem(nt: NestedTensor, index: Any, value: Any) -> None:
             element = torch.as_tensor(item, dtype=like.dtype, device=like.device)
             if type(element) is not Tensor:
                 element = element.as_subclass(Tensor)
+            if element.dim() < elements[position].dim():
+                # Fewer dims than the element (`nt[0] = 0`): broadcast into it, as torch assigns to
+                # a tensor's row; as many dims replace the element, which may change its size.
+                filled = elements[position].clone()
+                filled[...] = element
+                element = filled
         elements[position] = element
     values, shapes, permutation, ragged = layout.pack(elements)
     if shapes == nt._shapes:

@@ -144,6 +144,23 @@ class TestIndexing:
         with pytest.raises(IndexError, match=r"boolean batch selector must have shape \(2,\), got \(3,\)"):
             nt[[True, False, True]]
 
+    def test_a_value_of_fewer_dims_fills_whole_elements_as_torch_broadcasts_it(self):
+        # `t[0] = 0` fills a tensor's row; `nt[0] = 0` replaced the element by a 0-d tensor and
+        # failed: "all elements of a NestedTensor must have the same number of dimensions".
+        nt = NestedTensor(torch.arange(6).view(3, 2), torch.arange(4).view(2, 2))
+        storage = nt._values.data_ptr()
+        nt[0] = 0
+        assert nt.tolist() == [[[0, 0]] * 3, [[0, 1], [2, 3]]]
+        nt[:] = torch.tensor([5, 6])  # a row for every element
+        assert nt.tolist() == [[[5, 6]] * 3, [[5, 6]] * 2]
+        nt[[False, True]] = -1
+        assert nt.tolist() == [[[5, 6]] * 3, [[-1, -1]] * 2]
+        assert nt._values.data_ptr() == storage  # shapes kept: written in place
+        with pytest.raises(RuntimeError):
+            nt[1] = torch.tensor([1, 2, 3])  # as torch refuses a row of the wrong size
+        nt[1] = torch.tensor([[1, 2, 3]])  # as many dims: the element is replaced, as documented
+        assert nt[1].tolist() == [[1, 2, 3]]
+
     def test_set(self):
         nt = sample()
         nt[:, 0] = 0
