@@ -23,9 +23,10 @@ class StreamMetrics(AverageMeters):
     r"""A named set of [`MetricMeter`][danling.metrics.MetricMeter]s fed by one `update` call.
 
     The shared `preprocess` runs once per batch; then every meter evaluates its metric on the
-    result. Metrics given as [`MetricFunc`][danling.metrics.MetricFunc]s of the same task share
-    one [`MetricState`][danling.metrics.MetricState] per batch, so, for example, accuracy, F1
-    and MCC read a single confusion matrix. Values are averaged over batches weighted by batch
+    result (a `MetricMeter` with a `preprocess` of its own applies it to that result first).
+    Metrics given as [`MetricFunc`][danling.metrics.MetricFunc]s of the same task share one
+    [`MetricState`][danling.metrics.MetricState] per batch, so, for example, accuracy, F1 and
+    MCC read a single confusion matrix. Values are averaged over batches weighted by batch
     size (exact for sample means such as accuracy or MSE, approximate for AUROC, F1 or
     correlations; use [`GlobalMetrics`][danling.metrics.GlobalMetrics] for exact values).
 
@@ -85,6 +86,7 @@ class StreamMetrics(AverageMeters):
     def __setitem__(self, name: str, meter: Callable | MetricFunc | AverageMeter) -> None:
         if not isinstance(meter, AverageMeter):
             meter = MetricMeter(meter, self.preprocess, device=self.device)
+            meter._shared_preprocess = True  # the container's, for use on its own: `update` runs it already
         super().__setitem__(name, meter)
 
     def update(self, input: Any, target: Any, *, n: int | None = None) -> None:  # type: ignore[override]
@@ -108,6 +110,17 @@ class StreamMetrics(AverageMeters):
             n = (target.shape[0] if target.ndim else 1) if type(target) is Tensor else batch_size(target)
         states: dict[MetricTask, MetricState] | None = None  # made for the first MetricFunc
         for meter in self._meters.values():
+            own = getattr(meter, "preprocess", None)
+            if (
+                own is not None
+                and own is not preprocess
+                and isinstance(meter, MetricMeter)
+                and not meter.__dict__.get("_shared_preprocess")
+            ):
+                # A meter's own preprocessing, after the shared one: skipping it would silently
+                # score what the meter was told not to see.
+                meter.update(input, target, n=n)
+                continue
             if type(meter) is MetricMeter:  # what `update_preprocessed` does, one call deep
                 # (a metric counted on the host makes the meter a `_HostMetricMeter`: never this branch)
                 metric = meter._metric

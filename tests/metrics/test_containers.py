@@ -89,6 +89,27 @@ def test_stream_metrics_with_plain_functions_and_names():
         StreamMetrics(lambda x, y: 0.0)
 
 
+def test_a_metric_meter_keeps_its_own_preprocess_inside_stream_metrics():
+    # A MetricMeter's own `preprocess` ran when it was updated alone and was silently skipped
+    # inside a StreamMetrics, which hands its meters the output of the shared preprocess only.
+    def flip(input, target):
+        return 1 - torch.as_tensor(input), torch.as_tensor(target)
+
+    alone = MetricMeter(F.binary_accuracy, preprocess=flip)
+    inside = StreamMetrics(flipped=MetricMeter(F.binary_accuracy, preprocess=flip), plain=F.binary_accuracy)
+    for scores, labels in (([0.9, 0.2], [0, 1]), ([0.7, 0.6, 0.1], [0, 0, 1])):
+        alone.update(scores, labels)
+        inside.update(scores, labels)
+    assert inside.avg["flipped"] == alone.avg == 1.0 and inside.avg["plain"] == 0.0
+    assert inside.count["flipped"] == alone.count == 5
+    # A meter the container wraps itself holds the container's preprocess, which is not its own:
+    # replacing the container's later must not leave the old one running in that meter.
+    shared = StreamMetrics(acc=F.binary_accuracy, preprocess=flip)
+    shared.preprocess = None
+    shared.update([0.9, 0.2], [1, 0])
+    assert shared.avg["acc"] == 1.0
+
+
 def test_global_metrics_equal_functional_on_the_union():
     metrics = multiclass_metrics(
         4, metrics=["acc", "balanced_acc", "precision", "recall", "f1", "mcc", "auroc", "auprc"]
