@@ -290,6 +290,10 @@ class MultiTaskMetrics(MultiTaskBase):
                 if missing:
                     raise ValueError(f"aggregate_weights has no weight for tasks {missing}")
                 weights = [float(self.aggregate_weights[task]) for task, _ in entries]
+            shapes = {task: tuple(getattr(value, "shape", ())) for task, value in entries}
+            if len(set(shapes.values())) > 1:  # per-class values of tasks with different classes, say
+                found = ", ".join(f"{task} {shape}" for task, shape in shapes.items())
+                raise ValueError(f"cannot aggregate {key!r} over tasks of different shapes: {found}")
             combined[key] = _weighted_mean([value for _, value in entries], weights)
         return combined
 

@@ -3,7 +3,15 @@ import math
 import pytest
 import torch
 
-from danling.metrics import AverageMeter, AverageMeters, MetricMeter, MultiTaskMetrics, StreamMetrics, binary_metrics
+from danling.metrics import (
+    AverageMeter,
+    AverageMeters,
+    MetricMeter,
+    MultiTaskMetrics,
+    StreamMetrics,
+    binary_metrics,
+    multiclass_metrics,
+)
 from danling.metrics import functional as F
 
 
@@ -41,6 +49,18 @@ def test_a_task_of_weight_zero_leaves_the_aggregate_alone(mode):
     weightless.a, weightless.b = AverageMeters(), AverageMeters()
     weightless.update({"a": {"x": 1.0}, "b": {"x": 2.0}})
     assert math.isnan(weightless.avg["aggregate"]["x"])  # no weight at all: undefined
+
+
+def test_an_aggregate_of_values_of_different_shapes_names_the_metric_and_tasks():
+    # Per-class F1 of a 3-class and a 5-class task cannot be combined; the read failed with
+    # torch's "stack expects each tensor to be equal size".
+    metrics = MultiTaskMetrics(aggregate="macro")
+    metrics.small = multiclass_metrics(3, ["f1"], average=None)
+    metrics.large = multiclass_metrics(5, ["f1"], average=None)
+    metrics.update({"small": ([[0.8, 0.1, 0.1]], [0]), "large": ([[0.1, 0.6, 0.1, 0.1, 0.1]], [1])})
+    message = r"cannot aggregate 'f1' over tasks of different shapes: small \(3,\), large \(5,\)"
+    with pytest.raises(ValueError, match=message):
+        _ = metrics.avg
 
 
 def test_format_lists_tasks_one_per_line_and_reset():
