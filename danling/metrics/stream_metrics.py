@@ -95,7 +95,9 @@ class StreamMetrics(AverageMeters):
         Args:
             input: Predictions: a tensor, `NestedTensor` or nested sequence.
             target: Ground truth of the same kinds.
-            n: Samples in the batch; defaults to the length of the (preprocessed) target.
+            n: Samples in the batch; defaults to the length of the (preprocessed) target, ignored
+                targets included (counting them out would read the target on the host: pass `n`
+                yourself for an exact mean over the counted ones).
         """
         preprocess = self.preprocess
         if preprocess is base_preprocess and type(input) is Tensor and type(target) is Tensor:

@@ -340,3 +340,17 @@ def test_metric_func_and_state():
         MetricState(task, confusion=state.confusion).data  # noqa: B018
     with pytest.raises(ValueError, match="kind"):
         MetricTask("ranking")
+
+
+def test_stream_weights_are_target_rows_and_n_makes_an_ignoring_mean_exact():
+    # What docs/metrics.md states: rows weigh a batch, ignored ones included; `n` says otherwise.
+    from danling.metrics import multiclass_metrics
+
+    first = (torch.tensor([[5.0, 0, 0], [5, 0, 0], [0, 5, 0], [0, 5, 0]]), torch.tensor([0, 0, 0, -100]))
+    second = (torch.tensor([[5.0, 0, 0], [0, 5, 0]]), torch.tensor([0, 1]))
+    rows, counted = multiclass_metrics(3, mode="stream"), multiclass_metrics(3, mode="stream")
+    for input, target in (first, second):
+        rows.update(input, target)
+        counted.update(input, target, n=int((target != -100).sum()))
+    assert rows.avg["acc"] == pytest.approx(7 / 9)
+    assert counted.avg["acc"] == pytest.approx(4 / 5)
