@@ -523,7 +523,18 @@ class AverageMeters(MetersBase):
         Args:
             *args: Mappings from meter names to values.
             **values: Values given as keyword arguments.
+
+        Raises:
+            TypeError: A keyword `n`: every keyword names a meter, so `update(loss=x, n=32)` would
+                track a meter named `n` rather than weigh `loss`. Weigh through the meter
+                (`meters["loss"].update(x, n=32)`); a meter named `n` goes in a mapping.
         """
+        if "n" in values:
+            raise TypeError(
+                f"AverageMeters.update got n={values['n']!r}: keywords name meters, so this would track a meter "
+                "named 'n', not weigh the others; weigh one meter with meters[name].update(value, n=...), "
+                "or pass {'n': value} to track a meter named n"
+            )
         for mapping in args:
             if not isinstance(mapping, Mapping):
                 raise TypeError(f"positional arguments to update() must be mappings, got {type(mapping).__name__}")

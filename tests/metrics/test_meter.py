@@ -135,3 +135,13 @@ def test_a_weight_that_is_no_finite_non_negative_number_is_refused(n, value):
         with pytest.raises(ValueError, match="n must be a finite non-negative number"):
             meter.update_float64(value, n=n)
     assert meter.count == 2 and torch.equal(torch.as_tensor(meter.avg), torch.as_tensor(value))
+
+
+def test_average_meters_refuse_a_keyword_n_that_would_become_a_meter():
+    # `update(loss=x, n=32)` made a meter named `n` and weighed `loss` 1, silently.
+    meters = AverageMeters()
+    with pytest.raises(TypeError, match=r"n=32.*meters\[name\]\.update\(value, n=\.\.\.\)"):
+        meters.update(loss=0.5, n=32)
+    assert "n" not in meters and "loss" not in meters  # nothing was added
+    meters.update({"n": 3.0}, loss=0.5)  # a meter named n, asked for by a mapping
+    assert meters["n"].avg == 3.0 and meters["loss"].count == 1
