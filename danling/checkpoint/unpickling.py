@@ -23,6 +23,7 @@ import os
 import pathlib
 import pickle
 import re
+import struct
 from collections.abc import Sequence
 from typing import Any, BinaryIO
 
@@ -176,12 +177,24 @@ def torch_load(
             return torch.serialization.load(source, map_location=map_location, weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as err:
         if "weights_only" in str(err) or "WeightsUnpickler" in str(err):
-            raise _refusal(origin, _weights_only_reason(err)) from None
+            reason = _weights_only_reason(err)
+            if reason.startswith("Unsupported operand"):
+                # No type was refused: the stream holds an opcode torch.save never writes, which is
+                # what random or damaged bytes look like. Advising `trusted=True` there would ask
+                # the user to run whatever the damage spells.
+                raise CheckpointError(
+                    f"checkpoint {origin} is corrupt or was not written by torch.save: its pickle holds an "
+                    f"opcode torch.save never writes ({reason}); load it with trusted=True only if it is a "
+                    "pickle you wrote yourself"
+                ) from None
+            raise _refusal(origin, reason) from None
         raise CheckpointError(f"checkpoint {origin} is truncated or corrupt: cannot be unpickled: {err}") from err
-    except (EOFError, RuntimeError, OSError, ValueError) as err:
+    except (EOFError, RuntimeError, OSError, ValueError, IndexError, KeyError, struct.error) as err:
+        # Damaged bytes fail inside torch's readers in many ways (an empty stack, an unknown memo
+        # key, a short struct): each is the same finding about the file.
         if isinstance(err, FileNotFoundError):
             raise
-        raise CheckpointError(f"checkpoint {origin} is truncated or corrupt: cannot be unpickled: {err}") from err
+        raise CheckpointError(f"checkpoint {origin} is truncated or corrupt: cannot be unpickled: {err!r}") from err
 
 
 def read_dcp_metadata(path: str | os.PathLike, *, trusted: bool = False) -> Any:

@@ -13,6 +13,7 @@ import os
 import pathlib
 import pickle
 import secrets
+import struct
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import IO, Any, TypeVar
@@ -133,6 +134,10 @@ def _load_torch(path: str, *args: Any, trusted: bool = False, **kwargs: Any) -> 
         raise pickle.UnpicklingError(
             f"cannot load {path!r}: not a readable torch file ({_weights_only_reason(err)})"
         ) from None
+    except (EOFError, IndexError, KeyError, UnicodeDecodeError, struct.error) as err:
+        # Damaged bytes also fail inside torch's reader as an empty stack, an unknown memo key, a
+        # short read: the same finding as above, not a traceback from torch's internals.
+        raise pickle.UnpicklingError(f"cannot load {path!r}: not a readable torch file ({err!r})") from None
 
 
 def _save_torch(obj: Any, handle: IO[bytes], *args: Any, **kwargs: Any) -> None:

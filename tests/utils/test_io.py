@@ -2,6 +2,7 @@ import json
 import os
 import pickle
 import stat
+import warnings
 from collections import OrderedDict
 from pathlib import Path
 
@@ -71,6 +72,12 @@ def test_torch_files_admit_what_pickle_files_and_checkpoints_admit(tmp_path):
     with pytest.raises(pickle.UnpicklingError, match=r"garbage.pt': not a readable torch file") as unreadable:
         load(garbage)
     assert "trusted" not in str(unreadable.value)
+    for seed in range(200):  # random bytes fail inside torch's reader in several other ways too
+        garbage.write_bytes(np.random.RandomState(seed).bytes(300))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch warns about the "protocol" the bytes spell
+            with pytest.raises(pickle.UnpicklingError, match="not a readable torch file"):
+                load(garbage)
 
 
 def test_torch_load_forwards_map_location(tmp_path):
