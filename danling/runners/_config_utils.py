@@ -44,10 +44,17 @@ _INT_RULES = {
     "ft.replica_id": 0,
     "ft.group_size": 1,
     "ft.min_replica_size": 1,
+    "inference.progress_interval": 1,
 }
-_REQUIRED = frozenset({"accum_steps"})
+_REQUIRED = frozenset({"accum_steps", "inference.progress_interval"})
 _LOADER_INT_RULES = {"batch_size": 1, "num_workers": 0, "prefetch_factor": 1, "snapshot_every_n_steps": 1}
-_POSITIVE_NUMBERS = ("max_grad_norm", "max_grad_value", "heartbeat.interval_seconds", "checkpoint.wait_timeout")
+_POSITIVE_NUMBERS = (
+    "max_grad_norm",
+    "max_grad_value",
+    "heartbeat.interval_seconds",
+    "checkpoint.wait_timeout",
+    "telemetry.peak_tflops",  # a MFU over a negative or zero peak is no number at all
+)
 _NON_NEGATIVE_NUMBERS = ("patience", "score.min_delta")
 _UNIT_INTERVAL = ("ema.decay",)
 _DTYPES = ("fp32", "float32", "fp16", "float16", "half", "bf16", "bfloat16", "fp64", "float64", "double")

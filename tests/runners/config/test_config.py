@@ -317,6 +317,9 @@ def test_after_boot_missing_keys_raise_and_get_returns_default():
         ({"parallel.axes.shard": -1, "parallel.axes.tensor": -1}, r"at most one .* -1, got -1 for: shard, tensor"),
         ({"lineage": "../escape"}, r"config.lineage must be a non-empty relative name without '..'"),
         ({"gc.generation": 3}, r"config.gc.generation=3 is not supported; expected None or one of: 0, 1, 2"),
+        # A negative peak printed a negative MFU in every step log; a bad interval failed only at infer().
+        ({"telemetry.peak_tflops": -1}, r"config.telemetry.peak_tflops must be a number > 0 or None, got -1"),
+        ({"inference.progress_interval": 0}, r"config.inference.progress_interval must be an integer >= 1, got 0"),
     ],
 )
 def test_validation_errors_name_the_value_and_what_is_accepted(overrides, match):
