@@ -32,6 +32,12 @@ def split_file_options(args: list[str], option: str) -> tuple[list[str], list[st
                 raise ValueError(f"{flag} needs a file path")
             files.append(args[index + 1])
             index += 2
+            if index < len(args) and not args[index].startswith("-"):
+                # `--config a.yaml b.yaml`: the second file would be refused as a stray argument.
+                raise ValueError(
+                    f"{flag} takes one file, but {args[index]!r} follows {args[index - 1]!r}; "
+                    f"repeat {flag} before each file"
+                )
             continue
         if token.startswith(flag + "="):
             files.append(token[len(flag) + 1 :])

@@ -100,7 +100,9 @@ def help_text(config: Mapping, prog: str, config_option: str | None) -> str:
     """The text `--help` prints for `config`: options of `parse`, then every key grouped by section."""
     sections: dict[str, list[str]] = {}
     _section_lines(config, "", sections)
-    head = [f"usage: {prog} [--{config_option} FILE ...] [--KEY VALUE ...]" if config_option else f"usage: {prog}", ""]
+    # "[--config FILE]..." (the option repeats), not "[--config FILE ...]", which reads as one
+    # option taking several files: `--config a.yaml b.yaml` is refused.
+    head = [f"usage: {prog} [--{config_option} FILE]... [--KEY VALUE]..." if config_option else f"usage: {prog}", ""]
     head += ["options:", "  -h, --help          show this message and exit"]
     if config_option:
         head.append(f"  --{config_option} FILE       YAML, JSON or TOML file merged before the other keys (repeatable)")

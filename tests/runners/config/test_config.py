@@ -265,6 +265,21 @@ def test_parse_names_a_directory_given_as_config_file(tmp_path, capsys):
     assert info.value.code == 2 and f"config file '{tmp_path}' is not a file" in capsys.readouterr().err
 
 
+def test_parse_says_to_repeat_config_before_a_second_file(tmp_path, capsys):
+    # The usage line read "[--config FILE ...]", and a second file was then a stray argument.
+    first, second = tmp_path / "a.yaml", tmp_path / "b.yaml"
+    first.write_text("epochs: 2\n")
+    second.write_text("seed: 3\n")
+    with pytest.raises(SystemExit) as info:
+        RunnerConfig().parse(["--config", str(first), str(second)])
+    assert info.value.code == 2 and "repeat --config before each file" in capsys.readouterr().err
+    config = RunnerConfig().parse(["--config", str(first), "--config", str(second)])
+    assert config.epochs == 2 and config.seed == 3
+    with pytest.raises(SystemExit):
+        RunnerConfig().parse(["--help"])
+    assert "usage: " in (usage := capsys.readouterr().out) and "[--config FILE]... [--KEY VALUE]..." in usage
+
+
 def test_parse_requires_a_path_after_config_flag():
     with pytest.raises(ValueError, match="--config needs a file path"):
         RunnerConfig().parse(["--config", "--epochs", "3"])
