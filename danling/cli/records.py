@@ -37,6 +37,16 @@ def _read_json(path: Path) -> Any:
         return None
 
 
+def _object(value: Any) -> dict[str, Any]:
+    """`value` if it is a JSON object, else an empty one: a damaged file reads as a missing one."""
+    return value if isinstance(value, dict) else {}
+
+
+def _number(value: Any) -> float | None:
+    """`value` as a float when it is a JSON number, else None (a damaged field counts as absent)."""
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
 def flatten(mapping: Mapping[str, Any], prefix: str = "", sep: str = ".") -> dict[str, Any]:
     """`{"a": {"b": 1}}` -> `{"a.b": 1}`; leaves are kept as they are."""
     flat: dict[str, Any] = {}
@@ -60,6 +70,8 @@ class Run:
 
     path: Path
     metadata: dict[str, Any] = field(default_factory=dict)
+    # Why the run's own records cannot be read (a damaged metadata.json); listed, not skipped.
+    damaged: str = ""
 
     @property
     def config(self) -> dict[str, Any]:
@@ -142,16 +154,19 @@ class Run:
         beats = [_read_json(path) for path in sorted(directory.glob("heartbeat-rank*.json"))]
         return [beat for beat in beats if isinstance(beat, dict)]
 
+    def _beat_numbers(self, beats: list[dict[str, Any]], key: str) -> list[float]:
+        return [number for beat in beats if (number := _number(beat.get(key))) is not None]
+
     def progress(self) -> dict[str, Any]:
         """Steps or epochs done (from status, heartbeats or results, in that order), the budget of the
         latest launch, and `history`: the budget of each launch that changed it."""
-        status = self.read("status.json") or {}
+        status = _object(self.read("status.json"))
         beats = self.heartbeats()
         epoch = status.get("epoch")
         step = status.get("global_step")
         if step is None and beats:
-            step = max(int(beat.get("step") or 0) for beat in beats)
-            epoch = max(int(beat.get("epoch") or 0) for beat in beats)
+            step = int(max(self._beat_numbers(beats, "step"), default=0))
+            epoch = int(max(self._beat_numbers(beats, "epoch"), default=0))
         config = self.current_config  # the budget now, not the first launch's
         epochs, steps, history = config.get("epochs"), config.get("steps"), self.budget_history()
         if epochs:
@@ -165,9 +180,11 @@ class Run:
     def status(self, now: float | None = None) -> dict[str, Any]:
         """`status` (running/finished/failed/preempted/unknown), `heartbeat_age` and a `note`."""
         now = time.time() if now is None else now
-        record = self.read("status.json") or {}
+        if self.damaged:
+            return {"status": "damaged", "heartbeat_age": None, "note": self.damaged, "end_time": None}
+        record = _object(self.read("status.json"))
         beats = self.heartbeats()
-        last_beat = max((float(beat.get("time") or 0) for beat in beats), default=None)
+        last_beat = max(self._beat_numbers(beats, "time"), default=None)
         age = None if last_beat is None else max(now - last_beat, 0.0)
         status, note = record.get("status") or "unknown", record.get("error") or ""
         if status == "running":
@@ -181,13 +198,13 @@ class Run:
             status = "finished" if closed else "running"
         if status == "unknown" and (self.path / "checkpoints" / "shutdown.pointer").is_file():
             status = "preempted"
-        end = record.get("time") if status != "running" else None
+        end = _number(record.get("time")) if status != "running" else None
         return {"status": status, "heartbeat_age": age, "note": note, "end_time": end}
 
     def start_time(self) -> float | None:
         text = self.metadata.get("start_time")
         try:
-            return datetime.fromisoformat(text).timestamp() if text else None
+            return datetime.fromisoformat(text).timestamp() if isinstance(text, str) and text else None
         except ValueError:
             return None
 
@@ -239,7 +256,7 @@ def find_runs(root: str | os.PathLike) -> Iterator[Run]:
             subdirs.clear()
             try:
                 yield load_run(path)
-            except CLIError:
-                continue
+            except CLIError:  # listed as damaged: skipping it hid a run from the listing
+                yield Run(path, damaged="metadata.json is no JSON object")
         else:
             subdirs[:] = sorted(d for d in subdirs if not d.startswith("."))

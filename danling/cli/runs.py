@@ -32,7 +32,7 @@ def run_summary(run: Run, now: float | None = None) -> dict[str, Any]:
         "heartbeat_age": status["heartbeat_age"],
         "progress": progress,
         "best": None if score is None else {"name": score[0], "value": score[1]},
-        "start_time": run.metadata.get("start_time"),
+        "start_time": None if start is None else run.metadata["start_time"],  # only a time that reads
         "duration": None if start is None else max(end - start, 0.0),
     }
 

@@ -97,6 +97,26 @@ def test_runs_errors_and_empty_roots(tmp_path):
     assert code == 0 and out == f"no runs under {tmp_path}\n"
 
 
+def test_runs_lists_a_damaged_run_and_reads_fields_of_the_wrong_type_as_absent(tmp_path):
+    # A run whose metadata.json was damaged vanished from the listing; status.json holding a list,
+    # a heartbeat time that is no number or a start time that is no text ended in a traceback.
+    odd = tmp_path / "lin" / "exp-aaaa"
+    (odd / "heartbeats").mkdir(parents=True)
+    (odd / "metadata.json").write_text(json.dumps({"experiment": "exp", "id": "aaaa", "start_time": 5}))
+    (odd / "status.json").write_text("[1, 2]")
+    (odd / "heartbeats" / "heartbeat-rank0.json").write_text(json.dumps({"time": "soon", "step": "x"}))
+    damaged = tmp_path / "lin" / "exp-bbbb"
+    damaged.mkdir(parents=True)
+    (damaged / "metadata.json").write_text("{not json")
+    code, out, err = run_cli("runs", tmp_path, "--json")
+    assert code == 0 and err == ""
+    runs = {run["id"]: run for run in json.loads(out)}
+    assert runs["bbbb"]["status"] == "damaged" and "metadata.json" in runs["bbbb"]["note"]
+    assert runs["aaaa"]["start_time"] is None and runs["aaaa"]["heartbeat_age"] is None
+    code, out, _ = run_cli("runs", tmp_path)
+    assert code == 0 and "damaged (metadata.json" in out
+
+
 def test_runs_in_a_real_subprocess(workspace):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     command = [sys.executable, "-m", "danling", "runs", str(workspace["root"]), "--json"]
