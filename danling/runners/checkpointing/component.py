@@ -175,6 +175,7 @@ class RunnerCheckpointing:
         saved = checkpoint.get("runner")
         if saved is not None:
             self._check_config_matches(saved)
+            self._check_same_mode(saved, checkpoint.get("results"))
         state = checkpoint.get("state")
         if state is not None:
             self.state.load_state_dict(state)
@@ -185,6 +186,22 @@ class RunnerCheckpointing:
         results = checkpoint.get("results")
         if results is not None:
             self.bookkeeping.rows = RoundDict({int(index): RoundDict(row) for index, row in results.items()})
+
+    def _check_same_mode(self, saved: Mapping[str, Any], results: Any) -> None:
+        # Result rows are indexed by epoch in epoch mode and by global step in step mode: a resume
+        # in the other mode would store its rows among the saved ones under the other kind of index
+        # (an epoch-mode run resumed with `steps: 12` added row 15 beside rows 0-2).
+        if not results or not isinstance(saved, Mapping):
+            return
+        was, now = saved.get("epochs") is not None, self.config.get("epochs") is not None
+        if was != now:
+            modes = {True: "epoch mode (epochs is set)", False: "step mode (epochs is None)"}
+            raise ValueError(
+                f"the checkpoint's run trained in {modes[was]} and this run is in {modes[now]}: their result rows "
+                "are indexed by epoch and by step, and would mix; resume in the same mode "
+                f"(epochs={saved.get('epochs')!r}, steps={saved.get('steps')!r} in the checkpoint's run), or start "
+                "a new run from its weights with load_pretrained()"
+            )
 
     def _check_config_matches(self, saved: Mapping[str, Any]) -> None:
         drawn, self.seed_was_drawn = self.seed_was_drawn, False

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 
+import pytest
+
 from tests.runners._torch_toy import TinyRunner, tiny_config
 from tests.runners._toy import ToyRunner, toy_config
 
@@ -98,3 +100,17 @@ def test_an_allowed_accum_steps_change_is_the_one_trained_with(tmp_path):
         assert resumed.accum_steps == resumed.update.accum_steps == 2
         resumed.train()
         assert resumed.train_state.global_step == 5 + 3  # the new epoch: updates of 2, 2 and 1 batches
+
+
+def test_a_resume_in_the_other_counting_mode_is_refused(tmp_path):
+    # Rows are indexed by epoch in epoch mode and by step in step mode: an epoch-mode run resumed
+    # with `steps: 12` evaluated again and stored row 15 beside rows 0-2.
+    with TinyRunner(tiny_config(tmp_path, epochs=3)) as runner:
+        runner.train()
+        checkpoint = str(runner.checkpoint_manager.directory / "latest.pointer")
+        assert list(runner.results) == [0, 1, 2]
+    with pytest.raises(ValueError, match=r"trained in epoch mode .* this run is in step mode"):
+        TinyRunner(tiny_config(tmp_path, epochs=None, steps=12, resume=checkpoint))  # refused while restoring
+    with TinyRunner(tiny_config(tmp_path, epochs=4, resume=checkpoint)) as resumed:  # same mode: continues
+        resumed.train()
+        assert list(resumed.results) == [0, 1, 2, 3]
