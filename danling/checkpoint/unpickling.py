@@ -30,6 +30,8 @@ from typing import Any, BinaryIO
 import numpy as np
 import torch
 
+from danling.tensors import nested_tensor
+
 from .manifest import CheckpointError
 
 __all__ = ["SAFE_GLOBALS", "TRUST_HINT", "UnsafePickleError", "torch_load", "restricted_load", "read_dcp_metadata"]
@@ -62,9 +64,13 @@ SAFE_GLOBALS: tuple[Any, ...] = (
     # class is also admitted under the other Python versions' module name.
     *((getattr(pathlib, name), f"{module}.{name}") for module in _PATH_MODULES for name in _PATH_NAMES),
     *_numpy_globals(),
+    # A NestedTensor pickles as this function over its packed values (a tensor), the elements'
+    # shapes and three flags: it builds the tensor and runs nothing it is given.
+    nested_tensor._rebuild,
 )
 """Types admitted beyond torch's weights-only defaults: `pathlib` paths (under the module names of
-every Python version, as `(class, name)` pairs too), NumPy arrays, scalars, dtypes."""
+every Python version, as `(class, name)` pairs too), NumPy arrays, scalars, dtypes, and the
+rebuild of danling's own `NestedTensor`."""
 
 _PLAIN_BUILTINS = {"set", "frozenset", "complex", "bytearray", "range", "slice", "list", "dict", "tuple", "int"}
 _PLAIN_BUILTINS |= {"float", "str", "bytes", "bool"}

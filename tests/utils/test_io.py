@@ -345,3 +345,13 @@ def test_failed_write_names_the_file(tmp_path, monkeypatch):
         save({"a": 1}, tmp_path / "results.json")
     assert info.value.errno == errno.ENOSPC and info.value.filename == str(tmp_path / "results.json")
     assert list(tmp_path.iterdir()) == []  # no temp file left behind
+
+
+def test_a_saved_nested_tensor_loads_without_trusting_the_file(tmp_path):
+    # danling's own ragged batch was refused by danling.load unless the file was trusted.
+    from danling.tensors import NestedTensor
+
+    nested = NestedTensor([torch.ones(2), torch.zeros(3)], padding_value=-1.0)
+    loaded = load(save({"batch": nested}, tmp_path / "batch.pt"))["batch"]
+    assert isinstance(loaded, NestedTensor) and loaded.padding_value == -1.0
+    assert loaded.tensor.tolist() == [[1.0, 1.0, -1.0], [0.0, 0.0, 0.0]]
