@@ -43,7 +43,11 @@ class Commit:
 
 @dataclass
 class ProgressRecord:
-    """One rank's record; see the module docstring. `done` is set once this rank's sink is closed."""
+    """One rank's record; see the module docstring. `done` is set once this rank's sink is closed.
+
+    `steps` is the batch limit the output was written with (`infer(steps=...)`), `None` for the
+    whole split; a limit at or past the loader's length is recorded as `None`.
+    """
 
     path: Path
     split: str
@@ -57,6 +61,7 @@ class ProgressRecord:
     current: Commit
     previous: Commit | None = None
     done: bool = False
+    steps: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -106,7 +111,9 @@ class ProgressRecord:
             "the records are inconsistent; start over with resume=False"
         )
 
-    def mismatch(self, split: str, digest: str, dataset_length: int | None, world_size: int) -> str | None:
+    def mismatch(
+        self, split: str, digest: str, dataset_length: int | None, world_size: int, steps: int | None = None
+    ) -> str | None:
         """Why this record cannot be continued with the given run, or None when it can."""
         if self.split != split:
             return f"{self.path} belongs to split {self.split!r}, not {split!r}"
@@ -118,6 +125,10 @@ class ProgressRecord:
             return (
                 f"the model weights changed since {self.path} was written (digest {self.digest[:12]} != {digest[:12]})"
             )
+        if self.steps != steps:
+            # A smoke test with steps=2 must not pass for the full output later (nor the reverse):
+            # a finished output is returned as it is, so the limit is part of what was written.
+            return f"{self.path} was written with steps={self.steps}; this call asks for steps={steps}"
         return None
 
 

@@ -159,7 +159,7 @@ def run_inference(
 
     Raises:
         ValueError: No sink for the suffix, a shuffled split, or a progress record that does not
-            match this run (dataset length, split or number of ranks). An output written by other
+            match this run (dataset length, split, number of ranks or `steps`). An output written by other
             weights is moved to `<output>.weights-<digest>/` with a warning, and written anew.
     """
     session = _Session(runner, split, Path(output), steps)
@@ -176,6 +176,9 @@ class _Session:
     def __init__(self, runner: Any, split: str, output: Path, steps: int | None) -> None:
         self.runner, self.split, self.steps = runner, split, steps
         self.plan = make_plan(runner, split, output)
+        length = _length(runner.dataloaders[split])
+        # the limit as recorded: one that reaches the end of the loader is no limit at all
+        self.limit = None if steps is None or (length is not None and steps >= length) else steps
         self.ranks = _Ranks()
         self.interval = _interval(runner)
         self.record_path = progress_dir(output) / f"rank-{self.ranks.rank}.json"
@@ -228,8 +231,9 @@ class _Session:
         try:
             record = ProgressRecord.read(self.record_path)
             if record is not None:
-                message = record.mismatch(self.split, self.digest, self.plan.dataset_length, self.ranks.size)
-                same_run = record.mismatch(self.split, record.digest, self.plan.dataset_length, self.ranks.size)
+                run = (self.plan.dataset_length, self.ranks.size, self.limit)
+                message = record.mismatch(self.split, self.digest, *run)
+                same_run = record.mismatch(self.split, record.digest, *run)
                 other_weights = message is not None and same_run is None  # only the weights differ
         except ValueError as error:
             message = str(error)
@@ -296,6 +300,7 @@ class _Session:
             digest=self.digest,
             dataset_length=plan.dataset_length,
             current=Commit(0, 0, self.sink.state(), None),
+            steps=self.limit,
         )
         self.record.save()
 

@@ -105,6 +105,21 @@ def test_changed_data_is_refused_on_resume(tmp_path):
     assert len(output.read_text().splitlines()) == LENGTH + 1
 
 
+def test_an_output_written_with_a_step_limit_is_not_taken_for_the_whole_split(tmp_path):
+    output = tmp_path / "out.jsonl"
+    with InferRunner(infer_config(tmp_path / "workspace")) as runner:
+        runner.infer("infer", output=output, steps=2)  # a smoke test: 2 batches of 2
+        assert len(output.read_text().splitlines()) == 4
+        with pytest.raises(ValueError, match=r"written with steps=2; this call asks for steps=None"):
+            runner.infer("infer", output=output)  # not "complete already" with 4 of 37 rows
+        runner.infer("infer", output=output, resume=False)
+        assert len(output.read_text().splitlines()) == LENGTH
+        runner.infer("infer", output=output, steps=100)  # past the end: the same whole output
+        with pytest.raises(ValueError, match=r"written with steps=None; this call asks for steps=2"):
+            runner.infer("infer", output=output, steps=2)
+    assert len(output.read_text().splitlines()) == LENGTH
+
+
 def _ddp_resume_worker(rank: int, world_size: int, roots: list[str]) -> dict[str, list[int]]:
     resumed: dict[str, list[int]] = {}
     for root in roots:
