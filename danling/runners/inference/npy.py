@@ -25,9 +25,19 @@ _SINGLE = ""  # the field name of outputs that are not mappings
 _CHUNK_BYTES = 16 << 20  # rows copied at a time when merging or shrinking
 
 
+def _numpy(value: Any) -> Any:
+    """A tensor as a NumPy array; other values as they are."""
+    if not hasattr(value, "detach"):
+        return value
+    value = value.detach().cpu()
+    if value.is_floating_point() and value.element_size() < 4 and str(value.dtype) != "torch.float16":
+        # NumPy has no bfloat16 or float8 (`.numpy()` raises on them): float32 holds their values exactly
+        value = value.float()
+    return value.numpy()
+
+
 def _array(values: Sequence[Any]) -> np.ndarray:
-    items = [value.detach().cpu().numpy() if hasattr(value, "detach") else value for value in values]
-    return np.asarray(items)
+    return np.asarray([_numpy(value) for value in values])
 
 
 def _header(dtype: np.dtype, shape: tuple[int, ...]) -> bytes:
@@ -98,7 +108,8 @@ class NumpySink(Sink):
     """`.npy` output: a single array at `path`, or for mapping outputs one `<stem>.<field>.npy` per key.
 
     Needs the dataset length (`capacity`). The dtype and per-example shape come from the first
-    batch; later batches are converted to that dtype and must have the same shape.
+    batch; later batches are converted to that dtype and must have the same shape. NumPy has no
+    bfloat16 or float8 dtype: such tensors are stored as float32, which holds their values exactly.
     """
 
     suffixes = (".npy",)

@@ -80,6 +80,20 @@ def test_npy_writes_one_file_per_field_and_trims_to_the_rows_written(tmp_path):
         sink.write([1.0, 2.0])
 
 
+def test_npy_stores_bfloat16_outputs_as_float32(tmp_path):
+    import torch
+
+    values = torch.tensor([[0.5, -1.25], [3.0, 1e-3]], dtype=torch.bfloat16)  # what autocast(bf16) returns
+    sink = NumpySink(tmp_path / "bf16.npy", 3)
+    sink.open()
+    sink.write(list(values))
+    sink.write([torch.tensor([2.0, 4.0], dtype=torch.float8_e4m3fn)])
+    sink.close()
+    stored = np.load(tmp_path / "bf16.npy")
+    assert stored.dtype == np.float32
+    assert stored.tolist() == [*values.float().tolist(), [2.0, 4.0]]
+
+
 def test_suffix_registry_and_errors(tmp_path):
     assert sink_for("a/b.JSONL") is JsonLinesSink and sink_for("x.npy") is NumpySink
     with pytest.raises(ValueError, match=r"'out\.csv'.*\.jsonl, \.ndjson, \.npy, \.parquet"):
