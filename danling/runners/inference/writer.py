@@ -313,6 +313,13 @@ class _Session:
         for data in self._batches(loader, commit):
             with runner.inference_context():
                 outputs = runner.infer_step(data)
+            if not isinstance(outputs, (list, tuple)):
+                # a dict or tensor would fail deep in a sink (or be cut and counted per key or row)
+                raise TypeError(
+                    f"infer_step must return a list with one output per example for infer(output=...), "
+                    f"got {type(outputs).__name__} on batch {batches} of split {self.split!r}; "
+                    "wrap a batch tensor as list(tensor) and a dict of columns as a list of per-example dicts"
+                )
             if capacity is not None:
                 outputs = outputs[: max(capacity - rows, 0)]  # the sampler's padding repeats earlier examples
             self.sink.write(outputs)

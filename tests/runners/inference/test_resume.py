@@ -120,6 +120,23 @@ def test_an_output_written_with_a_step_limit_is_not_taken_for_the_whole_split(tm
     assert len(output.read_text().splitlines()) == LENGTH
 
 
+@pytest.mark.parametrize("suffix", [".jsonl", ".npy"])
+def test_an_infer_step_that_returns_no_list_is_named_in_one_line(tmp_path, suffix):
+    class Columns(InferRunner):
+        def infer_step(self, data):
+            return {"score": data[0].sum(-1)}  # one dict per batch, not one output per example
+
+    class Batch(InferRunner):
+        def infer_step(self, data):
+            return data[0].sum(-1)
+
+    for runner_type, name in ((Columns, "dict"), (Batch, "Tensor")):
+        with runner_type(infer_config(tmp_path / "workspace")) as runner:
+            message = f"infer_step must return a list with one output per example .*got {name} on batch 0"
+            with pytest.raises(TypeError, match=message):
+                runner.infer("infer", output=tmp_path / f"{name}{suffix}")
+
+
 def _ddp_resume_worker(rank: int, world_size: int, roots: list[str]) -> dict[str, list[int]]:
     resumed: dict[str, list[int]] = {}
     for root in roots:
