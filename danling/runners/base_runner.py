@@ -1091,6 +1091,7 @@ class BaseRunner(CheckpointHooks, StepHooks, metaclass=MetaRunner):
             elif self.is_main_process:
                 self.trackers.append(entry.build(self._tracker_setup()))
         self.events.subscribe(Events.CHECKPOINT_LOADED, self._resume_trackers)
+        self.events.subscribe(Events.CHECKPOINT_LOADED, self._rewrite_result_files)
         if self.is_main_process:
             progress = lambda: (self.train_state.global_step, self.train_state.epoch)  # noqa: E731
             RunStatus(self.workspace.path / "status.json", progress).attach(self.events)
@@ -1117,6 +1118,13 @@ class BaseRunner(CheckpointHooks, StepHooks, metaclass=MetaRunner):
     def _resume_trackers(self, context: Any) -> None:
         # The curves continue from the checkpoint's step: later points of the earlier run are dropped.
         self.trackers.resume_at(self.train_state.global_step)
+
+    def _rewrite_result_files(self, context: Any) -> None:
+        # The result files follow the restored rows: resumed from an older checkpoint, the run must not
+        # keep results.json and best.json of the continuation it abandoned (a load-only run writes nothing).
+        if self.is_main_process and not self.config.checkpoint.load_only and self.bookkeeping.rows:
+            header = {"id": self.workspace.id, "timestamp": self.timestamp}
+            self.bookkeeping.write_files(self.workspace.path, header, restored=True)
 
     # ==== diagnosis surface: stragglers, consistency and replay plug-ins (runner.diagnosis) ====
     # (keep this marker; add this component's names right below it)

@@ -374,9 +374,13 @@ class RunnerResults:
         return cached[1]
 
     # ------------------------------------------------------------------ files
-    def write_files(self, directory: str | os.PathLike, header: Mapping[str, Any]) -> None:
+    def write_files(self, directory: str | os.PathLike, header: Mapping[str, Any], *, restored: bool = False) -> None:
         """Write `results.json` (every row), `latest.json` (the newest row with its index) and, when
         the newest row is the best, `best.json` into `directory`, each starting with `header`.
+
+        With `restored` (the rows were just read back from a checkpoint), `best.json` is written from
+        the best row even when it is not the newest: a run resumed from an older checkpoint would
+        otherwise keep the files of the continuation it abandoned, naming rows it no longer has.
 
         The files are written by a helper thread ([`BackgroundWriter`][danling.utils.BackgroundWriter])
         from a snapshot of the rows, so the caller does not wait for the disk. They may trail the
@@ -398,6 +402,10 @@ class RunnerResults:
         self._writer.submit(payload, os.path.join(folder, "latest.json"), durable=False)
         if self.is_best:
             self._writer.submit(payload, os.path.join(folder, "best.json"), durable=False)
+        elif restored and (scores := self._score_map()):
+            best = self._best_index(scores)
+            best_payload = {**header, "index": best, **self.plain_row(best)}
+            self._writer.submit(best_payload, os.path.join(folder, "best.json"), durable=False)
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait until the result files submitted by `write_files` are written.

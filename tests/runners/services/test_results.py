@@ -120,3 +120,26 @@ def test_a_metric_that_is_nan_from_out_of_range_labels_warns_once(tmp_path, capl
     assert runner.results[1]["val"]["acc"] != runner.results[1]["val"]["acc"]  # NaN, as documented
     warnings = [r.getMessage() for r in caplog.records if "metric 'acc' of split 'val' is NaN" in r.getMessage()]
     assert len(warnings) == 1 and "outside [0, num_classes)" in warnings[0]  # once, over both epochs
+
+
+def test_a_run_resumed_from_an_older_checkpoint_rewrites_the_result_files_from_its_rows(tmp_path):
+    first = scripted(tmp_path, [3.0, 2.0, 1.0])
+    with first:
+        first.train()
+    run_dir = first.workspace.path
+    assert json.loads((run_dir / "best.json").read_text())["index"] == 2
+    # resumed after epoch 0; the new epochs 1 and 2 are worse than epoch 0 (no new best row)
+    resumed_class = type("Worse", (ScriptedRunner,), {"LOSSES": [3.0, 5.0, 6.0]})
+    config = toy_config(tmp_path, epochs=3, resume=str(run_dir / "checkpoints" / "epoch-000000"))
+    with resumed_class(config) as second:
+        assert second.workspace.path == run_dir
+        second.bookkeeping.flush()
+        # straight after the restore the files hold the checkpoint's rows, not the abandoned epochs 1-2
+        assert list(json.loads((run_dir / "results.json").read_text())["results"]) == ["0"]
+        assert json.loads((run_dir / "best.json").read_text())["index"] == 0
+        second.train()
+        assert second.best_index == 0
+    best = json.loads((run_dir / "best.json").read_text())
+    results = json.loads((run_dir / "results.json").read_text())["results"]
+    assert best["index"] == 0 and best["val"] == results["0"]["val"]
+    assert [row["val"]["loss"] for row in results.values()] == [3.0, 5.0, 6.0]
