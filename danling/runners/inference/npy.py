@@ -67,6 +67,23 @@ class _Field:
             np.lib.format.read_array_header_1_0(handle)
             self.offset = handle.tell()
 
+    def check(self, values: np.ndarray) -> None:
+        """Refuse values that the file's dtype (from the first batch) would change: a float cut to an
+        int, a number turned into a bool, a string cut to the first batch's width."""
+        if values.dtype.kind not in "OSU" and np.can_cast(values.dtype, self.dtype, "same_kind"):
+            return  # within a kind only precision may go (float64 outputs into a float32 file)
+        try:
+            with np.errstate(invalid="ignore"):
+                same = values.dtype.kind != "O" and bool(np.array_equal(values.astype(self.dtype), values))
+        except (TypeError, ValueError, UnicodeError):
+            same = False
+        if not same:
+            raise ValueError(
+                f"{self.path.name}: outputs of dtype {values.dtype} after a first batch that made the file "
+                f"{self.dtype}; converting would change them (e.g. {values.ravel()[:3].tolist()}): "
+                "return the same type from every batch, or write .jsonl or .parquet"
+            )
+
     def put(self, start: int, values: np.ndarray) -> None:
         if values.shape[1:] != self.shape:
             raise ValueError(
@@ -108,8 +125,11 @@ class NumpySink(Sink):
     """`.npy` output: a single array at `path`, or for mapping outputs one `<stem>.<field>.npy` per key.
 
     Needs the dataset length (`capacity`). The dtype and per-example shape come from the first
-    batch; later batches are converted to that dtype and must have the same shape. NumPy has no
-    bfloat16 or float8 dtype: such tensors are stored as float32, which holds their values exactly.
+    batch; later batches are converted to that dtype and must have the same shape. A conversion that
+    would change values (floats into an integer file, numbers into a boolean one, strings longer than
+    the first batch's) is refused, as are outputs NumPy can only hold as Python objects (None, ragged
+    lists). NumPy has no bfloat16 or float8 dtype: such tensors are stored as float32, which holds
+    their values exactly.
     """
 
     suffixes = (".npy",)
@@ -149,6 +169,13 @@ class NumpySink(Sink):
             return
         columns = self._columns(outputs)
         if self._fields is None:
+            for name, values in columns.items():
+                if values.dtype.kind == "O":  # the file would hold the addresses of Python objects
+                    raise ValueError(
+                        f"{self.field_path(name).name}: outputs {values.ravel()[:3].tolist()} are not numbers, "
+                        "booleans or strings of one shape (None, mixed types or ragged lists); "
+                        "a .npy output cannot hold them: write .jsonl or .parquet"
+                    )
             self._fields = {}
             for name, values in columns.items():
                 field = _Field(self.field_path(name), values.dtype, values.shape[1:])
@@ -163,11 +190,20 @@ class NumpySink(Sink):
             )
         for name, values in columns.items():
             field = self._fields[name]
+            field.check(values)
             field.put(self._rows, values.astype(field.dtype, copy=False))
         self._rows += len(outputs)
 
     def _columns(self, outputs: Sequence[Any]) -> dict[str, np.ndarray]:
         if isinstance(outputs[0], Mapping):
+            keys = set(outputs[0])
+            for item in outputs:  # a key of one example only would be dropped, or fail as a bare KeyError
+                if not isinstance(item, Mapping) or set(item) != keys:
+                    got = sorted(map(str, item)) if isinstance(item, Mapping) else type(item).__name__
+                    raise ValueError(
+                        f"{self.path.name}: every output must be a mapping with the keys "
+                        f"{sorted(map(str, keys))} (one file per key), got {got}"
+                    )
             return {str(key): _array([item[key] for item in outputs]) for key in outputs[0]}
         return {_SINGLE: _array(outputs)}
 

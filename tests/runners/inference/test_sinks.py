@@ -94,6 +94,34 @@ def test_npy_stores_bfloat16_outputs_as_float32(tmp_path):
     assert stored.tolist() == [*values.float().tolist(), [2.0, 4.0]]
 
 
+def test_npy_refuses_outputs_that_its_dtype_would_change(tmp_path):
+    cases = {  # first batch, later batch: every later batch would have been cut to the first one's dtype
+        "floats": ([1, 2], [0.5, 2.7]),  # int64 file: 0 and 2
+        "strings": (["s0", "s1"], ["s10", "long"]),  # <U2 file: 's1' and 'lo'
+        "flags": ([True, False], [2, 3]),  # bool file: True and True
+    }
+    for name, (first, later) in cases.items():
+        sink = NumpySink(tmp_path / f"{name}.npy", 4)
+        sink.open()
+        sink.write(first)
+        with pytest.raises(ValueError, match=rf"{name}.npy: outputs of dtype .* after a first batch that made"):
+            sink.write(later)
+    sink = NumpySink(tmp_path / "objects.npy", 4)  # would store the addresses of the None objects
+    sink.open()
+    with pytest.raises(ValueError, match="a .npy output cannot hold them"):
+        sink.write([None, None])
+    sink = NumpySink(tmp_path / "keys.npy", 4)  # the second example's "extra" would be dropped
+    sink.open()
+    with pytest.raises(ValueError, match=r"keys \['score'\] \(one file per key\), got \['extra', 'score'\]"):
+        sink.write([{"score": 1.0}, {"score": 2.0, "extra": 1}])
+    sink = NumpySink(tmp_path / "fine.npy", 6)  # conversions that keep every value still pass
+    sink.open()
+    for batch in ([1, 2], [3.0, 4.0], [True, False]):
+        sink.write(batch)
+    sink.close()
+    assert np.load(tmp_path / "fine.npy").tolist() == [1, 2, 3, 4, 1, 0]
+
+
 def test_suffix_registry_and_errors(tmp_path):
     assert sink_for("a/b.JSONL") is JsonLinesSink and sink_for("x.npy") is NumpySink
     with pytest.raises(ValueError, match=r"'out\.csv'.*\.jsonl, \.ndjson, \.npy, \.parquet"):
