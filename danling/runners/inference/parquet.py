@@ -38,8 +38,10 @@ def _pyarrow() -> Any:
 class ParquetSink(_ByteStreamSink):
     """`.parquet` output: one column per key of mapping outputs, else a single column named `output`.
 
-    Column types come from the first batch (pyarrow's inference); later batches are converted to
-    them. Rows are grouped `row_group_size` at a time.
+    Columns and their types come from the first batch (pyarrow's inference, over the keys of all its
+    rows); later batches are converted to them. A key first seen in a later batch, or a value the
+    conversion would change (a float into an integer column), is refused. Rows are grouped
+    `row_group_size` at a time.
 
     Raises:
         ImportError: pyarrow is missing; the message names the `parquet` extra.
@@ -74,13 +76,70 @@ class ParquetSink(_ByteStreamSink):
         if not outputs:
             return
         rows = [to_plain(item) if isinstance(item, Mapping) else {"output": to_plain(item)} for item in outputs]
-        table = self.pa.Table.from_pylist(rows, schema=self._schema)
+        table = self._table(rows)
         self._schema = table.schema
         buffer = self.pa.BufferOutputStream()
         with self.pa.ipc.new_stream(buffer, table.schema) as writer:
             writer.write_table(table)
         payload = buffer.getvalue().to_pybytes()
         self._append(_PREFIX.pack(len(payload)) + payload, len(outputs))
+
+    def _table(self, rows: list[dict[str, Any]]) -> Any:
+        """`rows` as a table of the file's columns (those of the first batch), refusing what would be lost.
+
+        `Table.from_pylist` takes its columns from the first row and converts values to a given schema
+        without checks, so a key first seen later would be dropped and a float cut to an integer column.
+        """
+        pa = self.pa
+        names = list(dict.fromkeys(key for row in rows for key in row))  # every key, in order of appearance
+        if self._schema is None:
+            return pa.table({name: pa.array([row.get(name) for row in rows]) for name in names})
+        unknown = [name for name in names if name not in self._schema.names]
+        if unknown:
+            raise ValueError(
+                f"{self.path.name}: column(s) {unknown} first appear after the first batch, whose keys "
+                f"{self._schema.names} fixed the columns; give every key from the first batch on (None where empty)"
+            )
+        columns = [self._column(field, [row.get(field.name) for row in rows]) for field in self._schema]
+        return pa.Table.from_arrays(columns, schema=self._schema)
+
+    def _column(self, field: Any, values: list[Any]) -> Any:
+        pa = self.pa
+        try:
+            inferred = pa.array(values)
+        except pa.ArrowException:
+            inferred = None
+        if inferred is not None:
+            if inferred.type == field.type:
+                return inferred
+            if pa.types.is_null(inferred.type):  # None throughout this batch: nulls of the column's type
+                return inferred.cast(field.type)
+            try:
+                converted = inferred.cast(field.type, safe=True)
+            except pa.ArrowInvalid as error:  # a value would change (a float cut to an integer, an overflow)
+                raise ValueError(self._unfit(field, values, error)) from None
+            except pa.ArrowNotImplementedError:
+                converted = None  # no such cast (nested types): convert from the values, as for the first batch
+            if converted is not None:
+                # a "safe" cast still turns 2 into True: the values must come back unchanged
+                try:
+                    changed = not converted.cast(inferred.type).equals(inferred)
+                except pa.ArrowNotImplementedError:
+                    changed = False  # no way back to compare: the cast itself found nothing to refuse
+                if changed:
+                    raise ValueError(self._unfit(field, values, "the conversion changes them"))
+                return converted
+        try:
+            return pa.array(values, type=field.type)
+        except pa.ArrowException as error:
+            raise ValueError(self._unfit(field, values, error)) from None
+
+    def _unfit(self, field: Any, values: list[Any], error: Exception) -> str:
+        why = " (None throughout it)" if self.pa.types.is_null(field.type) else ""
+        return (
+            f"{self.path.name}: column {field.name!r} has type {field.type} from the first batch{why}, and "
+            f"values {values[:3]} do not fit it ({error}); return the same type from every batch"
+        )
 
     def close(self) -> None:
         handle = self._require()

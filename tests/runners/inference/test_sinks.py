@@ -173,6 +173,36 @@ def test_parquet_mapping_outputs_become_columns(tmp_path):
     assert not (tmp_path / "o.parquet.staging").exists()
 
 
+def test_parquet_keeps_every_key_and_refuses_values_its_columns_would_change(tmp_path):
+    pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    sink = ParquetSink(tmp_path / "keys.parquet", 6)
+    sink.open()
+    sink.write([{"id": 0}, {"id": 1, "note": "odd"}])  # a key of the second row only: not dropped
+    sink.write([{"id": 2}])
+    with pytest.raises(ValueError, match=r"column\(s\) \['extra'\] first appear after the first batch"):
+        sink.write([{"id": 3, "extra": 1.0}])
+    sink.close()
+    assert pq.read_table(tmp_path / "keys.parquet").to_pylist() == [
+        {"id": 0, "note": None},
+        {"id": 1, "note": "odd"},
+        {"id": 2, "note": None},
+    ]
+    for name, first, later in (("cut", [1, 2], [0.5, 2.7]), ("flag", [True], [2]), ("null", [None], ["text"])):
+        sink = ParquetSink(tmp_path / f"{name}.parquet", 4)
+        sink.open()
+        sink.write(first)
+        with pytest.raises(ValueError, match=rf"{name}.parquet: column 'output' has type .* from the first batch"):
+            sink.write(later)  # was written as 0 and 2, as True, or failed with "Invalid null value"
+    sink = ParquetSink(tmp_path / "fine.parquet", 6)  # conversions that keep every value still pass
+    sink.open()
+    for batch in ([1.5], [2], [None]):
+        sink.write(batch)
+    sink.close()
+    assert pq.read_table(tmp_path / "fine.parquet").column("output").to_pylist() == [1.5, 2.0, None]
+
+
 def test_shards_of_a_sink_without_merge_are_indexed_in_place(tmp_path):
     from danling.runners.inference.progress import Commit, ProgressRecord, progress_dir
     from danling.runners.inference.writer import InferencePlan, _merge
