@@ -22,7 +22,10 @@ def describe(context: PassContext) -> str:
         total = getattr(runner, "steps", None)
         return f"{split} step {state.global_step}/{'?' if total is None else total}"
     epochs = getattr(runner, "epochs", None)
-    return f"{split} epoch {state.epoch + 1}/{'?' if epochs is None else epochs}"
+    if epochs is None:
+        return f"{split} epoch {state.epoch + 1}/?"
+    # an evaluation after the last epoch evaluates that epoch's weights (not an epoch past the end)
+    return f"{split} epoch {min(state.epoch + 1, epochs)}/{epochs}"
 
 
 def postfix(context: StepContext) -> dict[str, str]:

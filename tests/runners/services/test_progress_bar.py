@@ -7,7 +7,7 @@ import re
 import sys
 
 from danling.runners.loop.events import EventBus, Events, PassContext, StepContext
-from danling.runners.services.progress_bar import ProgressBar
+from danling.runners.services.progress_bar import ProgressBar, describe
 from tests.runners._torch_toy import TinyRunner, tiny_config
 
 
@@ -25,6 +25,15 @@ def test_progress_bar_shows_epoch_loss_and_learning_rate(tmp_path, capsys):
         assert "train step 0/40" in capsys.readouterr().err
         bus.emit(Events.PASS_END, PassContext(runner, "train", "train"))
         assert bar.bar is None
+
+
+def test_an_evaluation_after_training_is_titled_with_the_last_epoch(tmp_path):
+    titles = []
+    with TinyRunner(tiny_config(tmp_path, epochs=2)) as runner:
+        runner.events.subscribe(Events.PASS_START, lambda context: titles.append(describe(context)))
+        runner.train()
+        runner.evaluate()
+    assert titles == ["train epoch 1/2", "val epoch 1/2", "train epoch 2/2", "val epoch 2/2", "val epoch 2/2"]
 
 
 def test_log_lines_are_written_above_an_open_bar_and_multi_line_records_prefix_every_line(tmp_path, capsys):
