@@ -1,4 +1,4 @@
-"""A run of `infer(split, output=...)` that SIGKILLs itself: `python -m tests.runners._infer_child ROOT J K`.
+"""A run of `infer(split, output=...)` that SIGKILLs itself: `python -m tests.runners._infer_child ROOT J K [SIGNAL]`.
 
 Writes `ROOT/out.jsonl`, `ROOT/out.npy` and `ROOT/out.parquet` (when pyarrow is installed) in that
 order from an `InferRunner`. While writing output number `J`, the process sends itself SIGKILL
@@ -46,11 +46,12 @@ def infer_config(root: Path, **overrides: Any) -> dict[str, Any]:
 class KillingRunner(InferRunner):
     kill_at: int | None = None
     calls = 0
+    signum = signal.SIGKILL
 
     def infer_step(self, data: Any) -> list[Any]:
         self.calls += 1
         if self.calls == self.kill_at:
-            os.kill(os.getpid(), signal.SIGKILL)
+            os.kill(os.getpid(), self.signum)  # SIGTERM: handled, the batch completes and the run stops
         return super().infer_step(data)
 
 
@@ -68,9 +69,10 @@ def _kill_inside_commit(number: int) -> None:
     progress.ProgressRecord.commit = dying
 
 
-def main(root: str, target: int, kill_at: int) -> None:
+def main(root: str, target: int, kill_at: int, signame: str = "SIGKILL") -> None:
     root_path = Path(root)
     runner = KillingRunner(infer_config(root_path / "workspace"))
+    runner.signum = signal.Signals[signame]
     commit_kill = os.environ.get("RANK", "0") == "1" and (kill_at - 1) // INTERVAL >= 1
     for index, output in enumerate(outputs(root_path)):
         runner.calls = 0
@@ -82,4 +84,4 @@ def main(root: str, target: int, kill_at: int) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))
+    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), *sys.argv[4:])

@@ -229,7 +229,8 @@ class RunnerSupervisor:
             return
         self.request_stop(signum)
         self.logger.warning(
-            "received %s; finishing the current step, then saving a checkpoint and exiting",
+            # not "saving a checkpoint": an evaluation or inference stops without one
+            "received %s; finishing the current step, then stopping (a training run saves a shutdown checkpoint first)",
             signal.Signals(signum).name,
         )
 

@@ -71,6 +71,23 @@ def test_sigkilled_inference_resumes_byte_identical(tmp_path, seed):
     assert len(lines) == LENGTH and np.allclose(np.load(outputs(killed)[1]), [json.loads(x) for x in lines])
 
 
+def test_a_sigterm_commits_the_batch_in_progress_and_the_rerun_writes_each_row_once(tmp_path):
+    reference, stopped = tmp_path / "reference", tmp_path / "stopped"
+    _infer_all(reference)
+    command = [sys.executable, "-m", "tests.runners._infer_child", str(stopped), "0", "5", "SIGTERM"]
+    proc = subprocess.run(command, cwd=REPO, env=_child_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, proc.stderr[-3000:]
+    # inference saves no checkpoint: the log must not promise one
+    assert "received SIGTERM; finishing the current step, then stopping" in proc.stderr, proc.stderr[-3000:]
+    assert "then saving a checkpoint" not in proc.stderr
+    record = json.loads((stopped / "out.jsonl.progress" / "rank-0.json").read_text())
+    assert (record["current"]["batches"], record["done"]) == (5, False)  # batch 5 is committed, not lost
+    events: list[int] = []
+    _infer_all(stopped, events)
+    assert events == [5]
+    _assert_same_files(reference, stopped)
+
+
 def test_an_output_of_other_weights_is_kept_aside_and_written_anew_with_one_warning(tmp_path, caplog):
     command = [sys.executable, "-m", "tests.runners._infer_child", str(tmp_path), "0", "5"]
     proc = subprocess.run(command, cwd=REPO, env=_child_env(), capture_output=True, text=True, timeout=120)
