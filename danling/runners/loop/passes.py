@@ -168,6 +168,10 @@ class PassEngine:
             step = self.step_guard(step)
         phase = "forward" if training else "evaluation"
         batches, loss_meter = 0, None
+        # A training pass resumed mid-way runs only the batches after its restored position: its end
+        # (the pass's last step log, the stop agreement of its last batch) comes that many batches earlier.
+        done = position.batch if training else 0
+        end = None if length is None else length - done
         for data in batches_in:
             if watchdog is not None:
                 watchdog.enter(phase, state.global_step)
@@ -186,17 +190,15 @@ class PassEngine:
                     loss_meter = meters["loss"]  # then updated directly: this runs every batch
                 else:
                     loss_meter.update(loss)
-            if interval and (batches % interval == 0 or batches == length):
-                self._log_step(split, batches, length, training)
+            if interval and (batches % interval == 0 or batches == end):
+                self._log_step(split, done + batches, length, training)
             if training:
                 position.batch += 1
                 if track_progress and state.global_step != self._seen_step:
                     self._after_optimizer_progress(budget)  # may evaluate: after the step log
             # Without a poll the flag is read in place: one call less per batch.
             if self.stop_latched or (
-                supervisor.stop_requested
-                if stop_poll is None
-                else self._stop_now(stop_poll, agree and batches == length)
+                supervisor.stop_requested if stop_poll is None else self._stop_now(stop_poll, agree and batches == end)
             ):
                 # Stop only at a window boundary: applying a partial window (or dropping its
                 # gradients) would make the resumed run diverge from an uninterrupted one.

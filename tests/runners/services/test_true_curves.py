@@ -137,6 +137,28 @@ def test_resumed_run_continues_the_same_tensorboard_and_csv_curves(tmp_path):
     )
 
 
+def test_a_pass_resumed_mid_way_logs_its_last_step_and_counts_its_batches_from_the_start(tmp_path, caplog):
+    reference = RecordingRunner(tiny_config(tmp_path / "reference", log_interval=2))
+    reference.train()
+    reference.close()
+    config = tiny_config(tmp_path / "resumed", log_interval=2, auto_resume=True)
+    first = RecordingRunner(config)
+    first.stop_at = 7  # batch 2 of the second pass (steps 6-10)
+    with pytest.raises(SystemExit):
+        first.train()
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="danling"):
+        second = RecordingRunner(config)
+        second.train()
+        second.close()
+    expected = read_metrics_csv(reference.workspace.path / "metrics.csv")["train_step/loss"]
+    got = read_metrics_csv(second.workspace.path / "metrics.csv")["train_step/loss"]
+    assert [step for step, _ in got] == [step for step, _ in expected] == [2, 4, 5, 7, 9, 10]  # 10 was missing
+    assert [value for _, value in got] == pytest.approx([value for _, value in expected], rel=1e-5)
+    lines = [r.getMessage().split("\t")[0] for r in caplog.records if r.getMessage().startswith("train [")]
+    assert lines == ["train [4/5]", "train [5/5]"]  # batches of the pass, not of the resumed part of it
+
+
 def wandb_history(run_file: Path) -> tuple[str, list[dict[str, Any]]]:
     from wandb.proto import wandb_internal_pb2
 
