@@ -51,7 +51,7 @@ from .diagnosis import (
 from .loop import EventBus, Events, LogContext, Loop, StepContext, StepHooks
 from .loop.budget import checked_count, default_interval, evaluation_default, length_of, selected_splits, step_budget
 from .registry import RUNNERS
-from .services import RunnerResults, RunnerSupervisor, RunnerWorkspace, Trackers
+from .services import RunnerResults, RunnerSupervisor, RunnerWorkspace, Trackers, flatten_result
 from .services.errors import report_errors_briefly
 from .services.observability import RunStatus, Throughput, is_train_step_log
 from .services.preemption import SlurmPreemption
@@ -1117,7 +1117,14 @@ class BaseRunner(CheckpointHooks, StepHooks, metaclass=MetaRunner):
 
     def _resume_trackers(self, context: Any) -> None:
         # The curves continue from the checkpoint's step: later points of the earlier run are dropped.
-        self.trackers.resume_at(self.train_state.global_step)
+        # At that step itself only the names of the restored row are taken (the earlier run logged it):
+        # a split evaluated for the first time after the resume (`evaluate(["test"])`) is still recorded.
+        book, recorded = self.bookkeeping, set()
+        if book.rows:
+            index = next(reversed(book.rows))
+            row = book.plain_row(index)
+            recorded = set(flatten_result(row if self.is_step_mode else {**row, "epoch": index}))
+        self.trackers.resume_at(self.train_state.global_step, recorded)
 
     def _rewrite_result_files(self, context: Any) -> None:
         # The result files follow the restored rows: resumed from an older checkpoint, the run must not

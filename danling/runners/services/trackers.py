@@ -247,9 +247,17 @@ class Trackers(Tracker):
         for tracker in self.trackers:
             tracker.log(flat, step)
 
-    def resume_at(self, step: int) -> None:
-        """The run resumed from a checkpoint taken at `step`: record only later steps, and tell every tracker."""
-        self._floor, self._last_step = step, {}
+    def resume_at(self, step: int, recorded: Iterable[str] | None = None) -> None:
+        """The run resumed from a checkpoint taken at `step`: record only later steps, and tell every tracker.
+
+        `recorded` names what the earlier run recorded at `step` itself (a runner passes its restored
+        result row): those names get no second point there, while others still may (a `test` split
+        first evaluated after the resume). `None` counts every name as recorded at `step`.
+        """
+        if recorded is None:
+            self._floor, self._last_step = step, {}
+        else:
+            self._floor, self._last_step = step - 1, dict.fromkeys(recorded, step)
         for tracker in self.trackers:
             tracker.resume_at(step)
 

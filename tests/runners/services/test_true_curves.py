@@ -159,6 +159,29 @@ def test_a_pass_resumed_mid_way_logs_its_last_step_and_counts_its_batches_from_t
     assert lines == ["train [4/5]", "train [5/5]"]  # batches of the pass, not of the resumed part of it
 
 
+def test_a_split_first_evaluated_after_a_resume_reaches_the_trackers_at_the_checkpoint_step(tmp_path):
+    from tests.runners._torch_toy import make_data
+
+    class WithTest(RecordingRunner):
+        def __init__(self, config):
+            super().__init__(config)
+            self.datasets.test = make_data(8, seed=5)
+
+    config = tiny_config(tmp_path, tensorboard=True, evaluate_splits=["val"])
+    with WithTest(config) as first:
+        first.train()
+    run_dir = first.workspace.path
+    with WithTest({**config, "resume": str(run_dir / "checkpoints" / "latest.pointer")}) as evaluation:
+        assert evaluation.train_state.global_step == 10
+        test_loss = evaluation.evaluate(["test"])["test"]["loss"]  # a scoring job on the final checkpoint
+        evaluation.evaluate(["val"])  # logged by the training run at step 10 already: no second point
+    series = read_metrics_csv(run_dir / "metrics.csv")
+    assert series["test/loss"] == [(10, pytest.approx(test_loss))]  # was left out of every tracker
+    assert [step for step, _ in series["val/loss"]] == [5, 10]
+    board = scalars(run_dir / "tensorboard")
+    assert board["test/loss"] == [(10, pytest.approx(test_loss))] and [s for s, _ in board["val/loss"]] == [5, 10]
+
+
 def wandb_history(run_file: Path) -> tuple[str, list[dict[str, Any]]]:
     from wandb.proto import wandb_internal_pb2
 
