@@ -118,6 +118,7 @@ class RunStatus:
         self.path = Path(path)
         self.progress = progress
         self._stop_seen = False
+        self._training = False  # a train() is under way: only its stop is a preemption of the run
 
     def attach(self, bus: EventBus) -> RunStatus:
         bus.subscribe(Events.RUN_START, self._running)
@@ -142,16 +143,21 @@ class RunStatus:
 
     def _running(self, context: RunContext) -> None:
         if context.mode == "train":
-            self._stop_seen = False
+            self._stop_seen, self._training = False, True
             self.write("running")
 
     def _stopping(self, context: StopContext) -> None:
+        # An early stop ends train() normally (`finished`); a stop of evaluate() or infer() leaves the
+        # training status alone (a finished run stays finished when its scoring job is preempted).
+        if not self._training or context.reason == "early stop":
+            return
         self._stop_seen = True
         self.write("preempted", reason=context.reason)
 
     def _ended(self, context: RunContext) -> None:
         if context.mode != "train":
             return
+        self._training = False
         if self._stop_seen:  # a stop request already recorded `preempted`
             self._stop_seen = False
             return

@@ -143,3 +143,22 @@ def test_a_run_resumed_from_an_older_checkpoint_rewrites_the_result_files_from_i
     results = json.loads((run_dir / "results.json").read_text())["results"]
     assert best["index"] == 0 and best["val"] == results["0"]["val"]
     assert [row["val"]["loss"] for row in results.values()] == [3.0, 5.0, 6.0]
+
+
+def test_an_early_stopped_run_is_finished_and_a_stopped_infer_leaves_the_status_alone(tmp_path):
+    runner = scripted(tmp_path, [3.0, 2.0, 2.5, 2.6, 2.7, 2.8, 1.0], patience=2)
+    status_file = runner.workspace.path / "status.json"
+    with runner:
+        runner.train()  # stops early after epoch 4: train() returns, the run is complete
+        assert runner.train_state.epoch == 5
+        assert json.loads(status_file.read_text())["status"] == "finished"  # was "preempted" (early stop)
+        original = runner.infer_step
+
+        def stopping(data):
+            runner.supervisor.request_stop()  # e.g. a SIGTERM while the finished run scores a split
+            return original(data)
+
+        runner.infer_step = stopping
+        with pytest.raises(SystemExit):
+            runner.infer("infer")
+    assert json.loads(status_file.read_text())["status"] == "finished"
