@@ -9,6 +9,7 @@ writes fewer rows than preallocated (`steps=`) has its header rewritten and the 
 
 from __future__ import annotations
 
+import glob
 import io
 import os
 from collections.abc import Mapping, Sequence
@@ -228,6 +229,11 @@ class NumpySink(Sink):
     @classmethod
     def files(cls, path: Path, state: Mapping[str, Any]) -> list[Path]:
         return [path.with_name(spec["file"]) for spec in (state.get("fields") or {}).values()] or [path]
+
+    @classmethod
+    def present(cls, path: Path) -> bool:
+        # mapping outputs are one `<stem>.<field>.npy` per key, and no file at `path` itself
+        return path.exists() or any(path.parent.glob(f"{glob.escape(path.name[: -len('.npy')])}.*.npy"))
 
     @classmethod
     def merge(cls, target: Path, shards: Sequence[Path], states: Sequence[Mapping[str, Any]]) -> None:

@@ -69,6 +69,11 @@ class Sink(ABC):
         return [path]
 
     @classmethod
+    def present(cls, path: Path) -> bool:
+        """Whether a finished output at `path` is still on disk (a rerun writes it anew when it is not)."""
+        return path.exists()
+
+    @classmethod
     def merge(cls, target: Path, shards: Sequence[Path], states: Sequence[Mapping[str, Any]]) -> None:
         """Interleave closed shard files into `target` in dataset order.
 

@@ -195,6 +195,11 @@ class _Session:
     def run(self, resume: bool) -> None:
         progress_dir(self.plan.output).mkdir(parents=True, exist_ok=True)
         record = self._verified_record() if resume else None
+        # finished once, then deleted (to be written again): its records must not pass for it (a
+        # collective on every rank, whatever its own record says)
+        if self.ranks.reduce(int(record is not None and record.done and self._output_gone()), "MAX"):
+            self.runner.logger.warning("%s was complete but is gone; writing it again", self.plan.output)
+            record = None
         done = record is not None and record.done
         if resume and self.ranks.reduce(int(done and read_complete(self.plan.output) is not None), "MIN"):
             self.context.rows = read_complete(self.plan.output)["rows"]
@@ -220,6 +225,13 @@ class _Session:
             self.record.save()
         self.ranks.barrier()  # every shard is closed
         self._finish()
+
+    def _output_gone(self) -> bool:
+        """Whether a completed output is no longer on disk (the merged file, or the index of unmerged shards)."""
+        output = self.plan.output
+        if read_complete(output) is None:
+            return False
+        return not (self.plan.sink_type.present(output) or output.with_name(output.name + ".index.json").exists())
 
     def _verified_record(self) -> ProgressRecord | None:
         """This rank's record, checked against this run on every rank (one refusal stops them all).

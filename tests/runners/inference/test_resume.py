@@ -154,6 +154,29 @@ def test_an_infer_step_that_returns_no_list_is_named_in_one_line(tmp_path, suffi
                 runner.infer("infer", output=tmp_path / f"{name}{suffix}")
 
 
+def test_a_completed_output_that_was_deleted_is_written_again(tmp_path, caplog):
+    class Fields(InferRunner):
+        def infer_step(self, data):
+            return [{"score": value, "half": value / 2} for value in super().infer_step(data)]
+
+    with Fields(infer_config(tmp_path / "workspace")) as runner:
+        for output, files in (
+            (tmp_path / "out.jsonl", [tmp_path / "out.jsonl"]),
+            (tmp_path / "out.npy", [tmp_path / "out.score.npy", tmp_path / "out.half.npy"]),
+        ):
+            runner.infer("infer", output=output)
+            written = [path.read_bytes() for path in files]
+            for path in files:
+                path.unlink()  # to have it written again
+            with caplog.at_level(logging.WARNING):
+                assert runner.infer("infer", output=output) == output  # was "complete already", and no file
+            assert [path.read_bytes() for path in files] == written
+            assert any("was complete but is gone" in r.getMessage() for r in caplog.records)
+            caplog.clear()
+            runner.infer("infer", output=output)  # present and complete: nothing to do, no warning
+            assert not any("is gone" in r.getMessage() for r in caplog.records)
+
+
 def _ddp_resume_worker(rank: int, world_size: int, roots: list[str]) -> dict[str, list[int]]:
     resumed: dict[str, list[int]] = {}
     for root in roots:
