@@ -264,6 +264,7 @@ class BaseRunner(CheckpointHooks, StepHooks, metaclass=MetaRunner):
         self.loop = Loop(self, self.events)
         self.meters = AverageMeters()
         self.trackers = Trackers()
+        self._results_restored = False  # a checkpoint was restored since the last result row was written
         self.throughput = Throughput(lambda: self.train_state.global_step).attach(self.events)
         self.ft = None
         self.checkpoint_manager = self._build_file_checkpoint_manager()
@@ -973,7 +974,9 @@ class BaseRunner(CheckpointHooks, StepHooks, metaclass=MetaRunner):
         # log whose step is lower than one it has seen, which epoch indices always are.
         self.log_values(row if self.is_step_mode else {**row, "epoch": index})
         if self.is_main_process:
-            book.write_files(self.workspace.path, {"id": self.workspace.id, "timestamp": self.timestamp})
+            header = {"id": self.workspace.id, "timestamp": self.timestamp}
+            book.write_files(self.workspace.path, header, restored=self._results_restored)
+            self._results_restored = False
 
     def _check_selection(self, evaluate_splits: list[str]) -> None:
         """Before training: refuse a `patience` that cannot act; warn when no best checkpoint is selected."""
@@ -1127,11 +1130,10 @@ class BaseRunner(CheckpointHooks, StepHooks, metaclass=MetaRunner):
         self.trackers.resume_at(self.train_state.global_step, recorded)
 
     def _rewrite_result_files(self, context: Any) -> None:
-        # The result files follow the restored rows: resumed from an older checkpoint, the run must not
-        # keep results.json and best.json of the continuation it abandoned (a load-only run writes nothing).
-        if self.is_main_process and not self.config.checkpoint.load_only and self.bookkeeping.rows:
-            header = {"id": self.workspace.id, "timestamp": self.timestamp}
-            self.bookkeeping.write_files(self.workspace.path, header, restored=True)
+        # The next row written rewrites every result file from the restored rows: resumed from an older
+        # checkpoint, the run must not keep results.json and best.json of the continuation it abandoned.
+        # Not before that row: a run resumed only to evaluate (a scoring job on `best`) changes nothing.
+        self._results_restored = True
 
     # ==== diagnosis surface: stragglers, consistency and replay plug-ins (runner.diagnosis) ====
     # (keep this marker; add this component's names right below it)

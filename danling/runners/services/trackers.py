@@ -81,7 +81,11 @@ class Tracker:
         """Record `result` at `step`."""
 
     def resume_at(self, step: int) -> None:
-        """A run resumed from a checkpoint taken at `step`: forget what was recorded after it, where possible."""
+        """A run resumed from a checkpoint taken at `step`: forget what was recorded after it, where possible.
+
+        [`Trackers`][danling.runners.services.trackers.Trackers] calls it right before the resumed run's
+        first value past `step`, so a run resumed only to evaluate erases nothing.
+        """
 
     def close(self) -> None:
         """Flush and release resources."""
@@ -219,6 +223,7 @@ class Trackers(Tracker):
         self.trackers: list[Tracker] = []
         self._last_step: dict[str, int] = {}  # the latest step each name was recorded at
         self._floor = -(2**63)  # no step at or below it is recorded: the resumed checkpoint's step
+        self._resumed: int | None = None  # a resume's step, told to the trackers at the first later value
         for tracker in trackers:
             self.append(tracker)
 
@@ -242,6 +247,10 @@ class Trackers(Tracker):
         flat = {name: value for name, value in flatten_result(result).items() if step > last.get(name, floor)}
         if not flat:
             return
+        if self._resumed is not None and step > self._resumed:
+            resumed, self._resumed = self._resumed, None
+            for tracker in self.trackers:
+                tracker.resume_at(resumed)
         for name in flat:
             last[name] = step
         for tracker in self.trackers:
@@ -253,13 +262,16 @@ class Trackers(Tracker):
         `recorded` names what the earlier run recorded at `step` itself (a runner passes its restored
         result row): those names get no second point there, while others still may (a `test` split
         first evaluated after the resume). `None` counts every name as recorded at `step`.
+
+        The trackers are told (and drop what the earlier run recorded after `step`) just before the
+        first value of a later step: a run resumed only to evaluate, such as a scoring job on the
+        `best` checkpoint, must not erase the history of the run it reads.
         """
         if recorded is None:
             self._floor, self._last_step = step, {}
         else:
             self._floor, self._last_step = step - 1, dict.fromkeys(recorded, step)
-        for tracker in self.trackers:
-            tracker.resume_at(step)
+        self._resumed = step
 
     def close(self) -> None:
         """Close every tracker, even if one of them fails; the first error is re-raised."""

@@ -159,7 +159,7 @@ def test_a_pass_resumed_mid_way_logs_its_last_step_and_counts_its_batches_from_t
     assert lines == ["train [4/5]", "train [5/5]"]  # batches of the pass, not of the resumed part of it
 
 
-def test_a_split_first_evaluated_after_a_resume_reaches_the_trackers_at_the_checkpoint_step(tmp_path):
+def test_a_scoring_job_on_a_resumed_checkpoint_records_its_split_and_keeps_the_history(tmp_path):
     from tests.runners._torch_toy import make_data
 
     class WithTest(RecordingRunner):
@@ -171,15 +171,18 @@ def test_a_split_first_evaluated_after_a_resume_reaches_the_trackers_at_the_chec
     with WithTest(config) as first:
         first.train()
     run_dir = first.workspace.path
-    with WithTest({**config, "resume": str(run_dir / "checkpoints" / "latest.pointer")}) as evaluation:
-        assert evaluation.train_state.global_step == 10
-        test_loss = evaluation.evaluate(["test"])["test"]["loss"]  # a scoring job on the final checkpoint
-        evaluation.evaluate(["val"])  # logged by the training run at step 10 already: no second point
-    series = read_metrics_csv(run_dir / "metrics.csv")
-    assert series["test/loss"] == [(10, pytest.approx(test_loss))]  # was left out of every tracker
-    assert [step for step, _ in series["val/loss"]] == [5, 10]
-    board = scalars(run_dir / "tensorboard")
-    assert board["test/loss"] == [(10, pytest.approx(test_loss))] and [s for s, _ in board["val/loss"]] == [5, 10]
+    history = read_metrics_csv(run_dir / "metrics.csv")
+    for checkpoint, step in (("latest", 10), ("epoch-000000", 5)):  # the final weights, an earlier (best) one
+        with WithTest({**config, "resume": str(run_dir / "checkpoints" / checkpoint)}) as evaluation:
+            assert evaluation.train_state.global_step == step
+            test_loss = evaluation.evaluate(["test"])["test"]["loss"]  # a scoring job
+            evaluation.evaluate(["val"])  # logged by the training run at this step already: no second point
+        series = read_metrics_csv(run_dir / "metrics.csv")
+        assert (step, pytest.approx(test_loss)) in series.pop("test/loss")  # was left out of every tracker
+        assert series == history  # the training history stays whole: nothing after `step` is dropped
+        board = scalars(run_dir / "tensorboard")
+        assert (step, pytest.approx(test_loss)) in board["test/loss"]
+        assert [s for s, _ in board["val/loss"]] == [5, 10] and [s for s, _ in board["train_step/loss"]][-1] == 10
 
 
 def wandb_history(run_file: Path) -> tuple[str, list[dict[str, Any]]]:
