@@ -325,6 +325,7 @@ class _Session:
         for data in self._batches(loader, commit):
             with runner.inference_context():
                 outputs = runner.infer_step(data)
+            runner.loop.passes.inference_progress()  # a watchdog started by training sees the batches go by
             if not isinstance(outputs, (list, tuple)):
                 # a dict or tensor would fail deep in a sink (or be cut and counted per key or row)
                 raise TypeError(

@@ -479,6 +479,7 @@ class Loop:
         for data in islice(loader, steps):
             with self.host.inference_context():
                 outputs = self.host.infer_step(data)
+            self.passes.inference_progress()
             yield outputs
             if self.host._stop_requested():
                 self.passes.shutdown()

@@ -71,6 +71,8 @@ class PassEngine:
         self.fused_step = False
         # Wraps each training pass's step (`oom.policy`: the out-of-memory guard); None costs nothing per batch.
         self.step_guard: Callable[[Callable], Callable] | None = None
+        # Inference batches done in this process: the progress the hang watchdogs see while `infer` runs.
+        self.infer_batches = 0
 
     def run_split(
         self, split: str, mode: RunnerMode, *, budget: int | None = None, max_batches: int | None = None
@@ -274,6 +276,12 @@ class PassEngine:
         watchdog = self.host.supervisor.watchdog
         if watchdog is not None:
             watchdog.enter(phase, self.host.train_state.global_step)
+
+    def inference_progress(self) -> None:
+        """Count one inference batch done: inference moves no step, position or meter, so without this
+        a watchdog that training started would end an `infer` that outlasts its timeout as hung."""
+        self.infer_batches += 1
+        self.watch_phase("inference")
 
     def _spiked_batches(self) -> set[tuple[str, int, int]] | None:
         guard = getattr(self.host.update, "spike_guard", None)

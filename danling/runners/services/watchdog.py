@@ -433,6 +433,7 @@ _PHASE_OF_FUNCTION = {
     "optimizer_step": "optimizer step",
     "step_plain": "optimizer step",
     "evaluate_step": "evaluation",
+    "infer_step": "inference",
     "__next__": "data loading",
 }
 
@@ -445,10 +446,20 @@ def _watch_single_process(runner: Any, section: Any) -> None:
 
     def progress() -> tuple[bool, Any]:
         # Counters the loops update anyway: micro-steps and steps in training (the fused pass
-        # too), batches of the pass position, and the loss meter's count (evaluation batches).
+        # too), batches of the pass position, the loss meter's count (evaluation batches) and the
+        # inference batches.
         state, meters = runner.train_state, runner.meters
         loss = meters["loss"].count if "loss" in meters else None
-        counters = (state.micro_step, state.global_step, runner.loop_state.batch, loss, runner.mode, runner.split)
+        inferred = runner.loop.passes.infer_batches
+        counters = (
+            state.micro_step,
+            state.global_step,
+            runner.loop_state.batch,
+            loss,
+            inferred,
+            runner.mode,
+            runner.split,
+        )
         return runner._loop_depth > 0, counters
 
     def where() -> tuple[str, int]:

@@ -153,3 +153,28 @@ def test_a_watchdog_time_that_cannot_work_is_refused_in_a_single_process_too(tmp
     refused = pytest.raises(ValueError, match=rf"watchdog\.{key} must be .*got {value}")
     with ToyRunner(toy_config(tmp_path, **{f"watchdog.{key}": value})) as runner, refused:
         runner.train()
+
+
+def test_inference_after_training_is_progress_to_the_watchdog_and_a_stuck_batch_is_named(tmp_path):
+    from tests.runners._infer_child import InferRunner, infer_config
+
+    class Watched(InferRunner):
+        verdicts: list = []
+        stuck = False
+
+        def infer_step(self, data):
+            dog, base = self.supervisor.local_watchdog, time.monotonic()
+            if self.stuck:  # the same batch, seen again 700 s later: no progress
+                self.verdicts += [dog.check(base), dog.check(base + 700.0)]
+            else:  # one batch every 400 s, under a timeout of 600 s
+                self.verdicts.append(dog.check(base + 400.0 * len(self.verdicts)))
+            return super().infer_step(data)
+
+    with Watched(infer_config(tmp_path, epochs=1)) as runner:
+        runner.train()  # starts the watchdog, which stays for the inference that follows
+        runner.infer("infer")
+        runner.infer("infer", output=tmp_path / "out.jsonl")
+        assert len(runner.verdicts) == 38 and runner.verdicts == [None] * 38  # was ended as hung
+        runner.verdicts, runner.stuck = [], True
+        runner.infer("infer", steps=1)
+        assert runner.verdicts[0] is None and "last in inference at step 10" in runner.verdicts[1]
