@@ -37,6 +37,13 @@ def _numpy(value: Any) -> Any:
     return value.numpy()
 
 
+def _shape(value: Any) -> tuple[int, ...] | str:
+    try:
+        return tuple(np.shape(_numpy(value)))
+    except ValueError:
+        return "ragged"
+
+
 def _array(values: Sequence[Any]) -> np.ndarray:
     return np.asarray([_numpy(value) for value in values])
 
@@ -205,8 +212,18 @@ class NumpySink(Sink):
                         f"{self.path.name}: every output must be a mapping with the keys "
                         f"{sorted(map(str, keys))} (one file per key), got {got}"
                     )
-            return {str(key): _array([item[key] for item in outputs]) for key in outputs[0]}
-        return {_SINGLE: _array(outputs)}
+            return {str(key): self._array(str(key), [item[key] for item in outputs]) for key in outputs[0]}
+        return {_SINGLE: self._array(_SINGLE, outputs)}
+
+    def _array(self, name: str, values: Sequence[Any]) -> np.ndarray:
+        try:
+            return _array(values)
+        except ValueError as error:  # numpy's "inhomogeneous shape" names neither the file nor the cure
+            shapes = sorted({_shape(value) for value in values}, key=str)
+            raise ValueError(
+                f"{self.field_path(name).name}: the examples of one batch have different shapes {shapes[:4]}; "
+                "a .npy output holds one shape per file: pad them, or write .jsonl or .parquet"
+            ) from error
 
     def state(self) -> dict[str, Any]:
         for field in (self._fields or {}).values():

@@ -114,6 +114,12 @@ def test_npy_refuses_outputs_that_its_dtype_would_change(tmp_path):
     sink.open()
     with pytest.raises(ValueError, match=r"keys \['score'\] \(one file per key\), got \['extra', 'score'\]"):
         sink.write([{"score": 1.0}, {"score": 2.0, "extra": 1}])
+    sink = NumpySink(tmp_path / "ragged.npy", 4)  # was numpy's bare "inhomogeneous shape"
+    sink.open()
+    with pytest.raises(
+        ValueError, match=r"ragged.npy: the examples of one batch have different shapes \[\(2,\), \(3,\)\]"
+    ):
+        sink.write([[1, 2], [1, 2, 3]])
     sink = NumpySink(tmp_path / "fine.npy", 6)  # conversions that keep every value still pass
     sink.open()
     for batch in ([1, 2], [3.0, 4.0], [True, False]):
