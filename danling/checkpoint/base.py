@@ -352,15 +352,44 @@ class CheckpointManager:
             # rename was lost: an alias whose target is gone is skipped, and loads fall back to
             # the newest checkpoint that verifies, so nothing old is lost either way.
             published_unsynced = not final.exists()
+            # Aliases naming the checkpoint this save replaces, and not re-pointed by it, would
+            # name new weights under an old meaning: a run resumed from an older checkpoint
+            # rewrote `epoch-000002`, and `best` still named it, now the worst weights.
+            stale = [] if published_unsynced else self._aliases_of(final.name, exclude=aliases)
             self._publish(tmp, final.name, sync=not published_unsynced)
         except BaseException as err:
             pointers.discard()
             self._abandon(tmp, final, state, err)
             raise
-        pointers.commit(sync=published_unsynced)
+        for alias in stale:
+            (self.directory / f"{alias}{POINTER_SUFFIX}").unlink(missing_ok=True)
+            self.logger.warning(
+                "checkpoint %s was replaced by a new save that is not its %r: the alias is removed until a new "
+                "checkpoint earns it",
+                final.name,
+                alias,
+            )
+        pointers.commit(sync=published_unsynced or bool(stale))
         size = sum(record["size"] for record in records.values())
         self.logger.info("saved checkpoint %s (%d bytes; aliases: %s)", final, size, ", ".join(aliases) or "none")
         self._prune()
+
+    def _aliases_of(self, name: str, *, exclude: Sequence[str] = ()) -> list[str]:
+        """The aliases whose pointer names the checkpoint `name` (main process only), minus `exclude`."""
+        if not self.is_main_process:
+            return []
+        found = []
+        for pointer in sorted(self.directory.glob(f"*{POINTER_SUFFIX}")):
+            alias = pointer.name[: -len(POINTER_SUFFIX)]
+            if alias in exclude:
+                continue
+            try:
+                target = pointer.read_text(encoding="utf-8").strip()
+            except (OSError, ValueError):  # unreadable or not text: it names no checkpoint
+                continue
+            if target == name:
+                found.append(alias)
+        return found
 
     def _abandon(self, tmp: Path, final: Path, state: Any, error: BaseException) -> None:
         """Remove the unpublished `tmp` (main process) and turn a disk error into one clear error."""

@@ -108,6 +108,21 @@ def test_aliases_best_and_named(tmp_path):
     assert [p.name for p in manager.checkpoints()] == ["epoch-000003", "epoch-000002", "epoch-000001"]
 
 
+def test_a_save_that_replaces_a_checkpoint_drops_the_aliases_it_does_not_renew(tmp_path):
+    # A run resumed from an older checkpoint saves the same names again: `best` kept naming
+    # `epoch-000002`, whose weights were now the resumed run's worst.
+    manager = FileCheckpointManager(tmp_path)
+    manager.save({"v": 1}, "epoch-000001", aliases=("latest",))
+    manager.save({"v": 2}, "epoch-000002", aliases=("latest", "best", "shutdown"))
+    manager.save({"v": 20}, "epoch-000002", aliases=("latest", "shutdown"))  # replaced, not the best
+    assert set(manager.aliases()) == {"latest", "shutdown"} and manager.best is None
+    assert manager.load("shutdown")["v"] == 20
+    with pytest.raises(CheckpointNotFoundError):
+        manager.load("best")  # refused, never the replaced weights
+    manager.save({"v": 3}, "epoch-000001", aliases=("best",))  # another checkpoint's aliases stay
+    assert manager.best.name == "epoch-000001" and manager.latest.name == "epoch-000002"
+
+
 def test_retention_keeps_newest_and_alias_targets(tmp_path):
     manager = FileCheckpointManager(tmp_path, keep_latest_k=2)
     manager.save({"v": 0}, "seed", aliases=())

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 
 import pytest
+import torch
 
 from tests.runners._torch_toy import TinyRunner, tiny_config
 from tests.runners._toy import ToyRunner, toy_config
@@ -114,3 +115,25 @@ def test_a_resume_in_the_other_counting_mode_is_refused(tmp_path):
     with TinyRunner(tiny_config(tmp_path, epochs=4, resume=checkpoint)) as resumed:  # same mode: continues
         resumed.train()
         assert list(resumed.results) == [0, 1, 2, 3]
+
+
+def test_best_does_not_name_a_checkpoint_a_resumed_run_rewrote(tmp_path):
+    # Resumed in its own run directory from epoch 0, on data that makes every later epoch worse,
+    # the run saved epoch-000002 again: `best` still named it, so `best` gave the worst weights.
+    class Scrambled(TinyRunner):
+        def __init__(self, config) -> None:
+            super().__init__(config)
+            x, y = self.datasets.train.tensors
+            self.datasets.train = torch.utils.data.TensorDataset(x, -50 * y)
+
+    config = tiny_config(tmp_path, epochs=3, **{"optim.lr": 0.05})
+    with TinyRunner(config) as runner:
+        runner.train()
+        assert runner.best_index == 2 and runner.checkpoint_manager.best.name == "epoch-000002"
+        source = runner.checkpoint_manager.directory / "epoch-000000"
+    with Scrambled({**config, "resume": str(source)}) as resumed:
+        resumed.train()
+        assert resumed.checkpoint_manager.directory == source.parent  # the same run, continued
+        assert resumed.best_index == 0  # epochs 1 and 2 of this continuation scored worse
+        best = resumed.checkpoint_manager.best
+        assert best is None or best.name == "epoch-000000"
