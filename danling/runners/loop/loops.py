@@ -362,7 +362,9 @@ class Loop:
 
         Raises:
             ValueError: A requested split has no dataloader, or there is nothing to evaluate.
+            RuntimeError: A training pass is under way (called from a step hook).
         """
+        self.passes.refuse_inside_training("evaluate()")
         splits = self.host._resolve_splits(evaluate_splits, self.host.evaluate_splits, "evaluate")
         if not splits:
             raise ValueError(f"nothing to evaluate: dataloaders are {list(self.host.dataloaders)}")
@@ -438,12 +440,14 @@ class Loop:
             ValueError: `steps` is negative, or a flat list is requested from an unsized loader
                 without `steps`; with `output`, see
                 [`run_inference`][danling.runners.inference.writer.run_inference].
+            RuntimeError: A training pass is under way (called from a step hook).
 
         Called when: by `runner.infer`, once per call (a stream runs as it is read).
         Holds on entry: the runner is constructed; no pass is open.
         Side effects: runs `infer_step` per batch; with `output`, writes and commits the file.
         Overrides must not: update metrics or counters (inference leaves the run's state alone).
         """
+        self.passes.refuse_inside_training("infer()")
         if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 0):
             raise ValueError(f"steps must be a non-negative int or None, got {steps!r}")
         if split not in self.host.dataloaders:

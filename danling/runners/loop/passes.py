@@ -58,6 +58,9 @@ class PassEngine:
     def __init__(self, host: LoopHost, events: EventBus, on_optimizer_step: Callable[[int], None]) -> None:
         self.host, self.events, self._on_optimizer_step = host, events, on_optimizer_step
         self.loop_depth = 0  # nesting of the loops under way (0: none); the outermost owns the run scope
+        # A training pass is iterating its batches (its periodic evaluations included): `evaluate()`
+        # and `infer()` called from a step hook then would reset its meters and leave eval mode on.
+        self.in_training_batches = False
         self.training = False  # whether the outermost loop under way trains
         # A stop request was seen; the loop exits at the next accumulation-window boundary.
         self.stop_latched = False
@@ -153,10 +156,12 @@ class PassEngine:
         # Nothing reads a training step's output unless a subscriber watches the steps: the default step
         # may then let it go before its backward pass (see `TorchRunner.train_step`).
         self.host._step_output_unused = training and not observed
+        inside, self.in_training_batches = self.in_training_batches, self.in_training_batches or training
         try:
             return self._run_hooked_batches(batches_in, pace, training, observed, skipped, plain)
         finally:
             self.host._step_output_unused = False
+            self.in_training_batches = inside
 
     def _run_hooked_batches(
         self, batches_in: Iterable, pace: tuple, training: bool, observed: bool, skipped: Any, plain: Any
@@ -409,6 +414,19 @@ class PassEngine:
             supervisor.request_stop(code - 128 if code > 128 else None)
             self.host.logger.warning("another rank asked to stop (exit code %d); stopping at the same step", code)
         return code > 0
+
+    def refuse_inside_training(self, call: str) -> None:
+        """Refuse `call` (`"evaluate()"`, `"infer()"`) from within a training pass's batches.
+
+        Raises:
+            RuntimeError: A training pass is under way (the call came from a step hook or event).
+        """
+        if self.in_training_batches:
+            raise RuntimeError(
+                f"{call} was called while a training pass runs (from a step hook or event?): it would reset "
+                "the pass's meters and leave the model in evaluation mode for the rest of the pass; evaluate "
+                "during training with evaluate_interval, or call it from an EPOCH_END handler or after train()"
+            )
 
     @contextmanager
     def scope(self, *, training: bool, mode: RunnerMode | None = None) -> Iterator[None]:

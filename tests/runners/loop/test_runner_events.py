@@ -104,3 +104,20 @@ def test_heartbeat_and_trackers_are_subscribers(tmp_path):
         runner.train()
     assert (runner.train_state.global_step, ["epoch", "train", "val"]) in logged
     assert torch.is_tensor(runner.meters["loss"].avg) or runner.meters["loss"].avg is not None
+
+
+def test_evaluate_or_infer_from_a_step_hook_is_refused_and_from_an_epoch_end_handler_runs(tmp_path):
+    # From a step hook, evaluate() reset the pass's running meters and left the model in eval mode
+    # (dropout off) for the rest of the training pass, silently.
+    for call in ("evaluate", "infer"):
+        with TinyRunner(tiny_config(tmp_path / call, epochs=1)) as runner:
+            runner.events.subscribe(Events.STEP_END, lambda context, runner=runner, call=call: getattr(runner, call)())
+            with pytest.raises(RuntimeError, match=rf"{call}\(\) was called while a training pass runs"):
+                runner.train()
+    scores = []
+    with TinyRunner(tiny_config(tmp_path / "epoch-end", epochs=2)) as runner:
+        runner.events.subscribe(
+            Events.EPOCH_END, lambda context: scores.append(runner.evaluate(["val"])["val"]["loss"])
+        )
+        runner.train()
+        assert len(scores) == 2 and all(score > 0 for score in scores)
