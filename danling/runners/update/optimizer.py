@@ -346,10 +346,13 @@ class OptimizerContainer:
         if limit is None and not (self.skip_nonfinite_grad or self.scaler is not None):
             limit = 1
         if limit is not None and self.consecutive_nonfinite >= limit:
+            # Suggest skip_nonfinite_grad only where it is off: with it on, the limit is the only knob.
+            hint = "raise nonfinite.max_consecutive"
+            if not self.skip_nonfinite_grad:
+                hint = f"set skip_nonfinite_grad=True to skip such updates, or {hint}"
             raise TrainingDivergedError(
                 f"{self.consecutive_nonfinite} update(s) in a row had non-finite (NaN/inf) gradients; stopping "
-                f"(nonfinite.max_consecutive={limit}). The weights were not updated with them. Set "
-                "skip_nonfinite_grad=True to skip such updates, or raise nonfinite.max_consecutive"
+                f"(nonfinite.max_consecutive={limit}). The weights were not updated with them: {hint}"
             )
         if self.scaler is None:  # a scaler's overflow skips are routine while it settles its scale
             self.logger.warning(

@@ -76,6 +76,22 @@ def test_nonfinite_update_is_skipped_and_counted():
     assert restored.skipped_steps == 1
 
 
+def test_nonfinite_limit_message_suggests_only_what_is_not_set():
+    from danling.runners.update.optimizer import TrainingDivergedError
+
+    model, _, _, container = _setup(skip_nonfinite_grad=True, max_nonfinite_updates=1)
+    (model(torch.ones(1, 2)).sum() * float("nan")).backward()
+    with pytest.raises(TrainingDivergedError) as error:
+        container.step()
+    # skipping is already on: the only way on is a higher limit
+    assert "skip_nonfinite_grad=True" not in str(error.value)
+    assert "raise nonfinite.max_consecutive" in str(error.value)
+    model, _, _, container = _setup(check_nonfinite=True)
+    (model(torch.ones(1, 2)).sum() * float("nan")).backward()
+    with pytest.raises(TrainingDivergedError, match="set skip_nonfinite_grad=True"):
+        container.step()
+
+
 def test_without_skip_nonfinite_updates_go_through():
     model, _, _, container = _setup()
     (model(torch.ones(1, 2)).sum() * float("nan")).backward()
