@@ -39,6 +39,7 @@ from danling.utils import RoundDict
 
 from ..services.run_dirs import (
     format_differences,
+    has_checkpoints,
     identity_differences,
     recorded_run_config,
     sibling_runs,
@@ -125,7 +126,10 @@ def take_run_dir(workspace: RunnerWorkspace, config: RunnerConfig, logger: Any, 
             workspace.path,
             "; ".join(f"{name}: {reason}" for name, reason in reasons.items()),
         )
-    if workspace.version > 1 and not workspace.refused:
+    # A version that already holds checkpoints is one this run continues (auto_resume, resume):
+    # only a run starting afresh in a later version is the new run beside an earlier one.
+    starts_afresh = not has_checkpoints(workspace.path, config.checkpoint.dir_name)
+    if workspace.version > 1 and not workspace.refused and starts_afresh:
         earlier = workspace.base_path if workspace.version == 2 else f"{workspace.base_path}-v{workspace.version - 1}"
         logger.warning(
             "%s already holds the checkpoints of an earlier run of this config, so this run writes into %s; "

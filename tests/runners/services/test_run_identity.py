@@ -111,6 +111,24 @@ def test_a_new_run_never_writes_into_another_runs_directory(tmp_path, caplog):
     resumed.close()
 
 
+def test_continuing_a_later_version_does_not_announce_a_new_run(tmp_path, caplog):
+    first, _ = _train(tmp_path)
+    second, _ = _train(tmp_path)  # -v2, beside the first
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="danling"):
+        resumed = TinyRunner(tiny_config(tmp_path, auto_resume=True, epochs=3))
+        assert Path(resumed.dir) == second and resumed.train_state.epoch == 2
+        resumed.close()
+    # the run continues -v2: a warning that it is a new run beside an earlier one would be false
+    assert "already holds the checkpoints of an earlier run" not in _messages(caplog)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="danling"):
+        resumed = TinyRunner(tiny_config(tmp_path, resume=os.fspath(second), epochs=3))
+        assert Path(resumed.dir) == second
+        resumed.close()
+    assert "already holds the checkpoints of an earlier run" not in _messages(caplog)
+
+
 def _child(mode: str, directory: Path) -> tuple[subprocess.Popen, str]:
     env = {**os.environ, "PYTHONPATH": str(_REPO), "OMP_NUM_THREADS": "1"}
     command = [sys.executable, "-m", "tests.runners._lock_child", mode, str(directory)]
