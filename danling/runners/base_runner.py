@@ -29,6 +29,7 @@ from chanfig import FlatDict
 
 from danling.checkpoint import CheckpointManager, FileCheckpointManager
 from danling.checkpoint.failures import CheckpointSaveError
+from danling.checkpoint.manifest import CheckpointNotFoundError
 from danling.distributed import Topology
 from danling.distributed.slurm import SlurmJob, apply_slurm_launch
 from danling.metrics import AverageMeters
@@ -56,6 +57,7 @@ from .services.errors import report_errors_briefly
 from .services.observability import RunStatus, Throughput, is_train_step_log
 from .services.preemption import SlurmPreemption
 from .services.progress_bar import ProgressBar
+from .services.run_dirs import resolve_resume_path
 from .services.supervisor import StartupFreeze
 from .services.tracking import TRACKERS, TrackerSetup, tensorboard_tracker, wandb_tracker
 from .state import RunnerElasticState, RunnerRNGState, RunnerState, RunnerTrainState
@@ -1120,6 +1122,16 @@ class BaseRunner(CheckpointHooks, StepHooks, metaclass=MetaRunner):
 
     def _resume_trackers(self, context: Any) -> None:
         # The curves continue from the checkpoint's step: later points of the earlier run are dropped.
+        # A checkpoint of another run directory (from_checkpoint, a resume from elsewhere: this run
+        # writes a new version) brought no curves here, so nothing is trimmed and points at its step
+        # (an evaluate() right after the restore) are new, not repeats to leave out.
+        source = None
+        with suppress(CheckpointNotFoundError):  # an in-memory payload (`<dict>`) names no file
+            # an alias path (<run>/checkpoints/latest) gives its pointer file; a bare alias stays a name
+            source = Path(os.path.expanduser(os.fspath(resolve_resume_path(context.path))))
+        run_dir = self.workspace.path.resolve()
+        if source is not None and source.exists() and not source.resolve().is_relative_to(run_dir):
+            return
         # At that step itself only the names of the restored row are taken (the earlier run logged it):
         # a split evaluated for the first time after the resume (`evaluate(["test"])`) is still recorded.
         book, recorded = self.bookkeeping, set()

@@ -185,6 +185,20 @@ def test_a_scoring_job_on_a_resumed_checkpoint_records_its_split_and_keeps_the_h
         assert [s for s, _ in board["val/loss"]] == [5, 10] and [s for s, _ in board["train_step/loss"]][-1] == 10
 
 
+def test_evaluation_of_a_runner_built_from_another_runs_checkpoint_is_recorded(tmp_path):
+    first = TinyRunner(tiny_config(tmp_path))
+    first.train()
+    first.close()
+    source = first.workspace.path / "checkpoints" / "latest"
+    runner = TinyRunner.from_checkpoint(source)  # a new version of the run directory, with no curves yet
+    assert runner.workspace.path != first.workspace.path and runner.train_state.global_step == 10
+    result = runner.evaluate(["val"])
+    runner.close()
+    # nothing of the source run is in this directory: its evaluation at the checkpoint's step is new
+    series = read_metrics_csv(runner.workspace.path / "metrics.csv")
+    assert series["val/loss"] == [(10, pytest.approx(result["val"]["loss"], rel=1e-6))]
+
+
 def wandb_history(run_file: Path) -> tuple[str, list[dict[str, Any]]]:
     from wandb.proto import wandb_internal_pb2
 
