@@ -399,6 +399,30 @@ def test_infer(make_runner):
         runner.infer(steps=-1)
 
 
+class NoRestoreRunner(ToyRunner):
+    """A BaseRunner subclass that leaves `auto_restore()` out of its construction."""
+
+    def __post_init__(self) -> None:
+        BaseRunner.__post_init__(self)
+
+
+def test_train_restores_what_the_config_asks_when_construction_did_not(tmp_path):
+    first = NoRestoreRunner(toy_config(tmp_path, epochs=2))
+    first.train()
+    first.close()
+    checkpoints = first.workspace.path / "checkpoints"
+    saved = {path.name: (path / "state.pt").read_bytes() for path in checkpoints.glob("epoch-*")}
+    runner = NoRestoreRunner(toy_config(tmp_path, epochs=3, auto_resume=True))
+    assert runner.workspace.path == first.workspace.path and runner.train_state.epoch == 0
+    runner.train()  # continues the run: epoch 3 only, the earlier checkpoints stay as they were
+    assert (runner.workspace.path / ".lock").is_file()
+    runner.close()
+    assert sorted(runner.results) == [0, 1, 2] and runner.train_state.epoch == 3
+    assert {name: (checkpoints / name / "state.pt").read_bytes() for name in saved} == saved
+    launches = json.loads((first.workspace.path / "metadata.json").read_text())["launches"]
+    assert [launch["epochs"] for launch in launches] == [2, 3]
+
+
 def test_step_hooks_must_be_implemented(tmp_path):
     with BaseRunner(toy_config(tmp_path)) as runner:
         runner.dataloaders["train"] = [1.0]

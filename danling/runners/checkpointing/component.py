@@ -403,6 +403,7 @@ class RunnerCheckpointing:
                 load(payload.get(key))
         if is_path(source):
             self.config.resume = os.fspath(source)
+        self.restored = True  # an explicit load is the restore: train() does not ask auto_restore for another
         self.events.emit(Events.CHECKPOINT_LOADED, CheckpointContext(host, _name(source)))
         train = self.state.train
         host.logger.info(

@@ -281,7 +281,8 @@ class CheckpointHooks:
     def auto_restore(self) -> None:
         """Restore what the config asks for: `resume`, else `auto_resume`, else `pretrained`.
 
-        Called when: once, at the end of `TorchRunner.__post_init__` (unless a restore already happened), on every rank.
+        Called when: once, at the end of `TorchRunner.__post_init__` (unless a restore already happened), on every rank;
+            by `train()` when nothing restored before it (a `BaseRunner` subclass that never called it).
         Holds on entry: the model, optimizer, scheduler, update strategy and dataloaders are built.
         Side effects: may take the run-directory lock, reconcile the run directory, and restore a checkpoint or
             pretrained weights.

@@ -160,6 +160,11 @@ class Loop:
         Overrides must not: call `train_epochs`/`train_steps` other than through the runner (a
             runner override of those would be bypassed).
         """
+        if not self.host.checkpointing.restored:
+            # A BaseRunner subclass that never called auto_restore(): without it `resume` and
+            # `auto_resume` would do nothing, the run would train from scratch in the directory chosen
+            # for continuing (over the earlier run's checkpoints), and hold no run-directory lock.
+            self.host.auto_restore()
         train_splits = self.host._resolve_splits(train_splits, self.host.train_splits, "train")
         if not train_splits:
             raise ValueError(
