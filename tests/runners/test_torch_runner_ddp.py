@@ -169,3 +169,37 @@ def test_init_distributed_refuses_a_group_it_did_not_start(tmp_path):
     assert all("already initialised" in error for error in errors), errors
     owned = run_distributed(_init_distributed_owns_the_group, str(tmp_path / "own"), init_process_group=False)
     assert owned == [{"started": True, "destroyed": True}] * 2
+
+
+class PaddedEvaluationRunner(TinyRunner):
+    """Mean squared error (from running moments) and Spearman (from the gathered predictions)."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.metrics = regression_metrics(metrics=["mse", "spearman"])
+
+
+def _evaluate_splits(rank: int | None, world_size: int, root: str) -> dict:
+    """Evaluate splits whose size the ranks do not divide: 7 samples in batches of 4, 5 and 1 in batches of 1."""
+    torch.set_num_threads(1)
+    out = {}
+    for name, samples, batch_size in (("seven", 7, 4), ("five", 5, 1), ("one", 1, 1)):
+        config = tiny_config(f"{root}/{name}", **{"dataloader.batch_size": batch_size})
+        with type("Runner", (PaddedEvaluationRunner,), {"n_val": samples})(config) as runner:
+            out[name] = runner.evaluate(["val"])["val"].dict()
+    return out
+
+
+def test_evaluation_on_two_ranks_counts_each_sample_once(tmp_path):
+    # The sampler pads the shards to equal length by repeating the first samples (so the ranks stay
+    # in lockstep); evaluation must not count those repeats: two ranks report what one process does.
+    ranks = run_distributed(_evaluate_splits, str(tmp_path / "two"), world_size=2, init_process_group=False)
+    single = _evaluate_splits(None, 1, str(tmp_path / "one"))
+    assert repr(ranks[0]) == repr(ranks[1])  # (repr: one sample has no Spearman correlation, NaN)
+    for name in ("seven", "five", "one"):
+        assert ranks[0][name]["mse"] == pytest.approx(single[name]["mse"], rel=1e-6), name
+        assert ranks[0][name]["spearman"] == pytest.approx(single[name]["spearman"], rel=1e-6, nan_ok=True), name
+    # In batches of 1, rank 1's last batch is nothing but the repeat: it adds no loss either. With
+    # one sample, rank 1 has nothing else (its loss meter still takes part in the reduction).
+    for name in ("five", "one"):
+        assert ranks[0][name]["loss"] == pytest.approx(single[name]["loss"], rel=1e-6), name

@@ -35,6 +35,9 @@ class StepHooks:
     # subscriber watches the steps); the default torch step then lets the output go before backward.
     _step_output_unused: bool = False
     _active_metrics: Any = None  # the metric container of the pass under way (None outside a pass)
+    # Samples at the end of the evaluation batch under way that the sampler repeated to pad the ranks'
+    # shards to one length; `update_metrics` leaves them out (set by the pass, 0 for other batches).
+    _repeated_tail: int = 0
 
     # ------------------------------------------------------------------ mode
     @property
@@ -271,6 +274,10 @@ class StepHooks:
         if target is None:
             return
         metrics = self._active_metrics if self._active_metrics is not None else self._metrics_for(self.mode)
+        if metrics is not None and self._repeated_tail:
+            if _rows(target) <= self._repeated_tail:
+                return  # nothing but repeats: every sample of this batch was fed already
+            pred, target = _drop_tail(pred, self._repeated_tail), _drop_tail(target, self._repeated_tail)
         if metrics is not None:
             metrics.update(pred.detach() if getattr(pred, "requires_grad", False) else pred, target)
 
@@ -289,3 +296,17 @@ class StepHooks:
         if metrics is not None:
             result.update(metrics.avg)
         return RoundDict.from_flat(result)  # flat results skip chanfig's generic constructor
+
+
+def _rows(value: Any) -> int:
+    """The number of samples in a batch's prediction or target (of a mapping, of its first entry)."""
+    while isinstance(value, Mapping) and value:
+        value = next(iter(value.values()))
+    return len(value)
+
+
+def _drop_tail(value: Any, count: int) -> Any:
+    """`value` (a tensor, a sequence, or a mapping of them, as in multi-task runs) without its last `count` samples."""
+    if isinstance(value, Mapping):
+        return {key: _drop_tail(item, count) for key, item in value.items()}
+    return value[: len(value) - count]

@@ -17,9 +17,11 @@ from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
+from torch.utils.data import DistributedSampler
 
 from danling.distributed import all_reduce_any, is_distributed
 from danling.distributed.collectives import _on_backend_device
+from danling.metrics import AverageMeter
 from danling.utils import RoundDict
 
 from ..services.step_window import StepWindow
@@ -135,7 +137,10 @@ class PassEngine:
         plain = self.host._plain_train_step() if training and not (observed or skipped or watchdog) else None
         if training:
             self.fused_step = plain is not None
-        pace = (split, length, interval, track_progress, budget, stop_poll, agree)
+        # The sampler's padding repeats (see `_repeated_tail`): on this rank, the index of the pass's last
+        # batch and how many samples at its end are repeats; the metrics and the loss leave them out.
+        repeated = None if training else _repeated_tail(loader)
+        pace = (split, length, interval, track_progress, budget, stop_poll, agree, repeated)
         # An evaluation pass runs in one inference context (entering it per batch costs more than
         # some small models' forward passes); it is left before a stop saves its checkpoint.
         with nullcontext() if training else self.host.inference_context(), self._spike_scope(split):
@@ -166,7 +171,8 @@ class PassEngine:
     def _run_hooked_batches(
         self, batches_in: Iterable, pace: tuple, training: bool, observed: bool, skipped: Any, plain: Any
     ) -> tuple[int, bool]:
-        split, length, interval, track_progress, budget, stop_poll, agree = pace
+        split, length, interval, track_progress, budget, stop_poll, agree, repeated = pace
+        last, tail, only_repeats = repeated or (-1, 0, False)
         # Looked up once per pass rather than once per batch; none of them is rebound by a step.
         meters, supervisor, update = self.host.meters, self.host.supervisor, self.host.update
         state, position, watchdog = self.host.train_state, self.host.loop_state, supervisor.watchdog
@@ -182,12 +188,21 @@ class PassEngine:
         for data in batches_in:
             if watchdog is not None:
                 watchdog.enter(phase, state.global_step)
+            if batches == last:  # `update_metrics` drops the repeats at the end of this batch
+                self.host._repeated_tail = tail
             if skipped and (split, state.epoch, position.batch) in skipped:
                 loss = self._skip_spiked_batch(split, position.batch)
             elif observed:
                 loss = self._observed_step(step, data, split, batches)
             else:
                 _, loss = step(data)
+            if batches == last:
+                self.host._repeated_tail = 0
+                if only_repeats and loss is not None:
+                    # A batch of repeats only: its loss was counted with the samples themselves. It goes
+                    # in with weight 0, so that the meter exists on every rank (reading it is collective).
+                    _weightless_loss(meters, loss)
+                    loss = None
             batches += 1
             if watchdog is not None:
                 watchdog.enter("data loading", state.global_step)  # until the next batch arrives
@@ -499,6 +514,41 @@ class PassEngine:
         self.host.supervisor.exiting_code = code  # from here on signals are ignored while it leaves with `code`
         self.host.close()
         raise SystemExit(code)
+
+
+def _weightless_loss(meters: Any, loss: Any) -> None:
+    """Add `loss` to the `loss` meter of `meters` with weight 0, creating the meter if needed."""
+    if "loss" not in meters:
+        meters["loss"] = AverageMeter(device=meters.device)
+    meters["loss"].update(loss, n=0)
+
+
+def _repeated_tail(loader: Any) -> tuple[int, int, bool] | None:
+    """Where an evaluation pass over `loader` meets samples its sampler repeated; `None` if it does not.
+
+    A `DistributedSampler` without `drop_last` pads the dataset to a multiple of the ranks by
+    repeating its first samples, so that every rank runs as many batches (the ranks of a sharded or
+    pipelined model must run each forward pass together). Those repeats come last in a rank's share
+    and the pass runs them, but counting them would weigh some samples twice in the metrics, so two
+    ranks would report other values than one process. Returns the index of this rank's last batch,
+    the number of repeats at its end, and whether that batch holds nothing else.
+    """
+    sampler = getattr(loader, "sampler", None)
+    if not isinstance(sampler, DistributedSampler) or sampler.drop_last or getattr(sampler, "origin", None):
+        return None
+    dataset = length_of(sampler.dataset)
+    if dataset is None:
+        return None
+    # This rank takes positions rank, rank + W, ... of the padded order; those from `dataset` on are repeats.
+    own = len(range(sampler.rank, dataset, sampler.num_replicas))
+    tail = sampler.num_samples - own
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    batches, size = length_of(loader), getattr(batch_sampler, "batch_size", None)
+    if tail <= 0 or not batches or not size:
+        return None
+    if getattr(batch_sampler, "drop_last", False) and sampler.num_samples % size:
+        return None  # the partial last batch, repeats and all, is dropped
+    return batches - 1, tail, sampler.num_samples - (batches - 1) * size <= tail
 
 
 def _max_across_ranks(value: int, group: Any) -> int:

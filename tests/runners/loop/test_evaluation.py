@@ -183,3 +183,27 @@ def test_evaluation_pass_runs_in_inference_mode_and_stops_outside_it(tmp_path):
     assert runner.datasets.val.modes and all(runner.datasets.val.modes)
     assert runner.stop_in_inference_mode is False  # the shutdown checkpoint was taken after leaving it
     assert _shutdown_payload(runner)["state"]["train"]["epoch"] == 1
+
+
+@pytest.mark.parametrize(("batch_size", "drop_last"), [(4, False), (1, False), (2, True), (3, True)])
+def test_one_shard_of_a_padded_split_counts_its_own_samples_only(tmp_path, batch_size, drop_last):
+    # Rank 1's shard of 7 samples over 2 ranks, in one process: the sampler pads it with sample 0.
+    # The metrics see samples 1, 3 and 5, whatever batches the loader cuts (with batches of 3 and
+    # drop_last, the partial batch holding the repeat is dropped: nothing is left out of [1, 3, 5]).
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    from danling.metrics import regression_metrics
+    from tests.runners._torch_toy import make_data
+
+    with TinyRunner(tiny_config(tmp_path)) as runner:
+        data = make_data(7, seed=1)
+        sampler = DistributedSampler(data, num_replicas=2, rank=1, shuffle=False)
+        runner.dataloaders["val"] = DataLoader(data, batch_size=batch_size, drop_last=drop_last, sampler=sampler)
+        runner.metrics = regression_metrics(metrics=["mse"])
+        result = runner.evaluate(["val"])["val"]
+        model = runner.unwrap(runner.model).eval()
+        with torch.no_grad():
+            x, y = data.tensors
+            own = [1, 3, 5]
+            expected = torch.nn.functional.mse_loss(model(x[own]), y[own]).item()
+    assert result["mse"] == pytest.approx(expected, rel=1e-6)
