@@ -144,15 +144,23 @@ def normalize_excludes(keys: Sequence[str] | str | None) -> tuple[str, ...]:
 def drop_key(mapping: MutableMapping, key: str) -> bool:
     """Delete `key` from `mapping`, reading dots as nesting when no literal key matches.
 
+    A key that prefixes dotted keys (a submodule's name in a flat state dict) deletes all of them,
+    as DCP's reader leaves out every entry under it.
+
     Examples:
-        >>> state = {"model": {"head.weight": 1, "body.weight": 2}, "optimizer": {}}
-        >>> drop_key(state, "model.head.weight"), state
+        >>> state = {"model": {"head.weight": 1, "head.bias": 0, "body.weight": 2}, "optimizer": {}}
+        >>> drop_key(state, "model.head"), state
         (True, {'model': {'body.weight': 2}, 'optimizer': {}})
         >>> drop_key(state, "scheduler")
         False
     """
     if key in mapping:
         del mapping[key]
+        return True
+    under = [name for name in mapping if isinstance(name, str) and name.startswith(key + ".")]
+    for name in under:
+        del mapping[name]
+    if under:
         return True
     parts = key.split(".")
     for cut in range(1, len(parts)):

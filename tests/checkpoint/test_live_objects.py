@@ -130,6 +130,21 @@ def test_dcp_load_into_honours_dotted_excludes(tmp_path):
     assert torch.equal(fresh[0].weight, kept) and torch.equal(fresh[0].bias, model[0].bias)
 
 
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
+def test_a_dotted_exclude_naming_a_submodule_keeps_all_its_weights(tmp_path, backend):
+    # "model.0" names a module, not a stored key: every entry under it ("0.weight", "0.bias") stays
+    # out, with either backend (the file backend used to find no key "0" and load them all).
+    model = _model()
+    BACKENDS[backend](tmp_path).save({"model": ModelState(model)}, "step-000001")
+    manager = BACKENDS[backend](tmp_path, exclude_from_loading=["model.0"])
+    assert sorted(manager.load("latest")["model"]) == ["2.bias", "2.weight"]
+    fresh = _model(seed=1)
+    kept = [fresh[0].weight.detach().clone(), fresh[0].bias.detach().clone()]
+    manager.load_into("latest", {"model": ModelState(fresh, strict=False)})
+    assert torch.equal(fresh[0].weight, kept[0]) and torch.equal(fresh[0].bias, kept[1])
+    assert torch.equal(fresh[2].weight, model[2].weight)
+
+
 # Per-rank entries ------------------------------------------------------------------------------
 
 
