@@ -350,7 +350,28 @@ class TorchCheckpointing(RunnerCheckpointing):
         if self.host.model is None:
             raise ValueError("cannot load model weights: self.model is not set")
         strict = kwargs.pop("strict", args[0] if args else True)
+        state_dict = self._keep_excluded_weights(state_dict, "model", self.checkpoint_model)
         set_training_state(self.checkpoint_model, None, {"model": state_dict}, strict=strict)
+
+    def load_ema(self, state_dict: Mapping[str, Any] | None, *args: Any, **kwargs: Any) -> None:
+        """Load EMA weights; those a dotted `exclude_from_loading` key names (`ema.head`) keep their values."""
+        if state_dict is not None and self.host.ema is not None:
+            state_dict = self._keep_excluded_weights(state_dict, "ema", self.host.unwrap(self.host.ema))
+        super().load_ema(state_dict, *args, **kwargs)
+
+    def _keep_excluded_weights(self, state_dict: Mapping[str, Any], part: str, module: Any) -> Mapping[str, Any]:
+        """`state_dict` with the entries a dotted `exclude_from_loading` key names (`model.head`,
+        `model.head.weight` for `part="model"`) taken from the live `module`: those weights keep their
+        current values, while strict loading still refuses any other entry the checkpoint lacks."""
+        prefix = part + "."
+        names = [key.removeprefix(prefix) for key in self.manager.exclude_from_loading if key.startswith(prefix)]
+        if not names:
+            return state_dict
+        from danling.checkpoint.training import ModelState
+
+        live = ModelState(module).state_dict()
+        kept = {key: value for key, value in live.items() if any(key == n or key.startswith(n + ".") for n in names)}
+        return {**state_dict, **kept}
 
     def load_optimizer(self, state_dict: Mapping[str, Any] | None, *args: Any, **kwargs: Any) -> None:
         """Load optimizer state keyed by parameter name (or torch's positional layout) into the runner's optimizer."""

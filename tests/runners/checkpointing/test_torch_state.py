@@ -108,3 +108,28 @@ def test_a_model_without_parameters_checkpoints_in_one_process(tmp_path):
         assert path is not None and runner.evaluate()["val"]["loss"] >= 0
     with Parameterless(dict(config, resume=str(path))) as resumed:
         assert resumed.config.resume == str(path)
+
+
+@pytest.mark.parametrize("backend", ["file", "dcp"])
+def test_a_dotted_model_exclude_keeps_those_weights_and_restores_the_rest(tmp_path, backend):
+    # `checkpoint.exclude_from_loading: [model.3]` (a submodule), `[model.0.weight]` (one entry) or
+    # `[ema.3]`: those weights keep the fresh run's values, everything else of the model (or EMA) is
+    # restored (strict loading used to fail on the entries the exclusion itself left out).
+    config = tiny_config(tmp_path, epochs=1, **{"checkpoint.backend": backend, "ema.enabled": True})
+
+    def weights(runner, part):
+        return {k: v.detach().clone() for k, v in runner.unwrap(getattr(runner, part)).state_dict().items()}
+
+    with TinyRunner(config) as runner:
+        runner.train()
+        trained = {part: weights(runner, part) for part in ("model", "ema")}
+        latest, steps = str(runner.checkpoint_manager.latest), runner.train_state.global_step
+    cases = (("model", ["model.3"], {"3.weight", "3.bias"}), ("model", ["model.0.weight"], {"0.weight"}))
+    for part, exclude, kept in (*cases, ("ema", ["ema.3"], {"3.weight", "3.bias"})):
+        resumed = TinyRunner({**config, "resume": latest, "checkpoint.exclude_from_loading": exclude})
+        fresh = TinyRunner({**config, "workspace_root": str(tmp_path / "fresh")})  # the weights a new run starts with
+        with resumed, fresh:
+            state, initial = weights(resumed, part), weights(fresh, part)
+            for key, value in state.items():
+                assert torch.equal(value, initial[key] if key in kept else trained[part][key]), (exclude, key)
+            assert resumed.train_state.global_step == steps
