@@ -955,9 +955,10 @@ class TorchRunner(BaseRunner):
         return all_reduce_mean(tensor, group=self.topology.group("metrics"))
 
     def reduce_loss_for_logging(self, loss: torch.Tensor | None, loss_n: int | None) -> torch.Tensor | None:
-        """Detached loss averaged over ranks, weighted by each rank's `loss_n` samples when given.
+        """Detached loss averaged over the metrics domain (as `reduce`), weighted by each rank's `loss_n` samples
+        when given.
 
-        Called when: by user code that logs a loss; a collective when distributed.
+        Called when: by user code that logs a loss; a collective over the metrics domain when distributed.
         Holds on entry: `loss` is this rank's loss (or `None`).
         Side effects: none; returns the reduced, detached loss.
         Overrides must not: return a tensor that requires grad, or skip the collective on some ranks.
@@ -969,8 +970,11 @@ class TorchRunner(BaseRunner):
             return loss
         if loss_n is None:
             return self.reduce(loss)
-        weighted = self.all_reduce(loss.float() * loss_n)
-        total = self.all_reduce(torch.tensor(float(loss_n), device=loss.device))
+        # Over the same ranks as `reduce`: not every rank (the pipeline's first stages hold no loss and
+        # never get here, and tensor peers hold the same batch).
+        group = self.topology.group("metrics")
+        weighted = self.all_reduce(loss.float() * loss_n, group=group)
+        total = self.all_reduce(torch.tensor(float(loss_n), device=loss.device), group=group)
         return weighted / total
 
     # ==== torch fault tolerance surface ====

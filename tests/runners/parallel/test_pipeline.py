@@ -493,3 +493,22 @@ def test_middle_stages_get_no_data_and_subgroups_and_fsdp_work(tmp_path):
             assert abs(result["runner"]["rows"][epoch, "train"][0] - expected["rows"][epoch, "train"][0]) < TOL, rank
         assert max(abs(a - b) for a, b in zip(result["runner"]["predictions"], expected["predictions"])) < TOL
         assert len(result["runner"]["predictions"]) == 6
+
+
+def _weighted_loss_reduction(rank, world_size, root):
+    options = {"parallel.axes.pipeline": 2, "parallel.module_fqns_per_model_part": FQNS_2}
+    with PipelinedRunner(runner_config(f"{root}/weighted", **options)) as runner:
+        last = runner.topology.coordinates["pipeline"] == 1
+        loss = torch.tensor(2.5) if last else None  # only the last stage has a loss, as in a pipelined step
+        return {
+            "weighted": runner.reduce_loss_for_logging(loss, 4),
+            "plain": runner.reduce_loss_for_logging(loss, None),
+        }
+
+
+def test_a_weighted_loss_is_reduced_over_the_metrics_domain_like_an_unweighted_one(tmp_path):
+    # Weighted by `loss_n`, the loss used to be summed over every rank, so the last stage waited in a
+    # collective the other stages never enter. Both forms reduce over the ranks holding other batches.
+    first, second = run_distributed(_weighted_loss_reduction, str(tmp_path), init_process_group=False, timeout=90)
+    assert first == {"weighted": None, "plain": None}
+    assert float(second["weighted"]) == float(second["plain"]) == 2.5
