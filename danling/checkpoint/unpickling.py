@@ -151,6 +151,24 @@ def _weights_only_reason(err: Exception) -> str:
     return lines[0] if lines else "a type outside the allow-list"
 
 
+# Damaged bytes fail inside torch's readers in many ways (an empty stack, an unknown memo key, a
+# short struct, a bad zip): each is the same finding about the file.
+DAMAGED_READ_ERRORS = (EOFError, RuntimeError, OSError, ValueError, IndexError, KeyError, struct.error)
+
+
+def weights_only_refusal(err: pickle.UnpicklingError, origin: Any) -> UnsafePickleError | None:
+    """The refusal a failed `weights_only` read stands for, or `None` when no type was refused.
+
+    An opcode torch.save never writes ("Unsupported operand") is what random or damaged bytes look
+    like, not a type to admit: advising `trusted=True` there would ask the user to run whatever the
+    damage spells. The same rule serves checkpoints and `danling.load`.
+    """
+    if "weights_only" not in str(err) and "WeightsUnpickler" not in str(err):
+        return None
+    reason = _weights_only_reason(err)
+    return None if reason.startswith("Unsupported operand") else _refusal(origin, reason)
+
+
 def torch_load(
     source: str | os.PathLike | BinaryIO,
     *,
@@ -182,25 +200,16 @@ def torch_load(
         with torch.serialization.safe_globals([*SAFE_GLOBALS, *extra_globals]):
             return torch.serialization.load(source, map_location=map_location, weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as err:
-        if "weights_only" in str(err) or "WeightsUnpickler" in str(err):
-            reason = _weights_only_reason(err)
-            if reason.startswith("Unsupported operand"):
-                # No type was refused: the stream holds an opcode torch.save never writes, which is
-                # what random or damaged bytes look like. Advising `trusted=True` there would ask
-                # the user to run whatever the damage spells.
-                raise CheckpointError(
-                    f"checkpoint {origin} is corrupt or was not written by torch.save: its pickle holds an "
-                    f"opcode torch.save never writes ({reason}); load it with trusted=True only if it is a "
-                    "pickle you wrote yourself"
-                ) from None
-            raise _refusal(origin, reason) from None
-        raise CheckpointError(f"checkpoint {origin} is truncated or corrupt: cannot be unpickled: {err}") from err
-    except (EOFError, RuntimeError, OSError, ValueError, IndexError, KeyError, struct.error) as err:
-        # Damaged bytes fail inside torch's readers in many ways (an empty stack, an unknown memo
-        # key, a short struct): each is the same finding about the file.
+        refusal = weights_only_refusal(err, origin)
+        if refusal is not None:
+            raise refusal from None
+        raise CheckpointError(
+            f"checkpoint {origin} is truncated or corrupt: cannot be unpickled ({_weights_only_reason(err)})"
+        ) from err
+    except DAMAGED_READ_ERRORS as err:
         if isinstance(err, FileNotFoundError):
             raise
-        raise CheckpointError(f"checkpoint {origin} is truncated or corrupt: cannot be unpickled: {err!r}") from err
+        raise CheckpointError(f"checkpoint {origin} is truncated or corrupt: cannot be unpickled ({err!r})") from err
 
 
 def read_dcp_metadata(path: str | os.PathLike, *, trusted: bool = False) -> Any:

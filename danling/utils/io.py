@@ -13,7 +13,6 @@ import os
 import pathlib
 import pickle
 import secrets
-import struct
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import IO, Any, TypeVar
@@ -117,7 +116,12 @@ def _load_torch(path: str, *args: Any, trusted: bool = False, **kwargs: Any) -> 
     if not kwargs["weights_only"]:
         return torch.load(path, *args, **kwargs)
     # The checkpoint package imports this module, so its allow-list is imported here.
-    from danling.checkpoint.unpickling import _GLOBAL, SAFE_GLOBALS, _refusal, _weights_only_reason
+    from danling.checkpoint.unpickling import (
+        DAMAGED_READ_ERRORS,
+        SAFE_GLOBALS,
+        _weights_only_reason,
+        weights_only_refusal,
+    )
 
     # The allow-list every other loader of danling uses (paths, NumPy values: `.pkl` files and
     # checkpoints admit them), and its one-line refusal instead of torch's advice to turn safety off.
@@ -125,18 +129,16 @@ def _load_torch(path: str, *args: Any, trusted: bool = False, **kwargs: Any) -> 
         with torch.serialization.safe_globals(list(SAFE_GLOBALS)):
             return torch.load(path, *args, **kwargs)
     except pickle.UnpicklingError as err:
-        text = str(err)
-        if "weights_only" not in text and "WeightsUnpickler" not in text:
-            raise
-        if _GLOBAL.search(text):  # a type outside the allow-list
-            raise _refusal(path, _weights_only_reason(err)) from None
-        # Anything else is a file torch cannot read at all: no reason to advise trusting it.
+        refusal = weights_only_refusal(err, path)
+        if refusal is not None:
+            raise refusal from None
+        # No type was refused: a file torch cannot read at all, and no reason to advise trusting it.
         raise pickle.UnpicklingError(
             f"cannot load {path!r}: not a readable torch file ({_weights_only_reason(err)})"
         ) from None
-    except (EOFError, IndexError, KeyError, UnicodeDecodeError, struct.error) as err:
-        # Damaged bytes also fail inside torch's reader as an empty stack, an unknown memo key, a
-        # short read: the same finding as above, not a traceback from torch's internals.
+    except DAMAGED_READ_ERRORS as err:
+        if isinstance(err, FileNotFoundError):
+            raise
         raise pickle.UnpicklingError(f"cannot load {path!r}: not a readable torch file ({err!r})") from None
 
 
