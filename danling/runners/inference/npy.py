@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 from .sinks import Sink, _fsync, _replacing, register_sink
 
@@ -31,7 +32,7 @@ def _numpy(value: Any) -> Any:
     if not hasattr(value, "detach"):
         return value
     value = value.detach().cpu()
-    if value.is_floating_point() and value.element_size() < 4 and str(value.dtype) != "torch.float16":
+    if value.is_floating_point() and value.element_size() < 4 and value.dtype is not torch.float16:
         # NumPy has no bfloat16 or float8 (`.numpy()` raises on them): float32 holds their values exactly
         value = value.float()
     return value.numpy()
