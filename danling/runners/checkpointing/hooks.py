@@ -265,7 +265,8 @@ class CheckpointHooks:
         Called when: by `auto_restore` when `pretrained` is set and no checkpoint is resumed, and by
             `from_pretrained`; once per run.
         Holds on entry: the runner is constructed and `self.model` is built.
-        Side effects: replaces the model weights only (EMA weights preferred); sets `config.pretrained` for a path.
+        Side effects: replaces the model weights only (EMA weights preferred), and restarts the run's EMA
+            (when it keeps one) from them; sets `config.pretrained` for a path.
         Overrides must not: restore the optimizer, scheduler, counters or dataloaders (that is a resume:
             `load_checkpoint`).
 

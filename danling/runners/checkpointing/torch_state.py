@@ -339,7 +339,13 @@ class TorchCheckpointing(RunnerCheckpointing):
 
     @contextlib.contextmanager
     def ema_source(self) -> Iterator[Any]:
-        """The module the runner's EMA follows, readable for the block (a backend may gather it first)."""
+        """The module the runner's EMA follows, readable for the block (a backend may gather it first).
+
+        Called when: by `load_pretrained`, after the weights are loaded, to restart the EMA from them.
+        Holds on entry: the runner keeps an `EMA` and its model is built.
+        Side effects: none here; a backend override may gather partitioned parameters for the block.
+        Overrides must not: yield a copy (the EMA must read the live weights) or keep the gather open after it.
+        """
         ema = self.host.ema
         yield ema.live if ema.live is not None else self.host.unwrap(self.host.model)
 
