@@ -165,11 +165,11 @@ def _classification(module: Any, averaged: bool) -> dict[str, Entry]:
         "confmat": ("confusion", lambda state, average: state.confusion.matrix.clone()),
     }
     if averaged:
-        catalog["auroc"] = ("data", _curve_metric(module, "auroc"))
-        catalog["auprc"] = ("data", _curve_metric(module, "auprc"))
+        catalog["auroc"] = ("ranking", _curve_metric(module, "auroc"))
+        catalog["auprc"] = ("ranking", _curve_metric(module, "auprc"))
     else:
-        catalog["auroc"] = ("data", _binary_curve_metric("auroc"))
-        catalog["auprc"] = ("data", _binary_curve_metric("auprc"))
+        catalog["auroc"] = ("ranking", _binary_curve_metric("auroc"))
+        catalog["auprc"] = ("ranking", _binary_curve_metric("auprc"))
     return catalog
 
 

@@ -3,7 +3,9 @@
 Each task keeps only the artifacts its metrics need: confusion counts (a fixed-size tensor of
 label counts), regression moments (merged per batch), or the predictions and targets themselves
 (joined every 64 batches into chunks, with class targets on the host narrowed to the smallest
-integer dtype that holds them; AUROC and AUPRC read the chunks as they are). Confusion counts
+integer dtype that holds them; AUROC and AUPRC read the chunks as they are). A binary task whose
+data is read only as a ranking (the catalogue's AUROC and AUPRC) keeps its host scores by label
+instead, sorted in place at each read (`danling.metrics.sides`). Confusion counts
 are not updated batch by batch: batches wait in a short queue and are counted together (see
 `GlobalMetrics`). Updates stay on the device of the inputs and never synchronise with it;
 reading gathers and reduces across ranks.
@@ -28,6 +30,7 @@ from .global_state import NARROW_DTYPES, GlobalMetricsState, TaskStoreState, joi
 from .meter import check_weight, format_number
 from .metric_meter import Preprocess, batch_size, metric_name
 from .preprocess import _plain_multiclass, base_preprocess, positive_predictions
+from .sides import BinarySides, keeps_by_label
 from .state import MetricFunc, MetricState, MetricTask
 
 if TYPE_CHECKING:
@@ -88,7 +91,12 @@ class _TaskStore(TaskStoreState):
         # Looked up once here because update() runs every batch.
         self.wants_confusion = "confusion" in self.needs
         self.wants_moments = "moments" in self.needs
-        self.wants_data = "data" in self.needs
+        # "ranking" readers take the data as an unordered set of (score, label) pairs: a binary
+        # store of them alone keeps host scores by label (`BinarySides`), other stores keep data.
+        self.wants_data = "data" in self.needs or "ranking" in self.needs
+        self.order_free = (
+            task is not None and task.kind == "binary" and "ranking" in self.needs and "data" not in self.needs
+        )
         self.wants_bins = "bins" in self.needs
         # Confusion counts alone: `val` and `bat` read counts (see `COUNT_ALONE`), never the data.
         self.counts_latest = self.needs == {"confusion"}
@@ -121,6 +129,9 @@ class _TaskStore(TaskStoreState):
         self.last: tuple[Tensor, Tensor] | None = None
         self.last_rows: int | None = None  # rows of the latest batch, where it is the data's tail
         self.last_counts: Tensor | None = None  # counts of the latest batch, where it was counted alone
+        # An order-free binary store's data, by label (see `order_free`): set by the first batch
+        # when it is on the host; on another device the store keeps the batches in order instead.
+        self.sides: BinarySides | None = None
 
     def update(self, input: Tensor, target: Tensor) -> None:
         task = self.task
@@ -142,6 +153,12 @@ class _TaskStore(TaskStoreState):
                     bins = task.binned(input, target)
                     self.bins = bins if self.bins is None else self.bins.add_(bins)
         if self.wants_data:
+            if self.sides is not None or (self.order_free and not self.kept() and keeps_by_label(input.device)):
+                if self.sides is None:
+                    self.sides = BinarySides(task.ignore_index)
+                self.sides.add(input, target)
+                self.last = None  # a loaded latest batch gives way to this one
+                return
             self.inputs.append(input)
             self.targets.append(target)
             self.data_bytes += input.numel() * input.element_size() + target.numel() * target.element_size()
@@ -173,8 +190,17 @@ class _TaskStore(TaskStoreState):
                 self._counts.add_(counts)
         self.last_counts = counts
 
+    def kept(self) -> bool:
+        """Whether any data is kept (in order or by label)."""
+        return bool(self.inputs or self.chunks or self.sides is not None)
+
     def latest(self) -> tuple[Tensor, Tensor] | None:
-        """The latest batch as formatted (int64 class targets), `None` before any update."""
+        """The latest batch as formatted (int64 class targets), `None` before any update.
+
+        An order-free store gives its rows grouped by label (the metrics that read it take no order).
+        """
+        if self.sides is not None:
+            return self.sides.latest() if self.last is None else self.last
         if self.last_rows is None:
             return self.last
         if self.inputs:
@@ -326,11 +352,21 @@ class _TaskStore(TaskStoreState):
         peak. Read where they lay, binary AUROC over 1e5 scores held 2.66x the scores at its peak
         instead of 2.48x. A gather sends narrowed targets too.
         """
+        if self.sides is not None:
+            return self.sides.chunks()
         self.join()
         return list(self.chunks)  # a state keeps its list: later joins append to the store's
 
     def local_data(self) -> tuple[Tensor, Tensor] | None:
-        """All local data, concatenated once and kept concatenated (targets as formatted)."""
+        """All local data, concatenated once and kept concatenated (targets as formatted).
+
+        An order-free store gives a new concatenation of its sides at each call.
+        """
+        if self.sides is not None:
+            chunks = self.sides.chunks()
+            if not chunks:
+                return None
+            return torch.cat([i for i, _ in chunks]), torch.cat([t.long() for _, t in chunks])
         self.join()
         if not self.chunks:
             return None
@@ -351,18 +387,21 @@ class _TaskStore(TaskStoreState):
             distributed = is_distributed(group)
         chunks = None
         if kind == "avg":
-            data = None
-            if "data" in self.needs:
+            data, artifacts = None, {}
+            if self.wants_data:
                 if distributed:
                     # Each rank's chunks go straight into the buffer it sends, and every rank's
                     # data arrives in one buffer: held once, never concatenated again.
                     data = _gather_pair(self.data_chunks(), device, group)
                     chunks = None if data is None or self.task is None else [data]
+                elif self.sides is not None:
+                    # Sorted in place and counted where they lie: no copy of the scores.
+                    artifacts["ranking"] = self.sides.ranking()
+                    chunks = self.sides.chunks() or [_formatted_empty(self.task, device)]
                 elif self.task is not None:
                     chunks = self.data_chunks()  # read where they lie, no concatenated copy
                 else:
                     data = self.local_data()
-            artifacts = {}
             if "confusion" in self.needs:
                 artifacts["confusion"] = self._synced_confusion(device, group, distributed)
             if "moments" in self.needs:
@@ -387,7 +426,7 @@ class _TaskStore(TaskStoreState):
         if chunks:
             return MetricState(self.task, chunks=chunks, **artifacts)
         if data is None:
-            if artifacts and "data" not in self.needs:
+            if artifacts and not self.wants_data:
                 # Every artifact the store's metrics read is here; an empty batch would only turn a
                 # metric that reads data against its declared needs into a silent NaN.
                 return MetricState(self.task, **artifacts)
@@ -457,6 +496,12 @@ class GlobalMetrics(GlobalMetricsState):
     data, the tensors passed to `update` are read later: do not change them in place afterwards.
     Counting always runs under `torch.inference_mode()`, so updates and reads may happen inside
     or outside it in any mix. Regression moments and kept data are updated per batch as before.
+
+    A binary task whose metrics read the data only as a ranking (`requires="ranking"`: the
+    catalogue's exact AUROC and AUPRC, with or without confusion metrics) keeps host scores
+    grouped by label, with no targets, and each read sorts them in place: about half the memory of
+    scores kept in order plus their sorted copy. Its `val`, `bat` and `state_dict` give the rows
+    grouped by label; values are the same. Batches on another device (CUDA) are kept in order.
 
     Args:
         *metrics: Metric functions, named after their `__name__` (or `MetricFunc.name`).

@@ -15,6 +15,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .sides import BinarySides, keeps_by_label
+
 __all__ = ["NARROW_DTYPES", "GlobalMetricsState", "TaskStoreState", "join_rows", "narrow_join"]
 
 # Dtypes kept class targets are narrowed to, smallest first (see `narrow_join`).
@@ -67,8 +69,13 @@ class TaskStoreState:
         self.reset()  # type: ignore[attr-defined]
         self._counts, self.moments = state["counts"], state["moments"]
         self.bins = state.get("bins")  # type: ignore[attr-defined]
-        if state["inputs"] is not None:
-            self.inputs, self.targets = [state["inputs"]], [state["targets"]]
+        inputs, targets = state["inputs"], state["targets"]
+        if inputs is not None and self.order_free and keeps_by_label(inputs.device):  # type: ignore[attr-defined]
+            self.sides = BinarySides(self.task.ignore_index)  # type: ignore[attr-defined]
+            self.sides.add(inputs, targets.long())  # type: ignore[attr-defined]
+            self.sides.last = None  # type: ignore[attr-defined]  # the state's own latest batch follows
+        elif inputs is not None:
+            self.inputs, self.targets = [inputs], [targets]
         if state["last_input"] is not None:
             self.last = (state["last_input"], state["last_target"])  # held on its own after a load
         self.last_counts = state.get("last_counts")  # type: ignore[attr-defined]

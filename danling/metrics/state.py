@@ -39,7 +39,9 @@ __all__ = ["ARTIFACTS", "MetricFunc", "MetricState", "MetricTask"]
 
 TASK_KINDS = ("binary", "multiclass", "multilabel", "regression")
 # "data" means the predictions and targets themselves; the others are built from them.
-ARTIFACTS = ("confusion", "moments", "data", "bins")
+# "ranking" means the data read as an unordered set of (score, label) pairs, as AUROC and AUPRC
+# read it: a store may then keep the rows in another order (binary scores grouped by label).
+ARTIFACTS = ("confusion", "moments", "data", "bins", "ranking")
 # Fewest scores for which `MetricState.ranking` sorts per-column copies: below it the curves'
 # handful of whole-tensor calls cost less than a column-by-column pass of ten columns, and their
 # memory is small. Measured after a warm-up, AUROC + AUPRC: ten columns took 1.2-1.6x the curves'
@@ -227,7 +229,8 @@ class MetricState:
 
     Pass formatted `input`/`target` (see [`MetricTask.format`][danling.metrics.MetricTask.format]),
     or the same in `chunks` of rows (targets in any integer dtype), and/or artifacts that were
-    accumulated elsewhere (`confusion`, `moments`, `bins`). Artifacts that were not given are derived
+    accumulated elsewhere (`confusion`, `moments`, `bins`, and a `ranking` of the data: what
+    [`ranking()`][danling.metrics.MetricState.ranking] returns, at any size). Artifacts that were not given are derived
     from the data on first use; chunks are concatenated only for what needs the data in one
     piece (`data`, `curves`), not for `ranking`.
 
@@ -250,6 +253,7 @@ class MetricState:
         moments: Tensor | None = None,
         bins: Tensor | None = None,
         chunks: Sequence[tuple[Tensor, Tensor]] | None = None,
+        ranking: _ranking.Ranking | None = None,
     ) -> None:
         self.task = task
         self.input = input
@@ -262,6 +266,8 @@ class MetricState:
             self._cache["moments"] = moments
         if bins is not None:
             self._cache["bins"] = bins
+        if ranking is not None:
+            self._cache["ranking", False] = ranking
 
     @classmethod
     def from_batch(cls, task: MetricTask, input: Any, target: Any) -> MetricState:
@@ -316,8 +322,12 @@ class MetricState:
         about as much memory as the scores where the curves take about fifteen times it. Data on
         another device: the same counts with tensor ops there, one column at a time, read from the
         chunks without concatenating them (no host read). Either way the same AUROC and the same
-        average precision up to float rounding. Otherwise `None`: read `curves`.
+        average precision up to float rounding. Otherwise `None`: read `curves`. A ranking given
+        to the state is returned at any size.
         """
+        given = self._cache.get(("ranking", micro))
+        if given is not None:
+            return given
         chunks = self.chunks if self.input is None else [(self.input, self.target)]
         if (
             chunks is None
@@ -342,7 +352,12 @@ class MetricFunc:
         name: Name under which containers report the value.
         fn: Function of a state returning the metric.
         task: The task the state is built for.
-        requires: Artifacts `fn` reads: any of `"confusion"`, `"moments"`, `"data"`, `"bins"`.
+        requires: Artifacts `fn` reads: any of `"confusion"`, `"moments"`, `"data"`, `"bins"`,
+            `"ranking"`. A function that reads the data only as an unordered set of (score, label)
+            pairs (AUROC, AUPRC) may say `"ranking"` instead of `"data"`: a `GlobalMetrics` whose
+            binary metrics all say so keeps host scores grouped by label, sorted in place at each
+            read, in about half the memory; the rows its states hold are then grouped by label
+            (the latest batch's too), not in the order they came.
 
     Examples:
         >>> from danling.metrics.functional.binary import accuracy_from_confusion

@@ -10,6 +10,7 @@ from danling.metrics import (
     multiclass_metrics,
     multilabel_metrics,
     regression_metrics,
+    sides,
 )
 from danling.metrics import functional as F
 from danling.metrics.functional import _common
@@ -77,6 +78,8 @@ def _accelerator_bincount(monkeypatch):
     monkeypatch.setattr(_common, "HOST_BINCOUNT_DEVICES", ())
     # Likewise the device-side target check of micro accuracy rather than its CPU host read.
     monkeypatch.setattr(_common, "HOST_READ_DEVICES", ())
+    # And binary scores kept in order, as on an accelerator, not split by label on the host.
+    monkeypatch.setattr(sides, "HOST_DEVICES", ())
 
 
 def test_container_updates_do_not_synchronise():

@@ -256,11 +256,19 @@ def test_kept_targets_are_narrowed_and_read_back_exactly():
     assert state["targets"].dtype is torch.int64 and torch.equal(state["targets"], labels)
 
 
+def in_order(names):
+    """Binary catalogue metrics with a reader of the data in order: their store keeps the batches as
+    they came (joined into chunks), as every store does whose metrics read more than a ranking."""
+    catalogue = binary_metrics(names).metrics
+    task = next(iter(catalogue.values())).task
+    return GlobalMetrics(**catalogue, ordered=MetricFunc("ordered", lambda state: 0.0, task, "data"))
+
+
 def test_joining_copies_in_bounded_groups():
     """Kept batches are joined once they hold `DATA_BYTES`, so a join never copies much at once."""
     # A batch of 400 float32 scores and int64 targets holds 4,800 bytes: joined every third.
     with mock.patch.multiple(global_metrics_module, DATA_BYTES=10_000, DATA_BATCHES=64):
-        metrics = binary_metrics(["auroc"])
+        metrics = in_order(["auroc"])
         for _ in range(10):
             metrics.update(torch.rand(400), torch.randint(0, 2, (400,)))
         (store,) = metrics._stores.values()
@@ -276,12 +284,12 @@ def test_the_latest_batch_is_read_from_the_kept_data_not_held_twice():
     scores, labels = torch.rand(2400, generator=generator), torch.randint(0, 2, (2400,), generator=generator)
     batches = list(zip(scores.split(400), labels.split(400)))  # different batches: `val` must be the latest
     with mock.patch.multiple(global_metrics_module, DATA_BYTES=10_000, DATA_BATCHES=64):
-        metrics = binary_metrics(["acc", "auroc"])
+        metrics = in_order(["acc", "auroc"])
         for input, target in batches:
             metrics.update(input, target)
             (store,) = metrics._stores.values()
             expected = {"acc": ((input > 0.5).long() == target).double().mean().item()}
-            expected["auroc"] = binary_auroc(input, target).item()
+            expected["auroc"], expected["ordered"] = binary_auroc(input, target).item(), 0.0
             assert metrics.val == pytest.approx(expected)  # before and after each join
         assert store.last is None and not store.inputs  # the sixth batch was joined: nothing held apart
         input, target = store.latest()
@@ -291,7 +299,7 @@ def test_the_latest_batch_is_read_from_the_kept_data_not_held_twice():
         # A checkpoint holds the latest batch on its own, not the whole chunk it is a view of.
         assert state["last_input"].untyped_storage().nbytes() == 400 * 4
         assert state["last_target"].dtype is torch.int64 and torch.equal(state["last_target"], batches[-1][1])
-        restored = binary_metrics(["acc", "auroc"])
+        restored = in_order(["acc", "auroc"])
         restored.load_state_dict(metrics.state_dict())
         assert restored.val == pytest.approx(metrics.val) and restored.avg == pytest.approx(metrics.avg)
 
@@ -306,7 +314,7 @@ def test_a_local_read_joins_the_batches_kept_since_the_last_join_and_narrows_the
     input, target = torch.rand(1200, generator=generator), torch.randint(0, 2, (1200,), generator=generator)
     # A batch of 200 holds 2,400 bytes: the fifth reaches 10,000 and joins, the sixth waits.
     with mock.patch.multiple(global_metrics_module, DATA_BYTES=10_000, DATA_BATCHES=64):
-        metrics = binary_metrics(["auroc"])
+        metrics = in_order(["auroc"])
         for start in range(0, 1200, 200):
             metrics.update(input[start : start + 200], target[start : start + 200])
         (store,) = metrics._stores.values()

@@ -1,0 +1,196 @@
+"""Binary scores kept by label, for metrics that read them in any order (AUROC, AUPRC).
+
+Exact AUROC and average precision need each side's scores sorted (`functional._ranking`). A
+store that keeps the batches in order must copy every score into sorted per-side arrays at each
+read: as much memory again as the scores, on top of the scores and their targets (2.25x the
+scores at the least for binary data). When every metric of a binary task reads the data only as
+an unordered set of (score, label) pairs (the `"ranking"` artifact), the store can keep them as
+the ranking wants them instead:
+
+- each batch's scores go straight into one of two growing arrays, those of its positives and
+  those of its negatives, so the targets need no storage at all (the array says the label);
+- a read sorts both arrays in place and counts from them: no copy, no index tensor;
+- the arrays live in anonymous memory maps grown with `mremap` (`mmap.resize`), which moves page
+  tables rather than bytes: growing never holds the old and the new array at once, and capacity
+  never written is never resident.
+
+Rows whose target is neither a label nor `ignore_index` make both metrics `nan`, as everywhere;
+they are kept as they came (score and target) so that every read sees them. The latest batch is
+kept apart (its pieces, a batch of scores) for `val` and `bat`, since a read reorders the arrays.
+"""
+
+from __future__ import annotations
+
+import mmap
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from .functional._ranking import Ranking, column_sums, ranking_from_sums
+
+__all__ = ["BinarySides", "HostBuffer", "keeps_by_label"]
+
+_PAGE = mmap.PAGESIZE
+# Devices whose batches an order-free binary store keeps by label: splitting a batch by label
+# reads it on the host, which elsewhere (CUDA) would wait for the device at every update.
+HOST_DEVICES = ("cpu",)
+
+
+def keeps_by_label(device: torch.device) -> bool:
+    """Whether an order-free binary store keeps data on `device` by label (else in order)."""
+    return device.type in HOST_DEVICES
+
+
+class HostBuffer:
+    """A 1-D host array that grows in place: appended to without copying what it holds.
+
+    Its memory is an anonymous map, grown by `mremap`; where that cannot run (a view of the
+    array still alive, or a system without `mremap`) it grows by copying into a new map, which
+    is correct and only costs the copy. Read it through `array()`, a view to drop before the
+    next `append`.
+    """
+
+    def __init__(self, dtype: Any = np.float32) -> None:
+        self.dtype = np.dtype(dtype)
+        self.size = 0
+        self._map: mmap.mmap | None = None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the values held (not of the capacity reserved)."""
+        return self.size * self.dtype.itemsize
+
+    def append(self, values: np.ndarray) -> None:
+        """Add `values` at the end (converted to this buffer's dtype)."""
+        count = values.size
+        if not count:
+            return
+        end = (self.size + count) * self.dtype.itemsize
+        if self._map is None or end > len(self._map):
+            self._grow(end)
+        tail = np.frombuffer(self._map, self.dtype, count=count, offset=self.nbytes)
+        tail[...] = values
+        del tail  # a view left alive would stop the next `mremap`
+        self.size += count
+
+    def array(self) -> np.ndarray:
+        """The values held, as a writable view of the buffer (drop it before the next `append`)."""
+        if not self.size:
+            return np.empty(0, dtype=self.dtype)
+        return np.frombuffer(self._map, self.dtype, count=self.size)
+
+    def widen(self, dtype: Any) -> None:
+        """Hold the values in `dtype` from now on (float32 data meeting a float64 batch)."""
+        held = self.array().astype(dtype)
+        self.dtype, self.size, self._map = np.dtype(dtype), 0, None
+        self.append(held)
+
+    def _grow(self, needed: int) -> None:
+        # Doubling keeps appends amortised constant; the pages past the end are never touched.
+        capacity = max(needed, 2 * (len(self._map) if self._map is not None else 0), _PAGE)
+        capacity = -(-capacity // _PAGE) * _PAGE
+        if self._map is None:
+            self._map = _anonymous(capacity)
+            return
+        try:
+            self._map.resize(capacity)
+        except (BufferError, OSError, SystemError, ValueError):
+            # A view of the old map is alive (its holder keeps that map), or this system has no
+            # mremap: copy into a new map.
+            grown = _anonymous(capacity)
+            grown[: self.nbytes] = self._map[: self.nbytes]
+            self._map = grown
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"dtype": self.dtype.str, "values": self.array().tobytes()}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(np.dtype(state["dtype"]))  # type: ignore[misc]
+        self.append(np.frombuffer(state["values"], dtype=self.dtype))
+
+
+class BinarySides:
+    """Formatted binary scores kept by label, in any order; see the module docstring.
+
+    Args:
+        ignore_index: Target value to leave out (a label, 0 or 1, still counts as a label).
+    """
+
+    def __init__(self, ignore_index: int | float | None = None) -> None:
+        self.ignore_index = ignore_index
+        self.positives = HostBuffer()
+        self.negatives = HostBuffer()
+        self.invalid: list[tuple[Tensor, Tensor]] = []  # rows whose target is no label and not ignored
+        # The latest batch as its pieces (scores of positives, of negatives, invalid rows): a batch
+        # of scores, no targets; `latest` joins them on demand.
+        self.last: tuple[Tensor, Tensor, tuple[Tensor, Tensor] | None] | None = None
+
+    def add(self, input: Tensor, target: Tensor) -> None:
+        """Keep one formatted batch (host float scores, int64 targets): its scores by label."""
+        if input.device.type != "cpu" or target.device.type != "cpu":
+            raise ValueError(
+                f"this binary metric store keeps host scores, but a batch came on {input.device} (targets on "
+                f"{target.device}): keep every batch of a container on one device, or pass device='cpu'"
+            )
+        scores, labels = input.numpy(), target.numpy()
+        positive, negative = labels == 1, labels == 0
+        pieces = scores[positive], scores[negative]
+        dtype = np.result_type(self.positives.dtype, scores.dtype)
+        if dtype != self.positives.dtype:
+            self.positives.widen(dtype)
+            self.negatives.widen(dtype)
+        self.positives.append(pieces[0])
+        self.negatives.append(pieces[1])
+        rest = ~(positive | negative)
+        if self.ignore_index is not None:
+            rest &= labels != self.ignore_index
+        invalid = None
+        if rest.any():
+            invalid = (torch.from_numpy(scores[rest]), torch.from_numpy(labels[rest]))
+            self.invalid.append(invalid)
+        self.last = (torch.from_numpy(pieces[0]), torch.from_numpy(pieces[1]), invalid)
+
+    @property
+    def nbytes(self) -> int:
+        return self.positives.nbytes + self.negatives.nbytes
+
+    def ranking(self) -> Ranking:
+        """AUROC and average precision of everything kept: both sides sorted in place, then counted."""
+        positives, negatives = self.positives.array(), self.negatives.array()
+        sums = column_sums(positives, negatives)  # sorts both in place (nothing to do when sorted)
+        invalid = torch.tensor([sum(scores.shape[0] for scores, _ in self.invalid)], dtype=torch.long)
+        return ranking_from_sums([sums], invalid)
+
+    def chunks(self) -> list[tuple[Tensor, Tensor]]:
+        """Everything kept as `(scores, targets)` chunks: views of the sides (with int8 labels that
+        take no memory) and the invalid rows. Read them before the next `add`."""
+        chunks = []
+        for side, label in ((self.positives, 1), (self.negatives, 0)):
+            if side.size:
+                chunks.append((torch.from_numpy(side.array()), _labels(label, side.size)))
+        return chunks + list(self.invalid)
+
+    def latest(self) -> tuple[Tensor, Tensor] | None:
+        """The latest batch as `(scores, int64 targets)`, its rows grouped by label; `None` before any."""
+        if self.last is None:
+            return None
+        positives, negatives, invalid = self.last
+        scores = [positives, negatives]
+        targets = [torch.ones(positives.shape[0], dtype=torch.long), torch.zeros(negatives.shape[0], dtype=torch.long)]
+        if invalid is not None:
+            scores.append(invalid[0])
+            targets.append(invalid[1])
+        return torch.cat(scores), torch.cat(targets)
+
+
+def _labels(label: int, count: int) -> Tensor:
+    # One byte, expanded: the chunk's targets hold no memory until something joins them.
+    return torch.full((), label, dtype=torch.int8).expand(count)
+
+
+def _anonymous(size: int) -> mmap.mmap:
+    # Private: a shared anonymous map is a shmem object of fixed size, and pages that `mremap`
+    # adds past it fault (SIGBUS) when touched.
+    return mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE)
