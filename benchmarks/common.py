@@ -281,6 +281,7 @@ def count_region(command: list[str], library: str, env: Mapping[str, str] | None
 # and moves by a few hundred KiB between fresh processes: at 0.4 MiB of data that is the figure.
 # Every allocation goes through malloc in a counted child (`PYTHONMALLOC=malloc`: Python's own
 # arenas too), torch's CPU tensors (posix_memalign) and numpy's arrays included.
+# Anonymous memory maps made through libc's `mmap` (Python's `mmap` module) count at their length.
 _HEAP_COUNTER = r"""
 #define _GNU_SOURCE
 #include <errno.h>
@@ -292,11 +293,13 @@ extern void *__libc_realloc(void *, size_t);
 extern void *__libc_memalign(size_t, size_t);
 extern void __libc_free(void *);
 static long long live, peak;
-static void held(void *p) {
-    if (!p) return;
-    long long now = __atomic_add_fetch(&live, (long long)malloc_usable_size(p), __ATOMIC_RELAXED);
+static void add(long long bytes) {
+    long long now = __atomic_add_fetch(&live, bytes, __ATOMIC_RELAXED);
     long long top = __atomic_load_n(&peak, __ATOMIC_RELAXED);
     while (now > top && !__atomic_compare_exchange_n(&peak, &top, now, 1, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {}
+}
+static void held(void *p) {
+    if (p) add((long long)malloc_usable_size(p));
 }
 static void released(void *p) {
     if (p) __atomic_sub_fetch(&live, (long long)malloc_usable_size(p), __ATOMIC_RELAXED);
@@ -320,6 +323,81 @@ int posix_memalign(void **out, size_t a, size_t n) {
     if (!p) return ENOMEM;
     *out = p;
     return 0;
+}
+/* Anonymous memory maps (Python's `mmap.mmap(-1, n)`, which danling's binary metric store grows
+   with mremap) are counted at their mapped length: an upper bound of what they hold, since pages
+   never touched are not resident. glibc's own maps for large blocks are not seen here (it calls
+   the system directly), and need not be: those blocks are counted as malloc'd above. */
+#include <dlfcn.h>
+#include <stdarg.h>
+#include <sys/mman.h>
+#include <sys/types.h>
+#define SLOTS 4096
+static void *map_at[SLOTS];
+static size_t map_length[SLOTS];
+static char map_lock;
+static void lock(void) { while (__atomic_test_and_set(&map_lock, __ATOMIC_ACQUIRE)) {} }
+static void unlock(void) { __atomic_clear(&map_lock, __ATOMIC_RELEASE); }
+static size_t forget(void *at) {  /* the counted length of the map at `at`, no longer counted; 0 if none */
+    size_t length = 0;
+    lock();
+    for (int i = 0; i < SLOTS; i++) {
+        if (map_at[i] == at && map_length[i]) {
+            length = map_length[i];
+            map_length[i] = 0;
+            map_at[i] = 0;
+            break;
+        }
+    }
+    unlock();
+    return length;
+}
+static void remember(void *at, size_t length) {
+    lock();
+    for (int i = 0; i < SLOTS; i++) {
+        if (!map_length[i]) {
+            map_at[i] = at;
+            map_length[i] = length;
+            unlock();
+            add((long long)length);
+            return;
+        }
+    }
+    unlock();  /* table full: left uncounted */
+}
+static void *mapped(void *p, size_t length, int flags, int fd) {
+    if (p != MAP_FAILED && (flags & MAP_ANONYMOUS) && fd == -1) remember(p, length);
+    return p;
+}
+void *mmap(void *at, size_t length, int prot, int flags, int fd, off_t offset) {
+    static void *(*next)(void *, size_t, int, int, int, off_t);
+    if (!next) next = (void *(*)(void *, size_t, int, int, int, off_t))dlsym(RTLD_NEXT, "mmap");
+    return mapped(next(at, length, prot, flags, fd, offset), length, flags, fd);
+}
+void *mmap64(void *at, size_t length, int prot, int flags, int fd, off_t offset) {  /* large-file builds call this */
+    static void *(*next)(void *, size_t, int, int, int, off_t);
+    if (!next) next = (void *(*)(void *, size_t, int, int, int, off_t))dlsym(RTLD_NEXT, "mmap64");
+    return mapped(next(at, length, prot, flags, fd, offset), length, flags, fd);
+}
+int munmap(void *at, size_t length) {
+    static int (*next)(void *, size_t);
+    if (!next) next = (int (*)(void *, size_t))dlsym(RTLD_NEXT, "munmap");
+    size_t counted = forget(at);
+    int done = next(at, length);
+    if (counted) add(-(long long)counted);
+    return done;
+}
+void *mremap(void *old, size_t old_length, size_t length, int flags, ...) {
+    static void *(*next)(void *, size_t, size_t, int, ...);
+    if (!next) next = (void *(*)(void *, size_t, size_t, int, ...))dlsym(RTLD_NEXT, "mremap");
+    void *fixed = NULL;
+    if (flags & MREMAP_FIXED) { va_list rest; va_start(rest, flags); fixed = va_arg(rest, void *); va_end(rest); }
+    void *p = next(old, old_length, length, flags, fixed);
+    if (p != MAP_FAILED) {
+        size_t counted = forget(old);
+        if (counted) { add(-(long long)counted); remember(p, length); }
+    }
+    return p;
 }
 long long danling_heap_live(void) { return __atomic_load_n(&live, __ATOMIC_RELAXED); }
 long long danling_heap_peak(void) { return __atomic_load_n(&peak, __ATOMIC_RELAXED); }

@@ -500,8 +500,9 @@ class GlobalMetrics(GlobalMetricsState):
     A binary task whose metrics read the data only as a ranking (`requires="ranking"`: the
     catalogue's exact AUROC and AUPRC, with or without confusion metrics) keeps host scores
     grouped by label, with no targets, and each read sorts them in place: about half the memory of
-    scores kept in order plus their sorted copy. Its `val`, `bat` and `state_dict` give the rows
-    grouped by label; values are the same. Batches on another device (CUDA) are kept in order.
+    scores kept in order plus their sorted copy. The rows its metrics read (for `val` and `bat`
+    too) and those of its `state_dict` are then grouped by label, not in the order they came;
+    values are the same. Batches on another device (CUDA) are kept in order.
 
     Args:
         *metrics: Metric functions, named after their `__name__` (or `MetricFunc.name`).

@@ -88,8 +88,11 @@ class HostBuffer:
         self.append(held)
 
     def _grow(self, needed: int) -> None:
-        # Doubling keeps appends amortised constant; the pages past the end are never touched.
-        capacity = max(needed, 2 * (len(self._map) if self._map is not None else 0), _PAGE)
+        # An eighth more each time keeps appends amortised constant (a remap moves page tables, not
+        # bytes) and the reserve small: pages never touched are not resident, but a private map is
+        # charged at its whole length where the system does not overcommit.
+        held = len(self._map) if self._map is not None else 0
+        capacity = max(needed, held + held // 8, _PAGE)
         capacity = -(-capacity // _PAGE) * _PAGE
         if self._map is None:
             self._map = _anonymous(capacity)

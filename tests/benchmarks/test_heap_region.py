@@ -50,6 +50,36 @@ def test_the_peak_counts_live_allocations_of_the_block_only(tmp_path):
     assert 0 <= empty < 4096
 
 
+MAPS = textwrap.dedent(
+    """
+    import mmap, sys
+    sys.path.insert(0, {benchmarks!r})
+    from common import heap_region
+    with heap_region() as grown:
+        kept = mmap.mmap(-1, 1 << 20, flags=mmap.MAP_PRIVATE)
+        kept.resize(3 << 20)  # mremap: counted at its new length, once
+        gone = mmap.mmap(-1, 1 << 20, flags=mmap.MAP_PRIVATE)
+        gone.close()  # munmap: no longer counted
+    with heap_region() as after:
+        kept.close()
+    print(grown.peak_bytes, after.peak_bytes)
+    """
+)
+
+
+def test_anonymous_maps_count_at_their_length_through_remaps_and_unmaps(tmp_path):
+    # danling's binary metric store keeps its scores in maps grown by mremap, which malloc never sees.
+    if shutil.which("cc") is None:
+        pytest.skip("needs a C compiler")
+    script = tmp_path / "maps.py"
+    script.write_text(MAPS.format(benchmarks=str(REPO / "benchmarks")))
+    env = heap_environment(heap_counter(str(tmp_path)))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, check=True)
+    grown, after = (int(value) for value in done.stdout.split())
+    assert (4 << 20) <= grown < (4 << 20) + (64 << 10)  # 3 MiB kept and 1 MiB at once, then unmapped
+    assert after < 4096  # closing frees: nothing above the start of the block
+
+
 def test_outside_a_counted_child_the_region_counts_nothing(tmp_path):
     script = tmp_path / "child.py"
     script.write_text(CHILD.format(benchmarks=str(REPO / "benchmarks")))
