@@ -21,6 +21,12 @@ peak resident memory above the memory before the call, as a multiple of the gath
 (1.0x: every rank's copy held once; a gather that kept the received list and its concatenation
 would take 2x).
 
+`--gather-read N` measures a whole 2-rank read instead: two gloo processes each feed half of N
+binary samples to AUROC + AUPRC and read `avg`, which gathers every rank's data and ranks it; each
+reports its peak resident memory above the memory before the read, as a multiple of the N scores.
+Two layouts alternate: the store that keeps scores by label (what `binary_metrics` gives) and the
+same batches kept in order (a metric of the task that reads `"data"`), the baseline.
+
 `--instructions` counts the instructions of `compute` instead of timing it: each child runs under
 callgrind with instrumentation on around `compute` alone (see `common.count_region`). A compute
 under a millisecond (confusion-only sets) is one cold call, whose wall time is mostly cache
@@ -184,8 +190,12 @@ def child(library: str, task: str, names: list[str], size: int) -> dict:
     }
 
 
-def gather_child(rank: int, size: int, port: int) -> dict:
-    """One rank of the gather measurement, in this (fresh) process."""
+# `--gather-read` layouts: binary AUROC + AUPRC kept by label, or the same batches kept in order.
+READ_LAYOUTS = ("by label", "in order")
+
+
+def gather_child(rank: int, size: int, port: int, layout: int = -1) -> dict:
+    """One rank of the gather (`layout` -1) or of a read (`READ_LAYOUTS[layout]`), in this (fresh) process."""
     import torch
     import torch.distributed as dist
 
@@ -193,6 +203,8 @@ def gather_child(rank: int, size: int, port: int) -> dict:
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     shard = size // 2 if rank == 0 else size - size // 2
+    if layout >= 0:
+        return _read_child(rank, shard, size, READ_LAYOUTS[layout])
     pieces = list(torch.rand(shard, generator=torch.Generator().manual_seed(rank)).chunk(4))
     gather_across_ranks([torch.ones(8)])  # first collective: connections and buffers, not the data's cost
     dist.barrier()
@@ -208,7 +220,50 @@ def gather_child(rank: int, size: int, port: int) -> dict:
     return result
 
 
-def measure_gather(size: int) -> list[dict]:
+def _read_child(rank: int, shard: int, size: int, layout: str) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    from danling.metrics import GlobalMetrics, MetricFunc, binary_metrics
+
+    def build():
+        metrics = binary_metrics(["auroc", "auprc"])
+        if layout == "by label":
+            return metrics
+        task = next(iter(metrics.metrics.values())).task
+        return GlobalMetrics(**metrics.metrics, ordered=MetricFunc("ordered", lambda state: 0.0, task, "data"))
+
+    generator = torch.Generator().manual_seed(rank)
+    warm = build()  # first collectives and the ranking's first calls: not the data's cost
+    warm.update(*_batch("binary", generator, 1 << 14))
+    warm.avg  # noqa: B018
+    del warm
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    metrics = build()
+    feed(metrics, [_batch("binary", generator, BATCH) for _ in range(POOL)], shard)
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    dist.barrier()
+    Path("/proc/self/clear_refs").write_text("5")
+    start_kib = _rss_kib("VmRSS")
+    began = time.perf_counter()
+    values = metrics.avg
+    seconds = time.perf_counter() - began
+    peak = (_rss_kib("VmHWM") - start_kib) * 1024
+    result = {
+        "rank": rank,
+        "peak_bytes": peak,
+        "gathered_bytes": size * 4,
+        "seconds": seconds,
+        "values": [values["auroc"], values["auprc"]],
+    }
+    dist.barrier()
+    dist.destroy_process_group()
+    return result
+
+
+def measure_gather(size: int, layout: int = -1) -> list[dict]:
     import socket
 
     with socket.socket() as probe:  # a free port for the rendezvous
@@ -217,7 +272,7 @@ def measure_gather(size: int) -> list[dict]:
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     ranks = [
         subprocess.Popen(
-            [sys.executable, __file__, "--gather-child", str(rank), str(size), str(port)],
+            [sys.executable, __file__, "--gather-child", str(rank), str(size), str(port), str(layout)],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -232,6 +287,32 @@ def measure_gather(size: int) -> list[dict]:
             raise RuntimeError(f"gather of N={size} failed:\n{err[-3000:]}")
         results.append(json.loads(out.strip().splitlines()[-1]))
     return results
+
+
+def gather_reads(args: argparse.Namespace) -> None:
+    """The `--gather-read` table: each layout's peak per rank (medians over `--repeats`), layouts alternating."""
+    print(f"load at start: {Path('/proc/loadavg').read_text().split()[:3]}")
+    print("| N | scores MiB | layout | peak MiB rank 0 / 1 | peak / scores rank 0 / 1 | read seconds rank 0 / 1 |")
+    print("| ---: | ---: | --- | ---: | ---: | ---: |")
+    for size in (int(float(s)) for s in args.gather_read):
+        runs: dict[int, list[list[dict]]] = {layout: [] for layout in range(len(READ_LAYOUTS))}
+        for _ in range(args.repeats):
+            for layout in runs:
+                runs[layout].append(measure_gather(size, layout))
+        values = {layout: runs[layout][-1][0]["values"] for layout in runs}
+        if max(abs(a - b) for a, b in zip(values[0], values[1])) > 1e-9:
+            raise AssertionError(f"N={size}: the layouts' values differ: {values}")
+        for layout, measured in runs.items():
+            peaks = [statistics.median(run[rank]["peak_bytes"] for run in measured) for rank in (0, 1)]
+            seconds = [statistics.median(run[rank]["seconds"] for run in measured) for rank in (0, 1)]
+            scores = size * 4
+            print(
+                f"| {size:.0e} | {scores / (1 << 20):,.1f} | {READ_LAYOUTS[layout]} | {_mib(peaks[0])} / "
+                f"{_mib(peaks[1])} | {peaks[0] / scores:.2f}x / {peaks[1] / scores:.2f}x | "
+                f"{seconds[0]:.3f} / {seconds[1]:.3f} |",
+                flush=True,
+            )
+    print(f"load at end: {Path('/proc/loadavg').read_text().split()[:3]}")
 
 
 def measure(
@@ -253,8 +334,11 @@ def measure(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
-    parser.add_argument("--gather-child", nargs=3, type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--gather-child", nargs=4, type=int, help=argparse.SUPPRESS)
     parser.add_argument("--gather", nargs="+", help="measure a 2-rank gloo gather of these N instead")
+    parser.add_argument(
+        "--gather-read", nargs="+", help="measure a 2-rank read of binary AUROC + AUPRC over these N instead"
+    )
     parser.add_argument("--sizes", nargs="+", default=["1e5", "1e6", "1e7"])
     parser.add_argument("--tasks", nargs="+", default=["multiclass", "binary", "multilabel"])
     parser.add_argument("--sets", nargs="+", default=list(DEFAULT_SETS))
@@ -275,6 +359,9 @@ def main() -> None:
         return
     if args.gather_child:
         print(json.dumps(gather_child(*args.gather_child)))
+        return
+    if args.gather_read:
+        gather_reads(args)
         return
     if args.gather:
         print("| N | gathered MiB | peak MiB rank 0 / 1 | peak / gathered rank 0 / 1 | seconds rank 0 / 1 |")

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -30,7 +31,7 @@ from .global_state import NARROW_DTYPES, GlobalMetricsState, TaskStoreState, joi
 from .meter import check_weight, format_number
 from .metric_meter import Preprocess, batch_size, metric_name
 from .preprocess import _plain_multiclass, base_preprocess, positive_predictions
-from .sides import BinarySides, keeps_by_label
+from .sides import BinarySides, keeps_by_label, labelled_chunks, sorted_ranking, split_by_label
 from .state import MetricFunc, MetricState, MetricTask
 
 if TYPE_CHECKING:
@@ -389,7 +390,11 @@ class _TaskStore(TaskStoreState):
         if kind == "avg":
             data, artifacts = None, {}
             if self.wants_data:
-                if distributed:
+                if distributed and self.order_free:
+                    chunks, ranking = self._gathered_sides(device, group)
+                    if ranking is not None:
+                        artifacts["ranking"] = ranking
+                elif distributed:
                     # Each rank's chunks go straight into the buffer it sends, and every rank's
                     # data arrives in one buffer: held once, never concatenated again.
                     data = _gather_pair(self.data_chunks(), device, group)
@@ -432,6 +437,44 @@ class _TaskStore(TaskStoreState):
                 return MetricState(self.task, **artifacts)
             data = _formatted_empty(self.task, device)
         return MetricState(self.task, *data, **artifacts)
+
+    def _gathered_sides(self, device: Any, group: ProcessGroup | None) -> tuple[list[tuple[Tensor, Tensor]], Any]:
+        """Every rank's scores of positives, of negatives and invalid rows, each gathered into one
+        new buffer; with their ranking, counted from the buffers sorted in place, where they are
+        host float data. No targets travel and the ranking copies nothing: about half of what
+        gathering the rows in order and ranking them takes. Every rank of an order-free store
+        comes here (the choice depends on the metrics alone, never on a rank's data), whether it
+        keeps its rows by label or, on a device, in order (split here, at the read)."""
+        if self.sides is not None:
+            positives, negatives, invalid = self.sides.sides()
+        else:
+            positives = negatives = None
+            invalid = []
+            pieces: tuple[list[Tensor], list[Tensor]] = ([], [])
+            for scores, target in self.data_chunks():
+                positive, negative, wrong = split_by_label(scores, target, self.task.ignore_index)
+                pieces[0].append(positive)
+                pieces[1].append(negative)
+                if wrong is not None:
+                    invalid.append(wrong)
+            positives, negatives = (torch.cat(side) if side else None for side in pieces)
+        positives = gather_across_ranks(positives, device, group)
+        negatives = gather_across_ranks(negatives, device, group)
+        wrong_scores = gather_across_ranks([scores for scores, _ in invalid] or None, device, group)
+        wrong_targets = gather_across_ranks([target for _, target in invalid] or None, device, group)
+        invalid = [] if wrong_scores is None else [(wrong_scores, wrong_targets)]
+        chunks = labelled_chunks(positives, negatives, invalid) or [_formatted_empty(self.task, device)]
+        sides = [side for side in (positives, negatives) if side is not None]
+        if not all(side.device.type == "cpu" and side.dtype in (torch.float32, torch.float64) for side in sides):
+            return chunks, None  # device data: ranked there, from the chunks
+        empty = np.empty(0, dtype=np.float32)
+        # The gathered buffers are new tensors, this read's own: sorting them in place is safe.
+        ranking = sorted_ranking(
+            positives.numpy() if positives is not None else empty,
+            negatives.numpy() if negatives is not None else empty,
+            0 if wrong_scores is None else wrong_scores.shape[0],
+        )
+        return chunks, ranking
 
     def _synced_confusion(self, device: Any, group: ProcessGroup | None, distributed: bool) -> Confusion:
         counts = self.counts

@@ -30,7 +30,7 @@ from torch import Tensor
 
 from .functional._ranking import Ranking, column_sums, ranking_from_sums
 
-__all__ = ["BinarySides", "HostBuffer", "keeps_by_label"]
+__all__ = ["BinarySides", "HostBuffer", "keeps_by_label", "labelled_chunks", "sorted_ranking", "split_by_label"]
 
 _PAGE = mmap.PAGESIZE
 # Devices whose batches an order-free binary store keeps by label: splitting a batch by label
@@ -125,6 +125,7 @@ class BinarySides:
         self.ignore_index = ignore_index
         self.positives = HostBuffer()
         self.negatives = HostBuffer()
+        self.buffers = (self.positives, self.negatives)
         self.invalid: list[tuple[Tensor, Tensor]] = []  # rows whose target is no label and not ignored
         # The latest batch as its pieces (scores of positives, of negatives, invalid rows): a batch
         # of scores, no targets; `latest` joins them on demand.
@@ -161,19 +162,19 @@ class BinarySides:
 
     def ranking(self) -> Ranking:
         """AUROC and average precision of everything kept: both sides sorted in place, then counted."""
-        positives, negatives = self.positives.array(), self.negatives.array()
-        sums = column_sums(positives, negatives)  # sorts both in place (nothing to do when sorted)
-        invalid = torch.tensor([sum(scores.shape[0] for scores, _ in self.invalid)], dtype=torch.long)
-        return ranking_from_sums([sums], invalid)
+        invalid = sum(scores.shape[0] for scores, _ in self.invalid)
+        return sorted_ranking(self.positives.array(), self.negatives.array(), invalid)
+
+    def sides(self) -> tuple[Tensor | None, Tensor | None, list[tuple[Tensor, Tensor]]]:
+        """The scores of the positives and of the negatives (views; `None` where there are none)
+        and the invalid rows. Read them before the next `add`."""
+        positives, negatives = (torch.from_numpy(side.array()) if side.size else None for side in self.buffers)
+        return positives, negatives, list(self.invalid)
 
     def chunks(self) -> list[tuple[Tensor, Tensor]]:
         """Everything kept as `(scores, targets)` chunks: views of the sides (with int8 labels that
         take no memory) and the invalid rows. Read them before the next `add`."""
-        chunks = []
-        for side, label in ((self.positives, 1), (self.negatives, 0)):
-            if side.size:
-                chunks.append((torch.from_numpy(side.array()), _labels(label, side.size)))
-        return chunks + list(self.invalid)
+        return labelled_chunks(*self.sides())
 
     def latest(self) -> tuple[Tensor, Tensor] | None:
         """The latest batch as `(scores, int64 targets)`, its rows grouped by label; `None` before any."""
@@ -188,9 +189,44 @@ class BinarySides:
         return torch.cat(scores), torch.cat(targets)
 
 
-def _labels(label: int, count: int) -> Tensor:
+def sorted_ranking(positives: np.ndarray, negatives: np.ndarray, invalid: int) -> Ranking:
+    """AUROC and average precision of one binary column from its sides' scores, which this sorts in
+    place (so they must be the caller's own), and its count of invalid targets."""
+    sums = column_sums(positives, negatives)
+    return ranking_from_sums([sums], torch.tensor([invalid], dtype=torch.long))
+
+
+def split_by_label(
+    scores: Tensor, target: Tensor, ignore_index: int | float | None
+) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor] | None]:
+    """Formatted binary scores split into those of positives, of negatives, and the rows whose
+    target is neither a label nor `ignore_index` (`None` if none), on the data's own device.
+
+    Boolean indexing reads the masks on the host: for reads, not for updates on an accelerator.
+    """
+    target = target.long()
+    positive, negative = target == 1, target == 0
+    rest = ~(positive | negative)
+    if ignore_index is not None:
+        rest &= target != ignore_index
+    invalid = (scores[rest], target[rest]) if bool(rest.any()) else None
+    return scores[positive], scores[negative], invalid
+
+
+def labelled_chunks(
+    positives: Tensor | None, negatives: Tensor | None, invalid: list[tuple[Tensor, Tensor]]
+) -> list[tuple[Tensor, Tensor]]:
+    """`(scores, targets)` chunks of sides: each side with its label, then the invalid rows."""
+    chunks = []
+    for scores, label in ((positives, 1), (negatives, 0)):
+        if scores is not None and scores.shape[0]:
+            chunks.append((scores, _labels(label, scores.shape[0], scores.device)))
+    return chunks + list(invalid)
+
+
+def _labels(label: int, count: int, device: torch.device) -> Tensor:
     # One byte, expanded: the chunk's targets hold no memory until something joins them.
-    return torch.full((), label, dtype=torch.int8).expand(count)
+    return torch.full((), label, dtype=torch.int8, device=device).expand(count)
 
 
 def _anonymous(size: int) -> mmap.mmap:

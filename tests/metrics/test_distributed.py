@@ -1,6 +1,7 @@
 """Two real gloo ranks must give the results a single process gets on the union of their data."""
 
 import math
+from unittest import mock
 
 import pytest
 import torch
@@ -15,8 +16,10 @@ from danling.metrics import (
     multiclass_metrics,
     multilabel_metrics,
     regression_metrics,
+    sides,
 )
 from danling.metrics import functional as F
+from danling.metrics import global_metrics as global_metrics_module
 from tests.dist import run_distributed
 
 pytestmark = pytest.mark.distributed
@@ -78,6 +81,7 @@ def lonely_containers():
         "regression": regression_metrics(2),
         "plain": containers()["plain"],
         "binned_binary": binary_metrics(["auroc", "auprc"], bins=16),  # rank 1 adds zero counts
+        "binary": binary_metrics(["acc", "auroc", "auprc"]),  # scores by label: rank 1 gathers nothing
     }
 
 
@@ -123,6 +127,31 @@ def _worker(rank, world_size):
         feed(lonely, batches, range(len(SIZES)))
     out["lonely"] = {name: numbers(c.avg) for name, c in lonely.items()}
 
+    # Binary scores kept in order, as on a device (where splitting by label would read the device
+    # at every update): the read splits them, and gathers the sides as a store kept by label does.
+    in_order = binary_metrics(["acc", "f1", "mcc", "auroc", "auprc"])
+    with mock.patch.object(sides, "HOST_DEVICES", ()):
+        feed({"binary": in_order}, batches, SHARDS[rank])
+    assert in_order._stores[next(iter(in_order._stores))].sides is None
+    out["binary_in_order"] = numbers(in_order.avg)
+    # What a read of binary AUROC sends: each side's scores, never the targets.
+    sent = []
+
+    def recording(tensor, *args, **kwargs):
+        pieces = [tensor] if isinstance(tensor, torch.Tensor) else list(tensor or [])
+        sent.extend(piece.dtype for piece in pieces)
+        return gather(tensor, *args, **kwargs)
+
+    gather = global_metrics_module.gather_across_ranks
+    with mock.patch.object(global_metrics_module, "gather_across_ranks", recording):
+        metrics["binary"].avg  # noqa: B018
+    out["binary_sent"] = sorted({str(dtype) for dtype in sent})
+    # A target that is no label, on one rank only, makes every rank's AUROC and AUPRC nan.
+    spoilt = binary_metrics(["auroc", "auprc"])
+    scores, target = batches[SHARDS[rank][0]]["binary"]
+    spoilt.update(scores, target.clone().fill_(2) if rank == 1 else target)
+    out["spoilt"] = numbers(spoilt.avg)
+
     # Meters: weighted values, a tensor meter only rank 1 updates, and a meter nobody updates.
     meters = AverageMeters()
     meters.update(loss=float(rank + 1))
@@ -164,8 +193,11 @@ def test_two_ranks_match_one_process_on_the_union():
             if "stream" not in name:
                 assert out[name]["bat"] == pytest.approx(numbers(last_union[name].avg), nan_ok=True), name
         assert out["avg_again"] == out["multiclass"]["avg"]
+        assert out["binary_in_order"] == pytest.approx(numbers(union["binary"].avg))
+        assert out["binary_sent"] == ["torch.float32"]
+        assert all(math.isnan(value) for value in out["spoilt"].values())
         assert out["multiclass"]["text"] == results[0]["multiclass"]["text"]
-        for name in ("multiclass", "regression", "plain", "binned_binary"):
+        for name in ("multiclass", "regression", "plain", "binned_binary", "binary"):
             assert out["lonely"][name] == pytest.approx(numbers(lonely[name].avg), nan_ok=True), name
     check_stream_bat(results, batches)
     check_meters(results)
