@@ -197,8 +197,8 @@ CATALOGS: dict[str, dict[str, Entry]] = {
 
 # With `MetricTask.bins` set, these replace the exact entries: counts per score bin, not the scores.
 BINNED: dict[str, Entry] = {
-    "auroc": ("bins", lambda state, average: _binned.binned_auroc(state.bins, average)),
-    "auprc": ("bins", lambda state, average: _binned.binned_auprc(state.bins, average)),
+    "auroc": ("bins", lambda state, average: _binned.binned_auroc(state.bins, average, state.bins_invalid)),
+    "auprc": ("bins", lambda state, average: _binned.binned_auprc(state.bins, average, state.bins_invalid)),
 }
 
 

@@ -118,6 +118,7 @@ class _TaskStore(TaskStoreState):
         self._queue_kind: tuple[torch.dtype, torch.dtype, torch.device] | None = None  # set by defer
         self.moments: Tensor | None = None
         self.bins: Tensor | None = None  # per-bin score counts: fixed size, added batch by batch
+        self.bins_invalid: Tensor | None = None  # per-column errors the bins left out (nan if any)
         self.inputs: list[Tensor] = []  # batches not yet joined into a chunk
         self.targets: list[Tensor] = []
         self.chunks: list[tuple[Tensor, Tensor]] = []
@@ -151,8 +152,9 @@ class _TaskStore(TaskStoreState):
                 self.moments = moments if self.moments is None else merge_moments(self.moments, moments)
             if self.wants_bins:
                 with torch.inference_mode():  # added to in place by later batches, wherever they run
-                    bins = task.binned(input, target)
+                    bins, invalid = task.binned(input, target), task.binned_invalid(input, target)
                     self.bins = bins if self.bins is None else self.bins.add_(bins)
+                    self.bins_invalid = invalid if self.bins_invalid is None else self.bins_invalid.add_(invalid)
         if self.wants_data:
             if self.sides is not None or (self.order_free and not self.kept() and keeps_by_label(input.device)):
                 if self.sides is None:
@@ -310,6 +312,7 @@ class _TaskStore(TaskStoreState):
             shapes["moments"] = tuple(task.empty_moments("cpu").shape)
         if self.wants_bins:
             shapes["bins"] = (1 if task.kind == "binary" else task.size, 2, task.bins)
+            shapes["bins_invalid"] = (1 if task.kind == "binary" else task.size,)
         input, target = _formatted_empty(task, "cpu")
         shapes["inputs"] = shapes["last_input"] = tuple(input.shape[1:])
         shapes["targets"] = shapes["last_target"] = tuple(target.shape[1:])
@@ -412,7 +415,7 @@ class _TaskStore(TaskStoreState):
             if "moments" in self.needs:
                 artifacts["moments"] = self._synced_moments(device, group, distributed)
             if "bins" in self.needs:
-                artifacts["bins"] = self._synced_bins(device, group, distributed)
+                artifacts["bins"], artifacts["bins_invalid"] = self._synced_bins(device, group, distributed)
         elif self.counts_latest and (self.last_counts is not None or (kind == "bat" and distributed)):
             # Counts of the latest batch, summed over the ranks for `bat`: every rank of a store
             # of counts alone reduces counts, whatever the size of its own latest batch.
@@ -491,13 +494,19 @@ class _TaskStore(TaskStoreState):
         flat = sum_across_ranks(flat, device, group)
         return Confusion(flat[:-1].view_as(confusion.matrix), flat[-1])
 
-    def _synced_bins(self, device: Any, group: ProcessGroup | None, distributed: bool) -> Tensor:
-        bins = self.bins
+    def _synced_bins(self, device: Any, group: ProcessGroup | None, distributed: bool) -> tuple[Tensor, Tensor]:
+        bins, invalid = self.bins, self.bins_invalid
+        task = self.task
+        columns = 1 if task.kind == "binary" else task.size
         if bins is None:  # a rank without samples adds zeros of the same shape
-            task = self.task
-            columns = 1 if task.kind == "binary" else task.size
             bins = torch.zeros((columns, 2, task.bins), dtype=torch.long, device=device)
-        return sum_across_ranks(bins, device, group) if distributed else bins  # one all-reduce of the counts
+        if invalid is None:  # none yet, or a state written before errors were counted
+            invalid = torch.zeros(columns, dtype=torch.long, device=bins.device)
+        if not distributed:
+            return bins, invalid
+        # One all-reduce of the counts and the errors together.
+        flat = sum_across_ranks(torch.cat([bins.reshape(-1), invalid.to(bins.device)]), device, group)
+        return flat[:-columns].view_as(bins), flat[-columns:]
 
     def _synced_moments(self, device: Any, group: ProcessGroup | None, distributed: bool) -> Tensor:
         moments = self.moments if self.moments is not None else self.task.empty_moments(device)

@@ -23,6 +23,7 @@ __all__ = ["NARROW_DTYPES", "GlobalMetricsState", "TaskStoreState", "join_rows",
 NARROW_DTYPES = (torch.int8, torch.int16, torch.int32)
 
 _STORE_KEYS = frozenset({"counts", "moments", "inputs", "targets", "last_input", "last_target"})
+_OPTIONAL_KEYS = frozenset({"bins", "bins_invalid", "last_counts"})
 _ROW_KEYS = frozenset({"inputs", "targets", "last_input", "last_target"})  # data: any number of rows
 
 
@@ -37,6 +38,7 @@ class TaskStoreState:
             "counts": None if counts is None else counts.clone(),  # updated in place by later batches
             "moments": self.moments,  # type: ignore[attr-defined]
             "bins": None if self.bins is None else self.bins.clone(),  # type: ignore[attr-defined]
+            "bins_invalid": None if self.bins_invalid is None else self.bins_invalid.clone(),  # type: ignore[attr-defined]
             "inputs": None if data is None else data[0],
             "targets": None if data is None else data[1],
             "last_input": None if last is None else _owned(last[0]),
@@ -45,8 +47,8 @@ class TaskStoreState:
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        # "bins" and "last_counts" may be missing: states written before they existed had none.
-        if not isinstance(state, Mapping) or set(state) - {"bins", "last_counts"} != _STORE_KEYS:
+        # "bins", "bins_invalid" and "last_counts" may be missing: states written before they existed had none.
+        if not isinstance(state, Mapping) or set(state) - _OPTIONAL_KEYS != _STORE_KEYS:
             found = sorted(state) if isinstance(state, Mapping) else type(state).__name__
             raise ValueError(f"not the state of a GlobalMetrics task: expected keys {sorted(_STORE_KEYS)}, got {found}")
         for key, value in state.items():  # every entry is a tensor or absent; anything else fails here
@@ -69,6 +71,7 @@ class TaskStoreState:
         self.reset()  # type: ignore[attr-defined]
         self._counts, self.moments = state["counts"], state["moments"]
         self.bins = state.get("bins")  # type: ignore[attr-defined]
+        self.bins_invalid = state.get("bins_invalid")  # type: ignore[attr-defined]
         inputs, targets = state["inputs"], state["targets"]
         if inputs is not None and self.order_free and keeps_by_label(inputs.device):  # type: ignore[attr-defined]
             self.sides = BinarySides(self.task.ignore_index)  # type: ignore[attr-defined]

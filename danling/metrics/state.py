@@ -22,7 +22,7 @@ from .functional import _ranking
 from .functional._common import Confusion, Curves, LabelCounter, check_threshold, label_counter
 from .functional._host import as_tensor
 from .functional.binary import binary_confusion, binary_curves
-from .functional.binned import binned_counts
+from .functional.binned import binned_counts, binned_invalid
 from .functional.multiclass import multiclass_confusion, multiclass_curves
 from .functional.multilabel import multilabel_confusion, multilabel_curves
 from .functional.regression import empty_moments, regression_moments
@@ -213,6 +213,12 @@ class MetricTask:
             raise ValueError(f"this {self.kind} task has no bins: pass bins= to bin its scores")
         return binned_counts(input, target, self.kind, self.bins, self.ignore_index)
 
+    def binned_invalid(self, input: Tensor, target: Tensor) -> Tensor:
+        """Per-column errors the bins leave out (targets that are no label, NaN scores; see `functional.binned`)."""
+        if self.bins is None:
+            raise ValueError(f"this {self.kind} task has no bins: pass bins= to bin its scores")
+        return binned_invalid(input, target, self.kind, self.ignore_index)
+
     def curves(self, input: Tensor, target: Tensor, micro: bool = False) -> Curves:
         """Threshold curves of formatted data (one column per class or label, or pooled)."""
         if self.kind == "binary":
@@ -229,7 +235,7 @@ class MetricState:
 
     Pass formatted `input`/`target` (see [`MetricTask.format`][danling.metrics.MetricTask.format]),
     or the same in `chunks` of rows (targets in any integer dtype), and/or artifacts that were
-    accumulated elsewhere (`confusion`, `moments`, `bins`, and a `ranking` of the data: what
+    accumulated elsewhere (`confusion`, `moments`, `bins` with their `bins_invalid`, and a `ranking` of the data: what
     [`ranking()`][danling.metrics.MetricState.ranking] returns, at any size). Artifacts that were not given are derived
     from the data on first use; chunks are concatenated only for what needs the data in one
     piece (`data`, `curves`), not for `ranking`.
@@ -252,6 +258,7 @@ class MetricState:
         confusion: Confusion | None = None,
         moments: Tensor | None = None,
         bins: Tensor | None = None,
+        bins_invalid: Tensor | None = None,
         chunks: Sequence[tuple[Tensor, Tensor]] | None = None,
         ranking: _ranking.Ranking | None = None,
     ) -> None:
@@ -266,6 +273,8 @@ class MetricState:
             self._cache["moments"] = moments
         if bins is not None:
             self._cache["bins"] = bins
+        if bins_invalid is not None:
+            self._cache["bins_invalid"] = bins_invalid
         if ranking is not None:
             self._cache["ranking", False] = ranking
 
@@ -309,6 +318,17 @@ class MetricState:
     def bins(self) -> Tensor:
         """Per-bin negative / positive score counts, `(columns, 2, bins)` (see `MetricTask.binned`)."""
         return self.cached("bins", lambda: self.task.binned(*self.data))
+
+    @property
+    def bins_invalid(self) -> Tensor | None:
+        """Per-column errors the bins left out, `(columns,)`: any makes the binned AUROC / AUPRC `nan`.
+
+        Built from the data when the state has it; `None` for a state given `bins` alone, whose
+        counts are then read as having no errors.
+        """
+        if "bins_invalid" not in self._cache and "bins" in self._cache and self.input is None and self.chunks is None:
+            return None
+        return self.cached("bins_invalid", lambda: self.task.binned_invalid(*self.data))
 
     def curves(self, micro: bool = False) -> Curves:
         """Threshold curves (per class/label, or pooled with `micro=True`)."""

@@ -1,11 +1,19 @@
 """Binned AUROC / AUPRC: within the documented bound of the exact values, in constant memory."""
 
+import math
+
 import pytest
 import torch
 from sklearn.metrics import average_precision_score, roc_auc_score
 
 from danling.metrics import MetricTask, binary_metrics, multiclass_metrics, multilabel_metrics
-from danling.metrics.functional.binned import binned_auprc, binned_auroc, binned_auroc_bound, binned_counts
+from danling.metrics.functional.binned import (
+    binned_auprc,
+    binned_auroc,
+    binned_auroc_bound,
+    binned_counts,
+    binned_invalid,
+)
 
 N, BATCH, BINS = 20_000, 1_000, 1_000
 
@@ -157,3 +165,57 @@ def test_functional_form_matches_the_container():
     metrics.update(scores, target)
     assert metrics.avg["auroc"] == pytest.approx(binned_auroc(counts).item())
     assert metrics.avg["auprc"] == pytest.approx(binned_auprc(counts).item())
+
+
+def exact(kind):
+    if kind == "binary":
+        return binary_metrics(["auroc", "auprc"])
+    if kind == "multiclass":
+        return multiclass_metrics(4, ["auroc", "auprc"])
+    return multilabel_metrics(3, ["auroc", "auprc"])
+
+
+@pytest.mark.parametrize("kind", ["binary", "multiclass", "multilabel"])
+@pytest.mark.parametrize("spoil", ["none", "target that is no label", "nan score", "nan score of an ignored sample"])
+def test_errors_make_the_binned_values_nan_as_they_make_the_exact_ones(kind, spoil):
+    # The bins counted a target of 2 as a negative and put a NaN score in the lowest bin: a number
+    # where the exact metrics give nan.
+    scores, target = data(kind, torch.Generator().manual_seed(6))
+    scores, target = scores[:500].clone(), target[:500].clone()
+    target[3] = -100  # an ignored sample
+    if spoil == "target that is no label":
+        target[1] = 7
+    if spoil == "nan score":
+        scores[2] = float("nan")
+    if spoil == "nan score of an ignored sample":
+        scores[3] = float("nan")
+    binned, reference = make(kind, 32), exact(kind)
+    for metrics in (binned, reference):
+        metrics.update(scores[:250], target[:250])
+        metrics.update(scores[250:], target[250:])
+    for name in ("auroc", "auprc"):
+        for read in ("val", "avg"):
+            ours, theirs = getattr(binned, read)[name], getattr(reference, read)[name]
+            assert math.isnan(ours) == math.isnan(theirs), (read, name, ours, theirs)
+        assert math.isnan(binned.avg[name]) == (spoil in ("target that is no label", "nan score"))
+
+
+def test_errors_survive_checkpoints_and_mark_their_own_column():
+    metrics = multilabel_metrics(3, ["auroc"], bins=16, average=None)
+    scores, target = torch.rand(40, 3), torch.randint(0, 2, (40, 3))
+    target[0, 1] = 5  # label 1 only
+    metrics.update(scores, target)
+    values = metrics.avg["auroc"]
+    assert [math.isnan(v) for v in values] == [False, True, False]
+    counts = binned_counts(scores, target, "multilabel", 16, -100)
+    invalid = binned_invalid(scores, target, "multilabel", -100)
+    assert invalid.tolist() == [0, 1, 0]
+    assert [math.isnan(v) for v in binned_auroc(counts, None, invalid).tolist()] == [False, True, False]
+    assert math.isnan(binned_auroc(counts, "macro", invalid).item())
+    again = multilabel_metrics(3, ["auroc"], bins=16, average=None)
+    again.load_state_dict(metrics.state_dict())
+    assert [math.isnan(v) for v in again.avg["auroc"]] == [False, True, False]
+    old = metrics.state_dict()
+    del old["tasks"]["0"]["bins_invalid"]  # written before errors were counted: read as none
+    again.load_state_dict(old)
+    assert not any(math.isnan(v) for v in again.avg["auroc"])

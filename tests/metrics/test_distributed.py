@@ -147,10 +147,11 @@ def _worker(rank, world_size):
         metrics["binary"].avg  # noqa: B018
     out["binary_sent"] = sorted({str(dtype) for dtype in sent})
     # A target that is no label, on one rank only, makes every rank's AUROC and AUPRC nan.
-    spoilt = binary_metrics(["auroc", "auprc"])
     scores, target = batches[SHARDS[rank][0]]["binary"]
-    spoilt.update(scores, target.clone().fill_(2) if rank == 1 else target)
-    out["spoilt"] = numbers(spoilt.avg)
+    spoilt = {"exact": binary_metrics(["auroc", "auprc"]), "binned": binary_metrics(["auroc", "auprc"], bins=16)}
+    for container in spoilt.values():
+        container.update(scores, target.clone().fill_(2) if rank == 1 else target)
+    out["spoilt"] = {name: numbers(container.avg) for name, container in spoilt.items()}
 
     # Meters: weighted values, a tensor meter only rank 1 updates, and a meter nobody updates.
     meters = AverageMeters()
@@ -195,7 +196,7 @@ def test_two_ranks_match_one_process_on_the_union():
         assert out["avg_again"] == out["multiclass"]["avg"]
         assert out["binary_in_order"] == pytest.approx(numbers(union["binary"].avg))
         assert out["binary_sent"] == ["torch.float32"]
-        assert all(math.isnan(value) for value in out["spoilt"].values())
+        assert all(math.isnan(value) for values in out["spoilt"].values() for value in values.values())
         assert out["multiclass"]["text"] == results[0]["multiclass"]["text"]
         for name in ("multiclass", "regression", "plain", "binned_binary", "binary"):
             assert out["lonely"][name] == pytest.approx(numbers(lonely[name].avg), nan_ok=True), name
