@@ -219,3 +219,12 @@ def test_errors_survive_checkpoints_and_mark_their_own_column():
     del old["tasks"]["0"]["bins_invalid"]  # written before errors were counted: read as none
     again.load_state_dict(old)
     assert not any(math.isnan(v) for v in again.avg["auroc"])
+
+
+def test_a_label_equal_to_ignore_index_still_counts_as_a_label():
+    # As in the exact form: the bins used to drop every positive here, and AUROC was nan.
+    scores, target = data("binary", torch.Generator().manual_seed(7))
+    labelled, plain = binary_metrics(["auroc"], bins=64, ignore_index=1), binary_metrics(["auroc"], bins=64)
+    for metrics in (labelled, plain):
+        metrics.update(scores[:1000], target[:1000])
+    assert labelled.avg["auroc"] == plain.avg["auroc"] and not math.isnan(plain.avg["auroc"])
