@@ -22,6 +22,7 @@ from danling.distributed.layout import check_axes, check_layout
 from danling.distributed.parts import merge_parts
 from danling.distributed.pipeline import train_batch_size
 from danling.distributed.tensor_parallel import checkpoint_blocks, parallelize
+from danling.utils import RoundDict
 
 from .parallel import ParallelCheckpointing, PipelineSteps
 from .runner import register_runner
@@ -371,6 +372,23 @@ class ParallelRunner(TorchRunner):
         if self.pipeline_schedule is not None:
             return self.pipeline.infer_step(data)
         return super().infer_step(data)
+
+    def collect_result(self, split: str) -> RoundDict:
+        """TorchRunner's result of the pass; under a pipeline schedule, the last stage's, on every pipeline rank.
+
+        Called when: at the end of each pass over a split (and before a step-mode evaluation), on every rank.
+        Holds on entry: the pass's meters and metrics hold its batches (metrics on the last stage only).
+        Side effects: as TorchRunner's; with a schedule, one object broadcast over the pipeline group.
+        Overrides must not: skip the call on some ranks (the read and the broadcast are collective).
+        """
+        result = super().collect_result(split)
+        if self.pipeline_schedule is None:
+            return result
+        # Only the last stage's metrics saw outputs; the other stages read NaN. Each rank chose its
+        # best checkpoint and decided early stopping from its own row, so ranks disagreed, and a rank
+        # that stopped left the others waiting in a collective. Every stage now takes the last
+        # stage's row (the loss is the same everywhere already).
+        return RoundDict.from_flat(self.pipeline.runtime.broadcast_from_last(dict(result)))
 
     def build_dataloaders(self) -> None:
         """TorchRunner's loaders; ranks whose stages neither feed inputs nor compute the loss get placeholders.
