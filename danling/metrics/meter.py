@@ -149,6 +149,7 @@ class AverageMeter(MeterState):
         self._pending_n: Number = 1
         self._count: Number = 0
         self._updated = False
+        self._aside: Number | Tensor | None = None  # a non-finite running sum set apart (`isolate_nonfinite`)
         return self
 
     def update(self, value: float | int | Tensor, n: int = 1) -> None:
@@ -275,13 +276,39 @@ class AverageMeter(MeterState):
     def _commit(self) -> None:
         """Add the pending values to the running sum (every `PENDING_VALUES` updates, and on changes)."""
         if self._pending:
-            self._total = self._sum
+            self._total = self._running_sum()
             self._pending.clear()
 
     @property
     def _sum(self) -> Number | Tensor:
-        # The weighted sum of every update. Reading it leaves the pending values pending, so where
-        # the groups are cut depends only on the sequence of updates, never on when values are read.
+        # The weighted sum of every update: the running sum and what `isolate_nonfinite` set apart.
+        aside = self._aside
+        return self._running_sum() if aside is None else self._running_sum() + aside
+
+    def isolate_nonfinite(self) -> bool:
+        """Set a NaN or infinite running sum apart, so that sums taken from now on are finite again.
+
+        `sum` and `avg` still include it (they stay NaN or infinite); what changes is the running
+        sum that differences of sums read, such as the runner's step logs over the steps since the
+        previous log: once a NaN entered it, every later difference was NaN too. Reads the sum on
+        the host (a synchronisation on a device): call it where values are read anyway.
+
+        Returns:
+            Whether a non-finite sum was set apart.
+        """
+        running = self._running_sum()
+        if bool(torch.isfinite(running).all()) if isinstance(running, Tensor) else math.isfinite(running):
+            return False  # nothing committed: reads never move where the pending groups are cut
+        self._commit()
+        total = self._total
+        self._aside = total if self._aside is None else self._aside + total
+        self._total = torch.zeros_like(total) if isinstance(total, Tensor) else 0.0
+        return True
+
+    def _running_sum(self) -> Number | Tensor:
+        # The weighted sum of the updates since the last `isolate_nonfinite` that set a sum apart.
+        # Reading it leaves the pending values pending, so where the groups are cut depends only on
+        # the sequence of updates, never on when values are read.
         total, pending, n = self._total, self._pending, self._pending_n
         if not pending:
             return total
@@ -292,7 +319,7 @@ class AverageMeter(MeterState):
 
     @_sum.setter
     def _sum(self, total: Number | Tensor) -> None:
-        self._total = total
+        self._total, self._aside = total, None
         self._pending.clear()
 
     @property

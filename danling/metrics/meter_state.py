@@ -53,7 +53,8 @@ class MeterState:
         return {
             "val": self._val,  # type: ignore[attr-defined]
             "n": self._n,  # type: ignore[attr-defined]
-            "total": self._total,  # type: ignore[attr-defined]
+            # The whole sum: a part that `isolate_nonfinite` set apart is folded back in.
+            "total": self._total if self._aside is None else self._total + self._aside,  # type: ignore[attr-defined]
             "pending": _stacked(pending) if pending else None,
             "pending_n": self._pending_n,  # type: ignore[attr-defined]
             "count": self._count,  # type: ignore[attr-defined]
@@ -71,7 +72,7 @@ class MeterState:
             raise ValueError(f"not the state of a meter: expected keys {sorted(_METER_KEYS)}, got {found}")
         pending = state["pending"]
         self._val, self._n = state["val"], state["n"]
-        self._total, self._pending_n = state["total"], state["pending_n"]
+        self._total, self._pending_n, self._aside = state["total"], state["pending_n"], None
         # One 0-d tensor per pending value, as the updates left them (restacking gives the same tensor).
         self._pending = [] if pending is None else list(pending.unbind(0))
         self._count, self._updated = state["count"], bool(state["updated"])

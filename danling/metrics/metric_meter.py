@@ -152,7 +152,7 @@ class MetricMeter(AverageMeter):
 # Small CPU batches a `_HostMetricMeter` keeps before it counts them together.
 DEFERRED_BATCHES = 64
 # The running state of `AverageMeter`: every access to it in a `_HostMetricMeter` counts the kept batches first.
-_STATE_FIELDS = ("_val", "_n", "_total", "_pending", "_pending_n", "_count", "_updated")
+_STATE_FIELDS = ("_val", "_n", "_total", "_pending", "_pending_n", "_count", "_updated", "_aside")
 
 
 class _HostMetricMeter(MetricMeter):

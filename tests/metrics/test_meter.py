@@ -145,3 +145,24 @@ def test_average_meters_refuse_a_keyword_n_that_would_become_a_meter():
     assert "n" not in meters and "loss" not in meters  # nothing was added
     meters.update({"n": 3.0}, loss=0.5)  # a meter named n, asked for by a mapping
     assert meters["n"].avg == 3.0 and meters["loss"].count == 1
+
+
+def test_a_nonfinite_sum_set_apart_keeps_sum_and_avg_and_checkpoints_but_frees_later_sums():
+    meter = AverageMeter()
+    meter.update(torch.tensor(1.0))
+    assert not meter.isolate_nonfinite() and meter._aside is None  # a finite sum stays where it is
+    meter.update(torch.tensor(float("nan")))
+    meter.update(torch.tensor(2.0))
+    assert meter.isolate_nonfinite()
+    assert meter._running_sum() == 0 and math.isnan(meter.sum) and math.isnan(meter.avg)
+    meter.update(torch.tensor(4.0))
+    assert meter._running_sum() == 4.0 and meter.count == 4 and math.isnan(meter.avg)
+    state = meter.state_dict()
+    assert math.isnan(float(state["total"]))  # the part set apart is folded back into a checkpoint
+    again = AverageMeter()
+    again.load_state_dict(state)
+    assert math.isnan(again.avg) and again.count == 4
+    floats = AverageMeter()
+    floats.update(float("inf"))
+    floats.update(3.0)
+    assert floats.isolate_nonfinite() and floats.sum == float("inf") and floats._running_sum() == 0.0

@@ -47,18 +47,23 @@ class StepWindow:
         A pass that continues the meters of an interrupted pass (a mid-pass resume) calls it, so its
         first step log covers the steps since the resume, not the restored ones.
         """
-        self._marks = {name: (meter._sum, meter._count) for name, meter in meters.items()}
+        self._marks = {name: (meter._running_sum(), meter._count) for name, meter in meters.items()}
 
     def read(self, meters: AverageMeters) -> RoundDict:
         """Mean of each meter over the values added since the previous read (a collective when distributed)."""
         names, views = [], []
         for name, meter in meters.items():
-            total, count = meter._sum, meter._count  # the sum stays on the device
+            total, count = meter._running_sum(), meter._count  # the sum stays on the device
             mark_total, mark_count = self._marks.get(name, (0.0, 0))
             views.append(_window_view(meter, total - mark_total, count - mark_count))
             names.append(name)
-            self._marks[name] = (total, count)
         synced = sync_meters(views, meters.device, names=names, group=meters.group)
+        for name, meter in meters.items():
+            # A NaN or inf step makes its window NaN; set apart, it leaves the later windows finite
+            # (as differences of one running sum, every later window read NaN). The values were
+            # just read on the host, so this check waits for nothing more.
+            meter.isolate_nonfinite()
+            self._marks[name] = (meter._running_sum(), meter._count)
         return RoundDict.from_flat({name: values.avg for name, values in zip(names, synced)})
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import json
 import logging
+import math
 from pathlib import Path
 from typing import Any
 
@@ -89,6 +90,24 @@ def test_step_log_is_the_mean_since_the_previous_log(tmp_path, caplog):
     steps_per_second = dict(series["throughput/steps_per_second"])
     for step, tokens in series["throughput/tokens_per_second"]:
         assert tokens == pytest.approx(3 * steps_per_second[step], rel=1e-3)
+
+
+def test_a_skipped_nan_step_makes_its_own_window_nan_and_no_later_one(tmp_path):
+    # The window is a difference of running sums: once a NaN loss entered the sum, every later
+    # step log of the pass read nan, though the NaN step was skipped and training went on.
+    class NanOnThirdStep(RecordingRunner):
+        def train_step(self, data: Any) -> tuple[Any, Any]:
+            pred, loss = super().train_step(data)
+            return pred, loss * float("nan") if self.train_state.global_step == 3 else loss
+
+    runner = NanOnThirdStep(tiny_config(tmp_path, log_interval=1, skip_nonfinite_grad=True))
+    runner.train()
+    runner.close()
+    series = dict(read_metrics_csv(runner.workspace.path / "metrics.csv")["train_step/loss"])
+    assert math.isnan(series[3])
+    later = [step for step in series if step > 3]
+    assert later and all(series[step] == pytest.approx(runner.step_losses[step], rel=1e-5) for step in later)
+    assert math.isnan(runner.results[0]["train"]["loss"])  # the pass's mean still holds the NaN
 
 
 def test_learning_rate_of_each_group_is_logged(tmp_path):
