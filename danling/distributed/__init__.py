@@ -9,7 +9,7 @@ through its [`ParallelContext`][danling.distributed.ParallelContext].
 """
 
 from .collectives import all_gather_strided, all_reduce_any, all_reduce_gradients, all_reduce_mean, broadcast_object
-from .ddp import unwrap_model, wrap_ddp
+from .ddp import ddp_options, unwrap_model, wrap_ddp
 from .process_group import (
     barrier,
     default_backend,
@@ -41,4 +41,5 @@ __all__ = [
     "is_main_process",
     "unwrap_model",
     "wrap_ddp",
+    "ddp_options",
 ]

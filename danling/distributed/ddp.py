@@ -9,7 +9,34 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-__all__ = ["unwrap_model", "wrap_ddp"]
+__all__ = ["ddp_options", "unwrap_model", "wrap_ddp"]
+
+# `ddp.*` keys and DistributedDataParallel's defaults for them.
+DDP_DEFAULTS = {
+    "find_unused_parameters": False,
+    "static_graph": False,
+    "gradient_as_bucket_view": False,
+    "bucket_cap_mb": None,
+    "broadcast_buffers": True,
+}
+
+
+def ddp_options(config: Any) -> dict[str, Any]:
+    """The `DistributedDataParallel` keyword arguments that `config.ddp` sets away from DDP's defaults.
+
+    Raises:
+        ValueError: `ddp.bucket_cap_mb` is not a positive number, naming the value.
+
+    Examples:
+        >>> ddp_options({"ddp": {"find_unused_parameters": True, "bucket_cap_mb": None}})
+        {'find_unused_parameters': True}
+    """
+    section = (config.get("ddp") if hasattr(config, "get") else None) or {}
+    options = {key: section.get(key, default) for key, default in DDP_DEFAULTS.items()}
+    cap = options["bucket_cap_mb"]
+    if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float)) or not cap > 0):
+        raise ValueError(f"config.ddp.bucket_cap_mb must be a positive number of MiB or None, got {cap!r}")
+    return {key: value for key, value in options.items() if value != DDP_DEFAULTS[key]}
 
 
 def wrap_ddp(model: nn.Module, device: torch.device | str | None = None, **ddp_kwargs: Any) -> DistributedDataParallel:

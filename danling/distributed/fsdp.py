@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from fnmatch import fnmatchcase
 from typing import Any, Protocol
 
@@ -143,6 +143,7 @@ def wrap_data_parallel(
     distributed: bool,
     compile: Callable[..., nn.Module],
     strict: bool = True,
+    ddp: Mapping[str, Any] | None = None,
 ) -> nn.Module:
     """One local part made data parallel over the data axes of `topology`, and compiled.
 
@@ -161,8 +162,18 @@ def wrap_data_parallel(
         distributed: Whether a process group runs.
         compile: `compile(module, distributed=...)`, the runner's compiler.
         strict: Refuse `fsdp.modules` patterns that match nothing (off for pipeline stages).
+        ddp: `DistributedDataParallel` options (see [`ddp_options`][danling.distributed.ddp.ddp_options]).
+
+    Raises:
+        ValueError: `ddp` sets options while `fsdp.enabled` shards the part (FSDP2 reads none of them).
     """
+    ddp = dict(ddp or {})
     if fsdp.enabled and distributed:
+        if ddp:
+            raise ValueError(
+                f"config.ddp sets {sorted(ddp)}, which apply to DDP, but fsdp.enabled shards this model with "
+                "FSDP2, which reads none of them: unset the ddp keys, or turn fsdp.enabled off"
+            )
         # Experts stay split over the expert axis and replicated over `expert_data`; FSDP2 shards the
         # dense parameters only (ExpertGradients reduces the experts' gradients).
         experts = {param for _, param in expert_parameters(part)}
@@ -184,5 +195,5 @@ def wrap_data_parallel(
     if topology.size("data") > 1 and trainable:
         if experts:
             DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(part, experts)
-        part = wrap_ddp(part, device, process_group=topology.group("data"))
+        part = wrap_ddp(part, device, process_group=topology.group("data"), **ddp)
     return part

@@ -464,6 +464,7 @@ CONFIG_ID_IGNORES = (
     "comm",
     "ft",
     "compile",
+    "ddp",  # how gradients are synchronised, not what is trained
     # how the work is laid out over the ranks, not what is trained: a run may resume on another layout
     "stack",
     "parallel",

@@ -52,6 +52,7 @@ from .config_sections import (
     CompileConfig,
     CSVConfig,
     DataloaderConfig,
+    DdpConfig,
     EmaConfig,
     FaultToleranceConfig,
     Fp8Config,
@@ -204,6 +205,7 @@ class RunnerConfig(_TypedConfig):
     FEATURES = {
         "parallel": ("parallel.*",),
         "fsdp": ("fsdp.*",),
+        "ddp": ("ddp.*",),
         "profiling": ("profiling.*",),
         "fault-tolerance": ("ft.*",),
         "ft-dataloader-checkpoints": (
@@ -257,6 +259,7 @@ class RunnerConfig(_TypedConfig):
     ft: FaultToleranceConfig = FaultToleranceConfig()
     parallel: ParallelConfig = ParallelConfig()
     fsdp: FsdpConfig = FsdpConfig()
+    ddp: DdpConfig = DdpConfig()
     compile: CompileConfig = CompileConfig()
     comm: CommConfig = CommConfig()
     gc: GcConfig = GcConfig()
@@ -537,6 +540,8 @@ class RunnerConfig(_TypedConfig):
                 f"(available stacks: {list(stacks)}); build the runner with Runner(config) or subclass {owner.__name__}"
             )
         features = {name for klass in runner.__mro__ for name in vars(klass).get("supported_features", ())}
+        # A subclass that replaces what its base implements (DeepSpeed's engine instead of DDP) gives it up.
+        features -= {name for klass in runner.__mro__ for name in vars(klass).get("unsupported_features", ())}
         config.check_supported(stacks, features, runner=runner.__name__)
 
     def _normalize(self) -> None:

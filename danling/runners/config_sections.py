@@ -325,6 +325,32 @@ class FsdpConfig(_TypedConfig):
     offload_policy: bool | int | None = None
 
 
+class DdpConfig(_TypedConfig):
+    """`DistributedDataParallel` section (`ddp.*`): how the model is wrapped under several processes.
+
+    Read by the runners that wrap the model in DDP (`TorchRunner`, `GraphRunner`, and
+    `ParallelRunner` where it replicates without FSDP2); a key set elsewhere is refused.
+
+    Attributes:
+        find_unused_parameters: Look for parameters a forward did not use, so that DDP does not wait
+            for their gradients (models whose branches change from batch to batch); costs a
+            traversal of the graph at every step. Without it such a model stops with DDP's
+            "Expected to have finished reduction" error.
+        static_graph: Tell DDP that the parameters used and the graph never change between steps:
+            unused parameters and activation checkpointing are then handled once, cheaply.
+        gradient_as_bucket_view: Keep gradients as views into DDP's buckets, saving one
+            gradient-sized copy of memory.
+        bucket_cap_mb: Size of a gradient bucket in MiB (`None`: DDP's own default, 25).
+        broadcast_buffers: Send rank 0's buffers (BatchNorm statistics) to every rank at each forward.
+    """
+
+    find_unused_parameters: bool = False
+    static_graph: bool = False
+    gradient_as_bucket_view: bool = False
+    bucket_cap_mb: float | None = None
+    broadcast_buffers: bool = True
+
+
 class CompileConfig(_TypedConfig):
     """`torch.compile` section (`compile.*`); None leaves torch's own default in place.
 

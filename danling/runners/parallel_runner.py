@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from danling.distributed import ParallelContext, ParallelTopology
+from danling.distributed.ddp import ddp_options
 from danling.distributed.expert_parallel import ExpertGradients, expert_parameters
 from danling.distributed.fsdp import block_modules, wrap_data_parallel
 from danling.distributed.layout import check_axes, check_layout
@@ -131,6 +132,7 @@ class ParallelRunner(TorchRunner):
             parts = self.build_pipeline_model_parts(self.model) if pipelined else [self.model]
         wrap = partial(wrap_data_parallel, topology=topology, fsdp=fsdp, precision=self.precision, device=self.device)
         wrap = partial(wrap, distributed=self.distributed, compile=self.compiler.compile, strict=not pipelined)
+        wrap = partial(wrap, ddp=ddp_options(self.config))
         sharded = bool(fsdp.enabled and self.distributed)
         parts = [part.to(self.device) for part in parts]
         for part in parts:

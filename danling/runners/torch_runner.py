@@ -32,6 +32,7 @@ from danling.distributed import (
     all_gather_strided,
     all_reduce_mean,
     broadcast_object,
+    ddp_options,
     init_process_group_from_env,
     is_distributed,
     unwrap_model,
@@ -125,7 +126,7 @@ class TorchRunner(BaseRunner):
         (8, ['index', 'train', 'val'], 8)
     """
 
-    supported_features = ("profiling", "fault-tolerance", "ft-dataloader-checkpoints")
+    supported_features = ("profiling", "fault-tolerance", "ft-dataloader-checkpoints", "ddp")
     collate_fn: Callable | None = None
     fp8: Fp8Policy | None = None
     telemetry: FlopsTelemetry | None = None
@@ -379,7 +380,8 @@ class TorchRunner(BaseRunner):
         self.model = self.compiler.compile(self.model, distributed=self.distributed)
         trainable = any(param.requires_grad for param in self.model.parameters())
         if self.distributed and trainable:
-            self.model = wrap_ddp(self.model, self.device)  # also broadcasts rank 0's weights
+            # also broadcasts rank 0's weights
+            self.model = wrap_ddp(self.model, self.device, **ddp_options(self.config))
         self.materialize_ema()
 
     def materialize_ema(self) -> None:

@@ -171,6 +171,7 @@ DANLING_OWN = {
     "evaluate_metrics": "attribute: metrics of evaluation splits when they differ from training's",
     "evaluate_interval": "attribute: the evaluation cadence of step mode, from the config",
     "supported_features": "class attribute: the config features a backend implements (lifts their refusal)",
+    "unsupported_features": "class attribute: features of its bases a backend gives up (their keys are refused)",
     # Hooks backends override or call: public so that backends use no private name (lint test).
     "build_update_strategy": "backend hook: the update strategy of this backend",
     "apply_train_timeout": "backend hook: arms the per-step timeout around the update",

@@ -61,6 +61,23 @@ class StoppingRunner(TinyRunner):
         return applied
 
 
+class UnusedBranch(torch.nn.Module):
+    """The toy model beside a layer no forward uses: DDP waits for its gradient unless told."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model, self.unused = model, torch.nn.Linear(3, 3)
+
+    def forward(self, x):
+        return self.model(x)
+
+
+class UnusedBranchRunner(TinyRunner):
+    def __init__(self, config):
+        super().__init__(config)
+        self.model = UnusedBranch(self.model)
+
+
 def _gradient_config(root, batch_size):
     return tiny_config(
         root, epochs=None, steps=1, **{"dataloader.batch_size": batch_size, "dataloader.train.shuffle": False}
@@ -95,6 +112,18 @@ def _ddp_scenarios(rank: int, world_size: int, root: str) -> dict:
     with DataParallelRunner(dict(config, resume=str(latest))) as restored:
         out["restored_step"] = restored.train_state.global_step
         out["restored_equal"] = all(torch.equal(out["weights"][k], v) for k, v in model_state(restored).items())
+    # `ddp.*` reaches the wrapper: a model with a parameter no forward uses trains only with
+    # find_unused_parameters (without it DDP stops at the second step, waiting for that gradient).
+    unused = tiny_config(f"{root}/unused", epochs=None, steps=3, **{"ddp.find_unused_parameters": True})
+    with UnusedBranchRunner(unused) as runner:
+        out["unused_options"] = runner.model.find_unused_parameters
+        runner.train()
+        out["unused_steps"] = runner.train_state.global_step
+    with UnusedBranchRunner(tiny_config(f"{root}/stuck", epochs=None, steps=3)) as runner:
+        try:
+            runner.train()
+        except RuntimeError as error:
+            out["unused_error"] = str(error)
     with GradientRunner(_gradient_config(f"{root}/grad", batch_size=4)) as runner:
         runner.train()
         out["grads"] = runner.grads
@@ -119,6 +148,8 @@ def test_two_ranks_train_in_lockstep_and_match_one_process(tmp_path):
         # 2 epochs x 3 windows, minus the update whose gradients were NaN on rank 1 only.
         assert out["skipped"] == 1 and out["global_step"] == 5
         assert out["restored_step"] == 5 and out["restored_equal"]
+        assert out["unused_options"] is True and out["unused_steps"] == 3
+        assert "find_unused_parameters" in out.get("unused_error", "")
     for key, value in first["weights"].items():
         assert torch.equal(value, second["weights"][key])  # replicas stay identical
     assert first["latest"] == second["latest"] and first["evaluate"] == second["evaluate"]

@@ -55,9 +55,13 @@ class DeepSpeedRunner(TorchRunner):
     Attributes:
         model: The `DeepSpeedEngine` once the runner is built (the user's module before).
         deepspeed_config: The effective config passed to `deepspeed.initialize`.
+        unsupported_features: Config features of its bases this runner does not implement (`ddp`:
+            the engine synchronises gradients itself), so their keys are refused.
     """
 
     deepspeed_config: dict[str, Any] | None = None
+    # The engine synchronises gradients itself: no DDP wrapper reads `ddp.*`.
+    unsupported_features = ("ddp",)
 
     # ------------------------------------------------------------------ process and checkpoints
     def init_distributed(self) -> None:

@@ -9,6 +9,7 @@ from types import UnionType
 from typing import Any, Union, get_args, get_origin
 
 import pytest
+import torch
 import yaml
 from chanfig import Config
 from chanfig.utils import get_cached_annotations
@@ -236,6 +237,8 @@ def other_value(key: str, default: Any) -> Any:
         return not default
     if isinstance(default, int) or (default is None and int in members):
         return (default or 1) + 1
+    if key == "ddp.bucket_cap_mb":
+        return 50.0
     if key == "ft.process_group":
         return "nccl"
     if key == "compile.memory_policy":
@@ -285,3 +288,30 @@ def test_supported_features_are_inherited_and_lift_the_check():
     RunnerConfig.check_runner(config, ProfiledShardedRunner)
     with pytest.raises(ValueError, match=r"profiling\.enabled=True .*'profiling' feature, which ShardedRunner"):
         RunnerConfig.check_runner(config, ShardedRunner)
+
+
+def test_ddp_options_reach_only_runners_that_wrap_in_ddp():
+    from danling.distributed import ddp_options
+    from danling.distributed.fsdp import wrap_data_parallel
+    from danling.runners import DeepSpeedRunner
+    from danling.runners.config_sections import FsdpConfig
+
+    config = RunnerConfig(**{"ddp.find_unused_parameters": True, "ddp.bucket_cap_mb": 50.0})
+    assert ddp_options(config) == {"find_unused_parameters": True, "bucket_cap_mb": 50.0}
+    assert ddp_options(RunnerConfig()) == {}  # DDP's own defaults: nothing passed
+    RunnerConfig.check_runner(config, TorchRunner)
+    with pytest.raises(ValueError, match=r"ddp\.find_unused_parameters=True .*'ddp' feature, which DeepSpeedRunner"):
+        RunnerConfig.check_runner(config, DeepSpeedRunner)  # the engine synchronises gradients itself
+    with pytest.raises(ValueError, match=r"config\.ddp\.bucket_cap_mb must be a positive number of MiB or None, got 0"):
+        ddp_options({"ddp": {"bucket_cap_mb": 0}})
+    with pytest.raises(ValueError, match=r"config\.ddp sets \['find_unused_parameters'\].* fsdp\.enabled shards"):
+        wrap_data_parallel(
+            torch.nn.Linear(2, 2),
+            None,
+            FsdpConfig(enabled=True),
+            precision=None,
+            device=torch.device("cpu"),
+            distributed=True,
+            compile=lambda module, distributed: module,
+            ddp={"find_unused_parameters": True},
+        )
