@@ -36,14 +36,19 @@ CHILD = textwrap.dedent(
 )
 
 
-def test_the_peak_counts_live_allocations_of_the_block_only(tmp_path):
+def counted(tmp_path: Path, source: str) -> list[int]:
+    """The numbers a child running `source` prints, run with the heap counter preloaded."""
     if shutil.which("cc") is None:
         pytest.skip("needs a C compiler")
     script = tmp_path / "child.py"
-    script.write_text(CHILD.format(benchmarks=str(REPO / "benchmarks")))
+    script.write_text(source.format(benchmarks=str(REPO / "benchmarks")))
     env = heap_environment(heap_counter(str(tmp_path)))
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, check=True)
-    freed, empty = (int(value) for value in done.stdout.split())
+    return [int(value) for value in done.stdout.split()]
+
+
+def test_the_peak_counts_live_allocations_of_the_block_only(tmp_path):
+    freed, empty = counted(tmp_path, CHILD)
     # 2 MiB held at once, plus the allocator's rounding and a few Python objects; not the 4 MiB
     # live before the block, nor the 0.5 MiB still held after the frees.
     assert 2 << 20 <= freed < (2 << 20) + (64 << 10)
@@ -69,13 +74,7 @@ MAPS = textwrap.dedent(
 
 def test_anonymous_maps_count_at_their_length_through_remaps_and_unmaps(tmp_path):
     # danling's binary metric store keeps its scores in maps grown by mremap, which malloc never sees.
-    if shutil.which("cc") is None:
-        pytest.skip("needs a C compiler")
-    script = tmp_path / "maps.py"
-    script.write_text(MAPS.format(benchmarks=str(REPO / "benchmarks")))
-    env = heap_environment(heap_counter(str(tmp_path)))
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, check=True)
-    grown, after = (int(value) for value in done.stdout.split())
+    grown, after = counted(tmp_path, MAPS)
     assert (4 << 20) <= grown < (4 << 20) + (64 << 10)  # 3 MiB kept and 1 MiB at once, then unmapped
     assert after < 4096  # closing frees: nothing above the start of the block
 
