@@ -360,17 +360,25 @@ class TorchCheckpointing(RunnerCheckpointing):
         set_training_state(self.checkpoint_model, None, {"model": state_dict}, strict=strict)
 
     def load_ema(self, state_dict: Mapping[str, Any] | None, *args: Any, **kwargs: Any) -> None:
-        """Load EMA weights; those a dotted `exclude_from_loading` key names (`ema.head`) keep their values."""
+        """Load EMA weights; those a dotted `exclude_from_loading` key names (`ema.head`, and `model.head`
+        too: an average of the old head beside a new one would evaluate the old) keep their values."""
         if state_dict is not None and self.host.ema is not None:
-            state_dict = self._keep_excluded_weights(state_dict, "ema", self.host.unwrap(self.host.ema))
+            module = self.host.unwrap(self.host.ema)
+            state_dict = self._keep_excluded_weights(state_dict, ("ema", "model"), module)
         super().load_ema(state_dict, *args, **kwargs)
 
-    def _keep_excluded_weights(self, state_dict: Mapping[str, Any], part: str, module: Any) -> Mapping[str, Any]:
-        """`state_dict` with the entries a dotted `exclude_from_loading` key names (`model.head`,
-        `model.head.weight` for `part="model"`) taken from the live `module`: those weights keep their
-        current values, while strict loading still refuses any other entry the checkpoint lacks."""
-        prefix = part + "."
-        names = [key.removeprefix(prefix) for key in self.manager.exclude_from_loading if key.startswith(prefix)]
+    def _excluded_names(self, parts: tuple[str, ...]) -> list[str]:
+        """The module names that dotted `exclude_from_loading` keys of `parts` name (`model.head`: `head`)."""
+        prefixes = tuple(part + "." for part in parts)
+        return [key.split(".", 1)[1] for key in self.manager.exclude_from_loading if key.startswith(prefixes)]
+
+    def _keep_excluded_weights(
+        self, state_dict: Mapping[str, Any], parts: str | tuple[str, ...], module: Any
+    ) -> Mapping[str, Any]:
+        """`state_dict` with the entries a dotted `exclude_from_loading` key of `parts` names
+        (`model.head`, `model.head.weight` for `"model"`) taken from the live `module`: those weights
+        keep their current values, while strict loading still refuses any other entry the checkpoint lacks."""
+        names = self._excluded_names((parts,) if isinstance(parts, str) else parts)
         if not names:
             return state_dict
         from danling.checkpoint.training import ModelState
@@ -397,9 +405,21 @@ class TorchCheckpointing(RunnerCheckpointing):
         groups = state_dict.get("param_groups") or []
         if groups and all(isinstance(param, int) for group in groups for param in group["params"]):
             optimizer.load_state_dict(state_dict)  # written by optimizer.state_dict() itself
+            self._forget_excluded_state(optimizer)
             return
         live = OptimizerState(self.checkpoint_model, optimizer, self.host.update.outside_parameters)
         live.load_state_dict(state_dict)
+        self._forget_excluded_state(optimizer)
+
+    def _forget_excluded_state(self, optimizer: Any) -> None:
+        # Weights a dotted `model.*` exclusion keeps fresh start with a fresh optimizer state too:
+        # the checkpoint's moments and step count belong to the weights that were not loaded.
+        names = self._excluded_names(("model",))
+        if not names:
+            return
+        for name, param in self.checkpoint_model.named_parameters():
+            if any(name == n or name.startswith(n + ".") for n in names):
+                optimizer.state.pop(param, None)
 
     def load_dataloaders(self, state_dict: Mapping[str, Any] | None) -> None:
         """Restore loader progress after checking each loader against the fingerprint in the checkpoint."""
@@ -457,7 +477,7 @@ class TorchCheckpointing(RunnerCheckpointing):
         if not in_place:
             return super().read_restore_payload(checkpoint, in_place, map_location)
         path = self.manager.resolve(checkpoint)
-        exclude = [*self.manager.exclude_from_loading, *in_place]
+        exclude = [*self._load_excludes(), *in_place]
         reader = self._dcp_reader(path.parent, exclude, verify_together=True)
         return reader.load(path, map_location=map_location)
 
@@ -475,8 +495,14 @@ class TorchCheckpointing(RunnerCheckpointing):
         """
         path = self.manager.resolve(checkpoint)
         objects = {key: live for key, live in self._live_objects(*args, **kwargs).items() if key in keys}
-        reader = self._dcp_reader(path.parent, self.manager.exclude_from_loading)
+        reader = self._dcp_reader(path.parent, self._load_excludes())
         reader.load_into(path, objects, map_location=map_location)
+
+    def _load_excludes(self) -> list[str]:
+        """`exclude_from_loading`, with `ema.X` for every `model.X` (see `load_ema`): a DCP read in place
+        must leave those EMA weights alone, since nothing could take their values back afterwards."""
+        excluded = list(self.manager.exclude_from_loading)
+        return excluded + [f"ema.{name}" for name in self._excluded_names(("model",)) if f"ema.{name}" not in excluded]
 
     # ------------------------------------------------------------------ reading
     def read(self, checkpoint: CheckpointSource, *args: Any, **kwargs: Any) -> Mapping[str, Any]:

@@ -133,3 +133,12 @@ def test_a_dotted_model_exclude_keeps_those_weights_and_restores_the_rest(tmp_pa
             for key, value in state.items():
                 assert torch.equal(value, initial[key] if key in kept else trained[part][key]), (exclude, key)
             assert resumed.train_state.global_step == steps
+            if part == "model":
+                # The EMA of those weights and their optimizer state start afresh with them: an average
+                # of the old weights would evaluate them, and the old moments would move the new ones.
+                ema, fresh_ema = weights(resumed, "ema"), weights(fresh, "ema")
+                for key, value in ema.items():
+                    assert torch.equal(value, fresh_ema[key] if key in kept else trained["ema"][key]), (exclude, key)
+                named = dict(resumed.unwrap(resumed.model).named_parameters())
+                stateful = {name for name, param in named.items() if param in resumed.optimizer.state}
+                assert stateful == set(named) - kept, exclude
