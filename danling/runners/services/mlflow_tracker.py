@@ -61,6 +61,10 @@ class MLflowTracker(Tracker):
         run_name: Display name of the run.
         params: Parameters to record once (a nested config is flattened with dots).
         tags: Tags set on the run.
+        run_id: Continue this run (a resumed training run) instead of creating one; a run the
+            store does not hold is an error naming it. Parameters it already records keep their
+            first value (MLflow cannot change one): a changed value is recorded as the tag
+            `danling.resumed.<name>`.
     """
 
     def __init__(
@@ -72,6 +76,7 @@ class MLflowTracker(Tracker):
         run_name: str | None = None,
         params: Mapping[str, Any] | None = None,
         tags: Mapping[str, str] | None = None,
+        run_id: str | None = None,
     ) -> None:
         tracking = optional_import("mlflow.tracking", "mlflow")
         entities = optional_import("mlflow.entities", "mlflow")
@@ -87,11 +92,31 @@ class MLflowTracker(Tracker):
         self.client = tracking.MlflowClient(tracking_uri=tracking_uri)
         found = self.client.get_experiment_by_name(experiment)
         experiment_id = found.experiment_id if found is not None else self.client.create_experiment(experiment)
-        self.run_id: str = self.client.create_run(experiment_id, run_name=run_name, tags=dict(tags or {})).info.run_id
+        recorded: dict[str, str] = {}
+        if run_id is None:
+            created = self.client.create_run(experiment_id, run_name=run_name, tags=dict(tags or {}))
+            self.run_id: str = created.info.run_id
+        else:
+            try:
+                run = self.client.get_run(run_id)
+            except Exception as error:  # MlflowException: not in this store
+                raise ValueError(
+                    f"MLflow run {run_id!r} to continue is not in the store {tracking_uri!r}: {error}"
+                ) from error
+            self.run_id, recorded = run_id, dict(run.data.params)
+            self.client.update_run(run_id, status="RUNNING")
         if params:
-            items = [entities.Param(key, value) for key, value in flatten_params(params).items()]
+            flat = flatten_params(params)
+            items = [entities.Param(key, value) for key, value in flat.items() if key not in recorded]
+            changed = [
+                entities.RunTag(f"danling.resumed.{key}", value)
+                for key, value in flat.items()
+                if key in recorded and recorded[key] != value
+            ]
             for start in range(0, len(items), 100):
                 self.client.log_batch(self.run_id, params=items[start : start + 100])
+            for start in range(0, len(changed), 100):
+                self.client.log_batch(self.run_id, tags=changed[start : start + 100])
         self._closed = False
 
     def log(self, result: Mapping[str, Any], step: int) -> None:

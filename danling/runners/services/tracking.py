@@ -146,14 +146,21 @@ def _mlflow(setup: TrackerSetup) -> Tracker:
     from .mlflow_tracker import MLflowTracker
 
     mlflow, workspace = setup.config.mlflow, setup.workspace
-    return MLflowTracker(
+    # A resumed run continues the MLflow run of its directory (as W&B's does), written the first time.
+    path = workspace.path / "mlflow-run-id"
+    tracker = MLflowTracker(
         os.fspath(workspace.dir),
         tracking_uri=mlflow.tracking_uri,
         experiment=mlflow.experiment or workspace.lineage,
         run_name=mlflow.run_name or f"{workspace.experiment}-{workspace.id}",
         params=setup.config.dict(),
         tags={"danling.run_id": workspace.id, "danling.run_dir": os.fspath(workspace.path)},
+        run_id=path.read_text().strip() if path.is_file() else None,
     )
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(path, tracker.run_id + "\n")
+    return tracker
 
 
 register_tracker("tensorboard", tensorboard_tracker, enabled=lambda config: bool(config.tensorboard))

@@ -296,3 +296,31 @@ def test_window_mean_is_combined_over_ranks():
 
     # steps 1-3 then 4-6, over both ranks: mean of (1+2+3)*(1+2)/6 = 3.0, then (4+5+6)*3/6 = 7.5
     assert run_distributed(_window_worker, world_size=2) == [[3.0, 7.5], [3.0, 7.5]]
+
+
+def test_resumed_run_continues_the_same_mlflow_run(tmp_path):
+    # Each resume used to open a new MLflow run: the curves of one training run came in pieces.
+    from danling.runners.services.mlflow_tracker import MLflowTracker
+    from tests.runners.services.test_trackers import read_mlflow
+
+    config = tiny_config(tmp_path, log_interval=2, auto_resume=True, **{"mlflow.enabled": True})
+    first = RecordingRunner(config)
+    first.stop_at = 6
+    with pytest.raises(SystemExit):
+        first.train()
+    second = RecordingRunner({**config, "epochs": 3})  # the same run directory: epochs stay out of its id
+    assert second.train_state.global_step == 6
+    second.train()
+    second.close()
+    trackers = [tracker for runner in (first, second) for tracker in runner.trackers]
+    (run_id,) = {tracker.run_id for tracker in trackers if isinstance(tracker, MLflowTracker)}
+    assert (first.workspace.path / "mlflow-run-id").read_text().strip() == run_id
+    (tracker,) = [tracker for tracker in second.trackers if isinstance(tracker, MLflowTracker)]
+    history, params, status = read_mlflow(tracker.tracking_uri, run_id)
+    steps = [step for step, _ in history["train_step/loss"]]
+    assert steps == sorted(set(steps)) and steps[0] == 2 and steps[-1] == 15  # both runs, one curve
+    assert params["epochs"] == "2" and status == "FINISHED"  # a parameter keeps its first value
+    from mlflow.tracking import MlflowClient
+
+    tags = MlflowClient(tracking_uri=tracker.tracking_uri).get_run(run_id).data.tags
+    assert tags["danling.resumed.epochs"] == "3"
