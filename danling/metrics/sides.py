@@ -231,5 +231,7 @@ def _labels(label: int, count: int, device: torch.device) -> Tensor:
 
 def _anonymous(size: int) -> mmap.mmap:
     # Private: a shared anonymous map is a shmem object of fixed size, and pages that `mremap`
-    # adds past it fault (SIGBUS) when touched.
-    return mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE)
+    # adds past it fault (SIGBUS) when touched. Windows has no flags (its anonymous maps are
+    # private, and never resized in place: growth copies there).
+    private = getattr(mmap, "MAP_PRIVATE", None)
+    return mmap.mmap(-1, size) if private is None else mmap.mmap(-1, size, flags=private)
