@@ -479,6 +479,9 @@ class RunnerConfig(_TypedConfig):
             )
         check_values(self)
         check_optimizer_keys(self)
+        from .diagnosis import check_settings  # here: the diagnosis package imports this module's sections
+
+        check_settings(self)
         if training and peek(self, "epochs") is None and peek(self, "steps") is None:
             raise ValueError("training needs a budget: set config.epochs or config.steps (both are None)")
         check_annotations(self)

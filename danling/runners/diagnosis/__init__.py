@@ -33,6 +33,7 @@ from .stragglers import PhaseClock, Straggler, StragglerMonitor, name_straggler
 __all__ = [
     "ConsistencyConfig",
     "ConsistencySentinel",
+    "check_settings",
     "Diagnosis",
     "DiagnosisSetup",
     "OomConfig",
@@ -106,6 +107,38 @@ class DiagnosisSetup:
     global_step: Callable[[], int]
     logger: logging.Logger
     world_group: Any = None
+
+
+def check_settings(config: Any) -> None:
+    """Refuse diagnosis and update-guard settings that would fail when their part starts, from the config alone.
+
+    Each part checks its section again when it is built, after the model and the data; `RunnerConfig.validate`
+    runs these same checks, under the conditions that build each part, so a parse or a new runner refuses a
+    bad value before any work. (The OOM guard's check of the update strategy needs the runner: it stays there.)
+
+    Raises:
+        ValueError: The first value outside its range, naming it.
+    """
+    from ..services.watchdog import check_times
+    from ..update.spikes import guard_options
+    from .consistency import check_section as check_consistency
+    from .oom import check_section as check_oom
+    from .replay import check_section as check_replay
+    from .stragglers import check_section as check_stragglers
+
+    stragglers, consistency = config.get("stragglers"), config.get("consistency")
+    oom, replay, watchdog = config.get("oom"), config.get("replay"), config.get("watchdog")
+    if stragglers is not None and stragglers.enabled:
+        check_stragglers(stragglers)
+    if consistency is not None and consistency.interval is not None:
+        check_consistency(consistency)
+    if oom is not None and oom.policy is not None:
+        check_oom(oom)
+    if replay is not None:
+        check_replay(replay)  # the recorder checks it even when off
+    if watchdog is not None:
+        check_times(watchdog.timeout_seconds, watchdog.interval_seconds)
+    guard_options(config)  # nonfinite.* and spikes.*: the update strategy reads them at every start
 
 
 def build_diagnosis(stragglers: StragglerConfig, consistency: ConsistencyConfig, setup: DiagnosisSetup) -> Diagnosis:

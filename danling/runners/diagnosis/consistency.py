@@ -156,7 +156,7 @@ class ConsistencySentinel:
         global_step: Callable[[], int] = lambda: 0,
         logger: logging.Logger | None = None,
     ) -> None:
-        _check(section)
+        check_section(section)
         self.interval, self.policy = int(section.interval), section.policy  # type: ignore[arg-type]
         self.max_rollbacks = int(section.max_rollbacks)
         self.tensors, self.replicas, self.rank, self.world_size = tensors, list(replicas), rank, world_size
@@ -280,7 +280,8 @@ def _all_gather(tensor: torch.Tensor, size: int, group: Any) -> torch.Tensor:
     return torch.stack(rows).cpu()
 
 
-def _check(section: ConsistencyConfig) -> None:
+def check_section(section: ConsistencyConfig) -> None:
+    """Refuse a `consistency.*` value outside its range, naming it (when the section is built, and by `validate`)."""
     interval, policy, rollbacks = section.interval, section.policy, section.max_rollbacks
     if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
         raise ValueError(f"consistency.interval must be an integer >= 1 (or None: off), got {interval!r}")

@@ -471,13 +471,18 @@ def _batch_size(data: Any) -> int:
     return 0
 
 
-def _check(config: OomConfig, update: Any) -> None:
+def check_section(config: OomConfig) -> None:
+    """Refuse an `oom.*` value outside its range, naming it (the guard also needs the torch update strategy)."""
     if config.policy not in POLICIES:
         raise ValueError(f"oom.policy must be one of {', '.join(POLICIES)} (or None: off), got {config.policy!r}")
     for key in ("max_consecutive", "max_splits"):
         value = getattr(config, key)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"oom.{key} must be an integer >= 1, got {value!r}")
+
+
+def _check(config: OomConfig, update: Any) -> None:
+    check_section(config)
     if type(update) is not TorchUpdateStrategy:
         raise ValueError(
             f"oom.policy needs the torch update strategy (TorchRunner), not {type(update).__name__}, "

@@ -112,7 +112,7 @@ class ReplayRecorder:
     """
 
     def __init__(self, section: ReplayConfig, setup: ReplaySetup) -> None:
-        _check(section)
+        check_section(section)
         self.on_nonfinite, self.on_rollback = bool(section.on_nonfinite), bool(section.on_rollback)
         self.capture_steps = frozenset(int(step) for step in section.capture_steps)
         self.max_copy_bytes, self.max_bundles = int(section.max_copy_bytes), int(section.max_bundles)
@@ -369,7 +369,8 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _check(section: ReplayConfig) -> None:
+def check_section(section: ReplayConfig) -> None:
+    """Refuse a `replay.*` value outside its range, naming it (when the section is built, and by `validate`)."""
     steps, size, bundles = section.capture_steps, section.max_copy_bytes, section.max_bundles
     if not isinstance(steps, (list, tuple)) or any(isinstance(s, bool) or not isinstance(s, int) for s in steps):
         raise ValueError(f"replay.capture_steps must be a list of global steps (integers >= 1), got {steps!r}")

@@ -189,7 +189,7 @@ class StragglerMonitor:
         report: bool = True,
         global_step: Callable[[], int] = lambda: 0,
     ) -> None:
-        _check(section)
+        check_section(section)
         self.global_step = global_step
         self.factor, self.patience = float(section.factor), int(section.patience)
         self.collective = tuple(section.collective_phases)
@@ -287,7 +287,8 @@ def _gather(row: torch.Tensor, world_size: int, group: Any) -> torch.Tensor:
     return torch.stack(rows).cpu()
 
 
-def _check(section: StragglerConfig) -> None:
+def check_section(section: StragglerConfig) -> None:
+    """Refuse a `stragglers.*` value outside its range, naming it (when the section is built, and by `validate`)."""
     factor, window, patience = section.factor, section.window, section.patience
     if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 1:
         raise ValueError(f"stragglers.factor must be a number above 1, got {factor!r}")

@@ -95,12 +95,15 @@ def test_off_by_default_and_one_process_subscribes_nothing(tmp_path):
     ],
 )
 def test_bad_settings_are_refused_by_name(key, value, message):
-    config = RunnerConfig(**{key: value})
+    pattern = message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")
     section, name = key.split(".")
-    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
+    switch = {"stragglers.enabled": True} if section == "stragglers" else {"consistency.interval": 1}
+    with pytest.raises(ValueError, match=pattern):
+        RunnerConfig(**{**switch, key: value})  # as the config is validated: before any model or data
+    config = RunnerConfig(**switch)
+    setattr(config[section], name, value)  # changed after validation: the part checks again when built
+    with pytest.raises(ValueError, match=pattern):
         if section == "stragglers":
             StragglerMonitor(config.stragglers, world_size=2)
         else:
-            if name != "interval":
-                config.consistency.interval = 1
             ConsistencySentinel(config.consistency, list, replicas=[0, 1], rank=0, world_size=2)

@@ -142,8 +142,12 @@ def test_a_batch_is_split_along_its_samples_keeping_its_shape():
     ],
 )
 def test_bad_settings_are_refused_by_name(key, value, message):
-    config = RunnerConfig(**{"oom.policy": "split", f"oom.{key}": value}).oom
-    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+    pattern = message.replace("(", r"\(").replace(")", r"\)")
+    with pytest.raises(ValueError, match=pattern):
+        RunnerConfig(**{"oom.policy": "split", f"oom.{key}": value})  # as the config is validated
+    config = RunnerConfig(**{"oom.policy": "split"}).oom
+    setattr(config, key, value)  # changed after validation: the guard checks again when built
+    with pytest.raises(ValueError, match=pattern):
         OutOfMemoryGuard(config, TorchUpdateStrategy())
 
 
