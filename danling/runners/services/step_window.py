@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from danling.metrics import AverageMeter, AverageMeters
 from danling.metrics.meter_sync import sync_meters
 from danling.utils import RoundDict
@@ -51,19 +53,21 @@ class StepWindow:
 
     def read(self, meters: AverageMeters) -> RoundDict:
         """Mean of each meter over the values added since the previous read (a collective when distributed)."""
-        names, views = [], []
+        names, views, marks = [], [], []
         for name, meter in meters.items():
             total, count = meter._running_sum(), meter._count  # the sum stays on the device
             mark_total, mark_count = self._marks.get(name, (0.0, 0))
             views.append(_window_view(meter, total - mark_total, count - mark_count))
             names.append(name)
+            marks.append((total, count))
         synced = sync_meters(views, meters.device, names=names, group=meters.group)
-        for name, meter in meters.items():
-            # A NaN or inf step makes its window NaN; set apart, it leaves the later windows finite
-            # (as differences of one running sum, every later window read NaN). The values were
-            # just read on the host, so this check waits for nothing more.
-            meter.isolate_nonfinite()
-            self._marks[name] = (meter._running_sum(), meter._count)
+        for name, mark, values in zip(names, marks, synced):
+            # A NaN or inf step makes its window NaN (on every rank, once synced); its meter's running
+            # sum is then set apart, so that the later windows, differences of that sum, are finite
+            # again. The window's value is on the host already: a finite one costs no more reads.
+            if not bool(torch.isfinite(torch.as_tensor(values.avg)).all()) and meters[name].isolate_nonfinite():
+                mark = (meters[name]._running_sum(), mark[1])
+            self._marks[name] = mark
         return RoundDict.from_flat({name: values.avg for name, values in zip(names, synced)})
 
 
