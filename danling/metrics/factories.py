@@ -114,9 +114,8 @@ LABEL_HOST_METRICS: dict[str, Callable[[_host.LabelHostCounts, Any], Any]] = {
 def _held_counts(state: MetricState, confusion: Any = None) -> Any:
     """The host statistics of accumulated CPU counts held by `state` (`GlobalMetrics`' `avg`), if any."""
     confusion = state.held("confusion") if confusion is None else confusion
-    if confusion is None:
-        return None
-    return state.cached("host_counts", lambda: _host.counts_of_confusion(confusion))
+    # Read once per confusion, which the metrics of a read share (`counts_of_confusion` keeps it).
+    return None if confusion is None else _host.counts_of_confusion(confusion)
 
 
 def _host_counts(state: MetricState) -> _host.HostCounts | None:

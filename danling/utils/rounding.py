@@ -207,7 +207,8 @@ def _plain_item(key: Any, value: Any) -> bool:
 def _row_item(key: Any, value: Any) -> bool:
     """A plain item, or a plain key holding a non-empty mapping of plain items (one level deep)."""
     if type(value) in _PLAIN_VALUES:  # the usual value, checked before the (slower) ABC test
-        return _plain_key(key)
+        # `_plain_key`, inlined: this runs for every key of every result read.
+        return type(key) is str and "." not in key and key not in _RESERVED
     if isinstance(value, Mapping):
         return bool(value) and _plain_key(key) and all(_plain_item(k, v) for k, v in value.items())
     return _plain_item(key, value)

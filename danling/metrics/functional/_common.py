@@ -54,6 +54,8 @@ ROW_TABLE_SPAN = 1 << 12
 # Devices whose tensors live in host memory: reading a value there (`.item()`) waits for nothing,
 # so a per-batch check may branch in Python instead of adding device ops.
 HOST_READ_DEVICES = ("cpu",)
+# `CountedConfusion.host_counts` before the host has read the counts (`None` means it cannot).
+NOT_READ: Any = object()
 # Largest CPU batches whose labels per-batch metrics read as Python lists: up to them one `tolist`
 # per side and a loop in Python cost less than the tensor ops they replace (each a dispatch,
 # slowest inside a training step, whose work has pushed their code out of the caches); above them
@@ -139,8 +141,8 @@ class CountedConfusion(Confusion):
     """The `Confusion` of a `LabelCounter`'s flat counts, shaped into tensors on first use.
 
     Metrics that read the counts on the host (`danling.metrics.functional._host`) never shape
-    them: the counts read as Python integers in one call (`host_table`) replace the view, slice
-    and sums.
+    them: the counts read as Python integers in one call (`LabelCounter.host_table`) replace the
+    view, slice and sums.
     """
 
     def __init__(
@@ -149,6 +151,9 @@ class CountedConfusion(Confusion):
         self.counter = counter
         self.counts = counts
         self.read = read  # `counter.host_reader(counts)`, where the owner of the counts keeps one
+        # What `_host.counts_of_confusion` read from these counts (`None`: the tensor path applies),
+        # kept here because every metric of a read shares this object and reads the same statistics.
+        self.host_counts: Any = NOT_READ
 
     @cached_property
     def _shaped(self) -> Confusion:
@@ -161,10 +166,6 @@ class CountedConfusion(Confusion):
     @property
     def invalid(self) -> Tensor:  # type: ignore[override]
         return self._shaped.invalid
-
-    def host_table(self) -> tuple[Sequence[int], range, int] | None:
-        """`LabelCounter.host_table` of these counts (small CPU tables), else `None`."""
-        return self.counter.host_table(self.counts, self.read)
 
 
 class Curves(NamedTuple):
@@ -373,9 +374,15 @@ class LabelCounter:
         host, reading a few hundred counts costs less than the tensor ops that shape them. Each
         matrix is row-major (a row per target class) from its start.
         """
-        if counts.numel() > HOST_TABLE_SIZE or not counts.is_cpu or "cpu" not in HOST_READ_DEVICES:
+        # Counts of this counter hold `size` entries: the size is checked without asking the tensor.
+        if self.size > HOST_TABLE_SIZE or "cpu" not in HOST_READ_DEVICES:
             return None
-        table = counts.tolist() if read is None else read()
+        if read is not None:  # a reader is made only for a CPU table (`host_reader`)
+            table = read()
+        elif counts.is_cpu:
+            table = counts.tolist()
+        else:
+            return None
         c, width = self.num_classes, self.rows * self.num_classes
         parts = self._invalid_slices
         if parts is None:

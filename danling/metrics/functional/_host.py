@@ -189,12 +189,20 @@ def counts_of_confusion(confusion: _common.Confusion) -> HostCounts | LabelHostC
     """
     if not isinstance(confusion, _common.CountedConfusion):
         return None
-    read = confusion.host_table()
+    held = confusion.host_counts  # read once per confusion: its metrics share the statistics
+    if held is _common.NOT_READ:
+        held = confusion.host_counts = _read_counts(confusion)
+    return held
+
+
+def _read_counts(confusion: _common.CountedConfusion) -> HostCounts | LabelHostCounts | None:
+    counter = confusion.counter
+    read = counter.host_table(confusion.counts, confusion.read)
     if read is None:
         return None
     table, starts, invalid = read
-    classes = confusion.counter.num_classes
-    if confusion.counter.groups is None:
+    classes = counter.num_classes
+    if counter.groups is None:
         counts = HostCounts.of_table(table, starts[0], classes, invalid)
         return counts if counts.total < _EXACT_SUM else None
     # Every label's matrix added cell by cell: the pooled 2x2 matrix of all decisions. A cell of
