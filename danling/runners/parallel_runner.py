@@ -363,6 +363,21 @@ class ParallelRunner(TorchRunner):
             return self.pipeline.evaluate_step(data)
         return super().evaluate_step(data)
 
+    def loss_weight(self, data: Any) -> int | float:
+        """TorchRunner's weight of a batch's loss; 1 on the pipeline ranks whose loader yields no batch.
+
+        Called when: by the training and evaluation passes, once per batch whose step returned a loss.
+        Holds on entry: `data` is the batch, or `None` on a pipeline rank that neither feeds inputs nor
+            computes the loss (a `StepProxyLoader` is its loader).
+        Side effects: none.
+        Overrides must not: return a weight for `None` that differs across such ranks, or a tensor.
+        """
+        if data is None and self.pipeline_schedule is not None:
+            # Such a rank cannot count the batch it never reads. Its loss is the last stage's, broadcast,
+            # and so is its row (`collect_result`): the weight only shapes what its own step logs show.
+            return 1
+        return super().loss_weight(data)
+
     def infer_step(self, data: Any) -> list[Any]:
         """The pipeline inference step when a schedule is set, else TorchRunner's.
 

@@ -165,6 +165,7 @@ DANLING_OWN = {
     "collect_result": "user hook: builds a split's result row from its meters and metrics",
     "inference_context": "user hook: the context inference steps run under",
     "update_metrics": "user hook: feeds a step's output and target to the split's metrics",
+    "loss_weight": "user hook: the weight of a step's loss in the pass's loss (its samples, or tokens)",
     "log_values": "called method: sends user values to the trackers",
     # Attributes a user sets or reads.
     "train_metrics": "attribute: metrics of training splits when they differ from evaluation's",

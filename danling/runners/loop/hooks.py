@@ -13,7 +13,10 @@ from collections.abc import Mapping
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
+import torch
+
 from danling.checkpoint.failures import CheckpointSaveError
+from danling.tensors import NestedTensor
 from danling.utils import RoundDict
 
 from ..update import UpdateStrategy
@@ -109,6 +112,61 @@ class StepHooks:
             (outputs are concatenated and written per example).
         """
         raise NotImplementedError(f"{type(self).__name__} must implement infer_step(data) -> list")
+
+    def loss_weight(self, data: Any) -> int | float:
+        """The weight of one batch's loss in the loss of its pass: the number of samples in `data` by default.
+
+        The pass adds each step's loss to the `loss` meter with this weight, so the split's `loss`
+        (and each step log) is a mean over samples, not over batches: with 100 samples in batches
+        of 32, the last batch's 4 samples weigh 4/100, not 1/4. That is the split's mean loss per
+        sample when each step's loss is a mean over its batch (a torch loss with `reduction="mean"`).
+
+        The default counts the samples of `data` as the loader yielded it: a tensor holds as many
+        as its first dimension, a `NestedTensor` as many tensors as it packs, a 0-d tensor or a
+        plain number one; a mapping, list or tuple holds as many as the first dimension all the
+        tensors in it (nested ones included, 0-d ones left out) share. A batch this rule cannot
+        count is refused, never given a guessed weight: one with no such tensor, tensors whose first
+        dimensions differ (a table the batch shares, samples of different sizes left uncollated), or
+        another type. Override the hook for such batches, for a list of uncollated samples (whose
+        tensors' shared first dimension is not the number of samples), and when the loss is a mean
+        over something else, such as tokens: return what it averages over, as `backward(loss,
+        weight=...)` takes it. On the last batch of an evaluation shard that a `DistributedSampler`
+        padded with repeated samples, the pass cuts the weight to the batch's own samples.
+
+        Called when: by the training and evaluation passes, once per batch whose step returned a
+            loss, right after the step.
+        Holds on entry: `data` is the batch the step received (as the loader yielded it).
+        Side effects: none.
+        Overrides must not: return a tensor, a negative or a non-finite number (the meter refuses
+            them; a Python number is read without a device synchronisation).
+
+        Raises:
+            ValueError: The default cannot count the samples of `data`.
+
+        Examples:
+            >>> from danling.runners import BaseRunner
+            >>> class TokenRunner(BaseRunner):
+            ...     def loss_weight(self, data):  # the loss is a mean over the labelled tokens
+            ...         return int((data["labels"] != -100).sum())
+        """
+        if type(data) is tuple or type(data) is list:
+            # The usual batch, `(input, target)` of plain tensors, counted without the general walk
+            # below: this runs once per batch.
+            size = -1
+            for item in data:
+                if type(item) is not torch.Tensor or not item.ndim or (size >= 0 and item.shape[0] != size):
+                    break
+                size = item.shape[0]
+            else:
+                if size >= 0:
+                    return size
+        try:
+            return _samples_in(data)
+        except ValueError as error:
+            raise ValueError(
+                f"{error}; override loss_weight(data) on {type(self).__name__} to return the weight of the batch's "
+                "loss (the number of samples, or of tokens, it averages over)"
+            ) from None
 
     def build_update_strategy(self) -> UpdateStrategy:
         """The [`UpdateStrategy`][danling.runners.update.strategy.UpdateStrategy] that turns losses into updates.
@@ -274,12 +332,24 @@ class StepHooks:
         if target is None:
             return
         metrics = self._active_metrics if self._active_metrics is not None else self._metrics_for(self.mode)
-        if metrics is not None and self._repeated_tail:
-            if _rows(target) <= self._repeated_tail:
+        if metrics is None:
+            return
+        if self._repeated_tail:
+            own = self._own_samples(pred, target)
+            if own is None:
                 return  # nothing but repeats: every sample of this batch was fed already
-            pred, target = _drop_tail(pred, self._repeated_tail), _drop_tail(target, self._repeated_tail)
-        if metrics is not None:
-            metrics.update(pred.detach() if getattr(pred, "requires_grad", False) else pred, target)
+            pred, target = own
+        metrics.update(pred.detach() if getattr(pred, "requires_grad", False) else pred, target)
+
+    def _own_samples(self, pred: Any, target: Any) -> tuple[Any, Any] | None:
+        """`pred` and `target` without the repeats at the end of this batch (`_repeated_tail`); `None` when
+        the batch holds nothing else. Unchanged outside the last batch of a padded evaluation shard."""
+        tail = self._repeated_tail
+        if not tail:
+            return pred, target
+        if _rows(target) <= tail:
+            return None
+        return _drop_tail(pred, tail), _drop_tail(target, tail)
 
     def collect_result(self, split: str) -> RoundDict:
         """The split's averaged step losses plus the values of its metrics.
@@ -310,3 +380,45 @@ def _drop_tail(value: Any, count: int) -> Any:
     if isinstance(value, Mapping):
         return {key: _drop_tail(item, count) for key, item in value.items()}
     return value[: len(value) - count]
+
+
+def _samples_in(data: Any) -> int:
+    """The samples of a batch by the rule `StepHooks.loss_weight` documents.
+
+    Raises:
+        ValueError: The rule does not give one number for `data`.
+    """
+    if isinstance(data, torch.Tensor):
+        size = _tensor_samples(data)
+        return 1 if size is None else size  # a 0-d tensor is one sample
+    if isinstance(data, (int, float)) and not isinstance(data, bool):
+        return 1
+    if not isinstance(data, (Mapping, list, tuple)):
+        raise ValueError(f"cannot count the samples of a batch of type {type(data).__name__}")
+    sizes = set()
+    stack = [data]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, torch.Tensor):
+            size = _tensor_samples(value)
+            if size is not None:
+                sizes.add(size)
+        elif isinstance(value, Mapping):
+            stack.extend(value.values())
+        elif isinstance(value, (list, tuple)):
+            stack.extend(value)
+    if len(sizes) == 1:
+        return sizes.pop()
+    if not sizes:
+        raise ValueError(f"cannot count the samples of a batch of type {type(data).__name__}: it holds no tensor")
+    raise ValueError(
+        f"cannot count the samples of a batch whose tensors differ in their first dimension ({sorted(sizes)})"
+    )
+
+
+def _tensor_samples(tensor: torch.Tensor) -> int | None:
+    """The first dimension of `tensor` (`None` for a 0-d tensor); a `NestedTensor`'s number of tensors,
+    which is its first dimension only when it is batch-first."""
+    if isinstance(tensor, NestedTensor):
+        return len(tensor)
+    return int(tensor.shape[0]) if tensor.ndim else None

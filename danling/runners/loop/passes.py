@@ -138,7 +138,8 @@ class PassEngine:
         if training:
             self.fused_step = plain is not None
         # The sampler's padding repeats (see `_repeated_tail`): on this rank, the index of the pass's last
-        # batch and how many samples at its end are repeats; the metrics and the loss leave them out.
+        # batch, how many samples at its end are repeats and how many it holds; the metrics and the
+        # loss leave the repeats out.
         repeated = None if training else _repeated_tail(loader)
         pace = (split, length, interval, track_progress, budget, stop_poll, agree, repeated)
         # An evaluation pass runs in one inference context (entering it per batch costs more than
@@ -172,9 +173,10 @@ class PassEngine:
         self, batches_in: Iterable, pace: tuple, training: bool, observed: bool, skipped: Any, plain: Any
     ) -> tuple[int, bool]:
         split, length, interval, track_progress, budget, stop_poll, agree, repeated = pace
-        last, tail, only_repeats = repeated or (-1, 0, False)
+        last, tail, rows = repeated or (-1, 0, 0)
         # Looked up once per pass rather than once per batch; none of them is rebound by a step.
         meters, supervisor, update = self.host.meters, self.host.supervisor, self.host.update
+        weigh = self.host.loss_weight
         state, position, watchdog = self.host.train_state, self.host.loop_state, supervisor.watchdog
         step = plain or (self.host.train_step if training else self.host.evaluate_step)
         if training and self.step_guard is not None:
@@ -198,20 +200,16 @@ class PassEngine:
                 _, loss = step(data)
             if batches == last:
                 self.host._repeated_tail = 0
-                if only_repeats and loss is not None:
-                    # A batch of repeats only: its loss was counted with the samples themselves. It goes
-                    # in with weight 0, so that the meter exists on every rank (reading it is collective).
-                    _weightless_loss(meters, loss)
-                    loss = None
+            if loss is not None:
+                # Weighted by its samples, the pass's loss is the mean per sample, not per batch
+                # (a short last batch would weigh as much as a full one).
+                n = weigh(data) if batches != last else _own_weight(weigh, data, rows, tail)
+                if loss_meter is None:
+                    loss_meter = _loss_meter(meters)  # then updated directly: this runs every batch
+                loss_meter.update(loss, n)
             batches += 1
             if watchdog is not None:
                 watchdog.enter("data loading", state.global_step)  # until the next batch arrives
-            if loss is not None:
-                if loss_meter is None:
-                    meters.update(loss=loss)
-                    loss_meter = meters["loss"]  # then updated directly: this runs every batch
-                else:
-                    loss_meter.update(loss)
             if interval and (batches % interval == 0 or batches == end):
                 self._log_step(split, done + batches, length, training)
             if training:
@@ -516,22 +514,35 @@ class PassEngine:
         raise SystemExit(code)
 
 
-def _weightless_loss(meters: Any, loss: Any) -> None:
-    """Add `loss` to the `loss` meter of `meters` with weight 0, creating the meter if needed."""
+def _loss_meter(meters: Any) -> AverageMeter:
+    """The `loss` meter of `meters`, created when the pass has none yet (a resumed pass has its own back)."""
     if "loss" not in meters:
-        meters["loss"] = AverageMeter(device=meters.device)
-    meters["loss"].update(loss, n=0)
+        meters["loss"] = AverageMeter(device=meters.device)  # the collection gives it its group
+    return meters["loss"]
 
 
-def _repeated_tail(loader: Any) -> tuple[int, int, bool] | None:
+def _own_weight(weigh: Callable[[Any], Any], data: Any, rows: int, tail: int) -> Any:
+    """The loss weight of the last batch of a padded evaluation shard, whose last `tail` of `rows` samples are repeats.
+
+    The repeats were counted with the samples themselves, so they add no weight: a batch of repeats
+    only goes in with weight 0 (the meter still exists on every rank: reading it is collective). A
+    weight that counts samples loses the repeats exactly; another one (tokens, say) their share.
+    """
+    if rows <= tail:
+        return 0
+    n = weigh(data)
+    return n - tail if n == rows else n * (rows - tail) / rows
+
+
+def _repeated_tail(loader: Any) -> tuple[int, int, int] | None:
     """Where an evaluation pass over `loader` meets samples its sampler repeated; `None` if it does not.
 
     A `DistributedSampler` without `drop_last` pads the dataset to a multiple of the ranks by
     repeating its first samples, so that every rank runs as many batches (the ranks of a sharded or
     pipelined model must run each forward pass together). Those repeats come last in a rank's share
-    and the pass runs them, but counting them would weigh some samples twice in the metrics, so two
-    ranks would report other values than one process. Returns the index of this rank's last batch,
-    the number of repeats at its end, and whether that batch holds nothing else.
+    and the pass runs them, but counting them would weigh some samples twice in the metrics and the
+    loss, so two ranks would report other values than one process. Returns the index of this rank's
+    last batch, the number of repeats at its end, and the number of samples that batch holds.
     """
     sampler = getattr(loader, "sampler", None)
     if not isinstance(sampler, DistributedSampler) or sampler.drop_last or getattr(sampler, "origin", None):
@@ -548,7 +559,7 @@ def _repeated_tail(loader: Any) -> tuple[int, int, bool] | None:
         return None
     if getattr(batch_sampler, "drop_last", False) and sampler.num_samples % size:
         return None  # the partial last batch, repeats and all, is dropped
-    return batches - 1, tail, sampler.num_samples - (batches - 1) * size <= tail
+    return batches - 1, tail, sampler.num_samples - (batches - 1) * size
 
 
 def _max_across_ranks(value: int, group: Any) -> int:

@@ -32,6 +32,15 @@ class StreamRunner(MetricRunner):
     mode = "stream"
 
 
+class UnevenRunner(MetricRunner):
+    """18 samples, kept whole: a pass of 5 updates whose last batch holds 2 samples (its loss weighs 2)."""
+
+    n_train = 18
+
+    def __init__(self, config: Any) -> None:
+        super().__init__(dict(config, **{"dataloader.train.drop_last": False}))
+
+
 class PlainRunner(TinyRunner):
     """Train metrics of a container that cannot be checkpointed."""
 
@@ -77,7 +86,9 @@ def _uninterrupted_and_resumed(tmp_path, runner_type: type[TinyRunner], **overri
         return rows, _rows(resumed)
 
 
-@pytest.mark.parametrize("runner_type", [StreamRunner, MetricRunner], ids=["stream", "global"])
+@pytest.mark.parametrize(
+    "runner_type", [StreamRunner, MetricRunner, UnevenRunner], ids=["stream", "global", "uneven-batches"]
+)
 def test_rows_after_a_mid_pass_resume_equal_the_uninterrupted_rows(tmp_path, runner_type):
     rows, resumed = _uninterrupted_and_resumed(tmp_path, runner_type)
     assert list(rows) == [5, 10] and set(rows[5]["train"]) > {"loss"}
@@ -131,7 +142,7 @@ def test_only_a_mid_pass_checkpoint_of_the_same_layout_restores_the_meters(tmp_p
     with MetricRunner(dict(config, resume=str(directory / "step-000003"))) as resumed:
         state = resumed.checkpointing.restored_pass_meters
         assert state is not None and state["split"] == "train" and state["batch"] == 3
-        assert state["meters"]["loss"]["count"] == 3 and state["metrics"]["count"] == 12
+        assert state["meters"]["loss"]["count"] == 12 and state["metrics"]["count"] == 12  # 3 batches of 4 samples
     with MetricRunner(tiny_config(tmp_path / "old", **STEP_MODE)) as old:
         payload = dict(old.read_checkpoint(directory / "step-000003"))
         del payload["pass_meters"]  # as written before the key existed
