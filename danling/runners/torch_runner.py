@@ -815,8 +815,9 @@ class TorchRunner(BaseRunner):
         """Forward (through the EMA copy when there is one), optional loss and metrics for one batch.
 
         Called by the evaluation loops inside `inference_context()`. The loss is computed only when
-        `self.criterion` is set and the batch has a target. Never call `backward`/`step` or change
-        counters here.
+        `self.criterion` is set and the batch has a target; on the last batch of an evaluation shard
+        that a `DistributedSampler` padded with repeated samples, it leaves the repeats out, as the
+        metrics do. Never call `backward`/`step` or change counters here.
 
         Called when: by the evaluation loops, once per batch of each evaluation split.
         Holds on entry: `self.mode == "evaluate"`, inside `inference_context()`, the pass's metrics reset.
@@ -831,7 +832,11 @@ class TorchRunner(BaseRunner):
         input, target = split_batch(data)
         with self.forward_context():
             pred = model(input)
-            loss = None if target is None else self._criterion_loss(pred, target, required=False)
+            loss = None
+            if target is not None:
+                # A batch of the sampler's repeats only keeps its whole loss: the pass adds it with weight 0.
+                own = self._own_samples(pred, target) if self._repeated_tail else None
+                loss = self._criterion_loss(*(own or (pred, target)), required=False)
         self.update_metrics(pred, target)
         return pred, None if loss is None else loss.detach()
 

@@ -189,7 +189,8 @@ def test_evaluation_pass_runs_in_inference_mode_and_stops_outside_it(tmp_path):
 def test_one_shard_of_a_padded_split_counts_its_own_samples_only(tmp_path, batch_size, drop_last):
     # Rank 1's shard of 7 samples over 2 ranks, in one process: the sampler pads it with sample 0.
     # The metrics see samples 1, 3 and 5, whatever batches the loader cuts (with batches of 3 and
-    # drop_last, the partial batch holding the repeat is dropped: nothing is left out of [1, 3, 5]).
+    # drop_last, the partial batch holding the repeat is dropped: nothing is left out of [1, 3, 5]),
+    # and so does the loss, a mean per sample of those three (the criterion is the squared error).
     from torch.utils.data import DataLoader, DistributedSampler
 
     from danling.metrics import regression_metrics
@@ -207,3 +208,4 @@ def test_one_shard_of_a_padded_split_counts_its_own_samples_only(tmp_path, batch
             own = [1, 3, 5]
             expected = torch.nn.functional.mse_loss(model(x[own]), y[own]).item()
     assert result["mse"] == pytest.approx(expected, rel=1e-6)
+    assert result["loss"] == pytest.approx(expected, rel=1e-6)
