@@ -9,6 +9,7 @@ entry. pandas is imported only when a table format is used.
 from __future__ import annotations
 
 import json
+import math
 import os
 import pathlib
 import pickle
@@ -70,7 +71,48 @@ def _save_json(obj: Any, handle: IO[bytes], *args: Any, **kwargs: Any) -> None:
     kwargs.setdefault("indent", 4)
     kwargs.setdefault("ensure_ascii", False)
     kwargs.setdefault("default", _plain)
-    handle.write(json.dumps(obj, *args, **kwargs).encode("utf-8"))
+    # An explicit `allow_nan` asks for Python's own handling of NaN (write it, or raise).
+    text = json.dumps(obj, *args, **kwargs) if args or "allow_nan" in kwargs else dumps_strict(obj, **kwargs)
+    handle.write(text.encode("utf-8"))
+
+
+def dumps_strict(obj: Any, **kwargs: Any) -> str:
+    """`json.dumps(obj, **kwargs)` as strict JSON: NaN and infinite numbers are written as `null`.
+
+    Python's `json` writes them as `NaN`, `Infinity` and `-Infinity`, which JSON does not have:
+    `jq`, JavaScript's `JSON.parse` and most other readers refuse such a file or line. Reading
+    the text back gives `None` where a non-finite number was. Numbers inside values that
+    `default` converts (tensors, NumPy arrays) are covered too. Finite data is encoded in one
+    pass; only data holding a non-finite number is converted first.
+
+    Args:
+        obj: The value to encode.
+        **kwargs: Keyword arguments of `json.dumps` other than `allow_nan`.
+
+    Examples:
+        >>> dumps_strict({"loss": float("nan"), "scores": [1.5, float("inf")]})
+        '{"loss": null, "scores": [1.5, null]}'
+    """
+    kwargs["allow_nan"] = False
+    try:
+        return json.dumps(obj, **kwargs)
+    except ValueError as error:
+        if not str(error).startswith("Out of range float"):  # a circular reference, say: not ours to mend
+            raise
+    return json.dumps(_finite(obj, kwargs.get("default")), **kwargs)
+
+
+def _finite(value: Any, default: Callable[[Any], Any] | None) -> Any:
+    """`value` with every NaN or infinite float replaced by `None`, converting what `default` converts."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, (str, int, type(None))):
+        return value
+    if isinstance(value, Mapping):
+        return {key: _finite(item, default) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(item, default) for item in value]
+    return value if default is None else _finite(default(value), default)
 
 
 class _YamlDumper(yaml.SafeDumper):
@@ -363,7 +405,8 @@ def save(obj: Any, file: File, *args: Any, durable: bool = True, **kwargs: Any) 
     such as per-epoch result summaries.
 
     JSON is written with `indent=4`, and JSON and YAML convert tensors and NumPy values to lists
-    and paths to strings.
+    and paths to strings. JSON is strict: NaN and infinite numbers are written as `null` (see
+    [`dumps_strict`][danling.utils.io.dumps_strict]) unless `allow_nan` is passed.
     YAML uses a safe dumper that writes mapping and sequence subclasses (for example chanfig
     configs or [`RoundDict`][danling.utils.RoundDict]) as plain ones. CSV/TSV files are written
     without the index; `.npz` accepts a mapping (named arrays), a list/tuple or a single array,

@@ -138,6 +138,28 @@ def test_json_respects_user_options(tmp_path):
     assert load(path) == {"a": 2, "b": 1}
 
 
+def _refuse_constant(name: str) -> None:
+    raise ValueError(f"{name} is not JSON")
+
+
+def test_json_writes_nan_and_infinities_as_null(tmp_path):
+    # Python's json writes NaN, Infinity and -Infinity, which jq, JavaScript and strict parsers refuse.
+    nan, inf = float("nan"), float("inf")
+    obj = {"nan": nan, "inf": inf, "row": [-inf, 1.5], "tensor": torch.tensor([2.0, nan]), "np": np.float32(inf)}
+    text = save(obj, tmp_path / "r.json").read_text()
+    expected = {"nan": None, "inf": None, "row": [None, 1.5], "tensor": [2.0, None], "np": None}
+    assert json.loads(text, parse_constant=_refuse_constant) == expected
+    assert load(tmp_path / "r.json") == expected
+    assert dio.dumps_strict({"a": [nan, 3]}) == '{"a": [null, 3]}'
+    assert dio.dumps_strict({"finite": 0.5}, sort_keys=True) == json.dumps({"finite": 0.5})
+    # Asked for explicitly, Python's own handling stays available.
+    assert "NaN" in save({"nan": nan}, tmp_path / "python.json", allow_nan=True).read_text()
+    loop: list = []
+    loop.append(loop)
+    with pytest.raises(ValueError, match="Circular"):  # another ValueError of json is not swallowed
+        dio.dumps_strict(loop)
+
+
 def test_yaml_load_is_safe(tmp_path):
     path = tmp_path / "evil.yaml"
     path.write_text("!!python/object/apply:os.system ['echo hacked']\n")
