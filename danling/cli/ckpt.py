@@ -16,6 +16,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, TextIO
 
+from danling.utils.io import dumps_strict
+
 from .records import CLIError, _read_json, is_run_dir
 from .runs import format_table
 
@@ -201,7 +203,7 @@ def ckpt_command(path: str, as_json: bool, out: TextIO) -> int:
     info = inspect_checkpoint(path)
     status = 1 if info["verification"]["ok"] is False else 0
     if as_json:
-        out.write(json.dumps(info, indent=2, default=str) + "\n")
+        out.write(dumps_strict(info, indent=2, default=str) + "\n")
         return status
     verdict = {True: "ok", False: "FAILED", None: "skipped"}[info["verification"]["ok"]]
     out.write(

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from typing import Any, TextIO
 
+from danling.utils.io import dumps_strict
+
 from .records import Run, flatten, load_run
 from .runs import format_table
 
@@ -60,7 +62,7 @@ def diff_command(path_a: str, path_b: str, as_json: bool, out: TextIO) -> int:
             "results": diff["results"],
             "budgets": list(diff["budgets"]),
         }
-        out.write(json.dumps(plain, indent=2, default=str) + "\n")
+        out.write(dumps_strict(plain, indent=2, default=str) + "\n")
         return 0
     out.write(f"A: {a.path}\nB: {b.path}\n\n")
     rows = [[key, _show(va), _show(vb)] for key, (va, vb) in diff["config"].items()]

@@ -7,10 +7,11 @@ starts again).
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 from typing import TextIO
+
+from danling.utils.io import dumps_strict
 
 from .records import CLIError, is_run_dir
 
@@ -33,7 +34,7 @@ def reconcile_command(run: str, as_json: bool, out: TextIO, *, trusted: bool = F
     except (UnsafePickleError, RunDirectoryLockedError) as err:  # a refused file, or a run still training
         raise CLIError(str(err)) from None
     if as_json:
-        out.write(json.dumps(report, indent=2) + "\n")
+        out.write(dumps_strict(report, indent=2) + "\n")
         return 0
     lines = [f"run:        {path}", f"checkpoint: {report['checkpoint'] or '-'} (newest that verifies)"]
     for alias in ("latest", "best"):

@@ -7,8 +7,9 @@ the bundle names must be importable here (the run's code on `PYTHONPATH`).
 
 from __future__ import annotations
 
-import json
 from typing import TextIO
+
+from danling.utils.io import dumps_strict
 
 from .records import CLIError
 
@@ -24,7 +25,7 @@ def replay_command(bundle: str, as_json: bool, out: TextIO, workdir: str | None 
     except BundleError as error:
         raise CLIError(str(error)) from None
     if as_json:
-        out.write(json.dumps(report.as_dict(), indent=2, default=repr) + "\n")
+        out.write(dumps_strict(report.as_dict(), indent=2, default=repr) + "\n")
     else:
         out.write("\n".join(report.lines()) + "\n")
     return 0

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import time
 from datetime import datetime
 from typing import Any, TextIO
+
+from danling.utils.io import dumps_strict
 
 from .records import Run, _duration, find_runs
 
@@ -77,7 +78,7 @@ def runs_command(root: str, as_json: bool, out: TextIO) -> int:
     now = time.time()
     summaries = [run_summary(run, now) for run in find_runs(root)]
     if as_json:
-        out.write(json.dumps(summaries, indent=2) + "\n")
+        out.write(dumps_strict(summaries, indent=2) + "\n")
         return 0
     if not summaries:
         out.write(f"no runs under {root}\n")

@@ -184,6 +184,46 @@ def test_diff_json_tells_a_key_one_run_lacks_from_a_key_set_to_none(workspace, t
     assert "note" in text and "<unset>" in text
 
 
+class NonFinite(TinyRunner):
+    """Rows whose validation split holds a NaN and an infinite metric beside the finite loss."""
+
+    def collect_result(self, split):
+        result = super().collect_result(split)
+        if split == "val":
+            result.update(nan=float("nan"), inf=float("inf"))
+        return result
+
+
+def _refuse_constant(name: str) -> None:
+    raise ValueError(f"{name} is not JSON")
+
+
+def test_result_files_and_json_output_are_strict_json_with_null_for_non_finite_values(workspace, tmp_path):
+    runner = NonFinite(tiny_config(tmp_path / "nonfinite"))
+    try:
+        runner.train()
+    finally:
+        runner.close()
+    run = runner.workspace.path
+    assert runner.results[1]["val"]["nan"] != runner.results[1]["val"]["nan"]  # the rows keep the float
+    for name in ("results.json", "latest.json", "best.json"):
+        text = (run / name).read_text()
+        data = json.loads(text, parse_constant=_refuse_constant)  # Python's NaN or Infinity would raise
+        row = data["results"]["1"] if name == "results.json" else data
+        assert row["val"]["nan"] is None and row["val"]["inf"] is None and row["val"]["loss"] > 0, name
+    code, out, _ = run_cli("diff", workspace["a"], run, "--json")
+    diff = json.loads(out, parse_constant=_refuse_constant)
+    assert code == 0 and diff["results"]["best"]["val/nan"][1] is None
+    assert "val/nan" in run_cli("diff", workspace["a"], run)[1]  # the table reads null back
+    # A best.json with Python's NaN, as earlier versions wrote it: `runs --json` stays strict too.
+    best = json.loads((run / "best.json").read_text())
+    best["val"]["loss"] = float("nan")
+    (run / "best.json").write_text(json.dumps(best))
+    code, out, _ = run_cli("runs", tmp_path / "nonfinite", "--json")
+    (summary,) = json.loads(out, parse_constant=_refuse_constant)
+    assert code == 0 and summary["best"] == {"name": "val/loss", "value": None}
+
+
 def test_diff_rejects_a_directory_that_is_not_a_run(workspace, tmp_path):
     assert_usage_error(*run_cli("diff", workspace["a"], tmp_path), str(tmp_path), "not a run directory")
 

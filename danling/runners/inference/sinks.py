@@ -11,12 +11,13 @@ and `.npy` (NumPy) are built in, `.parquet` lives in
 
 from __future__ import annotations
 
-import json
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any, ClassVar
+
+from danling.utils.io import dumps_strict
 
 __all__ = ["JsonLinesSink", "Sink", "register_sink", "registered_suffixes", "sink_for", "to_plain"]
 
@@ -184,13 +185,15 @@ class JsonLinesSink(_ByteStreamSink):
     """JSON Lines: one compact JSON value per example and line, UTF-8.
 
     Tensors and NumPy values are written as numbers or nested lists; a mapping output becomes a
-    JSON object. The committed position is a byte offset, so truncation is exact.
+    JSON object. Every line is strict JSON: a NaN or infinite prediction is written as `null`
+    (Python's `json` would write `NaN`, a line `jq` and JavaScript refuse), which a JSON reader
+    gives back as `None`. The committed position is a byte offset, so truncation is exact.
     """
 
     suffixes = (".jsonl", ".ndjson")
 
     def write(self, outputs: Sequence[Any]) -> None:
-        lines = (json.dumps(to_plain(item), ensure_ascii=False, separators=(",", ":")) for item in outputs)
+        lines = (dumps_strict(to_plain(item), ensure_ascii=False, separators=(",", ":")) for item in outputs)
         self._append("".join(line + "\n" for line in lines).encode("utf-8"), len(outputs))
 
     def close(self) -> None:

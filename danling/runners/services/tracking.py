@@ -12,6 +12,10 @@ Add your own in either of two ways:
 - for every runner, by name:
   `register_tracker("jsonl", lambda setup: JSONLinesTracker(setup.workspace.dir / "metrics.jsonl"),
   enabled=lambda config: config.get("jsonl", False))`.
+
+A tracker that writes JSON (such as the JSON Lines tracker of the trackers guide) encodes it with
+[`dumps_strict`][danling.utils.io.dumps_strict]: logged values may be NaN or infinite, which
+Python's `json.dumps` writes as `NaN` or `Infinity`, no JSON at all; strict JSON has `null`.
 """
 
 from __future__ import annotations

@@ -51,6 +51,20 @@ def test_truncate_to_a_committed_state_then_continue_gives_the_uninterrupted_byt
     assert (tmp_path / f"crashed{suffix}").read_bytes() == (tmp_path / f"clean{suffix}").read_bytes()
 
 
+def _refuse_constant(name: str) -> None:
+    raise ValueError(f"{name} is not JSON")
+
+
+def test_json_lines_write_non_finite_values_as_null(tmp_path):
+    sink = JsonLinesSink(tmp_path / "out.jsonl", 3)
+    sink.open()
+    sink.write([float("nan"), {"score": float("inf"), "rank": [1.0, float("-inf")]}, 0.5])
+    sink.close()
+    lines = (tmp_path / "out.jsonl").read_text().splitlines()
+    parsed = [json.loads(line, parse_constant=_refuse_constant) for line in lines]  # strict: NaN would raise
+    assert parsed == [None, {"score": None, "rank": [1.0, None]}, 0.5]
+
+
 @pytest.mark.parametrize(("sink_type", "suffix"), SINKS)
 def test_merge_interleaves_strided_shards_in_dataset_order(tmp_path, sink_type, suffix):
     paths, states = [], []

@@ -379,3 +379,31 @@ def test_wandb_offline_run_records_epoch_rows(tmp_path, monkeypatch):
     assert history["train_step/loss"]  # the step logs arrive
     recorded = sorted(history.get("val/loss", {}).values())
     assert recorded == pytest.approx(sorted(row["val"]["loss"] for row in results.values()))
+
+
+def _refuse_constant(name: str) -> None:
+    raise ValueError(f"{name} is not JSON")
+
+
+def test_the_guide_s_json_lines_tracker_writes_non_finite_values_as_null(tmp_path):
+    import re
+
+    from danling.runners.services.tracking import TRACKERS
+
+    guide = (Path(__file__).resolve().parents[3] / "docs" / "cli.md").read_text()
+    (snippet,) = [block for block in re.findall(r"```python\n(.*?)```", guide, flags=re.DOTALL) if "JSONLines" in block]
+    namespace: dict = {}
+    try:
+        exec(compile(snippet, "cli.md[JSONLinesTracker]", "exec"), namespace)
+    finally:
+        TRACKERS.pop("jsonl", None)  # the snippet registers it for every runner built afterwards
+    tracker = namespace["JSONLinesTracker"](tmp_path / "metrics.jsonl")
+    tracker.log({"val/loss": float("nan"), "val/ratio": float("inf"), "val/acc": 0.5}, 3)
+    tracker.log({"train/loss": float("-inf")}, 4)
+    tracker.close()
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    records = [json.loads(line, parse_constant=_refuse_constant) for line in lines]  # NaN would raise
+    assert records == [
+        {"step": 3, "val/loss": None, "val/ratio": None, "val/acc": 0.5},
+        {"step": 4, "train/loss": None},
+    ]
