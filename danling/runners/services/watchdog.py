@@ -446,8 +446,8 @@ def _watch_single_process(runner: Any, section: Any) -> None:
 
     def progress() -> tuple[bool, Any]:
         # Counters the loops update anyway: micro-steps and steps in training (the fused pass
-        # too), batches of the pass position, the loss meter's count (evaluation batches) and the
-        # inference batches.
+        # too), batches of the pass position, the loss meter's count (the samples of evaluation
+        # batches) and the inference batches.
         state, meters = runner.train_state, runner.meters
         loss = meters["loss"].count if "loss" in meters else None
         inferred = runner.loop.passes.infer_batches
