@@ -86,12 +86,14 @@ def _binary_curve_metric(which: str) -> Callable[[MetricState, Any], Any]:
 # reads as is and a `MetricFunc` call returns as a float64 tensor); the multiclass ones average
 # over classes as asked, the binary ones score class 1.
 HOST_METRICS: dict[str, Callable[[_host.HostCounts, Any], Any]] = {
-    "accuracy": lambda counts, average: _host.accuracy_of(counts),
-    "balanced_accuracy": lambda counts, average: _host.balanced_accuracy_of(counts),
+    # Called with `(counts, average)` directly (no wrapper per call): those without classes to
+    # average over take `average` and leave it.
+    "accuracy": _host.accuracy_of,
+    "balanced_accuracy": _host.balanced_accuracy_of,
     "precision": partial(_host.class_score_of, which="precision"),
     "recall": partial(_host.class_score_of, which="recall"),
     "f1": partial(_host.class_score_of, which="f1"),
-    "mcc": lambda counts, average: _host.mcc_of(counts),
+    "mcc": _host.mcc_of,
 }
 BINARY_HOST_METRICS: dict[str, Callable[[_host.HostCounts, Any], Any]] = {
     **HOST_METRICS,
@@ -111,9 +113,9 @@ LABEL_HOST_METRICS: dict[str, Callable[[_host.LabelHostCounts, Any], Any]] = {
 }
 
 
-def _held_counts(state: MetricState, confusion: Any = None) -> Any:
+def _held_counts(state: MetricState) -> Any:
     """The host statistics of accumulated CPU counts held by `state` (`GlobalMetrics`' `avg`), if any."""
-    confusion = state.held("confusion") if confusion is None else confusion
+    confusion = state.held("confusion")
     # Read once per confusion, which the metrics of a read share (`counts_of_confusion` keeps it).
     return None if confusion is None else _host.counts_of_confusion(confusion)
 
@@ -124,8 +126,8 @@ def _host_counts(state: MetricState) -> _host.HostCounts | None:
     `None` where the tensor path applies; built once per state.
     """
     confusion = state.held("confusion")
-    if confusion is not None:
-        return _held_counts(state, confusion)
+    if confusion is not None:  # `_held_counts`, without its call: this runs for every metric of a read
+        return _host.counts_of_confusion(confusion)
     if state.input is None or state.target is None:
         return None
     input, target, task = state.input, state.target, state.task

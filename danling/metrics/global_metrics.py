@@ -25,7 +25,7 @@ from torch import Tensor
 from danling.utils import RoundDict
 
 from .distributed import gather_across_ranks, is_distributed, pack_group, sum_across_ranks, unpack_group
-from .functional._common import Confusion, LabelCounter
+from .functional._common import Confusion, CountedConfusion, LabelCounter
 from .functional.regression import merge_moments
 from .global_state import NARROW_DTYPES, GlobalMetricsState, TaskStoreState, join_rows, narrow_join
 from .meter import check_weight, format_number
@@ -480,11 +480,13 @@ class _TaskStore(TaskStoreState):
         return chunks, ranking
 
     def _synced_confusion(self, device: Any, group: ProcessGroup | None, distributed: bool) -> Confusion:
-        counts = self.counts
+        if self.pending:  # `self.counts` without its calls: this runs at every read
+            self.flush()
+        counts = self._counts
         # A view is enough: this Confusion lives for one read, while no update can run. The
         # reader is used only for the table it was made for (a loaded or moved table has none).
         kept, read = self._read_counts
-        confusion = None if counts is None else self.counter.confusion(counts, read=read if kept is counts else None)
+        confusion = None if counts is None else CountedConfusion(self.counter, counts, read if kept is counts else None)
         if confusion is None:
             latest = self.latest()
             confusion = self.task.empty_confusion(latest[0].device if latest else device)

@@ -276,8 +276,9 @@ def host_mcc(input: Any, target: Any, num_classes: int | None, ignore_index: Any
     return None if counts is None else as_tensor(mcc_of(counts))
 
 
-def accuracy_of(counts: HostCounts) -> float:
-    """`cm_accuracy` of the counts: hits over the counted targets."""
+def accuracy_of(counts: HostCounts, average: Any = None) -> float:
+    """`cm_accuracy` of the counts: hits over the counted targets (`average` is taken and left, as
+    by every host metric without classes to average over: the catalogue calls them all alike)."""
     return sum(counts.tp) / counts.total if counts.ok else math.nan
 
 
@@ -305,8 +306,8 @@ def class_score_of(counts: HostCounts, average: str | None, which: str) -> float
     return _torch_sum([v * w for v, w in zip(values, weights)], nan=True) / sum(weights)
 
 
-def balanced_accuracy_of(counts: HostCounts) -> float:
-    """`cm_balanced_accuracy` of the counts: mean recall over the classes in the target."""
+def balanced_accuracy_of(counts: HostCounts, average: Any = None) -> float:
+    """`cm_balanced_accuracy` of the counts: mean recall over the classes in the target (`average` left)."""
     tp, support, ok = counts.tp, counts.support, counts.ok
     if not ok:
         return math.nan
@@ -314,8 +315,8 @@ def balanced_accuracy_of(counts: HostCounts) -> float:
     return _torch_sum(recalls) / sum(1 for s in support if s)
 
 
-def mcc_of(counts: HostCounts) -> float:
-    """`cm_mcc` of the counts.
+def mcc_of(counts: HostCounts, average: Any = None) -> float:
+    """`cm_mcc` of the counts (`average` left).
 
     The covariances are formed as `cm_mcc` forms them: float64 products of the counts (exact in
     float64 below 2**53) and sums of those products. Below 2**26 counted samples every product
