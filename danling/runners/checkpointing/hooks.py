@@ -74,6 +74,14 @@ class CheckpointHooks:
         On another data-parallel size the interrupted pass continues as a new pass over its
         remaining samples, and `accum_steps` is set to keep the global batch.
 
+        When `checkpoint.exclude_from_loading` holds `dataloaders` or `dataloaders.<split>` of the
+        split whose pass the checkpoint interrupted, that loader starts from the beginning of its
+        data, and so does the pass, on any data-parallel size: its batch position and accumulation
+        window start over, its running loss meters and train metrics are not restored (its row
+        covers the restarted pass alone), and a WARNING says how many batches are trained again.
+        `global_step`, `micro_step`, `epoch`, the optimizer and the scheduler are restored as saved:
+        the restarted pass's updates count on from the checkpoint's.
+
         Raises:
             ValueError: The checkpoint's config differs from the current one in a key that
                 changes the experiment (any key `RunnerConfig.config_id` covers) and
@@ -246,11 +254,14 @@ class CheckpointHooks:
         """Restore the progress of each dataloader that has saved state (checked against its fingerprint).
 
         Called when: once per `load_checkpoint`, last of the component loaders, after the runner state, model, EMA,
-            optimizer and scheduler are restored (unless `dataloaders` is excluded from loading).
-        Holds on entry: `loop_state` holds the checkpoint's position; the dataloaders are built.
+            optimizer and scheduler are restored (unless `dataloaders` is excluded from loading: the interrupted
+            pass then restarts, see `load_state_dict`).
+        Holds on entry: `loop_state` holds the checkpoint's position (batch 0 for a pass that restarts); the
+            dataloaders are built.
         Side effects: moves each matching loader to its saved position (a torch runner checks it first, see
             [`restore_loader_positions`][danling.runners.checkpointing.resume.restore_loader_positions]),
-            or, on another data-parallel size, to the global position of its pass.
+            or, on another data-parallel size, to the global position of its pass; a split excluded as
+            `dataloaders.<split>` keeps the position it was built with.
         Overrides must not: fail on a split the run no longer has, rebuild the loaders (their position would be
             lost), or skip the fingerprint check; call `super().load_dataloaders(state_dict)`.
 

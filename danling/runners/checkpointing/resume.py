@@ -55,6 +55,7 @@ __all__ = [
     "continue_pass_meters",
     "loader_fingerprint",
     "pass_meters_state",
+    "position_excluded",
     "report_code_change",
     "report_other_runs",
     "restore_loader_positions",
@@ -212,7 +213,8 @@ class LoopState:
 
     A checkpoint written mid-round carries it, so a resumed run continues the interrupted split
     (and accumulation window) instead of restarting the round, and its result row ends up
-    identical to the uninterrupted one.
+    identical to the uninterrupted one. A resume that excludes that split's loader position from
+    loading keeps the split but starts its pass over (`batch` 0, a new accumulation window).
 
     Attributes:
         split: Train split whose pass is under way (`None` between passes, or once a pass ran to its end).
@@ -419,9 +421,23 @@ def restore_loader_positions(
         loader.load_state_dict(state)
 
 
+def position_excluded(split: str, excluded: Collection[str]) -> bool:
+    """Whether `checkpoint.exclude_from_loading` (`excluded`) leaves out the loader position of `split`.
+
+    Both `dataloaders` and `dataloaders.<split>` do; a key for another split does not.
+
+    Examples:
+        >>> position_excluded("train", ["dataloaders"]), position_excluded("train", ["dataloaders.train"])
+        (True, True)
+        >>> position_excluded("train", ["dataloaders.extra", "optimizer"])
+        False
+    """
+    return "dataloaders" in excluded or f"dataloaders.{split}" in excluded
+
+
 def _check_resumable(loader: Any, split: str, states: Mapping[str, Any], excluded: Collection[str]) -> None:
     """Refuse a mid-pass resume of `split` whose loader would start the pass again (and replay its batches)."""
-    if loader is None or f"dataloaders.{split}" in excluded:
+    if loader is None or position_excluded(split, excluded):
         return  # the split is gone (the loops will not continue it) or its position is skipped on purpose
     restorable = callable(getattr(loader, "load_state_dict", None))
     if split in states and restorable:

@@ -45,7 +45,7 @@ from .component import OPTIONAL_RANK_LOCAL_KEYS, RANK_LOCAL_KEYS, CheckpointSour
 from .elastic import data_positions, elastic_accum_steps, restore_positions
 from .host import TorchCheckpointHost
 from .resume import describe_source as _describe
-from .resume import loader_fingerprint, restore_loader_positions, shares_data_rank
+from .resume import loader_fingerprint, position_excluded, restore_loader_positions, shares_data_rank
 
 __all__ = ["RANK_LOCAL_KEYS", "TorchCheckpointing"]
 
@@ -215,13 +215,18 @@ class TorchCheckpointing(RunnerCheckpointing):
 
         On another data-parallel size the interrupted pass continues as a new pass over its
         remaining samples, and `accum_steps` is set to keep the global batch (see `_keep_global_batch`).
+        When `checkpoint.exclude_from_loading` leaves out the interrupted split's loader position
+        (`dataloaders` or `dataloaders.<split>`), that pass restarts from its first batch instead
+        (see `_restart_excluded_pass`).
         """
         super().load_state_dict(checkpoint)
         loop = checkpoint.get("loop") or {}
         self.loop_state.load_state_dict(loop)
         self._restored_fingerprints = dict(checkpoint.get("fingerprints") or {})
         self._restored_update_state = loop.get("update")
-        self._keep_pass_meters(checkpoint, loop)
+        self._restored_pass_meters = None
+        if not self._restart_excluded_pass():
+            self._keep_pass_meters(checkpoint, loop)
         self._keep_global_batch(checkpoint)
         if self.resized(checkpoint):
             # The per-rank positions are not restored: the rest of the pass is dealt anew (or the pass
@@ -231,6 +236,35 @@ class TorchCheckpointing(RunnerCheckpointing):
             if self._elastic_positions is not None:
                 self.loop_state.batch = 0  # batches of the dealt remainder, which is a pass of its own
 
+    def _restart_excluded_pass(self) -> bool:
+        """Restart the interrupted training pass when its loader position is excluded from loading.
+
+        The loader of that split then starts from the beginning of its data, so continuing the
+        pass's batch count, accumulation window and running meters would misplace the pass's end
+        and average the interrupted part's batches twice into its row. Instead the pass starts
+        over: batch position 0, a new accumulation window, and meters and train metrics that
+        restart when the pass opens. `global_step`, the scheduler and the optimizer stay as the
+        checkpoint left them (they count updates, and those updates were applied), so the
+        restarted pass's updates count on from there. Returns whether the pass restarts.
+        """
+        position = self.loop_state
+        split, done = position.split, position.batch
+        if split is None or not done or not position_excluded(split, self.manager.exclude_from_loading):
+            return False
+        position.batch = 0
+        if position.accumulator is not None:  # `start` then opens a new pass rather than continuing this one
+            position.accumulator.load_state_dict({"total": None, "position": 0})
+        self.host.logger.warning(
+            "checkpoint.exclude_from_loading leaves out the loader position of the interrupted %s pass, so the "
+            "pass restarts from its first batch: the %d batch(es) it had trained are trained again, its loss "
+            "meters, train metrics and accumulation window start over, and global step %d and the scheduler "
+            "count on from the checkpoint",
+            split,
+            done,
+            self.state.train.global_step,
+        )
+        return True
+
     def _keep_pass_meters(self, checkpoint: Mapping[str, Any], loop: Mapping[str, Any]) -> None:
         """Keep the running meters of the interrupted training pass for the pass to continue when it reopens.
 
@@ -238,7 +272,6 @@ class TorchCheckpointing(RunnerCheckpointing):
         (or from a single-file checkpoint, which holds the main process's state only) the pass's
         meters restart, and the row of the interrupted pass averages the batches after the resume.
         """
-        self._restored_pass_meters = None
         split, saved = loop.get("split"), checkpoint.get("pass_meters")
         if split is None or not int(loop.get("batch") or 0):
             return  # not a mid-pass checkpoint (old checkpoints have no `pass_meters` either)
@@ -294,7 +327,10 @@ class TorchCheckpointing(RunnerCheckpointing):
         if not (elastic and self.resized(payload)) or "dataloaders" in excluded or positions is None:
             super().check_resumable_layout(payload, excluded, source)
             return
-        self._elastic_positions = dict(positions)
+        # A split whose position is excluded (`dataloaders.<split>`) restarts its pass rather than continuing it.
+        excluded_keys = self.manager.exclude_from_loading
+        positions = {split: pos for split, pos in positions.items() if not position_excluded(split, excluded_keys)}
+        self._elastic_positions = positions
         self.host.logger.warning(
             "resuming checkpoint %s of %s data-parallel ranks on %d: each training pass continues from the "
             "samples consumed over all ranks %s; per-rank RNG state is re-seeded",
@@ -426,7 +462,12 @@ class TorchCheckpointing(RunnerCheckpointing):
         host = self.host
         cursor = self.loop_state.split
         if self._elastic_positions is not None:  # another data-parallel size: per-rank states describe old shards
-            train = {split: host.dataloaders[split] for split in host.train_splits if split in host.dataloaders}
+            excluded = self.manager.exclude_from_loading  # `dataloaders.<split>`: that split starts afresh
+            train = {
+                split: host.dataloaders[split]
+                for split in host.train_splits
+                if split in host.dataloaders and not position_excluded(split, excluded)
+            }
             restore_positions(train, self._elastic_positions, cursor, self.config.seed)
             return
         restore_loader_positions(

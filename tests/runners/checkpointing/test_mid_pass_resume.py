@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 from typing import Any
 
@@ -155,3 +156,116 @@ def test_only_a_mid_pass_checkpoint_of_the_same_layout_restores_the_meters(tmp_p
         assert elastic.checkpointing.restored_pass_meters is None
     notes = [record.getMessage() for record in caplog.records if "restarts its loss meters" in record.getMessage()]
     assert len(notes) == 1 and "cover the batches after the resume" in notes[0], notes
+
+
+# ------------------------------------------------------------------ excluding the interrupted split's loader position
+
+
+class Recording(MetricRunner):
+    """Records the first feature of each training batch; `stop_at` asks for a graceful stop after that micro-step."""
+
+    stop_at = 0
+
+    def __init__(self, config: Any) -> None:
+        super().__init__(config)
+        self.seen: list[list[float]] = []
+
+    def train_step(self, data: Any) -> Any:
+        self.seen.append(data[0][:, 0].tolist())
+        result = super().train_step(data)
+        if self.stop_at and self.train_state.micro_step == self.stop_at:
+            self.supervisor.request_stop()
+        return result
+
+
+class StopsMidPass(Recording):
+    stop_at = 3  # inside the second window of 2 micro-steps: that window closes at micro-step 4, then it stops
+
+
+def _from_the_pass_start(config: dict[str, Any], payload: Any) -> Recording:
+    """A runner restored from `payload` as if it had been written when its interrupted pass began.
+
+    Its loaders start afresh (the config excludes their positions), so it trains what a fresh pass
+    from the checkpoint's weights, optimizer, scheduler and counters trains: the reference for a
+    restarted pass.
+    """
+    runner = Recording(config)
+    payload = dict(runner.read_checkpoint(payload))
+    payload["loop"] = dict(payload["loop"], split=None, batch=0, accumulator=None)
+    payload["pass_meters"] = {"split": None}
+    runner.load_checkpoint(payload)
+    return runner
+
+
+def _restart_notes(caplog: Any) -> list[str]:
+    return [record.getMessage() for record in caplog.records if "restarts from its first batch" in record.getMessage()]
+
+
+# accum_steps 2 over 5 micro-batches: windows of 2, 2 and 1 (3 updates a pass); a cosine schedule steps every update.
+EPOCH_RESTART = {"accum_steps": 2, "deterministic": True, "scheduler.type": "cosine"}
+
+
+@pytest.mark.parametrize("exclude", ["dataloaders", "dataloaders.train"])
+def test_excluding_the_loader_position_restarts_the_interrupted_pass(tmp_path, caplog, exclude):
+    config = tiny_config(tmp_path / "run", **EPOCH_RESTART)
+    with pytest.raises(SystemExit), StopsMidPass(config) as stopped:
+        stopped.train()
+    assert (stopped.train_state.global_step, stopped.loop_state.batch) == (2, 4)  # shutdown saved after 2 windows
+    checkpoint = str(stopped.checkpoint_manager.directory / "shutdown.pointer")
+    excluded = {"checkpoint.exclude_from_loading": [exclude]}
+    with caplog.at_level(logging.WARNING, logger="danling"):
+        resumed = Recording({**config, **excluded, "resume": checkpoint})
+    with resumed:
+        assert (resumed.loop_state.split, resumed.loop_state.batch) == ("train", 0)
+        assert resumed.checkpointing.restored_pass_meters is None
+        # the global counters are the checkpoint's: the restarted pass's updates count on from them
+        assert resumed.train_state.global_step == 2 and resumed.scheduler.last_epoch == 2
+        resumed.train()
+    notes = _restart_notes(caplog)
+    assert len(notes) == 1 and "the 4 batch(es) it had trained are trained again" in notes[0], notes
+    # The pass starts over from its first batch (the fresh loader's order is epoch 0's, as here), then epoch 1.
+    assert resumed.seen[:4] == stopped.seen and len(resumed.seen) == 10
+    assert resumed.train_state.epoch == 2 and list(resumed.results) == [0, 1]
+    assert resumed.train_state.global_step == 2 + 3 + 3  # the restarted pass's 3 windows, then epoch 1's
+    assert resumed.scheduler.last_epoch == 8
+    with _from_the_pass_start(tiny_config(tmp_path / "fresh", **EPOCH_RESTART, **excluded), checkpoint) as fresh:
+        fresh.train()
+        assert fresh.seen == resumed.seen
+        # Exactly a fresh pass's row: its loss and train metrics cover the 5 batches of the restarted pass only
+        # (the interrupted part's 4 are not counted twice), and its windows lined up as a fresh pass's.
+        assert resumed.results.dict() == fresh.results.dict()
+        assert fresh.train_state.global_step == resumed.train_state.global_step
+        weights = model_state(fresh)
+        assert all(torch.equal(weights[key], value) for key, value in model_state(resumed).items())
+
+
+# 20 samples in batches of 4 and a budget of 6 steps: the checkpoint of step 3 is mid-pass, and the
+# budget runs out at the third batch of the restarted pass.
+SHORT_STEP_MODE = {"epochs": None, "steps": 6, "evaluate_interval": 0, "checkpoint.interval": 3}
+
+
+@pytest.mark.parametrize("resized", [False, True], ids=["same-size", "resized"])
+@pytest.mark.parametrize("exclude", ["dataloaders", "dataloaders.train"])
+def test_a_restarted_pass_in_step_mode_counts_its_own_batches(tmp_path, caplog, exclude, resized):
+    with Recording(tiny_config(tmp_path / "whole", **SHORT_STEP_MODE)) as whole:
+        whole.train()
+        payload = dict(whole.read_checkpoint(whole.checkpoint_manager.directory / "step-000003"))
+    if resized:  # as if written by two data-parallel ranks: a resize that also holds the global positions
+        assert payload["loop"]["data"]["train"]["samples_consumed"] == 12
+        payload["topology"] = dict(payload["topology"], data_size=2)
+    excluded = {"checkpoint.exclude_from_loading": [exclude]}
+    with Recording(tiny_config(tmp_path / "resumed", **SHORT_STEP_MODE, **excluded)) as resumed:
+        with caplog.at_level(logging.WARNING, logger="danling"):
+            resumed.load_checkpoint(copy.deepcopy(payload))  # a loaded optimizer state shares the payload's tensors
+        assert (resumed.loop_state.split, resumed.loop_state.batch) == ("train", 0)
+        resumed.train()
+        assert len(_restart_notes(caplog)) == 1
+        # Restarted from its first batch, not continued from the 12 samples consumed: the budget ends at the
+        # third batch of the pass, so the round is not complete and no epoch is counted.
+        assert resumed.seen == whole.seen[:3]
+        assert resumed.train_state.global_step == 6 and resumed.train_state.epoch == 0
+        assert (resumed.loop_state.split, resumed.loop_state.batch) == ("train", 3)
+    with _from_the_pass_start(tiny_config(tmp_path / "fresh", **SHORT_STEP_MODE, **excluded), payload) as fresh:
+        fresh.train()
+        assert fresh.seen == resumed.seen
+        assert resumed.results.dict() == fresh.results.dict()  # the row of step 6 covers the 3 restarted batches

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import signal
 import subprocess
 import sys
@@ -54,7 +55,7 @@ def test_signal_saves_a_shutdown_checkpoint_and_exits(tmp_path, signum):
 
 
 @pytest.mark.distributed
-def test_sigterm_stops_both_ddp_ranks_with_a_shutdown_checkpoint(tmp_path):
+def test_sigterm_stops_both_ddp_ranks_with_a_shutdown_checkpoint(tmp_path, caplog):
     import os
 
     env = dict(
@@ -92,8 +93,12 @@ def test_sigterm_stops_both_ddp_ranks_with_a_shutdown_checkpoint(tmp_path):
     assert (checkpoints / "shutdown.pointer").read_text() == (checkpoints / "latest.pointer").read_text()
     # Read back in one process: the per-rank loader positions cannot follow, the rest does.
     resume = {"resume": str(checkpoints / "shutdown.pointer"), "checkpoint.exclude_from_loading": "dataloaders"}
-    with TinyRunner(tiny_config(tmp_path, epochs=2, **resume)) as resumed:
-        # Stopped after the last batch of the interrupted pass (step 1 -> 2 finished), before
-        # its evaluation: the resumed run has nothing left of that pass to train.
+    with caplog.at_level(logging.WARNING, logger="danling"):
+        resumed = TinyRunner(tiny_config(tmp_path, epochs=2, **resume))
+    with resumed:
+        # Stopped after the last batch of the interrupted pass (step 1 -> 2 finished), before its
+        # evaluation. Without the loader positions that pass restarts from its first batch on the
+        # new layout; the counters keep the 2 updates it applied.
         assert resumed.train_state.epoch == 0 and resumed.train_state.global_step == 2
-        assert (resumed.loop_state.split, resumed.loop_state.batch) == ("train", 2) and not resumed.results
+        assert (resumed.loop_state.split, resumed.loop_state.batch) == ("train", 0) and not resumed.results
+    assert "the 2 batch(es) it had trained are trained again" in caplog.text
