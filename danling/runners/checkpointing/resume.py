@@ -27,6 +27,7 @@ Used by the runner's checkpointing component
 from __future__ import annotations
 
 import logging
+import math
 import os
 from collections.abc import Collection, Mapping
 from pathlib import Path
@@ -188,6 +189,8 @@ def report_other_runs(
             continue
         if seed_was_drawn:  # neither seed was chosen: drawn seeds always differ
             differences = [item for item in differences if item[0] != "seed"]
+        # metadata.json is strict JSON, so it records a non-finite value as null: null there is no difference
+        differences = [item for item in differences if not (item[1] is None and _non_finite(item[2]))]
         if differences:
             logger.warning(
                 "auto_resume: run %s of experiment %r trained a different config, so it is not continued; "
@@ -196,6 +199,10 @@ def report_other_runs(
                 workspace.experiment,
                 format_differences(differences),
             )
+
+
+def _non_finite(value: Any) -> bool:
+    return isinstance(value, float) and not math.isfinite(value)
 
 
 def describe_source(checkpoint: Any) -> str:

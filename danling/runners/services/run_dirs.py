@@ -31,6 +31,7 @@ from typing import Any
 from danling.checkpoint.layout import NAME_PATTERN, POINTER_SUFFIX, scan_checkpoints
 from danling.checkpoint.manifest import MANIFEST_NAME, CheckpointError, CheckpointNotFoundError, verify_directory
 from danling.distributed.slurm import SlurmJob
+from danling.utils.io import dumps_strict
 
 __all__ = [
     "atomic_write",
@@ -295,7 +296,7 @@ def record_launch(
     previous = launches[-1] if launches else None
     launch["diff"] = save_code_diff(metadata_file.parent, len(launches), launch.get("git"))
     launches.append(launch)
-    atomic_write(metadata_file, json.dumps(payload, indent=2, default=str) + "\n")
+    atomic_write(metadata_file, dumps_strict(payload, indent=2, default=str) + "\n")
     return previous
 
 

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from danling.checkpoint.manifest import CheckpointError
+from danling.utils.io import dumps_strict
 
 from .._config_refs import references_yaml, with_references
 from ..config import RunnerConfig, recorded_config
@@ -360,7 +361,8 @@ class RunnerWorkspace:
         if not path.exists():
             payload = self.metadata()
             payload.update(extra or {})
-            _atomic_write(path, json.dumps(payload, indent=2, default=str) + "\n")
+            # strict JSON (a non-finite config value is written as null): config.yaml keeps the value itself
+            _atomic_write(path, dumps_strict(payload, indent=2, default=str) + "\n")
         config_file = path.with_name("config.yaml")
         if not config_file.exists():
             _atomic_write(config_file, _config_yaml(self.config))

@@ -197,6 +197,15 @@ def test_auto_resume_names_runs_of_the_experiment_whose_identity_differs(tmp_pat
     assert "optim.lr: 0.01 -> 0.02" in _messages(caplog)
 
 
+def test_a_non_finite_value_recorded_as_null_is_no_difference(tmp_path, caplog):
+    unclipped = {"max_grad_norm": float("inf"), "auto_resume": True}
+    TinyRunner(tiny_config(tmp_path, **unclipped)).close()  # metadata.json records the inf as null
+    with caplog.at_level(logging.WARNING, logger="danling"):
+        TinyRunner(tiny_config(tmp_path, **unclipped, **{"optim.lr": 0.02})).close()
+    assert "optim.lr: 0.01 -> 0.02" in _messages(caplog)
+    assert "max_grad_norm" not in _messages(caplog)
+
+
 def test_explicit_resume_of_another_identity_raises_unless_changes_are_allowed(tmp_path, caplog):
     first, _ = _train(tmp_path)
     changed = {"optim.lr": 0.02, "resume": os.fspath(first)}

@@ -133,6 +133,34 @@ def test_metadata_is_complete_atomic_and_written_once(tmp_path):
     assert json.loads(path.read_text())["runner"] == "TorchRunner"
 
 
+def _strict(text: str):
+    """`text` parsed as strict JSON: `NaN` and `Infinity`, which Python's parser would accept, are refused."""
+
+    def refuse(constant: str):
+        raise ValueError(f"not JSON: {constant}")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_metadata_with_non_finite_config_values_is_strict_json(tmp_path):
+    values = {"max_grad_norm": float("inf"), "optim.eps": float("nan"), "optim.weight_decay": float("-inf")}
+    workspace = make(tmp_path / "written", **values)
+    path = workspace.write_metadata()
+    config = _strict(path.read_text())["config"]
+    assert config["max_grad_norm"] is None and config["optim"]["eps"] is None
+    assert config["optim"]["weight_decay"] is None
+    # config.yaml keeps the values themselves (YAML has .inf and .nan)
+    assert RunnerConfig.load(path.parent / "config.yaml").max_grad_norm == float("inf")
+    # A launch that takes the lock first writes the file itself, with its launch record.
+    launched = make(tmp_path / "launched", **values)
+    launched.lock()
+    try:
+        metadata = _strict(launched.metadata_file.read_text())
+    finally:
+        launched.close()
+    assert metadata["config"]["max_grad_norm"] is None and len(metadata["launches"]) == 1
+
+
 def test_non_main_ranks_write_nothing(tmp_path):
     workspace = make(tmp_path, rank=1, world_size=2)
     assert workspace.write_metadata() == workspace.metadata_file
