@@ -9,13 +9,13 @@ all configured backends. W&B is imported when its tracker is built, TensorBoard 
 from __future__ import annotations
 
 import importlib.util
-import json
 import numbers
 import os
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 from danling.utils import optional_import
+from danling.utils.io import dumps_strict
 
 __all__ = ["Tracker", "TensorBoardTracker", "WandbTracker", "Trackers", "flatten_result"]
 
@@ -127,7 +127,8 @@ class TensorBoardTracker(Tracker):
             module = optional_import("torch.utils.tensorboard", "tensorboard")
             self._writer = module.SummaryWriter(log_dir=self.log_dir, **self._options)
             if self._config is not None and self._fresh:
-                text = json.dumps(self._config, indent=2, sort_keys=True, default=str)
+                # strict JSON like the run's other records: a non-finite value shows as null (config.yaml has it)
+                text = dumps_strict(self._config, indent=2, sort_keys=True, default=str)
                 # Indented by four spaces: TensorBoard renders text entries as Markdown, this keeps it a code block.
                 self._writer.add_text("config", "    " + text.replace("\n", "\n    "), global_step=0)
                 self._writer.flush()

@@ -70,6 +70,24 @@ def test_tensorboard_event_files_hold_every_result(tmp_path):
     assert_series(got, expected_series())
 
 
+def test_tensorboard_config_text_is_strict_json(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    config = {"max_grad_norm": float("inf"), "optim": {"lr": 0.1, "eps": float("nan")}}
+    with TensorBoardTracker(tmp_path / "tb", config=config) as tracker:
+        tracker.log({"train": {"loss": 0.5}}, step=1)
+    accumulator = EventAccumulator(str(tmp_path / "tb"))
+    accumulator.Reload()
+    (event,) = accumulator.Tensors("config/text_summary")
+    text = event.tensor_proto.string_val[0].decode()
+
+    def refuse(constant: str):
+        raise ValueError(f"not JSON: {constant}")
+
+    shown = json.loads(text, parse_constant=refuse)  # the code block's indent is JSON whitespace
+    assert shown == {"max_grad_norm": None, "optim": {"eps": None, "lr": 0.1}}
+
+
 def test_tensorboard_is_imported_at_the_first_write_not_when_the_tracker_is_built(tmp_path):
     code = (
         "import sys; from danling.runners.services.trackers import TensorBoardTracker\n"
