@@ -42,6 +42,14 @@ resident peak by a few hundred KiB between fresh processes; the counted peak is 
 holds, the same in every run. Time and resident memory of a `--heap` run are measured under the
 counter (and the malloc-backed Python objects): read them from a run without it.
 
+`--warm-reads K` reads the warm-up container's values K times instead of once, each read after
+one more batch (a read right after another returns the cached values in both libraries), as a
+training pass reads its metrics at every logged step before the pass's end. A compute under a
+millisecond is one call of code that the interpreter specialises only from about its eighth run
+(CPython 3.11's warm-up): after one warm-up read, the measured read runs most of danling's read
+path unspecialised; after eight, specialised, as in a pass that logged a few steps first. The
+default, 1, is the first read of a fresh process.
+
 `--control` measures torchmetrics a second time in every repeat (its own fresh process, in the
 same alternation): the ratio of its two medians, peak and compute, is the A/A control of the row,
 how far a ratio moves between two runs of the same code on this machine. A danling ratio inside
@@ -147,7 +155,7 @@ def feed(metrics, pool: list, size: int) -> float:
     return update_s
 
 
-def child(library: str, task: str, names: list[str], size: int) -> dict:
+def child(library: str, task: str, names: list[str], size: int, warm_reads: int = 1) -> dict:
     """One measurement, in this (fresh) process."""
     import torch
     import torchmetrics  # noqa: F401
@@ -166,9 +174,13 @@ def child(library: str, task: str, names: list[str], size: int) -> dict:
     # resident memory in both libraries' peaks.)
     warm = _batch(task, generator, 1 << 16)
     warm_metrics = (_danling if library == "danling" else _torchmetrics)(task, names)
-    feed(warm_metrics, list(zip(warm[0].split(BATCH), warm[1].split(BATCH))), 1 << 16)
+    warm_batches = list(zip(warm[0].split(BATCH), warm[1].split(BATCH)))
+    feed(warm_metrics, warm_batches, 1 << 16)
     warm_metrics.compute()
-    del warm_metrics, warm
+    for _ in range(warm_reads - 1):  # `--warm-reads`: a batch, then a read, as a pass that logs its steps
+        feed(warm_metrics, warm_batches, BATCH)
+        warm_metrics.compute()
+    del warm_metrics, warm, warm_batches
     gc.collect()
     ctypes.CDLL("libc.so.6").malloc_trim(0)
     pool = [_batch(task, generator, BATCH) for _ in range(POOL)]
@@ -316,12 +328,18 @@ def gather_reads(args: argparse.Namespace) -> None:
 
 
 def measure(
-    library: str, task: str, names: list[str], size: int, helper: str | None = None, heap: str | None = None
+    library: str,
+    task: str,
+    names: list[str],
+    size: int,
+    helper: str | None = None,
+    heap: str | None = None,
+    warm_reads: int = 1,
 ) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     if heap is not None:
         env = heap_environment(heap, env)
-    command = [sys.executable, __file__, "--child", library, task, "+".join(names), str(size)]
+    command = [sys.executable, __file__, "--child", library, task, "+".join(names), str(size), str(warm_reads)]
     if helper is not None:
         instructions, out = count_region(command, helper, env)
         return {**json.loads(out.strip().splitlines()[-1]), "instructions": instructions}
@@ -333,7 +351,7 @@ def measure(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
+    parser.add_argument("--child", nargs=5, help=argparse.SUPPRESS)
     parser.add_argument("--gather-child", nargs=4, type=int, help=argparse.SUPPRESS)
     parser.add_argument("--gather", nargs="+", help="measure a 2-rank gloo gather of these N instead")
     parser.add_argument(
@@ -343,6 +361,9 @@ def main() -> None:
     parser.add_argument("--tasks", nargs="+", default=["multiclass", "binary", "multilabel"])
     parser.add_argument("--sets", nargs="+", default=list(DEFAULT_SETS))
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--warm-reads", type=int, default=1, help="read the warm-up container's values this many times (default 1)"
+    )
     parser.add_argument("--json", type=Path, help="write every measurement here")
     parser.add_argument("--plot", type=Path, help="draw memory and compute time against N here (PNG)")
     parser.add_argument("--instructions", action="store_true", help="count compute's instructions (callgrind)")
@@ -353,9 +374,11 @@ def main() -> None:
         "--control", action="store_true", help="measure torchmetrics twice per repeat: the rows' A/A control"
     )
     args = parser.parse_args()
+    if args.warm_reads < 1:
+        parser.error(f"--warm-reads must be at least 1 (the warm-up's own read), got {args.warm_reads}")
     if args.child:
-        library, task, names, size = args.child
-        print(json.dumps(child(library, task, names.split("+"), int(size))))
+        library, task, names, size, warm_reads = args.child
+        print(json.dumps(child(library, task, names.split("+"), int(size), int(warm_reads))))
         return
     if args.gather_child:
         print(json.dumps(gather_child(*args.gather_child)))
@@ -409,7 +432,9 @@ def scale_rows(args: argparse.Namespace, heap: str | None) -> list[dict]:
                 for _ in range(args.repeats):
                     for library in runs:  # alternate: all share any drift of the machine's load
                         measured = "torchmetrics" if library == CONTROL else library
-                        runs[library].append(measure(measured, task, names.split("+"), size, heap=heap))
+                        runs[library].append(
+                            measure(measured, task, names.split("+"), size, heap=heap, warm_reads=args.warm_reads)
+                        )
                 ours, theirs = runs["danling"][-1]["values"], runs["torchmetrics"][-1]["values"]
                 worst = max(abs(ours[n] - theirs[n]) for n in ours)
                 if worst > 1e-5:
@@ -438,7 +463,9 @@ def instructions(args: argparse.Namespace) -> None:
             for names in args.sets:
                 for size in (int(float(s)) for s in args.sizes):
                     counts = {
-                        library: measure(library, task, names.split("+"), size, helper)["instructions"]
+                        library: measure(library, task, names.split("+"), size, helper, warm_reads=args.warm_reads)[
+                            "instructions"
+                        ]
                         for library in ("danling", "torchmetrics")
                     }
                     ours, theirs = counts["danling"], counts["torchmetrics"]
