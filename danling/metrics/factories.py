@@ -152,6 +152,9 @@ def _classification(module: Any, averaged: bool) -> dict[str, Entry]:
                 return host(counts, average if takes_average else None)
             return function(state.confusion, average) if takes_average else function(state.confusion)
 
+        # The host form, for a `GlobalMetrics` that reads accumulated counts straight into it (see
+        # `_CatalogMetric.host`): what `compute` calls once it has the host statistics.
+        compute.host = (host, takes_average)  # type: ignore[attr-defined]
         return "confusion", compute
 
     catalog = {
@@ -240,6 +243,11 @@ class _CatalogMetric(partial):
         compute = (BINNED if binned else CATALOGS[kind])[name][1]
         self = super().__new__(cls, compute, average=average)
         self.entry = (kind, name, binned, average)
+        # A confusion metric's host form and the `average` it takes: `host(counts, average)` of the
+        # statistics `_host.counts_of_confusion` reads is what this function returns for a state
+        # holding those counts. `None` for metrics without one.
+        form = getattr(compute, "host", None)
+        self.host = None if form is None else (form[0], average if form[1] else None)
         return self
 
     def __reduce__(self) -> tuple[Any, ...]:
