@@ -21,6 +21,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from danling.distributed.process_group import is_distributed
+
 if TYPE_CHECKING:  # only for annotations: builds without distributed support lack the class
     from torch.distributed import ProcessGroup
 
@@ -57,14 +59,6 @@ _WIRE_CASTS = {
     torch.float16: torch.float32,
     torch.bfloat16: torch.float32,
 }
-
-
-_AVAILABLE = dist.is_available()  # fixed by the torch build: asked once, not at every read
-
-
-def is_distributed(group: ProcessGroup | None = None) -> bool:
-    """Whether `group` (the default group when `None`) is active and has more than one rank."""
-    return _AVAILABLE and dist.is_initialized() and dist.get_world_size(group) > 1
 
 
 def get_world_size(group: ProcessGroup | None = None) -> int:

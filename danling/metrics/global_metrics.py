@@ -23,10 +23,11 @@ import torch
 from torch import Tensor
 
 from danling.utils import RoundDict
+from danling.utils.rounding import row_builder
 
 from .distributed import gather_across_ranks, is_distributed, pack_group, sum_across_ranks, unpack_group
 from .functional._common import Confusion, CountedConfusion, LabelCounter
-from .functional._host import counts_of_confusion
+from .functional._host import HostCounts, LabelHostCounts, host_statistics
 from .functional.regression import merge_moments
 from .global_state import NARROW_DTYPES, GlobalMetricsState, TaskStoreState, join_rows, narrow_join
 from .meter import check_weight, format_number
@@ -113,7 +114,7 @@ class _TaskStore(TaskStoreState):
     def reset(self) -> None:
         # Confusion counts stay flat; `confusion` shapes them on read. Queued batches are dropped.
         self._counts: Tensor | None = None
-        self._read_counts: tuple[Tensor | None, Callable[[], Sequence[int]] | None] = (None, None)
+        self._host_view: tuple[Tensor | None, Sequence[int] | None] = (None, None)
         self.pending: list[tuple[Tensor, Tensor]] = []
         self.pending_bytes = 0
         self._queue_kind: tuple[torch.dtype, torch.dtype, torch.device] | None = None  # set by defer
@@ -286,10 +287,10 @@ class _TaskStore(TaskStoreState):
             self._accumulate(self._counts, source, target)
 
     def _keep_counts(self, counts: Tensor) -> None:
-        # The running table, with a host reader of it made now rather than in a read (see
-        # `LabelCounter.host_reader`); every later update adds to this tensor in place.
+        # The running table, with a host view of it made now rather than in a read (see
+        # `LabelCounter.host_view`); every later update adds to this tensor in place.
         self._counts = counts
-        self._read_counts = (counts, self.counter.host_reader(counts))
+        self._host_view = (counts, self.counter.host_view(counts))
 
     def _accumulate(self, counts: Tensor, source: Tensor, target: Tensor) -> Tensor:
         # Large batches are counted in pieces of rows, so the count's int64 temporaries (predicted
@@ -339,7 +340,7 @@ class _TaskStore(TaskStoreState):
     def __getstate__(self) -> dict[str, Any]:
         self.flush()  # copies and pickles hold counts, not queued references to the caller's tensors
         state = self.__dict__.copy()
-        state["_read_counts"] = (None, None)  # a view of this table's memory: a copy reads its own with `tolist`
+        state["_host_view"] = (None, None)  # a view of this table's memory: a copy reads its own with `tolist`
         return state
 
     @property
@@ -484,15 +485,27 @@ class _TaskStore(TaskStoreState):
         """The `Confusion` of everything counted on this rank (queued batches counted first), `None` before any count.
 
         A view is enough: it lives for one read, while no update can run. It carries the table's
-        host reader only for the table the reader was made for (a loaded or moved table has none).
+        host view only for the table the view was made of (a loaded or moved table has none).
         """
         if self.pending:  # `self.counts` without its calls: this runs at every read
             self.flush()
         counts = self._counts
         if counts is None:
             return None
-        kept, read = self._read_counts
-        return CountedConfusion(self.counter, counts, read if kept is counts else None)
+        kept, view = self._host_view
+        return CountedConfusion(self.counter, counts, view if kept is counts else None)
+
+    def host_statistics(self) -> HostCounts | LabelHostCounts | None:
+        """`counts_of_confusion(self.counted_confusion())` with no confusion object made: the host
+        statistics of everything counted on this rank, `None` before any count or where the
+        tensor path applies (see `_host.host_statistics`). For a reader that reads them once."""
+        if self.pending:
+            self.flush()
+        counts = self._counts
+        if counts is None:
+            return None
+        kept, view = self._host_view
+        return host_statistics(self.counter, counts, view if kept is counts else None)
 
     def _synced_confusion(self, device: Any, group: ProcessGroup | None, distributed: bool) -> Confusion:
         confusion = self.counted_confusion()
@@ -762,15 +775,14 @@ class GlobalMetrics(GlobalMetricsState):
         statistics through a `MetricState` and each metric's `evaluate`: on a cold read (one per
         epoch) those layers were about 40% of the read's time.
         """
-        store, reads = self._host_reads
+        store, reads, build = self._host_reads
         metrics = self.metrics
         if len(metrics) != len(reads):
             return None
         for name, metric in reads:  # the container's metrics are a public dict: still these?
             if metrics.get(name) is not metric:
                 return None
-        confusion = store.counted_confusion()
-        counts = None if confusion is None else counts_of_confusion(confusion)
+        counts = store.host_statistics()
         if counts is None:
             return None
         values = {}
@@ -780,7 +792,7 @@ class GlobalMetrics(GlobalMetricsState):
                 return None
             host, average = form
             values[name] = host(counts, average)
-        return RoundDict.from_flat(values)
+        return build(values)
 
     def __format__(self, format_spec: str) -> str:
         bat, avg = self.bat, self.avg
@@ -801,10 +813,11 @@ class GlobalMetrics(GlobalMetricsState):
 
 def _host_reads(
     metrics: Mapping[str, Callable], stores: Mapping[MetricTask | None, _TaskStore]
-) -> tuple[_TaskStore, tuple[tuple[str, MetricFunc], ...]] | None:
-    """What `GlobalMetrics._host_average` reads: the one store, of counts alone, and each metric by name,
-    where every metric is a plain `MetricFunc` (no `evaluate` of its own) with a host form (the
-    catalogue's confusion metrics, see `factories._CatalogMetric.host`); else `None`."""
+) -> tuple[_TaskStore, tuple[tuple[str, MetricFunc], ...], Callable[[Mapping[str, Any]], RoundDict]] | None:
+    """What `GlobalMetrics._host_average` reads: the one store, of counts alone, each metric by name
+    and the builder of the result (`row_builder` of the names), where every metric is a plain
+    `MetricFunc` (no `evaluate` of its own) with a host form (the catalogue's confusion metrics,
+    see `factories._CatalogMetric.host`); else `None`."""
     if len(stores) != 1:
         return None
     ((task, store),) = stores.items()
@@ -815,7 +828,7 @@ def _host_reads(
         if type(metric) is not MetricFunc or getattr(metric.fn, "host", None) is None:
             return None
         reads.append((name, metric))
-    return store, tuple(reads)
+    return store, tuple(reads), row_builder(metrics)
 
 
 def _evaluate(metric: Callable, states: Mapping[MetricTask | None, Any]) -> Any:

@@ -9,7 +9,7 @@ Meters, metric containers and runners hand back their numbers as a
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import chanfig.flat_dict
@@ -212,6 +212,19 @@ def _row_item(key: Any, value: Any) -> bool:
     if isinstance(value, Mapping):
         return bool(value) and _plain_key(key) and all(_plain_item(k, v) for k, v in value.items())
     return _plain_item(key, value)
+
+
+def row_builder(keys: Iterable[Any]) -> Callable[[Mapping[str, Any]], RoundDict]:
+    """What makes `RoundDict.from_flat(values)` of results that always have these `keys`, each holding a
+    number, a tensor or `None`: the shortcut's builder with the keys checked once, here, or
+    `from_flat` itself where they do not pass (or the shortcut is off).
+
+    For a reader whose keys are fixed (a metric container's names): on a read once an epoch,
+    with this code out of the caches, the per-key checks cost about 5 us of a 90 us read.
+    """
+    if _SHORTCUT and all(_plain_key(key) for key in keys):
+        return _build
+    return RoundDict.from_flat
 
 
 def _build(values: Mapping[str, Any]) -> RoundDict:

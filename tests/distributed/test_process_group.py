@@ -79,3 +79,36 @@ def test_wrap_needs_a_group_and_unwrap_strips_wrappers():
     compiled._orig_mod = nn.DataParallel(net)
     assert unwrap_model(compiled) is net
     assert unwrap_model(net) is net
+
+
+def test_default_group_is_read_where_torch_keeps_it_through_init_and_destroy(tmp_path):
+    # The queries read torch's holder of the default group directly (see `_world_holder`): on
+    # this torch that holder must be found, and what it says must follow a real init and destroy.
+    import torch.distributed as dist
+
+    from danling.distributed import process_group
+
+    assert process_group._WORLD is not None
+    assert process_group._initialized() is dist.is_initialized() is False
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        assert process_group._initialized() is dist.is_initialized() is True
+        assert is_distributed() is False  # one rank: collectives are the identity
+    finally:
+        dist.destroy_process_group()
+    assert process_group._initialized() is dist.is_initialized() is False
+
+
+def test_an_unknown_holder_of_the_default_group_turns_the_direct_read_off(monkeypatch):
+    from torch.distributed import distributed_c10d
+
+    from danling.distributed import process_group
+
+    class Holder:  # a layout a later torch might have: no `_default_pg` behind a property
+        pass
+
+    with monkeypatch.context() as patch:
+        patch.setattr(distributed_c10d, "_world", Holder())
+        assert process_group._world_holder() is None
+    monkeypatch.setattr(process_group, "_WORLD", None)  # then torch's own query answers
+    assert process_group._initialized() is False and is_distributed() is False

@@ -16,7 +16,8 @@ from danling.metrics import global_metrics as global_metrics_module
 from danling.metrics import meter as meter_module
 from danling.metrics.functional._common import label_counter
 from danling.metrics.meter import sync_meters
-from danling.utils import RoundDict
+from danling.utils import RoundDict, rounding
+from danling.utils.rounding import row_builder
 from tests.metrics._compare import same
 
 CLASSIFICATION = ["acc", "balanced_acc", "precision", "recall", "f1", "mcc", "confmat"]
@@ -140,6 +141,20 @@ def test_round_dict_of_flat_results_is_the_round_dict_constructor(values):
 )
 def test_round_dict_falls_back_to_the_constructor_for_anything_else(values):
     assert RoundDict.from_flat(values).dict() == RoundDict(values).dict()
+
+
+@pytest.mark.parametrize(
+    ("keys", "checked"),
+    [(["acc", "f1"], True), (["acc", "items"], False), (["acc", "val.f1"], False), ([1], False)],
+)
+def test_a_row_builder_checks_its_keys_once_and_builds_what_from_flat_builds(keys, checked):
+    # Keys that pass are checked here, not at each build; any other key keeps `from_flat`.
+    build = row_builder(keys)
+    assert (build is rounding._build) is checked
+    for values in ({key: 0.5 for key in keys}, {key: torch.tensor([0.25, 1.0]) for key in keys}):
+        built = build(values)
+        assert type(built) is RoundDict and repr(built) == repr(RoundDict.from_flat(values))
+        assert vars(built).keys() == vars(RoundDict.from_flat(values)).keys()
 
 
 @pytest.mark.parametrize(

@@ -111,3 +111,21 @@ def test_rows_from_the_table_or_bucketize_match_the_reference_at_any_target(dtyp
     assert torch.equal(confusion.matrix, matrix)
     assert int(confusion.invalid) == invalid
     assert counter._row_tables[(target.device, dtype, n >= NARROW_POSITIONS)] is not None or not uses_table
+
+
+def test_host_view_reads_the_live_table_as_int64_items():
+    counter = label_counter(3, -100)
+    counts = counter.empty("cpu")
+    view = counter.host_view(counts)
+    assert isinstance(view, memoryview) and view.format == "q" and len(view) == counter.size
+    counter.accumulate(counts, torch.tensor([0, 2, 2, 1]), torch.tensor([0, 2, 1, -100]))
+    counter.accumulate(counts, torch.tensor([1]), torch.tensor([7]))  # an invalid target
+    assert list(view) == counts.tolist()  # in-place adds show through the view
+    through_view, through_tolist = counter.host_table(counts, view), counter.host_table(counts)
+    assert list(through_view[0]) == list(through_tolist[0]) and through_view[1:] == through_tolist[1:]
+    assert through_view[2] == 1
+    # Tables the host does not read get no view: int32, strided, or larger than the host reads.
+    assert counter.host_view(counts.int()) is None
+    assert counter.host_view(torch.zeros(2 * counter.size, dtype=torch.long)[::2]) is None
+    large = label_counter(64, None)
+    assert large.host_view(large.empty("cpu")) is None

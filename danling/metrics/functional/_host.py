@@ -42,6 +42,7 @@ __all__ = [
     "host_class_score",
     "host_counts",
     "host_mcc",
+    "host_statistics",
     "label_score_of",
     "mcc_of",
     "small_cpu_batch",
@@ -191,20 +192,24 @@ def counts_of_confusion(confusion: _common.Confusion) -> HostCounts | LabelHostC
         return None
     held = confusion.host_counts  # read once per confusion: its metrics share the statistics
     if held is _common.NOT_READ:
-        held = confusion.host_counts = _read_counts(confusion)
+        held = confusion.host_counts = host_statistics(confusion.counter, confusion.counts, confusion.view)
     return held
 
 
-def _read_counts(confusion: _common.CountedConfusion) -> HostCounts | LabelHostCounts | None:
-    counter = confusion.counter
-    read = counter.host_table(confusion.counts, confusion.read)
+def host_statistics(
+    counter: _common.LabelCounter, counts: Tensor, view: Sequence[int] | None = None
+) -> HostCounts | LabelHostCounts | None:
+    """`counts_of_confusion` of the counter's flat `counts` (read through `view`, a `host_view` of
+    them, where given), with no `CountedConfusion` made for them: what a reader that holds the
+    counts and reads each statistic once calls."""
+    read = counter.host_table(counts, view)
     if read is None:
         return None
     table, starts, invalid = read
     classes = counter.num_classes
     if counter.groups is None:
-        counts = HostCounts.of_table(table, starts[0], classes, invalid)
-        return counts if counts.total < _EXACT_SUM else None
+        statistics = HostCounts.of_table(table, starts[0], classes, invalid)
+        return statistics if statistics.total < _EXACT_SUM else None
     # Every label's matrix added cell by cell: the pooled 2x2 matrix of all decisions. A cell of
     # every label is one strided slice of the table (no generator per cell).
     pooled = [sum(table[starts.start + cell : starts.stop : starts.step]) for cell in range(classes * classes)]
