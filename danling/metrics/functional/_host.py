@@ -222,10 +222,17 @@ def host_statistics(
     if counter.groups is None:
         statistics = HostCounts.of_table(table, starts[0], classes, invalid)
         return statistics if statistics.total < _EXACT_SUM else None
-    # Every label's matrix added cell by cell: the pooled 2x2 matrix of all decisions. A cell of
-    # every label is one strided slice of the table (no generator per cell).
-    pooled = [sum(table[starts.start + cell : starts.stop : starts.step]) for cell in range(classes * classes)]
-    pooled_counts = HostCounts.of_table(pooled, 0, classes, invalid)
+    # Every label's matrix added cell by cell: the pooled matrix of all decisions. A cell of every
+    # label is one strided slice of the table (no generator per cell).
+    start, stop, step = starts.start, starts.stop, starts.step
+    if classes == 2:  # labels (what multilabel tasks count): the pooled 2x2 statistics, written out
+        tn, fp = sum(table[start:stop:step]), sum(table[start + 1 : stop : step])
+        fn, tp = sum(table[start + 2 : stop : step]), sum(table[start + 3 : stop : step])
+        total = tn + fp + fn + tp
+        pooled_counts = HostCounts([tn, tp], [tn + fn, fp + tp], [tn + fp, fn + tp], total, total > 0 and not invalid)
+    else:
+        pooled = [sum(table[start + cell : stop : step]) for cell in range(classes * classes)]
+        pooled_counts = HostCounts.of_table(pooled, 0, classes, invalid)
     return LabelHostCounts(table, starts, pooled_counts) if pooled_counts.total < _EXACT_SUM else None
 
 
@@ -241,14 +248,17 @@ def label_score_of(counts: LabelHostCounts, average: str | None, which: str) -> 
     tps, predicted, support = counts.positives
     if not counts.pooled.ok:
         return torch.full((len(tps),), math.nan, dtype=torch.float64) if average is None else math.nan
-    values = [_score(t, p, s, which) for t, p, s in zip(tps, predicted, support)]
     if average is None:
-        return torch.tensor(values, dtype=torch.float64)
-    active = [1 if p + s else 0 for p, s in zip(predicted, support)]
-    weights = active if average == "macro" else [s * a for s, a in zip(support, active)]
-    total = sum(weights)
+        return torch.tensor([_score(t, p, s, which) for t, p, s in zip(tps, predicted, support)], dtype=torch.float64)
+    # Each label's score times its weight, every label in its place (a label in neither the
+    # target nor the predictions weighs 0): the tensor path sums this same vector.
+    macro, products, total = average == "macro", [], 0
+    for t, p, s in zip(tps, predicted, support):
+        weight = (1 if macro else s) if p + s else 0
+        products.append(_score(t, p, s, which) * weight)
+        total += weight
     # No weight at all: the tensor path divides 0 by 0.
-    return _torch_sum([v * w for v, w in zip(values, weights)], nan=True) / total if total else math.nan
+    return _torch_sum(products, nan=True) / total if total else math.nan
 
 
 def binary_score_of(counts: HostCounts, which: str) -> float:
