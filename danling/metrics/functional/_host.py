@@ -222,17 +222,15 @@ def host_statistics(
     if counter.groups is None:
         statistics = HostCounts.of_table(table, starts[0], classes, invalid)
         return statistics if statistics.total < _EXACT_SUM else None
-    # Every label's matrix added cell by cell: the pooled matrix of all decisions. A cell of every
-    # label is one strided slice of the table (no generator per cell).
+    if classes != 2:  # every grouped counter danling makes counts labels (2 classes); others: the tensor path
+        return None
+    # Every label's 2x2 matrix added cell by cell: the pooled statistics of all decisions, written
+    # out. A cell of every label is one strided slice of the table.
     start, stop, step = starts.start, starts.stop, starts.step
-    if classes == 2:  # labels (what multilabel tasks count): the pooled 2x2 statistics, written out
-        tn, fp = sum(table[start:stop:step]), sum(table[start + 1 : stop : step])
-        fn, tp = sum(table[start + 2 : stop : step]), sum(table[start + 3 : stop : step])
-        total = tn + fp + fn + tp
-        pooled_counts = HostCounts([tn, tp], [tn + fn, fp + tp], [tn + fp, fn + tp], total, total > 0 and not invalid)
-    else:
-        pooled = [sum(table[start + cell : stop : step]) for cell in range(classes * classes)]
-        pooled_counts = HostCounts.of_table(pooled, 0, classes, invalid)
+    tn, fp = sum(table[start:stop:step]), sum(table[start + 1 : stop : step])
+    fn, tp = sum(table[start + 2 : stop : step]), sum(table[start + 3 : stop : step])
+    total = tn + fp + fn + tp
+    pooled_counts = HostCounts([tn, tp], [tn + fn, fp + tp], [tn + fp, fn + tp], total, total > 0 and not invalid)
     return LabelHostCounts(table, starts, pooled_counts) if pooled_counts.total < _EXACT_SUM else None
 
 
